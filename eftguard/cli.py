@@ -1,0 +1,205 @@
+"""The `eftguard` command line."""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import os
+import sys
+import time
+from pathlib import Path
+
+from eftguard.config import FEDERATIONS, METHODS, ConfigError, TrainConfig
+from eftguard.data import DATASET_HELP, DataError
+from eftguard.model import PRESETS, ModelError
+from eftguard.rundir import RunDirectory, RunError
+from eftguard.sampling import BALANCE_MODES
+
+USER_ERRORS = (ConfigError, DataError, ModelError, RunError)
+
+TRAIN_HELP = {
+    "dataset": f"dataset: {DATASET_HELP}",
+    "data_dir": "folder with a local copy of the dataset (cifar10/cifar100 download there where the network allows)",
+    "model": "model preset: " + "; ".join(f"{k} ({v.description})" for k, v in PRESETS.items()),
+    "pretrained": "start from timm's pretrained hub weights (needs the network or the hub cache)",
+    "checkpoint": "start from local weights (.safetensors, or a state dict .pt/.pth); timm or eftguard layout",
+    "method": "eftvit (masked local modules + server-trained global module) or fedavg (Fed-Full reference: "
+              "plain FedAvg of the whole ViT on unmasked images)",
+    "mask_ratio": "fraction of patch tokens each client drops per image, in [0, 1)",
+    "local_layers": "M: transformer blocks in the client's local module (1..depth-1); the rest stay on the server",
+    "clients": "number of clients (data partitions)",
+    "clients_per_round": "clients taking part in each round (0: all)",
+    "rounds": "federated rounds",
+    "local_epochs": "client epochs per round (E)",
+    "server_epochs": "server epochs on the uploaded features per round (S)",
+    "batch_size": "batch size, clients and server",
+    "lr": "client learning rate (AdamW)",
+    "server_lr": "server learning rate for the global module (AdamW)",
+    "weight_decay": "AdamW weight decay",
+    "beta": "Dirichlet concentration of the non-IID split (small: few classes per client)",
+    "balance": "per-class target T of the feature upload: median, mean, max of the class counts, or none",
+    "seed": "seed of everything random (init, split, masks, sampling)",
+    "train_samples": "use a seeded random subset of this many training images (0: all)",
+    "test_samples": "evaluate on a seeded random subset of this many test images (0: all)",
+    "federation": "runtime: simulation (Flower's simulation engine on this machine)",
+    "cpus_per_client": "CPU cores reserved per simulated client (2 clients train in parallel on 2 cores)",
+    "round_timeout": "seconds to wait for client replies in a round; late clients are dropped",
+}
+CHOICES = {"method": METHODS, "balance": BALANCE_MODES, "federation": FEDERATIONS, "model": tuple(PRESETS)}
+
+
+def _add_train_options(parser: argparse.ArgumentParser) -> None:
+    defaults = TrainConfig()
+    group = parser.add_argument_group("training options (also keys of --config FILE.toml and config.toml)")
+    for field in dataclasses.fields(TrainConfig):
+        flag = "--" + field.name.replace("_", "-")
+        help_text = f"{TRAIN_HELP[field.name]} (default: {getattr(defaults, field.name)!r})"
+        if field.type == "bool":
+            group.add_argument(flag, dest=field.name, action=argparse.BooleanOptionalAction, default=None, help=help_text)
+        else:
+            kind = {"str": str, "int": int, "float": float}[field.type]
+            group.add_argument(flag, dest=field.name, type=kind, default=None, choices=CHOICES.get(field.name),
+                               help=help_text, metavar=None if field.name in CHOICES else field.name.upper())
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="eftguard", description=(
+        "Secure EFTViT federated training of Vision Transformers, and attacks that audit what it leaks."))
+    parser.add_argument("--verbose", action="store_true", help="show Flower and Ray logs")
+    sub = parser.add_subparsers(dest="command", required=True)
+
+    train = sub.add_parser("train", help="train with EFTViT (or the Fed-Full reference) on Flower",
+                           description="Hierarchical federated training: each client trains its local module on "
+                                       "masked images and uploads median-sampled patch features; the server "
+                                       "averages local modules and trains the global module. Writes a run "
+                                       "directory (runs/NAME) that the attacks read.")
+    where = train.add_mutually_exclusive_group()
+    where.add_argument("--name", help="write the run to runs/NAME")
+    where.add_argument("--out", type=Path, help="write the run to this folder")
+    where.add_argument("--resume", type=Path, metavar="RUN_DIR",
+                       help="continue an interrupted run from its last completed round (its config.toml is used; "
+                            "only --rounds may be raised)")
+    train.add_argument("--config", type=Path, help="TOML file of training options; flags override it")
+    _add_train_options(train)
+
+    demo = sub.add_parser("demo", help="a small EFTViT vs Fed-Full training on the bundled photos",
+                          description="Trains EFTViT and the Fed-Full reference on the bundled photos dataset with "
+                                      "the same small budget and prints test accuracy per round.")
+    demo.add_argument("--out", type=Path, default=None, help="folder for the demo's runs (default: runs/demo-TIME)")
+    demo.add_argument("--rounds", type=int, default=3, help="rounds per method (default: 3)")
+    return parser
+
+
+def config_from_args(args: argparse.Namespace) -> TrainConfig:
+    values = dataclasses.asdict(TrainConfig.from_toml_file(args.config)) if args.config else {}
+    for field in dataclasses.fields(TrainConfig):
+        given = getattr(args, field.name)
+        if given is not None:
+            values[field.name] = given
+    return TrainConfig.from_mapping(values, "options").resolved()
+
+
+def prepare(cfg: TrainConfig) -> None:
+    """Fail fast, before any process starts: the data loads and the model (and checkpoint) fits."""
+    from eftguard.federation.client import client_partition, run_dataset
+    from eftguard.model import build_model
+
+    dataset = run_dataset(cfg.dataset, cfg.data_dir, cfg.model, cfg.train_samples, cfg.test_samples, cfg.seed)
+    try:
+        client_partition(cfg.dataset, cfg.data_dir, cfg.model, cfg.train_samples, cfg.seed, cfg.clients, cfg.beta)
+    except ValueError as exc:
+        raise ConfigError(str(exc)) from None
+    build_model(cfg.model, dataset.num_classes, cfg.local_layers, cfg.pretrained, cfg.checkpoint or None, cfg.seed)
+
+
+def train_run(run_dir: Path, verbose: bool) -> None:
+    from eftguard.federation.simulation import run_simulated
+
+    cfg = RunDirectory.open(run_dir).config()
+    try:
+        run_simulated(run_dir, cfg, verbose)
+    except KeyboardInterrupt:
+        print(f"\ninterrupted; finished rounds are kept. Continue with: eftguard train --resume {run_dir}",
+              file=sys.stderr)
+        raise SystemExit(130)
+
+
+def cmd_train(args: argparse.Namespace) -> None:
+    if args.resume:
+        run = RunDirectory.open(args.resume)
+        cfg = run.config()
+        given = [f.name for f in dataclasses.fields(TrainConfig) if getattr(args, f.name) is not None and f.name != "rounds"]
+        if given or args.config:
+            raise ConfigError(f"--resume continues {args.resume} with its own config.toml; drop "
+                              + ", ".join("--" + g.replace("_", "-") for g in given or ["config"]))
+        if args.rounds is not None and args.rounds != cfg.rounds:
+            if args.rounds < run.completed_rounds():
+                raise ConfigError(f"--rounds {args.rounds} is below the {run.completed_rounds()} rounds already done")
+            cfg.rounds = args.rounds
+            (run.path / "config.toml").write_text(cfg.resolved().to_toml())
+            run.record_artefact(run.path / "config.toml")
+        run_dir = run.path
+    else:
+        cfg = config_from_args(args)
+        run_dir = args.out or Path("runs") / (args.name or f"{cfg.method}-{time.strftime('%Y%m%d-%H%M%S')}")
+        prepare(cfg)
+        RunDirectory.create(run_dir, cfg)
+    print(f"run directory: {run_dir}", file=sys.stderr)
+    train_run(run_dir, args.verbose)
+    summarize(run_dir)
+
+
+def summarize(run_dir: Path) -> list[dict]:
+    records = RunDirectory.open(run_dir).metrics()
+    if records:
+        last = records[-1]
+        print(f"{run_dir}: {last['method']}, {last['round']} rounds, final test accuracy {last['test_accuracy']:.3f}")
+    return records
+
+
+def cmd_demo(args: argparse.Namespace) -> None:
+    from rich.console import Console
+    from rich.table import Table
+
+    out = args.out or Path("runs") / f"demo-{time.strftime('%Y%m%d-%H%M%S')}"
+    results, seconds = {}, {}
+    for method in METHODS:
+        cfg = TrainConfig(method=method, rounds=args.rounds, train_samples=2000, test_samples=500).resolved()
+        prepare(cfg)
+        run_dir = out / method
+        RunDirectory.create(run_dir, cfg)
+        print(f"{method}: training {cfg.rounds} rounds, {cfg.clients} clients, beta {cfg.beta} -> {run_dir}",
+              file=sys.stderr)
+        start = time.perf_counter()
+        train_run(run_dir, args.verbose)
+        seconds[method] = time.perf_counter() - start
+        results[method] = RunDirectory.open(run_dir).metrics()
+    table = Table(title=f"photos, 8 clients, beta 0.1: test accuracy per round ({out})")
+    table.add_column("round")
+    for method in METHODS:
+        table.add_column(f"{method}" + (" (r_m 0.75, M 2)" if method == "eftvit" else " (Fed-Full)"))
+    for index in range(args.rounds):
+        table.add_row(str(index + 1), *[f"{results[m][index]['test_accuracy']:.3f}" for m in METHODS])
+    table.add_row("wall s", *[f"{seconds[m]:.0f}" for m in METHODS])
+    table.add_row("client s/epoch", *[f"{_mean_epoch_seconds(results[m]):.2f}" for m in METHODS])
+    Console().print(table)
+
+
+def _mean_epoch_seconds(records: list[dict]) -> float:
+    values = [s for r in records for s in r["client_epoch_seconds"].values()]
+    return sum(values) / max(len(values), 1)
+
+
+def main(argv: list[str] | None = None) -> None:
+    os.environ.setdefault("FLWR_TELEMETRY_ENABLED", "0")
+    os.environ.setdefault("FLWR_DISABLE_UPDATE_CHECK", "1")
+    args = build_parser().parse_args(argv)
+    try:
+        {"train": cmd_train, "demo": cmd_demo}[args.command](args)
+    except USER_ERRORS as exc:
+        print(f"eftguard: error: {exc}", file=sys.stderr)
+        raise SystemExit(2)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,127 @@
+"""The training configuration: one dataclass, read from / written to TOML, validated once."""
+
+from __future__ import annotations
+
+import dataclasses
+import tomllib
+from dataclasses import dataclass, fields
+from pathlib import Path
+
+import tomli_w
+
+from eftguard.data.registry import check_dataset_name
+from eftguard.sampling import BALANCE_MODES
+
+METHODS = ("eftvit", "fedavg")
+FEDERATIONS = ("simulation",)
+
+
+class ConfigError(ValueError):
+    """Bad configuration; the message names the option and what it accepts."""
+
+
+@dataclass
+class TrainConfig:
+    """Every knob of a training run. Empty strings and zeros mean "not set" (TOML has no null)."""
+
+    dataset: str = "photos"
+    data_dir: str = ""
+    model: str = "vit-tiny-32"
+    pretrained: bool = False
+    checkpoint: str = ""
+    method: str = "eftvit"
+    mask_ratio: float = 0.75
+    local_layers: int = 2
+    clients: int = 8
+    clients_per_round: int = 0  # 0: all clients
+    rounds: int = 5
+    local_epochs: int = 1
+    server_epochs: int = 1
+    batch_size: int = 64
+    lr: float = 1e-3
+    server_lr: float = 1e-3
+    weight_decay: float = 0.05
+    beta: float = 0.1
+    balance: str = "median"
+    seed: int = 0
+    train_samples: int = 0  # 0: the whole train split
+    test_samples: int = 0  # 0: the whole test split
+    federation: str = "simulation"
+    cpus_per_client: float = 1.0
+    round_timeout: float = 3600.0
+
+    def resolved(self) -> "TrainConfig":
+        """A validated copy with defaults that depend on other fields filled in."""
+        cfg = dataclasses.replace(self)
+        if cfg.clients_per_round == 0:
+            cfg.clients_per_round = cfg.clients
+        cfg.validate()
+        return cfg
+
+    def validate(self) -> None:
+        from eftguard.model import PRESETS, check_local_layers, ModelError
+
+        check_dataset_name(self.dataset)
+        if self.model not in PRESETS:
+            raise ConfigError(f"--model: unknown preset '{self.model}', choose {', '.join(PRESETS)}")
+        if self.method not in METHODS:
+            raise ConfigError(f"--method: unknown method '{self.method}', choose {', '.join(METHODS)}")
+        if not 0.0 <= self.mask_ratio < 1.0:
+            raise ConfigError(f"--mask-ratio must be in [0, 1) (fraction of patches dropped), got {self.mask_ratio}")
+        try:
+            check_local_layers(self.local_layers, 12)
+        except ModelError as exc:
+            raise ConfigError(str(exc)) from None
+        if self.balance not in BALANCE_MODES:
+            raise ConfigError(f"--balance: unknown mode '{self.balance}', choose {', '.join(BALANCE_MODES)}")
+        if self.federation not in FEDERATIONS:
+            raise ConfigError(f"--federation: unknown runtime '{self.federation}', choose {', '.join(FEDERATIONS)}")
+        positive = {"clients": self.clients, "rounds": self.rounds, "local_epochs": self.local_epochs,
+                    "server_epochs": self.server_epochs, "batch_size": self.batch_size, "lr": self.lr,
+                    "server_lr": self.server_lr, "beta": self.beta, "cpus_per_client": self.cpus_per_client,
+                    "round_timeout": self.round_timeout}
+        for name, value in positive.items():
+            if value <= 0:
+                raise ConfigError(f"--{name.replace('_', '-')} must be > 0, got {value}")
+        for name in ("train_samples", "test_samples", "weight_decay", "seed"):
+            if getattr(self, name) < 0:
+                raise ConfigError(f"--{name.replace('_', '-')} must be >= 0, got {getattr(self, name)}")
+        if not 1 <= self.clients_per_round <= self.clients:
+            raise ConfigError(f"--clients-per-round must be between 1 and --clients ({self.clients}), "
+                              f"got {self.clients_per_round}")
+        if self.dataset in ("cifar10", "cifar100") and not self.data_dir:
+            raise ConfigError(f"--dataset {self.dataset} needs --data-dir DIR (a local copy, or where to download it)")
+        if self.data_dir and not Path(self.data_dir).is_dir():
+            raise ConfigError(f"--data-dir {self.data_dir} does not exist: create it or point to your dataset copy")
+
+    def to_toml(self) -> str:
+        return tomli_w.dumps(dataclasses.asdict(self))
+
+    @classmethod
+    def from_mapping(cls, values: dict, source: str) -> "TrainConfig":
+        """Build from a mapping (a TOML file); keys may use - or _; unknown keys are an error."""
+        known = {f.name: f for f in fields(cls)}
+        kwargs = {}
+        for key, value in values.items():
+            name = key.replace("-", "_")
+            if name not in known:
+                raise ConfigError(f"{source}: unknown option '{key}'; known: {', '.join(known)}")
+            kwargs[name] = _coerce(value, known[name].type, f"{source}: {key}")
+        return cls(**kwargs)
+
+    @classmethod
+    def from_toml_file(cls, path: Path) -> "TrainConfig":
+        try:
+            values = tomllib.loads(Path(path).read_text())
+        except FileNotFoundError:
+            raise ConfigError(f"config file {path} does not exist") from None
+        except (tomllib.TOMLDecodeError, UnicodeDecodeError) as exc:
+            raise ConfigError(f"config file {path} is not valid TOML: {exc}") from None
+        return cls.from_mapping(values, str(path))
+
+
+def _coerce(value, type_name: str, where: str):
+    expected = {"str": str, "bool": bool, "int": int, "float": (int, float)}[type_name]
+    if isinstance(value, bool) and type_name != "bool" or not isinstance(value, expected):
+        raise ConfigError(f"{where} must be a {type_name}, got {value!r}")
+    return float(value) if type_name == "float" else value

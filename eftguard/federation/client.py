@@ -1,0 +1,87 @@
+"""One client's round, independent of Flower: train, pick the median-sampled set, extract features."""
+
+from __future__ import annotations
+
+import functools
+import logging
+import time
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+
+from eftguard.data import Dataset, dirichlet_partition, load_dataset
+from eftguard.federation.records import ClientSettings
+from eftguard.model import PRESETS, build_model
+from eftguard.sampling import balanced_indices
+from eftguard.training import OptimConfig, extract_features, train_local
+
+log = logging.getLogger("eftguard.client")
+
+
+@dataclass
+class ClientUpload:
+    update: dict[str, np.ndarray]  # phi_k and h_k (eftvit) or the whole model (fedavg)
+    features: dict[str, np.ndarray] | None  # {"features": Z_k, "labels": y_k}; None for fedavg
+    truth: dict[str, np.ndarray]  # auditor-only ground truth
+    num_examples: int
+    loss: float
+    epoch_seconds: list[float]
+    feature_seconds: float
+
+
+def seeded(*key: int) -> int:
+    """A 63-bit seed from a tuple of ints, independent of everything that ran before."""
+    return int(np.random.SeedSequence([int(k) for k in key]).generate_state(2, np.uint64)[0] >> np.uint64(1))
+
+
+def run_dataset(dataset: str, data_dir: str, model: str, train_samples: int, test_samples: int, seed: int) -> Dataset:
+    """The dataset exactly as a run sees it (resized for the model, limited to the requested sizes)."""
+    full = load_dataset(dataset, data_dir or None, PRESETS[model].image_size)
+    return full.limited(train_samples or None, test_samples or None, seed)
+
+
+@functools.lru_cache(maxsize=4)
+def client_partition(dataset: str, data_dir: str, model: str, train_samples: int, seed: int, clients: int,
+                     beta: float) -> list[np.ndarray]:
+    train = run_dataset(dataset, data_dir, model, train_samples, 0, seed).train
+    return dirichlet_partition(train.labels, clients, beta, seed)
+
+
+def client_round(settings: ClientSettings, state: dict[str, np.ndarray], partition_id: int,
+                 num_partitions: int) -> ClientUpload:
+    if num_partitions != settings.clients:
+        raise ValueError(f"this node was started for {num_partitions} partitions, the run has {settings.clients}")
+    if not 0 <= partition_id < num_partitions:
+        raise ValueError(f"partition-id {partition_id} outside [0, {num_partitions})")
+    s = settings
+    dataset = run_dataset(s.dataset, s.data_dir, s.model, s.train_samples, 0, s.seed)
+    mine = client_partition(s.dataset, s.data_dir, s.model, s.train_samples, s.seed, s.clients, s.beta)[partition_id]
+    data = dataset.train.subset(mine)
+    images, labels = torch.from_numpy(data.images), torch.from_numpy(data.labels)
+
+    model = build_model(s.model, dataset.num_classes, s.local_layers)
+    model.load_state_dict({k: torch.from_numpy(v) for k, v in state.items()})
+    generator = torch.Generator().manual_seed(seeded(s.seed, s.round, partition_id, 1))
+    optim = OptimConfig(s.local_epochs, s.batch_size, s.lr, s.weight_decay)
+
+    def report(epoch: int, total: int) -> None:
+        log.info("round %d, client %d: local epoch %d/%d done", s.round, partition_id, epoch, total)
+
+    result = train_local(model, images, labels, s.method, s.mask_ratio, optim, generator, report)
+    class_counts = np.bincount(data.labels, minlength=dataset.num_classes).astype(np.int64)
+
+    if s.method == "fedavg":
+        update = {k: v.numpy().copy() for k, v in model.state_dict().items()}
+        return ClientUpload(update, None, {"sample_ids": data.ids.astype(np.int64), "class_counts": class_counts},
+                            len(data), result.loss, result.epoch_seconds, 0.0)
+
+    start = time.perf_counter()
+    chosen = balanced_indices(data.labels, dataset.num_classes, s.balance, np.random.default_rng(seeded(s.seed, s.round, partition_id, 2)))
+    features, keep_ids = extract_features(model, images[chosen], s.mask_ratio, generator)
+    feature_seconds = time.perf_counter() - start
+    update = {k: v.numpy().copy() for k, v in model.uploaded_state().items()}
+    truth = {"sample_ids": data.ids[chosen].astype(np.int64), "kept_ids": keep_ids.numpy().astype(np.int64),
+             "class_counts": class_counts}
+    return ClientUpload(update, {"features": features.numpy(), "labels": data.labels[chosen].astype(np.int64)},
+                        truth, len(data), result.loss, result.epoch_seconds, feature_seconds)

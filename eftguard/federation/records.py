@@ -1,0 +1,68 @@
+"""Converting between Flower records and numpy/torch, and the settings a client receives."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, asdict
+
+import numpy as np
+import torch
+from flwr.app import Array, ArrayRecord, ConfigRecord
+
+from eftguard.config import TrainConfig
+
+
+class UploadError(ValueError):
+    """An upload failed validation; the server drops it from the round."""
+
+
+def to_record(arrays: dict[str, np.ndarray | torch.Tensor]) -> ArrayRecord:
+    return ArrayRecord({k: Array(v.detach().cpu().numpy() if isinstance(v, torch.Tensor) else np.asarray(v))
+                        for k, v in arrays.items()})
+
+
+def from_record(record: ArrayRecord, what: str) -> dict[str, np.ndarray]:
+    """numpy arrays from an ArrayRecord; only numpy-serialised arrays are accepted (never pickles)."""
+    if not isinstance(record, ArrayRecord):
+        raise UploadError(f"{what} is not an ArrayRecord")
+    out = {}
+    for key, array in record.items():
+        if array.stype != "numpy.ndarray":
+            raise UploadError(f"{what}['{key}'] has serialisation '{array.stype}', only numpy arrays are accepted")
+        try:
+            out[key] = array.numpy()
+        except ValueError as exc:
+            raise UploadError(f"{what}['{key}'] cannot be decoded as a numpy array: {exc}") from None
+    return out
+
+
+@dataclass(frozen=True)
+class ClientSettings:
+    """What the server tells a client each round: everything the client computes is a function of this."""
+
+    round: int
+    method: str
+    dataset: str
+    data_dir: str
+    model: str
+    local_layers: int
+    mask_ratio: float
+    clients: int
+    beta: float
+    balance: str
+    seed: int
+    local_epochs: int
+    batch_size: int
+    lr: float
+    weight_decay: float
+    train_samples: int
+
+    @classmethod
+    def from_config(cls, cfg: TrainConfig, round_number: int) -> "ClientSettings":
+        return cls(round=round_number, **{k: getattr(cfg, k) for k in cls.__dataclass_fields__ if k != "round"})
+
+    def to_record(self) -> ConfigRecord:
+        return ConfigRecord(asdict(self))
+
+    @classmethod
+    def from_record(cls, record: ConfigRecord) -> "ClientSettings":
+        return cls(**{k: record[k] for k in cls.__dataclass_fields__})

@@ -1,0 +1,240 @@
+"""The server's side of a run: handshake, rounds, validation, aggregation, global training, evaluation,
+and everything written to the run directory."""
+
+from __future__ import annotations
+
+import logging
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+import torch
+from flwr.app import ConfigRecord, Message, MessageType, RecordDict
+from flwr.serverapp import Grid
+from rich.console import Console
+from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
+
+from eftguard.config import TrainConfig
+from eftguard.federation.aggregate import fedavg
+from eftguard.federation.client import run_dataset, seeded
+from eftguard.federation.records import ClientSettings, UploadError, from_record, to_record
+from eftguard.federation.validation import (UploadSpec, validate_features, validate_num_examples, validate_truth,
+                                            validate_update)
+from eftguard.masking import kept_token_count
+from eftguard.model import EFTViT, build_model
+from eftguard.rundir import RunDirectory
+from eftguard.training import OptimConfig, evaluate, train_global
+
+log = logging.getLogger("eftguard.server")
+console = Console(stderr=True)
+NODE_WAIT_SECONDS = 120.0
+POLL_SECONDS = 0.1
+
+
+class FederationError(RuntimeError):
+    """The federation could not run a round (no nodes, wrong nodes); the message says why."""
+
+
+@dataclass
+class AcceptedUpload:
+    partition: int
+    update: dict[str, np.ndarray]
+    features: dict[str, np.ndarray] | None
+    num_examples: int
+    loss: float
+    epoch_seconds: list[float]
+    upload_bytes: int
+
+
+def upload_spec(model: EFTViT, cfg: TrainConfig, num_classes: int) -> UploadSpec:
+    state = model.uploaded_state() if cfg.method == "eftvit" else model.state_dict()
+    num_patches = model.local_module.num_patches
+    return UploadSpec(
+        update_shapes={k: tuple(v.shape) for k, v in state.items()},
+        tokens=1 + kept_token_count(num_patches, cfg.mask_ratio) if cfg.method == "eftvit" else None,
+        width=model.local_module.token_embedding.pos_embed.shape[-1],
+        num_classes=num_classes, num_patches=num_patches)
+
+
+def select_clients(cfg: TrainConfig, round_number: int) -> list[int]:
+    """The partitions taking part in a round (seeded, so resumed runs pick the same ones)."""
+    rng = np.random.default_rng(seeded(cfg.seed, round_number, 3))
+    return sorted(int(p) for p in rng.choice(cfg.clients, size=cfg.clients_per_round, replace=False))
+
+
+def discover_nodes(grid: Grid, clients: int, timeout: float = NODE_WAIT_SECONDS) -> dict[int, int]:
+    """Wait for the nodes and ask each which partition it holds: {partition-id: node-id}."""
+    deadline = time.monotonic() + timeout
+    node_ids: list[int] = []
+    while time.monotonic() < deadline:
+        node_ids = sorted(grid.get_node_ids())
+        if len(node_ids) >= clients:
+            break
+        time.sleep(0.5)
+    if len(node_ids) < clients:
+        raise FederationError(f"only {len(node_ids)} of {clients} client nodes connected within {timeout:.0f} s: "
+                              "start one SuperNode per partition")
+    messages = [Message(RecordDict({}), node_id, MessageType.QUERY) for node_id in node_ids]
+    partitions: dict[int, int] = {}
+    for reply in grid.send_and_receive(messages, timeout=timeout):
+        if reply.has_error():
+            raise FederationError(f"node {reply.metadata.src_node_id} failed the handshake: {reply.error.reason}")
+        info = reply.content["node"]
+        if int(info["num-partitions"]) != clients:
+            raise FederationError(f"node {reply.metadata.src_node_id} was started for {info['num-partitions']} "
+                                  f"partitions, the run has {clients}")
+        partitions[int(info["partition-id"])] = reply.metadata.src_node_id
+    missing = sorted(set(range(clients)) - set(partitions))
+    if missing:
+        raise FederationError(f"no node holds partition(s) {missing}: each partition-id 0..{clients - 1} needs a node")
+    return partitions
+
+
+def parse_reply(reply: Message, partition: int, spec: UploadSpec, method: str) -> tuple[AcceptedUpload, dict]:
+    """Decode and validate one client's reply; raises UploadError naming what is wrong."""
+    if reply.has_error():
+        raise UploadError(f"client failed: {reply.error.reason}")
+    content = reply.content
+    for key in ("update", "truth", "metrics") + (("features",) if method == "eftvit" else ()):
+        if key not in content:
+            raise UploadError(f"reply lacks '{key}'")
+    update = from_record(content["update"], "update")
+    validate_update(update, spec)
+    features = None
+    if method == "eftvit":
+        features = from_record(content["features"], "features")
+        validate_features(features, spec)
+    truth = from_record(content["truth"], "truth")
+    validate_truth(truth, spec, len(features["labels"]) if features else None)
+    metrics = content["metrics"]
+    if not isinstance(metrics, ConfigRecord) or int(metrics.get("partition-id", -1)) != partition:
+        raise UploadError("reply metrics missing or from another partition")
+    num_examples = validate_num_examples(metrics.get("num-examples"))
+    loss = float(metrics.get("loss", float("nan")))
+    upload_bytes = sum(a.nbytes for a in update.values()) + (sum(a.nbytes for a in features.values()) if features else 0)
+    epoch_seconds = [float(x) for x in metrics.get("epoch-seconds", [])]
+    return AcceptedUpload(partition, update, features, num_examples, loss, epoch_seconds, upload_bytes), truth
+
+
+def exchange(grid: Grid, messages: dict[int, Message], timeout: float, progress: Progress, task) -> dict[int, Message]:
+    """Send one message per partition and collect replies as they arrive (progress per client)."""
+    ids = dict(zip(grid.push_messages(messages.values()), messages))
+    replies: dict[int, Message] = {}
+    deadline = time.monotonic() + timeout
+    while len(replies) < len(ids) and time.monotonic() < deadline:
+        pending = [i for i, p in ids.items() if p not in replies]
+        for reply in grid.pull_messages(pending):
+            replies[ids[reply.metadata.reply_to_message_id]] = reply
+            progress.update(task, completed=len(replies))
+        if len(replies) < len(ids):
+            time.sleep(POLL_SECONDS)
+    return replies
+
+
+def run_server(grid: Grid, run_dir: Path) -> None:
+    run = RunDirectory.open(run_dir)
+    cfg = run.config()
+    dataset = run_dataset(cfg.dataset, cfg.data_dir, cfg.model, cfg.train_samples, cfg.test_samples, cfg.seed)
+    test_images, test_labels = torch.from_numpy(dataset.test.images), torch.from_numpy(dataset.test.labels)
+    done = run.completed_rounds()
+    run.discard_after(done)
+    if done:
+        model = build_model(cfg.model, dataset.num_classes, cfg.local_layers)
+        model.load_state_dict(run.load_checkpoint(done))
+        console.print(f"resuming {run.path} after round {done} of {cfg.rounds}")
+    else:
+        model = build_model(cfg.model, dataset.num_classes, cfg.local_layers, cfg.pretrained,
+                            cfg.checkpoint or None, cfg.seed)
+        run.save_checkpoint(0, model.state_dict())
+    if done >= cfg.rounds:
+        console.print(f"{run.path} already has all {cfg.rounds} rounds")
+        return
+    spec = upload_spec(model, cfg, dataset.num_classes)
+    nodes = discover_nodes(grid, cfg.clients)
+    started = time.perf_counter()
+    columns = (TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn())
+    with Progress(*columns, console=console, transient=False) as progress:
+        rounds_task = progress.add_task("rounds", total=cfg.rounds, completed=done)
+        for round_number in range(done + 1, cfg.rounds + 1):
+            record = run_round(grid, run, cfg, model, spec, nodes, round_number, test_images, test_labels, progress)
+            record["elapsed_seconds"] = round(time.perf_counter() - started, 3)
+            run.append_metrics(record)
+            progress.update(rounds_task, completed=round_number)
+            progress.console.print(f"round {round_number}/{cfg.rounds}: test accuracy {record['test_accuracy']:.3f}"
+                                   f"  client loss {record['client_loss']:.3f}"
+                                   + (f"  server loss {record['server_loss']:.3f}" if record["server_loss"] is not None else "")
+                                   + (f"  dropped {len(record['dropped'])}" if record["dropped"] else ""))
+
+
+def run_round(grid: Grid, run: RunDirectory, cfg: TrainConfig, model: EFTViT, spec: UploadSpec,
+              nodes: dict[int, int], round_number: int, test_images: torch.Tensor, test_labels: torch.Tensor,
+              progress: Progress) -> dict:
+    selected = select_clients(cfg, round_number)
+    settings = ClientSettings.from_config(cfg, round_number).to_record()
+    model_record = to_record(model.state_dict())
+    messages = {p: Message(RecordDict({"model": model_record, "settings": settings}), nodes[p], MessageType.TRAIN)
+                for p in selected}
+    task = progress.add_task(f"round {round_number}: client training", total=len(selected))
+    replies = exchange(grid, messages, cfg.round_timeout, progress, task)
+    progress.remove_task(task)
+
+    accepted: list[AcceptedUpload] = []
+    dropped: dict[str, str] = {}
+    for partition in selected:
+        if partition not in replies:
+            dropped[str(partition)] = f"no reply within {cfg.round_timeout:.0f} s"
+            continue
+        try:
+            upload, truth = parse_reply(replies[partition], partition, spec, cfg.method)
+        except UploadError as exc:
+            dropped[str(partition)] = str(exc)
+            progress.console.print(f"[yellow]round {round_number}: dropped client {partition}'s upload: {exc}")
+            continue
+        folder = run.upload_dir(round_number, partition)
+        run.save_arrays(folder / "update.safetensors", upload.update)
+        if upload.features is not None:
+            run.save_arrays(folder / "features.safetensors", upload.features)
+        run.save_arrays(run.truth_path(round_number, partition), truth)
+        accepted.append(upload)
+
+    server_loss, server_seconds = None, 0.0
+    if accepted:
+        averaged = fedavg([u.update for u in accepted], [u.num_examples for u in accepted])
+        model.load_state_dict({k: torch.from_numpy(v) for k, v in averaged.items()}, strict=False)
+        if cfg.method == "eftvit":
+            features = torch.from_numpy(np.concatenate([u.features["features"] for u in accepted]))
+            labels = torch.from_numpy(np.concatenate([u.features["labels"] for u in accepted]))
+            task = progress.add_task(f"round {round_number}: server training", total=cfg.server_epochs)
+            generator = torch.Generator().manual_seed(seeded(cfg.seed, round_number, 4))
+            result = train_global(model, features, labels,
+                                  OptimConfig(cfg.server_epochs, cfg.batch_size, cfg.server_lr, cfg.weight_decay),
+                                  generator, lambda done, total: progress.update(task, completed=done))
+            progress.remove_task(task)
+            server_loss, server_seconds = result.loss, result.seconds
+    else:
+        progress.console.print(f"[red]round {round_number}: no valid upload, the model is unchanged")
+
+    eval_start = time.perf_counter()
+    accuracy = evaluate(model, test_images, test_labels)
+    eval_seconds = time.perf_counter() - eval_start
+    run.save_checkpoint(round_number, model.state_dict())
+    weights = sum(u.num_examples for u in accepted)
+    return {
+        "round": round_number,
+        "method": cfg.method,
+        "test_accuracy": accuracy,
+        "client_loss": sum(u.loss * u.num_examples for u in accepted) / weights if accepted else None,
+        "server_loss": server_loss,
+        "client_seconds": {str(u.partition): round(sum(u.epoch_seconds), 4) for u in accepted},
+        "client_epoch_seconds": {str(u.partition): round(sum(u.epoch_seconds) / max(len(u.epoch_seconds), 1), 4)
+                                 for u in accepted},
+        "server_seconds": round(server_seconds, 4),
+        "eval_seconds": round(eval_seconds, 4),
+        "upload_bytes": {str(u.partition): u.upload_bytes for u in accepted},
+        "num_examples": {str(u.partition): u.num_examples for u in accepted},
+        "feature_sets": {str(u.partition): len(u.features["labels"]) for u in accepted if u.features},
+        "epsilon": None,
+        "clients": selected,
+        "dropped": dropped,
+    }

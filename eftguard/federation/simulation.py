@@ -1,0 +1,36 @@
+"""Running the apps on Flower's simulation engine (Ray) on this machine."""
+
+from __future__ import annotations
+
+import logging
+import os
+import warnings
+from pathlib import Path
+
+from eftguard.config import TrainConfig
+
+
+def quiet_flower(verbose: bool) -> None:
+    os.environ.setdefault("FLWR_TELEMETRY_ENABLED", "0")
+    os.environ.setdefault("FLWR_DISABLE_UPDATE_CHECK", "1")
+    os.environ.setdefault("RAY_ACCEL_ENV_VAR_OVERRIDE_ON_ZERO", "0")
+    os.environ.setdefault("RAY_DEDUP_LOGS", "0")
+    if not verbose:
+        logging.getLogger("flwr").setLevel(logging.ERROR)
+        warnings.filterwarnings("ignore", category=FutureWarning, module="ray")
+
+
+def run_simulated(run_dir: Path, cfg: TrainConfig, verbose: bool = False) -> None:
+    """Run the ServerApp against cfg.clients simulated SuperNodes, one Ray actor per cfg.cpus_per_client."""
+    quiet_flower(verbose)
+    from flwr.simulation import run_simulation
+
+    from eftguard.federation.apps import build_server_app, client_app
+
+    backend_config = {
+        "client_resources": {"num_cpus": cfg.cpus_per_client, "num_gpus": 0.0},
+        "init_args": {"logging_level": "WARNING" if verbose else "ERROR", "log_to_driver": verbose,
+                      "include_dashboard": False},
+    }
+    run_simulation(server_app=build_server_app(Path(run_dir).resolve()), client_app=client_app,
+                   num_supernodes=cfg.clients, backend_config=backend_config, verbose_logging=verbose)

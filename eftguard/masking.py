@@ -1,0 +1,27 @@
+"""Random patch masking: each image keeps a random subset of its patch tokens (cls is always kept)."""
+
+from __future__ import annotations
+
+import torch
+
+
+def kept_token_count(num_patches: int, mask_ratio: float) -> int:
+    """How many patch tokens survive masking (at least one)."""
+    return max(1, int(num_patches * (1.0 - mask_ratio)))
+
+
+def random_keep_ids(batch: int, num_patches: int, mask_ratio: float, generator: torch.Generator | None = None,
+                    device: torch.device | str = "cpu") -> torch.Tensor:
+    """A fresh random mask per sample: sorted ids of the kept patches, shape [batch, keep]."""
+    keep = kept_token_count(num_patches, mask_ratio)
+    noise = torch.rand(batch, num_patches, generator=generator, device=device)
+    return noise.argsort(dim=1)[:, :keep].sort(dim=1).values
+
+
+def keep_tokens(tokens: torch.Tensor, keep_ids: torch.Tensor) -> torch.Tensor:
+    """Select the cls token and the kept patch tokens: [B, 1 + L, D] -> [B, 1 + keep, D].
+
+    Positional embeddings are added before this, so every kept token still carries its position.
+    """
+    patches = torch.gather(tokens[:, 1:], 1, keep_ids.unsqueeze(-1).expand(-1, -1, tokens.shape[-1]))
+    return torch.cat([tokens[:, :1], patches], dim=1)

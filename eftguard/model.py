@@ -1,0 +1,262 @@
+"""A timm Vision Transformer split into EFTViT's local module, global module and head.
+
+    local module  phi    patch embedding, cls token + positional embedding, first M blocks  (client)
+    global module theta  last N blocks + final norm                                        (server)
+    head          h      linear classifier on the cls token                                 (both)
+
+Masking happens in the local module's own forward, after the positional embedding is added, and
+the cls token and positional embedding live in a small leaf module (TokenEmbedding): with that
+layout Opacus computes per-sample gradients with hooks for every other layer.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+from torch import nn
+
+from eftguard.masking import keep_tokens
+
+
+class ModelError(ValueError):
+    """A model could not be built or loaded; the message says how to fix it."""
+
+
+@dataclass(frozen=True)
+class ModelPreset:
+    timm_name: str
+    image_size: int
+    patch_size: int
+    description: str
+
+
+PRESETS = {
+    "vit-tiny-32": ModelPreset("vit_tiny_patch16_224", 32, 4, "CPU default: 32 px, patch 4, width 192, depth 12"),
+    "vit-b16-224": ModelPreset("vit_base_patch16_224", 224, 16, "paper: ViT-B/16, 224 px, width 768, depth 12"),
+}
+
+
+class TokenEmbedding(nn.Module):
+    """cls token and positional embedding, applied to patch tokens: [B, L, D] -> [B, 1 + L, D]."""
+
+    def __init__(self, cls_token: torch.Tensor, pos_embed: torch.Tensor):
+        super().__init__()
+        self.cls_token = nn.Parameter(cls_token.detach().clone())
+        self.pos_embed = nn.Parameter(pos_embed.detach().clone())
+
+    def forward(self, patches: torch.Tensor) -> torch.Tensor:
+        cls = (self.cls_token + self.pos_embed[:, :1]).expand(patches.shape[0], -1, -1)
+        return torch.cat([cls, patches + self.pos_embed[:, 1:]], dim=1)
+
+
+class LocalModule(nn.Module):
+    """phi: images (optionally masked) -> token features [B, 1 + kept, D]."""
+
+    def __init__(self, patch_embed: nn.Module, token_embedding: TokenEmbedding, norm_pre: nn.Module,
+                 blocks: list[nn.Module]):
+        super().__init__()
+        self.patch_embed = patch_embed
+        self.token_embedding = token_embedding
+        self.norm_pre = norm_pre
+        self.blocks = nn.Sequential(*blocks)
+
+    @property
+    def num_patches(self) -> int:
+        return self.token_embedding.pos_embed.shape[1] - 1
+
+    def forward(self, images: torch.Tensor, keep_ids: torch.Tensor | None = None) -> torch.Tensor:
+        tokens = self.token_embedding(self.patch_embed(images))
+        if keep_ids is not None:
+            tokens = keep_tokens(tokens, keep_ids)
+        return self.blocks(self.norm_pre(tokens))
+
+
+class GlobalModule(nn.Module):
+    """theta: token features -> normalised tokens."""
+
+    def __init__(self, blocks: list[nn.Module], norm: nn.Module):
+        super().__init__()
+        self.blocks = nn.Sequential(*blocks)
+        self.norm = norm
+
+    def forward(self, tokens: torch.Tensor) -> torch.Tensor:
+        return self.norm(self.blocks(tokens))
+
+
+class EFTViT(nn.Module):
+    """phi -> theta -> h on the cls token. Full images at inference (keep_ids=None)."""
+
+    def __init__(self, local_module: LocalModule, global_module: GlobalModule, head: nn.Linear, preset: str,
+                 mean: tuple[float, ...], std: tuple[float, ...]):
+        super().__init__()
+        self.local_module = local_module
+        self.global_module = global_module
+        self.head = head
+        self.preset = preset
+        self.mean, self.std = tuple(mean), tuple(std)
+
+    @property
+    def local_layers(self) -> int:
+        return len(self.local_module.blocks)
+
+    def classify(self, tokens: torch.Tensor) -> torch.Tensor:
+        """theta and h applied to token features from phi."""
+        return self.head(self.global_module(tokens)[:, 0])
+
+    def forward(self, images: torch.Tensor, keep_ids: torch.Tensor | None = None) -> torch.Tensor:
+        return self.classify(self.local_module(images, keep_ids))
+
+    def normalize(self, images_uint8: torch.Tensor) -> torch.Tensor:
+        """uint8 [B, H, W, 3] -> normalised float [B, 3, H, W] as the model expects."""
+        x = images_uint8.permute(0, 3, 1, 2).float().div_(255.0)
+        mean = torch.tensor(self.mean).view(1, 3, 1, 1)
+        std = torch.tensor(self.std).view(1, 3, 1, 1)
+        return (x - mean) / std
+
+    def uploaded_state(self) -> dict[str, torch.Tensor]:
+        """What an EFTViT client uploads: phi and h."""
+        return {k: v for k, v in self.state_dict().items() if k.startswith(("local_module.", "head."))}
+
+
+def create_timm_vit(preset_name: str, num_classes: int, pretrained: bool = False) -> nn.Module:
+    import timm
+
+    preset = PRESETS[preset_name]
+    try:
+        return timm.create_model(preset.timm_name, pretrained=pretrained, num_classes=num_classes,
+                                 img_size=preset.image_size, patch_size=preset.patch_size)
+    except Exception as exc:  # hub / network errors come in many types
+        if not pretrained:
+            raise
+        raise ModelError(
+            f"could not load pretrained weights for {preset.timm_name} ({type(exc).__name__}: {exc}). "
+            "They download from the Hugging Face hub; offline, put them in the hub cache or pass "
+            "--checkpoint FILE with local weights"
+        ) from exc
+
+
+def split_timm_vit(vit: nn.Module, local_layers: int, preset: str) -> EFTViT:
+    """Move a timm VisionTransformer's parts into the local/global/head split (shares the tensors)."""
+    depth = len(vit.blocks)
+    check_local_layers(local_layers, depth)
+    if getattr(vit, "global_pool", "token") != "token" or getattr(vit, "reg_token", None) is not None \
+            or getattr(vit, "no_embed_class", False) or getattr(vit, "attn_pool", None) is not None:
+        raise ModelError("only class-token ViTs (global_pool='token', no register tokens) can be split")
+    local = LocalModule(vit.patch_embed, TokenEmbedding(vit.cls_token, vit.pos_embed), vit.norm_pre,
+                        list(vit.blocks[:local_layers]))
+    global_ = GlobalModule(list(vit.blocks[local_layers:]), vit.norm)
+    cfg = vit.pretrained_cfg
+    return EFTViT(local, global_, vit.head, preset, cfg.get("mean", (0.5,) * 3), cfg.get("std", (0.5,) * 3))
+
+
+def check_local_layers(local_layers: int, depth: int) -> None:
+    if not 1 <= local_layers <= depth - 1:
+        raise ModelError(f"--local-layers must be between 1 and {depth - 1} for a depth-{depth} ViT, got {local_layers}")
+
+
+def build_model(preset: str, num_classes: int, local_layers: int, pretrained: bool = False,
+                checkpoint: str | Path | None = None, seed: int = 0) -> EFTViT:
+    """The split model: timm initialisation (seeded), pretrained hub weights, or a local checkpoint."""
+    if preset not in PRESETS:
+        raise ModelError(f"unknown model preset '{preset}': choose {', '.join(PRESETS)}")
+    os.environ.setdefault("TIMM_FUSED_ATTN", "1")
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(seed)
+        model = split_timm_vit(create_timm_vit(preset, num_classes, pretrained), local_layers, preset)
+    if checkpoint is not None:
+        load_weights(model, read_state_file(Path(checkpoint)), source=str(checkpoint))
+    return model
+
+
+# --- state dict conversion between timm's flat layout and the split layout ---------------------------------
+
+_BLOCK = re.compile(r"^blocks\.(\d+)\.(.*)$")
+
+
+def timm_to_split_key(key: str, local_layers: int) -> str:
+    if key in ("cls_token", "pos_embed"):
+        return f"local_module.token_embedding.{key}"
+    if key.startswith(("patch_embed.", "norm_pre.")):
+        return f"local_module.{key}"
+    if key.startswith("norm."):
+        return f"global_module.{key}"
+    match = _BLOCK.match(key)
+    if match:
+        index, rest = int(match.group(1)), match.group(2)
+        if index < local_layers:
+            return f"local_module.blocks.{index}.{rest}"
+        return f"global_module.blocks.{index - local_layers}.{rest}"
+    return key  # head.*, and anything foreign (reported by load_weights)
+
+
+def split_to_timm_key(key: str, local_layers: int) -> str:
+    if key.startswith("local_module.token_embedding."):
+        return key.removeprefix("local_module.token_embedding.")
+    if key.startswith("local_module.blocks."):
+        return key.removeprefix("local_module.")
+    if key.startswith("local_module."):
+        return key.removeprefix("local_module.")
+    if key.startswith("global_module.blocks."):
+        index, rest = key.removeprefix("global_module.blocks.").split(".", 1)
+        return f"blocks.{int(index) + local_layers}.{rest}"
+    if key.startswith("global_module."):
+        return key.removeprefix("global_module.")
+    return key
+
+
+def to_timm_state(state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """A split state dict (any M) in timm's flat layout."""
+    local_layers = 1 + max((int(k.split(".")[2]) for k in state if k.startswith("local_module.blocks.")), default=-1)
+    return {split_to_timm_key(k, local_layers): v for k, v in state.items()}
+
+
+def read_state_file(path: Path) -> dict[str, torch.Tensor]:
+    """Read weights from .safetensors, or a .pt/.pth/.bin file with torch.load(weights_only=True)."""
+    if not path.is_file():
+        raise ModelError(f"checkpoint {path} does not exist")
+    try:
+        if path.suffix == ".safetensors":
+            from safetensors.torch import load_file
+            state = load_file(str(path))
+        else:
+            state = torch.load(path, map_location="cpu", weights_only=True)
+    except Exception as exc:
+        raise ModelError(f"cannot read checkpoint {path}: {exc}. Give a .safetensors file or a plain "
+                         "state dict saved with torch.save") from exc
+    if isinstance(state, dict) and "state_dict" in state and isinstance(state["state_dict"], dict):
+        state = state["state_dict"]
+    if not isinstance(state, dict) or not all(isinstance(v, torch.Tensor) for v in state.values()):
+        raise ModelError(f"checkpoint {path} is not a state dict of tensors")
+    return state
+
+
+def load_weights(model: EFTViT, state: dict[str, torch.Tensor], source: str, strict_head: bool = False) -> None:
+    """Load weights in split (any M) or timm layout; shapes must fit the model.
+
+    A head of another class count is skipped with the rest loaded (fine-tuning a pretrained model),
+    unless strict_head.
+    """
+    if any(k.startswith("local_module.") for k in state):
+        state = to_timm_state(state)
+    state = {timm_to_split_key(k, model.local_layers): v for k, v in state.items()}
+    own = model.state_dict()
+    unknown = sorted(set(state) - set(own))
+    if unknown:
+        raise ModelError(f"checkpoint {source} does not fit model {model.preset}: unexpected key '{unknown[0]}' "
+                         f"(and {len(unknown) - 1} more)")
+    for key, value in list(state.items()):
+        if value.shape != own[key].shape:
+            if key.startswith("head.") and not strict_head:
+                del state[key]
+                continue
+            raise ModelError(f"checkpoint {source} does not fit model {model.preset}: '{key}' has shape "
+                             f"{tuple(value.shape)}, the model needs {tuple(own[key].shape)}. "
+                             "Pick the --model preset the checkpoint was trained with")
+    missing = sorted(k for k in set(own) - set(state) if not k.startswith("head."))
+    if missing:
+        raise ModelError(f"checkpoint {source} lacks '{missing[0]}' (and {len(missing) - 1} more) for model {model.preset}")
+    model.load_state_dict(state, strict=False)

@@ -1,0 +1,211 @@
+"""The run directory: the contract between training and the attacks (see DESIGN.md).
+
+    config.toml, manifest.json, metrics.jsonl, checkpoints/round-NNNN.safetensors,
+    observed/round-NNNN/client-KK/{update,features}.safetensors   what the server received
+    truth/round-NNNN/client-KK.safetensors                        auditor-only ground truth
+
+A round is complete once its metrics line is written; that is always the last write of a round,
+so a crash leaves at most a partial round behind, which resume discards.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import platform
+import shutil
+import time
+from pathlib import Path
+
+import numpy as np
+import torch
+from safetensors.numpy import load_file as load_numpy, save_file as save_numpy
+from safetensors.torch import load_file as load_torch, save_file as save_torch
+
+from eftguard.config import ConfigError, TrainConfig
+
+FORMAT = "eftguard-run"
+FORMAT_VERSION = 1
+
+
+class RunError(ValueError):
+    """A run directory is missing, foreign or damaged; the message says what to do."""
+
+
+def _atomic_write(path: Path, write) -> None:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_name(f".{path.name}.tmp")
+    write(tmp)
+    os.replace(tmp, path)
+
+
+def sha256_of(path: Path) -> str:
+    digest = hashlib.sha256()
+    with open(path, "rb") as f:
+        for chunk in iter(lambda: f.read(1 << 20), b""):
+            digest.update(chunk)
+    return digest.hexdigest()
+
+
+def round_name(round_number: int) -> str:
+    return f"round-{round_number:04d}"
+
+
+def client_name(partition: int) -> str:
+    return f"client-{partition:02d}"
+
+
+class RunDirectory:
+    def __init__(self, path: Path):
+        self.path = Path(path)
+
+    # --- creation and opening -------------------------------------------------------------------------
+
+    @classmethod
+    def create(cls, path: Path, config: TrainConfig) -> "RunDirectory":
+        path = Path(path)
+        if path.exists() and any(path.iterdir()):
+            raise RunError(f"{path} already exists and is not empty: pick another --name/--out, "
+                           f"or continue it with --resume {path}")
+        run = cls(path)
+        path.mkdir(parents=True, exist_ok=True)
+        _atomic_write(path / "config.toml", lambda p: p.write_text(config.to_toml()))
+        run._write_manifest({"format": FORMAT, "format_version": FORMAT_VERSION,
+                             "created": time.strftime("%Y-%m-%dT%H:%M:%S%z"), "seed": config.seed,
+                             "versions": _versions(), "artefacts": {}})
+        run.record_artefact(path / "config.toml")
+        return run
+
+    @classmethod
+    def open(cls, path: Path) -> "RunDirectory":
+        path = Path(path)
+        if not path.is_dir():
+            raise RunError(f"{path} is not a run directory (it does not exist)")
+        run = cls(path)
+        try:
+            manifest = run.manifest()
+        except (OSError, json.JSONDecodeError) as exc:
+            raise RunError(f"{path} is not an eftguard run directory: manifest.json is missing or corrupt ({exc})") from None
+        if manifest.get("format") != FORMAT:
+            raise RunError(f"{path} is not an eftguard run directory (manifest format is {manifest.get('format')!r})")
+        if manifest.get("format_version", 0) > FORMAT_VERSION:
+            raise RunError(f"{path} was written by a newer eftguard (run format {manifest['format_version']}): upgrade")
+        try:
+            run.config()
+        except ConfigError as exc:
+            raise RunError(f"{path}: config.toml is damaged: {exc}") from None
+        return run
+
+    def config(self) -> TrainConfig:
+        return TrainConfig.from_toml_file(self.path / "config.toml")
+
+    # --- manifest -------------------------------------------------------------------------------------
+
+    def manifest(self) -> dict:
+        return json.loads((self.path / "manifest.json").read_text())
+
+    def _write_manifest(self, manifest: dict) -> None:
+        _atomic_write(self.path / "manifest.json", lambda p: p.write_text(json.dumps(manifest, indent=2) + "\n"))
+
+    def record_artefact(self, *files: Path) -> None:
+        manifest = self.manifest()
+        for file in files:
+            manifest["artefacts"][file.relative_to(self.path).as_posix()] = sha256_of(file)
+        self._write_manifest(manifest)
+
+    def verify(self) -> list[str]:
+        """Artefacts whose sha256 no longer matches the manifest (or that vanished)."""
+        bad = []
+        for rel, digest in self.manifest()["artefacts"].items():
+            file = self.path / rel
+            if not file.exists() or sha256_of(file) != digest:
+                bad.append(rel)
+        return bad
+
+    # --- rounds ---------------------------------------------------------------------------------------
+
+    def metrics(self) -> list[dict]:
+        file = self.path / "metrics.jsonl"
+        if not file.exists():
+            return []
+        records = []
+        for line in file.read_text().splitlines():
+            try:
+                records.append(json.loads(line))
+            except json.JSONDecodeError:
+                break  # a torn last line from a crash: that round did not complete
+        return records
+
+    def completed_rounds(self) -> int:
+        """The last round whose metrics line and checkpoint both exist (0: none)."""
+        last = 0
+        for expected, record in enumerate(self.metrics(), start=1):
+            if record.get("round") != expected or not self.checkpoint_path(expected).exists():
+                break
+            last = expected
+        return last
+
+    def discard_after(self, round_number: int) -> None:
+        """Remove everything a partial round after round_number left behind."""
+        keep = [r for r in self.metrics() if r.get("round", 0) <= round_number]
+        self._write_metrics(keep)
+        for folder in ("observed", "truth", "checkpoints"):
+            for item in sorted((self.path / folder).glob("round-*")):
+                number = int(item.name.split("-")[1].split(".")[0])
+                if number > round_number:
+                    shutil.rmtree(item) if item.is_dir() else item.unlink()
+        manifest = self.manifest()
+        manifest["artefacts"] = {k: v for k, v in manifest["artefacts"].items() if (self.path / k).exists()}
+        self._write_manifest(manifest)
+
+    def _write_metrics(self, records: list[dict]) -> None:
+        text = "".join(json.dumps(r) + "\n" for r in records)
+        _atomic_write(self.path / "metrics.jsonl", lambda p: p.write_text(text))
+
+    def append_metrics(self, record: dict) -> None:
+        """Mark a round complete: the last write of every round."""
+        with open(self.path / "metrics.jsonl", "a") as f:
+            f.write(json.dumps(record) + "\n")
+            f.flush()
+            os.fsync(f.fileno())
+
+    # --- tensors --------------------------------------------------------------------------------------
+
+    def checkpoint_path(self, round_number: int) -> Path:
+        return self.path / "checkpoints" / f"{round_name(round_number)}.safetensors"
+
+    def save_checkpoint(self, round_number: int, state: dict[str, torch.Tensor]) -> None:
+        path = self.checkpoint_path(round_number)
+        tensors = {k: v.detach().contiguous() for k, v in state.items()}
+        _atomic_write(path, lambda p: save_torch(tensors, str(p), metadata={"round": str(round_number)}))
+        self.record_artefact(path)
+
+    def load_checkpoint(self, round_number: int) -> dict[str, torch.Tensor]:
+        return load_torch(str(self.checkpoint_path(round_number)))
+
+    def upload_dir(self, round_number: int, partition: int) -> Path:
+        return self.path / "observed" / round_name(round_number) / client_name(partition)
+
+    def truth_path(self, round_number: int, partition: int) -> Path:
+        return self.path / "truth" / round_name(round_number) / f"{client_name(partition)}.safetensors"
+
+    def save_arrays(self, path: Path, arrays: dict[str, np.ndarray], metadata: dict[str, str] | None = None) -> None:
+        arrays = {k: np.ascontiguousarray(v) for k, v in arrays.items()}
+        _atomic_write(path, lambda p: save_numpy(arrays, str(p), metadata=metadata))
+        self.record_artefact(path)
+
+    def load_arrays(self, path: Path) -> dict[str, np.ndarray]:
+        return load_numpy(str(path))
+
+
+def _versions() -> dict[str, str]:
+    from importlib.metadata import PackageNotFoundError, version
+
+    found = {"python": platform.python_version()}
+    for package in ("eftguard", "torch", "timm", "flwr", "numpy", "safetensors"):
+        try:
+            found[package] = version(package)
+        except PackageNotFoundError:
+            found[package] = "not installed"
+    return found

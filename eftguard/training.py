@@ -1,0 +1,118 @@
+"""The computations of one round, free of any transport: client training, feature extraction,
+server training of the global module, evaluation. Every random choice comes from the generator
+passed in, so a round is a pure function of (model state, data, seed)."""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+from typing import Callable
+
+import torch
+from torch import nn
+
+from eftguard.masking import random_keep_ids
+from eftguard.model import EFTViT
+
+Progress = Callable[[int, int], None]  # (done, total) -> None
+
+
+@dataclass(frozen=True)
+class OptimConfig:
+    epochs: int
+    batch_size: int
+    lr: float
+    weight_decay: float
+
+
+@dataclass
+class TrainResult:
+    loss: float
+    steps: int
+    epoch_seconds: list[float] = field(default_factory=list)
+
+    @property
+    def seconds(self) -> float:
+        return float(sum(self.epoch_seconds))
+
+
+def _batches(n: int, batch_size: int, generator: torch.Generator) -> list[torch.Tensor]:
+    return list(torch.randperm(n, generator=generator).split(batch_size))
+
+
+def _fit(params: list[nn.Parameter], n: int, optim: OptimConfig, generator: torch.Generator,
+         loss_of_batch: Callable[[torch.Tensor], torch.Tensor], progress: Progress | None) -> TrainResult:
+    optimizer = torch.optim.AdamW(params, lr=optim.lr, weight_decay=optim.weight_decay)
+    total, steps, epoch_seconds = 0.0, 0, []
+    for epoch in range(optim.epochs):
+        start = time.perf_counter()
+        for batch in _batches(n, optim.batch_size, generator):
+            loss = loss_of_batch(batch)
+            optimizer.zero_grad(set_to_none=True)
+            loss.backward()
+            optimizer.step()
+            total += float(loss.detach())
+            steps += 1
+        epoch_seconds.append(time.perf_counter() - start)
+        if progress:
+            progress(epoch + 1, optim.epochs)
+    return TrainResult(total / max(steps, 1), steps, epoch_seconds)
+
+
+def train_local(model: EFTViT, images: torch.Tensor, labels: torch.Tensor, method: str, mask_ratio: float,
+                optim: OptimConfig, generator: torch.Generator, progress: Progress | None = None) -> TrainResult:
+    """Client training. eftvit: phi and h on masked images through the frozen theta (theta gets no
+    gradients). fedavg: the whole model on full images."""
+    model.train()
+    if method == "eftvit":
+        model.global_module.requires_grad_(False)
+        params = [*model.local_module.parameters(), *model.head.parameters()]
+    else:
+        params = list(model.parameters())
+    num_patches = model.local_module.num_patches
+
+    def loss_of_batch(batch: torch.Tensor) -> torch.Tensor:
+        x = model.normalize(images[batch])
+        keep = random_keep_ids(len(batch), num_patches, mask_ratio, generator) if method == "eftvit" else None
+        return nn.functional.cross_entropy(model(x, keep), labels[batch])
+
+    try:
+        return _fit(params, len(labels), optim, generator, loss_of_batch, progress)
+    finally:
+        model.global_module.requires_grad_(True)
+
+
+@torch.no_grad()
+def extract_features(model: EFTViT, images: torch.Tensor, mask_ratio: float, generator: torch.Generator,
+                     batch_size: int = 256) -> tuple[torch.Tensor, torch.Tensor]:
+    """phi(mask(x)) for every image, each under a fresh mask: features [n, 1 + keep, D], keep ids [n, keep]."""
+    model.eval()
+    keep_ids = random_keep_ids(len(images), model.local_module.num_patches, mask_ratio, generator)
+    features = [model.local_module(model.normalize(images[i:i + batch_size]), keep_ids[i:i + batch_size])
+                for i in range(0, len(images), batch_size)]
+    return torch.cat(features).contiguous(), keep_ids
+
+
+def train_global(model: EFTViT, features: torch.Tensor, labels: torch.Tensor, optim: OptimConfig,
+                 generator: torch.Generator, progress: Progress | None = None) -> TrainResult:
+    """Server training of theta on pooled uploaded features, with the (aggregated) head frozen."""
+    model.train()
+    model.head.requires_grad_(False)
+
+    def loss_of_batch(batch: torch.Tensor) -> torch.Tensor:
+        return nn.functional.cross_entropy(model.classify(features[batch]), labels[batch])
+
+    try:
+        return _fit(list(model.global_module.parameters()), len(labels), optim, generator, loss_of_batch, progress)
+    finally:
+        model.head.requires_grad_(True)
+
+
+@torch.no_grad()
+def evaluate(model: EFTViT, images: torch.Tensor, labels: torch.Tensor, batch_size: int = 256) -> float:
+    """Top-1 accuracy of the assembled model on full, unmasked images."""
+    model.eval()
+    correct = 0
+    for i in range(0, len(labels), batch_size):
+        correct += int((model(model.normalize(images[i:i + batch_size])).argmax(1) == labels[i:i + batch_size]).sum())
+    return correct / max(len(labels), 1)
