@@ -68,26 +68,31 @@ def build_photos() -> dict[str, np.ndarray]:
     for label, (_, loader) in enumerate(PHOTOS):
         photo = getattr(skimage.data, loader)()
         photo = to_rgb(photo[0] if isinstance(photo, tuple) else photo)
-        tiles = _tiles(photo)
+        tiles = tiles_of(photo.shape)
         for split, count in PER_CLASS.items():
             regions = [tile for tile, s in zip(tiles, TILE_SPLITS) if s == split]
             for i in range(count):
-                out[f"{split}_images"].append(_random_crop(photo, regions[i % len(regions)], rng))
+                y, x, side = random_box(regions[i % len(regions)], rng)
+                out[f"{split}_images"].append(_crop(photo, y, x, side, flip=rng.random() < 0.5))
                 out[f"{split}_labels"].append(label)
     return {k: np.stack(v) if k.endswith("images") else np.asarray(v, dtype=np.int64) for k, v in out.items()}
 
 
-def _tiles(photo: np.ndarray) -> list[tuple[int, int, int, int]]:
-    h, w = photo.shape[:2]
+def tiles_of(shape: tuple[int, ...]) -> list[tuple[int, int, int, int]]:
+    """The 4 x 4 grid of (top, bottom, left, right) tiles of an image."""
+    h, w = shape[:2]
     rows, cols = np.linspace(0, h, 5).astype(int), np.linspace(0, w, 5).astype(int)
     return [(rows[i], rows[i + 1], cols[j], cols[j + 1]) for i in range(4) for j in range(4)]
 
 
-def _random_crop(photo: np.ndarray, tile: tuple[int, int, int, int], rng: np.random.Generator) -> np.ndarray:
+def random_box(tile: tuple[int, int, int, int], rng: np.random.Generator) -> tuple[int, int, int]:
+    """A random square (top, left, side) inside the tile (top, bottom, left, right)."""
     top, bottom, left, right = tile
     side = int(rng.integers(IMAGE_SIZE, min(bottom - top, right - left, 2 * IMAGE_SIZE) + 1))
-    y = int(rng.integers(top, bottom - side + 1))
-    x = int(rng.integers(left, right - side + 1))
+    return int(rng.integers(top, bottom - side + 1)), int(rng.integers(left, right - side + 1)), side
+
+
+def _crop(photo: np.ndarray, y: int, x: int, side: int, flip: bool) -> np.ndarray:
     crop = Image.fromarray(photo[y:y + side, x:x + side]).resize((IMAGE_SIZE, IMAGE_SIZE), Image.BICUBIC)
     crop = np.asarray(crop, dtype=np.uint8)
-    return crop[:, ::-1] if rng.random() < 0.5 else crop
+    return np.ascontiguousarray(crop[:, ::-1]) if flip else crop

@@ -1,0 +1,64 @@
+"""Bad input ends in one clear line and exit code 2, before any federation starts."""
+
+import pytest
+import torch
+from safetensors.torch import save_file
+
+from eftguard.cli import main
+
+
+def run_cli(capsys, *argv):
+    with pytest.raises(SystemExit) as exit_info:
+        main(list(argv))
+    return exit_info.value.code, capsys.readouterr().err
+
+
+@pytest.mark.parametrize("argv, message", [
+    (["--mask-ratio", "1.0"], "--mask-ratio must be in [0, 1)"),
+    (["--mask-ratio", "-0.1"], "--mask-ratio must be in [0, 1)"),
+    (["--local-layers", "0"], "--local-layers must be between 1 and 11"),
+    (["--local-layers", "12"], "--local-layers must be between 1 and 11"),
+    (["--dataset", "mnist"], "unknown dataset 'mnist'"),
+    (["--dataset", "cifar10"], "needs --data-dir"),
+    (["--dataset", "cifar10", "--data-dir", "/nonexistent/data"], "--data-dir /nonexistent/data does not exist"),
+    (["--clients-per-round", "9"], "--clients-per-round must be between 1 and --clients"),
+    (["--checkpoint", "/nonexistent/w.safetensors"], "checkpoint /nonexistent/w.safetensors does not exist"),
+])
+def test_bad_training_options(capsys, tmp_path, argv, message):
+    code, err = run_cli(capsys, "train", "--out", str(tmp_path / "run"), *argv)
+    assert code == 2
+    assert message in err and "Traceback" not in err
+    assert not (tmp_path / "run").exists()
+
+
+def test_checkpoint_that_does_not_fit(capsys, tmp_path):
+    path = tmp_path / "small.safetensors"
+    save_file({"pos_embed": torch.zeros(1, 17, 192), "cls_token": torch.zeros(1, 1, 192)}, str(path))
+    code, err = run_cli(capsys, "train", "--out", str(tmp_path / "run"), "--checkpoint", str(path))
+    assert code == 2 and "does not fit model vit-tiny-32" in err
+
+
+@pytest.mark.parametrize("setup, message", [
+    (lambda d: None, "does not exist"),
+    (lambda d: d.mkdir(), "not an eftguard run directory"),
+    (lambda d: (d.mkdir(), (d / "manifest.json").write_text("garbage")), "manifest.json is missing or corrupt"),
+])
+def test_resume_refuses_foreign_or_corrupt_directories(capsys, tmp_path, setup, message):
+    setup(tmp_path / "run")
+    code, err = run_cli(capsys, "train", "--resume", str(tmp_path / "run"))
+    assert code == 2 and message in err
+
+
+def test_config_file_with_flags_overriding(tmp_path):
+    from eftguard.cli import build_parser, config_from_args
+
+    (tmp_path / "c.toml").write_text('mask_ratio = 0.5\nrounds = 7\nlocal-layers = 4\n')
+    args = build_parser().parse_args(["train", "--config", str(tmp_path / "c.toml"), "--rounds", "2"])
+    cfg = config_from_args(args)
+    assert (cfg.mask_ratio, cfg.rounds, cfg.local_layers, cfg.clients_per_round) == (0.5, 2, 4, 8)
+
+
+def test_config_file_with_unknown_key(capsys, tmp_path):
+    (tmp_path / "c.toml").write_text('mask_ration = 0.5\n')
+    code, err = run_cli(capsys, "train", "--config", str(tmp_path / "c.toml"))
+    assert code == 2 and "unknown option 'mask_ration'" in err

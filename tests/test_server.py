@@ -1,0 +1,131 @@
+"""The server loop (handshake, rounds, validation, aggregation, resume) against an in-process grid.
+
+FakeGrid delivers each message to the real ClientApp handlers in this process; a tamper hook can
+corrupt one client's reply, as a malicious or broken client would."""
+
+import json
+
+import numpy as np
+import pytest
+from flwr.app import Array, Context, Message, Metadata, RecordDict
+from flwr.supercore.task_identity import TaskIdentity
+
+from eftguard.config import TrainConfig
+from eftguard.federation import apps
+from eftguard.federation.server import FederationError, run_server
+from eftguard.rundir import RunDirectory
+
+CFG = TrainConfig(clients=3, rounds=2, train_samples=120, test_samples=40, batch_size=32)
+
+
+class FakeGrid:
+    def __init__(self, clients, tamper=None, partitions=None):
+        self.partitions = partitions or {100 + k: k for k in range(clients)}
+        self.clients = clients
+        self.tamper = tamper or (lambda node, reply: reply)
+        self.outbox = {}
+
+    def get_node_ids(self):
+        return list(self.partitions)
+
+    def _deliver(self, msg):
+        node = msg.metadata.dst_node_id
+        context = Context(run_id=1, node_id=node, state=RecordDict({}), run_config={},
+                          node_config={"partition-id": self.partitions[node], "num-partitions": self.clients})
+        msg.metadata.__dict__["_message_id"] = f"msg-{node}-{len(self.outbox)}"
+        handler = apps.describe if msg.metadata.message_type == "query" else apps.train
+        reply = handler(msg, context)
+        reply = Message(content=reply.content, metadata=Metadata(
+            run_id=1, message_id=f"reply-{node}", src_node_id=node, dst_node_id=0,
+            reply_to_message_id=msg.metadata.message_id, group_id="", created_at=0.0, ttl=60.0,
+            message_type=msg.metadata.message_type))
+        return msg.metadata.message_id, self.tamper(node, reply)
+
+    def push_messages(self, messages):
+        ids = []
+        for msg in messages:
+            message_id, reply = self._deliver(msg)
+            self.outbox[message_id] = reply
+            ids.append(message_id)
+        return ids
+
+    def pull_messages(self, ids):
+        return [self.outbox.pop(i) for i in list(ids) if i in self.outbox]
+
+    def send_and_receive(self, messages, timeout=None):
+        return self.pull_messages(self.push_messages(messages))
+
+
+@pytest.fixture(autouse=True)
+def task_identity():
+    """Messages are stamped with the identity of the running task; give them one outside Flower."""
+    saved = TaskIdentity._run_id, TaskIdentity._node_id, TaskIdentity._task_id
+    TaskIdentity.run_id, TaskIdentity.node_id, TaskIdentity.task_id = 1, 0, 1
+    yield
+    TaskIdentity._run_id, TaskIdentity._node_id, TaskIdentity._task_id = saved
+
+
+def poison_node(target):
+    def tamper(node, reply):
+        if node == target and reply.metadata.message_type == "train":
+            features = reply.content["features"]["features"].numpy().copy()
+            features[0, 0, 0] = np.nan
+            reply.content["features"]["features"] = Array(features)
+        return reply
+    return tamper
+
+
+def test_rounds_write_the_run_directory(tmp_path):
+    run = RunDirectory.create(tmp_path / "run", CFG.resolved())
+    run_server(FakeGrid(3), run.path)
+    records = run.metrics()
+    assert [r["round"] for r in records] == [1, 2]
+    for key in ("test_accuracy", "client_loss", "server_loss", "client_seconds", "server_seconds", "upload_bytes",
+                "epsilon"):
+        assert key in records[0]
+    assert records[0]["clients"] == [0, 1, 2] and records[0]["dropped"] == {}
+    features = run.load_arrays(run.upload_dir(2, 1) / "features.safetensors")
+    assert features["features"].shape[1:] == (17, 192)
+    truth = run.load_arrays(run.truth_path(2, 1))
+    assert truth["kept_ids"].shape == (len(features["labels"]), 16)
+    assert sorted(p.name for p in (run.path / "checkpoints").iterdir()) == [f"round-000{i}.safetensors" for i in range(3)]
+    assert run.verify() == []
+    # Upload bytes are what the client sent: phi + h + features.
+    update = run.load_arrays(run.upload_dir(2, 1) / "update.safetensors")
+    sent = sum(a.nbytes for a in update.values()) + sum(a.nbytes for a in features.values())
+    assert records[1]["upload_bytes"]["1"] == sent
+
+
+def test_bad_upload_is_dropped_and_the_round_goes_on(tmp_path):
+    run = RunDirectory.create(tmp_path / "run", CFG.resolved())
+    run_server(FakeGrid(3, tamper=poison_node(101)), run.path)
+    records = run.metrics()
+    assert len(records) == 2
+    assert "NaN" in records[0]["dropped"]["1"]
+    assert set(records[0]["upload_bytes"]) == {"0", "2"}
+    assert not run.upload_dir(1, 1).exists()  # nothing of the bad upload is kept
+
+
+def test_resumed_run_equals_uninterrupted_run(tmp_path):
+    full = RunDirectory.create(tmp_path / "full", CFG.resolved())
+    run_server(FakeGrid(3), full.path)
+
+    cut = RunDirectory.create(tmp_path / "cut", CFG.resolved())
+    (cut.path / "config.toml").write_text(TrainConfig(**{**CFG.__dict__, "rounds": 1}).resolved().to_toml())
+    run_server(FakeGrid(3), cut.path)
+    (cut.path / "config.toml").write_text(CFG.resolved().to_toml())
+    # Debris of a crash in round 2: a half-written upload.
+    cut.upload_dir(2, 0).mkdir(parents=True)
+    (cut.upload_dir(2, 0) / "update.safetensors").write_bytes(b"partial")
+    run_server(FakeGrid(3), cut.path)
+
+    assert [r["test_accuracy"] for r in cut.metrics()] == [r["test_accuracy"] for r in full.metrics()]
+    a, b = full.load_checkpoint(2), cut.load_checkpoint(2)
+    assert all(np.array_equal(a[k].numpy(), b[k].numpy()) for k in a)
+
+
+def test_missing_partition_is_a_clear_error(tmp_path):
+    run = RunDirectory.create(tmp_path / "run", CFG.resolved())
+    grid = FakeGrid(3, partitions={100: 0, 101: 1, 102: 1})
+    with pytest.raises(FederationError, match=r"partition\(s\) \[2\]"):
+        run_server(grid, run.path)
