@@ -1,0 +1,83 @@
+"""End to end through Flower's simulation engine (Ray), as a user runs it: the CLI in a subprocess."""
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+
+import numpy as np
+import pytest
+from safetensors.numpy import load_file
+
+pytestmark = pytest.mark.slow
+
+TINY = ["--clients", "3", "--rounds", "2", "--train-samples", "150", "--test-samples", "60", "--batch-size", "32"]
+ENV = {**os.environ, "HF_HUB_OFFLINE": "1", "FLWR_TELEMETRY_ENABLED": "0", "FLWR_DISABLE_UPDATE_CHECK": "1"}
+
+
+def eftguard(*args, timeout=300):
+    return subprocess.run([sys.executable, "-m", "eftguard.cli", *args], env=ENV, capture_output=True, text=True,
+                          timeout=timeout)
+
+
+@pytest.fixture(scope="module")
+def finished_run(tmp_path_factory):
+    out = tmp_path_factory.mktemp("sim") / "run"
+    result = eftguard("train", "--out", str(out), *TINY)
+    assert result.returncode == 0, result.stderr[-3000:]
+    return out, result
+
+
+def test_two_rounds_of_simulation(finished_run):
+    out, result = finished_run
+    records = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+    assert [r["round"] for r in records] == [1, 2]
+    assert all(0.0 <= r["test_accuracy"] <= 1.0 and r["dropped"] == {} for r in records)
+    assert "final test accuracy" in result.stdout
+    for client in range(3):
+        features = load_file(str(out / f"observed/round-0002/client-{client:02d}/features.safetensors"))
+        assert features["features"].shape[1:] == (17, 192) and np.isfinite(features["features"]).all()
+        assert (out / f"truth/round-0002/client-{client:02d}.safetensors").exists()
+    manifest = json.loads((out / "manifest.json").read_text())
+    assert "checkpoints/round-0002.safetensors" in manifest["artefacts"]
+
+
+def test_killed_run_resumes_to_the_same_result(finished_run, tmp_path):
+    reference, _ = finished_run
+    out = tmp_path / "run"
+    process = subprocess.Popen([sys.executable, "-m", "eftguard.cli", "train", "--out", str(out), *TINY], env=ENV,
+                               stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True)
+    try:
+        deadline = time.monotonic() + 240
+        while time.monotonic() < deadline and process.poll() is None:
+            metrics = out / "metrics.jsonl"
+            if metrics.exists() and metrics.read_text().count("\n") >= 1:
+                break
+            time.sleep(0.2)
+        assert process.poll() is None, "the run ended before it could be interrupted"
+    finally:
+        os.killpg(process.pid, signal.SIGKILL)  # a crash: no chance to clean up
+        process.wait(timeout=30)
+    assert (out / "metrics.jsonl").read_text().count("\n") == 1
+
+    result = eftguard("train", "--resume", str(out))
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert "resuming" in result.stderr
+    ours = [json.loads(line)["test_accuracy"] for line in (out / "metrics.jsonl").read_text().splitlines()]
+    theirs = [json.loads(line)["test_accuracy"] for line in (reference / "metrics.jsonl").read_text().splitlines()]
+    assert ours == theirs
+    a = load_file(str(out / "checkpoints/round-0002.safetensors"))
+    b = load_file(str(reference / "checkpoints/round-0002.safetensors"))
+    assert all(np.array_equal(a[k], b[k]) for k in a)
+
+
+def test_fedavg_reference_through_the_same_apps(tmp_path):
+    out = tmp_path / "run"
+    result = eftguard("train", "--out", str(out), "--method", "fedavg", *TINY[:-4], "--rounds", "1",
+                      "--batch-size", "32")
+    assert result.returncode == 0, result.stderr[-3000:]
+    update = load_file(str(out / "observed/round-0001/client-00/update.safetensors"))
+    assert any(k.startswith("global_module.") for k in update)
+    assert not (out / "observed/round-0001/client-00/features.safetensors").exists()
