@@ -164,7 +164,7 @@ def cmd_demo(args: argparse.Namespace) -> None:
     out = args.out or Path("runs") / f"demo-{time.strftime('%Y%m%d-%H%M%S')}"
     results, seconds = {}, {}
     for method in METHODS:
-        cfg = TrainConfig(method=method, rounds=args.rounds, train_samples=2000, test_samples=500).resolved()
+        cfg = TrainConfig(method=method, rounds=args.rounds, train_samples=1500, test_samples=500).resolved()
         prepare(cfg)
         run_dir = out / method
         RunDirectory.create(run_dir, cfg)
