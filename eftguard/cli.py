@@ -11,11 +11,12 @@ from pathlib import Path
 
 from eftguard.config import FEDERATIONS, METHODS, ConfigError, TrainConfig
 from eftguard.data import DATASET_HELP, DataError
+from eftguard.federation.server import FederationError
 from eftguard.model import PRESETS, ModelError
 from eftguard.rundir import RunDirectory, RunError
 from eftguard.sampling import BALANCE_MODES
 
-USER_ERRORS = (ConfigError, DataError, ModelError, RunError)
+USER_ERRORS = (ConfigError, DataError, ModelError, RunError, FederationError)
 
 TRAIN_HELP = {
     "dataset": f"dataset: {DATASET_HELP}",
@@ -41,7 +42,8 @@ TRAIN_HELP = {
     "seed": "seed of everything random (init, split, masks, sampling)",
     "train_samples": "use a seeded random subset of this many training images (0: all)",
     "test_samples": "evaluate on a seeded random subset of this many test images (0: all)",
-    "federation": "runtime: simulation (Flower's simulation engine on this machine)",
+    "federation": "runtime: simulation (Flower's simulation engine on this machine) or deployment (a running "
+                  "SuperLink with one SuperNode per partition; see --superlink)",
     "cpus_per_client": "CPU cores reserved per simulated client (2 clients train in parallel on 2 cores)",
     "round_timeout": "seconds to wait for client replies in a round; late clients are dropped",
 }
@@ -80,6 +82,11 @@ def build_parser() -> argparse.ArgumentParser:
                        help="continue an interrupted run from its last completed round (its config.toml is used; "
                             "only --rounds may be raised)")
     train.add_argument("--config", type=Path, help="TOML file of training options; flags override it")
+    deploy = train.add_argument_group("deployment (--federation deployment; not stored in config.toml)")
+    deploy.add_argument("--superlink", metavar="HOST:PORT", help="address of the running SuperLink")
+    deploy.add_argument("--root-certificates", type=Path, metavar="CA.crt",
+                        help="CA certificate that signed the SuperLink's TLS certificate (TLS is the default)")
+    deploy.add_argument("--insecure", action="store_true", help="plaintext gRPC/HTTP instead of TLS (trusted networks only)")
     _add_train_options(train)
 
     demo = sub.add_parser("demo", help="a small EFTViT vs Fed-Full training on the bundled photos",
@@ -112,12 +119,15 @@ def prepare(cfg: TrainConfig) -> None:
     build_model(cfg.model, dataset.num_classes, cfg.local_layers, cfg.pretrained, cfg.checkpoint or None, cfg.seed)
 
 
-def train_run(run_dir: Path, verbose: bool) -> None:
-    from eftguard.federation.simulation import run_simulated
-
+def train_run(run_dir: Path, verbose: bool, args: argparse.Namespace | None = None) -> None:
     cfg = RunDirectory.open(run_dir).config()
     try:
-        run_simulated(run_dir, cfg, verbose)
+        if cfg.federation == "deployment":
+            from eftguard.federation.deployment import run_deployed
+            run_deployed(run_dir, args.superlink, args.root_certificates, args.insecure)
+        else:
+            from eftguard.federation.simulation import run_simulated
+            run_simulated(run_dir, cfg, verbose)
     except KeyboardInterrupt:
         print(f"\ninterrupted; finished rounds are kept. Continue with: eftguard train --resume {run_dir}",
               file=sys.stderr)
@@ -144,8 +154,12 @@ def cmd_train(args: argparse.Namespace) -> None:
         run_dir = args.out or Path("runs") / (args.name or f"{cfg.method}-{time.strftime('%Y%m%d-%H%M%S')}")
         prepare(cfg)
         RunDirectory.create(run_dir, cfg)
+    if cfg.federation != "deployment" and (args.superlink or args.root_certificates or args.insecure):
+        raise ConfigError("--superlink, --root-certificates and --insecure need --federation deployment")
     print(f"run directory: {run_dir}", file=sys.stderr)
-    train_run(run_dir, args.verbose)
+    print(f"data: {cfg.dataset}, {cfg.train_samples or 'all'} training images over {cfg.clients} clients "
+          f"(--train-samples), {cfg.test_samples or 'all'} test images (--test-samples)", file=sys.stderr)
+    train_run(run_dir, args.verbose, args)
     summarize(run_dir)
 
 

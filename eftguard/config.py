@@ -13,7 +13,7 @@ from eftguard.data.registry import check_dataset_name
 from eftguard.sampling import BALANCE_MODES
 
 METHODS = ("eftvit", "fedavg")
-FEDERATIONS = ("simulation",)
+FEDERATIONS = ("simulation", "deployment")
 
 
 class ConfigError(ValueError):
