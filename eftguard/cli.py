@@ -94,6 +94,8 @@ def build_parser() -> argparse.ArgumentParser:
                                       "the same small budget and prints test accuracy per round.")
     demo.add_argument("--out", type=Path, default=None, help="folder for the demo's runs (default: runs/demo-TIME)")
     demo.add_argument("--rounds", type=int, default=3, help="rounds per method (default: 3)")
+    demo.add_argument("--train-samples", type=int, default=1500, help="training images used (default: 1500)")
+    demo.add_argument("--test-samples", type=int, default=500, help="test images used (default: 500)")
     return parser
 
 
@@ -178,7 +180,8 @@ def cmd_demo(args: argparse.Namespace) -> None:
     out = args.out or Path("runs") / f"demo-{time.strftime('%Y%m%d-%H%M%S')}"
     results, seconds = {}, {}
     for method in METHODS:
-        cfg = TrainConfig(method=method, rounds=args.rounds, train_samples=1500, test_samples=500).resolved()
+        cfg = TrainConfig(method=method, rounds=args.rounds, train_samples=args.train_samples,
+                          test_samples=args.test_samples).resolved()
         prepare(cfg)
         run_dir = out / method
         RunDirectory.create(run_dir, cfg)
@@ -188,7 +191,8 @@ def cmd_demo(args: argparse.Namespace) -> None:
         train_run(run_dir, args.verbose)
         seconds[method] = time.perf_counter() - start
         results[method] = RunDirectory.open(run_dir).metrics()
-    table = Table(title=f"photos, 8 clients, beta 0.1: test accuracy per round ({out})")
+    table = Table(title=f"photos, 8 clients, beta 0.1, {args.train_samples or 'all'} training images: "
+                        f"test accuracy per round ({out})")
     table.add_column("round")
     for method in METHODS:
         table.add_column(f"{method}" + (" (r_m 0.75, M 2)" if method == "eftvit" else " (Fed-Full)"))

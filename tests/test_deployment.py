@@ -87,3 +87,15 @@ def test_deployment_needs_tls_or_explicit_insecure(tmp_path, capsys):
         main(["train", "--federation", "deployment", "--superlink", "127.0.0.1:1", "--out", str(tmp_path / "r"),
               "--train-samples", "100"])
     assert "TLS by default" in capsys.readouterr().err
+
+
+def test_connection_config_names_tls_or_plaintext(tmp_path):
+    import tomllib
+
+    from eftguard.federation.deployment import connection_config
+
+    tls = tomllib.loads(connection_config("10.0.0.1:9093", tmp_path / "ca.crt", insecure=False))
+    assert tls["superlink"]["default"] == "eftguard"
+    assert tls["superlink"]["eftguard"] == {"address": "10.0.0.1:9093", "root-certificates": str(tmp_path / "ca.crt")}
+    plain = tomllib.loads(connection_config("127.0.0.1:9093", None, insecure=True))
+    assert plain["superlink"]["eftguard"]["insecure"] is True

@@ -81,3 +81,12 @@ def test_fedavg_reference_through_the_same_apps(tmp_path):
     update = load_file(str(out / "observed/round-0001/client-00/update.safetensors"))
     assert any(k.startswith("global_module.") for k in update)
     assert not (out / "observed/round-0001/client-00/features.safetensors").exists()
+
+
+def test_demo_compares_both_methods(tmp_path):
+    result = eftguard("demo", "--out", str(tmp_path / "demo"), "--rounds", "1", "--train-samples", "120",
+                      "--test-samples", "40")
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert "eftvit" in result.stdout and "fedavg" in result.stdout and "client s/epoch" in result.stdout
+    for method in ("eftvit", "fedavg"):
+        assert json.loads((tmp_path / "demo" / method / "metrics.jsonl").read_text())["method"] == method
