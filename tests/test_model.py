@@ -74,3 +74,19 @@ def test_checkpoint_of_wrong_shape_is_refused_clearly(tmp_path):
         build_model("vit-tiny-32", 10, 2, checkpoint=path)
     with pytest.raises(ModelError, match="does not exist"):
         build_model("vit-tiny-32", 10, 2, checkpoint=tmp_path / "missing.pt")
+
+
+def test_paper_preset_splits_like_timm():
+    model = build_model("vit-b16-224", 10, 2, seed=0)
+    reference = create_timm_vit("vit-b16-224", 10)
+    reference.load_state_dict(to_timm_state(model.state_dict()))
+    images = torch.randn(1, 3, 224, 224)
+    with torch.no_grad():
+        assert torch.allclose(model.eval()(images), reference.eval()(images), atol=1e-4)
+    assert model.local_module.num_patches == 196
+
+
+def test_pretrained_offline_says_what_to_do(monkeypatch):
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    with pytest.raises(ModelError, match="--checkpoint FILE"):
+        build_model("vit-tiny-32", 10, 2, pretrained=True)
