@@ -1,0 +1,1 @@
+"""Defenses: TLS certificates for deployment, encryption at rest of stored uploads (and DP-SGD)."""

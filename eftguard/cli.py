@@ -9,6 +9,7 @@ import sys
 import time
 from pathlib import Path
 
+from defenses.tls import CertificateError
 from eftguard.config import FEDERATIONS, METHODS, ConfigError, TrainConfig
 from eftguard.data import DATASET_HELP, DataError
 from eftguard.federation.server import FederationError
@@ -16,7 +17,7 @@ from eftguard.model import PRESETS, ModelError
 from eftguard.rundir import RunDirectory, RunError
 from eftguard.sampling import BALANCE_MODES
 
-USER_ERRORS = (ConfigError, DataError, ModelError, RunError, FederationError)
+USER_ERRORS = (ConfigError, DataError, ModelError, RunError, FederationError, CertificateError)
 
 TRAIN_HELP = {
     "dataset": f"dataset: {DATASET_HELP}",
@@ -46,6 +47,8 @@ TRAIN_HELP = {
                   "SuperLink with one SuperNode per partition; see --superlink)",
     "cpus_per_client": "CPU cores reserved per simulated client (2 clients train in parallel on 2 cores)",
     "round_timeout": "seconds to wait for client replies in a round; late clients are dropped",
+    "encrypt_at_rest": "KEYFILE: store uploads in observed/ encrypted (AES-256-GCM); a missing file gets a new "
+                       "random key (mode 0600). Attacks and reports then need the key",
 }
 CHOICES = {"method": METHODS, "balance": BALANCE_MODES, "federation": FEDERATIONS, "model": tuple(PRESETS)}
 
@@ -88,6 +91,34 @@ def build_parser() -> argparse.ArgumentParser:
                         help="CA certificate that signed the SuperLink's TLS certificate (TLS is the default)")
     deploy.add_argument("--insecure", action="store_true", help="plaintext gRPC/HTTP instead of TLS (trusted networks only)")
     _add_train_options(train)
+
+    certs = sub.add_parser("certs", help="create a CA and a SuperLink certificate for TLS deployments",
+                           description="Writes ca.crt, ca.key, server.pem and server.key (EC P-256; keys mode 0600). "
+                                       "Give ca.crt to every SuperNode; keep ca.key offline.")
+    certs.add_argument("--out", type=Path, required=True, help="folder for the certificate files")
+    certs.add_argument("--san", action="append", metavar="HOST_OR_IP",
+                       help="address SuperNodes use to reach the SuperLink; repeat for several "
+                            "(default: 127.0.0.1, localhost, ::1)")
+    certs.add_argument("--force", action="store_true", help="replace existing certificate files")
+
+    superlink = sub.add_parser("superlink", help="start a Flower SuperLink with TLS (for --federation deployment)",
+                               description="Runs flower-superlink with the certificates from eftguard certs; "
+                                           "Fleet, Control and Runtime APIs share one port.")
+    superlink.add_argument("--certs", type=Path, help="folder written by eftguard certs")
+    superlink.add_argument("--insecure", action="store_true", help="plaintext instead of TLS (trusted networks only)")
+    superlink.add_argument("--host", default="127.0.0.1", help="address to listen on (default: 127.0.0.1; "
+                                                                "0.0.0.0 for SuperNodes on other hosts)")
+    superlink.add_argument("--port", type=int, default=9092, help="port (default: 9092)")
+
+    supernode = sub.add_parser("supernode", help="start a Flower SuperNode serving one data partition",
+                               description="Runs flower-supernode for partition K of N; stops at once with a clear "
+                                           "error when TLS verification of the SuperLink fails.")
+    supernode.add_argument("--superlink", required=True, metavar="HOST:PORT", help="the SuperLink's address")
+    supernode.add_argument("--root-certificates", type=Path, metavar="CA.crt", help="CA that signed the SuperLink's certificate")
+    supernode.add_argument("--insecure", action="store_true", help="plaintext instead of TLS (trusted networks only)")
+    supernode.add_argument("--partition", type=int, required=True, help="data partition this node serves (0..N-1)")
+    supernode.add_argument("--clients", type=int, required=True, help="N: partitions in the federation (--clients of the run)")
+    supernode.add_argument("--port", type=int, default=None, help="local port of this SuperNode (default: 9100 + partition)")
 
     demo = sub.add_parser("demo", help="a small EFTViT vs Fed-Full training on the bundled photos",
                           description="Trains EFTViT and the Fed-Full reference on the bundled photos dataset with "
@@ -155,6 +186,13 @@ def cmd_train(args: argparse.Namespace) -> None:
         cfg = config_from_args(args)
         run_dir = args.out or Path("runs") / (args.name or f"{cfg.method}-{time.strftime('%Y%m%d-%H%M%S')}")
         prepare(cfg)
+        if cfg.encrypt_at_rest:
+            cfg.encrypt_at_rest = str(Path(cfg.encrypt_at_rest).resolve())
+            if not Path(cfg.encrypt_at_rest).exists():
+                from defenses.at_rest import create_key
+                create_key(Path(cfg.encrypt_at_rest))
+                print(f"created a new at-rest key in {cfg.encrypt_at_rest}: keep it, the uploads cannot be read "
+                      "without it", file=sys.stderr)
         RunDirectory.create(run_dir, cfg)
     if cfg.federation != "deployment" and (args.superlink or args.root_certificates or args.insecure):
         raise ConfigError("--superlink, --root-certificates and --insecure need --federation deployment")
@@ -208,12 +246,41 @@ def _mean_epoch_seconds(records: list[dict]) -> float:
     return sum(values) / max(len(values), 1)
 
 
+def cmd_certs(args: argparse.Namespace) -> None:
+    from defenses.tls import DEFAULT_SANS, write_certificates
+
+    files = write_certificates(args.out, tuple(args.san or DEFAULT_SANS), args.force)
+    print(f"wrote {files.ca_cert} (give to SuperNodes), {files.server_cert}, {files.server_key} (SuperLink) and "
+          f"{files.ca_key} (keep offline) for {', '.join(args.san or DEFAULT_SANS)}")
+
+
+def cmd_superlink(args: argparse.Namespace) -> None:
+    import subprocess
+
+    from eftguard.federation.deployment import check_tls_choice, flower_env, superlink_command
+
+    check_tls_choice(args.certs, args.insecure, flag="--certs")
+    command = superlink_command(args.certs, args.insecure, args.host, args.port)
+    raise SystemExit(subprocess.run(command, env=flower_env()).returncode)
+
+
+def cmd_supernode(args: argparse.Namespace) -> None:
+    from eftguard.federation.deployment import check_tls_choice, run_supernode, supernode_command
+
+    check_tls_choice(args.root_certificates, args.insecure)
+    port = args.port if args.port is not None else 9100 + args.partition
+    command = supernode_command(args.superlink, args.root_certificates, args.insecure, args.partition, args.clients, port)
+    raise SystemExit(run_supernode(command))
+
+
 def main(argv: list[str] | None = None) -> None:
     os.environ.setdefault("FLWR_TELEMETRY_ENABLED", "0")
     os.environ.setdefault("FLWR_DISABLE_UPDATE_CHECK", "1")
     args = build_parser().parse_args(argv)
     try:
-        {"train": cmd_train, "demo": cmd_demo}[args.command](args)
+        commands = {"train": cmd_train, "demo": cmd_demo, "certs": cmd_certs, "superlink": cmd_superlink,
+                    "supernode": cmd_supernode}
+        commands[args.command](args)
     except USER_ERRORS as exc:
         print(f"eftguard: error: {exc}", file=sys.stderr)
         raise SystemExit(2)

@@ -48,6 +48,7 @@ class TrainConfig:
     test_samples: int = 500  # 0: the whole test split
     federation: str = "simulation"
     cpus_per_client: float = 1.0
+    encrypt_at_rest: str = ""  # key file; "" stores uploads in plaintext
     round_timeout: float = 3600.0
 
     def resolved(self) -> "TrainConfig":

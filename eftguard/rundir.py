@@ -20,9 +20,11 @@ from pathlib import Path
 
 import numpy as np
 import torch
-from safetensors.numpy import load_file as load_numpy, save_file as save_numpy
+from safetensors.numpy import load as load_numpy_bytes, load_file as load_numpy, save as save_numpy_bytes, \
+    save_file as save_numpy
 from safetensors.torch import load_file as load_torch, save_file as save_torch
 
+from defenses import at_rest
 from eftguard.config import ConfigError, TrainConfig
 
 FORMAT = "eftguard-run"
@@ -57,8 +59,11 @@ def client_name(partition: int) -> str:
 
 
 class RunDirectory:
-    def __init__(self, path: Path):
+    """A run directory; key decrypts uploads stored encrypted at rest (None: plaintext run or no key)."""
+
+    def __init__(self, path: Path, key: bytes | None = None):
         self.path = Path(path)
+        self.key = key
 
     # --- creation and opening -------------------------------------------------------------------------
 
@@ -68,21 +73,28 @@ class RunDirectory:
         if path.exists() and any(path.iterdir()):
             raise RunError(f"{path} already exists and is not empty: pick another --name/--out, "
                            f"or continue it with --resume {path}")
-        run = cls(path)
+        key = at_rest.read_key(Path(config.encrypt_at_rest)) if config.encrypt_at_rest else None
+        run = cls(path, key)
         path.mkdir(parents=True, exist_ok=True)
         _atomic_write(path / "config.toml", lambda p: p.write_text(config.to_toml()))
+        encryption = {"algorithm": "AES-256-GCM", "key_fingerprint": at_rest.fingerprint(key)} if key else None
         run._write_manifest({"format": FORMAT, "format_version": FORMAT_VERSION,
                              "created": time.strftime("%Y-%m-%dT%H:%M:%S%z"), "seed": config.seed,
-                             "versions": _versions(), "artefacts": {}})
+                             "versions": _versions(), "encrypted_at_rest": encryption, "artefacts": {}})
         run.record_artefact(path / "config.toml")
         return run
 
     @classmethod
-    def open(cls, path: Path) -> "RunDirectory":
+    def open(cls, path: Path, key_file: Path | str | None = None) -> "RunDirectory":
+        """Open an existing run; key_file is needed to read uploads of a run encrypted at rest."""
         path = Path(path)
         if not path.is_dir():
             raise RunError(f"{path} is not a run directory (it does not exist)")
-        run = cls(path)
+        try:
+            key = at_rest.read_key(Path(key_file)) if key_file else None
+        except at_rest.AtRestError as exc:
+            raise RunError(str(exc)) from None
+        run = cls(path, key)
         try:
             manifest = run.manifest()
         except (OSError, json.JSONDecodeError) as exc:
@@ -95,7 +107,15 @@ class RunDirectory:
             run.config()
         except ConfigError as exc:
             raise RunError(f"{path}: config.toml is damaged: {exc}") from None
+        encryption = manifest.get("encrypted_at_rest")
+        if key and (not encryption or encryption["key_fingerprint"] != at_rest.fingerprint(key)):
+            raise RunError(f"the key in {key_file} is not the key {path}'s uploads were encrypted with"
+                           if encryption else f"{path} is not encrypted at rest: drop the key")
         return run
+
+    @property
+    def encrypted(self) -> bool:
+        return bool(self.manifest().get("encrypted_at_rest"))
 
     def config(self) -> TrainConfig:
         return TrainConfig.from_toml_file(self.path / "config.toml")
@@ -186,6 +206,37 @@ class RunDirectory:
 
     def upload_dir(self, round_number: int, partition: int) -> Path:
         return self.path / "observed" / round_name(round_number) / client_name(partition)
+
+    def upload_path(self, round_number: int, partition: int, kind: str) -> Path:
+        """observed/.../{update,features}.safetensors, with .enc when the run is encrypted at rest."""
+        name = f"{kind}.safetensors" + (".enc" if self.encrypted else "")
+        return self.upload_dir(round_number, partition) / name
+
+    def save_upload(self, round_number: int, partition: int, kind: str, arrays: dict[str, np.ndarray]) -> None:
+        path = self.upload_path(round_number, partition, kind)
+        if not self.encrypted:
+            self.save_arrays(path, arrays)
+            return
+        if self.key is None:
+            raise RunError(f"{self.path} stores uploads encrypted at rest but no key was given")
+        plaintext = save_numpy_bytes({k: np.ascontiguousarray(v) for k, v in arrays.items()})
+        blob = at_rest.encrypt(self.key, plaintext, path.relative_to(self.path).as_posix())
+        _atomic_write(path, lambda p: p.write_bytes(blob))
+        self.record_artefact(path)
+
+    def load_upload(self, round_number: int, partition: int, kind: str) -> dict[str, np.ndarray]:
+        path = self.upload_path(round_number, partition, kind)
+        if not path.exists():
+            raise RunError(f"{path} does not exist: no {kind} upload of client {partition} in round {round_number}")
+        if not self.encrypted:
+            return self.load_arrays(path)
+        if self.key is None:
+            raise RunError(f"{self.path}'s uploads are encrypted at rest: pass --key KEYFILE "
+                           "(the file given to --encrypt-at-rest)")
+        try:
+            return load_numpy_bytes(at_rest.decrypt(self.key, path.read_bytes(), path.relative_to(self.path).as_posix()))
+        except at_rest.AtRestError as exc:
+            raise RunError(str(exc)) from None
 
     def truth_path(self, round_number: int, partition: int) -> Path:
         return self.path / "truth" / round_name(round_number) / f"{client_name(partition)}.safetensors"

@@ -13,7 +13,7 @@ from flwr.supercore.task_identity import TaskIdentity
 from eftguard.config import TrainConfig
 from eftguard.federation import apps
 from eftguard.federation.server import FederationError, run_server
-from eftguard.rundir import RunDirectory
+from eftguard.rundir import RunDirectory, RunError
 
 CFG = TrainConfig(clients=3, rounds=2, train_samples=120, test_samples=40, batch_size=32)
 
@@ -84,14 +84,14 @@ def test_rounds_write_the_run_directory(tmp_path):
                 "epsilon"):
         assert key in records[0]
     assert records[0]["clients"] == [0, 1, 2] and records[0]["dropped"] == {}
-    features = run.load_arrays(run.upload_dir(2, 1) / "features.safetensors")
+    features = run.load_upload(2, 1, "features")
     assert features["features"].shape[1:] == (17, 192)
     truth = run.load_arrays(run.truth_path(2, 1))
     assert truth["kept_ids"].shape == (len(features["labels"]), 16)
     assert sorted(p.name for p in (run.path / "checkpoints").iterdir()) == [f"round-000{i}.safetensors" for i in range(3)]
     assert run.verify() == []
     # Upload bytes are what the client sent: phi + h + features.
-    update = run.load_arrays(run.upload_dir(2, 1) / "update.safetensors")
+    update = run.load_upload(2, 1, "update")
     sent = sum(a.nbytes for a in update.values()) + sum(a.nbytes for a in features.values())
     assert records[1]["upload_bytes"]["1"] == sent
 
@@ -129,3 +129,29 @@ def test_missing_partition_is_a_clear_error(tmp_path):
     grid = FakeGrid(3, partitions={100: 0, 101: 1, 102: 1})
     with pytest.raises(FederationError, match=r"partition\(s\) \[2\]"):
         run_server(grid, run.path)
+
+
+def test_uploads_encrypted_at_rest_need_the_key(tmp_path):
+    from defenses.at_rest import create_key
+
+    create_key(tmp_path / "key")
+    create_key(tmp_path / "other")
+    cfg = TrainConfig(**{**CFG.__dict__, "rounds": 1, "encrypt_at_rest": str(tmp_path / "key")}).resolved()
+    run = RunDirectory.create(tmp_path / "run", cfg)
+    run_server(FakeGrid(3), run.path)
+    stored = run.upload_path(1, 0, "features")
+    assert stored.name == "features.safetensors.enc" and b"features" not in stored.read_bytes()
+
+    with pytest.raises(RunError, match="pass --key KEYFILE"):
+        RunDirectory.open(run.path).load_upload(1, 0, "features")
+    with pytest.raises(RunError, match="not the key"):
+        RunDirectory.open(run.path, tmp_path / "other")
+    opened = RunDirectory.open(run.path, tmp_path / "key")
+    features = opened.load_upload(1, 0, "features")
+    truth = opened.load_arrays(opened.truth_path(1, 0))
+    assert features["features"].shape == (len(truth["sample_ids"]), 17, 192)
+    # A ciphertext moved into another client's slot does not open.
+    other = opened.upload_path(1, 1, "features")
+    other.write_bytes(stored.read_bytes())
+    with pytest.raises(RunError, match="altered or moved"):
+        opened.load_upload(1, 1, "features")

@@ -1,8 +1,9 @@
-"""Running the apps on a deployed Flower SuperLink with `flwr run`.
+"""Running the apps on a deployed Flower federation: the SuperLink and SuperNode processes, and `flwr run`.
 
 The ServerApp runs where the SuperLink runs and writes the run directory there, so start
 `eftguard train --federation deployment` on the SuperLink's host. Each SuperNode serves one data
-partition: `flower-supernode ... --node-config "partition-id=K num-partitions=N"`.
+partition (node config "partition-id=K num-partitions=N"). TLS is the default everywhere; plaintext
+only with an explicit --insecure.
 """
 
 from __future__ import annotations
@@ -22,12 +23,77 @@ from eftguard.rundir import RunDirectory
 APP_DIR = Path(__file__).parent / "flwr_app"
 
 
-def flwr_executable() -> str:
-    beside = Path(sys.executable).with_name("flwr")
-    found = str(beside) if beside.exists() else shutil.which("flwr")
+TLS_FAILURE_MARKERS = ("CERTIFICATE_VERIFY_FAILED", "SSL/TLS handshake error", "certificate verify failed")
+
+
+def flower_executable(name: str) -> str:
+    beside = Path(sys.executable).with_name(name)
+    found = str(beside) if beside.exists() else shutil.which(name)
     if not found:
-        raise FederationError("the `flwr` command is missing: reinstall eftguard (pip install -e .)")
+        raise FederationError(f"the `{name}` command is missing: reinstall eftguard (pip install -e .)")
     return found
+
+
+def flower_env(**extra: str) -> dict[str, str]:
+    """Flower's processes start further Flower commands from PATH: put this environment's first."""
+    path = f"{Path(sys.executable).parent}{os.pathsep}{os.environ.get('PATH', '')}"
+    return {**os.environ, "PATH": path, "FLWR_TELEMETRY_ENABLED": "0", "FLWR_DISABLE_UPDATE_CHECK": "1", **extra}
+
+
+def check_tls_choice(root_certificates: Path | None, insecure: bool, flag: str = "--root-certificates") -> None:
+    if insecure and root_certificates:
+        raise ConfigError(f"choose either --insecure or {flag}, not both")
+    if not insecure and not root_certificates:
+        raise ConfigError(f"TLS is the default: pass {flag} (or --insecure for plaintext on a trusted network)")
+    if root_certificates and not Path(root_certificates).exists():
+        raise ConfigError(f"{flag} {root_certificates} does not exist (create certificates with eftguard certs)")
+    if insecure:
+        print("eftguard: warning: --insecure: uploads travel unencrypted", file=sys.stderr)
+
+
+def superlink_command(certs: Path | None, insecure: bool, host: str, port: int) -> list[str]:
+    command = [flower_executable("flower-superlink"), "--host", host, "--port", str(port),
+               "--disable-runtime-dependency-installation"]
+    if insecure:
+        return command + ["--insecure"]
+    from defenses.tls import CertificateFiles
+
+    files = CertificateFiles(Path(certs))
+    for needed in (files.ca_cert, files.server_cert, files.server_key):
+        if not needed.is_file():
+            raise ConfigError(f"{needed} is missing: create certificates with eftguard certs --out {certs}")
+    return command + ["--ssl-ca-certfile", str(files.ca_cert), "--ssl-certfile", str(files.server_cert),
+                      "--ssl-keyfile", str(files.server_key)]
+
+
+def supernode_command(superlink: str, root_certificates: Path | None, insecure: bool, partition: int, clients: int,
+                      port: int) -> list[str]:
+    if not 0 <= partition < clients:
+        raise ConfigError(f"--partition must be between 0 and --clients - 1 ({clients - 1}), got {partition}")
+    command = [flower_executable("flower-supernode"), "--superlink", superlink, "--port", str(port),
+               "--node-config", f"partition-id={partition} num-partitions={clients}"]
+    return command + (["--insecure"] if insecure else ["--root-certificates", str(root_certificates)])
+
+
+def run_supernode(command: list[str]) -> int:
+    """Run a SuperNode, passing its log through; stop at once with a clear error if TLS verification fails
+    (Flower would otherwise keep retrying the handshake)."""
+    process = subprocess.Popen(command, env=flower_env(), stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    try:
+        for line in process.stdout:
+            sys.stderr.write(line)
+            if any(marker in line for marker in TLS_FAILURE_MARKERS):
+                process.terminate()
+                process.wait(timeout=10)
+                raise FederationError("TLS verification failed: the SuperLink's certificate is not signed by the CA "
+                                      "given as --root-certificates, or does not name the address in --superlink "
+                                      "(see eftguard certs --san)")
+        return process.wait()
+    except BaseException:
+        if process.poll() is None:
+            process.terminate()
+            process.wait(timeout=10)
+        raise
 
 
 def connection_config(superlink: str, root_certificates: Path | None, insecure: bool) -> str:
@@ -43,21 +109,13 @@ def connection_config(superlink: str, root_certificates: Path | None, insecure: 
 def run_deployed(run_dir: Path, superlink: str | None, root_certificates: Path | None, insecure: bool) -> None:
     if not superlink:
         raise ConfigError("--federation deployment needs --superlink HOST:PORT (the SuperLink's address)")
-    if insecure and root_certificates:
-        raise ConfigError("choose either --insecure or --root-certificates, not both")
-    if not insecure and not root_certificates:
-        raise ConfigError("deployment uses TLS by default: pass --root-certificates CA.crt "
-                          "(or --insecure for plaintext on a trusted network)")
-    if root_certificates and not Path(root_certificates).is_file():
-        raise ConfigError(f"--root-certificates {root_certificates} does not exist")
-    if insecure:
-        print("eftguard: warning: --insecure: uploads travel unencrypted", file=sys.stderr)
+    check_tls_choice(root_certificates, insecure)
     run = RunDirectory.open(run_dir)
     rounds = run.config().rounds
     with tempfile.TemporaryDirectory(prefix="eftguard-flwr-") as home:
         (Path(home) / "config.toml").write_text(connection_config(superlink, root_certificates, insecure))
-        env = {**os.environ, "FLWR_HOME": home, "FLWR_TELEMETRY_ENABLED": "0", "FLWR_DISABLE_UPDATE_CHECK": "1"}
-        command = [flwr_executable(), "run", str(APP_DIR), "eftguard", "--stream",
+        env = flower_env(FLWR_HOME=home)
+        command = [flower_executable("flwr"), "run", str(APP_DIR), "eftguard", "--stream",
                    "-c", f"run-dir={json.dumps(str(Path(run_dir).resolve()))}"]
         result = subprocess.run(command, env=env)
     done = run.completed_rounds()

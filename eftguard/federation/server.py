@@ -133,8 +133,8 @@ def exchange(grid: Grid, messages: dict[int, Message], timeout: float, progress:
 
 
 def run_server(grid: Grid, run_dir: Path) -> None:
-    run = RunDirectory.open(run_dir)
-    cfg = run.config()
+    cfg = RunDirectory.open(run_dir).config()
+    run = RunDirectory.open(run_dir, cfg.encrypt_at_rest or None)
     dataset = run_dataset(cfg.dataset, cfg.data_dir, cfg.model, cfg.train_samples, cfg.test_samples, cfg.seed)
     test_images, test_labels = torch.from_numpy(dataset.test.images), torch.from_numpy(dataset.test.labels)
     done = run.completed_rounds()
@@ -191,10 +191,9 @@ def run_round(grid: Grid, run: RunDirectory, cfg: TrainConfig, model: EFTViT, sp
             dropped[str(partition)] = str(exc)
             progress.console.print(f"[yellow]round {round_number}: dropped client {partition}'s upload: {exc}")
             continue
-        folder = run.upload_dir(round_number, partition)
-        run.save_arrays(folder / "update.safetensors", upload.update)
+        run.save_upload(round_number, partition, "update", upload.update)
         if upload.features is not None:
-            run.save_arrays(folder / "features.safetensors", upload.features)
+            run.save_upload(round_number, partition, "features", upload.features)
         run.save_arrays(run.truth_path(round_number, partition), truth)
         accepted.append(upload)
 

@@ -1,0 +1,126 @@
+"""Certificates for a TLS-encrypted Flower deployment: a private CA and a server certificate.
+
+EC P-256 keys. The CA certificate is a CA (basicConstraints CA:TRUE, pathlen 0) that may only sign
+certificates and CRLs; the server certificate is an end-entity serverAuth certificate whose subject
+alternative names list every address the SuperNodes use to reach the SuperLink.
+"""
+
+from __future__ import annotations
+
+import datetime as dt
+import ipaddress
+import os
+from dataclasses import dataclass
+from pathlib import Path
+
+from cryptography import x509
+from cryptography.hazmat.primitives import hashes, serialization
+from cryptography.hazmat.primitives.asymmetric import ec
+from cryptography.x509.oid import ExtendedKeyUsageOID, NameOID
+
+DEFAULT_SANS = ("127.0.0.1", "localhost", "::1")
+CA_DAYS, SERVER_DAYS = 3650, 825
+
+
+class CertificateError(ValueError):
+    """Certificates could not be written; the message says how to fix it."""
+
+
+@dataclass(frozen=True)
+class CertificateFiles:
+    """The files `eftguard certs` writes, named as Flower's TLS flags expect them."""
+
+    folder: Path
+
+    @property
+    def ca_cert(self) -> Path:
+        return self.folder / "ca.crt"
+
+    @property
+    def ca_key(self) -> Path:
+        return self.folder / "ca.key"
+
+    @property
+    def server_cert(self) -> Path:
+        return self.folder / "server.pem"
+
+    @property
+    def server_key(self) -> Path:
+        return self.folder / "server.key"
+
+    def all(self) -> tuple[Path, ...]:
+        return self.ca_cert, self.ca_key, self.server_cert, self.server_key
+
+
+def _name(common_name: str) -> x509.Name:
+    return x509.Name([x509.NameAttribute(NameOID.ORGANIZATION_NAME, "eftguard"),
+                      x509.NameAttribute(NameOID.COMMON_NAME, common_name)])
+
+
+def _san(entry: str) -> x509.GeneralName:
+    try:
+        return x509.IPAddress(ipaddress.ip_address(entry))
+    except ValueError:
+        if not entry or any(c.isspace() for c in entry):
+            raise CertificateError(f"--san {entry!r} is neither an IP address nor a host name") from None
+        return x509.DNSName(entry)
+
+
+def issue_certificates(sans: tuple[str, ...] = DEFAULT_SANS, now: dt.datetime | None = None):
+    """(ca_key, ca_cert, server_key, server_cert) objects."""
+    now = now or dt.datetime.now(dt.timezone.utc)
+    ca_key = ec.generate_private_key(ec.SECP256R1())
+    ca_cert = (
+        x509.CertificateBuilder()
+        .subject_name(_name("eftguard CA")).issuer_name(_name("eftguard CA"))
+        .public_key(ca_key.public_key()).serial_number(x509.random_serial_number())
+        .not_valid_before(now - dt.timedelta(minutes=5)).not_valid_after(now + dt.timedelta(days=CA_DAYS))
+        .add_extension(x509.BasicConstraints(ca=True, path_length=0), critical=True)
+        .add_extension(x509.KeyUsage(digital_signature=False, content_commitment=False, key_encipherment=False,
+                                     data_encipherment=False, key_agreement=False, key_cert_sign=True, crl_sign=True,
+                                     encipher_only=False, decipher_only=False), critical=True)
+        .add_extension(x509.SubjectKeyIdentifier.from_public_key(ca_key.public_key()), critical=False)
+        .sign(ca_key, hashes.SHA256())
+    )
+    server_key = ec.generate_private_key(ec.SECP256R1())
+    server_cert = (
+        x509.CertificateBuilder()
+        .subject_name(_name(sans[0])).issuer_name(ca_cert.subject)
+        .public_key(server_key.public_key()).serial_number(x509.random_serial_number())
+        .not_valid_before(now - dt.timedelta(minutes=5)).not_valid_after(now + dt.timedelta(days=SERVER_DAYS))
+        .add_extension(x509.BasicConstraints(ca=False, path_length=None), critical=True)
+        .add_extension(x509.KeyUsage(digital_signature=True, content_commitment=False, key_encipherment=False,
+                                     data_encipherment=False, key_agreement=True, key_cert_sign=False, crl_sign=False,
+                                     encipher_only=False, decipher_only=False), critical=True)
+        .add_extension(x509.ExtendedKeyUsage([ExtendedKeyUsageOID.SERVER_AUTH]), critical=False)
+        .add_extension(x509.SubjectAlternativeName([_san(s) for s in sans]), critical=False)
+        .add_extension(x509.AuthorityKeyIdentifier.from_issuer_public_key(ca_key.public_key()), critical=False)
+        .sign(ca_key, hashes.SHA256())
+    )
+    return ca_key, ca_cert, server_key, server_cert
+
+
+def _write(path: Path, data: bytes, private: bool) -> None:
+    """Keys are created with mode 0600 from the start, never readable by others even briefly."""
+    flags = os.O_WRONLY | os.O_CREAT | os.O_TRUNC
+    fd = os.open(path, flags, 0o600 if private else 0o644)
+    with os.fdopen(fd, "wb") as f:
+        f.write(data)
+    os.chmod(path, 0o600 if private else 0o644)
+
+
+def write_certificates(folder: Path, sans: tuple[str, ...] = DEFAULT_SANS, force: bool = False) -> CertificateFiles:
+    files = CertificateFiles(Path(folder))
+    existing = [p for p in files.all() if p.exists()]
+    if existing and not force:
+        raise CertificateError(f"{existing[0]} already exists: pass --force to replace the certificates "
+                               "(SuperNodes then need the new ca.crt)")
+    sans = tuple(dict.fromkeys(sans))  # keep order, drop repeats
+    ca_key, ca_cert, server_key, server_cert = issue_certificates(sans)
+    files.folder.mkdir(parents=True, exist_ok=True)
+    pem, pkcs8 = serialization.Encoding.PEM, serialization.PrivateFormat.PKCS8
+    _write(files.ca_cert, ca_cert.public_bytes(pem), private=False)
+    _write(files.server_cert, server_cert.public_bytes(pem), private=False)
+    _write(files.ca_key, ca_key.private_bytes(pem, pkcs8, serialization.NoEncryption()), private=True)
+    _write(files.server_key, server_key.private_bytes(pem, pkcs8, serialization.NoEncryption()), private=True)
+    return files
