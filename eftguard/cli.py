@@ -109,6 +109,20 @@ def build_parser() -> argparse.ArgumentParser:
     superlink.add_argument("--host", default="127.0.0.1", help="address to listen on (default: 127.0.0.1; "
                                                                 "0.0.0.0 for SuperNodes on other hosts)")
     superlink.add_argument("--port", type=int, default=9092, help="port (default: 9092)")
+    superlink.add_argument("--node-auth", action="store_true",
+                           help="accept only SuperNodes whose key was registered with eftguard register-node")
+
+    node_key = sub.add_parser("node-key", help="create a SuperNode authentication key pair",
+                              description="Writes KEY (private, mode 0600, for eftguard supernode --auth-key) and "
+                                          "KEY.pub (for eftguard register-node).")
+    node_key.add_argument("--out", type=Path, required=True, metavar="KEY", help="path of the private key")
+    node_key.add_argument("--force", action="store_true", help="replace an existing key")
+
+    register = sub.add_parser("register-node", help="allow a SuperNode's public key on a SuperLink with --node-auth")
+    register.add_argument("public_key", type=Path, metavar="KEY.pub")
+    register.add_argument("--superlink", required=True, metavar="HOST:PORT", help="the SuperLink's address")
+    register.add_argument("--root-certificates", type=Path, metavar="CA.crt", help="CA that signed the SuperLink's certificate")
+    register.add_argument("--insecure", action="store_true", help="plaintext instead of TLS (trusted networks only)")
 
     supernode = sub.add_parser("supernode", help="start a Flower SuperNode serving one data partition",
                                description="Runs flower-supernode for partition K of N; stops at once with a clear "
@@ -119,6 +133,8 @@ def build_parser() -> argparse.ArgumentParser:
     supernode.add_argument("--partition", type=int, required=True, help="data partition this node serves (0..N-1)")
     supernode.add_argument("--clients", type=int, required=True, help="N: partitions in the federation (--clients of the run)")
     supernode.add_argument("--port", type=int, default=None, help="local port of this SuperNode (default: 9100 + partition)")
+    supernode.add_argument("--auth-key", type=Path, metavar="KEY", help="private key from eftguard node-key "
+                                                                        "(for a SuperLink with --node-auth)")
 
     demo = sub.add_parser("demo", help="a small EFTViT vs Fed-Full training on the bundled photos",
                           description="Trains EFTViT and the Fed-Full reference on the bundled photos dataset with "
@@ -260,7 +276,7 @@ def cmd_superlink(args: argparse.Namespace) -> None:
     from eftguard.federation.deployment import check_tls_choice, flower_env, superlink_command
 
     check_tls_choice(args.certs, args.insecure, flag="--certs")
-    command = superlink_command(args.certs, args.insecure, args.host, args.port)
+    command = superlink_command(args.certs, args.insecure, args.host, args.port, args.node_auth)
     raise SystemExit(subprocess.run(command, env=flower_env()).returncode)
 
 
@@ -269,8 +285,22 @@ def cmd_supernode(args: argparse.Namespace) -> None:
 
     check_tls_choice(args.root_certificates, args.insecure)
     port = args.port if args.port is not None else 9100 + args.partition
-    command = supernode_command(args.superlink, args.root_certificates, args.insecure, args.partition, args.clients, port)
+    command = supernode_command(args.superlink, args.root_certificates, args.insecure, args.partition, args.clients, port,
+                                args.auth_key)
     raise SystemExit(run_supernode(command))
+
+
+def cmd_node_key(args: argparse.Namespace) -> None:
+    from defenses.node_auth import write_node_key
+
+    private, public = write_node_key(args.out, args.force)
+    print(f"wrote {private} (SuperNode: --auth-key) and {public} (SuperLink: eftguard register-node)")
+
+
+def cmd_register_node(args: argparse.Namespace) -> None:
+    from eftguard.federation.deployment import register_node
+
+    register_node(args.public_key, args.superlink, args.root_certificates, args.insecure)
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -279,7 +309,7 @@ def main(argv: list[str] | None = None) -> None:
     args = build_parser().parse_args(argv)
     try:
         commands = {"train": cmd_train, "demo": cmd_demo, "certs": cmd_certs, "superlink": cmd_superlink,
-                    "supernode": cmd_supernode}
+                    "supernode": cmd_supernode, "node-key": cmd_node_key, "register-node": cmd_register_node}
         commands[args.command](args)
     except USER_ERRORS as exc:
         print(f"eftguard: error: {exc}", file=sys.stderr)

@@ -62,26 +62,56 @@ class Processes:
                 process.wait(timeout=5)
 
 
-@pytest.fixture
-def tls_federation(tmp_path):
+def start_superlink(tmp_path, node_auth):
     subprocess.run([*EFTGUARD, "certs", "--out", str(tmp_path / "certs")], env=ENV, check=True, capture_output=True)
     port = free_port()
     processes = Processes(tmp_path)
+    processes.start("superlink", "--certs", str(tmp_path / "certs"), "--port", str(port),
+                    *(["--node-auth"] if node_auth else []), log="superlink.log")
+    wait_for_port(port)
+    return processes, port
+
+
+@pytest.fixture
+def tls_federation(tmp_path):
+    processes, port = start_superlink(tmp_path, node_auth=False)
+    yield processes, port, tmp_path
+    processes.stop_all()
+
+
+@pytest.fixture
+def authenticated_federation(tmp_path):
+    processes, port = start_superlink(tmp_path, node_auth=True)
+    yield processes, port, tmp_path
+    processes.stop_all()
+
+
+def node_key(tmp_path, name, port=None):
+    key = tmp_path / "keys" / name
+    subprocess.run([*EFTGUARD, "node-key", "--out", str(key)], env=ENV, check=True, capture_output=True)
+    if port is not None:
+        subprocess.run([*EFTGUARD, "register-node", f"{key}.pub", "--superlink", f"127.0.0.1:{port}",
+                        "--root-certificates", str(tmp_path / "certs" / "ca.crt")], env=ENV, check=True,
+                       capture_output=True, timeout=60)
+    return key
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("node_auth", [False, True], ids=["tls", "tls+node-auth"])
+def test_eftvit_rounds_over_tls(tmp_path, node_auth):
+    processes, port = start_superlink(tmp_path, node_auth)
     try:
-        processes.start("superlink", "--certs", str(tmp_path / "certs"), "--port", str(port), log="superlink.log")
-        wait_for_port(port)
-        yield processes, port, tmp_path
+        run_two_rounds(processes, port, tmp_path, node_auth)
     finally:
         processes.stop_all()
 
 
-@pytest.mark.slow
-def test_eftvit_rounds_over_tls(tls_federation):
-    processes, port, tmp_path = tls_federation
+def run_two_rounds(processes, port, tmp_path, node_auth):
     ca = str(tmp_path / "certs" / "ca.crt")
     for k in range(2):
+        auth = ["--auth-key", str(node_key(tmp_path, f"node{k}", port))] if node_auth else []
         processes.start("supernode", "--superlink", f"127.0.0.1:{port}", "--root-certificates", ca, "--partition",
-                        str(k), "--clients", "2", "--port", str(free_port()), log=f"supernode{k}.log")
+                        str(k), "--clients", "2", "--port", str(free_port()), *auth, log=f"supernode{k}.log")
     out = tmp_path / "run"
     result = subprocess.run(
         [*EFTGUARD, "train", "--federation", "deployment", "--superlink", f"127.0.0.1:{port}", "--root-certificates",
@@ -105,6 +135,34 @@ def test_supernode_with_another_ca_fails_fast(tls_federation):
     code = node.wait(timeout=60)
     assert code == 2 and time.monotonic() - start < 30
     assert "TLS verification failed" in (tmp_path / "wrong-ca.log").read_text()
+
+
+@pytest.mark.slow
+def test_unregistered_supernode_is_refused(authenticated_federation):
+    processes, port, tmp_path = authenticated_federation
+    node_key(tmp_path, "registered", port)
+    stranger = node_key(tmp_path, "stranger")
+    node = processes.start("supernode", "--superlink", f"127.0.0.1:{port}", "--root-certificates",
+                           str(tmp_path / "certs" / "ca.crt"), "--partition", "0", "--clients", "2",
+                           "--port", str(free_port()), "--auth-key", str(stranger), log="stranger.log")
+    assert node.wait(timeout=60) == 2
+    assert "its key is not registered" in (tmp_path / "stranger.log").read_text()
+
+
+def test_node_keys_are_openssh_ec_pairs(tmp_path):
+    from cryptography.hazmat.primitives.asymmetric import ec
+    from cryptography.hazmat.primitives.serialization import load_ssh_private_key, load_ssh_public_key
+
+    from defenses.node_auth import write_node_key
+    from defenses.tls import CertificateError
+
+    private, public = write_node_key(tmp_path / "node")
+    key = load_ssh_private_key(private.read_bytes(), None)
+    assert isinstance(key, ec.EllipticCurvePrivateKey)
+    assert load_ssh_public_key(public.read_bytes()) == key.public_key()
+    assert oct(private.stat().st_mode & 0o777) == "0o600"
+    with pytest.raises(CertificateError, match="--force"):
+        write_node_key(tmp_path / "node")
 
 
 def test_certificates_are_a_proper_ca_and_server_pair(tmp_path):

@@ -10,10 +10,13 @@ from __future__ import annotations
 
 import json
 import os
+import queue
 import shutil
+import signal
 import subprocess
 import sys
 import tempfile
+import threading
 from pathlib import Path
 
 from eftguard.config import ConfigError
@@ -51,9 +54,9 @@ def check_tls_choice(root_certificates: Path | None, insecure: bool, flag: str =
         print("eftguard: warning: --insecure: uploads travel unencrypted", file=sys.stderr)
 
 
-def superlink_command(certs: Path | None, insecure: bool, host: str, port: int) -> list[str]:
+def superlink_command(certs: Path | None, insecure: bool, host: str, port: int, node_auth: bool = False) -> list[str]:
     command = [flower_executable("flower-superlink"), "--host", host, "--port", str(port),
-               "--disable-runtime-dependency-installation"]
+               "--disable-runtime-dependency-installation"] + (["--enable-supernode-auth"] if node_auth else [])
     if insecure:
         return command + ["--insecure"]
     from defenses.tls import CertificateFiles
@@ -67,33 +70,60 @@ def superlink_command(certs: Path | None, insecure: bool, host: str, port: int) 
 
 
 def supernode_command(superlink: str, root_certificates: Path | None, insecure: bool, partition: int, clients: int,
-                      port: int) -> list[str]:
+                      port: int, auth_key: Path | None = None) -> list[str]:
     if not 0 <= partition < clients:
         raise ConfigError(f"--partition must be between 0 and --clients - 1 ({clients - 1}), got {partition}")
     command = [flower_executable("flower-supernode"), "--superlink", superlink, "--port", str(port),
                "--node-config", f"partition-id={partition} num-partitions={clients}"]
+    if auth_key:
+        if not Path(auth_key).is_file():
+            raise ConfigError(f"--auth-key {auth_key} does not exist (create one with eftguard node-key)")
+        command += ["--auth-supernode-private-key", str(auth_key)]
     return command + (["--insecure"] if insecure else ["--root-certificates", str(root_certificates)])
 
 
+SUPERNODE_FAILURES = (
+    (TLS_FAILURE_MARKERS, "TLS verification failed: the SuperLink's certificate is not signed by the CA given as "
+                          "--root-certificates, or does not name the address in --superlink (see eftguard certs --san)"),
+    (("Failed to activate SuperNode",), "the SuperLink refused this SuperNode: its key is not registered "
+                                        "(eftguard register-node KEY.pub on the SuperLink's side)"),
+)
+
+
 def run_supernode(command: list[str]) -> int:
-    """Run a SuperNode, passing its log through; stop at once with a clear error if TLS verification fails
-    (Flower would otherwise keep retrying the handshake)."""
-    process = subprocess.Popen(command, env=flower_env(), stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    """Run a SuperNode, passing its log through; stop at once with a clear error when the SuperLink cannot be
+    trusted (TLS) or does not accept this node (auth), instead of Flower's retry loop."""
+    process = subprocess.Popen(command, env=flower_env(), stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                               start_new_session=True)
+    # SIGTERM must unwind through `finally`, or the SuperNode's own process group outlives this wrapper.
+    signal.signal(signal.SIGTERM, lambda signum, frame: sys.exit(128 + signum))
+    lines: queue.Queue[str] = queue.Queue()
+    threading.Thread(target=lambda: [lines.put(line) for line in process.stdout], daemon=True).start()
     try:
-        for line in process.stdout:
+        while True:
+            try:
+                line = lines.get(timeout=0.5)
+            except queue.Empty:
+                if process.poll() is not None:
+                    return process.returncode
+                continue
             sys.stderr.write(line)
-            if any(marker in line for marker in TLS_FAILURE_MARKERS):
-                process.terminate()
-                process.wait(timeout=10)
-                raise FederationError("TLS verification failed: the SuperLink's certificate is not signed by the CA "
-                                      "given as --root-certificates, or does not name the address in --superlink "
-                                      "(see eftguard certs --san)")
-        return process.wait()
-    except BaseException:
-        if process.poll() is None:
-            process.terminate()
-            process.wait(timeout=10)
-        raise
+            for markers, message in SUPERNODE_FAILURES:
+                if any(marker in line for marker in markers):
+                    raise FederationError(message)
+    finally:
+        _stop_group(process)
+
+
+def _stop_group(process: subprocess.Popen) -> None:
+    """Stop the SuperNode and the processes it started (SuperExec, ClientApps)."""
+    try:
+        os.killpg(process.pid, signal.SIGTERM)
+        process.wait(timeout=10)
+    except ProcessLookupError:
+        pass
+    except subprocess.TimeoutExpired:
+        os.killpg(process.pid, signal.SIGKILL)
 
 
 def connection_config(superlink: str, root_certificates: Path | None, insecure: bool) -> str:
@@ -104,6 +134,20 @@ def connection_config(superlink: str, root_certificates: Path | None, insecure: 
     else:
         lines.append(f"root-certificates = {json.dumps(str(Path(root_certificates).resolve()))}")
     return "\n".join(lines) + "\n"
+
+
+def register_node(public_key: Path, superlink: str, root_certificates: Path | None, insecure: bool) -> None:
+    """Register a SuperNode's public key with a SuperLink started with node auth (flwr supernode register)."""
+    check_tls_choice(root_certificates, insecure)
+    if not Path(public_key).is_file():
+        raise ConfigError(f"public key {public_key} does not exist (eftguard node-key writes KEY and KEY.pub)")
+    with tempfile.TemporaryDirectory(prefix="eftguard-flwr-") as home:
+        (Path(home) / "config.toml").write_text(connection_config(superlink, root_certificates, insecure))
+        result = subprocess.run([flower_executable("flwr"), "supernode", "register", str(public_key), "eftguard"],
+                                env=flower_env(FLWR_HOME=home), capture_output=True, text=True)
+    if result.returncode != 0:
+        raise FederationError(f"registering {public_key} failed: {(result.stdout + result.stderr).strip()[-500:]}")
+    print(result.stdout.strip())
 
 
 def run_deployed(run_dir: Path, superlink: str | None, root_certificates: Path | None, insecure: bool) -> None:

@@ -28,7 +28,7 @@ from eftguard.training import OptimConfig, evaluate, train_global
 
 log = logging.getLogger("eftguard.server")
 console = Console(stderr=True)
-NODE_WAIT_SECONDS = 120.0
+HANDSHAKE_SECONDS = 600.0
 POLL_SECONDS = 0.1
 
 
@@ -63,8 +63,11 @@ def select_clients(cfg: TrainConfig, round_number: int) -> list[int]:
     return sorted(int(p) for p in rng.choice(cfg.clients, size=cfg.clients_per_round, replace=False))
 
 
-def discover_nodes(grid: Grid, clients: int, timeout: float = NODE_WAIT_SECONDS) -> dict[int, int]:
-    """Wait for the nodes and ask each which partition it holds: {partition-id: node-id}."""
+def discover_nodes(grid: Grid, clients: int, timeout: float) -> dict[int, int]:
+    """Wait for the nodes and ask each which partition it holds: {partition-id: node-id}.
+
+    timeout bounds the wait for nodes to connect and, separately, for their answers (a simulated
+    node starts its process on the first message, which takes a while on a loaded machine)."""
     deadline = time.monotonic() + timeout
     node_ids: list[int] = []
     while time.monotonic() < deadline:
@@ -76,8 +79,11 @@ def discover_nodes(grid: Grid, clients: int, timeout: float = NODE_WAIT_SECONDS)
         raise FederationError(f"only {len(node_ids)} of {clients} client nodes connected within {timeout:.0f} s: "
                               "start one SuperNode per partition")
     messages = [Message(RecordDict({}), node_id, MessageType.QUERY) for node_id in node_ids]
+    replies = list(grid.send_and_receive(messages, timeout=timeout))
+    if not replies:
+        raise FederationError(f"no client node answered the handshake within {timeout:.0f} s")
     partitions: dict[int, int] = {}
-    for reply in grid.send_and_receive(messages, timeout=timeout):
+    for reply in replies:
         if reply.has_error():
             raise FederationError(f"node {reply.metadata.src_node_id} failed the handshake: {reply.error.reason}")
         info = reply.content["node"]
@@ -87,7 +93,8 @@ def discover_nodes(grid: Grid, clients: int, timeout: float = NODE_WAIT_SECONDS)
         partitions[int(info["partition-id"])] = reply.metadata.src_node_id
     missing = sorted(set(range(clients)) - set(partitions))
     if missing:
-        raise FederationError(f"no node holds partition(s) {missing}: each partition-id 0..{clients - 1} needs a node")
+        raise FederationError(f"no node holds partition(s) {missing} (or it did not answer within {timeout:.0f} s): "
+                              f"each partition-id 0..{clients - 1} needs a node")
     return partitions
 
 
@@ -151,7 +158,7 @@ def run_server(grid: Grid, run_dir: Path) -> None:
         console.print(f"{run.path} already has all {cfg.rounds} rounds")
         return
     spec = upload_spec(model, cfg, dataset.num_classes)
-    nodes = discover_nodes(grid, cfg.clients)
+    nodes = discover_nodes(grid, cfg.clients, min(cfg.round_timeout, HANDSHAKE_SECONDS))
     started = time.perf_counter()
     columns = (TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn())
     with Progress(*columns, console=console, transient=False) as progress:
