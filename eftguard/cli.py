@@ -12,7 +12,7 @@ from pathlib import Path
 from defenses.tls import CertificateError
 from eftguard.config import FEDERATIONS, METHODS, ConfigError, TrainConfig
 from eftguard.data import DATASET_HELP, DataError
-from eftguard.federation.server import FederationError
+from eftguard.federation.server import FederationError, Interrupted
 from eftguard.model import PRESETS, ModelError
 from eftguard.rundir import RunDirectory, RunError
 from eftguard.sampling import BALANCE_MODES
@@ -70,10 +70,11 @@ def _add_train_options(parser: argparse.ArgumentParser) -> None:
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="eftguard", description=(
         "Secure EFTViT federated training of Vision Transformers, and attacks that audit what it leaks."))
-    parser.add_argument("--verbose", action="store_true", help="show Flower and Ray logs")
     sub = parser.add_subparsers(dest="command", required=True)
+    logs = argparse.ArgumentParser(add_help=False)
+    logs.add_argument("--verbose", action="store_true", help="show Flower and Ray logs")
 
-    train = sub.add_parser("train", help="train with EFTViT (or the Fed-Full reference) on Flower",
+    train = sub.add_parser("train", parents=[logs], help="train with EFTViT (or the Fed-Full reference) on Flower",
                            description="Hierarchical federated training: each client trains its local module on "
                                        "masked images and uploads median-sampled patch features; the server "
                                        "averages local modules and trains the global module. Writes a run "
@@ -136,7 +137,7 @@ def build_parser() -> argparse.ArgumentParser:
     supernode.add_argument("--auth-key", type=Path, metavar="KEY", help="private key from eftguard node-key "
                                                                         "(for a SuperLink with --node-auth)")
 
-    demo = sub.add_parser("demo", help="a small EFTViT vs Fed-Full training on the bundled photos",
+    demo = sub.add_parser("demo", parents=[logs], help="a small EFTViT vs Fed-Full training on the bundled photos",
                           description="Trains EFTViT and the Fed-Full reference on the bundled photos dataset with "
                                       "the same small budget and prints test accuracy per round.")
     demo.add_argument("--out", type=Path, default=None, help="folder for the demo's runs (default: runs/demo-TIME)")
@@ -177,9 +178,10 @@ def train_run(run_dir: Path, verbose: bool, args: argparse.Namespace | None = No
         else:
             from eftguard.federation.simulation import run_simulated
             run_simulated(run_dir, cfg, verbose)
-    except KeyboardInterrupt:
-        print(f"\ninterrupted; finished rounds are kept. Continue with: eftguard train --resume {run_dir}",
-              file=sys.stderr)
+    except (KeyboardInterrupt, Interrupted):
+        done = RunDirectory.open(run_dir).completed_rounds()
+        print(f"\ninterrupted after round {done}; finished rounds are kept. Continue with: "
+              f"eftguard train --resume {run_dir}", file=sys.stderr)
         raise SystemExit(130)
 
 

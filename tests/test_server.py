@@ -155,3 +155,22 @@ def test_uploads_encrypted_at_rest_need_the_key(tmp_path):
     other.write_bytes(stored.read_bytes())
     with pytest.raises(RunError, match="altered or moved"):
         opened.load_upload(1, 1, "features")
+
+
+def test_stop_request_ends_the_run_after_a_completed_round(tmp_path):
+    from eftguard.federation.server import STOP_REQUESTED, Interrupted
+
+    def stop_after_first_round(node, reply):
+        if reply.metadata.message_type == "train":
+            STOP_REQUESTED.set()  # Ctrl-C arrives while round 1's replies come in
+        return reply
+
+    run = RunDirectory.create(tmp_path / "run", CFG.resolved())
+    try:
+        with pytest.raises(Interrupted):
+            run_server(FakeGrid(3, tamper=stop_after_first_round), run.path)
+    finally:
+        STOP_REQUESTED.clear()
+    assert run.completed_rounds() == 1
+    run_server(FakeGrid(3), run.path)
+    assert run.completed_rounds() == 2

@@ -4,6 +4,7 @@ and everything written to the run directory."""
 from __future__ import annotations
 
 import logging
+import threading
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -34,6 +35,18 @@ POLL_SECONDS = 0.1
 
 class FederationError(RuntimeError):
     """The federation could not run a round (no nodes, wrong nodes); the message says why."""
+
+
+class Interrupted(RuntimeError):
+    """The user asked to stop; completed rounds are kept."""
+
+
+STOP_REQUESTED = threading.Event()  # set by the runtime on Ctrl-C; the server stops at the next poll
+
+
+def check_stop() -> None:
+    if STOP_REQUESTED.is_set():
+        raise Interrupted("interrupted")
 
 
 @dataclass
@@ -130,6 +143,7 @@ def exchange(grid: Grid, messages: dict[int, Message], timeout: float, progress:
     replies: dict[int, Message] = {}
     deadline = time.monotonic() + timeout
     while len(replies) < len(ids) and time.monotonic() < deadline:
+        check_stop()
         pending = [i for i, p in ids.items() if p not in replies]
         for reply in grid.pull_messages(pending):
             replies[ids[reply.metadata.reply_to_message_id]] = reply
@@ -164,6 +178,7 @@ def run_server(grid: Grid, run_dir: Path) -> None:
     with Progress(*columns, console=console, transient=False) as progress:
         rounds_task = progress.add_task("rounds", total=cfg.rounds, completed=done)
         for round_number in range(done + 1, cfg.rounds + 1):
+            check_stop()
             record = run_round(grid, run, cfg, model, spec, nodes, round_number, test_images, test_labels, progress)
             record["elapsed_seconds"] = round(time.perf_counter() - started, 3)
             run.append_metrics(record)

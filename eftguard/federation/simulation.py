@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import logging
 import os
+import signal
 import warnings
 from pathlib import Path
 
@@ -27,10 +28,23 @@ def run_simulated(run_dir: Path, cfg: TrainConfig, verbose: bool = False) -> Non
 
     from eftguard.federation.apps import build_server_app, client_app
 
+    from eftguard.federation.server import STOP_REQUESTED
+
+    def request_stop(signum, frame):
+        """First Ctrl-C: stop after the current poll, keeping finished rounds; a second one kills."""
+        STOP_REQUESTED.set()
+        signal.signal(signal.SIGINT, previous)
+        print("\nstopping (Ctrl-C again to kill) ...", flush=True)
+
     backend_config = {
         "client_resources": {"num_cpus": cfg.cpus_per_client, "num_gpus": 0.0},
         "init_args": {"logging_level": "WARNING" if verbose else "ERROR", "log_to_driver": verbose,
                       "include_dashboard": False},
     }
-    run_simulation(server_app=build_server_app(Path(run_dir).resolve()), client_app=client_app,
-                   num_supernodes=cfg.clients, backend_config=backend_config, verbose_logging=verbose)
+    STOP_REQUESTED.clear()
+    previous = signal.signal(signal.SIGINT, request_stop)
+    try:
+        run_simulation(server_app=build_server_app(Path(run_dir).resolve()), client_app=client_app,
+                       num_supernodes=cfg.clients, backend_config=backend_config, verbose_logging=verbose)
+    finally:
+        signal.signal(signal.SIGINT, previous)
