@@ -160,9 +160,13 @@ def test_uploads_encrypted_at_rest_need_the_key(tmp_path):
 def test_stop_request_ends_the_run_after_a_completed_round(tmp_path):
     from eftguard.federation.server import STOP_REQUESTED, Interrupted
 
+    train_replies = []
+
     def stop_after_first_round(node, reply):
         if reply.metadata.message_type == "train":
-            STOP_REQUESTED.set()  # Ctrl-C arrives while round 1's replies come in
+            train_replies.append(node)
+            if len(train_replies) == 4:
+                STOP_REQUESTED.set()  # Ctrl-C arrives while round 2's clients train
         return reply
 
     run = RunDirectory.create(tmp_path / "run", CFG.resolved())
