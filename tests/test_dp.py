@@ -2,6 +2,7 @@
 
 import copy
 
+import numpy as np
 import pytest
 import torch
 from opacus.grad_sample import GradSampleModule
@@ -138,11 +139,28 @@ def test_bad_dp_options_are_config_errors(changes, message):
         TrainConfig(**changes).resolved()
 
 
-def test_client_refuses_a_round_past_its_budget():
-    cfg = TrainConfig(clients=2, rounds=1, train_samples=100, batch_size=16, dp_eps=3.0, accountant="rdp").resolved()
-    n = len(client_partition("photos", "", cfg.model, 100, 0, 2, cfg.beta)[0])
-    sigma = dp_budget(cfg, 0, n, cfg.rounds).noise_multiplier
-    state = {k: v.numpy() for k, v in build_model(cfg.model, 10, 2).state_dict().items()}
+DP_CFG = TrainConfig(clients=2, rounds=1, train_samples=100, batch_size=16, dp_eps=3.0, accountant="rdp").resolved()
+
+
+@pytest.fixture(scope="module")
+def dp_round():
+    """(noise multiplier of client 0, initial state) for DP_CFG."""
+    n = len(client_partition("photos", "", DP_CFG.model, 100, 0, 2, DP_CFG.beta)[0])
+    return (dp_budget(DP_CFG, 0, n, DP_CFG.rounds).noise_multiplier,
+            {k: v.numpy() for k, v in build_model(DP_CFG.model, 10, 2).state_dict().items()})
+
+
+def test_node_secret_changes_the_noise_reproducibly(dp_round):
+    sigma, state = dp_round
+    settings = ClientSettings.from_config(DP_CFG, 1, sigma)
+    a, b, c = (client_round(settings, state, 0, 2, secret) for secret in (7, 7, 0))
+    key = "local_module.patch_embed.proj.weight"
+    assert np.array_equal(a.update[key], b.update[key]) and not np.array_equal(a.update[key], c.update[key])
+
+
+def test_client_refuses_a_round_past_its_budget(dp_round):
+    cfg = DP_CFG
+    sigma, state = dp_round
     with pytest.raises(PrivacyBudgetError, match="round 2 would spend"):
         client_round(ClientSettings.from_config(cfg, 2, sigma), state, 0, 2)  # one round more than planned
     with pytest.raises(PrivacyBudgetError, match="round 1 would spend"):

@@ -71,7 +71,9 @@ def client_partition(dataset: str, data_dir: str, model: str, train_samples: int
 
 
 def client_round(settings: ClientSettings, state: dict[str, np.ndarray], partition_id: int,
-                 num_partitions: int) -> ClientUpload:
+                 num_partitions: int, secret: int = 0) -> ClientUpload:
+    """secret (the node's, never sent): mixed into the seeds of batches, masks and DP / feature noise, so
+    that a server knowing the run's seed cannot regenerate them. 0: seeds from the run's seed alone."""
     if num_partitions != settings.clients:
         raise ValueError(f"this node was started for {num_partitions} partitions, the run has {settings.clients}")
     if not 0 <= partition_id < num_partitions:
@@ -84,7 +86,8 @@ def client_round(settings: ClientSettings, state: dict[str, np.ndarray], partiti
 
     model = build_model(s.model, dataset.num_classes, s.local_layers)
     model.load_state_dict({k: torch.from_numpy(v) for k, v in state.items()})
-    generator = torch.Generator().manual_seed(seeded(s.seed, s.round, partition_id, 1))
+    private = (secret,) if secret else ()
+    generator = torch.Generator().manual_seed(seeded(s.seed, s.round, partition_id, 1, *private))
     optim = OptimConfig(s.local_epochs, s.batch_size, s.lr, s.weight_decay)
 
     def report(epoch: int, total: int) -> None:
@@ -108,7 +111,7 @@ def client_round(settings: ClientSettings, state: dict[str, np.ndarray], partiti
     chosen = balanced_indices(data.labels, dataset.num_classes, s.balance, np.random.default_rng(seeded(s.seed, s.round, partition_id, 2)))
     features, keep_ids = extract_features(model, images[chosen], s.mask_ratio, generator)
     if s.feature_clip > 0:
-        noise = torch.Generator().manual_seed(seeded(s.seed, s.round, partition_id, 5))
+        noise = torch.Generator().manual_seed(seeded(s.seed, s.round, partition_id, 5, *private))
         features = release_features(features, s.feature_clip, s.feature_noise, noise)
     feature_seconds = time.perf_counter() - start
     update = {k: v.numpy().copy() for k, v in model.uploaded_state().items()}
