@@ -10,6 +10,7 @@ import time
 from pathlib import Path
 
 from defenses.tls import CertificateError
+from defenses.dp import ACCOUNTANTS, PrivacyBudgetError, check_feasible
 from eftguard.config import FEDERATIONS, METHODS, ConfigError, TrainConfig
 from eftguard.data import DATASET_HELP, DataError
 from eftguard.federation.server import FederationError, Interrupted
@@ -49,8 +50,18 @@ TRAIN_HELP = {
     "round_timeout": "seconds to wait for client replies in a round; late clients are dropped",
     "encrypt_at_rest": "KEYFILE: store uploads in observed/ encrypted (AES-256-GCM); a missing file gets a new "
                        "random key (mode 0600). Attacks and reports then need the key",
+    "dp_eps": "DP-SGD (Opacus) on each client's local module and head: total epsilon per client over all the "
+              "rounds it takes part in (0: off). Covers the uploaded parameters only, NOT the uploaded patch "
+              "features, which are a direct function of the private images (see --feature-noise)",
+    "dp_delta": "DP-SGD delta per client (0: 1 / (10 n_k), n_k the client's sample count)",
+    "max_grad_norm": "DP-SGD per-sample gradient clipping norm",
+    "accountant": "privacy accountant that calibrates the DP-SGD noise and reports epsilon: prv or rdp",
+    "feature_noise": "feature-release defense: Gaussian noise of std SIGMA * C added to every uploaded token "
+                     "feature after clipping (needs --feature-clip C; 0: clipping only)",
+    "feature_clip": "feature-release defense: clip every uploaded token feature to L2 norm C (0: off)",
 }
-CHOICES = {"method": METHODS, "balance": BALANCE_MODES, "federation": FEDERATIONS, "model": tuple(PRESETS)}
+CHOICES = {"method": METHODS, "balance": BALANCE_MODES, "federation": FEDERATIONS, "model": tuple(PRESETS),
+           "accountant": ACCOUNTANTS}
 
 
 def _add_train_options(parser: argparse.ArgumentParser) -> None:
@@ -158,14 +169,24 @@ def config_from_args(args: argparse.Namespace) -> TrainConfig:
 
 def prepare(cfg: TrainConfig) -> None:
     """Fail fast, before any process starts: the data loads and the model (and checkpoint) fits."""
-    from eftguard.federation.client import client_partition, run_dataset
+    from eftguard.federation.client import client_partition, participation, run_dataset
     from eftguard.model import build_model
 
     dataset = run_dataset(cfg.dataset, cfg.data_dir, cfg.model, cfg.train_samples, cfg.test_samples, cfg.seed)
     try:
-        client_partition(cfg.dataset, cfg.data_dir, cfg.model, cfg.train_samples, cfg.seed, cfg.clients, cfg.beta)
+        parts = client_partition(cfg.dataset, cfg.data_dir, cfg.model, cfg.train_samples, cfg.seed, cfg.clients,
+                                 cfg.beta)
     except ValueError as exc:
         raise ConfigError(str(exc)) from None
+    if cfg.dp_eps > 0:
+        for k, part in enumerate(parts):
+            rounds = participation(cfg, k, cfg.rounds)
+            try:
+                if rounds:
+                    check_feasible(cfg.dp_eps, cfg.dp_delta, cfg.accountant, len(part), cfg.batch_size,
+                                   cfg.local_epochs, rounds)
+            except PrivacyBudgetError as exc:
+                raise ConfigError(f"client {k} ({len(part)} samples, {len(rounds)} rounds): {exc}") from None
     build_model(cfg.model, dataset.num_classes, cfg.local_layers, cfg.pretrained, cfg.checkpoint or None, cfg.seed)
 
 
@@ -194,6 +215,9 @@ def cmd_train(args: argparse.Namespace) -> None:
             raise ConfigError(f"--resume continues {args.resume} with its own config.toml; drop "
                               + ", ".join("--" + g.replace("_", "-") for g in given or ["config"]))
         if args.rounds is not None and args.rounds != cfg.rounds:
+            if cfg.dp_eps > 0:
+                raise ConfigError(f"--rounds cannot change on a DP-SGD run: each client's noise was calibrated for "
+                                  f"its rounds out of {cfg.rounds} within --dp-eps {cfg.dp_eps}; start a new run")
             if args.rounds < run.completed_rounds():
                 raise ConfigError(f"--rounds {args.rounds} is below the {run.completed_rounds()} rounds already done")
             cfg.rounds = args.rounds

@@ -9,6 +9,7 @@ from pathlib import Path
 
 import tomli_w
 
+from defenses.dp import ACCOUNTANTS
 from eftguard.data.registry import check_dataset_name
 from eftguard.sampling import BALANCE_MODES
 
@@ -50,6 +51,12 @@ class TrainConfig:
     cpus_per_client: float = 1.0
     encrypt_at_rest: str = ""  # key file; "" stores uploads in plaintext
     round_timeout: float = 3600.0
+    dp_eps: float = 0.0  # 0: no DP-SGD
+    dp_delta: float = 0.0  # 0: 1 / (10 n_k) per client
+    max_grad_norm: float = 1.0
+    accountant: str = "prv"
+    feature_noise: float = 0.0
+    feature_clip: float = 0.0  # 0: uploaded features are neither clipped nor noised
 
     def resolved(self) -> "TrainConfig":
         """A validated copy with defaults that depend on other fields filled in."""
@@ -77,10 +84,24 @@ class TrainConfig:
             raise ConfigError(f"--balance: unknown mode '{self.balance}', choose {', '.join(BALANCE_MODES)}")
         if self.federation not in FEDERATIONS:
             raise ConfigError(f"--federation: unknown runtime '{self.federation}', choose {', '.join(FEDERATIONS)}")
+        if self.accountant not in ACCOUNTANTS:
+            raise ConfigError(f"--accountant: unknown accountant '{self.accountant}', choose {', '.join(ACCOUNTANTS)}")
+        if self.dp_eps < 0:
+            raise ConfigError(f"--dp-eps must be >= 0 (0: no DP-SGD), got {self.dp_eps}")
+        if not 0.0 <= self.dp_delta < 1.0:
+            raise ConfigError(f"--dp-delta must be in [0, 1) (0: 1 / (10 n) per client), got {self.dp_delta}")
+        if self.dp_eps > 0 and self.method != "eftvit":
+            raise ConfigError("--dp-eps protects EFTViT's local module and head; --method fedavg has no DP-SGD")
+        if self.feature_noise < 0 or self.feature_clip < 0:
+            raise ConfigError("--feature-noise and --feature-clip must be >= 0")
+        if self.feature_noise > 0 and self.feature_clip == 0:
+            raise ConfigError("--feature-noise is relative to the clipping norm: set --feature-clip C > 0 too")
+        if self.feature_clip > 0 and self.method != "eftvit":
+            raise ConfigError("--feature-clip/--feature-noise apply to EFTViT's feature upload; fedavg uploads none")
         positive = {"clients": self.clients, "rounds": self.rounds, "local_epochs": self.local_epochs,
                     "server_epochs": self.server_epochs, "batch_size": self.batch_size, "lr": self.lr,
                     "server_lr": self.server_lr, "beta": self.beta, "cpus_per_client": self.cpus_per_client,
-                    "round_timeout": self.round_timeout}
+                    "round_timeout": self.round_timeout, "max_grad_norm": self.max_grad_norm}
         for name, value in positive.items():
             if value <= 0:
                 raise ConfigError(f"--{name.replace('_', '-')} must be > 0, got {value}")

@@ -111,8 +111,10 @@ class EFTViT(nn.Module):
         return self.classify(self.local_module(images, keep_ids))
 
     def normalize(self, images_uint8: torch.Tensor) -> torch.Tensor:
-        """uint8 [B, H, W, 3] -> normalised float [B, 3, H, W] as the model expects."""
-        x = images_uint8.permute(0, 3, 1, 2).float().div_(255.0)
+        """uint8 [B, H, W, 3] -> normalised float [B, 3, H, W] as the model expects.
+
+        Contiguous (not channels-last): opacus' per-sample Conv2d gradients are wrong for channels-last input."""
+        x = images_uint8.permute(0, 3, 1, 2).contiguous().float().div_(255.0)
         mean = torch.tensor(self.mean).view(1, 3, 1, 1)
         std = torch.tensor(self.std).view(1, 3, 1, 1)
         return (x - mean) / std

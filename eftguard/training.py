@@ -4,6 +4,7 @@ passed in, so a round is a pure function of (model state, data, seed)."""
 
 from __future__ import annotations
 
+import math
 import time
 from dataclasses import dataclass, field
 from typing import Callable
@@ -11,6 +12,7 @@ from typing import Callable
 import torch
 from torch import nn
 
+from defenses.dp import DPSGD, make_private, noise_only_step, poisson_batch
 from eftguard.masking import random_keep_ids
 from eftguard.model import EFTViT
 
@@ -59,10 +61,48 @@ def _fit(params: list[nn.Parameter], n: int, optim: OptimConfig, generator: torc
     return TrainResult(total / max(steps, 1), steps, epoch_seconds)
 
 
+def _fit_private(model: EFTViT, params: list[nn.Parameter], images: torch.Tensor, labels: torch.Tensor,
+                 mask_ratio: float, optim: OptimConfig, dp: DPSGD, generator: torch.Generator,
+                 progress: Progress | None) -> TrainResult:
+    """DP-SGD: Poisson-sampled batches (expected size batch_size), per-sample clipping, noise; batches,
+    masks and noise all come from `generator`. ceil(n / batch_size) steps make an epoch."""
+    n = len(labels)
+    expected = min(optim.batch_size, n)
+    optimizer = torch.optim.AdamW(params, lr=optim.lr, weight_decay=optim.weight_decay)
+    wrapped, dp_optimizer, criterion = make_private(model, optimizer, dp, expected, generator)
+    num_patches = model.local_module.num_patches
+    total, seen, steps, epoch_seconds = 0.0, 0, 0, []
+    try:
+        for epoch in range(optim.epochs):
+            start = time.perf_counter()
+            for _ in range(math.ceil(n / optim.batch_size)):
+                batch = poisson_batch(n, dp.sample_rate, generator)
+                dp_optimizer.zero_grad(set_to_none=True)
+                if len(batch) == 0:
+                    noise_only_step(dp_optimizer)
+                else:
+                    keep = random_keep_ids(len(batch), num_patches, mask_ratio, generator)
+                    loss = criterion(wrapped(model.normalize(images[batch]), keep), labels[batch])
+                    loss.backward()
+                    dp_optimizer.step()
+                    total += float(loss.detach()) * len(batch)
+                    seen += len(batch)
+                steps += 1
+            epoch_seconds.append(time.perf_counter() - start)
+            if progress:
+                progress(epoch + 1, optim.epochs)
+    finally:
+        wrapped.to_standard_module()  # removes the hooks; the model is used again for feature extraction
+    return TrainResult(total / max(seen, 1), steps, epoch_seconds)
+
+
 def train_local(model: EFTViT, images: torch.Tensor, labels: torch.Tensor, method: str, mask_ratio: float,
-                optim: OptimConfig, generator: torch.Generator, progress: Progress | None = None) -> TrainResult:
+                optim: OptimConfig, generator: torch.Generator, progress: Progress | None = None,
+                dp: DPSGD | None = None) -> TrainResult:
     """Client training. eftvit: phi and h on masked images through the frozen theta (theta gets no
-    gradients). fedavg: the whole model on full images."""
+    gradients), with DP-SGD when dp is given. fedavg: the whole model on full images."""
+    if dp is not None and method != "eftvit":
+        raise ValueError("DP-SGD is implemented for eftvit's local module and head only")
     model.train()
     if method == "eftvit":
         model.global_module.requires_grad_(False)
@@ -77,6 +117,8 @@ def train_local(model: EFTViT, images: torch.Tensor, labels: torch.Tensor, metho
         return nn.functional.cross_entropy(model(x, keep), labels[batch])
 
     try:
+        if dp is not None:
+            return _fit_private(model, params, images, labels, mask_ratio, optim, dp, generator, progress)
         return _fit(params, len(labels), optim, generator, loss_of_batch, progress)
     finally:
         model.global_module.requires_grad_(True)

@@ -23,6 +23,8 @@ def run_cli(capsys, *argv):
     (["--dataset", "cifar10", "--data-dir", "/nonexistent/data"], "--data-dir /nonexistent/data does not exist"),
     (["--clients-per-round", "9"], "--clients-per-round must be between 1 and --clients"),
     (["--checkpoint", "/nonexistent/w.safetensors"], "checkpoint /nonexistent/w.safetensors does not exist"),
+    (["--dp-eps", "0.01", "--accountant", "rdp", "--rounds", "2"], "--dp-eps 0.01 cannot be met"),
+    (["--feature-noise", "1.0"], "set --feature-clip C > 0 too"),
 ])
 def test_bad_training_options(capsys, tmp_path, argv, message):
     code, err = run_cli(capsys, "train", "--out", str(tmp_path / "run"), *argv)
@@ -62,3 +64,12 @@ def test_config_file_with_unknown_key(capsys, tmp_path):
     (tmp_path / "c.toml").write_text('mask_ration = 0.5\n')
     code, err = run_cli(capsys, "train", "--config", str(tmp_path / "c.toml"))
     assert code == 2 and "unknown option 'mask_ration'" in err
+
+
+def test_resume_cannot_extend_a_dp_run(capsys, tmp_path):
+    from eftguard.config import TrainConfig
+    from eftguard.rundir import RunDirectory
+
+    RunDirectory.create(tmp_path / "run", TrainConfig(dp_eps=8.0, rounds=2).resolved())
+    code, err = run_cli(capsys, "train", "--resume", str(tmp_path / "run"), "--rounds", "4")
+    assert code == 2 and "--rounds cannot change on a DP-SGD run" in err

@@ -64,3 +64,11 @@ def test_fedavg_client_uploads_whole_model_and_no_features(start):
 def test_node_started_for_another_federation_is_refused(start):
     with pytest.raises(ValueError, match="started for 3 partitions"):
         client_round(ClientSettings.from_config(CFG, 1), start[1], 0, 3)
+
+
+def test_client_clips_uploaded_features_when_asked(start):
+    _, state = start
+    cfg = TrainConfig(clients=4, train_samples=200, batch_size=32, feature_clip=1.5).resolved()
+    upload = client_round(ClientSettings.from_config(cfg, 1), state, 1, 4)
+    norms = np.linalg.norm(upload.features["features"], axis=-1)
+    assert norms.max() <= 1.5 + 1e-4 and norms.max() > 1.4

@@ -81,8 +81,9 @@ def test_rounds_write_the_run_directory(tmp_path):
     records = run.metrics()
     assert [r["round"] for r in records] == [1, 2]
     for key in ("test_accuracy", "client_loss", "server_loss", "client_seconds", "server_seconds", "upload_bytes",
-                "epsilon"):
+                "epsilon", "noise_multiplier"):
         assert key in records[0]
+    assert records[0]["epsilon"] is None and records[0]["noise_multiplier"] is None
     assert records[0]["clients"] == [0, 1, 2] and records[0]["dropped"] == {}
     features = run.load_upload(2, 1, "features")
     assert features["features"].shape[1:] == (17, 192)
@@ -178,3 +179,55 @@ def test_stop_request_ends_the_run_after_a_completed_round(tmp_path):
     assert run.completed_rounds() == 1
     run_server(FakeGrid(3), run.path)
     assert run.completed_rounds() == 2
+
+
+# DP-SGD: client 0 takes part in round 3 only, client 1 in rounds 1 and 2, client 2 in all three.
+DP_CFG = TrainConfig(clients=3, clients_per_round=2, rounds=3, train_samples=90, test_samples=20, batch_size=16,
+                     dp_eps=3.0, feature_clip=2.0, feature_noise=0.5)
+
+
+def test_dp_run_records_epsilon_per_client_within_budget(tmp_path):
+    from eftguard.federation.client import select_clients
+    cfg = DP_CFG.resolved()
+    assert [select_clients(cfg, r) for r in (1, 2, 3)] == [[1, 2], [1, 2], [0, 2]]
+    run = RunDirectory.create(tmp_path / "run", cfg)
+    run_server(FakeGrid(3), run.path)
+    records = run.metrics()
+    assert [sorted(r["epsilon"]) for r in records] == [["1", "2"], ["1", "2"], ["0", "2"]]
+    assert all(r["dropped"] == {} for r in records)
+    # Each client's epsilon grows with the rounds it took part in and ends within the budget, near it.
+    eps = {k: [r["epsilon"][k] for r in records if k in r["epsilon"]] for k in "012"}
+    assert [len(spent) for spent in eps.values()] == [1, 2, 3]
+    for k, spent in eps.items():
+        assert spent == sorted(set(spent)) and 2.9 < spent[-1] <= 3.0, (k, spent)
+    sigmas = {k: r["noise_multiplier"][k] for r in records for k in r["noise_multiplier"]}
+    assert set(sigmas) == {"0", "1", "2"} and all(s > 0.3 for s in sigmas.values())
+    assert records[0]["noise_multiplier"]["2"] == records[2]["noise_multiplier"]["2"]  # fixed for the whole run
+
+
+def crash_in_round_2(node, reply, seen=[]):
+    """The server dies while collecting round 2 (round 1 has two clients); `seen` counts across calls."""
+    if reply.metadata.message_type == "train":
+        seen.append(node)
+        if len(seen) == 3:
+            raise KeyboardInterrupt
+    return reply
+
+
+def test_dp_run_with_feature_noise_resumes_exactly(tmp_path):
+    cfg = DP_CFG.resolved()
+    full = RunDirectory.create(tmp_path / "full", cfg)
+    run_server(FakeGrid(3), full.path)
+    cut = RunDirectory.create(tmp_path / "cut", cfg)
+    with pytest.raises(KeyboardInterrupt):
+        run_server(FakeGrid(3, tamper=crash_in_round_2), cut.path)
+    assert cut.completed_rounds() == 1
+    run_server(FakeGrid(3), cut.path)
+    a, b = full.metrics(), cut.metrics()
+    for key in ("test_accuracy", "epsilon", "noise_multiplier", "client_loss"):
+        assert [r[key] for r in a] == [r[key] for r in b], key
+    x, y = full.load_checkpoint(3), cut.load_checkpoint(3)
+    assert all(np.array_equal(x[k].numpy(), y[k].numpy()) for k in x)
+    fa = full.load_arrays(full.upload_dir(3, 2) / "features.safetensors")["features"]
+    fb = cut.load_arrays(cut.upload_dir(3, 2) / "features.safetensors")["features"]
+    assert np.array_equal(fa, fb)

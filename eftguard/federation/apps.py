@@ -31,7 +31,8 @@ def describe(msg: Message, context: Context) -> Message:
 def train(msg: Message, context: Context) -> Message:
     partition, partitions = _node_partition(context)
     settings = ClientSettings.from_record(msg.content["settings"])
-    upload = client_round(settings, from_record(msg.content["model"], "model"), partition, partitions)
+    secret = int(context.node_config.get("noise-secret", 0))  # --node-config "... noise-secret=N"
+    upload = client_round(settings, from_record(msg.content["model"], "model"), partition, partitions, secret)
     content = {
         "update": to_record(upload.update),
         "truth": to_record(upload.truth),

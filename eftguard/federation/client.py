@@ -10,6 +10,8 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
+from defenses.dp import DPSGD, ClientBudget, client_budget
+from defenses.feature_noise import release_features
 from eftguard.data import Dataset, dirichlet_partition, load_dataset
 from eftguard.federation.records import ClientSettings
 from eftguard.model import PRESETS, build_model
@@ -35,6 +37,26 @@ def seeded(*key: int) -> int:
     return int(np.random.SeedSequence([int(k) for k in key]).generate_state(2, np.uint64)[0] >> np.uint64(1))
 
 
+def select_clients(cfg, round_number: int) -> list[int]:
+    """The partitions taking part in a round (seeded, so resumed runs pick the same ones, and each client
+    knows in advance which rounds it takes part in). cfg: a TrainConfig or ClientSettings."""
+    rng = np.random.default_rng(seeded(cfg.seed, round_number, 3))
+    return sorted(int(p) for p in rng.choice(cfg.clients, size=cfg.clients_per_round, replace=False))
+
+
+def participation(cfg, partition_id: int, last_round: int) -> tuple[int, ...]:
+    """The rounds up to last_round in which a partition takes part."""
+    return tuple(r for r in range(1, last_round + 1) if partition_id in select_clients(cfg, r))
+
+
+def dp_budget(cfg, partition_id: int, num_examples: int, last_round: int,
+              noise_multiplier: float | None = None) -> ClientBudget:
+    """A client's DP-SGD budget over its rounds up to last_round (calibrated unless noise_multiplier is given).
+    cfg: a TrainConfig or ClientSettings."""
+    return client_budget(cfg.dp_eps, cfg.dp_delta, cfg.accountant, num_examples, cfg.batch_size, cfg.local_epochs,
+                         participation(cfg, partition_id, last_round), noise_multiplier)
+
+
 def run_dataset(dataset: str, data_dir: str, model: str, train_samples: int, test_samples: int, seed: int) -> Dataset:
     """The dataset exactly as a run sees it (resized for the model, limited to the requested sizes)."""
     full = load_dataset(dataset, data_dir or None, PRESETS[model].image_size)
@@ -49,7 +71,9 @@ def client_partition(dataset: str, data_dir: str, model: str, train_samples: int
 
 
 def client_round(settings: ClientSettings, state: dict[str, np.ndarray], partition_id: int,
-                 num_partitions: int) -> ClientUpload:
+                 num_partitions: int, secret: int = 0) -> ClientUpload:
+    """secret (the node's, never sent): mixed into the seeds of batches, masks and DP / feature noise, so
+    that a server knowing the run's seed cannot regenerate them. 0: seeds from the run's seed alone."""
     if num_partitions != settings.clients:
         raise ValueError(f"this node was started for {num_partitions} partitions, the run has {settings.clients}")
     if not 0 <= partition_id < num_partitions:
@@ -62,13 +86,20 @@ def client_round(settings: ClientSettings, state: dict[str, np.ndarray], partiti
 
     model = build_model(s.model, dataset.num_classes, s.local_layers)
     model.load_state_dict({k: torch.from_numpy(v) for k, v in state.items()})
-    generator = torch.Generator().manual_seed(seeded(s.seed, s.round, partition_id, 1))
+    private = (secret,) if secret else ()
+    generator = torch.Generator().manual_seed(seeded(s.seed, s.round, partition_id, 1, *private))
     optim = OptimConfig(s.local_epochs, s.batch_size, s.lr, s.weight_decay)
 
     def report(epoch: int, total: int) -> None:
         log.info("round %d, client %d: local epoch %d/%d done", s.round, partition_id, epoch, total)
 
-    result = train_local(model, images, labels, s.method, s.mask_ratio, optim, generator, report)
+    dp = None
+    if s.dp_eps > 0:
+        # The client checks the server's noise multiplier against its own accountant before training.
+        budget = dp_budget(s, partition_id, len(data), s.round, s.noise_multiplier)
+        log.info("round %d, client %d: epsilon after this round %.3f", s.round, partition_id, budget.check(s.round))
+        dp = DPSGD(s.noise_multiplier, s.max_grad_norm, budget.sample_rate)
+    result = train_local(model, images, labels, s.method, s.mask_ratio, optim, generator, report, dp)
     class_counts = np.bincount(data.labels, minlength=dataset.num_classes).astype(np.int64)
 
     if s.method == "fedavg":
@@ -79,6 +110,9 @@ def client_round(settings: ClientSettings, state: dict[str, np.ndarray], partiti
     start = time.perf_counter()
     chosen = balanced_indices(data.labels, dataset.num_classes, s.balance, np.random.default_rng(seeded(s.seed, s.round, partition_id, 2)))
     features, keep_ids = extract_features(model, images[chosen], s.mask_ratio, generator)
+    if s.feature_clip > 0:
+        noise = torch.Generator().manual_seed(seeded(s.seed, s.round, partition_id, 5, *private))
+        features = release_features(features, s.feature_clip, s.feature_noise, noise)
     feature_seconds = time.perf_counter() - start
     update = {k: v.numpy().copy() for k, v in model.uploaded_state().items()}
     truth = {"sample_ids": data.ids[chosen].astype(np.int64), "kept_ids": keep_ids.numpy().astype(np.int64),

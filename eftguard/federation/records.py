@@ -55,10 +55,19 @@ class ClientSettings:
     lr: float
     weight_decay: float
     train_samples: int
+    clients_per_round: int
+    dp_eps: float
+    dp_delta: float
+    max_grad_norm: float
+    accountant: str
+    feature_noise: float
+    feature_clip: float
+    noise_multiplier: float  # this client's, calibrated by the server for all its rounds; 0.0 without DP
 
     @classmethod
-    def from_config(cls, cfg: TrainConfig, round_number: int) -> "ClientSettings":
-        return cls(round=round_number, **{k: getattr(cfg, k) for k in cls.__dataclass_fields__ if k != "round"})
+    def from_config(cls, cfg: TrainConfig, round_number: int, noise_multiplier: float = 0.0) -> "ClientSettings":
+        return cls(round=round_number, noise_multiplier=noise_multiplier,
+                   **{k: getattr(cfg, k) for k in cls.__dataclass_fields__ if k not in ("round", "noise_multiplier")})
 
     def to_record(self) -> ConfigRecord:
         return ConfigRecord(asdict(self))

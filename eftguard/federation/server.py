@@ -16,9 +16,11 @@ from flwr.serverapp import Grid
 from rich.console import Console
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 
+from defenses.dp import ClientBudget
 from eftguard.config import TrainConfig
 from eftguard.federation.aggregate import fedavg
-from eftguard.federation.client import run_dataset, seeded
+from eftguard.federation.client import (client_partition, dp_budget, participation, run_dataset, seeded,
+                                         select_clients)
 from eftguard.federation.records import ClientSettings, UploadError, from_record, to_record
 from eftguard.federation.validation import (UploadSpec, validate_features, validate_num_examples, validate_truth,
                                             validate_update)
@@ -68,12 +70,6 @@ def upload_spec(model: EFTViT, cfg: TrainConfig, num_classes: int) -> UploadSpec
         tokens=1 + kept_token_count(num_patches, cfg.mask_ratio) if cfg.method == "eftvit" else None,
         width=model.local_module.token_embedding.pos_embed.shape[-1],
         num_classes=num_classes, num_patches=num_patches)
-
-
-def select_clients(cfg: TrainConfig, round_number: int) -> list[int]:
-    """The partitions taking part in a round (seeded, so resumed runs pick the same ones)."""
-    rng = np.random.default_rng(seeded(cfg.seed, round_number, 3))
-    return sorted(int(p) for p in rng.choice(cfg.clients, size=cfg.clients_per_round, replace=False))
 
 
 def discover_nodes(grid: Grid, clients: int, timeout: float) -> dict[int, int]:
@@ -172,6 +168,7 @@ def run_server(grid: Grid, run_dir: Path) -> None:
         console.print(f"{run.path} already has all {cfg.rounds} rounds")
         return
     spec = upload_spec(model, cfg, dataset.num_classes)
+    budgets = dp_budgets(cfg)
     nodes = discover_nodes(grid, cfg.clients, min(cfg.round_timeout, HANDSHAKE_SECONDS))
     started = time.perf_counter()
     columns = (TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn())
@@ -179,7 +176,8 @@ def run_server(grid: Grid, run_dir: Path) -> None:
         rounds_task = progress.add_task("rounds", total=cfg.rounds, completed=done)
         for round_number in range(done + 1, cfg.rounds + 1):
             check_stop()
-            record = run_round(grid, run, cfg, model, spec, nodes, round_number, test_images, test_labels, progress)
+            record = run_round(grid, run, cfg, model, spec, nodes, round_number, test_images, test_labels, progress,
+                               budgets)
             record["elapsed_seconds"] = round(time.perf_counter() - started, 3)
             run.append_metrics(record)
             progress.update(rounds_task, completed=round_number)
@@ -189,14 +187,28 @@ def run_server(grid: Grid, run_dir: Path) -> None:
                                    + (f"  dropped {len(record['dropped'])}" if record["dropped"] else ""))
 
 
+def dp_budgets(cfg: TrainConfig) -> dict[int, ClientBudget]:
+    """Each client's DP-SGD budget over all its rounds of the run ({} without DP): fixed before round 1 and
+    recomputed identically on resume, since client selection and partition sizes are seeded."""
+    if cfg.dp_eps == 0:
+        return {}
+    sizes = [len(p) for p in client_partition(cfg.dataset, cfg.data_dir, cfg.model, cfg.train_samples, cfg.seed,
+                                              cfg.clients, cfg.beta)]
+    with console.status("calibrating DP-SGD noise per client"):
+        return {k: dp_budget(cfg, k, sizes[k], cfg.rounds) for k in range(cfg.clients)
+                if participation(cfg, k, cfg.rounds)}
+
+
 def run_round(grid: Grid, run: RunDirectory, cfg: TrainConfig, model: EFTViT, spec: UploadSpec,
               nodes: dict[int, int], round_number: int, test_images: torch.Tensor, test_labels: torch.Tensor,
-              progress: Progress) -> dict:
+              progress: Progress, budgets: dict[int, ClientBudget]) -> dict:
     selected = select_clients(cfg, round_number)
-    settings = ClientSettings.from_config(cfg, round_number).to_record()
     model_record = to_record(model.state_dict())
-    messages = {p: Message(RecordDict({"model": model_record, "settings": settings}), nodes[p], MessageType.TRAIN)
-                for p in selected}
+    messages = {}
+    for p in selected:
+        sigma = budgets[p].noise_multiplier if budgets else 0.0
+        settings = ClientSettings.from_config(cfg, round_number, sigma).to_record()
+        messages[p] = Message(RecordDict({"model": model_record, "settings": settings}), nodes[p], MessageType.TRAIN)
     task = progress.add_task(f"round {round_number}: client training", total=len(selected))
     replies = exchange(grid, messages, cfg.round_timeout, progress, task)
     progress.remove_task(task)
@@ -255,7 +267,8 @@ def run_round(grid: Grid, run: RunDirectory, cfg: TrainConfig, model: EFTViT, sp
         "upload_bytes": {str(u.partition): u.upload_bytes for u in accepted},
         "num_examples": {str(u.partition): u.num_examples for u in accepted},
         "feature_sets": {str(u.partition): len(u.features["labels"]) for u in accepted if u.features},
-        "epsilon": None,
+        "epsilon": {str(p): budgets[p].epsilon_after(round_number) for p in selected} if budgets else None,
+        "noise_multiplier": {str(p): budgets[p].noise_multiplier for p in selected} if budgets else None,
         "clients": selected,
         "dropped": dropped,
     }

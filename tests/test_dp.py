@@ -1,0 +1,167 @@
+"""DP-SGD on the masked local module and head: per-sample gradients, clipping, accounting, refusal."""
+
+import copy
+
+import numpy as np
+import pytest
+import torch
+from opacus.grad_sample import GradSampleModule
+from torch import nn
+
+from defenses.dp import DPSGD, PrivacyBudgetError, check_feasible, client_budget, epsilon_spent, make_private
+from eftguard.cli import prepare
+from eftguard.config import ConfigError, TrainConfig
+from eftguard.federation.client import client_partition, client_round, dp_budget
+from eftguard.federation.records import ClientSettings
+from eftguard.masking import random_keep_ids
+from eftguard.model import build_model
+from eftguard.training import OptimConfig, train_local
+
+
+@pytest.fixture
+def frozen_theta(tiny_model):
+    model = copy.deepcopy(tiny_model).train()  # opacus records activations in train mode only; no dropout here
+    model.global_module.requires_grad_(False)
+    return model
+
+
+def batch(size=4, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    images = torch.randint(0, 256, (size, 32, 32, 3), generator=g, dtype=torch.uint8)
+    labels = torch.randint(0, 10, (size,), generator=g)
+    return images, labels, random_keep_ids(size, 64, 0.75, g)
+
+
+def trainable(model):
+    return [(n, p) for n, p in model.named_parameters() if p.requires_grad]
+
+
+def one_at_a_time(model, x, y, keep):
+    """Brute-force reference: each sample's gradient of its own loss, through the frozen theta."""
+    grads = []
+    for i in range(len(y)):
+        model.zero_grad(set_to_none=True)
+        nn.functional.cross_entropy(model(x[i:i + 1], keep[i:i + 1]), y[i:i + 1]).backward()
+        grads.append({n: p.grad.clone() for n, p in trainable(model)})
+    model.zero_grad(set_to_none=True)
+    return grads
+
+
+def test_per_sample_gradients_match_one_sample_loop(frozen_theta):
+    images, labels, keep = batch()
+    x = frozen_theta.normalize(images)
+    reference = one_at_a_time(frozen_theta, x, labels, keep)
+    wrapped = GradSampleModule(frozen_theta, loss_reduction="sum")
+    nn.functional.cross_entropy(wrapped(x, keep), labels, reduction="sum").backward()
+    names = [n for n, _ in trainable(frozen_theta)]
+    assert any(n.startswith("local_module.token_embedding") for n in names) and any(n.startswith("head") for n in names)
+    assert not any(n.startswith("global_module") for n in names)
+    for name, p in trainable(frozen_theta):
+        expected = torch.stack([g[name] for g in reference])
+        torch.testing.assert_close(p.grad_sample, expected, rtol=1e-4, atol=1e-6, msg=name)
+    wrapped.to_standard_module()
+
+
+def test_ghost_clipping_step_equals_mean_of_clipped_per_sample_gradients(frozen_theta):
+    images, labels, keep = batch()
+    x = frozen_theta.normalize(images)
+    reference = one_at_a_time(frozen_theta, x, labels, keep)
+    norms = torch.stack([torch.sqrt(sum((g * g).sum() for g in r.values())) for r in reference])
+    clip = float(norms.min()) / 2  # every sample is clipped
+    params = [p for _, p in trainable(frozen_theta)]
+    optimizer = torch.optim.SGD(params, lr=0.0)
+    wrapped, dp_optimizer, criterion = make_private(frozen_theta, optimizer, DPSGD(0.0, clip, 1.0), len(labels),
+                                                    torch.Generator().manual_seed(0))
+    loss = criterion(wrapped(x, keep), labels)
+    loss.backward()
+    dp_optimizer.step()
+    for name, p in trainable(frozen_theta):
+        expected = sum(r[name] * (clip / n) for r, n in zip(reference, norms)) / len(labels)
+        torch.testing.assert_close(p.grad, expected, rtol=1e-4, atol=1e-7, msg=name)
+    wrapped.to_standard_module()
+    assert not frozen_theta.local_module.blocks[0].attn.qkv._forward_hooks  # hooks are gone after training
+
+
+def test_dp_training_is_seeded_and_noisy(tiny_model):
+    images, labels, _ = batch(8)
+    optim = OptimConfig(1, 4, 1e-3, 0.0)
+
+    def run(seed):
+        model = copy.deepcopy(tiny_model)
+        result = train_local(model, images, labels, "eftvit", 0.75, optim, torch.Generator().manual_seed(seed),
+                             dp=DPSGD(1.0, 1.0, 4 / 8))
+        return result, model.local_module.patch_embed.proj.weight.detach()
+
+    (r1, a), (_, b), (_, c) = run(0), run(0), run(1)
+    assert r1.steps == 2
+    assert torch.equal(a, b) and not torch.equal(a, c)
+
+
+def test_empty_poisson_batches_still_add_noise(tiny_model):
+    images, labels, _ = batch(8)
+    model = copy.deepcopy(tiny_model)
+    before = model.head.weight.detach().clone()
+    result = train_local(model, images, labels, "eftvit", 0.75, OptimConfig(1, 4, 1e-3, 0.0),
+                         torch.Generator().manual_seed(0), dp=DPSGD(1.0, 1.0, 1e-12))
+    assert result.steps == 2 and result.loss == 0.0  # no sample was drawn ...
+    assert not torch.equal(before, model.head.weight)  # ... but the noisy steps were taken
+
+
+@pytest.mark.parametrize("accountant", ["rdp", "prv"])
+def test_calibrated_noise_keeps_total_epsilon_within_budget(accountant):
+    budget = client_budget(4.0, 0.0, accountant, 250, 64, 1, (1, 3, 4))
+    assert budget.delta == pytest.approx(1 / 2500) and budget.steps_per_round == 4
+    assert budget.sample_rate == pytest.approx(64 / 250)
+    spent = [budget.epsilon_after(r) for r in budget.rounds]
+    assert spent == sorted(spent) and 3.9 < spent[-1] <= 4.0
+    assert budget.check(4) == spent[-1]
+    with pytest.raises(PrivacyBudgetError, match="round 5 would spend"):
+        budget.check(5)  # a round beyond the schedule exceeds the budget: refused
+    # epsilon is a function of (noise, sample rate, steps) only, so it is recomputed identically after a resume.
+    assert epsilon_spent(budget.noise_multiplier, budget.sample_rate, 12, budget.delta, accountant) == spent[-1]
+
+
+def test_unreachable_target_is_refused_before_the_run():
+    with pytest.raises(PrivacyBudgetError, match="--dp-eps 0.01 cannot be met"):
+        check_feasible(0.01, 1e-5, "rdp", 250, 64, 1, (1, 2))
+    cfg = TrainConfig(clients=2, rounds=2, train_samples=100, dp_eps=0.01, accountant="rdp").resolved()
+    with pytest.raises(ConfigError, match=r"client 0 .*--dp-eps 0.01 cannot be met"):
+        prepare(cfg)
+
+
+@pytest.mark.parametrize("changes, message", [
+    ({"dp_eps": -1.0}, "--dp-eps"), ({"dp_delta": 1.0}, "--dp-delta"), ({"accountant": "gdp"}, "--accountant"),
+    ({"max_grad_norm": 0.0}, "--max-grad-norm"), ({"dp_eps": 1.0, "method": "fedavg"}, "fedavg"),
+    ({"feature_noise": 0.5}, "--feature-clip"),
+])
+def test_bad_dp_options_are_config_errors(changes, message):
+    with pytest.raises(ConfigError, match=message):
+        TrainConfig(**changes).resolved()
+
+
+DP_CFG = TrainConfig(clients=2, rounds=1, train_samples=100, batch_size=16, dp_eps=3.0, accountant="rdp").resolved()
+
+
+@pytest.fixture(scope="module")
+def dp_round():
+    """(noise multiplier of client 0, initial state) for DP_CFG."""
+    n = len(client_partition("photos", "", DP_CFG.model, 100, 0, 2, DP_CFG.beta)[0])
+    return (dp_budget(DP_CFG, 0, n, DP_CFG.rounds).noise_multiplier,
+            {k: v.numpy() for k, v in build_model(DP_CFG.model, 10, 2).state_dict().items()})
+
+
+def test_node_secret_changes_the_noise_reproducibly(dp_round):
+    sigma, state = dp_round
+    settings = ClientSettings.from_config(DP_CFG, 1, sigma)
+    a, b, c = (client_round(settings, state, 0, 2, secret) for secret in (7, 7, 0))
+    key = "local_module.patch_embed.proj.weight"
+    assert np.array_equal(a.update[key], b.update[key]) and not np.array_equal(a.update[key], c.update[key])
+
+
+def test_client_refuses_a_round_past_its_budget(dp_round):
+    cfg = DP_CFG
+    sigma, state = dp_round
+    with pytest.raises(PrivacyBudgetError, match="round 2 would spend"):
+        client_round(ClientSettings.from_config(cfg, 2, sigma), state, 0, 2)  # one round more than planned
+    with pytest.raises(PrivacyBudgetError, match="round 1 would spend"):
+        client_round(ClientSettings.from_config(cfg, 1, sigma / 2), state, 0, 2)  # a server sending too little noise
