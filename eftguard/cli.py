@@ -48,6 +48,9 @@ TRAIN_HELP = {
                   "SuperLink with one SuperNode per partition; see --superlink)",
     "cpus_per_client": "CPU cores reserved per simulated client (2 clients train in parallel on 2 cores)",
     "round_timeout": "seconds to wait for client replies in a round; late clients are dropped",
+    "record_truth": "clients send auditor-only ground truth (source sample ids, kept patches, class counts) that "
+                    "the server stores in truth/ for scoring attacks; --no-record-truth when the server is not "
+                    "your auditor: the truth reveals each client's class histogram",
     "encrypt_at_rest": "KEYFILE: store uploads in observed/ encrypted (AES-256-GCM); a missing file gets a new "
                        "random key (mode 0600). Attacks and reports then need the key",
     "dp_eps": "DP-SGD (Opacus) on each client's local module and head: total epsilon per client over all the "
@@ -147,6 +150,9 @@ def build_parser() -> argparse.ArgumentParser:
     supernode.add_argument("--port", type=int, default=None, help="local port of this SuperNode (default: 9100 + partition)")
     supernode.add_argument("--auth-key", type=Path, metavar="KEY", help="private key from eftguard node-key "
                                                                         "(for a SuperLink with --node-auth)")
+    supernode.add_argument("--noise-secret", type=int, metavar="N",
+                           help="an integer only this node knows, mixed into the seeds of its DP noise, batches and "
+                                "masks, so the server (which knows the run seed) cannot regenerate them")
 
     demo = sub.add_parser("demo", parents=[logs], help="a small EFTViT vs Fed-Full training on the bundled photos",
                           description="Trains EFTViT and the Fed-Full reference on the bundled photos dataset with "
@@ -312,7 +318,7 @@ def cmd_supernode(args: argparse.Namespace) -> None:
     check_tls_choice(args.root_certificates, args.insecure)
     port = args.port if args.port is not None else 9100 + args.partition
     command = supernode_command(args.superlink, args.root_certificates, args.insecure, args.partition, args.clients, port,
-                                args.auth_key)
+                                args.auth_key, args.noise_secret)
     raise SystemExit(run_supernode(command))
 
 

@@ -49,6 +49,7 @@ class TrainConfig:
     test_samples: int = 500  # 0: the whole test split
     federation: str = "simulation"
     cpus_per_client: float = 1.0
+    record_truth: bool = True  # clients send auditor-only ground truth for truth/
     encrypt_at_rest: str = ""  # key file; "" stores uploads in plaintext
     round_timeout: float = 3600.0
     dp_eps: float = 0.0  # 0: no DP-SGD

@@ -231,3 +231,18 @@ def test_dp_run_with_feature_noise_resumes_exactly(tmp_path):
     fa = full.load_arrays(full.upload_dir(3, 2) / "features.safetensors")["features"]
     fb = cut.load_arrays(cut.upload_dir(3, 2) / "features.safetensors")["features"]
     assert np.array_equal(fa, fb)
+
+
+def test_without_truth_recording_no_ground_truth_leaves_the_clients(tmp_path):
+    sent = []
+
+    def record(node, reply):
+        if reply.metadata.message_type == "train":
+            sent.append(set(reply.content.keys()))
+        return reply
+
+    cfg = TrainConfig(**{**CFG.__dict__, "rounds": 1, "record_truth": False}).resolved()
+    run = RunDirectory.create(tmp_path / "run", cfg)
+    run_server(FakeGrid(3, tamper=record), run.path)
+    assert sent and all("truth" not in keys and "features" in keys for keys in sent)
+    assert run.completed_rounds() == 1 and not (run.path / "truth").exists()

@@ -35,13 +35,14 @@ def train(msg: Message, context: Context) -> Message:
     upload = client_round(settings, from_record(msg.content["model"], "model"), partition, partitions, secret)
     content = {
         "update": to_record(upload.update),
-        "truth": to_record(upload.truth),
         "metrics": ConfigRecord({"partition-id": partition, "num-examples": upload.num_examples,
                                  "loss": upload.loss, "epoch-seconds": upload.epoch_seconds,
                                  "feature-seconds": upload.feature_seconds}),
     }
     if upload.features is not None:
         content["features"] = to_record(upload.features)
+    if settings.record_truth:
+        content["truth"] = to_record(upload.truth)
     return Message(RecordDict(content), reply_to=msg)
 
 

@@ -70,11 +70,14 @@ def superlink_command(certs: Path | None, insecure: bool, host: str, port: int, 
 
 
 def supernode_command(superlink: str, root_certificates: Path | None, insecure: bool, partition: int, clients: int,
-                      port: int, auth_key: Path | None = None) -> list[str]:
+                      port: int, auth_key: Path | None = None, noise_secret: int | None = None) -> list[str]:
     if not 0 <= partition < clients:
         raise ConfigError(f"--partition must be between 0 and --clients - 1 ({clients - 1}), got {partition}")
+    node_config = f"partition-id={partition} num-partitions={clients}"
+    if noise_secret is not None:
+        node_config += f" noise-secret={noise_secret}"
     command = [flower_executable("flower-supernode"), "--superlink", superlink, "--port", str(port),
-               "--node-config", f"partition-id={partition} num-partitions={clients}"]
+               "--node-config", node_config]
     if auth_key:
         if not Path(auth_key).is_file():
             raise ConfigError(f"--auth-key {auth_key} does not exist (create one with eftguard node-key)")

@@ -62,6 +62,7 @@ class ClientSettings:
     accountant: str
     feature_noise: float
     feature_clip: float
+    record_truth: bool
     noise_multiplier: float  # this client's, calibrated by the server for all its rounds; 0.0 without DP
 
     @classmethod

@@ -107,12 +107,14 @@ def discover_nodes(grid: Grid, clients: int, timeout: float) -> dict[int, int]:
     return partitions
 
 
-def parse_reply(reply: Message, partition: int, spec: UploadSpec, method: str) -> tuple[AcceptedUpload, dict]:
-    """Decode and validate one client's reply; raises UploadError naming what is wrong."""
+def parse_reply(reply: Message, partition: int, spec: UploadSpec, method: str,
+                record_truth: bool = True) -> tuple[AcceptedUpload, dict | None]:
+    """Decode and validate one client's reply (and its ground truth when the run records it);
+    raises UploadError naming what is wrong."""
     if reply.has_error():
         raise UploadError(f"client failed: {reply.error.reason}")
     content = reply.content
-    for key in ("update", "truth", "metrics") + (("features",) if method == "eftvit" else ()):
+    for key in ("update", "metrics") + (("features",) if method == "eftvit" else ()) + (("truth",) if record_truth else ()):
         if key not in content:
             raise UploadError(f"reply lacks '{key}'")
     update = from_record(content["update"], "update")
@@ -121,8 +123,10 @@ def parse_reply(reply: Message, partition: int, spec: UploadSpec, method: str) -
     if method == "eftvit":
         features = from_record(content["features"], "features")
         validate_features(features, spec)
-    truth = from_record(content["truth"], "truth")
-    validate_truth(truth, spec, len(features["labels"]) if features else None)
+    truth = None
+    if record_truth:
+        truth = from_record(content["truth"], "truth")
+        validate_truth(truth, spec, len(features["labels"]) if features else None)
     metrics = content["metrics"]
     if not isinstance(metrics, ConfigRecord) or int(metrics.get("partition-id", -1)) != partition:
         raise UploadError("reply metrics missing or from another partition")
@@ -220,7 +224,7 @@ def run_round(grid: Grid, run: RunDirectory, cfg: TrainConfig, model: EFTViT, sp
             dropped[str(partition)] = f"no reply within {cfg.round_timeout:.0f} s"
             continue
         try:
-            upload, truth = parse_reply(replies[partition], partition, spec, cfg.method)
+            upload, truth = parse_reply(replies[partition], partition, spec, cfg.method, cfg.record_truth)
         except UploadError as exc:
             dropped[str(partition)] = str(exc)
             progress.console.print(f"[yellow]round {round_number}: dropped client {partition}'s upload: {exc}")
@@ -228,7 +232,8 @@ def run_round(grid: Grid, run: RunDirectory, cfg: TrainConfig, model: EFTViT, sp
         run.save_upload(round_number, partition, "update", upload.update)
         if upload.features is not None:
             run.save_upload(round_number, partition, "features", upload.features)
-        run.save_arrays(run.truth_path(round_number, partition), truth)
+        if truth is not None:
+            run.save_arrays(run.truth_path(round_number, partition), truth)
         accepted.append(upload)
 
     server_loss, server_seconds = None, 0.0
