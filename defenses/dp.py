@@ -22,7 +22,6 @@ from opacus.optimizers import DPOptimizerFastGradientClipping
 from opacus.utils.fast_gradient_clipping_utils import DPLossFastGradientClipping
 from torch import nn
 
-ACCOUNTANTS = ("prv", "rdp")
 
 
 class PrivacyBudgetError(ValueError):

@@ -10,10 +10,9 @@ import time
 from pathlib import Path
 
 from defenses.tls import CertificateError
-from defenses.dp import ACCOUNTANTS, PrivacyBudgetError, check_feasible
-from eftguard.config import FEDERATIONS, METHODS, ConfigError, TrainConfig
+from eftguard.config import ACCOUNTANTS, FEDERATIONS, METHODS, ConfigError, TrainConfig
 from eftguard.data import DATASET_HELP, DataError
-from eftguard.federation.server import FederationError, Interrupted
+from eftguard.federation.errors import FederationError, Interrupted
 from eftguard.model import PRESETS, ModelError
 from eftguard.rundir import RunDirectory, RunError
 from eftguard.sampling import BALANCE_MODES
@@ -185,6 +184,8 @@ def prepare(cfg: TrainConfig) -> None:
     except ValueError as exc:
         raise ConfigError(str(exc)) from None
     if cfg.dp_eps > 0:
+        from defenses.dp import PrivacyBudgetError, check_feasible
+
         for k, part in enumerate(parts):
             rounds = participation(cfg, k, cfg.rounds)
             try:

@@ -9,11 +9,11 @@ from pathlib import Path
 
 import tomli_w
 
-from defenses.dp import ACCOUNTANTS
 from eftguard.data.registry import check_dataset_name
 from eftguard.sampling import BALANCE_MODES
 
 METHODS = ("eftvit", "fedavg")
+ACCOUNTANTS = ("prv", "rdp")  # opacus accountants that calibrate DP-SGD noise
 FEDERATIONS = ("simulation", "deployment")
 
 

@@ -20,7 +20,7 @@ import threading
 from pathlib import Path
 
 from eftguard.config import ConfigError
-from eftguard.federation.server import FederationError
+from eftguard.federation.errors import FederationError
 from eftguard.rundir import RunDirectory
 
 APP_DIR = Path(__file__).parent / "flwr_app"

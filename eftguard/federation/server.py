@@ -21,6 +21,7 @@ from eftguard.config import TrainConfig
 from eftguard.federation.aggregate import fedavg
 from eftguard.federation.client import (client_partition, dp_budget, participation, run_dataset, seeded,
                                          select_clients)
+from eftguard.federation.errors import FederationError, Interrupted
 from eftguard.federation.records import ClientSettings, UploadError, from_record, to_record
 from eftguard.federation.validation import (UploadSpec, validate_features, validate_num_examples, validate_truth,
                                             validate_update)
@@ -33,14 +34,6 @@ log = logging.getLogger("eftguard.server")
 console = Console(stderr=True)
 HANDSHAKE_SECONDS = 600.0
 POLL_SECONDS = 0.1
-
-
-class FederationError(RuntimeError):
-    """The federation could not run a round (no nodes, wrong nodes); the message says why."""
-
-
-class Interrupted(RuntimeError):
-    """The user asked to stop; completed rounds are kept."""
 
 
 STOP_REQUESTED = threading.Event()  # set by the runtime on Ctrl-C; the server stops at the next poll
