@@ -38,9 +38,10 @@ def flower_executable(name: str) -> str:
 
 
 def flower_env(**extra: str) -> dict[str, str]:
-    """Flower's processes start further Flower commands from PATH: put this environment's first."""
+    """Flower's processes start further Flower commands from PATH: put this environment's first.
+    (Telemetry and update checks are already off: eftguard.cli.main sets that for the whole process.)"""
     path = f"{Path(sys.executable).parent}{os.pathsep}{os.environ.get('PATH', '')}"
-    return {**os.environ, "PATH": path, "FLWR_TELEMETRY_ENABLED": "0", "FLWR_DISABLE_UPDATE_CHECK": "1", **extra}
+    return {**os.environ, "PATH": path, **extra}
 
 
 def check_tls_choice(root_certificates: Path | None, insecure: bool, flag: str = "--root-certificates") -> None:
