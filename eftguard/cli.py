@@ -10,14 +10,16 @@ import time
 from pathlib import Path
 
 from defenses.tls import CertificateError
+from eftguard.attack_cli import add_attack_parser, add_report_parser, cmd_attack, cmd_report
 from eftguard.config import ACCOUNTANTS, FEDERATIONS, METHODS, ConfigError, TrainConfig
 from eftguard.data import DATASET_HELP, DataError
 from eftguard.federation.errors import FederationError, Interrupted
+from eftguard.metrics import MetricError
 from eftguard.model import PRESETS, ModelError
 from eftguard.rundir import RunDirectory, RunError
 from eftguard.sampling import BALANCE_MODES
 
-USER_ERRORS = (ConfigError, DataError, ModelError, RunError, FederationError, CertificateError)
+USER_ERRORS = (ConfigError, DataError, ModelError, RunError, FederationError, CertificateError, MetricError)
 
 TRAIN_HELP = {
     "dataset": f"dataset: {DATASET_HELP}",
@@ -160,6 +162,9 @@ def build_parser() -> argparse.ArgumentParser:
     demo.add_argument("--rounds", type=int, default=3, help="rounds per method (default: 3)")
     demo.add_argument("--train-samples", type=int, default=1500, help="training images used (default: 1500)")
     demo.add_argument("--test-samples", type=int, default=500, help="test images used (default: 500)")
+
+    add_attack_parser(sub)
+    add_report_parser(sub)
     return parser
 
 
@@ -342,7 +347,8 @@ def main(argv: list[str] | None = None) -> None:
     args = build_parser().parse_args(argv)
     try:
         commands = {"train": cmd_train, "demo": cmd_demo, "certs": cmd_certs, "superlink": cmd_superlink,
-                    "supernode": cmd_supernode, "node-key": cmd_node_key, "register-node": cmd_register_node}
+                    "supernode": cmd_supernode, "node-key": cmd_node_key, "register-node": cmd_register_node,
+                    "attack": cmd_attack, "report": cmd_report}
         commands[args.command](args)
     except USER_ERRORS as exc:
         print(f"eftguard: error: {exc}", file=sys.stderr)

@@ -1,0 +1,190 @@
+"""Image-reconstruction metrics shared by every attack: PSNR, SSIM, LPIPS (named backend), Hungarian
+matching, kept-patch scoring and trivial baselines.
+
+Images are float arrays in [0, 1], [N, H, W, 3]. Scores are per image; `summarize` turns them into
+{"mean", "std", "n"}. Kept-patch scores use a composite (ground truth outside the kept patches, the
+reconstruction inside) so that SSIM windows and LPIPS receptive fields straddling a kept patch's border do not
+charge the attack for pixels that were never sent; the SSIM / LPIPS maps are then averaged over kept pixels.
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+from scipy.ndimage import gaussian_filter
+from scipy.optimize import linear_sum_assignment
+from skimage.metrics import structural_similarity
+
+MAX_PSNR = 100.0  # identical images score this instead of inf, so means and JSON stay finite
+LPIPS_BACKENDS = ("auto", "lpips-alex", "stlpips-alex")
+ALEXNET_WEIGHTS = "alexnet-owt-7be5be79.pth"
+
+
+class MetricError(ValueError):
+    """A metric cannot be computed as asked; the message says how to fix it."""
+
+
+def _check_pair(recon: np.ndarray, truth: np.ndarray) -> None:
+    if recon.shape != truth.shape or recon.ndim != 4 or recon.shape[-1] != 3:
+        raise MetricError(f"images must both be [N, H, W, 3]; got {recon.shape} and {truth.shape}")
+
+
+def psnr(recon: np.ndarray, truth: np.ndarray, weights: np.ndarray | None = None) -> np.ndarray:
+    """Per-image PSNR (data range 1) over all pixels, or over the pixels where weights [N, H, W] > 0."""
+    _check_pair(recon, truth)
+    err = (recon.astype(np.float64) - truth.astype(np.float64)) ** 2
+    if weights is None:
+        mse = err.reshape(len(err), -1).mean(axis=1)
+    else:
+        w = weights[..., None].astype(np.float64)
+        mse = (err * w).reshape(len(err), -1).sum(axis=1) / np.maximum(w.reshape(len(w), -1).sum(axis=1) * 3, 1e-12)
+    with np.errstate(divide="ignore"):
+        values = 10.0 * np.log10(1.0 / mse)
+    return np.minimum(values, MAX_PSNR)
+
+
+def ssim(recon: np.ndarray, truth: np.ndarray, weights: np.ndarray | None = None) -> np.ndarray:
+    """Per-image SSIM (scikit-image, data range 1, channel axis last), optionally the SSIM map's weighted mean."""
+    _check_pair(recon, truth)
+    values = []
+    for r, t, w in zip(recon, truth, weights if weights is not None else [None] * len(recon)):
+        score, full = structural_similarity(t.astype(np.float64), r.astype(np.float64), data_range=1.0,
+                                            channel_axis=-1, full=True)
+        values.append(score if w is None else float((full.mean(axis=-1) * w).sum() / max(w.sum(), 1e-12)))
+    return np.asarray(values, dtype=np.float64)
+
+
+@dataclass
+class LPIPS:
+    """A perceptual distance with its backend's name, computed at the images' own resolution (the usual
+    practice for 32 px data; the spatial map is averaged, or weighted by kept pixels)."""
+
+    name: str
+    network: torch.nn.Module
+
+    def __call__(self, recon: np.ndarray, truth: np.ndarray, weights: np.ndarray | None = None,
+                 batch_size: int = 64) -> np.ndarray:
+        _check_pair(recon, truth)
+        values = []
+        with torch.no_grad():
+            for i in range(0, len(recon), batch_size):
+                a, b = (_to_lpips_tensor(x[i:i + batch_size]) for x in (recon, truth))
+                spatial = self.network(a, b, normalize=True)[:, 0]  # [n, S, S]
+                if weights is None:
+                    values.append(spatial.mean(dim=(1, 2)).double().numpy())
+                else:
+                    w = torch.from_numpy(weights[i:i + batch_size].astype(np.float32))[:, None]
+                    w = torch.nn.functional.interpolate(w, size=spatial.shape[-2:], mode="nearest")[:, 0]
+                    values.append(((spatial * w).sum(dim=(1, 2)) / w.sum(dim=(1, 2)).clamp_min(1e-12)).double().numpy())
+        return np.concatenate(values) if values else np.zeros(0)
+
+
+def _to_lpips_tensor(images: np.ndarray) -> torch.Tensor:
+    return torch.from_numpy(np.ascontiguousarray(images, dtype=np.float32)).permute(0, 3, 1, 2)
+
+
+def _alexnet_cached() -> bool:
+    return os.path.exists(os.path.join(torch.hub.get_dir(), "checkpoints", ALEXNET_WEIGHTS))
+
+
+def _standard_lpips() -> torch.nn.Module:
+    import lpips
+
+    return lpips.LPIPS(net="alex", spatial=True, verbose=False).eval()
+
+
+def _shift_tolerant_lpips() -> torch.nn.Module:
+    from stlpips_pytorch import stlpips
+
+    return stlpips.LPIPS(net="alex", variant="shift_tolerant", spatial=True, verbose=False).eval()
+
+
+_LOADED: dict[str, LPIPS] = {}
+
+
+def load_lpips(backend: str = "auto") -> LPIPS:
+    """lpips-alex (standard LPIPS v0.1; needs torchvision's AlexNet weights, cached or downloadable) or
+    stlpips-alex (shift-tolerant LPIPS, weights shipped with the package, offline). auto prefers lpips-alex."""
+    if backend not in LPIPS_BACKENDS:
+        raise MetricError(f"unknown LPIPS backend '{backend}': choose {', '.join(LPIPS_BACKENDS)}")
+    if backend in _LOADED:
+        return _LOADED[backend]
+    if backend == "stlpips-alex":
+        metric = LPIPS("stlpips-alex", _shift_tolerant_lpips())
+    else:
+        try:
+            metric = LPIPS("lpips-alex", _standard_lpips())
+        except Exception as exc:  # urllib / hub errors come in many types
+            if backend == "lpips-alex":
+                raise MetricError(
+                    f"standard LPIPS needs torchvision's AlexNet weights ({ALEXNET_WEIGHTS}) and they are neither in "
+                    f"{torch.hub.get_dir()}/checkpoints nor downloadable ({type(exc).__name__}). Copy them there, or "
+                    "use --lpips-backend stlpips-alex (weights shipped, works offline)") from None
+            metric = LPIPS("stlpips-alex", _shift_tolerant_lpips())
+    _LOADED[backend] = metric
+    return metric
+
+
+def summarize(values: np.ndarray) -> dict:
+    values = np.asarray(values, dtype=np.float64)
+    if len(values) == 0:
+        return {"mean": None, "std": None, "n": 0}
+    return {"mean": float(values.mean()), "std": float(values.std()), "n": int(len(values))}
+
+
+def hungarian_match(recon: np.ndarray, truth: np.ndarray) -> np.ndarray:
+    """order such that recon[order[i]] is matched to truth[i], minimising the total MSE (for attacks that do
+    not know which reconstruction belongs to which original, e.g. a batch from a gradient)."""
+    if len(recon) != len(truth):
+        raise MetricError(f"cannot match {len(recon)} reconstructions to {len(truth)} originals")
+    r = recon.reshape(len(recon), -1).astype(np.float64)
+    t = truth.reshape(len(truth), -1).astype(np.float64)
+    cost = (t ** 2).sum(1)[:, None] + (r ** 2).sum(1)[None, :] - 2 * t @ r.T
+    rows, cols = linear_sum_assignment(cost)
+    return cols[np.argsort(rows)]
+
+
+def kept_pixels(kept_ids: np.ndarray, image_size: int, patch_size: int) -> np.ndarray:
+    """[N, keep] row-major patch ids -> bool [N, H, W], True on the pixels of kept patches."""
+    grid = image_size // patch_size
+    mask = np.zeros((len(kept_ids), grid * grid), dtype=bool)
+    np.put_along_axis(mask, kept_ids.astype(np.int64), True, axis=1)
+    mask = mask.reshape(-1, grid, grid)
+    return mask.repeat(patch_size, axis=1).repeat(patch_size, axis=2)
+
+
+def composite(recon: np.ndarray, truth: np.ndarray, kept: np.ndarray) -> np.ndarray:
+    """The reconstruction on kept pixels, the ground truth elsewhere."""
+    return np.where(kept[..., None], recon, truth)
+
+
+def score(recon: np.ndarray, truth: np.ndarray, lpips: LPIPS, kept: np.ndarray | None = None) -> dict:
+    """Per-image scores: {"metrics": {psnr, ssim, lpips}} and, given the kept-pixel masks,
+    {"metrics_kept": ...} measured on the kept patches only."""
+    result = {"metrics": {"psnr": psnr(recon, truth), "ssim": ssim(recon, truth), "lpips": lpips(recon, truth)}}
+    if kept is not None:
+        mixed = composite(recon, truth, kept)
+        result["metrics_kept"] = {"psnr": psnr(recon, truth, kept), "ssim": ssim(mixed, truth, kept),
+                                  "lpips": lpips(mixed, truth, kept)}
+    return result
+
+
+def mean_image_baseline(public_images: np.ndarray, count: int) -> np.ndarray:
+    """The attacker who learned nothing guesses the mean auxiliary image for every sample."""
+    return np.repeat(public_images.mean(axis=0, keepdims=True), count, axis=0)
+
+
+def blurred_kept_baseline(truth: np.ndarray, kept: np.ndarray, sigma: float) -> np.ndarray:
+    """The kept patches' colours spread by a Gaussian blur (normalised convolution): what an attacker who
+    learned only the coarse colour of what was sent would draw."""
+    w = kept.astype(np.float64)
+    out = np.empty_like(truth, dtype=np.float64)
+    spread_w = np.stack([gaussian_filter(x, sigma, mode="nearest") for x in w])
+    for c in range(3):
+        spread = np.stack([gaussian_filter(x, sigma, mode="nearest") for x in truth[..., c] * w])
+        out[..., c] = spread / np.maximum(spread_w, 1e-12)
+    return np.clip(out, 0.0, 1.0)
+

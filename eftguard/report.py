@@ -1,0 +1,191 @@
+"""Attack reports (report.json, report.md, grid.png per attack) and the run report (report.html, report.md,
+report.json gathering every attack report of a run with its configuration and accuracy per round).
+
+report.json follows DESIGN.md: "metrics", "baseline" and (image attacks) "metrics_kept" hold
+{"mean", "std", "n"} per metric; every other group of that shape is shown beside them.
+"""
+
+from __future__ import annotations
+
+import base64
+import html
+import io
+import json
+from pathlib import Path
+
+import numpy as np
+from PIL import Image
+
+# Column order of the summary tables; any other {"metric": {"mean", "std", "n"}} group follows these.
+GROUP_TITLES = {
+    "metrics": "attack",
+    "baseline": "baseline",
+    "metrics_kept": "attack, kept patches",
+    "baseline_kept": "baseline, kept patches",
+    "baseline_blur": "blurred kept patches",
+}
+LOWER_IS_BETTER = {"lpips", "l1", "js"}
+DP_SCOPE = ("DP-SGD, when on, covers the uploaded parameters (local module and head) only, not the uploaded "
+            "patch features, which are a direct function of the client's images.")
+
+
+def format_stat(stat: dict | None) -> str:
+    if not stat or stat.get("mean") is None:
+        return "–"
+    return f"{stat['mean']:.3f} ± {stat['std']:.3f} (n={stat['n']})"
+
+
+def stat_groups(report: dict) -> list[str]:
+    """The keys of report that hold {"metric": {"mean", "std", "n"}} tables, in display order."""
+    def is_group(value) -> bool:
+        return isinstance(value, dict) and value and all(isinstance(v, dict) and "mean" in v for v in value.values())
+
+    groups = [g for g in GROUP_TITLES if is_group(report.get(g))]
+    return groups + sorted(k for k, v in report.items() if k not in GROUP_TITLES and is_group(v))
+
+
+def summary_table(report: dict) -> list[list[str]]:
+    """Rows of [metric, value per group], the header first."""
+    groups = stat_groups(report)
+    metrics = list(dict.fromkeys(m for g in groups for m in report[g]))
+    rows = [["metric"] + [GROUP_TITLES.get(g, g) for g in groups]]
+    for metric in metrics:
+        arrow = " (lower is better)" if metric in LOWER_IS_BETTER else ""
+        rows.append([metric + arrow] + [format_stat(report[g].get(metric)) for g in groups])
+    return rows
+
+
+def markdown_table(rows: list[list[str]]) -> str:
+    lines = ["| " + " | ".join(rows[0]) + " |", "|" + "---|" * len(rows[0])]
+    lines += ["| " + " | ".join(r) + " |" for r in rows[1:]]
+    return "\n".join(lines)
+
+
+def attack_markdown(report: dict, grid_name: str | None) -> str:
+    caps = ", ".join(f"{k} = {v}" for k, v in report.get("capabilities", {}).items())
+    parts = [f"# {report['attack']} on {report['run']}, round {report['round']}", "",
+             f"Capabilities: {caps}.  ", f"LPIPS backend: {report['lpips_backend']}."
+             if report.get("lpips_backend") else "", "", markdown_table(summary_table(report)), ""]
+    for key, value in report.get("details", {}).items():
+        parts.append(f"- {key}: {value}")
+    if grid_name:
+        parts += ["", f"![original | what the client sent | reconstruction]({grid_name})"]
+    parts += ["", DP_SCOPE, ""]
+    return "\n".join(parts)
+
+
+def image_grid(rows: list[list[np.ndarray]], scale: int = 3, gap: int = 2) -> Image.Image:
+    """Images (float [H, W, 3] in [0, 1]) laid out row by row, upscaled by `scale`, on a white background."""
+    h, w = rows[0][0].shape[:2]
+    cols = max(len(r) for r in rows)
+    cell_h, cell_w = h * scale, w * scale
+    canvas = np.full((len(rows) * (cell_h + gap) + gap, cols * (cell_w + gap) + gap, 3), 255, dtype=np.uint8)
+    for i, row in enumerate(rows):
+        for j, image in enumerate(row):
+            tile = (np.clip(image, 0, 1) * 255 + 0.5).astype(np.uint8).repeat(scale, 0).repeat(scale, 1)
+            y, x = gap + i * (cell_h + gap), gap + j * (cell_w + gap)
+            canvas[y:y + cell_h, x:x + cell_w] = tile
+    return Image.fromarray(canvas)
+
+
+def write_attack_report(out_root: Path, report: dict, grid: Image.Image | None = None) -> Path:
+    """<out_root>/<attack>/report.json, report.md and grid.png; returns the folder."""
+    folder = Path(out_root) / report["attack"]
+    folder.mkdir(parents=True, exist_ok=True)
+    (folder / "report.json").write_text(json.dumps(report, indent=2) + "\n")
+    if grid is not None:
+        grid.save(folder / "grid.png")
+    (folder / "report.md").write_text(attack_markdown(report, "grid.png" if grid is not None else None))
+    return folder
+
+
+# --- the run report ---------------------------------------------------------------------------------------
+
+def collect_reports(reports_dir: Path) -> list[tuple[dict, Path]]:
+    found = []
+    for file in sorted(Path(reports_dir).glob("*/report.json")):
+        try:
+            found.append((json.loads(file.read_text()), file.parent))
+        except json.JSONDecodeError:
+            continue
+    return found
+
+
+def _png_data_uri(path: Path) -> str:
+    return "data:image/png;base64," + base64.b64encode(path.read_bytes()).decode()
+
+
+def accuracy_svg(metrics: list[dict], width: int = 420, height: int = 180) -> str:
+    """Test accuracy per round as an inline SVG line chart (no plotting library, no external file)."""
+    points = [(m["round"], m["test_accuracy"]) for m in metrics if m.get("test_accuracy") is not None]
+    if not points:
+        return "<p>No completed rounds.</p>"
+    pad, last = 30, max(r for r, _ in points)
+    xy = [(pad + (width - 2 * pad) * (r - 1) / max(last - 1, 1), height - pad - (height - 2 * pad) * a)
+          for r, a in points]
+    path = " ".join(f"{x:.1f},{y:.1f}" for x, y in xy)
+    dots = "".join(f'<circle cx="{x:.1f}" cy="{y:.1f}" r="3"><title>round {r}: {a:.3f}</title></circle>'
+                   for (x, y), (r, a) in zip(xy, points))
+    return (f'<svg xmlns="http://www.w3.org/2000/svg" width="{width}" height="{height}" role="img" '
+            f'aria-label="test accuracy per round">'
+            f'<line x1="{pad}" y1="{height - pad}" x2="{width - pad}" y2="{height - pad}" stroke="#999"/>'
+            f'<line x1="{pad}" y1="{pad}" x2="{pad}" y2="{height - pad}" stroke="#999"/>'
+            f'<text x="{pad - 4}" y="{pad + 4}" font-size="10" text-anchor="end">1.0</text>'
+            f'<text x="{pad - 4}" y="{height - pad + 4}" font-size="10" text-anchor="end">0</text>'
+            f'<text x="{width - pad}" y="{height - 8}" font-size="10" text-anchor="end">round {last}</text>'
+            f'<polyline fill="none" stroke="#1f77b4" stroke-width="2" points="{path}"/>{dots}</svg>')
+
+
+def _html_table(rows: list[list[str]]) -> str:
+    head = "".join(f"<th>{html.escape(c)}</th>" for c in rows[0])
+    body = "".join("<tr>" + "".join(f"<td>{html.escape(c)}</td>" for c in r) + "</tr>" for r in rows[1:])
+    return f"<table><thead><tr>{head}</tr></thead><tbody>{body}</tbody></table>"
+
+
+STYLE = ("body{font-family:sans-serif;max-width:1100px;margin:2em auto;color:#222}"
+         "table{border-collapse:collapse;margin:0.5em 0}td,th{border:1px solid #ccc;padding:3px 8px;text-align:left}"
+         "th{background:#f3f3f3}img{image-rendering:pixelated;max-width:100%}code{background:#f3f3f3}")
+
+
+def write_run_report(run_path: Path, config_toml: str, metrics: list[dict], reports_dir: Path) -> list[Path]:
+    """report.html (self-contained: images inlined), report.md and report.json in reports_dir."""
+    reports = collect_reports(reports_dir)
+    accuracy_rows = [["round", "test accuracy", "epsilon (max over clients)"]] + [
+        [str(m["round"]), f"{m['test_accuracy']:.3f}",
+         f"{max(m['epsilon'].values()):.2f}" if m.get("epsilon") else "–"] for m in metrics]
+    md = [f"# Privacy audit of {run_path}", "", DP_SCOPE, "", "## Configuration", "", "```toml", config_toml.strip(),
+          "```", "", "## Accuracy per round", "", markdown_table(accuracy_rows), "", "## Attacks", ""]
+    body = [f"<h1>Privacy audit of {html.escape(str(run_path))}</h1>", f"<p>{html.escape(DP_SCOPE)}</p>",
+            "<h2>Configuration</h2>", f"<pre><code>{html.escape(config_toml.strip())}</code></pre>",
+            "<h2>Accuracy per round</h2>", accuracy_svg(metrics), _html_table(accuracy_rows), "<h2>Attacks</h2>"]
+    if not reports:
+        md.append("No attack reports yet: run `eftguard attack ...` first.")
+        body.append("<p>No attack reports yet: run <code>eftguard attack ...</code> first.</p>")
+    for report, folder in reports:
+        caps = ", ".join(f"{k} = {v}" for k, v in report.get("capabilities", {}).items())
+        backend = f" LPIPS backend: {report['lpips_backend']}." if report.get("lpips_backend") else ""
+        table = summary_table(report)
+        md += [f"### {report['attack']} (round {report['round']})", "", f"Capabilities: {caps}.{backend}", "",
+               markdown_table(table), ""]
+        body += [f"<h3>{html.escape(report['attack'])} (round {report['round']})</h3>",
+                 f"<p>Capabilities: {html.escape(caps)}.{html.escape(backend)}</p>", _html_table(table)]
+        details = report.get("details", {})
+        if details:
+            md += [f"- {k}: {v}" for k, v in details.items()] + [""]
+            body.append("<ul>" + "".join(f"<li>{html.escape(str(k))}: {html.escape(str(v))}</li>"
+                                         for k, v in details.items()) + "</ul>")
+        grid = folder / "grid.png"
+        if grid.exists():
+            md += [f"![{report['attack']}]({grid.relative_to(reports_dir).as_posix()})", ""]
+            body.append(f'<p><img alt="{html.escape(report["attack"])}: original | sent | reconstruction" '
+                        f'src="{_png_data_uri(grid)}"></p>')
+    page = (f"<!DOCTYPE html><html><head><meta charset=\"utf-8\"><title>eftguard audit: {html.escape(str(run_path))}"
+            f"</title><style>{STYLE}</style></head><body>{''.join(body)}</body></html>\n")
+    out = Path(reports_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    files = [out / "report.html", out / "report.md", out / "report.json"]
+    files[0].write_text(page)
+    files[1].write_text("\n".join(md) + "\n")
+    files[2].write_text(json.dumps({"run": str(run_path), "metrics": metrics,
+                                    "attacks": [r for r, _ in reports]}, indent=2) + "\n")
+    return files
