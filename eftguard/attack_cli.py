@@ -9,6 +9,7 @@ from __future__ import annotations
 import argparse
 from pathlib import Path
 
+import numpy as np
 from rich.console import Console
 
 from eftguard.rundir import RunDirectory, RunError
@@ -116,3 +117,168 @@ def add_attack_parser(sub: argparse._SubParsersAction) -> None:
 
 def cmd_attack(args: argparse.Namespace) -> None:
     args.run_attack(args)
+
+
+def stage_progress():
+    """A rich progress display and a (stage, done, total) callback for attacks' long loops."""
+    from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
+
+    bar = Progress(TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn(),
+                   console=console, transient=False)
+    tasks: dict[str, int] = {}
+
+    def update(stage: str, done: int, total: int) -> None:
+        if stage not in tasks:
+            tasks[stage] = bar.add_task(stage, total=total)
+        if done == total or done % 10 == 0:
+            bar.update(tasks[stage], completed=done)
+
+    return bar, update
+
+
+def print_summary(report: dict, folder: Path) -> None:
+    from rich.table import Table
+
+    from eftguard.report import summary_table
+
+    rows = summary_table(report)
+    table = Table(title=f"{report['attack']}, round {report['round']}"
+                        + (f", LPIPS: {report['lpips_backend']}" if report.get("lpips_backend") else ""))
+    for column in rows[0]:
+        table.add_column(column)
+    for row in rows[1:]:
+        table.add_row(*row)
+    Console().print(table)
+    console.print(f"report: {folder}/report.md")
+
+
+# --- invert -----------------------------------------------------------------------------------------------
+
+INVERT_DEFAULT_STEPS = {"decoder": 1000, "optimize": 300}
+
+
+def add_invert_parser(kinds: argparse._SubParsersAction) -> argparse.ArgumentParser:
+    invert = kinds.add_parser(
+        "invert", help="reconstruct client images from the patch features the server received",
+        description="Feature inversion against an EFTViT run. decoder: train an inverse network on auxiliary "
+                    "images pushed through each client's uploaded local module with the same masking, then apply "
+                    "it to the uploads. optimize: find images whose features match the uploads (total-variation "
+                    "prior, Adam, restarts). Scored against truth/ by PSNR, SSIM and LPIPS over the whole image "
+                    "and over the kept patches only, beside a mean-image baseline. DP-SGD does not protect the "
+                    "uploaded features; --feature-noise does, and the attack applies it to its training data too.")
+    invert.add_argument("--features", type=Path, required=True, metavar="RUN", help="run directory to attack")
+    invert.add_argument("--method", choices=tuple(INVERT_DEFAULT_STEPS), default="decoder",
+                        help="decoder (learned inverse network) or optimize (feature matching) (default: decoder)")
+    invert.add_argument("--positions", choices=("known", "unknown"), default="known",
+                        help="known: the attacker is granted each upload's kept-patch positions (a server that "
+                             "chose the masks); unknown: it infers them from the features (default: known)")
+    invert.add_argument("--clients", default="all", help="'all' or comma-separated partition ids (default: all)")
+    invert.add_argument("--aux", default="public",
+                        help="auxiliary images of the attacker: 'public' (the run dataset's public split, disjoint "
+                             "from client data) or a dataset name (photos, cifar10, cifar100, imagefolder:PATH; "
+                             "its training split) (default: public)")
+    invert.add_argument("--aux-data-dir", type=Path, default=None, help="local copy of the --aux dataset")
+    invert.add_argument("--max-images", type=int, default=64,
+                        help="attack at most this many uploaded feature sets per client, a seeded random choice "
+                             "(0: all) (default: 64)")
+    invert.add_argument("--steps", type=int, default=None,
+                        help="decoder training steps, or optimisation steps per restart "
+                             f"(default: {INVERT_DEFAULT_STEPS['decoder']} / {INVERT_DEFAULT_STEPS['optimize']})")
+    invert.add_argument("--restarts", type=int, default=2, help="optimize: random restarts per image (default: 2)")
+    add_common_options(invert)
+    return invert
+
+
+def aux_images(choice: str, data_dir: Path | None, run_dataset, image_size: int) -> np.ndarray:
+    from eftguard.data.registry import check_dataset_name, load_dataset
+
+    if choice == "public":
+        return run_dataset.public.images
+    check_dataset_name(choice)
+    return load_dataset(choice, str(data_dir) if data_dir else None, image_size).train.images
+
+
+def observe_round(run: RunDirectory, round_number: int, clients: list[int], max_images: int, seed: int,
+                  positions_known: bool, aux: np.ndarray):
+    """What the attacker holds for the round (observed/ and public weights only), plus the rows attacked
+    per client. Kept positions, when granted, come from the auditor."""
+    import torch
+
+    from attacks.inversion import ClientFeatures, RoundFeatures
+    from eftguard.audit import granted_positions
+    from eftguard.data.registry import load_dataset
+    from eftguard.model import PRESETS, build_model, load_weights
+
+    cfg = run.config()
+    if cfg.method != "eftvit":
+        raise RunError(f"{run.path} is a {cfg.method} run: it uploads no patch features. Use eftguard attack gradient")
+    num_classes = load_dataset(cfg.dataset, cfg.data_dir, PRESETS[cfg.model].image_size).num_classes
+    model = build_model(cfg.model, num_classes, cfg.local_layers, seed=cfg.seed)
+    load_weights(model, run.load_checkpoint(round_number - 1), source=f"checkpoint of round {round_number - 1}")
+    rng = np.random.default_rng(seed)
+    observed, rows_of = [], {}
+    for partition in clients:
+        upload = run.load_upload(round_number, partition, "features")
+        n = len(upload["labels"])
+        rows = np.arange(n) if max_images <= 0 or n <= max_images else np.sort(rng.choice(n, max_images, replace=False))
+        rows_of[partition] = rows
+        state = {k: torch.from_numpy(v) for k, v in run.load_upload(round_number, partition, "update").items()}
+        kept = granted_positions(run, round_number, partition)[rows] if positions_known else None
+        observed.append(ClientFeatures(partition, torch.from_numpy(upload["features"][rows]),
+                                       torch.from_numpy(upload["labels"][rows]), state,
+                                       torch.from_numpy(kept) if kept is not None else None))
+    return RoundFeatures(round_number, observed, model, cfg.mask_ratio, aux, cfg.feature_clip, cfg.feature_noise), rows_of
+
+
+def cmd_invert(args: argparse.Namespace) -> None:
+    import time
+
+    from attacks.base import ThreatModel
+    from attacks.inversion import DecoderInversion, OptimizationInversion
+    from eftguard import audit
+    from eftguard.data.registry import load_dataset
+    from eftguard.metrics import load_lpips
+    from eftguard.model import PRESETS
+    from eftguard.report import image_grid, write_attack_report
+
+    if args.max_images < 0 or (args.steps is not None and args.steps < 1) or args.restarts < 1:
+        raise RunError("--max-images must be >= 0, --steps and --restarts >= 1")
+    run = open_run(args.features, args.key)
+    cfg = run.config()
+    round_number = resolve_round(run, args.round_number)
+    clients = round_clients(run, round_number, args.clients)
+    image_size = PRESETS[cfg.model].image_size
+    dataset = load_dataset(cfg.dataset, cfg.data_dir, image_size)
+    aux = aux_images(args.aux, args.aux_data_dir, dataset, image_size)
+    threat = ThreatModel(aux_data=args.aux, positions_known=args.positions == "known")
+    observation, rows_of = observe_round(run, round_number, clients, args.max_images, args.seed,
+                                         threat.positions_known, aux)
+    steps = args.steps or INVERT_DEFAULT_STEPS[args.method]
+    bar, progress = stage_progress()
+    attack = (DecoderInversion(threat, steps=steps, seed=args.seed, progress=progress) if args.method == "decoder"
+              else OptimizationInversion(threat, steps=steps, restarts=args.restarts, seed=args.seed, progress=progress))
+    console.print(f"{attack.name}: round {round_number}, clients {clients}, positions {args.positions}, "
+                  f"aux {args.aux} ({len(aux)} images), {steps} steps")
+    start = time.perf_counter()
+    with bar:
+        reconstructions = attack.reconstruct(observation)
+    seconds = time.perf_counter() - start
+
+    lpips = load_lpips(args.lpips_backend)
+    public = audit.as_float_images(dataset.public.images)
+    patch = PRESETS[cfg.model].patch_size
+    scores = [audit.score_upload_reconstruction(run, round_number, k, rows_of[k], reconstructions[k], dataset,
+                                                public, lpips, patch) for k in clients]
+    details = {"method": args.method, "steps": steps, "attack_seconds": round(seconds, 1),
+               "mask_ratio": cfg.mask_ratio, "local_layers": cfg.local_layers,
+               "feature_defense": {"clip": cfg.feature_clip, "noise": cfg.feature_noise},
+               "dp_eps": cfg.dp_eps, "positions": args.positions}
+    for key in next(iter(reconstructions.values())).details:  # per-client figures of the attack, averaged
+        details[key] = float(np.mean([r.details[key] for r in reconstructions.values()]))
+    report = audit.image_report(attack.name, run, round_number, threat, lpips.name, scores, details)
+    grid_rows = [row for s in scores for row in s.grid_rows][:audit.GRID_IMAGES]
+    folder = write_attack_report(out_root(run, args.out), report, image_grid(grid_rows))
+    print_summary(report, folder)
+
+
+ATTACK_COMMANDS["invert"] = (add_invert_parser, cmd_invert)

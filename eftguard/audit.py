@@ -81,3 +81,25 @@ def image_report(attack: str, run: RunDirectory, round_number: int, threat: Thre
         details = {**details, "position_accuracy": metrics.summarize(np.concatenate(accuracies))}
     report["details"] = details
     return report
+
+
+def granted_positions(run: RunDirectory, round_number: int, partition: int) -> np.ndarray:
+    """The kept-patch ids of each uploaded feature set: the auditor grants them to an attack run with
+    positions_known (they are never uploaded)."""
+    truth = load_truth(run, round_number, partition)
+    if "kept_ids" not in truth:
+        raise RunError(f"truth of client {partition} in round {round_number} has no kept positions "
+                       "(a fedavg run): use --positions unknown")
+    return truth["kept_ids"]
+
+
+def score_upload_reconstruction(run: RunDirectory, round_number: int, partition: int, rows: np.ndarray,
+                                recon: ImageReconstruction, dataset, public_images: np.ndarray,
+                                lpips: metrics.LPIPS, patch_size: int) -> ClientScores:
+    """Score reconstructions of a client's uploaded feature sets `rows` against the images behind them."""
+    truth = load_truth(run, round_number, partition)
+    sample_ids = truth["sample_ids"][rows]
+    originals = as_float_images(dataset.train.images[sample_ids])
+    true_kept = truth["kept_ids"][rows]
+    kept = metrics.kept_pixels(true_kept, originals.shape[1], patch_size)
+    return score_client(partition, recon, originals, kept, public_images, lpips, patch_size, true_kept)

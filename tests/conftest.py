@@ -8,6 +8,7 @@ import numpy as np
 import pytest
 import torch
 
+from eftguard.config import TrainConfig
 from eftguard.model import build_model
 
 
@@ -25,3 +26,23 @@ def rng():
 @pytest.fixture(autouse=True)
 def _seed():
     torch.manual_seed(0)
+
+
+def train_in_process(path, **config):
+    """A run directory written by the real server and client code over an in-process grid (no Ray)."""
+    from eftguard.federation.server import run_server
+    from eftguard.rundir import RunDirectory
+    from fakegrid import FakeGrid, task_identity
+
+    cfg = TrainConfig(**{"clients": 2, "rounds": 1, "train_samples": 160, "test_samples": 40, "batch_size": 32,
+                         **config}).resolved()
+    run = RunDirectory.create(path, cfg)
+    with task_identity():
+        run_server(FakeGrid(cfg.clients), run.path)
+    return run.path
+
+
+@pytest.fixture(scope="session")
+def feature_run(tmp_path_factory):
+    """A finished one-round EFTViT run (2 clients, 75% masking, M=2); tests must not modify it."""
+    return train_in_process(tmp_path_factory.mktemp("runs") / "eftvit")

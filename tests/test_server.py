@@ -7,62 +7,20 @@ import json
 
 import numpy as np
 import pytest
-from flwr.app import Array, Context, Message, Metadata, RecordDict
-from flwr.supercore.task_identity import TaskIdentity
+from flwr.app import Array
 
 from eftguard.config import TrainConfig
-from eftguard.federation import apps
 from eftguard.federation.server import FederationError, run_server
 from eftguard.rundir import RunDirectory, RunError
+from fakegrid import FakeGrid, task_identity
 
 CFG = TrainConfig(clients=3, rounds=2, train_samples=120, test_samples=40, batch_size=32)
 
 
-class FakeGrid:
-    def __init__(self, clients, tamper=None, partitions=None):
-        self.partitions = partitions or {100 + k: k for k in range(clients)}
-        self.clients = clients
-        self.tamper = tamper or (lambda node, reply: reply)
-        self.outbox = {}
-
-    def get_node_ids(self):
-        return list(self.partitions)
-
-    def _deliver(self, msg):
-        node = msg.metadata.dst_node_id
-        context = Context(run_id=1, node_id=node, state=RecordDict({}), run_config={},
-                          node_config={"partition-id": self.partitions[node], "num-partitions": self.clients})
-        msg.metadata.__dict__["_message_id"] = f"msg-{node}-{len(self.outbox)}"
-        handler = apps.describe if msg.metadata.message_type == "query" else apps.train
-        reply = handler(msg, context)
-        reply = Message(content=reply.content, metadata=Metadata(
-            run_id=1, message_id=f"reply-{node}", src_node_id=node, dst_node_id=0,
-            reply_to_message_id=msg.metadata.message_id, group_id="", created_at=0.0, ttl=60.0,
-            message_type=msg.metadata.message_type))
-        return msg.metadata.message_id, self.tamper(node, reply)
-
-    def push_messages(self, messages):
-        ids = []
-        for msg in messages:
-            message_id, reply = self._deliver(msg)
-            self.outbox[message_id] = reply
-            ids.append(message_id)
-        return ids
-
-    def pull_messages(self, ids):
-        return [self.outbox.pop(i) for i in list(ids) if i in self.outbox]
-
-    def send_and_receive(self, messages, timeout=None):
-        return self.pull_messages(self.push_messages(messages))
-
-
 @pytest.fixture(autouse=True)
-def task_identity():
-    """Messages are stamped with the identity of the running task; give them one outside Flower."""
-    saved = TaskIdentity._run_id, TaskIdentity._node_id, TaskIdentity._task_id
-    TaskIdentity.run_id, TaskIdentity.node_id, TaskIdentity.task_id = 1, 0, 1
-    yield
-    TaskIdentity._run_id, TaskIdentity._node_id, TaskIdentity._task_id = saved
+def _task_identity():
+    with task_identity():
+        yield
 
 
 def poison_node(target):

@@ -1,0 +1,345 @@
+"""Feature inversion: reconstruct client images from the patch features an EFTViT server receives.
+
+Threat model (DESIGN.md): an honest-but-curious server that holds each client's uploaded local module phi_k
+(it receives it in the same round), the public architecture and masking code, the run configuration
+(mask ratio, feature-release defense) and auxiliary public images. Kept-token positions are not uploaded:
+with positions_known the auditor grants them, otherwise the attack infers them from the features
+(a position probe trained on auxiliary features, then a monotone assignment: the masking code keeps the
+tokens of an upload in increasing position order).
+
+Two attacks behind one interface, `reconstruct(RoundFeatures) -> {partition: ImageReconstruction}`:
+- DecoderInversion (learned inverse network, He et al. 2019): an MAE-style transformer decoder trained on
+  auxiliary images pushed through the clients' phi_k with the same masking (and the same feature-release
+  clipping and noise); kept tokens go to their positions, learned mask tokens fill the rest, a linear layer
+  predicts each patch's pixels.
+- OptimizationInversion (white-box rMLE): optimise images so that phi_k(mask(x)) matches the uploaded
+  features, with a total-variation prior, Adam and restarts (the best restart per image by feature distance).
+"""
+
+from __future__ import annotations
+
+import copy
+import math
+from dataclasses import dataclass, field
+from typing import Callable
+
+import numpy as np
+import torch
+from torch import nn
+
+from attacks.base import ImageReconstruction, ThreatModel
+from defenses.feature_noise import release_features
+from eftguard.masking import random_keep_ids
+from eftguard.model import EFTViT, LocalModule
+
+Progress = Callable[[str, int, int], None]  # (stage, done, total)
+
+
+@dataclass
+class ClientFeatures:
+    """One client's feature upload as the server holds it."""
+
+    partition: int
+    features: torch.Tensor  # [n, 1 + keep, D]: cls token first, then kept tokens in increasing position order
+    labels: torch.Tensor  # [n]
+    local_state: dict[str, torch.Tensor]  # the client's uploaded phi_k (and h_k), split-layout keys
+    kept_ids: torch.Tensor | None = None  # [n, keep]; only under ThreatModel.positions_known
+
+
+@dataclass
+class RoundFeatures:
+    """Everything the attacker may use for one round."""
+
+    round_number: int
+    clients: list[ClientFeatures]
+    model: EFTViT  # architecture and the round's public weights (phi_k of each client is loaded into a copy)
+    mask_ratio: float
+    aux_images: np.ndarray  # uint8 [N, H, W, 3], the attacker's auxiliary images
+    feature_clip: float = 0.0  # the run's feature-release defense, public in config.toml
+    feature_noise: float = 0.0
+
+
+def client_local_module(model: EFTViT, state: dict[str, torch.Tensor]) -> LocalModule:
+    """A frozen copy of the round's local module with a client's uploaded phi_k loaded."""
+    local = copy.deepcopy(model.local_module)
+    own = {k.removeprefix("local_module."): v for k, v in state.items() if k.startswith("local_module.")}
+    local.load_state_dict(own)
+    return local.eval().requires_grad_(False)
+
+
+def patch_size_of(local: LocalModule) -> int:
+    return local.patch_embed.patch_size[0]
+
+
+def patchify(images: torch.Tensor, patch: int) -> torch.Tensor:
+    """[B, H, W, 3] -> [B, L, patch * patch * 3], row-major patches."""
+    b, h, w, c = images.shape
+    x = images.reshape(b, h // patch, patch, w // patch, patch, c).permute(0, 1, 3, 2, 4, 5)
+    return x.reshape(b, (h // patch) * (w // patch), patch * patch * c)
+
+
+def unpatchify(patches: torch.Tensor, patch: int) -> torch.Tensor:
+    """[B, L, patch * patch * 3] -> [B, H, W, 3]."""
+    b, length, _ = patches.shape
+    grid = int(math.isqrt(length))
+    x = patches.reshape(b, grid, grid, patch, patch, 3).permute(0, 1, 3, 2, 4, 5)
+    return x.reshape(b, grid * patch, grid * patch, 3)
+
+
+def to_model_input(model: EFTViT, images01: torch.Tensor) -> torch.Tensor:
+    """float [B, H, W, 3] in [0, 1] -> the model's normalised [B, 3, H, W] (differentiable)."""
+    mean = torch.tensor(model.mean).view(1, 3, 1, 1)
+    std = torch.tensor(model.std).view(1, 3, 1, 1)
+    return (images01.permute(0, 3, 1, 2) - mean) / std
+
+
+class AuxFeatures:
+    """Batches of auxiliary images with the features phi_k gives them under a fresh mask, cycling over the
+    attacked clients' local modules, with the run's feature-release defense applied as the clients do."""
+
+    def __init__(self, round_features: RoundFeatures, locals_: list[LocalModule], generator: torch.Generator):
+        self.rf = round_features
+        self.locals = locals_
+        self.images = torch.from_numpy(round_features.aux_images).float().div_(255.0)
+        self.generator = generator
+        self.calls = 0
+
+    @torch.no_grad()
+    def batch(self, size: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """(images01 [B, H, W, 3], features [B, 1 + keep, D], kept ids [B, keep])."""
+        local = self.locals[self.calls % len(self.locals)]
+        self.calls += 1
+        index = torch.randint(len(self.images), (size,), generator=self.generator)
+        images = self.images[index]
+        flip = torch.rand(size, generator=self.generator) < 0.5
+        images = torch.where(flip.view(-1, 1, 1, 1), images.flip(2), images)
+        keep = random_keep_ids(size, local.num_patches, self.rf.mask_ratio, self.generator)
+        features = local(to_model_input(self.rf.model, images), keep)
+        if self.rf.feature_clip > 0:
+            features = release_features(features, self.rf.feature_clip, self.rf.feature_noise, self.generator)
+        return images, features, keep
+
+
+class PositionProbe(nn.Module):
+    """token feature -> log-probabilities of its patch position (trained on auxiliary features)."""
+
+    def __init__(self, width: int, num_patches: int):
+        super().__init__()
+        self.norm = nn.LayerNorm(width, elementwise_affine=False)
+        self.linear = nn.Linear(width, num_patches)
+
+    def forward(self, tokens: torch.Tensor) -> torch.Tensor:
+        return torch.log_softmax(self.linear(self.norm(tokens)), dim=-1)
+
+    def loss(self, features: torch.Tensor, keep: torch.Tensor) -> torch.Tensor:
+        logp = self(features[:, 1:])
+        return nn.functional.nll_loss(logp.reshape(-1, logp.shape[-1]), keep.reshape(-1))
+
+    @torch.no_grad()
+    def infer(self, features: torch.Tensor) -> torch.Tensor:
+        return monotone_assignment(self(features[:, 1:]))
+
+
+def monotone_assignment(logp: torch.Tensor) -> torch.Tensor:
+    """The most likely strictly increasing positions for each sample's tokens (dynamic programming).
+
+    logp [B, K, L] -> positions [B, K]; token k can only sit at positions k .. L - K + k."""
+    b, k, length = logp.shape
+    score = logp[:, 0].clone()
+    score[:, length - k + 1:] = -math.inf
+    back = []
+    for i in range(1, k):
+        best, arg = torch.cummax(score, dim=1)  # best over positions <= j
+        prev = torch.full_like(score, -math.inf)
+        prev[:, 1:] = best[:, :-1]
+        prev_arg = torch.zeros_like(arg)
+        prev_arg[:, 1:] = arg[:, :-1]
+        score = prev + logp[:, i]
+        score[:, :i] = -math.inf
+        score[:, length - k + i + 1:] = -math.inf
+        back.append(prev_arg)
+    positions = torch.empty(b, k, dtype=torch.long)
+    positions[:, -1] = score.argmax(dim=1)
+    for i in range(k - 1, 0, -1):
+        positions[:, i - 1] = back[i - 1].gather(1, positions[:, i:i + 1])[:, 0]
+    return positions
+
+
+class InversionDecoder(nn.Module):
+    """MAE-style decoder: token features at their positions (mask tokens elsewhere) -> per-patch pixels."""
+
+    def __init__(self, feature_width: int, num_patches: int, patch: int, width: int, depth: int, heads: int = 4):
+        from timm.models.vision_transformer import Block
+
+        super().__init__()
+        self.patch = patch
+        self.in_norm = nn.LayerNorm(feature_width, elementwise_affine=False)  # features of deep blocks grow large
+        self.embed = nn.Linear(feature_width, width)
+        self.mask_token = nn.Parameter(torch.zeros(1, 1, width))
+        self.pos = nn.Parameter(torch.randn(1, 1 + num_patches, width) * 0.02)
+        self.blocks = nn.Sequential(*[Block(width, heads, mlp_ratio=4.0) for _ in range(depth)])
+        self.norm = nn.LayerNorm(width)
+        self.pixels = nn.Linear(width, patch * patch * 3)
+
+    def forward(self, features: torch.Tensor, keep: torch.Tensor) -> torch.Tensor:
+        """features [B, 1 + keep, D], keep [B, keep] -> images [B, H, W, 3] (unclamped, ~[0, 1])."""
+        tokens = self.embed(self.in_norm(features))
+        b, num_patches = tokens.shape[0], self.pos.shape[1] - 1
+        slots = self.mask_token.expand(b, num_patches, -1).clone()
+        slots.scatter_(1, keep.unsqueeze(-1).expand(-1, -1, tokens.shape[-1]), tokens[:, 1:])
+        x = torch.cat([tokens[:, :1], slots], dim=1) + self.pos
+        x = self.norm(self.blocks(x))
+        return unpatchify(self.pixels(x[:, 1:]), self.patch)
+
+
+def _cosine_lr(step: int, steps: int, lr: float, warmup: int) -> float:
+    if step < warmup:
+        return lr * (step + 1) / warmup
+    return 0.5 * lr * (1 + math.cos(math.pi * (step - warmup) / max(steps - warmup, 1)))
+
+
+def train_position_probe(aux: AuxFeatures, width: int, num_patches: int, steps: int, batch_size: int,
+                         progress: Progress | None = None) -> PositionProbe:
+    probe = PositionProbe(width, num_patches)
+    optimizer = torch.optim.Adam(probe.parameters(), lr=1e-2)
+    for step in range(steps):
+        _, features, keep = aux.batch(batch_size)
+        loss = probe.loss(features, keep)
+        optimizer.zero_grad(set_to_none=True)
+        loss.backward()
+        optimizer.step()
+        if progress:
+            progress("position probe", step + 1, steps)
+    return probe.eval()
+
+
+def _positions(client: ClientFeatures, probe: PositionProbe | None) -> torch.Tensor:
+    return client.kept_ids if probe is None else probe.infer(client.features)
+
+
+@dataclass
+class DecoderInversion:
+    """Learned inverse network; one decoder per round, trained across the attacked clients' phi_k."""
+
+    threat: ThreatModel
+    steps: int = 1000
+    batch_size: int = 32
+    lr: float = 1e-3
+    width: int = 128
+    depth: int = 2
+    probe_steps: int = 300
+    seed: int = 0
+    progress: Progress | None = None
+    name: str = field(default="invert-decoder", init=False)
+
+    def reconstruct(self, observation: RoundFeatures) -> dict[int, ImageReconstruction]:
+        generator = torch.Generator().manual_seed(self.seed)
+        torch.manual_seed(self.seed)
+        locals_ = [client_local_module(observation.model, c.local_state) for c in observation.clients]
+        aux = AuxFeatures(observation, locals_, generator)
+        local = locals_[0]
+        width, num_patches, patch = observation.clients[0].features.shape[-1], local.num_patches, patch_size_of(local)
+        probe = None if self.threat.positions_known else train_position_probe(
+            aux, width, num_patches, self.probe_steps, self.batch_size, self.progress)
+        decoder = InversionDecoder(width, num_patches, patch, self.width, self.depth)
+        optimizer = torch.optim.AdamW(decoder.parameters(), lr=self.lr, weight_decay=0.05)
+        decoder.train()
+        final_loss = math.nan
+        for step in range(self.steps):
+            for group in optimizer.param_groups:
+                group["lr"] = _cosine_lr(step, self.steps, self.lr, warmup=min(100, self.steps // 10 + 1))
+            images, features, keep = aux.batch(self.batch_size)
+            loss = nn.functional.mse_loss(decoder(features, keep), images)
+            optimizer.zero_grad(set_to_none=True)
+            loss.backward()
+            optimizer.step()
+            final_loss = float(loss.detach())
+            if self.progress:
+                self.progress("decoder", step + 1, self.steps)
+        decoder.eval()
+        results = {}
+        with torch.no_grad():
+            for client in observation.clients:
+                keep = _positions(client, probe)
+                images = torch.cat([decoder(f, k) for f, k in zip(client.features.split(256), keep.split(256))])
+                results[client.partition] = ImageReconstruction(
+                    images.clamp(0, 1).numpy(), rows=np.arange(len(images)), kept_ids=keep.numpy(),
+                    details={"decoder_train_mse": final_loss})
+        return results
+
+
+def total_variation(images: torch.Tensor) -> torch.Tensor:
+    """Mean absolute difference of neighbouring pixels, per image: [B, H, W, 3] -> [B]."""
+    dy = (images[:, 1:] - images[:, :-1]).abs().mean(dim=(1, 2, 3))
+    dx = (images[:, :, 1:] - images[:, :, :-1]).abs().mean(dim=(1, 2, 3))
+    return dx + dy
+
+
+@dataclass
+class OptimizationInversion:
+    """White-box rMLE: images whose features under phi_k match the upload, with a TV prior."""
+
+    threat: ThreatModel
+    steps: int = 300
+    restarts: int = 2
+    lr: float = 0.1
+    tv_weight: float = 0.05
+    probe_steps: int = 300
+    batch_size: int = 64
+    seed: int = 0
+    progress: Progress | None = None
+    name: str = field(default="invert-optimize", init=False)
+
+    def feature_distance(self, local: LocalModule, model: EFTViT, images01: torch.Tensor, keep: torch.Tensor,
+                         target: torch.Tensor, clip: float) -> torch.Tensor:
+        """Per image: squared feature error relative to the target's energy."""
+        features = local(to_model_input(model, images01), keep)
+        if clip > 0:  # the clipping of the feature-release defense is deterministic: apply it too
+            features = release_features(features, clip, 0.0, None)
+        return ((features - target) ** 2).sum(dim=(1, 2)) / (target ** 2).sum(dim=(1, 2)).clamp_min(1e-12)
+
+    def reconstruct(self, observation: RoundFeatures) -> dict[int, ImageReconstruction]:
+        generator = torch.Generator().manual_seed(self.seed)
+        locals_ = [client_local_module(observation.model, c.local_state) for c in observation.clients]
+        probe = None
+        if not self.threat.positions_known:
+            aux = AuxFeatures(observation, locals_, generator)
+            probe = train_position_probe(aux, observation.clients[0].features.shape[-1], locals_[0].num_patches,
+                                         self.probe_steps, self.batch_size, self.progress)
+        mean_image = torch.from_numpy(observation.aux_images).float().div(255.0).mean(0).clamp(0.02, 0.98)
+        total = len(observation.clients) * self.restarts * self.steps
+        done = 0
+        results = {}
+        for client, local in zip(observation.clients, locals_):
+            keep = _positions(client, probe)
+            target = client.features
+            best_images = torch.zeros(len(target), *mean_image.shape)
+            best_distance = torch.full((len(target),), math.inf)
+            for _ in range(self.restarts):
+                noise = torch.randn(len(target), *mean_image.shape, generator=generator) * 0.5
+                logits = (torch.logit(mean_image) + noise).requires_grad_(True)
+                optimizer = torch.optim.Adam([logits], lr=self.lr)
+                for step in range(self.steps):
+                    for group in optimizer.param_groups:
+                        group["lr"] = _cosine_lr(step, self.steps, self.lr, warmup=1)
+                    images = torch.sigmoid(logits)
+                    distance = self.feature_distance(local, observation.model, images, keep, target,
+                                                     observation.feature_clip)
+                    loss = (distance + self.tv_weight * total_variation(images)).sum()
+                    optimizer.zero_grad(set_to_none=True)
+                    loss.backward()
+                    optimizer.step()
+                    done += 1
+                    if self.progress:
+                        self.progress("optimisation", done, total)
+                with torch.no_grad():
+                    images = torch.sigmoid(logits)
+                    distance = self.feature_distance(local, observation.model, images, keep, target,
+                                                     observation.feature_clip)
+                    better = distance < best_distance
+                    best_images[better] = images[better]
+                    best_distance[better] = distance[better]
+            results[client.partition] = ImageReconstruction(
+                best_images.numpy(), rows=np.arange(len(target)), kept_ids=keep.numpy(),
+                details={"relative_feature_distance": float(best_distance.mean())})
+        return results

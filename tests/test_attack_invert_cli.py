@@ -1,0 +1,114 @@
+"""`eftguard attack invert` and `eftguard report` end to end on a run written by the real server code."""
+
+import json
+from html.parser import HTMLParser
+
+import pytest
+
+from attacks.base import ThreatModel
+from attacks.inversion import DecoderInversion
+from conftest import train_in_process
+from eftguard.attack_cli import observe_round
+from eftguard.cli import main
+from eftguard.rundir import RunDirectory
+
+FAST = ["--steps", "3", "--max-images", "6", "--lpips-backend", "stlpips-alex"]
+
+
+def run_cli(*argv):
+    main([str(a) for a in argv])
+
+
+def test_invert_writes_the_report_and_the_run_report_gathers_it(feature_run, tmp_path, capsys):
+    out = tmp_path / "reports"
+    run_cli("attack", "invert", "--features", feature_run, "--out", out, *FAST)
+    report = json.loads((out / "invert-decoder" / "report.json").read_text())
+    assert report["attack"] == "invert-decoder" and report["round"] == 1
+    assert report["capabilities"]["positions_known"] is True
+    assert report["lpips_backend"] == "stlpips-alex"
+    for group in ("metrics", "metrics_kept", "baseline"):
+        assert set(report[group]) == {"psnr", "ssim", "lpips"}
+        assert report[group]["psnr"]["n"] == 12  # 6 feature sets of each of 2 clients
+    assert (out / "invert-decoder" / "grid.png").stat().st_size > 0
+    assert "stlpips-alex" in (out / "invert-decoder" / "report.md").read_text()
+    assert "invert-decoder" in capsys.readouterr().out  # the summary table
+
+    run_cli("attack", "invert", "--features", feature_run, "--out", out, "--method", "optimize",
+            "--positions", "unknown", "--restarts", "1", *FAST)
+    optimized = json.loads((out / "invert-optimize" / "report.json").read_text())
+    assert optimized["capabilities"]["positions_known"] is False
+    assert 0 <= optimized["details"]["position_accuracy"]["mean"] <= 1
+
+    run_cli("report", feature_run, "--reports", out)
+    page = (out / "report.html").read_text()
+    assert "invert-decoder" in page and "invert-optimize" in page and "stlpips-alex" in page
+
+    class Resources(HTMLParser):
+        external: list = []
+
+        def handle_starttag(self, tag, attrs):
+            for name, value in attrs:
+                if name in ("src", "href") and not value.startswith("data:"):
+                    self.external.append(value)
+
+    parser = Resources()
+    parser.feed(page)
+    assert parser.external == []  # self-contained: every image is inlined
+    assert page.count("data:image/png;base64,") == 2
+    assert "invert-optimize" in (out / "report.md").read_text()
+    assert [a["attack"] for a in json.loads((out / "report.json").read_text())["attacks"]] == \
+        ["invert-decoder", "invert-optimize"]
+
+
+def test_the_attack_never_reads_ground_truth(feature_run, monkeypatch, tmp_path):
+    def forbidden(*args, **kwargs):
+        raise AssertionError("the attack read truth/")
+
+    monkeypatch.setattr(RunDirectory, "truth_path", forbidden)
+    run = RunDirectory.open(feature_run)
+    observation, _ = observe_round(run, 1, [0, 1], max_images=4, seed=0, positions_known=False,
+                                   aux=run_dataset_public(run))
+    recon = DecoderInversion(ThreatModel(positions_known=False), steps=2, probe_steps=2, width=32, depth=1)
+    assert set(recon.reconstruct(observation)) == {0, 1}
+
+
+def run_dataset_public(run):
+    from eftguard.data.registry import load_dataset
+
+    cfg = run.config()
+    return load_dataset(cfg.dataset, cfg.data_dir, 32).public.images
+
+
+@pytest.mark.parametrize("argv, message", [
+    (["--round", "2"], "not a completed round"),
+    (["--clients", "5"], "no uploads of client"),
+    (["--max-images", "-1"], "--max-images"),
+    (["--aux", "mnist"], "unknown dataset"),
+])
+def test_bad_input_is_a_clear_error(feature_run, tmp_path, capsys, argv, message):
+    with pytest.raises(SystemExit) as exit_info:
+        run_cli("attack", "invert", "--features", feature_run, "--out", tmp_path, *FAST, *argv)
+    assert exit_info.value.code == 2
+    assert message in capsys.readouterr().err
+
+
+def test_encrypted_runs_need_their_key(tmp_path, capsys):
+    from defenses.at_rest import create_key
+
+    key = tmp_path / "key"
+    create_key(key)
+    run = train_in_process(tmp_path / "run", encrypt_at_rest=str(key), train_samples=80)
+    for argv in (["attack", "invert", "--features", run, *FAST], ["report", run]):
+        with pytest.raises(SystemExit):
+            run_cli(*argv)
+        assert "pass --key KEYFILE" in capsys.readouterr().err
+    run_cli("attack", "invert", "--features", run, "--key", key, *FAST)
+    run_cli("report", run, "--key", key)
+    assert (run / "reports" / "report.html").exists()
+
+
+def test_fedavg_runs_have_no_features_to_invert(tmp_path, capsys):
+    run = train_in_process(tmp_path / "fedavg", method="fedavg", train_samples=80)
+    with pytest.raises(SystemExit):
+        run_cli("attack", "invert", "--features", run, *FAST)
+    assert "uploads no patch features" in capsys.readouterr().err
