@@ -27,7 +27,7 @@ import numpy as np
 import torch
 from scipy.optimize import nnls
 
-from attacks.base import LabelEstimate, ThreatModel
+from attacks.base import AttackError, LabelEstimate, ThreatModel
 
 
 @dataclass
@@ -154,13 +154,27 @@ class LinkageAttack:
         return cut
 
 
+def at_least_one(counts: np.ndarray) -> np.ndarray:
+    """counts with every entry below 1 raised to 1, the difference taken from the others in proportion (same sum;
+    the sum is at least the number of entries)."""
+    low = counts < 1
+    if not low.any():
+        return counts
+    out = counts.astype(np.float64).copy()
+    deficit = (1 - out[low]).sum()
+    out[low] = 1.0
+    out[~low] -= deficit * out[~low] / out[~low].sum()
+    return out
+
+
 class HeadGradientAttack:
     """Fit per-class template gradients of the head to the head update (iLRG / LLG style).
 
     The update h_k - h_start of a multi-epoch local run is treated as -s times the mean cross-entropy gradient
     at the start model, G = sum_c pi_c A_c, where A_c is the mean of (softmax_i - onehot_c) [f_i, 1] over the
     uploaded rows of class c, f_i the cls feature theta(Z_i) and pi the class proportions. Non-negative least
-    squares gives x = s pi; counts are n_k x / sum(x). Exact for one gradient step at the start model; for a
+    squares gives x = s pi and counts n_k pi; a class with uploads holds at least one sample, so counts below one
+    are raised to one (taken from the others). Exact for one gradient step at the start model; for a
     local run it assumes the head gradient keeps its direction (and, under Adam, its relative scale) over the
     run, and the uploaded features (from the updated phi_k, median-sampled) stand in for the client's
     training features.
@@ -185,7 +199,7 @@ class HeadGradientAttack:
 
     def reconstruct(self, observation: LabelObservation) -> dict[int, LabelEstimate]:
         if observation.start_model is None:
-            raise ValueError("the head attack needs the round's start model")
+            raise AttackError("the head attack needs the round's start model (checkpoint t-1)")
         model = observation.start_model
         start = torch.cat([model.head.weight.detach(), model.head.bias.detach()[:, None]], dim=1).double().numpy()
         estimates = {}
@@ -193,10 +207,10 @@ class HeadGradientAttack:
             classes = np.flatnonzero(np.bincount(client.labels, minlength=observation.num_classes))
             update = np.concatenate([client.head_weight, client.head_bias[:, None]], axis=1).astype(np.float64) - start
             weights, residual = nnls(self.templates(model, client, classes).T, -update.flatten())
+            shares = weights / weights.sum() if weights.sum() > 0 else np.full(len(classes), 1 / len(classes))
             counts = np.zeros(observation.num_classes)
-            if weights.sum() > 0:
-                counts[classes] = client.num_examples * weights / weights.sum()
+            counts[classes] = at_least_one(client.num_examples * shares)
             fit = 1.0 - residual ** 2 / max(float((update ** 2).sum()), 1e-30)
             estimates[client.partition] = LabelEstimate(
-                counts, counts >= 0.5, details={"scale": float(weights.sum()), "explained_variance": fit})
+                counts, counts > 0, details={"scale": float(weights.sum()), "explained_variance": round(fit, 4)})
         return estimates

@@ -19,7 +19,8 @@ console = Console(stderr=True)
 
 # --- shared -----------------------------------------------------------------------------------------------
 
-def add_common_options(parser: argparse.ArgumentParser, image_metrics: bool = True) -> None:
+def add_common_options(parser: argparse.ArgumentParser, image_metrics: bool = True, seeded: bool = True) -> None:
+    """--round, --out, --key; --lpips-backend for image attacks; --seed for attacks with randomness of their own."""
     parser.add_argument("--round", type=int, default=None, dest="round_number",
                         help="round whose uploads are attacked (default: the last completed round)")
     parser.add_argument("--out", type=Path, default=None,
@@ -32,7 +33,8 @@ def add_common_options(parser: argparse.ArgumentParser, image_metrics: bool = Tr
                             help="LPIPS implementation: lpips-alex (standard, needs torchvision's AlexNet weights in "
                                  "the torch hub cache or the network), stlpips-alex (shift-tolerant, weights shipped, "
                                  "offline); auto takes lpips-alex when it can (default: auto). Reports name it")
-    parser.add_argument("--seed", type=int, default=0, help="seed of the attack's own randomness (default: 0)")
+    if seeded:
+        parser.add_argument("--seed", type=int, default=0, help="seed of the attack's own randomness (default: 0)")
 
 
 def open_run(path: Path, key: Path | None) -> RunDirectory:
@@ -143,7 +145,7 @@ def add_labels_parser(kinds: argparse._SubParsersAction) -> argparse.ArgumentPar
     labels.add_argument("--link-ratio", type=float, default=0.2,
                         help="linkage: a match must be this much closer than the next-best token of the other "
                              "upload, 1 - best <= ratio * (1 - second) (default: 0.2)")
-    add_common_options(labels, image_metrics=False)
+    add_common_options(labels, image_metrics=False, seeded=False)  # the label attacks are deterministic
     return labels
 
 

@@ -82,6 +82,13 @@ def test_head_attack_recovers_counts_of_a_known_batch_on_an_untrained_model(tiny
     assert estimate.details["scale"] == pytest.approx(lr, rel=1e-3)
 
 
+def test_at_least_one_keeps_the_total():
+    from attacks.labels import at_least_one
+
+    counts = at_least_one(np.array([0.2, 9.8, 0.0, 30.0]))
+    assert counts.sum() == pytest.approx(40) and counts.min() == 1 and counts[3] > counts[1] > 1
+
+
 def test_scores_and_prior_baseline():
     truth = np.array([8, 0, 2, 0])
     perfect = audit.label_scores(LabelEstimate(truth.astype(float), truth > 0), truth)
