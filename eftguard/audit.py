@@ -11,7 +11,6 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 import numpy as np
-
 from scipy.spatial.distance import jensenshannon
 
 from attacks.base import ImageReconstruction, LabelEstimate, ThreatModel
@@ -112,7 +111,8 @@ def label_scores(estimate: LabelEstimate, true_counts: np.ndarray) -> dict[str, 
     true count; presence precision / recall / F1 of the estimated present classes."""
     truth = true_counts.astype(np.float64)
     counts = np.clip(np.asarray(estimate.counts, dtype=np.float64), 0, None)
-    p, q = truth / truth.sum(), counts / counts.sum() if counts.sum() > 0 else np.full(len(truth), 1 / len(truth))
+    p = truth / truth.sum()
+    q = counts / counts.sum() if counts.sum() > 0 else np.full(len(truth), 1 / len(truth))
     actual, claimed = truth > 0, np.asarray(estimate.present, dtype=bool)
     hits = float((actual & claimed).sum())
     precision = hits / claimed.sum() if claimed.any() else 0.0
