@@ -2,7 +2,7 @@
 balancing, median sampling, median sampling with DP-SGD (epsilon 1), attacks each with every label attack and
 prints one markdown table (attack vs the prior-only baseline).
 
-    python experiments/label_inference.py [--runs runs] [--dp-eps 1]
+    python experiments/label_inference.py [--runs runs] [--dp-eps 1] [--seed 0]
 
 Runs that already exist (two completed rounds) are reused; the attacks rerun and overwrite their reports.
 """
@@ -16,7 +16,7 @@ import sys
 from pathlib import Path
 
 COMMON = ["--dataset", "photos", "--beta", "0.1", "--rounds", "2", "--train-samples", "1000", "--test-samples", "200",
-          "--clients", "4", "--local-epochs", "1", "--server-epochs", "1", "--seed", "0"]
+          "--clients", "4", "--local-epochs", "1", "--server-epochs", "1"]
 METHODS = ("presence", "linkage", "head")
 COLUMNS = ("l1", "js", "exact_count_accuracy", "presence_f1")
 
@@ -45,6 +45,8 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--runs", type=Path, default=Path("runs"), help="folder for the three runs (default: runs)")
     parser.add_argument("--dp-eps", type=float, default=1.0, help="epsilon of the DP-SGD run (default: 1)")
+    parser.add_argument("--seed", type=int, default=0,
+                        help="training seed: split, initialisation, masks (default: 0); give each seed its own --runs")
     args = parser.parse_args()
 
     rows = [["run", "attack", *COLUMNS], ["---"] * (2 + len(COLUMNS))]
@@ -53,7 +55,7 @@ def main() -> None:
         if completed_rounds(run) < 2:
             if run.exists():
                 sys.exit(f"{run} exists but is incomplete: continue it with eftguard train --resume {run}, or remove it")
-            eftguard("train", "--out", str(run), *COMMON, *flags)
+            eftguard("train", "--out", str(run), *COMMON, "--seed", str(args.seed), *flags)
         eftguard("attack", "labels", "--run", str(run), "--method", "all")
         for method in METHODS:
             report = json.loads((run / "reports" / f"labels-{method}" / "report.json").read_text())
