@@ -78,9 +78,10 @@ class LinkageAttack:
     1 - best <= ratio * (1 - second best in b), i.e. it stands out from b's other tokens. Flat, featureless
     tokens resemble every token of a flat image and fail the test; two masks of one textured image pass it at
     their shared positions. Linked rows form connected components, one per source image. A class with duplicates
-    was below T: its component count is its count. Classes without duplicates may have been cut to T: they are
-    lower bounds, and the n_k - (sum of the counts) samples the upload does not account for are spread evenly
-    over them. Distinct images that look the same (e.g. two crops of a flat background) cannot be told apart.
+    was below T: its component count is its count. Classes cut to T (see `cut_classes`) are lower bounds: each
+    gets T plus an even share of the samples the upload does not account for (n_k minus everything counted).
+    Distinct images that look the same (e.g. two crops of a flat background) cannot be told apart: such false
+    links merge sources and lower the counts.
     """
 
     name = "labels-linkage"
@@ -143,7 +144,7 @@ class LinkageAttack:
     def cut_classes(rows: np.ndarray, distinct: np.ndarray, balance: str) -> np.ndarray:
         """Classes median sampling cut to T (their count is only known to be >= T): those without duplicates, and,
         since T is the median (mean, max) of the counts, at least half (one) of the present classes: missing ones
-        are taken in order of most distinct sources (false links shrink a cut class's count a little)."""
+        are taken in order of most distinct sources (a cut class shows duplicates only through false links)."""
         present = rows > 0
         cut = present & (distinct == rows)
         needed = {"median": int(np.ceil(present.sum() / 2)), "mean": 1, "max": 1}[balance]
