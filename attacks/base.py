@@ -12,6 +12,10 @@ from dataclasses import asdict, dataclass, field
 import numpy as np
 
 
+class AttackError(ValueError):
+    """An attack cannot run as asked (bad option or an observation it cannot use); the message says why."""
+
+
 @dataclass(frozen=True)
 class ThreatModel:
     """What the attacker may use. Honest-but-curious server (DESIGN.md): sees every upload and the round's
@@ -39,4 +43,20 @@ class ImageReconstruction:
     images: np.ndarray
     rows: np.ndarray | None = None
     kept_ids: np.ndarray | None = None
+    details: dict = field(default_factory=dict)
+
+
+@dataclass
+class LabelEstimate:
+    """Estimated class histogram of one client.
+
+    counts: float [num_classes], expected samples per class (summing to n_k where the attack knows it);
+    present: bool [num_classes], the classes the attack says the client holds;
+    lower_bound: bool [num_classes] or None, classes whose count is only known to be at least what the attack saw
+    (e.g. classes median sampling cut to T); their count is still a point estimate for scoring.
+    """
+
+    counts: np.ndarray
+    present: np.ndarray
+    lower_bound: np.ndarray | None = None
     details: dict = field(default_factory=dict)

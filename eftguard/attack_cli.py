@@ -12,6 +12,7 @@ from pathlib import Path
 import numpy as np
 from rich.console import Console
 
+from attacks.base import AttackError
 from eftguard.rundir import RunDirectory, RunError
 
 console = Console(stderr=True)
@@ -19,7 +20,8 @@ console = Console(stderr=True)
 
 # --- shared -----------------------------------------------------------------------------------------------
 
-def add_common_options(parser: argparse.ArgumentParser, image_metrics: bool = True) -> None:
+def add_common_options(parser: argparse.ArgumentParser, image_metrics: bool = True, seeded: bool = True) -> None:
+    """--round, --out, --key; --lpips-backend for image attacks; --seed for attacks with randomness of their own."""
     parser.add_argument("--round", type=int, default=None, dest="round_number",
                         help="round whose uploads are attacked (default: the last completed round)")
     parser.add_argument("--out", type=Path, default=None,
@@ -32,7 +34,8 @@ def add_common_options(parser: argparse.ArgumentParser, image_metrics: bool = Tr
                             help="LPIPS implementation: lpips-alex (standard, needs torchvision's AlexNet weights in "
                                  "the torch hub cache or the network), stlpips-alex (shift-tolerant, weights shipped, "
                                  "offline); auto takes lpips-alex when it can (default: auto). Reports name it")
-    parser.add_argument("--seed", type=int, default=0, help="seed of the attack's own randomness (default: 0)")
+    if seeded:
+        parser.add_argument("--seed", type=int, default=0, help="seed of the attack's own randomness (default: 0)")
 
 
 def open_run(path: Path, key: Path | None) -> RunDirectory:
@@ -282,3 +285,98 @@ def cmd_invert(args: argparse.Namespace) -> None:
 
 
 ATTACK_COMMANDS["invert"] = (add_invert_parser, cmd_invert)
+
+
+# --- labels -----------------------------------------------------------------------------------------------
+
+LABEL_METHODS = ("presence", "linkage", "head")
+
+
+def add_labels_parser(kinds: argparse._SubParsersAction) -> argparse.ArgumentParser:
+    labels = kinds.add_parser(
+        "labels", help="infer each client's class histogram from what the server observed",
+        description="Label-distribution inference against an EFTViT run, scored per client against truth/ by L1 and "
+                    "Jensen-Shannon distance of the class proportions, exact-count accuracy per present class and "
+                    "presence precision / recall / F1, beside a prior-only baseline (n_k spread uniformly over the "
+                    "present classes). presence: the labels sent with the features. linkage: count distinct "
+                    "source images per class by linking uploads that share near-identical tokens (median sampling "
+                    "re-uploads images of small classes under fresh masks). head: fit per-class cross-entropy "
+                    "gradients of the head to the client's head update. Reports go to <out>/labels-<method>/.")
+    labels.add_argument("--run", type=Path, required=True, metavar="RUN", help="run directory to attack")
+    labels.add_argument("--method", default="all", metavar="METHOD",
+                        help=f"{' | '.join(LABEL_METHODS)} | all (one report per method) (default: all)")
+    labels.add_argument("--clients", default="all", help="'all' or comma-separated partition ids (default: all)")
+    labels.add_argument("--link-threshold", type=float, default=0.99,
+                        help="linkage: cosine similarity two tokens need to count as the same patch (default: 0.99)")
+    labels.add_argument("--link-ratio", type=float, default=0.2,
+                        help="linkage: a match must be this much closer than the next-best token of the other "
+                             "upload, 1 - best <= ratio * (1 - second) (default: 0.2)")
+    add_common_options(labels, image_metrics=False, seeded=False)  # the label attacks are deterministic
+    return labels
+
+
+def observe_labels(run: RunDirectory, round_number: int, clients: list[int], with_model: bool):
+    """The round as the attacker holds it: uploads, n_k as reported, and (head attack) the start model."""
+    import torch
+
+    from attacks.labels import ClientUploads, LabelObservation
+    from eftguard.model import build_model, load_weights
+
+    cfg = run.config()
+    if cfg.method != "eftvit":
+        raise RunError(f"{run.path} is a {cfg.method} run: it uploads no features or labels to attack")
+    reported = next(m for m in run.metrics() if m["round"] == round_number).get("num_examples", {})
+    start = run.load_checkpoint(round_number - 1)
+    num_classes = start["head.weight"].shape[0]
+    observed = []
+    for partition in clients:
+        if str(partition) not in reported:
+            raise RunError(f"metrics.jsonl has no n_k of client {partition} in round {round_number}")
+        features = run.load_upload(round_number, partition, "features")
+        update = run.load_upload(round_number, partition, "update")
+        observed.append(ClientUploads(partition, int(reported[str(partition)]), features["labels"],
+                                      features["features"], update["head.weight"], update["head.bias"]))
+    model = None
+    if with_model:
+        model = build_model(cfg.model, num_classes, cfg.local_layers, seed=cfg.seed)
+        load_weights(model, {k: torch.as_tensor(v) for k, v in start.items()},
+                     source=f"checkpoint of round {round_number - 1}")
+        model.eval()
+    return LabelObservation(round_number, num_classes, observed, cfg.balance, model)
+
+
+def cmd_labels(args: argparse.Namespace) -> None:
+    import time
+
+    from attacks.labels import HeadGradientAttack, LinkageAttack, PresenceAttack
+    from eftguard import audit
+    from eftguard.report import write_attack_report
+
+    methods = LABEL_METHODS if args.method == "all" else (args.method,)
+    if args.method != "all" and args.method not in LABEL_METHODS:
+        raise AttackError(f"--method must be one of {', '.join(LABEL_METHODS)}, all; got '{args.method}'")
+    if not 0 < args.link_threshold <= 1 or args.link_ratio <= 0:
+        raise AttackError("--link-threshold must be in (0, 1] and --link-ratio > 0")
+    run = open_run(args.run, args.key)
+    round_number = resolve_round(run, args.round_number)
+    clients = round_clients(run, round_number, args.clients)
+    observation = observe_labels(run, round_number, clients, with_model="head" in methods)
+    attacks = {"presence": PresenceAttack(), "linkage": LinkageAttack(args.link_threshold, args.link_ratio),
+               "head": HeadGradientAttack()}
+    cfg = run.config()
+    for method in methods:
+        attack = attacks[method]
+        console.print(f"{attack.name}: round {round_number}, clients {clients} ...")
+        start = time.perf_counter()
+        estimates = attack.reconstruct(observation)
+        seconds = time.perf_counter() - start
+        scores = [audit.score_labels(run, round_number, k, estimates[k]) for k in clients]
+        details = {"method": method, "attack_seconds": round(seconds, 2), "balance": cfg.balance,
+                   "dp_eps": cfg.dp_eps, "beta": cfg.beta}
+        if method == "linkage":
+            details.update(link_threshold=args.link_threshold, link_ratio=args.link_ratio)
+        report = audit.label_report(attack.name, run, round_number, attack.threat_model, scores, details)
+        print_summary(report, write_attack_report(out_root(run, args.out), report))
+
+
+ATTACK_COMMANDS["labels"] = (add_labels_parser, cmd_labels)

@@ -3,6 +3,7 @@ the only code that reads truth/ (RunDirectory.truth_path) and the original clien
 
 One scoring path for every image attack: `score_client` turns reconstructions plus originals into per-image
 scores for the attack and the baselines, `image_report` sums them up in DESIGN.md's report.json shape.
+Label attacks likewise: `score_labels` (per client, next to the prior-only baseline), then `label_report`.
 """
 
 from __future__ import annotations
@@ -10,8 +11,9 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 import numpy as np
+from scipy.spatial.distance import jensenshannon
 
-from attacks.base import ImageReconstruction, ThreatModel
+from attacks.base import ImageReconstruction, LabelEstimate, ThreatModel
 from eftguard import metrics
 from eftguard.rundir import RunDirectory, RunError
 
@@ -38,6 +40,7 @@ class ClientScores:
     groups: dict[str, dict[str, np.ndarray]]
     grid_rows: list[list[np.ndarray]] = field(default_factory=list)
     position_accuracy: np.ndarray | None = None
+    histograms: dict | None = None  # label attacks: true and estimated class counts
 
 
 def score_client(partition: int, recon: ImageReconstruction, originals: np.ndarray, kept: np.ndarray | None,
@@ -66,16 +69,21 @@ def score_client(partition: int, recon: ImageReconstruction, originals: np.ndarr
     return ClientScores(partition, groups, grid_rows, position_accuracy)
 
 
+def pooled(clients: list[ClientScores]) -> dict:
+    """Every score group pooled over clients as {"metric": {"mean", "std", "n"}}, and per-client means."""
+    out = {group: {m: metrics.summarize(np.concatenate([c.groups[group][m] for c in clients]))
+                   for m in clients[0].groups[group]} for group in clients[0].groups}
+    out["per_client"] = {str(c.partition): {m: float(np.mean(v)) if len(v) else None
+                                            for m, v in c.groups["metrics"].items()} for c in clients}
+    return out
+
+
 def image_report(attack: str, run: RunDirectory, round_number: int, threat: ThreatModel, lpips_backend: str,
                  clients: list[ClientScores], details: dict) -> dict:
     """DESIGN.md's report.json for an image attack, pooled over clients, with per-client means."""
     report = {"attack": attack, "run": str(run.path), "round": round_number, "clients": [c.partition for c in clients],
               "capabilities": threat.capabilities(), "lpips_backend": lpips_backend}
-    for group in clients[0].groups:
-        report[group] = {m: metrics.summarize(np.concatenate([c.groups[group][m] for c in clients]))
-                         for m in clients[0].groups[group]}
-    report["per_client"] = {str(c.partition): {m: float(np.mean(v)) for m, v in c.groups["metrics"].items()}
-                            for c in clients}
+    report.update(pooled(clients))
     accuracies = [c.position_accuracy for c in clients if c.position_accuracy is not None]
     if accuracies:
         details = {**details, "position_accuracy": metrics.summarize(np.concatenate(accuracies))}
@@ -103,3 +111,61 @@ def score_upload_reconstruction(run: RunDirectory, round_number: int, partition:
     true_kept = truth["kept_ids"][rows]
     kept = metrics.kept_pixels(true_kept, originals.shape[1], patch_size)
     return score_client(partition, recon, originals, kept, public_images, lpips, patch_size, true_kept)
+
+
+# --- label-distribution attacks ---------------------------------------------------------------------------
+
+def true_class_counts(run: RunDirectory, round_number: int, partition: int) -> np.ndarray:
+    """The client's class histogram over all its samples (not just the uploaded ones)."""
+    return load_truth(run, round_number, partition)["class_counts"].astype(np.int64)
+
+
+def prior_baseline(true_counts: np.ndarray) -> LabelEstimate:
+    """What an attacker learns from the classes alone: n_k spread uniformly over the present classes."""
+    present = true_counts > 0
+    counts = np.where(present, true_counts.sum() / max(present.sum(), 1), 0.0)
+    return LabelEstimate(counts, present)
+
+
+def label_scores(estimate: LabelEstimate, true_counts: np.ndarray) -> dict[str, np.ndarray]:
+    """One client's scores. l1: L1 distance of the class proportions (0..2); js: Jensen-Shannon distance of the
+    proportions (base 2, 0..1); exact_count_accuracy: per truly present class, whether the estimate rounds to the
+    true count; presence precision / recall / F1 of the estimated present classes."""
+    truth = true_counts.astype(np.float64)
+    counts = np.clip(np.asarray(estimate.counts, dtype=np.float64), 0, None)
+    p = truth / truth.sum()
+    q = counts / counts.sum() if counts.sum() > 0 else np.full(len(truth), 1 / len(truth))
+    actual, claimed = truth > 0, np.asarray(estimate.present, dtype=bool)
+    hits = float((actual & claimed).sum())
+    precision = hits / claimed.sum() if claimed.any() else 0.0
+    recall = hits / actual.sum()
+    f1 = 2 * precision * recall / (precision + recall) if hits else 0.0
+    return {"l1": np.array([np.abs(p - q).sum()]), "js": np.array([jensenshannon(p, q, base=2)]),
+            "exact_count_accuracy": (np.rint(counts[actual]) == truth[actual]).astype(np.float64),
+            "presence_precision": np.array([precision]), "presence_recall": np.array([recall]),
+            "presence_f1": np.array([f1])}
+
+
+def score_labels(run: RunDirectory, round_number: int, partition: int, estimate: LabelEstimate) -> ClientScores:
+    """A client's label-attack scores next to the prior-only baseline, with both histograms for the report."""
+    truth = true_class_counts(run, round_number, partition)
+    histograms = {"true": truth.tolist(), "estimated": np.round(estimate.counts, 2).tolist(),
+                  "attack": estimate.details}
+    if estimate.lower_bound is not None:
+        histograms["lower_bound_only"] = np.flatnonzero(estimate.lower_bound).tolist()
+    return ClientScores(partition, {"metrics": label_scores(estimate, truth),
+                                    "baseline": label_scores(prior_baseline(truth), truth)}, histograms=histograms)
+
+
+def label_report(attack: str, run: RunDirectory, round_number: int, threat: ThreatModel, clients: list[ClientScores],
+                 details: dict) -> dict:
+    """DESIGN.md's report.json for a label attack: l1, js, exact_count_accuracy and presence scores pooled over
+    clients (n: clients, or present (client, class) pairs for exact_count_accuracy), per-client means and the
+    true and estimated histograms."""
+    shown = {f"client {c.partition} (true / estimated)":
+             f"{c.histograms['true']} / {[round(x, 1) for x in c.histograms['estimated']]}"
+             + (f", lower bounds only: classes {c.histograms['lower_bound_only']}"
+                if c.histograms.get("lower_bound_only") else "") for c in clients}
+    return {"attack": attack, "run": str(run.path), "round": round_number, "clients": [c.partition for c in clients],
+            "capabilities": threat.capabilities(), **pooled(clients),
+            "histograms": {str(c.partition): c.histograms for c in clients}, "details": {**details, **shown}}

@@ -9,6 +9,7 @@ import sys
 import time
 from pathlib import Path
 
+from attacks.base import AttackError
 from defenses.tls import CertificateError
 from eftguard.attack_cli import add_attack_parser, add_report_parser, cmd_attack, cmd_report
 from eftguard.config import ACCOUNTANTS, FEDERATIONS, METHODS, ConfigError, TrainConfig
@@ -19,7 +20,7 @@ from eftguard.model import PRESETS, ModelError
 from eftguard.rundir import RunDirectory, RunError
 from eftguard.sampling import BALANCE_MODES
 
-USER_ERRORS = (ConfigError, DataError, ModelError, RunError, FederationError, CertificateError, MetricError)
+USER_ERRORS = (AttackError, ConfigError, DataError, ModelError, RunError, FederationError, CertificateError, MetricError)
 
 TRAIN_HELP = {
     "dataset": f"dataset: {DATASET_HELP}",

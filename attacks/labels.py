@@ -1,0 +1,217 @@
+"""Label-distribution inference: estimate each client's class histogram from what the server observed.
+
+Three attacks behind one interface (`reconstruct(observation) -> {partition: LabelEstimate}`):
+
+- `PresenceAttack`: the labels that travel with the uploaded features. Median sampling uploads T rows for
+  every present class and none for absent ones, so the classes are exact and the counts uniform; with
+  `--balance none` the label histogram is the client's histogram.
+- `LinkageAttack`: median sampling fills classes below T by re-uploading the same images under fresh masks.
+  Two masks of one image keep a few of the same positions, and after M blocks a kept token is still dominated by
+  its own patch and position, so two uploads of one image share almost identical token features; uploads of
+  different images do not. Linking such rows per class counts the distinct source images of every class below
+  T exactly; classes at or above T only have a lower bound (T), and share what remains of n_k.
+- `HeadGradientAttack`: the head update h_k - h_start of a client relates to the cross-entropy gradient
+  sum_i (softmax_i - onehot_i) f_i (iLRG / LLG). Per-class template gradients, computed on the uploaded features
+  at the round's start model, are fitted to the update by non-negative least squares; the weights are the class
+  proportions times an unknown scale.
+
+Every attack reads only observations (uploads, n_k, the round's public start model); ground truth is joined by
+the auditor (`eftguard.audit`).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+from scipy.optimize import nnls
+
+from attacks.base import AttackError, LabelEstimate, ThreatModel
+
+
+@dataclass
+class ClientUploads:
+    """One client's observed uploads in a round: n_k (reported with the update), the labels and token features
+    of the feature upload (Z [n, 1 + keep, D], y [n]), and its head as uploaded (h_k)."""
+
+    partition: int
+    num_examples: int
+    labels: np.ndarray
+    features: np.ndarray
+    head_weight: np.ndarray
+    head_bias: np.ndarray
+
+
+@dataclass
+class LabelObservation:
+    """A round as the server saw it: every client's uploads, the class count, the run's balance mode (the server
+    configures training) and the round's start model (global module theta and head h_start: the server sent them)."""
+
+    round_number: int
+    num_classes: int
+    clients: list[ClientUploads]
+    balance: str = "median"
+    start_model: torch.nn.Module | None = None  # an EFTViT holding checkpoint t-1; needed by the head attack
+
+
+class PresenceAttack:
+    """Classes from the uploaded labels; counts: the label histogram scaled to n_k."""
+
+    name = "labels-presence"
+    threat_model = ThreatModel(knows_weights=False, aux_data=None)
+
+    def reconstruct(self, observation: LabelObservation) -> dict[int, LabelEstimate]:
+        estimates = {}
+        for client in observation.clients:
+            rows = np.bincount(client.labels, minlength=observation.num_classes).astype(np.float64)
+            counts = rows * client.num_examples / max(rows.sum(), 1.0)
+            estimates[client.partition] = LabelEstimate(counts, rows > 0, details={"uploaded_rows": rows.astype(int).tolist()})
+        return estimates
+
+
+class LinkageAttack:
+    """Count distinct source images per class by linking uploads that share a near-identical, distinctive token.
+
+    Tokens are centred on the client's mean token and compared by cosine similarity. Row a links to row b when a
+    token of a has its best match in b at similarity >= threshold and that match passes a ratio test:
+    1 - best <= ratio * (1 - second best in b), i.e. it stands out from b's other tokens. Flat, featureless
+    tokens resemble every token of a flat image and fail the test; two masks of one textured image pass it at
+    their shared positions. Linked rows form connected components, one per source image. A class with duplicates
+    was below T: its component count is its count. Classes cut to T (see `cut_classes`) are lower bounds: each
+    gets T plus an even share of the samples the upload does not account for (n_k minus everything counted).
+    Distinct images that look the same (e.g. two crops of a flat background) cannot be told apart: such false
+    links merge sources and lower the counts.
+    """
+
+    name = "labels-linkage"
+    threat_model = ThreatModel(knows_weights=False, aux_data=None)
+
+    def __init__(self, threshold: float = 0.99, ratio: float = 0.2):
+        self.threshold = threshold
+        self.ratio = ratio
+
+    def links(self, tokens: torch.Tensor) -> np.ndarray:
+        """bool [m, m]: which rows of one class share a distinctive token; tokens [m, K, D] unit vectors."""
+        linked = np.zeros((len(tokens), len(tokens)), dtype=bool)
+        for i in range(len(tokens)):
+            similarity = torch.einsum("kd,bld->bkl", tokens[i], tokens)  # token k of row i vs token l of row b
+            top = similarity.topk(min(2, tokens.shape[1]), dim=2).values
+            best, second = top[..., 0], top[..., -1]
+            distinctive = (best >= self.threshold) & (1 - best <= self.ratio * (1 - second))
+            linked[i] = distinctive.any(dim=1).numpy()
+        np.fill_diagonal(linked, False)
+        return linked | linked.T
+
+    def sources(self, tokens: torch.Tensor) -> int:
+        """The number of distinct source images among one class's rows (connected components of links)."""
+        parent = np.arange(len(tokens))
+
+        def root(i: int) -> int:
+            while parent[i] != i:
+                parent[i] = parent[parent[i]]
+                i = parent[i]
+            return i
+
+        for i, j in np.argwhere(np.triu(self.links(tokens))):
+            parent[root(int(j))] = root(int(i))
+        return len({root(i) for i in range(len(tokens))})
+
+    def reconstruct(self, observation: LabelObservation) -> dict[int, LabelEstimate]:
+        estimates = {}
+        for client in observation.clients:
+            rows = np.bincount(client.labels, minlength=observation.num_classes)
+            if observation.balance == "none":  # every sample uploaded once: nothing to link
+                estimates[client.partition] = LabelEstimate(rows.astype(np.float64), rows > 0,
+                                                            details={"distinct_sources": rows.tolist()})
+                continue
+            tokens = torch.from_numpy(np.ascontiguousarray(client.features[:, 1:], dtype=np.float32))
+            tokens = torch.nn.functional.normalize(tokens - tokens.mean(dim=(0, 1)), dim=-1)
+            distinct = np.zeros(observation.num_classes, dtype=np.int64)
+            for label in np.flatnonzero(rows):
+                distinct[label] = self.sources(tokens[torch.from_numpy(client.labels == label)])
+            cut = self.cut_classes(rows, distinct, observation.balance)
+            counts = distinct.astype(np.float64)
+            target = rows.max()
+            rest = client.num_examples - distinct[~cut].sum() - target * cut.sum()
+            counts[cut] = target + max(rest, 0) / cut.sum()
+            estimates[client.partition] = LabelEstimate(
+                counts, rows > 0, lower_bound=cut,
+                details={"T": int(target), "distinct_sources": distinct.tolist()})
+        return estimates
+
+    @staticmethod
+    def cut_classes(rows: np.ndarray, distinct: np.ndarray, balance: str) -> np.ndarray:
+        """Classes median sampling cut to T (their count is only known to be >= T): those without duplicates, and,
+        since T is the median (mean, max) of the counts, at least half (one) of the present classes: missing ones
+        are taken in order of most distinct sources (a cut class shows duplicates only through false links)."""
+        present = rows > 0
+        cut = present & (distinct == rows)
+        needed = {"median": int(np.ceil(present.sum() / 2)), "mean": 1, "max": 1}[balance]
+        for label in np.argsort(-distinct, kind="stable"):
+            if cut.sum() >= needed:
+                break
+            cut[label] = True
+        return cut
+
+
+def at_least_one(counts: np.ndarray) -> np.ndarray:
+    """counts with every entry below 1 raised to 1, the difference taken from the others in proportion (same sum;
+    the sum is at least the number of entries)."""
+    low = counts < 1
+    if not low.any():
+        return counts
+    out = counts.astype(np.float64).copy()
+    deficit = (1 - out[low]).sum()
+    out[low] = 1.0
+    out[~low] -= deficit * out[~low] / out[~low].sum()
+    return out
+
+
+class HeadGradientAttack:
+    """Fit per-class template gradients of the head to the head update (iLRG / LLG style).
+
+    The update h_k - h_start of a multi-epoch local run is treated as -s times the mean cross-entropy gradient
+    at the start model, G = sum_c pi_c A_c, where A_c is the mean of (softmax_i - onehot_c) [f_i, 1] over the
+    uploaded rows of class c, f_i the cls feature theta(Z_i) and pi the class proportions. Non-negative least
+    squares gives x = s pi and counts n_k pi; a class with uploads holds at least one sample, so counts below one
+    are raised to one (taken from the others). Exact for one gradient step at the start model; for a
+    local run it assumes the head gradient keeps its direction (and, under Adam, its relative scale) over the
+    run, and the uploaded features (from the updated phi_k, median-sampled) stand in for the client's
+    training features.
+    """
+
+    name = "labels-head"
+    threat_model = ThreatModel(knows_weights=True, aux_data=None)
+
+    def templates(self, model: torch.nn.Module, client: ClientUploads, classes: np.ndarray) -> np.ndarray:
+        """[len(classes), C * (D + 1)]: the mean gradient of the head's [W | b] for rows of each class."""
+        with torch.no_grad():
+            features = model.global_module(torch.from_numpy(client.features).float())[:, 0]
+            probs = torch.softmax(model.head(features), dim=1)
+            inputs = torch.cat([features, torch.ones(len(features), 1)], dim=1)
+        labels = torch.from_numpy(client.labels)
+        rows = []
+        for label in classes:
+            members = labels == int(label)
+            error = probs[members] - torch.nn.functional.one_hot(labels[members], probs.shape[1]).float()
+            rows.append((error.T @ inputs[members] / members.sum()).flatten().double().numpy())
+        return np.stack(rows)
+
+    def reconstruct(self, observation: LabelObservation) -> dict[int, LabelEstimate]:
+        if observation.start_model is None:
+            raise AttackError("the head attack needs the round's start model (checkpoint t-1)")
+        model = observation.start_model
+        start = torch.cat([model.head.weight.detach(), model.head.bias.detach()[:, None]], dim=1).double().numpy()
+        estimates = {}
+        for client in observation.clients:
+            classes = np.flatnonzero(np.bincount(client.labels, minlength=observation.num_classes))
+            update = np.concatenate([client.head_weight, client.head_bias[:, None]], axis=1).astype(np.float64) - start
+            weights, residual = nnls(self.templates(model, client, classes).T, -update.flatten())
+            shares = weights / weights.sum() if weights.sum() > 0 else np.full(len(classes), 1 / len(classes))
+            counts = np.zeros(observation.num_classes)
+            counts[classes] = at_least_one(client.num_examples * shares)
+            fit = 1.0 - residual ** 2 / max(float((update ** 2).sum()), 1e-30)
+            estimates[client.partition] = LabelEstimate(
+                counts, counts > 0, details={"scale": float(weights.sum()), "explained_variance": round(fit, 4)})
+        return estimates

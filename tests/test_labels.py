@@ -1,0 +1,183 @@
+"""Label-distribution inference: each attack on inputs with a known answer, the auditor's scores, and the CLI."""
+
+import json
+
+import numpy as np
+import pytest
+import torch
+
+from attacks.base import LabelEstimate
+from attacks.labels import ClientUploads, HeadGradientAttack, LabelObservation, LinkageAttack, PresenceAttack
+from eftguard import audit
+from eftguard.attack_cli import observe_labels
+from eftguard.cli import main
+from eftguard.config import TrainConfig
+from eftguard.federation.client import client_round
+from eftguard.federation.records import ClientSettings
+from eftguard.rundir import RunDirectory
+from eftguard.sampling import balanced_indices, class_target
+
+CFG = TrainConfig(clients=2, train_samples=160, batch_size=32, rounds=1).resolved()
+NO_HEAD = (np.zeros((10, 192), np.float32), np.zeros(10, np.float32))
+
+
+def synthetic_client(counts: np.ndarray, balance: str, rng: np.random.Generator, keep: int = 16,
+                     num_patches: int = 64, dim: int = 48) -> ClientUploads:
+    """A client whose images are random textured patch grids; uploads follow median sampling, each row under a
+    fresh mask, and a kept token is its patch plus a small context perturbation (what M blocks add)."""
+    labels = np.repeat(np.arange(len(counts)), counts)
+    patches = rng.normal(size=(len(labels), num_patches, dim))
+    chosen = balanced_indices(labels, len(counts), balance, rng)
+    rows = []
+    for source in chosen:
+        kept = np.sort(rng.choice(num_patches, keep, replace=False))
+        tokens = patches[source, kept] + 0.02 * rng.normal(size=(keep, dim))
+        rows.append(np.concatenate([rng.normal(size=(1, dim)), tokens]))
+    return ClientUploads(0, len(labels), labels[chosen], np.stack(rows).astype(np.float32), *NO_HEAD)
+
+
+def test_presence_is_exact_and_counts_are_exact_without_balancing(rng):
+    counts = np.array([40, 0, 3, 0, 12, 1, 0, 0, 7, 0])
+    for balance in ("median", "none"):
+        client = synthetic_client(counts, balance, rng)
+        estimate = PresenceAttack().reconstruct(LabelObservation(1, 10, [client], balance))[0]
+        assert np.array_equal(estimate.present, counts > 0)
+        assert estimate.counts.sum() == pytest.approx(counts.sum())
+    assert np.allclose(estimate.counts, counts)  # balance none: the uploaded labels are the histogram
+
+
+def test_linkage_recovers_exact_counts_below_t_and_bounds_the_rest(rng):
+    counts = np.array([2, 0, 9, 30, 5, 0, 1, 17, 0, 12])
+    target = class_target(counts, "median")  # 9
+    client = synthetic_client(counts, "median", rng)
+    estimate = LinkageAttack().reconstruct(LabelObservation(1, 10, [client], "median"))[0]
+    below = (counts > 0) & (counts < target)
+    assert below.sum() == 3 and np.array_equal(estimate.counts[below], counts[below])
+    assert np.array_equal(estimate.lower_bound, counts >= target)
+    assert (estimate.counts[counts >= target] >= target).all()
+    assert estimate.counts.sum() == pytest.approx(counts.sum()) and np.array_equal(estimate.present, counts > 0)
+    # The presence attack sees only T rows per class: its counts below T are all wrong.
+    presence = PresenceAttack().reconstruct(LabelObservation(1, 10, [client], "median"))[0]
+    assert not np.any(np.rint(presence.counts[below]) == counts[below])
+
+
+def test_head_attack_recovers_counts_of_a_known_batch_on_an_untrained_model(tiny_model):
+    model = tiny_model
+    counts = np.array([6, 0, 2, 11, 0, 4, 1, 0, 0, 8])
+    labels = torch.from_numpy(np.repeat(np.arange(10), counts))
+    generator = torch.Generator().manual_seed(0)
+    images = torch.rand(len(labels), 3, 32, 32, generator=generator)
+    keep = torch.stack([torch.randperm(64, generator=generator)[:16].sort().values for _ in labels])
+    with torch.no_grad():
+        features = model.local_module(images, keep)
+    loss = torch.nn.functional.cross_entropy(model.classify(features), labels)
+    weight_grad, bias_grad = torch.autograd.grad(loss, [model.head.weight, model.head.bias])
+    lr = 0.5  # one SGD step: the update is the scaled gradient
+    client = ClientUploads(3, len(labels), labels.numpy(), features.numpy(),
+                           (model.head.weight - lr * weight_grad).detach().numpy(),
+                           (model.head.bias - lr * bias_grad).detach().numpy())
+    estimate = HeadGradientAttack().reconstruct(LabelObservation(1, 10, [client], "none", model))[3]
+    assert np.array_equal(np.rint(estimate.counts), counts)
+    assert np.array_equal(estimate.present, counts > 0)
+    assert estimate.details["scale"] == pytest.approx(lr, rel=1e-3)
+
+
+def test_at_least_one_keeps_the_total():
+    from attacks.labels import at_least_one
+
+    counts = at_least_one(np.array([0.2, 9.8, 0.0, 30.0]))
+    assert counts.sum() == pytest.approx(40) and counts.min() == 1 and counts[3] > counts[1] > 1
+
+
+def test_scores_and_prior_baseline():
+    truth = np.array([8, 0, 2, 0])
+    perfect = audit.label_scores(LabelEstimate(truth.astype(float), truth > 0), truth)
+    assert perfect["l1"][0] == 0 and perfect["js"][0] == 0 and perfect["exact_count_accuracy"].tolist() == [1, 1]
+    baseline = audit.prior_baseline(truth)
+    assert baseline.counts.tolist() == [5, 0, 5, 0]
+    scores = audit.label_scores(baseline, truth)
+    assert scores["l1"][0] == pytest.approx(0.6) and 0 < scores["js"][0] < 1
+    assert scores["exact_count_accuracy"].tolist() == [0, 0] and scores["presence_f1"][0] == 1
+    wrong = audit.label_scores(LabelEstimate(np.array([0, 10.0, 0, 0]), np.array([0, 1, 0, 0], bool)), truth)
+    assert wrong["presence_precision"][0] == 0 and wrong["presence_f1"][0] == 0 and wrong["js"][0] == pytest.approx(1)
+
+
+@pytest.fixture(scope="module")
+def round_one(tiny_model):
+    """The start state and what two clients upload in round 1, from the real client code (no Flower)."""
+    state = {k: v.numpy() for k, v in tiny_model.state_dict().items()}
+    return state, [client_round(ClientSettings.from_config(CFG, 1), state, k, CFG.clients) for k in range(CFG.clients)]
+
+
+def write_run(path, cfg: TrainConfig, round_one) -> RunDirectory:
+    """A one-round run directory written through RunDirectory, as the server writes it."""
+    state, uploads = round_one
+    run = RunDirectory.create(path, cfg)
+    for number in (0, 1):
+        run.save_checkpoint(number, {k: torch.from_numpy(v) for k, v in state.items()})
+    for partition, upload in enumerate(uploads):
+        run.save_upload(1, partition, "update", upload.update)
+        run.save_upload(1, partition, "features", upload.features)
+        run.save_arrays(run.truth_path(1, partition), upload.truth)
+    run.append_metrics({"round": 1, "method": "eftvit", "test_accuracy": 0.1,
+                        "num_examples": {str(k): u.num_examples for k, u in enumerate(uploads)}})
+    return run
+
+
+@pytest.fixture(scope="module")
+def tiny_run(tmp_path_factory, round_one):
+    return write_run(tmp_path_factory.mktemp("labels") / "run", CFG, round_one)
+
+
+def test_attacks_never_read_truth(tiny_run, monkeypatch):
+    def refuse(*_):
+        raise AssertionError("an attack read truth/")
+
+    with monkeypatch.context() as patch:
+        patch.setattr(RunDirectory, "truth_path", refuse)
+        observation = observe_labels(tiny_run, 1, [0, 1], with_model=True)
+        estimates = {a.name: a.reconstruct(observation) for a in (PresenceAttack(), LinkageAttack(), HeadGradientAttack())}
+    truth = audit.true_class_counts(tiny_run, 1, 0)
+    assert np.array_equal(estimates["labels-presence"][0].present, truth > 0)
+    assert estimates["labels-linkage"][0].counts.sum() == pytest.approx(truth.sum())
+
+
+def run_cli(capsys, *argv):
+    with pytest.raises(SystemExit) as exit_info:
+        main(list(argv))
+    return exit_info.value.code, capsys.readouterr().err
+
+
+def test_cli_writes_one_report_per_method(tiny_run, tmp_path):
+    main(["attack", "labels", "--run", str(tiny_run.path), "--out", str(tmp_path)])
+    for method in ("presence", "linkage", "head"):
+        report = json.loads((tmp_path / f"labels-{method}" / "report.json").read_text())
+        assert report["attack"] == f"labels-{method}" and report["round"] == 1 and report["clients"] == [0, 1]
+        for group in ("metrics", "baseline"):
+            assert {"l1", "js", "exact_count_accuracy", "presence_f1"} <= set(report[group])
+            assert report[group]["l1"]["n"] == 2
+        assert set(report["histograms"]) == {"0", "1"}
+        assert (tmp_path / f"labels-{method}" / "report.md").exists()
+    presence = json.loads((tmp_path / "labels-presence" / "report.json").read_text())
+    assert presence["metrics"]["presence_f1"]["mean"] == 1.0
+
+
+@pytest.mark.parametrize("argv, message", [
+    (["--round", "2"], "--round 2 is not a completed round"),
+    (["--method", "magic"], "--method must be one of presence, linkage, head, all"),
+    (["--clients", "5"], "no uploads of client(s) [5]"),
+])
+def test_bad_input_is_one_clear_line(tiny_run, capsys, argv, message):
+    code, err = run_cli(capsys, "attack", "labels", "--run", str(tiny_run.path), *argv)
+    assert code == 2 and err.startswith("eftguard: error:") and message in err and "Traceback" not in err
+
+
+def test_encrypted_run_needs_its_key(tmp_path, capsys, round_one):
+    from defenses.at_rest import create_key
+
+    create_key(tmp_path / "key")
+    run = write_run(tmp_path / "run", TrainConfig(**{**CFG.__dict__, "encrypt_at_rest": str(tmp_path / "key")}), round_one)
+    code, err = run_cli(capsys, "attack", "labels", "--run", str(run.path), "--method", "presence")
+    assert code == 2 and "pass --key KEYFILE" in err
+    main(["attack", "labels", "--run", str(run.path), "--method", "presence", "--key", str(tmp_path / "key")])
+    assert [d.name for d in (run.path / "reports").iterdir()] == ["labels-presence"]
