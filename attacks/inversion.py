@@ -221,7 +221,7 @@ def _positions(client: ClientFeatures, probe: PositionProbe | None) -> torch.Ten
 class DecoderInversion:
     """Learned inverse network; one decoder per round, trained across the attacked clients' phi_k."""
 
-    threat: ThreatModel
+    threat_model: ThreatModel
     steps: int = 1000
     batch_size: int = 32
     lr: float = 1e-3
@@ -234,14 +234,15 @@ class DecoderInversion:
 
     def reconstruct(self, observation: RoundFeatures) -> dict[int, ImageReconstruction]:
         generator = torch.Generator().manual_seed(self.seed)
-        torch.manual_seed(self.seed)
         locals_ = [client_local_module(observation.model, c.local_state) for c in observation.clients]
         aux = AuxFeatures(observation, locals_, generator)
         local = locals_[0]
         width, num_patches, patch = observation.clients[0].features.shape[-1], local.num_patches, patch_size_of(local)
-        probe = None if self.threat.positions_known else train_position_probe(
-            aux, width, num_patches, self.probe_steps, self.batch_size, self.progress)
-        decoder = InversionDecoder(width, num_patches, patch, self.width, self.depth)
+        with torch.random.fork_rng(devices=[]):  # seeded initialisation without touching the caller's RNG
+            torch.manual_seed(self.seed)
+            probe = None if self.threat_model.positions_known else train_position_probe(
+                aux, width, num_patches, self.probe_steps, self.batch_size, self.progress)
+            decoder = InversionDecoder(width, num_patches, patch, self.width, self.depth)
         optimizer = torch.optim.AdamW(decoder.parameters(), lr=self.lr, weight_decay=0.05)
         decoder.train()
         final_loss = math.nan
@@ -279,7 +280,7 @@ def total_variation(images: torch.Tensor) -> torch.Tensor:
 class OptimizationInversion:
     """White-box rMLE: images whose features under phi_k match the upload, with a TV prior."""
 
-    threat: ThreatModel
+    threat_model: ThreatModel
     steps: int = 300
     restarts: int = 2
     lr: float = 0.1
@@ -302,7 +303,7 @@ class OptimizationInversion:
         generator = torch.Generator().manual_seed(self.seed)
         locals_ = [client_local_module(observation.model, c.local_state) for c in observation.clients]
         probe = None
-        if not self.threat.positions_known:
+        if not self.threat_model.positions_known:
             aux = AuxFeatures(observation, locals_, generator)
             probe = train_position_probe(aux, observation.clients[0].features.shape[-1], locals_[0].num_patches,
                                          self.probe_steps, self.batch_size, self.progress)
