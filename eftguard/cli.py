@@ -158,11 +158,15 @@ def build_parser() -> argparse.ArgumentParser:
 
     demo = sub.add_parser("demo", parents=[logs], help="a small EFTViT vs Fed-Full training on the bundled photos",
                           description="Trains EFTViT and the Fed-Full reference on the bundled photos dataset with "
-                                      "the same small budget and prints test accuracy per round.")
+                                      "the same small budget and prints test accuracy per round, then audits the "
+                                      "EFTViT run with the feature-inversion attack and writes its report.")
     demo.add_argument("--out", type=Path, default=None, help="folder for the demo's runs (default: runs/demo-TIME)")
     demo.add_argument("--rounds", type=int, default=3, help="rounds per method (default: 3)")
     demo.add_argument("--train-samples", type=int, default=1500, help="training images used (default: 1500)")
     demo.add_argument("--test-samples", type=int, default=500, help="test images used (default: 500)")
+    demo.add_argument("--attack-steps", type=int, default=300,
+                      help="then attack the EFTViT run's uploaded features with the inversion decoder trained for "
+                           "this many steps and write its report.html (0: skip) (default: 300)")
 
     add_attack_parser(sub)
     add_report_parser(sub)
@@ -294,6 +298,12 @@ def cmd_demo(args: argparse.Namespace) -> None:
     table.add_row("wall s", *[f"{seconds[m]:.0f}" for m in METHODS])
     table.add_row("client s/epoch", *[f"{_mean_epoch_seconds(results[m]):.2f}" for m in METHODS])
     Console().print(table)
+    if args.attack_steps > 0:  # audit the EFTViT run: what do its uploaded features give away?
+        eftvit_run = str(out / "eftvit")
+        parser = build_parser()
+        cmd_attack(parser.parse_args(["attack", "invert", "--features", eftvit_run, "--steps", str(args.attack_steps),
+                                      "--max-images", "32"]))
+        cmd_report(parser.parse_args(["report", eftvit_run]))
 
 
 def _mean_epoch_seconds(records: list[dict]) -> float:

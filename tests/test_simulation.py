@@ -85,8 +85,10 @@ def test_fedavg_reference_through_the_same_apps(tmp_path):
 
 def test_demo_compares_both_methods(tmp_path):
     result = eftguard("demo", "--out", str(tmp_path / "demo"), "--rounds", "1", "--train-samples", "120",
-                      "--test-samples", "40")
+                      "--test-samples", "40", "--attack-steps", "2")
     assert result.returncode == 0, result.stderr[-3000:]
     assert "eftvit" in result.stdout and "fedavg" in result.stdout and "client s/epoch" in result.stdout
+    assert "invert-decoder" in result.stdout  # the audit's summary table
+    assert (tmp_path / "demo" / "eftvit" / "reports" / "report.html").exists()
     for method in ("eftvit", "fedavg"):
         assert json.loads((tmp_path / "demo" / method / "metrics.jsonl").read_text())["method"] == method
