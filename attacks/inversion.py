@@ -198,9 +198,11 @@ def _cosine_lr(step: int, steps: int, lr: float, warmup: int) -> float:
     return 0.5 * lr * (1 + math.cos(math.pi * (step - warmup) / max(steps - warmup, 1)))
 
 
-def train_position_probe(aux: AuxFeatures, width: int, num_patches: int, steps: int, batch_size: int,
+def train_position_probe(aux: AuxFeatures, width: int, num_patches: int, steps: int, batch_size: int, seed: int,
                          progress: Progress | None = None) -> PositionProbe:
-    probe = PositionProbe(width, num_patches)
+    with torch.random.fork_rng(devices=[]):  # seeded initialisation without touching the caller's RNG
+        torch.manual_seed(seed)
+        probe = PositionProbe(width, num_patches)
     optimizer = torch.optim.Adam(probe.parameters(), lr=1e-2)
     for step in range(steps):
         _, features, keep = aux.batch(batch_size)
@@ -238,10 +240,10 @@ class DecoderInversion:
         aux = AuxFeatures(observation, locals_, generator)
         local = locals_[0]
         width, num_patches, patch = observation.clients[0].features.shape[-1], local.num_patches, patch_size_of(local)
-        with torch.random.fork_rng(devices=[]):  # seeded initialisation without touching the caller's RNG
+        probe = None if self.threat_model.positions_known else train_position_probe(
+            aux, width, num_patches, self.probe_steps, self.batch_size, self.seed, self.progress)
+        with torch.random.fork_rng(devices=[]):
             torch.manual_seed(self.seed)
-            probe = None if self.threat_model.positions_known else train_position_probe(
-                aux, width, num_patches, self.probe_steps, self.batch_size, self.progress)
             decoder = InversionDecoder(width, num_patches, patch, self.width, self.depth)
         optimizer = torch.optim.AdamW(decoder.parameters(), lr=self.lr, weight_decay=0.05)
         decoder.train()
@@ -306,7 +308,7 @@ class OptimizationInversion:
         if not self.threat_model.positions_known:
             aux = AuxFeatures(observation, locals_, generator)
             probe = train_position_probe(aux, observation.clients[0].features.shape[-1], locals_[0].num_patches,
-                                         self.probe_steps, self.batch_size, self.progress)
+                                         self.probe_steps, self.batch_size, self.seed, self.progress)
         mean_image = torch.from_numpy(observation.aux_images).float().div(255.0).mean(0).clamp(0.02, 0.98)
         total = len(observation.clients) * self.restarts * self.steps
         done = 0
