@@ -13,6 +13,7 @@ import numpy as np
 
 from attacks.base import ImageReconstruction, ThreatModel
 from eftguard import metrics
+from eftguard.data import ImageSet
 from eftguard.rundir import RunDirectory, RunError
 
 GRID_IMAGES = 8
@@ -24,6 +25,18 @@ def load_truth(run: RunDirectory, round_number: int, partition: int) -> dict[str
         raise RunError(f"{path} does not exist: this run kept ground truth on the clients (--no-record-truth), so "
                        "attacks can run but cannot be scored")
     return run.load_arrays(path)
+
+
+def client_training_set(run: RunDirectory, partition: int) -> ImageSet:
+    """The images a client trained on, derived from the run's configuration exactly as the client did."""
+    from eftguard.federation.client import client_partition, run_dataset
+
+    cfg = run.config()
+    if not 0 <= partition < cfg.clients:
+        raise RunError(f"client {partition} does not exist in {run.path} (clients 0..{cfg.clients - 1})")
+    dataset = run_dataset(cfg.dataset, cfg.data_dir, cfg.model, cfg.train_samples, 0, cfg.seed)
+    parts = client_partition(cfg.dataset, cfg.data_dir, cfg.model, cfg.train_samples, cfg.seed, cfg.clients, cfg.beta)
+    return dataset.train.subset(parts[partition])
 
 
 def as_float_images(images_uint8: np.ndarray) -> np.ndarray:
@@ -38,14 +51,17 @@ class ClientScores:
     groups: dict[str, dict[str, np.ndarray]]
     grid_rows: list[list[np.ndarray]] = field(default_factory=list)
     position_accuracy: np.ndarray | None = None
+    label_accuracy: np.ndarray | None = None  # per recovered label: 1 if it pairs with a true label (metrics.label_hits)
 
 
 def score_client(partition: int, recon: ImageReconstruction, originals: np.ndarray, kept: np.ndarray | None,
                  public_images: np.ndarray, lpips: metrics.LPIPS, patch_size: int,
-                 true_kept_ids: np.ndarray | None = None) -> ClientScores:
+                 true_kept_ids: np.ndarray | None = None, labels: tuple[np.ndarray, np.ndarray] | None = None
+                 ) -> ClientScores:
     """Score reconstructions against originals (float [n, H, W, 3]); kept: bool [n, H, W] kept pixels or None.
 
-    Reconstructions with unknown order (recon.rows None) are first matched to originals (Hungarian)."""
+    Reconstructions with unknown order (recon.rows None) are first matched to originals (Hungarian).
+    labels: (recovered, true) class labels, scored order-free."""
     images = recon.images
     if recon.rows is None:
         images = images[metrics.hungarian_match(images, originals)]
@@ -63,7 +79,8 @@ def score_client(partition: int, recon: ImageReconstruction, originals: np.ndarr
     position_accuracy = None
     if recon.kept_ids is not None and true_kept_ids is not None:
         position_accuracy = np.array([len(np.intersect1d(a, b)) / len(b) for a, b in zip(recon.kept_ids, true_kept_ids)])
-    return ClientScores(partition, groups, grid_rows, position_accuracy)
+    label_accuracy = metrics.label_hits(*labels).astype(np.float64) if labels is not None else None
+    return ClientScores(partition, groups, grid_rows, position_accuracy, label_accuracy)
 
 
 def image_report(attack: str, run: RunDirectory, round_number: int, threat: ThreatModel, lpips_backend: str,
@@ -79,5 +96,8 @@ def image_report(attack: str, run: RunDirectory, round_number: int, threat: Thre
     accuracies = [c.position_accuracy for c in clients if c.position_accuracy is not None]
     if accuracies:
         details = {**details, "position_accuracy": metrics.summarize(np.concatenate(accuracies))}
+    label_accuracies = [c.label_accuracy for c in clients if c.label_accuracy is not None]
+    if label_accuracies:
+        details = {**details, "label_accuracy": metrics.summarize(np.concatenate(label_accuracies))}
     report["details"] = details
     return report

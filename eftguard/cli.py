@@ -10,7 +10,7 @@ import time
 from pathlib import Path
 
 from defenses.tls import CertificateError
-from eftguard.attack_cli import add_attack_parser, add_report_parser, cmd_attack, cmd_report
+from eftguard.attack_cli import AttackOptionError, add_attack_parser, add_report_parser, cmd_attack, cmd_report
 from eftguard.config import ACCOUNTANTS, FEDERATIONS, METHODS, ConfigError, TrainConfig
 from eftguard.data import DATASET_HELP, DataError
 from eftguard.federation.errors import FederationError, Interrupted
@@ -19,7 +19,8 @@ from eftguard.model import PRESETS, ModelError
 from eftguard.rundir import RunDirectory, RunError
 from eftguard.sampling import BALANCE_MODES
 
-USER_ERRORS = (ConfigError, DataError, ModelError, RunError, FederationError, CertificateError, MetricError)
+USER_ERRORS = (ConfigError, DataError, ModelError, RunError, FederationError, CertificateError, MetricError,
+               AttackOptionError)
 
 TRAIN_HELP = {
     "dataset": f"dataset: {DATASET_HELP}",
