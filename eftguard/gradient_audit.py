@@ -157,6 +157,13 @@ METHOD_NOTES = {
 }
 
 
+ORIGINALS = {
+    "1": "the probe's batch; reconstructions matched to it one-to-one (Hungarian, MSE)",
+    "local": "each reconstruction scored against the client training image it matches best (one-to-one, MSE): "
+             "with a whole client set to choose from this flatters the attack, the baseline gets no such choice",
+}
+
+
 def run_gradient_audit(run: RunDirectory, round_number: int, partition: int, method: str, steps: str, batch: int,
                        iterations: int | None, restarts: int, seed: int, lpips_backend: str, progress=None
                        ) -> tuple[dict, list[list[np.ndarray]]]:
@@ -189,7 +196,7 @@ def run_gradient_audit(run: RunDirectory, round_number: int, partition: int, met
     lpips = metrics.load_lpips(lpips_backend)
     scores = audit.score_client(partition, replace(recon, rows=rows), pool[rows], kept, public_images, lpips, patch,
                                 pool_keep[rows] if pool_keep is not None else None, labels)
-    details.update({"method": METHOD_NOTES[method], "steps": steps, "batch": batch,
+    details.update({"method": METHOD_NOTES[method], "steps": steps, "batch": batch, "originals": ORIGINALS[steps],
                     "reconstructed_images": len(recon.images), "attack_seconds": round(seconds, 2),
                     **{k: v for k, v in recon.details.items() if k != "labels"},
                     "positions": "kept positions read off the positional-embedding gradient" if obs.masked else

@@ -136,6 +136,7 @@ def lenet_observation(photos, index, dp=None):
     return obs, floats(photos.train.images[[index]])
 
 
+@pytest.mark.slow  # 10-30 s: 900 double-backward evaluations
 def test_dlg_recovers_one_image_from_a_lenet_gradient(photos):
     obs, original = lenet_observation(photos, 74)
     result = DLGAttack(iterations=900).reconstruct(obs)
@@ -150,6 +151,7 @@ def test_dlg_falls_to_baseline_under_dp_sgd_at_epsilon_1(photos):
     assert metrics.psnr(result.images, original)[0] < metrics.psnr(baseline, original)[0] + 2
 
 
+@pytest.mark.slow  # 15-30 s: 40 double-backward iterations through vit-tiny-32
 def test_inverting_gradients_beats_the_mean_image_on_the_fedfull_probe(photos):
     obs, original, _ = vit_probe(photos, [0], masked=False)
     result = InvertingGradients(iterations=40).reconstruct(obs)
