@@ -58,7 +58,7 @@ def main() -> None:
     parser.add_argument("--quick", action="store_true", help="analytic rows only")
     args = parser.parse_args()
     print(f"Means over --seed 0..{args.seeds - 1}.\n")
-    print("| row | command | PSNR | PSNR kept | mean-image PSNR | mean-image PSNR kept | LPIPS | label acc. | attack s |")
+    print("| row | command | PSNR | PSNR kept | mean-image PSNR | mean-image PSNR kept | LPIPS (stlpips-alex) | label acc. | attack s |")
     print("|---|---|---|---|---|---|---|---|---|")
     for row, run, options in rows(args):
         method = options[options.index("--method") + 1]

@@ -251,6 +251,20 @@ def test_attacks_never_read_ground_truth(monkeypatch, capsys, eftvit_run, tmp_pa
     assert phases == ["attack", "attack"]
 
 
+def test_encrypted_run_needs_its_key(capsys, tmp_path):
+    from defenses.at_rest import create_key
+
+    key = tmp_path / "at-rest.key"
+    create_key(key)
+    run = recorded_run(tmp_path / "run", encrypt_at_rest=str(key))
+    argv = ["attack", "gradient", "--run", run.path, "--lpips-backend", "stlpips-alex", "--out", tmp_path / "reports"]
+    code, err = run_cli(capsys, *argv)
+    assert code == 2 and "pass --key KEYFILE" in err
+    code, err = run_cli(capsys, *argv, "--key", key)
+    assert code == 0, err
+    assert (tmp_path / "reports" / "gradient-analytic" / "report.json").exists()
+
+
 @pytest.mark.parametrize("argv, message", [
     (["--client", "7"], "no uploads of client(s) [7]"),
     (["--round", "2"], "--round 2 is not a completed round"),
