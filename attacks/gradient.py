@@ -46,8 +46,8 @@ class GradientObservation:
     batch_size: how many images the attack reconstructs.
     mean, std: the model's input normalisation (images are normalised as (x - mean) / std, x in [0, 1]).
     masked: the client dropped patch tokens (EFTViT); the kept positions are then read off the gradient.
-    local_steps: 1 for a true gradient; more when `gradients` is a multi-step update treated as one gradient.
     prior: [H, W, 3] guess for pixels the gradient does not reveal (e.g. the mean public image); grey if None.
+    pos_embed, patch_weight, head_bias: names of the parameters the closed form and label recovery read.
     """
 
     model: nn.Module
@@ -57,7 +57,6 @@ class GradientObservation:
     mean: tuple[float, ...]
     std: tuple[float, ...]
     masked: bool = False
-    local_steps: int = 1
     prior: np.ndarray | None = None
     pos_embed: str = EFTVIT_POS_EMBED
     patch_weight: str = EFTVIT_PATCH_WEIGHT

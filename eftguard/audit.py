@@ -78,7 +78,9 @@ def score_client(partition: int, recon: ImageReconstruction, originals: np.ndarr
     grid_rows = [[originals[i], shown[i], images[i]] for i in range(min(GRID_IMAGES, len(images)))]
     position_accuracy = None
     if recon.kept_ids is not None and true_kept_ids is not None:
-        position_accuracy = np.array([len(np.intersect1d(a, b)) / len(b) for a, b in zip(recon.kept_ids, true_kept_ids)])
+        # Jaccard index, so that claiming extra positions costs as much as missing some.
+        position_accuracy = np.array([len(np.intersect1d(a, b)) / len(np.union1d(a, b))
+                                      for a, b in zip(recon.kept_ids, true_kept_ids)])
     label_accuracy = metrics.label_hits(*labels).astype(np.float64) if labels is not None else None
     return ClientScores(partition, groups, grid_rows, position_accuracy, label_accuracy)
 

@@ -138,7 +138,7 @@ def upload_observation(run: RunDirectory, round_number: int, partition: int, bat
         after = torch.from_numpy(uploaded[name]).to(before.dtype)
         gradients[name] = (before - after) / (cfg.lr * steps) - cfg.weight_decay * before
     obs = GradientObservation(model, gradients, batch, model_image_size(model), model.mean, model.std,
-                              masked=cfg.method == "eftvit", local_steps=steps, prior=prior)
+                              masked=cfg.method == "eftvit", prior=prior)
     return obs, {"observation": (f"uploaded update after {steps} AdamW step(s) on {num_examples} images, treated "
                                  f"as one gradient: -(update) / (lr * steps) - weight_decay * weights")}
 
