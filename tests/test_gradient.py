@@ -68,6 +68,7 @@ def test_analytic_recovers_the_fedfull_image_at_batch_1(photos):
     obs, original, _ = vit_probe(photos, [3], masked=False)
     result = AnalyticAttack().reconstruct(obs)
     assert metrics.psnr(result.images, floats(original))[0] > 40
+    assert result.details["relative_residual"] < 1e-4  # the closed form applies, and says so
     assert result.details["labels"] == photos.train.labels[[3]].tolist()
 
 
@@ -87,6 +88,7 @@ def test_analytic_stops_being_exact_above_batch_1(photos):
     assert len(result.images) == 1
     best = max(metrics.psnr(result.images, floats(originals[i:i + 1]))[0] for i in range(2))
     assert best < 20
+    assert result.details["relative_residual"] > 0.1  # and says when it does not
 
 
 def test_analytic_fails_under_dp_sgd_at_epsilon_1(photos):
