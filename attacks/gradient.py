@@ -228,8 +228,8 @@ class DLGAttack:
             return loss
 
         while best["evaluations"] < self.iterations:
-            optimizer.param_groups[0]["max_iter"] = min(LBFGS_ITERATIONS_PER_STEP, self.iterations - best["evaluations"])
-            optimizer.param_groups[0]["max_eval"] = optimizer.param_groups[0]["max_iter"]
+            budget = min(LBFGS_ITERATIONS_PER_STEP, self.iterations - best["evaluations"])
+            optimizer.param_groups[0].update(max_iter=budget, max_eval=budget)
             before = best["evaluations"]
             optimizer.step(closure)
             if progress:

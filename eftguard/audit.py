@@ -51,7 +51,7 @@ class ClientScores:
     groups: dict[str, dict[str, np.ndarray]]
     grid_rows: list[list[np.ndarray]] = field(default_factory=list)
     position_accuracy: np.ndarray | None = None
-    label_accuracy: np.ndarray | None = None  # per recovered label: 1 if it pairs with a true label (metrics.label_hits)
+    label_accuracy: np.ndarray | None = None  # per recovered label: 1 if it pairs with a true one (metrics.label_hits)
 
 
 def score_client(partition: int, recon: ImageReconstruction, originals: np.ndarray, kept: np.ndarray | None,

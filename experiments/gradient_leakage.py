@@ -50,7 +50,8 @@ def main() -> None:
     parser.add_argument("--fedavg", required=True, help="a run trained with --method fedavg")
     parser.add_argument("--eftvit", required=True, help="a run trained with --method eftvit")
     parser.add_argument("--dp", required=True, help="an eftvit run trained with --dp-eps 1")
-    parser.add_argument("--out", type=Path, default=Path("runs/gradient-leakage"), help="reports (default: %(default)s)")
+    parser.add_argument("--out", type=Path, default=Path("runs/gradient-leakage"),
+                        help="reports (default: %(default)s)")
     parser.add_argument("--iterations", type=int, default=200, help="dlg/idlg/ig iterations (default: %(default)s)")
     parser.add_argument("--seeds", type=int, default=3,
                         help="repeat every row with --seed 0..N-1 (other probe images and starts) and average "
@@ -58,7 +59,8 @@ def main() -> None:
     parser.add_argument("--quick", action="store_true", help="analytic rows only")
     args = parser.parse_args()
     print(f"Means over --seed 0..{args.seeds - 1}.\n")
-    print("| row | command | PSNR | PSNR kept | mean-image PSNR | mean-image PSNR kept | LPIPS (stlpips-alex) | label acc. | attack s |")
+    print("| row | command | PSNR | PSNR kept | mean-image PSNR | mean-image PSNR kept | LPIPS (stlpips-alex) "
+          "| label acc. | attack s |")
     print("|---|---|---|---|---|---|---|---|---|")
     for row, run, options in rows(args):
         method = options[options.index("--method") + 1]
