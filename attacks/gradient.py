@@ -5,8 +5,8 @@ how many images were in the batch) goes in, an `ImageReconstruction` comes out. 
 
     analytic  APRIL-style closed form for ViTs: a patch token is e_t = W x_t + b + pos_t, so the gradient of the
               positional embedding is each position's upstream gradient g_t and the patch-embedding weight
-              gradient is sum_t g_t x_t^T; a least-squares solve gives every sent patch (exact at batch 1, one
-              image only) and zero rows of the positional gradient reveal which positions were masked out.
+              gradient is sum_t g_t x_t^T; a least-squares solve gives every sent patch (exact at batch 1) and
+              zero rows of the positional gradient reveal which positions were masked out.
     dlg       Deep Leakage from Gradients: images and soft labels optimised jointly (L-BFGS, L2 gradient distance).
     idlg      DLG with the label read off the head-bias gradient first (only the true class has a negative entry).
     ig        Inverting Gradients: labels recovered first, cosine gradient distance + total variation, signed
@@ -149,9 +149,10 @@ class AnalyticAttack:
     """Closed-form recovery of the sent patches from the positional- and patch-embedding gradients.
 
     Exact at batch 1 (the system dW = G^T X is overdetermined: width >= positions). Above batch 1 the
-    gradients sum over images at every position, the system is no longer consistent and least squares returns
-    one image that matches none of them (without masking: below the mean-image baseline from batch 2 on);
-    under masking the kept sets of a few images rarely overlap and their patches still largely come through.
+    gradients sum over images at every position and the solve yields one composite the attack cannot split
+    into images, so it offers that composite for each of the B images. Without masking the system is then
+    inconsistent and the composite matches none of them (below the mean image from batch 2 on); under masking
+    the kept sets of a few images rarely overlap and each image's sent patches still largely come through.
     It needs the true gradient's structure: a multi-step Adam update or DP noise breaks it."""
 
     name = "analytic"
@@ -179,7 +180,9 @@ class AnalyticAttack:
         pixels = np.where(revealed[..., None], pixels, fill)
         if progress:
             progress(1, 1)
-        return ImageReconstruction(pixels[None].astype(np.float32), rows=None, kept_ids=active[None],
+        count = obs.batch_size
+        return ImageReconstruction(np.repeat(pixels[None].astype(np.float32), count, 0), rows=None,
+                                   kept_ids=np.repeat(active[None], count, 0),
                                    details={"revealed_positions": int(len(active)),
                                             "relative_residual": float(_norm([residual]) / _norm([observed])),
                                             "labels": recover_labels(obs).tolist()})

@@ -149,8 +149,8 @@ def model_image_size(model: EFTViT) -> int:
 
 METHOD_NOTES = {
     "analytic": "closed form from the positional- and patch-embedding gradients; exact at batch 1; above it one "
-                "image that, without masking, matches none of the batch; fails on multi-step AdamW updates and "
-                "under DP noise",
+                "composite offered for every image of the batch (without masking it matches none of them); fails "
+                "on multi-step AdamW updates and under DP noise",
     "dlg": "images and soft labels optimised jointly (L-BFGS, L2 gradient distance)",
     "idlg": "label from the head-bias gradient, then DLG on the images",
     "ig": "labels from the head-bias gradient, then cosine distance + total variation (signed Adam, restarts); "

@@ -85,10 +85,19 @@ def test_analytic_recovers_kept_patches_and_their_positions_under_masking(photos
 def test_analytic_stops_being_exact_above_batch_1(photos):
     obs, originals, _ = vit_probe(photos, [3, 40], masked=False)
     result = AnalyticAttack().reconstruct(obs)
-    assert len(result.images) == 1
-    best = max(metrics.psnr(result.images, floats(originals[i:i + 1]))[0] for i in range(2))
-    assert best < 20
+    assert len(result.images) == 2 and np.array_equal(result.images[0], result.images[1])  # one composite for both
+    assert metrics.psnr(result.images, floats(originals)).max() < 20
     assert result.details["relative_residual"] > 0.1  # and says when it does not
+
+
+def test_analytic_still_leaks_most_kept_patches_of_two_masked_images(photos):
+    obs, originals, keep = vit_probe(photos, [5, 40], masked=True)
+    result = AnalyticAttack().reconstruct(obs)
+    kept = metrics.kept_pixels(keep.numpy(), 32, 4)
+    baseline = metrics.mean_image_baseline(floats(photos.public.images), 2)
+    # measured 25.6 and 16.6 dB against 12.9 and 7.8 for the mean image
+    assert (metrics.psnr(result.images, floats(originals), kept)
+            > metrics.psnr(baseline, floats(originals), kept) + 5).all()
 
 
 def test_analytic_fails_under_dp_sgd_at_epsilon_1(photos):
