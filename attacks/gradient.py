@@ -286,7 +286,7 @@ class InvertingGradients:
                 if progress:
                     progress(restart * self.iterations + step + 1, total)
             final = float(cosine_distance(_gradients(obs, params, images, labels, keep), target, target_norm).detach())
-            if final < best_loss:
+            if best is None or final < best_loss:  # (a diverged restart reads NaN and never wins over another)
                 best, best_loss = images.detach().clone(), final
         return ImageReconstruction(obs.to_pixels(best), rows=None, kept_ids=kept_ids,
                                    details={"gradient_cosine_distance": best_loss, "labels": labels.tolist(),
