@@ -15,6 +15,7 @@ from scipy.spatial.distance import jensenshannon
 
 from attacks.base import ImageReconstruction, LabelEstimate, ThreatModel
 from eftguard import metrics
+from eftguard.data import ImageSet
 from eftguard.rundir import RunDirectory, RunError
 
 GRID_IMAGES = 8
@@ -26,6 +27,18 @@ def load_truth(run: RunDirectory, round_number: int, partition: int) -> dict[str
         raise RunError(f"{path} does not exist: this run kept ground truth on the clients (--no-record-truth), so "
                        "attacks can run but cannot be scored")
     return run.load_arrays(path)
+
+
+def client_training_set(run: RunDirectory, partition: int) -> ImageSet:
+    """The images a client trained on, derived from the run's configuration exactly as the client did."""
+    from eftguard.federation.client import client_partition, run_dataset
+
+    cfg = run.config()
+    if not 0 <= partition < cfg.clients:
+        raise RunError(f"client {partition} does not exist in {run.path} (clients 0..{cfg.clients - 1})")
+    dataset = run_dataset(cfg.dataset, cfg.data_dir, cfg.model, cfg.train_samples, 0, cfg.seed)
+    parts = client_partition(cfg.dataset, cfg.data_dir, cfg.model, cfg.train_samples, cfg.seed, cfg.clients, cfg.beta)
+    return dataset.train.subset(parts[partition])
 
 
 def as_float_images(images_uint8: np.ndarray) -> np.ndarray:
@@ -40,15 +53,18 @@ class ClientScores:
     groups: dict[str, dict[str, np.ndarray]]
     grid_rows: list[list[np.ndarray]] = field(default_factory=list)
     position_accuracy: np.ndarray | None = None
+    label_accuracy: np.ndarray | None = None  # per recovered label: 1 if it pairs with a true one (metrics.label_hits)
     histograms: dict | None = None  # label attacks: true and estimated class counts
 
 
 def score_client(partition: int, recon: ImageReconstruction, originals: np.ndarray, kept: np.ndarray | None,
                  public_images: np.ndarray, lpips: metrics.LPIPS, patch_size: int,
-                 true_kept_ids: np.ndarray | None = None) -> ClientScores:
+                 true_kept_ids: np.ndarray | None = None, labels: tuple[np.ndarray, np.ndarray] | None = None
+                 ) -> ClientScores:
     """Score reconstructions against originals (float [n, H, W, 3]); kept: bool [n, H, W] kept pixels or None.
 
-    Reconstructions with unknown order (recon.rows None) are first matched to originals (Hungarian)."""
+    Reconstructions with unknown order (recon.rows None) are first matched to originals (Hungarian).
+    labels: (recovered, true) class labels, scored order-free."""
     images = recon.images
     if recon.rows is None:
         images = images[metrics.hungarian_match(images, originals)]
@@ -65,8 +81,11 @@ def score_client(partition: int, recon: ImageReconstruction, originals: np.ndarr
     grid_rows = [[originals[i], shown[i], images[i]] for i in range(min(GRID_IMAGES, len(images)))]
     position_accuracy = None
     if recon.kept_ids is not None and true_kept_ids is not None:
-        position_accuracy = np.array([len(np.intersect1d(a, b)) / len(b) for a, b in zip(recon.kept_ids, true_kept_ids)])
-    return ClientScores(partition, groups, grid_rows, position_accuracy)
+        # Jaccard index, so that claiming extra positions costs as much as missing some.
+        position_accuracy = np.array([len(np.intersect1d(a, b)) / len(np.union1d(a, b))
+                                      for a, b in zip(recon.kept_ids, true_kept_ids)])
+    label_accuracy = metrics.label_hits(*labels).astype(np.float64) if labels is not None else None
+    return ClientScores(partition, groups, grid_rows, position_accuracy, label_accuracy)
 
 
 def pooled(clients: list[ClientScores]) -> dict:
@@ -87,6 +106,9 @@ def image_report(attack: str, run: RunDirectory, round_number: int, threat: Thre
     accuracies = [c.position_accuracy for c in clients if c.position_accuracy is not None]
     if accuracies:
         details = {**details, "position_accuracy": metrics.summarize(np.concatenate(accuracies))}
+    label_accuracies = [c.label_accuracy for c in clients if c.label_accuracy is not None]
+    if label_accuracies:
+        details = {**details, "label_accuracy": metrics.summarize(np.concatenate(label_accuracies))}
     report["details"] = details
     return report
 

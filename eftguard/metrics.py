@@ -143,11 +143,36 @@ def hungarian_match(recon: np.ndarray, truth: np.ndarray) -> np.ndarray:
     not know which reconstruction belongs to which original, e.g. a batch from a gradient)."""
     if len(recon) != len(truth):
         raise MetricError(f"cannot match {len(recon)} reconstructions to {len(truth)} originals")
-    r = recon.reshape(len(recon), -1).astype(np.float64)
-    t = truth.reshape(len(truth), -1).astype(np.float64)
-    cost = (t ** 2).sum(1)[:, None] + (r ** 2).sum(1)[None, :] - 2 * t @ r.T
-    rows, cols = linear_sum_assignment(cost)
+    rows, cols = linear_sum_assignment(squared_errors(truth, recon))
     return cols[np.argsort(rows)]
+
+
+def match_to_pool(recon: np.ndarray, pool: np.ndarray) -> np.ndarray:
+    """rows such that recon[i] is matched to pool[rows[i]], one-to-one, minimising the total MSE; the pool may
+    hold more images than were reconstructed (e.g. a few images recovered from a client's whole update)."""
+    if len(recon) > len(pool):
+        raise MetricError(f"cannot match {len(recon)} reconstructions to {len(pool)} originals")
+    rows, cols = linear_sum_assignment(squared_errors(recon, pool))
+    return cols[np.argsort(rows)]
+
+
+def squared_errors(a: np.ndarray, b: np.ndarray) -> np.ndarray:
+    """[len(a), len(b)] summed squared differences between every pair of images."""
+    x = a.reshape(len(a), -1).astype(np.float64)
+    y = b.reshape(len(b), -1).astype(np.float64)
+    return (x ** 2).sum(1)[:, None] + (y ** 2).sum(1)[None, :] - 2 * x @ y.T
+
+
+def label_hits(predicted: np.ndarray, true: np.ndarray) -> np.ndarray:
+    """bool per predicted label: True if it can be paired with a distinct true label of the same class
+    (multiset overlap, order-free: the labels an attack recovers are not tied to particular images)."""
+    left = dict(zip(*np.unique(np.asarray(true), return_counts=True)))
+    hits = np.zeros(len(predicted), dtype=bool)
+    for i, label in enumerate(np.asarray(predicted)):
+        if left.get(label, 0) > 0:
+            left[label] -= 1
+            hits[i] = True
+    return hits
 
 
 def kept_pixels(kept_ids: np.ndarray, image_size: int, patch_size: int) -> np.ndarray:
