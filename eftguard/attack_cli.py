@@ -440,11 +440,7 @@ def cmd_gradient(args: argparse.Namespace) -> None:
         report, grid_rows = run_gradient_audit(
             run, round_number, client, args.method, args.steps, args.batch, args.iterations, args.restarts,
             args.seed, args.lpips_backend, progress=lambda done, total: bar.update(task, completed=done, total=total))
-    folder = write_attack_report(out_root(run, args.out), report, image_grid(grid_rows))
-    m = report["metrics"]
-    console.print(f"gradient-{args.method}, client {client}, round {round_number}: PSNR {m['psnr']['mean']:.2f} dB "
-                  f"(mean image {report['baseline']['psnr']['mean']:.2f} dB), LPIPS {m['lpips']['mean']:.3f} "
-                  f"({report['lpips_backend']}) -> {folder}")
+    print_summary(report, write_attack_report(out_root(run, args.out), report, image_grid(grid_rows)))
 
 
 ATTACK_COMMANDS["gradient"] = (add_gradient_parser, cmd_gradient)
