@@ -7,6 +7,7 @@ the observed view, hand the result to the auditor (eftguard.audit) for scoring, 
 from __future__ import annotations
 
 import argparse
+import itertools
 from pathlib import Path
 
 import numpy as np
@@ -279,7 +280,8 @@ def cmd_invert(args: argparse.Namespace) -> None:
     for key in next(iter(reconstructions.values())).details:  # per-client figures of the attack, averaged
         details[key] = float(np.mean([r.details[key] for r in reconstructions.values()]))
     report = audit.image_report(attack.name, run, round_number, threat, lpips.name, scores, details)
-    grid_rows = [row for s in scores for row in s.grid_rows][:audit.GRID_IMAGES]
+    interleaved = itertools.zip_longest(*(s.grid_rows for s in scores))  # a few images of every client
+    grid_rows = [row for group in interleaved for row in group if row is not None][:audit.GRID_IMAGES]
     folder = write_attack_report(out_root(run, args.out), report, image_grid(grid_rows))
     print_summary(report, folder)
 

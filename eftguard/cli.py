@@ -164,9 +164,9 @@ def build_parser() -> argparse.ArgumentParser:
     demo.add_argument("--rounds", type=int, default=3, help="rounds per method (default: 3)")
     demo.add_argument("--train-samples", type=int, default=1500, help="training images used (default: 1500)")
     demo.add_argument("--test-samples", type=int, default=500, help="test images used (default: 500)")
-    demo.add_argument("--attack-steps", type=int, default=300,
+    demo.add_argument("--attack-steps", type=int, default=1000,
                       help="then attack the EFTViT run's uploaded features with the inversion decoder trained for "
-                           "this many steps and write its report.html (0: skip) (default: 300)")
+                           "this many steps and write its report.html (0: skip) (default: 1000)")
 
     add_attack_parser(sub)
     add_report_parser(sub)

@@ -93,9 +93,13 @@ def _alexnet_cached() -> bool:
 
 
 def _standard_lpips() -> torch.nn.Module:
+    import warnings
+
     import lpips
 
-    return lpips.LPIPS(net="alex", spatial=True, verbose=False).eval()
+    with warnings.catch_warnings():  # lpips still passes torchvision's deprecated `pretrained=True`
+        warnings.simplefilter("ignore", UserWarning)
+        return lpips.LPIPS(net="alex", spatial=True, verbose=False).eval()
 
 
 def _shift_tolerant_lpips() -> torch.nn.Module:
