@@ -13,14 +13,12 @@ from attacks.gradient import (AnalyticAttack, DLGAttack, GradientObservation, In
 from defenses.dp import client_budget
 from eftguard import audit, metrics
 from eftguard.cli import main
-from eftguard.config import TrainConfig
 from eftguard.data import load_dataset
-from eftguard.federation.client import client_partition, client_round, dp_budget
-from eftguard.federation.records import ClientSettings
 from eftguard.gradient_audit import DPNoise, probe_gradient, trained_names
 from eftguard.masking import random_keep_ids
 from eftguard.model import build_model
 from eftguard.rundir import RunDirectory
+from conftest import train_in_process
 
 
 @pytest.fixture(scope="module", autouse=True)
@@ -175,28 +173,8 @@ def test_inverting_gradients_beats_the_mean_image_on_the_fedfull_probe(photos):
 # --- the command line ---------------------------------------------------------------------------------------
 
 def recorded_run(path, **overrides) -> RunDirectory:
-    """A one-round run written without Flower: real client rounds from the initial model."""
-    cfg = TrainConfig(rounds=1, clients=2, train_samples=120, test_samples=20, batch_size=32, **overrides).resolved()
-    run = RunDirectory.create(path, cfg)
-    model = build_model(cfg.model, 10, cfg.local_layers, seed=cfg.seed)
-    state = {k: v.numpy() for k, v in model.state_dict().items()}
-    run.save_checkpoint(0, model.state_dict())
-    num_examples, noise = {}, {}
-    for partition, members in enumerate(client_partition(cfg.dataset, cfg.data_dir, cfg.model, cfg.train_samples,
-                                                         cfg.seed, cfg.clients, cfg.beta)):
-        if cfg.dp_eps > 0:
-            noise[str(partition)] = dp_budget(cfg, partition, len(members), 1).noise_multiplier
-        settings = ClientSettings.from_config(cfg, 1, noise.get(str(partition), 0.0))
-        upload = client_round(settings, state, partition, cfg.clients)
-        run.save_upload(1, partition, "update", upload.update)
-        if upload.features is not None:
-            run.save_upload(1, partition, "features", upload.features)
-        run.save_arrays(run.truth_path(1, partition), upload.truth)
-        num_examples[str(partition)] = upload.num_examples
-    run.save_checkpoint(1, model.state_dict())
-    run.append_metrics({"round": 1, "method": cfg.method, "test_accuracy": 0.0, "num_examples": num_examples,
-                        "noise_multiplier": noise or None, "epsilon": None})
-    return run
+    """A one-round run written by the real server and clients over an in-process grid."""
+    return RunDirectory.open(train_in_process(path, train_samples=120, test_samples=20, **overrides))
 
 
 @pytest.fixture(scope="module")

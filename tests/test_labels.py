@@ -11,13 +11,10 @@ from attacks.labels import ClientUploads, HeadGradientAttack, LabelObservation, 
 from eftguard import audit
 from eftguard.attack_cli import observe_labels
 from eftguard.cli import main
-from eftguard.config import TrainConfig
-from eftguard.federation.client import client_round
-from eftguard.federation.records import ClientSettings
 from eftguard.rundir import RunDirectory
 from eftguard.sampling import balanced_indices, class_target
+from conftest import train_in_process
 
-CFG = TrainConfig(clients=2, train_samples=160, batch_size=32, rounds=1).resolved()
 NO_HEAD = (np.zeros((10, 192), np.float32), np.zeros(10, np.float32))
 
 
@@ -103,30 +100,8 @@ def test_scores_and_prior_baseline():
 
 
 @pytest.fixture(scope="module")
-def round_one(tiny_model):
-    """The start state and what two clients upload in round 1, from the real client code (no Flower)."""
-    state = {k: v.numpy() for k, v in tiny_model.state_dict().items()}
-    return state, [client_round(ClientSettings.from_config(CFG, 1), state, k, CFG.clients) for k in range(CFG.clients)]
-
-
-def write_run(path, cfg: TrainConfig, round_one) -> RunDirectory:
-    """A one-round run directory written through RunDirectory, as the server writes it."""
-    state, uploads = round_one
-    run = RunDirectory.create(path, cfg)
-    for number in (0, 1):
-        run.save_checkpoint(number, {k: torch.from_numpy(v) for k, v in state.items()})
-    for partition, upload in enumerate(uploads):
-        run.save_upload(1, partition, "update", upload.update)
-        run.save_upload(1, partition, "features", upload.features)
-        run.save_arrays(run.truth_path(1, partition), upload.truth)
-    run.append_metrics({"round": 1, "method": "eftvit", "test_accuracy": 0.1,
-                        "num_examples": {str(k): u.num_examples for k, u in enumerate(uploads)}})
-    return run
-
-
-@pytest.fixture(scope="module")
-def tiny_run(tmp_path_factory, round_one):
-    return write_run(tmp_path_factory.mktemp("labels") / "run", CFG, round_one)
+def tiny_run(feature_run):
+    return RunDirectory.open(feature_run)
 
 
 def test_attacks_never_read_truth(tiny_run, monkeypatch):
@@ -172,11 +147,11 @@ def test_bad_input_is_one_clear_line(tiny_run, capsys, argv, message):
     assert code == 2 and err.startswith("eftguard: error:") and message in err and "Traceback" not in err
 
 
-def test_encrypted_run_needs_its_key(tmp_path, capsys, round_one):
+def test_encrypted_run_needs_its_key(tmp_path, capsys):
     from defenses.at_rest import create_key
 
     create_key(tmp_path / "key")
-    run = write_run(tmp_path / "run", TrainConfig(**{**CFG.__dict__, "encrypt_at_rest": str(tmp_path / "key")}), round_one)
+    run = RunDirectory.open(train_in_process(tmp_path / "run", encrypt_at_rest=str(tmp_path / "key")))
     code, err = run_cli(capsys, "attack", "labels", "--run", str(run.path), "--method", "presence")
     assert code == 2 and "pass --key KEYFILE" in err
     main(["attack", "labels", "--run", str(run.path), "--method", "presence", "--key", str(tmp_path / "key")])
