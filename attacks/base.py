@@ -10,10 +10,19 @@ from __future__ import annotations
 from dataclasses import asdict, dataclass, field
 
 import numpy as np
+import torch
 
 
 class AttackError(ValueError):
     """An attack cannot run as asked (bad option or an observation it cannot use); the message says why."""
+
+
+def total_variation(images: torch.Tensor) -> torch.Tensor:
+    """The image prior of the optimisation attacks: mean absolute difference of neighbouring pixels per image,
+    [B, C, H, W] -> [B]."""
+    dy = (images[:, :, 1:] - images[:, :, :-1]).abs().mean(dim=(1, 2, 3))
+    dx = (images[:, :, :, 1:] - images[:, :, :, :-1]).abs().mean(dim=(1, 2, 3))
+    return dx + dy
 
 
 @dataclass(frozen=True)

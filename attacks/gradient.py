@@ -26,7 +26,7 @@ import numpy as np
 import torch
 from torch import nn
 
-from attacks.base import ImageReconstruction, ThreatModel
+from attacks.base import ImageReconstruction, ThreatModel, total_variation
 
 EFTVIT_POS_EMBED = "local_module.token_embedding.pos_embed"
 EFTVIT_PATCH_WEIGHT = "local_module.patch_embed.proj.weight"
@@ -276,7 +276,7 @@ class InvertingGradients:
             for step in range(self.iterations):
                 optimizer.zero_grad()
                 grads = _gradients(obs, params, images, labels, keep)
-                loss = cosine_distance(grads, target, target_norm) + self.tv * total_variation(images)
+                loss = cosine_distance(grads, target, target_norm) + self.tv * total_variation(images).mean()
                 loss.backward()
                 images.grad.sign_()
                 optimizer.step()
@@ -307,11 +307,6 @@ def cosine_distance(grads, target, target_norm: torch.Tensor | None = None) -> t
     """1 - cosine between two gradients given as matching lists of tensors (treated as one vector)."""
     dot = sum((g * t).sum() for g, t in zip(grads, target))
     return 1 - dot / (_norm(grads) * (target_norm if target_norm is not None else _norm(target))).clamp_min(1e-30)
-
-
-def total_variation(images: torch.Tensor) -> torch.Tensor:
-    return ((images[..., 1:, :] - images[..., :-1, :]).abs().mean()
-            + (images[..., :, 1:] - images[..., :, :-1]).abs().mean())
 
 
 def make_attack(method: str, iterations: int | None = None, restarts: int = 1, seed: int = 0):

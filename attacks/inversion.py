@@ -27,7 +27,7 @@ import numpy as np
 import torch
 from torch import nn
 
-from attacks.base import ImageReconstruction, ThreatModel
+from attacks.base import ImageReconstruction, ThreatModel, total_variation
 from defenses.feature_noise import release_features
 from eftguard.masking import random_keep_ids
 from eftguard.model import EFTViT, LocalModule
@@ -88,9 +88,7 @@ def unpatchify(patches: torch.Tensor, patch: int) -> torch.Tensor:
 
 def to_model_input(model: EFTViT, images01: torch.Tensor) -> torch.Tensor:
     """float [B, H, W, 3] in [0, 1] -> the model's normalised [B, 3, H, W] (differentiable)."""
-    mean = torch.tensor(model.mean).view(1, 3, 1, 1)
-    std = torch.tensor(model.std).view(1, 3, 1, 1)
-    return (images01.permute(0, 3, 1, 2) - mean) / std
+    return model.standardize(images01.permute(0, 3, 1, 2))
 
 
 class AuxFeatures:
@@ -271,13 +269,6 @@ class DecoderInversion:
         return results
 
 
-def total_variation(images: torch.Tensor) -> torch.Tensor:
-    """Mean absolute difference of neighbouring pixels, per image: [B, H, W, 3] -> [B]."""
-    dy = (images[:, 1:] - images[:, :-1]).abs().mean(dim=(1, 2, 3))
-    dx = (images[:, :, 1:] - images[:, :, :-1]).abs().mean(dim=(1, 2, 3))
-    return dx + dy
-
-
 @dataclass
 class OptimizationInversion:
     """White-box rMLE: images whose features under phi_k match the upload, with a TV prior."""
@@ -328,7 +319,7 @@ class OptimizationInversion:
                     images = torch.sigmoid(logits)
                     distance = self.feature_distance(local, observation.model, images, keep, target,
                                                      observation.feature_clip)
-                    loss = (distance + self.tv_weight * total_variation(images)).sum()
+                    loss = (distance + self.tv_weight * total_variation(images.permute(0, 3, 1, 2))).sum()
                     optimizer.zero_grad(set_to_none=True)
                     loss.backward()
                     optimizer.step()

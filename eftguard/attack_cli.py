@@ -210,15 +210,11 @@ def observe_round(run: RunDirectory, round_number: int, clients: list[int], max_
 
     from attacks.inversion import ClientFeatures, RoundFeatures
     from eftguard.audit import granted_positions
-    from eftguard.data.registry import load_dataset
-    from eftguard.model import PRESETS, build_model, load_weights
 
     cfg = run.config()
     if cfg.method != "eftvit":
         raise RunError(f"{run.path} is a {cfg.method} run: it uploads no patch features. Use eftguard attack gradient")
-    num_classes = load_dataset(cfg.dataset, cfg.data_dir, PRESETS[cfg.model].image_size).num_classes
-    model = build_model(cfg.model, num_classes, cfg.local_layers, seed=cfg.seed)
-    load_weights(model, run.load_checkpoint(round_number - 1), source=f"checkpoint of round {round_number - 1}")
+    model = run.start_model(round_number)
     rng = np.random.default_rng(seed)
     observed, rows_of = [], {}
     for partition in clients:
@@ -319,17 +315,13 @@ def add_labels_parser(kinds: argparse._SubParsersAction) -> argparse.ArgumentPar
 
 def observe_labels(run: RunDirectory, round_number: int, clients: list[int], with_model: bool):
     """The round as the attacker holds it: uploads, n_k as reported, and (head attack) the start model."""
-    import torch
 
     from attacks.labels import ClientUploads, LabelObservation
-    from eftguard.model import build_model, load_weights
-
     cfg = run.config()
     if cfg.method != "eftvit":
         raise RunError(f"{run.path} is a {cfg.method} run: it uploads no features or labels to attack")
     reported = next(m for m in run.metrics() if m["round"] == round_number).get("num_examples", {})
-    start = run.load_checkpoint(round_number - 1)
-    num_classes = start["head.weight"].shape[0]
+    num_classes = run.load_checkpoint(round_number - 1)["head.weight"].shape[0]
     observed = []
     for partition in clients:
         if str(partition) not in reported:
@@ -338,12 +330,7 @@ def observe_labels(run: RunDirectory, round_number: int, clients: list[int], wit
         update = run.load_upload(round_number, partition, "update")
         observed.append(ClientUploads(partition, int(reported[str(partition)]), features["labels"],
                                       features["features"], update["head.weight"], update["head.bias"]))
-    model = None
-    if with_model:
-        model = build_model(cfg.model, num_classes, cfg.local_layers, seed=cfg.seed)
-        load_weights(model, {k: torch.as_tensor(v) for k, v in start.items()},
-                     source=f"checkpoint of round {round_number - 1}")
-        model.eval()
+    model = run.start_model(round_number) if with_model else None
     return LabelObservation(round_number, num_classes, observed, cfg.balance, model)
 
 

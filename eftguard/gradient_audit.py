@@ -24,7 +24,7 @@ from torch import nn
 from attacks.gradient import GradientObservation, make_attack, prepare_numerics
 from eftguard import audit, metrics
 from eftguard.masking import random_keep_ids
-from eftguard.model import EFTViT, build_model
+from eftguard.model import EFTViT
 from eftguard.rundir import RunDirectory, RunError
 
 STEPS = ("1", "local")
@@ -49,12 +49,8 @@ class DPNoise:
 
 
 def start_model(run: RunDirectory, round_number: int) -> EFTViT:
-    """The model a client of round t started from (checkpoints/round-(t-1)), ready for double backward."""
-    cfg = run.config()
-    state = run.load_checkpoint(round_number - 1)
-    model = build_model(cfg.model, int(state["head.weight"].shape[0]), cfg.local_layers, seed=cfg.seed)
-    model.load_state_dict(state)
-    model.eval()
+    """The model a client of round t started from, ready for double backward."""
+    model = run.start_model(round_number)
     prepare_numerics(model)
     return model
 

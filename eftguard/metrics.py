@@ -9,7 +9,6 @@ charge the attack for pixels that were never sent; the SSIM / LPIPS maps are the
 
 from __future__ import annotations
 
-import os
 from dataclasses import dataclass
 
 import numpy as np
@@ -86,10 +85,6 @@ class LPIPS:
 
 def _to_lpips_tensor(images: np.ndarray) -> torch.Tensor:
     return torch.from_numpy(np.ascontiguousarray(images, dtype=np.float32)).permute(0, 3, 1, 2)
-
-
-def _alexnet_cached() -> bool:
-    return os.path.exists(os.path.join(torch.hub.get_dir(), "checkpoints", ALEXNET_WEIGHTS))
 
 
 def _standard_lpips() -> torch.nn.Module:

@@ -114,10 +114,13 @@ class EFTViT(nn.Module):
         """uint8 [B, H, W, 3] -> normalised float [B, 3, H, W] as the model expects.
 
         Contiguous (not channels-last): opacus' per-sample Conv2d gradients are wrong for channels-last input."""
-        x = images_uint8.permute(0, 3, 1, 2).contiguous().float().div_(255.0)
+        return self.standardize(images_uint8.permute(0, 3, 1, 2).contiguous().float().div_(255.0))
+
+    def standardize(self, images01: torch.Tensor) -> torch.Tensor:
+        """float [B, 3, H, W] in [0, 1] -> the model's input (differentiable, for attacks that optimise pixels)."""
         mean = torch.tensor(self.mean).view(1, 3, 1, 1)
         std = torch.tensor(self.std).view(1, 3, 1, 1)
-        return (x - mean) / std
+        return (images01 - mean) / std
 
     def uploaded_state(self) -> dict[str, torch.Tensor]:
         """What an EFTViT client uploads: phi and h."""

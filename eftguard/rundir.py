@@ -204,6 +204,17 @@ class RunDirectory:
     def load_checkpoint(self, round_number: int) -> dict[str, torch.Tensor]:
         return load_torch(str(self.checkpoint_path(round_number)))
 
+    def start_model(self, round_number: int):
+        """The model the clients of round t started from (checkpoints/round-(t-1)), in eval mode: the
+        public weights every attack of that round works with."""
+        from eftguard.model import build_model
+
+        cfg = self.config()
+        state = self.load_checkpoint(round_number - 1)
+        model = build_model(cfg.model, int(state["head.weight"].shape[0]), cfg.local_layers, seed=cfg.seed)
+        model.load_state_dict(state)
+        return model.eval()
+
     def upload_dir(self, round_number: int, partition: int) -> Path:
         return self.path / "observed" / round_name(round_number) / client_name(partition)
 

@@ -2,7 +2,6 @@
 
 import numpy as np
 import pytest
-import torch
 
 from eftguard.config import TrainConfig
 from eftguard.data import load_dataset

@@ -285,7 +285,7 @@ def test_encrypted_run_needs_its_key(capsys, tmp_path):
 def test_bad_input_is_one_clear_error(capsys, eftvit_run, argv, message):
     code, err = run_cli(capsys, "attack", "gradient", "--run", eftvit_run.path, *argv)
     assert code == 2
-    assert f"eftguard: error: " in err and message in err and "Traceback" not in err
+    assert "eftguard: error: " in err and message in err and "Traceback" not in err
 
 
 def test_missing_run_is_one_clear_error(capsys, tmp_path):

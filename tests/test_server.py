@@ -3,7 +3,6 @@
 FakeGrid delivers each message to the real ClientApp handlers in this process; a tamper hook can
 corrupt one client's reply, as a malicious or broken client would."""
 
-import json
 
 import numpy as np
 import pytest

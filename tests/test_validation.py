@@ -5,7 +5,6 @@ from flwr.app import Array, ArrayRecord, ConfigRecord, Error, Message, Metadata,
 from eftguard.config import TrainConfig
 from eftguard.federation.records import UploadError, from_record, to_record
 from eftguard.federation.server import parse_reply, upload_spec
-from eftguard.federation.validation import validate_features, validate_update
 
 
 @pytest.fixture(scope="module")
