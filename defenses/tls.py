@@ -10,6 +10,7 @@ from __future__ import annotations
 import datetime as dt
 import ipaddress
 import os
+import re
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -18,7 +19,8 @@ from cryptography.hazmat.primitives import hashes, serialization
 from cryptography.hazmat.primitives.asymmetric import ec
 from cryptography.x509.oid import ExtendedKeyUsageOID, NameOID
 
-DEFAULT_SANS = ("127.0.0.1", "localhost", "::1")
+LOOPBACK = "127.0.0.1"
+DEFAULT_SANS = (LOOPBACK, "localhost", "::1")
 CA_DAYS, SERVER_DAYS = 3650, 825
 
 
@@ -57,17 +59,47 @@ def _name(common_name: str) -> x509.Name:
                       x509.NameAttribute(NameOID.COMMON_NAME, common_name)])
 
 
+DNS_LABEL = re.compile(r"(?!-)[A-Za-z0-9-]{1,63}(?<!-)")
+
+
 def _san(entry: str) -> x509.GeneralName:
+    """An IP address, or a DNS host name by RFC 1123 (letters, digits, hyphens; labels of 1-63 characters).
+
+    A name whose last label is all digits is rejected: it is a mistyped IP address (999.1.1.1), not a host."""
     try:
         return x509.IPAddress(ipaddress.ip_address(entry))
     except ValueError:
-        if not entry or any(c.isspace() for c in entry):
-            raise CertificateError(f"--san {entry!r} is neither an IP address nor a host name") from None
-        return x509.DNSName(entry)
+        pass
+    labels = entry.split(".")
+    if (len(entry) > 253 or not all(DNS_LABEL.fullmatch(label) for label in labels) or labels[-1].isdigit()):
+        raise CertificateError(f"--san {entry!r} is neither an IP address nor a DNS host name (dot-separated labels "
+                               "of letters, digits and inner hyphens; no scheme, path or port): give the address "
+                               "SuperNodes use, e.g. --san fl.example.org or --san 10.0.0.5")
+    return x509.DNSName(entry)
+
+
+def read_ca_certificates(path: Path, flag: str = "--root-certificates") -> list[x509.Certificate]:
+    """The CA certificates in a PEM file. Flower reads this file only once it has started, and then hangs
+    after an ssl.SSLError: check it before starting anything."""
+    try:
+        certificates = x509.load_pem_x509_certificates(Path(path).read_bytes())
+    except (OSError, ValueError) as exc:
+        reason = exc.strerror if isinstance(exc, OSError) else "no PEM certificate in it"
+        raise CertificateError(f"{flag} {path} is not a PEM CA certificate ({reason}): give the ca.crt written "
+                               "by eftguard certs") from None
+    for certificate in certificates:
+        try:
+            if not certificate.extensions.get_extension_for_class(x509.BasicConstraints).value.ca:
+                raise CertificateError(f"{flag} {path} is an end-entity certificate, not a CA: give the ca.crt "
+                                       "that signed the SuperLink's certificate, not server.pem")
+        except x509.ExtensionNotFound:
+            pass
+    return certificates
 
 
 def issue_certificates(sans: tuple[str, ...] = DEFAULT_SANS, now: dt.datetime | None = None):
     """(ca_key, ca_cert, server_key, server_cert) objects."""
+    alternative_names = [_san(s) for s in sans]  # before any key is made
     now = now or dt.datetime.now(dt.timezone.utc)
     ca_key = ec.generate_private_key(ec.SECP256R1())
     ca_cert = (
@@ -85,7 +117,7 @@ def issue_certificates(sans: tuple[str, ...] = DEFAULT_SANS, now: dt.datetime | 
     server_key = ec.generate_private_key(ec.SECP256R1())
     server_cert = (
         x509.CertificateBuilder()
-        .subject_name(_name(sans[0])).issuer_name(ca_cert.subject)
+        .subject_name(_name(sans[0][:64])).issuer_name(ca_cert.subject)
         .public_key(server_key.public_key()).serial_number(x509.random_serial_number())
         .not_valid_before(now - dt.timedelta(minutes=5)).not_valid_after(now + dt.timedelta(days=SERVER_DAYS))
         .add_extension(x509.BasicConstraints(ca=False, path_length=None), critical=True)
@@ -93,7 +125,7 @@ def issue_certificates(sans: tuple[str, ...] = DEFAULT_SANS, now: dt.datetime | 
                                      data_encipherment=False, key_agreement=True, key_cert_sign=False, crl_sign=False,
                                      encipher_only=False, decipher_only=False), critical=True)
         .add_extension(x509.ExtendedKeyUsage([ExtendedKeyUsageOID.SERVER_AUTH]), critical=False)
-        .add_extension(x509.SubjectAlternativeName([_san(s) for s in sans]), critical=False)
+        .add_extension(x509.SubjectAlternativeName(alternative_names), critical=False)
         .add_extension(x509.AuthorityKeyIdentifier.from_issuer_public_key(ca_key.public_key()), critical=False)
         .sign(ca_key, hashes.SHA256())
     )
@@ -109,14 +141,21 @@ def _write(path: Path, data: bytes, private: bool) -> None:
     os.chmod(path, 0o600 if private else 0o644)
 
 
+def certificate_names(sans: tuple[str, ...]) -> tuple[str, ...]:
+    """The requested SANs in order without repeats, and 127.0.0.1: `eftguard train` and `register-node` reach the
+    SuperLink's Control API on loopback (see eftguard.federation.deployment)."""
+    return tuple(dict.fromkeys((*sans, LOOPBACK)))
+
+
 def write_certificates(folder: Path, sans: tuple[str, ...] = DEFAULT_SANS, force: bool = False) -> CertificateFiles:
     files = CertificateFiles(Path(folder))
+    if files.folder.exists() and not files.folder.is_dir():
+        raise CertificateError(f"--out {folder} is a file: give a folder for the certificate files")
     existing = [p for p in files.all() if p.exists()]
     if existing and not force:
         raise CertificateError(f"{existing[0]} already exists: pass --force to replace the certificates "
                                "(SuperNodes then need the new ca.crt)")
-    sans = tuple(dict.fromkeys(sans))  # keep order, drop repeats
-    ca_key, ca_cert, server_key, server_cert = issue_certificates(sans)
+    ca_key, ca_cert, server_key, server_cert = issue_certificates(certificate_names(sans))  # checks every SAN first
     files.folder.mkdir(parents=True, exist_ok=True)
     pem, pkcs8 = serialization.Encoding.PEM, serialization.PrivateFormat.PKCS8
     _write(files.ca_cert, ca_cert.public_bytes(pem), private=False)

@@ -114,18 +114,27 @@ def build_parser() -> argparse.ArgumentParser:
                                        "Give ca.crt to every SuperNode; keep ca.key offline.")
     certs.add_argument("--out", type=Path, required=True, help="folder for the certificate files")
     certs.add_argument("--san", action="append", metavar="HOST_OR_IP",
-                       help="address SuperNodes use to reach the SuperLink; repeat for several "
-                            "(default: 127.0.0.1, localhost, ::1)")
+                       help="IP address or DNS host name SuperNodes use to reach the SuperLink; repeat for several "
+                            "(default: 127.0.0.1, localhost, ::1). 127.0.0.1 is always added: eftguard train and "
+                            "register-node reach the Control API there")
     certs.add_argument("--force", action="store_true", help="replace existing certificate files")
 
     superlink = sub.add_parser("superlink", help="start a Flower SuperLink with TLS (for --federation deployment)",
-                               description="Runs flower-superlink with the certificates from eftguard certs; "
-                                           "Fleet, Control and Runtime APIs share one port.")
+                               description="Runs flower-superlink with the certificates from eftguard certs. Only "
+                                           "the Fleet API (what SuperNodes call) listens on --host/--port; Flower's "
+                                           "Control API, which has no account authentication, stays on "
+                                           "--control-host (loopback): run eftguard train and register-node on this "
+                                           "host with --superlink 127.0.0.1:CONTROL_PORT.")
     superlink.add_argument("--certs", type=Path, help="folder written by eftguard certs")
     superlink.add_argument("--insecure", action="store_true", help="plaintext instead of TLS (trusted networks only)")
-    superlink.add_argument("--host", default="127.0.0.1", help="address to listen on (default: 127.0.0.1; "
+    superlink.add_argument("--host", default="127.0.0.1", help="address the Fleet API listens on (default: 127.0.0.1; "
                                                                 "0.0.0.0 for SuperNodes on other hosts)")
-    superlink.add_argument("--port", type=int, default=9092, help="port (default: 9092)")
+    superlink.add_argument("--port", type=int, default=9092, help="Fleet API port (default: 9092; 0: any free port, "
+                                                                  "printed at start)")
+    superlink.add_argument("--control-host", default="127.0.0.1",
+                           help="address of the Control API (eftguard train, register-node, flwr ls). Anyone who "
+                                "reaches it can register node keys and start runs: keep the default 127.0.0.1")
+    superlink.add_argument("--control-port", type=int, default=9093, help="Control API port (default: 9093)")
     superlink.add_argument("--node-auth", action="store_true",
                            help="accept only SuperNodes whose key was registered with eftguard register-node")
 
@@ -135,26 +144,44 @@ def build_parser() -> argparse.ArgumentParser:
     node_key.add_argument("--out", type=Path, required=True, metavar="KEY", help="path of the private key")
     node_key.add_argument("--force", action="store_true", help="replace an existing key")
 
-    register = sub.add_parser("register-node", help="allow a SuperNode's public key on a SuperLink with --node-auth")
+    register = sub.add_parser("register-node", help="allow a SuperNode's public key on a SuperLink with --node-auth",
+                              description="Run on the SuperLink's host: registration goes through the Control API, "
+                                          "which listens on loopback only.")
     register.add_argument("public_key", type=Path, metavar="KEY.pub")
-    register.add_argument("--superlink", required=True, metavar="HOST:PORT", help="the SuperLink's address")
+    register.add_argument("--superlink", default="127.0.0.1:9093", metavar="HOST:PORT",
+                          help="the SuperLink's Control address (default: 127.0.0.1:9093)")
     register.add_argument("--root-certificates", type=Path, metavar="CA.crt", help="CA that signed the SuperLink's certificate")
     register.add_argument("--insecure", action="store_true", help="plaintext instead of TLS (trusted networks only)")
 
     supernode = sub.add_parser("supernode", help="start a Flower SuperNode serving one data partition",
                                description="Runs flower-supernode for partition K of N; stops at once with a clear "
                                            "error when TLS verification of the SuperLink fails.")
-    supernode.add_argument("--superlink", required=True, metavar="HOST:PORT", help="the SuperLink's address")
+    supernode.add_argument("--superlink", required=True, metavar="HOST:PORT",
+                           help="the SuperLink's Fleet address (eftguard superlink --host/--port)")
     supernode.add_argument("--root-certificates", type=Path, metavar="CA.crt", help="CA that signed the SuperLink's certificate")
     supernode.add_argument("--insecure", action="store_true", help="plaintext instead of TLS (trusted networks only)")
     supernode.add_argument("--partition", type=int, required=True, help="data partition this node serves (0..N-1)")
     supernode.add_argument("--clients", type=int, required=True, help="N: partitions in the federation (--clients of the run)")
-    supernode.add_argument("--port", type=int, default=None, help="local port of this SuperNode (default: 9100 + partition)")
+    supernode.add_argument("--port", type=int, default=None, help="local port of this SuperNode, on 127.0.0.1; each "
+                                                                  "SuperNode on one host needs its own "
+                                                                  "(default: 9100 + partition)")
     supernode.add_argument("--auth-key", type=Path, metavar="KEY", help="private key from eftguard node-key "
                                                                         "(for a SuperLink with --node-auth)")
     supernode.add_argument("--noise-secret", type=int, metavar="N",
                            help="an integer only this node knows, mixed into the seeds of its DP noise, batches and "
                                 "masks, so the server (which knows the run seed) cannot regenerate them")
+    supernode.add_argument("--share-truth", action="store_true",
+                           help="send the server auditor-only ground truth (source sample ids, kept patches, class "
+                                "counts) when a run asks for it (--record-truth). It reveals this node's class "
+                                "histogram: only for a server that is your own auditor (default: off)")
+    supernode.add_argument("--ledger-dir", type=Path, metavar="DIR",
+                           help="folder of this node's privacy ledger: the epsilon it has spent per run, which it "
+                                "checks before every round whatever the server says (default: $EFTGUARD_HOME/ledger, "
+                                "EFTGUARD_HOME defaulting to ~/.eftguard)")
+    supernode.add_argument("--max-epsilon", type=float, metavar="E",
+                           help="this node's own privacy ceiling per run: it refuses any round that would take its "
+                                "spend above E (or above the first --dp-eps the server declared, if lower); "
+                                "default: the server's first --dp-eps")
 
     demo = sub.add_parser("demo", parents=[logs], help="a small EFTViT vs Fed-Full training on the bundled photos",
                           description="Trains EFTViT and the Fed-Full reference on the bundled photos dataset with "
@@ -312,30 +339,37 @@ def _mean_epoch_seconds(records: list[dict]) -> float:
 
 
 def cmd_certs(args: argparse.Namespace) -> None:
-    from defenses.tls import DEFAULT_SANS, write_certificates
+    from defenses.tls import DEFAULT_SANS, certificate_names, write_certificates
 
     files = write_certificates(args.out, tuple(args.san or DEFAULT_SANS), args.force)
     print(f"wrote {files.ca_cert} (give to SuperNodes), {files.server_cert}, {files.server_key} (SuperLink) and "
-          f"{files.ca_key} (keep offline) for {', '.join(args.san or DEFAULT_SANS)}")
+          f"{files.ca_key} (keep offline) for {', '.join(certificate_names(args.san or DEFAULT_SANS))}")
 
 
 def cmd_superlink(args: argparse.Namespace) -> None:
-    import subprocess
-
-    from eftguard.federation.deployment import check_tls_choice, flower_env, superlink_command
+    from eftguard.federation.deployment import (bind_listener, check_port_free, check_tls_choice, is_loopback,
+                                                run_superlink, superlink_command)
 
     check_tls_choice(args.certs, args.insecure, flag="--certs")
-    command = superlink_command(args.certs, args.insecure, args.host, args.port, args.node_auth)
-    raise SystemExit(subprocess.run(command, env=flower_env()).returncode)
+    if not is_loopback(args.control_host):
+        print(f"eftguard: warning: --control-host {args.control_host}: the Control API has no account "
+              "authentication; whoever reaches it can register node keys, list and start runs", file=sys.stderr)
+    command = superlink_command(args.certs, args.insecure, args.control_host, args.control_port, args.node_auth)
+    check_port_free(args.control_host, args.control_port, "--control-port")
+    listener = bind_listener(args.host, args.port, "--port")
+    raise SystemExit(run_superlink(command, listener, args.control_host, args.control_port,
+                                   None if args.insecure else args.certs))
 
 
 def cmd_supernode(args: argparse.Namespace) -> None:
-    from eftguard.federation.deployment import check_tls_choice, run_supernode, supernode_command
+    from eftguard.federation.deployment import (check_tls_choice, default_ledger_dir, node_config, run_supernode,
+                                                supernode_command)
 
     check_tls_choice(args.root_certificates, args.insecure)
+    config = node_config(args.partition, args.clients, args.noise_secret, args.share_truth,
+                         args.ledger_dir or default_ledger_dir(), args.max_epsilon)
     port = args.port if args.port is not None else 9100 + args.partition
-    command = supernode_command(args.superlink, args.root_certificates, args.insecure, args.partition, args.clients, port,
-                                args.auth_key, args.noise_secret)
+    command = supernode_command(args.superlink, args.root_certificates, args.insecure, port, config, args.auth_key)
     raise SystemExit(run_supernode(command))
 
 

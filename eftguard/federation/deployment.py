@@ -4,19 +4,29 @@ The ServerApp runs where the SuperLink runs and writes the run directory there, 
 `eftguard train --federation deployment` on the SuperLink's host. Each SuperNode serves one data
 partition (node config "partition-id=K num-partitions=N"). TLS is the default everywhere; plaintext
 only with an explicit --insecure.
+
+`eftguard superlink` runs Flower's SuperLink on loopback (its Control and Runtime APIs have no account
+authentication) and exposes only the Fleet API on --host/--port, through eftguard.federation.fleet_gateway.
+`eftguard train` and `register-node` therefore talk to the Control address, 127.0.0.1:9093 by default.
 """
 
 from __future__ import annotations
 
+import errno
+import ipaddress
 import json
+import math
 import os
 import queue
 import shutil
 import signal
+import socket
+import ssl
 import subprocess
 import sys
 import tempfile
 import threading
+import time
 from pathlib import Path
 
 from eftguard.config import ConfigError
@@ -51,34 +61,183 @@ def check_tls_choice(root_certificates: Path | None, insecure: bool, flag: str =
         raise ConfigError(f"TLS is the default: pass {flag} (or --insecure for plaintext on a trusted network)")
     if root_certificates and not Path(root_certificates).exists():
         raise ConfigError(f"{flag} {root_certificates} does not exist (create certificates with eftguard certs)")
+    if root_certificates and flag == "--root-certificates":
+        from defenses.tls import read_ca_certificates
+
+        read_ca_certificates(Path(root_certificates), flag)
     if insecure:
         print("eftguard: warning: --insecure: uploads travel unencrypted", file=sys.stderr)
 
 
-def superlink_command(certs: Path | None, insecure: bool, host: str, port: int, node_auth: bool = False) -> list[str]:
-    command = [flower_executable("flower-superlink"), "--host", host, "--port", str(port),
+def is_loopback(host: str) -> bool:
+    try:
+        return ipaddress.ip_address(host.strip("[]")).is_loopback
+    except ValueError:
+        return host == "localhost"
+
+
+def bind_listener(host: str, port: int, flag: str) -> socket.socket:
+    """A listening socket on host:port (port 0: any free port), or a one-line error naming `flag`.
+    Flower itself reports a taken port only as a traceback after it has started."""
+    if not 0 <= port <= 65535:
+        raise ConfigError(f"{flag} {port} is not a port number (0..65535)")
+    try:
+        family, kind, proto, _, address = socket.getaddrinfo(host.strip("[]"), port, type=socket.SOCK_STREAM,
+                                                             flags=socket.AI_PASSIVE)[0]
+    except socket.gaierror:
+        raise ConfigError(f"{host} is not an address of this host: check --host / --control-host") from None
+    listener = socket.socket(family, kind, proto)
+    listener.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)  # as uvicorn does: TIME_WAIT is no conflict
+    try:
+        listener.bind(address)
+        listener.listen(128)
+    except OSError as exc:
+        listener.close()
+        if exc.errno == errno.EADDRINUSE:
+            raise ConfigError(f"{flag} {port} is already in use on {host} (another SuperLink or SuperNode?): "
+                              f"give each process on this host its own {flag}") from None
+        raise ConfigError(f"cannot listen on {host}:{port} ({exc.strerror}): check {flag} and the host") from None
+    return listener
+
+
+def check_port_free(host: str, port: int, flag: str) -> None:
+    """For ports that Flower binds itself: they must be fixed, as other processes are told them."""
+    if port == 0:
+        raise ConfigError(f"{flag} must be a fixed port (1..65535), not 0: other processes connect to it")
+    bind_listener(host, port, flag).close()
+
+
+def superlink_command(certs: Path | None, insecure: bool, control_host: str, control_port: int,
+                      node_auth: bool = False) -> list[str]:
+    """flower-superlink bound to the Control address; all its APIs (Fleet, Control, Runtime) listen there."""
+    command = [flower_executable("flower-superlink"), "--host", control_host, "--port", str(control_port),
                "--disable-runtime-dependency-installation"] + (["--enable-supernode-auth"] if node_auth else [])
     if insecure:
         return command + ["--insecure"]
-    from defenses.tls import CertificateFiles
+    from defenses.tls import CertificateFiles, read_ca_certificates
 
     files = CertificateFiles(Path(certs))
     for needed in (files.ca_cert, files.server_cert, files.server_key):
         if not needed.is_file():
             raise ConfigError(f"{needed} is missing: create certificates with eftguard certs --out {certs}")
+    read_ca_certificates(files.ca_cert, "--certs")
+    _check_names_control_host(files.server_cert, control_host)
     return command + ["--ssl-ca-certfile", str(files.ca_cert), "--ssl-certfile", str(files.server_cert),
                       "--ssl-keyfile", str(files.server_key)]
 
 
-def supernode_command(superlink: str, root_certificates: Path | None, insecure: bool, partition: int, clients: int,
-                      port: int, auth_key: Path | None = None, noise_secret: int | None = None) -> list[str]:
+def _check_names_control_host(server_cert: Path, control_host: str) -> None:
+    """`flwr run` and Flower's SuperExec verify the certificate against the Control address."""
+    from cryptography import x509
+
+    try:
+        certificate = x509.load_pem_x509_certificate(server_cert.read_bytes())
+        names = certificate.extensions.get_extension_for_class(x509.SubjectAlternativeName).value
+    except (ValueError, x509.ExtensionNotFound):
+        raise ConfigError(f"{server_cert} is not a server certificate from eftguard certs: recreate it") from None
+    addresses = {str(ip) for ip in names.get_values_for_type(x509.IPAddress)}
+    if control_host.strip("[]") not in addresses | set(names.get_values_for_type(x509.DNSName)):
+        raise ConfigError(f"{server_cert} does not name the Control address {control_host}: recreate the "
+                          f"certificates with eftguard certs --san {control_host} ... --force")
+
+
+def run_superlink(command: list[str], listener: socket.socket, control_host: str, control_port: int,
+                  certs: Path | None) -> int:
+    """Run Flower's SuperLink on the Control address and the Fleet gateway on `listener` until either stops.
+
+    Prints one line `eftguard: Fleet API ... Control API ...` once both accept connections."""
+    import httpx
+    import uvicorn
+
+    from eftguard.federation.fleet_gateway import fleet_gateway
+
+    flower = subprocess.Popen(command, env=flower_env())
+    previous = signal.signal(signal.SIGTERM, lambda signum, frame: sys.exit(128 + signum))
+    try:
+        _wait_until_listening(flower, control_host, control_port)
+        scheme = "http" if certs is None else "https"
+        verify = False if certs is None else ssl.create_default_context(cafile=str(Path(certs) / "ca.crt"))
+        control = f"{_bracketed(control_host)}:{control_port}"
+        upstream = httpx.AsyncClient(base_url=f"{scheme}://{control}", verify=verify, timeout=120)
+        config = uvicorn.Config(fleet_gateway(upstream), log_level="warning", lifespan="on",
+                                ssl_certfile=None if certs is None else str(Path(certs) / "server.pem"),
+                                ssl_keyfile=None if certs is None else str(Path(certs) / "server.key"))
+        gateway = uvicorn.Server(config)
+        threading.Thread(target=lambda: (flower.wait(), setattr(gateway, "should_exit", True)), daemon=True).start()
+        fleet_host, fleet_port = listener.getsockname()[:2]
+        print(f"eftguard: Fleet API for SuperNodes on {_bracketed(fleet_host)}:{fleet_port}; Control API for "
+              f"eftguard train and register-node on {control} only", file=sys.stderr, flush=True)
+        gateway.run(sockets=[listener])
+        if flower.poll() is not None:
+            raise FederationError(f"flower-superlink stopped (exit code {flower.returncode}); see its log above")
+        return 0
+    finally:
+        signal.signal(signal.SIGTERM, previous)
+        listener.close()
+        _stop(flower)
+
+
+def _bracketed(host: str) -> str:
+    return f"[{host}]" if ":" in host else host
+
+
+def _wait_until_listening(process: subprocess.Popen, host: str, port: int, seconds: float = 120) -> None:
+    """Flower's SuperLink prints no machine-readable ready signal: wait until its port accepts a connection."""
+    deadline = time.monotonic() + seconds
+    while process.poll() is None and time.monotonic() < deadline:
+        try:
+            socket.create_connection((host.strip("[]"), port), timeout=1).close()
+            return
+        except OSError:
+            time.sleep(0.2)
+    if process.poll() is not None:
+        raise FederationError(f"flower-superlink stopped while starting (exit code {process.returncode}); "
+                              "see its log above")
+    raise FederationError(f"flower-superlink did not open {host}:{port} within {seconds:.0f} s; see its log above")
+
+
+def _stop(process: subprocess.Popen) -> None:
+    process.terminate()
+    try:
+        process.wait(timeout=10)
+    except subprocess.TimeoutExpired:
+        process.kill()
+        process.wait()
+
+
+def default_ledger_dir() -> Path:
+    """Where a deployed node keeps its privacy ledger unless told otherwise: $EFTGUARD_HOME/ledger."""
+    return Path(os.environ.get("EFTGUARD_HOME", "~/.eftguard")).expanduser() / "ledger"
+
+
+def node_config(partition: int, clients: int, noise_secret: int | None = None, share_truth: bool = False,
+                ledger_dir: Path | None = None, max_epsilon: float | None = None) -> str:
+    """The --node-config string of a SuperNode (keys: see the node's ClientApp in eftguard.federation.apps)."""
     if not 0 <= partition < clients:
         raise ConfigError(f"--partition must be between 0 and --clients - 1 ({clients - 1}), got {partition}")
-    node_config = f"partition-id={partition} num-partitions={clients}"
+    entries = [f"partition-id={partition}", f"num-partitions={clients}", f"share-truth={str(share_truth).lower()}"]
     if noise_secret is not None:
-        node_config += f" noise-secret={noise_secret}"
+        entries.append(f"noise-secret={noise_secret}")
+    if ledger_dir is not None:
+        ledger_dir = Path(ledger_dir).expanduser().resolve()
+        if ledger_dir.exists() and not ledger_dir.is_dir():
+            raise ConfigError(f"--ledger-dir {ledger_dir} is a file: give a folder for the node's privacy ledger")
+        if any(c in str(ledger_dir) for c in '"\n\r'):
+            raise ConfigError(f"--ledger-dir {ledger_dir!r}: Flower's --node-config cannot carry a path with "
+                              "quotes or line breaks; choose another folder")
+        entries.append(f"ledger-dir={json.dumps(str(ledger_dir))}")
+    if max_epsilon is not None:
+        if not (math.isfinite(max_epsilon) and max_epsilon > 0):
+            raise ConfigError(f"--max-epsilon must be a positive finite number, got {max_epsilon}")
+        entries.append(f"max-epsilon={max_epsilon!r}")
+    return " ".join(entries)
+
+
+def supernode_command(superlink: str, root_certificates: Path | None, insecure: bool, port: int, config: str,
+                      auth_key: Path | None = None) -> list[str]:
+    check_port_free("127.0.0.1", port, "--port")
     command = [flower_executable("flower-supernode"), "--superlink", superlink, "--port", str(port),
-               "--node-config", node_config]
+               "--node-config", config]
     if auth_key:
         if not Path(auth_key).is_file():
             raise ConfigError(f"--auth-key {auth_key} does not exist (create one with eftguard node-key)")
@@ -91,32 +250,55 @@ SUPERNODE_FAILURES = (
                           "--root-certificates, or does not name the address in --superlink (see eftguard certs --san)"),
     (("Failed to activate SuperNode",), "the SuperLink refused this SuperNode: its key is not registered "
                                         "(eftguard register-node KEY.pub on the SuperLink's side)"),
+    (("address already in use",), "--port is already in use on this host (another SuperNode?): give each "
+                                  "SuperNode on one host its own --port"),
 )
+# A traceback through this frame ended the SuperNode's main thread; its HTTP thread keeps the process alive.
+MAIN_THREAD_FRAME = 'flower-supernode", line'
 
 
 def run_supernode(command: list[str]) -> int:
     """Run a SuperNode, passing its log through; stop at once with a clear error when the SuperLink cannot be
-    trusted (TLS) or does not accept this node (auth), instead of Flower's retry loop."""
+    trusted (TLS), does not accept this node (auth), or the SuperNode's main thread died (Flower would hang)."""
     process = subprocess.Popen(command, env=flower_env(), stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
                                start_new_session=True)
     # SIGTERM must unwind through `finally`, or the SuperNode's own process group outlives this wrapper.
-    signal.signal(signal.SIGTERM, lambda signum, frame: sys.exit(128 + signum))
-    lines: queue.Queue[str] = queue.Queue()
-    threading.Thread(target=lambda: [lines.put(line) for line in process.stdout], daemon=True).start()
+    previous = signal.signal(signal.SIGTERM, lambda signum, frame: sys.exit(128 + signum))
+    lines: queue.Queue[str | None] = queue.Queue()
+
+    def read() -> None:
+        for line in process.stdout:
+            lines.put(line)
+        lines.put(None)
+
+    threading.Thread(target=read, daemon=True).start()
     try:
-        while True:
-            try:
-                line = lines.get(timeout=0.5)
-            except queue.Empty:
-                if process.poll() is not None:
-                    return process.returncode
-                continue
+        check = SupernodeLogCheck()
+        while (line := lines.get()) is not None:
             sys.stderr.write(line)
-            for markers, message in SUPERNODE_FAILURES:
-                if any(marker in line for marker in markers):
-                    raise FederationError(message)
+            check(line)
+        return process.wait()
     finally:
+        signal.signal(signal.SIGTERM, previous)
         _stop_group(process)
+
+
+class SupernodeLogCheck:
+    """Reads a SuperNode's log line by line; raises FederationError on a failure it cannot recover from."""
+
+    def __init__(self) -> None:
+        self.previous, self.main_thread_died = "", False
+
+    def __call__(self, line: str) -> None:
+        for markers, message in SUPERNODE_FAILURES:
+            if any(marker in line for marker in markers):
+                raise FederationError(message)
+        if self.previous.startswith("Traceback (most recent call last):") and MAIN_THREAD_FRAME in line:
+            self.main_thread_died = True
+        elif self.main_thread_died and line.strip() and not line[0].isspace():
+            raise FederationError(f"the SuperNode stopped on an error it cannot recover from: {line.strip()} "
+                                  "(see its log above)")
+        self.previous = line
 
 
 def _stop_group(process: subprocess.Popen) -> None:
@@ -168,8 +350,11 @@ def run_deployed(run_dir: Path, superlink: str | None, root_certificates: Path |
         result = subprocess.run(command, env=env)
     done = run.completed_rounds()
     if done < rounds:
-        hint = "" if insecure else " If the SuperLink was reported unavailable, check the address and that " \
-                                   "--root-certificates is the CA that signed the SuperLink's certificate (TLS)."
+        hint = (" --superlink must be the SuperLink's Control address (127.0.0.1:9093 unless eftguard superlink "
+                "was given --control-port), not the Fleet address SuperNodes use.")
+        if not insecure:
+            hint += (" If the SuperLink was reported unavailable, check that --root-certificates is the CA that "
+                     "signed the SuperLink's certificate (TLS).")
         raise FederationError(f"the deployed run stopped after round {done} of {rounds} (flwr exit code "
                               f"{result.returncode}); see the output above.{hint} Continue with "
                               f"eftguard train --resume {run_dir} --superlink {superlink} ...")
