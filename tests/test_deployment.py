@@ -17,6 +17,7 @@ from starlette.responses import Response
 from starlette.routing import Route
 from starlette.testclient import TestClient
 
+from defenses.node_auth import write_node_key
 from defenses.tls import CertificateError, read_ca_certificates, write_certificates
 from eftguard import cli
 from eftguard.config import ConfigError
@@ -115,10 +116,9 @@ def test_control_api_is_reachable_on_loopback_only(tmp_path):
         assert outsider.returncode != 0 and "404" in outsider.stdout + outsider.stderr
         operator = flwr_ls(federation, federation.control_address)
         assert operator.returncode == 0, operator.stdout + operator.stderr
-        key = tmp_path / "keys" / "intruder"
-        federation.eftguard("node-key", "--out", str(key))
+        _, intruder = write_node_key(tmp_path / "keys" / "intruder")
         with pytest.raises(subprocess.CalledProcessError) as refused:
-            federation.eftguard("register-node", f"{key}.pub", "--superlink", federation.fleet_address,
+            federation.eftguard("register-node", str(intruder), "--superlink", federation.fleet_address,
                                 "--root-certificates", str(federation.ca_cert))
         assert refused.value.returncode == 2 and "registering" in refused.value.stderr
 
@@ -275,8 +275,6 @@ def test_node_keys_are_openssh_ec_pairs(tmp_path):
     from cryptography.hazmat.primitives.asymmetric import ec
     from cryptography.hazmat.primitives.serialization import load_ssh_private_key, load_ssh_public_key
 
-    from defenses.node_auth import write_node_key
-
     private, public = write_node_key(tmp_path / "node")
     key = load_ssh_private_key(private.read_bytes(), None)
     assert isinstance(key, ec.EllipticCurvePrivateKey)
@@ -354,12 +352,7 @@ def test_connection_config_names_tls_or_plaintext(tmp_path):
 def test_eftvit_rounds_over_tls(tmp_path, node_auth):
     with LocalDeployment(tmp_path, node_auth=node_auth) as federation:
         for k in range(2):
-            auth = []
-            if node_auth:
-                key = tmp_path / "keys" / f"node{k}"
-                federation.eftguard("node-key", "--out", str(key))
-                federation.register(Path(f"{key}.pub"))
-                auth = ["--auth-key", str(key)]
+            auth = ["--auth-key", str(federation.registered_key(f"node{k}"))] if node_auth else []
             federation.start_supernode(k, 2, *auth)
         out = tmp_path / "run"
         result = subprocess.run(
@@ -379,8 +372,7 @@ def test_eftvit_rounds_over_tls(tmp_path, node_auth):
 @pytest.mark.slow
 def test_supernode_with_another_ca_fails_with_one_clear_error(tmp_path):
     with LocalDeployment(tmp_path) as federation:
-        federation.eftguard("certs", "--out", str(tmp_path / "other"))
-        federation.ca_cert = tmp_path / "other" / "ca.crt"
+        federation.ca_cert = write_certificates(tmp_path / "other").ca_cert
         node = federation.start_supernode(0, 2, log="wrong-ca.log")
         assert node.wait(seconds=120) == 2
     assert "TLS verification failed" in (tmp_path / "wrong-ca.log").read_text()
@@ -389,10 +381,8 @@ def test_supernode_with_another_ca_fails_with_one_clear_error(tmp_path):
 @pytest.mark.slow
 def test_unregistered_supernode_is_refused(tmp_path):
     with LocalDeployment(tmp_path, node_auth=True) as federation:
-        federation.eftguard("node-key", "--out", str(tmp_path / "keys" / "registered"))
-        federation.register(tmp_path / "keys" / "registered.pub")
-        stranger = tmp_path / "keys" / "stranger"
-        federation.eftguard("node-key", "--out", str(stranger))
+        federation.registered_key("registered")
+        stranger, _ = write_node_key(tmp_path / "keys" / "stranger")
         node = federation.start_supernode(0, 2, "--auth-key", str(stranger), log="stranger.log")
         assert node.wait(seconds=120) == 2
     assert "its key is not registered" in (tmp_path / "stranger.log").read_text()

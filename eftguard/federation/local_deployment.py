@@ -1,4 +1,4 @@
-"""A TLS deployment on 127.0.0.1, started as a user would (`eftguard certs`, `superlink`, `supernode`), for the
+"""A TLS deployment on 127.0.0.1, started as a user would (`eftguard superlink`, `supernode`), for the
 deployment tests and experiments/deployment_round.py. Every process it starts is stopped on exit.
 
 Ports: the Fleet gateway binds port 0 and prints the port it got. Flower binds the Control port and each
@@ -85,8 +85,10 @@ class LocalDeployment:
         self.fleet_address = self.control_address = ""
 
     def __enter__(self) -> LocalDeployment:
+        from defenses.tls import write_certificates
+
+        write_certificates(self.folder / "certs")
         try:
-            self.eftguard("certs", "--out", str(self.folder / "certs"))
             self._start_superlink()
         except BaseException:
             self.stop_all()
@@ -132,9 +134,14 @@ class LocalDeployment:
         process, _ = self._start_with_free_port(args, "--port", SUPERNODE_LISTENING, log or f"supernode{partition}.log")
         return process
 
-    def register(self, public_key: Path) -> None:
-        self.eftguard("register-node", str(public_key), "--superlink", self.control_address,
+    def registered_key(self, name: str) -> Path:
+        """A new node key pair under folder/keys, its public half registered through the Control API."""
+        from defenses.node_auth import write_node_key
+
+        private, public = write_node_key(self.folder / "keys" / name)
+        self.eftguard("register-node", str(public), "--superlink", self.control_address,
                       "--root-certificates", str(self.ca_cert))
+        return private
 
     def stop_all(self) -> None:
         for process in reversed(self.started):
