@@ -10,23 +10,11 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
-import signal
-import socket
 import subprocess
-import sys
 import tempfile
-import time
 from pathlib import Path
 
-EFTGUARD = [sys.executable, "-m", "eftguard.cli"]
-ENV = {**os.environ, "HF_HUB_OFFLINE": "1", "FLWR_TELEMETRY_ENABLED": "0", "FLWR_DISABLE_UPDATE_CHECK": "1"}
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+from eftguard.federation.local_deployment import EFTGUARD, ENV, LocalDeployment
 
 
 def seconds_per_round(run: Path) -> list[float]:
@@ -44,28 +32,12 @@ def main() -> None:
     work = Path(tempfile.mkdtemp(prefix="eftguard-rounds-"))
     subprocess.run([*EFTGUARD, "train", "--out", str(work / "simulation"), *tiny], env=ENV, check=True)
 
-    subprocess.run([*EFTGUARD, "certs", "--out", str(work / "certs")], env=ENV, check=True)
-    port = free_port()
-    started = []
-    try:
-        started.append(subprocess.Popen([*EFTGUARD, "superlink", "--certs", str(work / "certs"), "--port", str(port)],
-                                        env={**ENV, "FLWR_HOME": str(work)}, stdout=subprocess.DEVNULL,
-                                        stderr=subprocess.DEVNULL, start_new_session=True))
-        time.sleep(5)
+    with LocalDeployment(work / "federation") as federation:
         for k in range(2):
-            started.append(subprocess.Popen(
-                [*EFTGUARD, "supernode", "--superlink", f"127.0.0.1:{port}", "--root-certificates",
-                 str(work / "certs" / "ca.crt"), "--partition", str(k), "--clients", "2", "--port", str(free_port())],
-                env={**ENV, "FLWR_HOME": str(work)}, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
-                start_new_session=True))
-        subprocess.run([*EFTGUARD, "train", "--federation", "deployment", "--superlink", f"127.0.0.1:{port}",
-                        "--root-certificates", str(work / "certs" / "ca.crt"), "--out", str(work / "deployment"),
-                        *tiny], env=ENV, check=True)
-    finally:
-        for process in started:
-            os.killpg(process.pid, signal.SIGTERM)
-        for process in started:
-            process.wait(timeout=30)
+            federation.start_supernode(k, 2)
+        subprocess.run([*EFTGUARD, "train", "--federation", "deployment", "--superlink", federation.control_address,
+                        "--root-certificates", str(federation.ca_cert), "--out", str(work / "deployment"), *tiny],
+                       env=federation.env, check=True)
 
     print(f"\nseconds per round after the first ({args.rounds} rounds, 2 clients, {args.train_samples} images):")
     for runtime in ("simulation", "deployment"):

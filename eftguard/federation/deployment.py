@@ -143,34 +143,36 @@ def _check_names_control_host(server_cert: Path, control_host: str) -> None:
 
 def run_superlink(command: list[str], listener: socket.socket, control_host: str, control_port: int,
                   certs: Path | None) -> int:
-    """Run Flower's SuperLink on the Control address and the Fleet gateway on `listener` until either stops.
-
-    Prints one line `eftguard: Fleet API ... Control API ...` once both accept connections."""
+    """Run Flower's SuperLink on the Control address and the Fleet gateway on `listener` until either stops
+    (certs None: plaintext). Prints one line `eftguard: Fleet API ... Control API ...` once both accept
+    connections."""
     import httpx
     import uvicorn
 
+    from defenses.tls import CertificateFiles
     from eftguard.federation.fleet_gateway import fleet_gateway
 
+    files = CertificateFiles(Path(certs)) if certs else None
     flower = subprocess.Popen(command, env=flower_env())
     previous = signal.signal(signal.SIGTERM, lambda signum, frame: sys.exit(128 + signum))
     try:
         _wait_until_listening(flower, control_host, control_port)
-        scheme = "http" if certs is None else "https"
-        verify = False if certs is None else ssl.create_default_context(cafile=str(Path(certs) / "ca.crt"))
         control = f"{_bracketed(control_host)}:{control_port}"
-        upstream = httpx.AsyncClient(base_url=f"{scheme}://{control}", verify=verify, timeout=120)
-        config = uvicorn.Config(fleet_gateway(upstream), log_level="warning", lifespan="on",
-                                ssl_certfile=None if certs is None else str(Path(certs) / "server.pem"),
-                                ssl_keyfile=None if certs is None else str(Path(certs) / "server.key"))
-        gateway = uvicorn.Server(config)
+        upstream = httpx.AsyncClient(base_url=f"{'https' if files else 'http'}://{control}", timeout=120,
+                                     verify=ssl.create_default_context(cafile=str(files.ca_cert)) if files else False)
+        gateway = uvicorn.Server(uvicorn.Config(fleet_gateway(upstream), log_level="warning", lifespan="on",
+                                                ssl_certfile=str(files.server_cert) if files else None,
+                                                ssl_keyfile=str(files.server_key) if files else None))
         threading.Thread(target=lambda: (flower.wait(), setattr(gateway, "should_exit", True)), daemon=True).start()
         fleet_host, fleet_port = listener.getsockname()[:2]
         print(f"eftguard: Fleet API for SuperNodes on {_bracketed(fleet_host)}:{fleet_port}; Control API for "
               f"eftguard train and register-node on {control} only", file=sys.stderr, flush=True)
-        gateway.run(sockets=[listener])
+        gateway.run(sockets=[listener])  # returns on SIGINT/SIGTERM (re-raised after) or when Flower stopped
         if flower.poll() is not None:
             raise FederationError(f"flower-superlink stopped (exit code {flower.returncode}); see its log above")
         return 0
+    except KeyboardInterrupt:
+        return 130
     finally:
         signal.signal(signal.SIGTERM, previous)
         listener.close()
