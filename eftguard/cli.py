@@ -362,12 +362,11 @@ def cmd_superlink(args: argparse.Namespace) -> None:
 
 
 def cmd_supernode(args: argparse.Namespace) -> None:
-    from eftguard.federation.deployment import (check_tls_choice, default_ledger_dir, node_config, run_supernode,
-                                                supernode_command)
+    from eftguard.federation.deployment import check_tls_choice, node_config, run_supernode, supernode_command
 
     check_tls_choice(args.root_certificates, args.insecure)
-    config = node_config(args.partition, args.clients, args.noise_secret, args.share_truth,
-                         args.ledger_dir or default_ledger_dir(), args.max_epsilon)
+    config = node_config(args.partition, args.clients, args.noise_secret, args.share_truth, args.ledger_dir,
+                         args.max_epsilon)
     port = args.port if args.port is not None else 9100 + args.partition
     command = supernode_command(args.superlink, args.root_certificates, args.insecure, port, config, args.auth_key)
     raise SystemExit(run_supernode(command))

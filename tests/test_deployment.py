@@ -2,6 +2,7 @@
 `supernode`, `register-node` and `train --federation deployment` on 127.0.0.1. Every process a test starts
 is stopped (LocalDeployment's exit, or the fixture's finally)."""
 
+import json
 import socket
 import subprocess
 import sys
@@ -307,12 +308,10 @@ def test_supernode_flags_reach_the_node_config(tmp_path, certs, monkeypatch):
                       "max-epsilon": 2.5, "noise-secret": 7}
 
 
-def test_a_deployed_node_shares_no_truth_by_default_and_keeps_its_ledger_in_eftguard_home(tmp_path, certs,
-                                                                                            monkeypatch):
-    monkeypatch.setenv("EFTGUARD_HOME", str(tmp_path / "home"))
+def test_a_deployed_node_shares_no_truth_unless_told(certs, monkeypatch):
+    """No ledger-dir: the node's ClientApp uses its default ($EFTGUARD_HOME/ledger)."""
     config = node_config_of(monkeypatch, certs)
-    assert config == {"partition-id": 0, "num-partitions": 2, "share-truth": False,
-                      "ledger-dir": str(tmp_path / "home" / "ledger")}
+    assert config == {"partition-id": 0, "num-partitions": 2, "share-truth": False}
 
 
 @pytest.mark.parametrize("flags, named", [(["--max-epsilon", "nan"], "--max-epsilon"),
@@ -362,8 +361,6 @@ def test_eftvit_rounds_over_tls(tmp_path, node_auth):
             env=federation.env, capture_output=True, text=True, timeout=400)
         logs = "".join((tmp_path / f).read_text()[-1500:] for f in ("superlink.log", "supernode0.log"))
         assert result.returncode == 0, result.stderr[-3000:] + logs
-    import json
-
     records = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
     assert [r["round"] for r in records] == [1, 2] and all(r["dropped"] == {} for r in records)
     assert (out / "observed/round-0002/client-01/features.safetensors").exists()

@@ -207,11 +207,6 @@ def _stop(process: subprocess.Popen) -> None:
         process.wait()
 
 
-def default_ledger_dir() -> Path:
-    """Where a deployed node keeps its privacy ledger unless told otherwise: $EFTGUARD_HOME/ledger."""
-    return Path(os.environ.get("EFTGUARD_HOME", "~/.eftguard")).expanduser() / "ledger"
-
-
 def node_config(partition: int, clients: int, noise_secret: int | None = None, share_truth: bool = False,
                 ledger_dir: Path | None = None, max_epsilon: float | None = None) -> str:
     """The --node-config string of a SuperNode (keys: see the node's ClientApp in eftguard.federation.apps)."""
