@@ -10,11 +10,12 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import subprocess
 import tempfile
 from pathlib import Path
 
-from eftguard.federation.local_deployment import EFTGUARD, ENV, LocalDeployment
+from eftguard.federation.local_deployment import EFTGUARD, QUIET, LocalDeployment
 
 
 def seconds_per_round(run: Path) -> list[float]:
@@ -30,7 +31,8 @@ def main() -> None:
     tiny = ["--clients", "2", "--rounds", str(args.rounds), "--train-samples", str(args.train_samples),
             "--test-samples", "100"]
     work = Path(tempfile.mkdtemp(prefix="eftguard-rounds-"))
-    subprocess.run([*EFTGUARD, "train", "--out", str(work / "simulation"), *tiny], env=ENV, check=True)
+    subprocess.run([*EFTGUARD, "train", "--out", str(work / "simulation"), *tiny], env={**os.environ, **QUIET},
+                   check=True)
 
     with LocalDeployment(work / "federation") as federation:
         for k in range(2):

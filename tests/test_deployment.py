@@ -26,7 +26,7 @@ from eftguard.federation import deployment
 from eftguard.federation.deployment import SupernodeLogCheck, check_tls_choice, connection_config, run_supernode
 from eftguard.federation.errors import FederationError
 from eftguard.federation.fleet_gateway import fleet_gateway
-from eftguard.federation.local_deployment import ENV, LocalDeployment
+from eftguard.federation.local_deployment import LocalDeployment
 
 
 @pytest.fixture
@@ -92,12 +92,12 @@ def listening(process):
             if c.status == psutil.CONN_LISTEN and c.pid in pids}
 
 
-def flwr_ls(deployment, address):
-    home = deployment.folder / f"flwr-ls-{address.replace(':', '-')}"
+def flwr_ls(federation, address):
+    home = federation.folder / f"flwr-ls-{address.replace(':', '-')}"
     home.mkdir()
-    (home / "config.toml").write_text(connection_config(address, deployment.ca_cert, insecure=False))
+    (home / "config.toml").write_text(connection_config(address, federation.ca_cert, insecure=False))
     return subprocess.run([str(Path(sys.executable).with_name("flwr")), "ls", "eftguard"], capture_output=True,
-                          text=True, env={**ENV, "FLWR_HOME": str(home)}, timeout=120)
+                          text=True, env={**federation.env, "FLWR_HOME": str(home)}, timeout=120)
 
 
 @pytest.mark.slow

@@ -19,7 +19,7 @@ import threading
 from pathlib import Path
 
 EFTGUARD = [sys.executable, "-m", "eftguard.cli"]
-ENV = {**os.environ, "HF_HUB_OFFLINE": "1", "FLWR_TELEMETRY_ENABLED": "0", "FLWR_DISABLE_UPDATE_CHECK": "1"}
+QUIET = {"HF_HUB_OFFLINE": "1", "FLWR_TELEMETRY_ENABLED": "0", "FLWR_DISABLE_UPDATE_CHECK": "1"}
 READY = re.compile(r"Fleet API for SuperNodes on (\S+); Control API for eftguard train and register-node on (\S+)")
 PORT_TAKEN = "already in use"
 SUPERNODE_LISTENING = "Uvicorn running on"
@@ -79,7 +79,8 @@ class LocalDeployment:
 
     def __init__(self, folder: Path, node_auth: bool = False, fleet_host: str = "127.0.0.1") -> None:
         self.folder, self.node_auth, self.fleet_host = Path(folder), node_auth, fleet_host
-        self.env = {**ENV, "FLWR_HOME": str(self.folder / "flwr-home")}
+        # read now, not at import: test fixtures set variables such as EFTGUARD_HOME after imports
+        self.env = {**os.environ, **QUIET, "FLWR_HOME": str(self.folder / "flwr-home")}
         self.ca_cert = self.folder / "certs" / "ca.crt"
         self.started: list[LoggedProcess] = []
         self.fleet_address = self.control_address = ""
