@@ -255,7 +255,7 @@ class RunDirectory:
             except json.JSONDecodeError:
                 break  # a torn last line from a crash: that round did not complete
             if not isinstance(record, dict):
-                break
+                break  # not a round record: nothing after it is trusted either
             records.append(record)
         return records
 
@@ -280,8 +280,8 @@ class RunDirectory:
         Refuses a config.toml edited by hand; verifies the sha256 of the last completed round's files
         (checkpoint, observed uploads, truth) and, where one is truncated or corrupt (a power loss), falls back
         round by round to the last intact one, saying so; then discards everything after it. Only the last
-        round is verified when it is intact, which keeps resume fast on long runs (earlier rounds were verified
-        when they were resumed from, and `verify` checks everything on demand)."""
+        round is verified when it is intact, which keeps resume fast on long runs: the earlier rounds' files were
+        durable before the last round began, and `verify` checks every artefact on demand."""
         self.check_config()
         done = self.completed_rounds()
         while done > 0:
@@ -305,6 +305,8 @@ class RunDirectory:
                 number = round_number_of(item.name)
                 if number is not None and number > round_number:
                     shutil.rmtree(item) if item.is_dir() else item.unlink()
+        for tmp in self.path.rglob(".*.tmp"):  # writes a crash interrupted before their rename
+            tmp.unlink()
         manifest = self.manifest()
         manifest["artefacts"] = {k: v for k, v in manifest["artefacts"].items() if (self.path / k).exists()}
         self._write_manifest(manifest)

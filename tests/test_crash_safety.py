@@ -116,9 +116,11 @@ def test_torn_metrics_line_makes_the_round_incomplete(copy):
     metrics = copy.path / "metrics.jsonl"
     lines = metrics.read_text().splitlines(keepends=True)
     metrics.write_text(lines[0] + lines[1][: len(lines[1]) // 2])
+    half_written = copy.path / "checkpoints/.round-0003.safetensors.tmp"  # the crash also cut a write short
+    half_written.write_bytes(b"partial")
     assert copy.resume() == 1
     assert metrics.read_text() == lines[0]
-    assert not copy.checkpoint_path(2).exists() and copy.verify() == []
+    assert not copy.checkpoint_path(2).exists() and not half_written.exists() and copy.verify() == []
 
 
 def test_stray_names_in_the_run_are_ignored(copy):
