@@ -13,6 +13,8 @@ import psutil
 import pytest
 from safetensors.numpy import load_file
 
+from eftguard.rundir import RunDirectory
+
 pytestmark = pytest.mark.slow
 
 TINY = ["--clients", "3", "--rounds", "2", "--train-samples", "150", "--test-samples", "60", "--batch-size", "32"]
@@ -113,6 +115,27 @@ def test_a_failed_run_leaves_no_ray_processes(tmp_path):
                             env={**ENV, "EFTGUARD_TEST_RUN": tag}, capture_output=True, text=True, timeout=300)
     assert result.returncode == 1 and "the server failed in round 2" in result.stderr
     assert (out / "observed/round-0001/client-02").is_dir()  # round 1's clients trained in Ray actors
+    _, alive = psutil.wait_procs(tagged_processes(tag), timeout=20)
+    assert alive == [], [p.pid for p in alive]
+
+
+def test_ctrl_c_keeps_finished_rounds_and_leaves_no_ray_processes(tmp_path):
+    tag = uuid.uuid4().hex
+    out = tmp_path / "run"
+    process = subprocess.Popen([sys.executable, "-m", "eftguard.cli", "train", "--out", str(out), *TINY],
+                               env={**ENV, "EFTGUARD_TEST_RUN": tag}, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE,
+                               text=True)
+    try:
+        for line in process.stderr:  # wait for the event, not on a clock: round 1 is reported done
+            if line.startswith("round 1/2"):
+                process.send_signal(signal.SIGINT)
+                break
+        err = process.stderr.read()
+        assert process.wait(timeout=120) == 130, err[-3000:]
+    finally:
+        if process.poll() is None:
+            process.kill()
+    assert "interrupted after round 1" in err and RunDirectory.open(out).completed_rounds() == 1
     _, alive = psutil.wait_procs(tagged_processes(tag), timeout=20)
     assert alive == [], [p.pid for p in alive]
 
