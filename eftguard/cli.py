@@ -208,9 +208,23 @@ def prepare(cfg: TrainConfig) -> None:
     build_model(cfg.model, dataset.num_classes, cfg.local_layers, cfg.pretrained, cfg.checkpoint or None, cfg.seed)
 
 
-def train_run(run_dir: Path, verbose: bool, args: argparse.Namespace | None = None, new_run: bool = False) -> None:
-    """Train the run in run_dir, holding its lock; a new run (new_run) that ends before its first round completes
-    is removed, so a failed or interrupted start leaves nothing behind."""
+def undo_new_run(run_dir: Path):
+    """Before a new run is created in run_dir: a function that removes what creating it adds (the folders it
+    makes, or the contents of the empty folder it was given), so a start that fails leaves nothing behind."""
+    created = next((p for p in reversed([run_dir, *run_dir.parents]) if not p.exists()), None)
+
+    def undo() -> None:
+        if created is not None:
+            shutil.rmtree(created, ignore_errors=True)
+        else:
+            for item in run_dir.iterdir():
+                shutil.rmtree(item) if item.is_dir() else item.unlink()
+    return undo
+
+
+def train_run(run_dir: Path, verbose: bool, args: argparse.Namespace | None = None, undo=None) -> None:
+    """Train the run in run_dir, holding its lock; a new run ends with undo() (from undo_new_run) when it stops
+    before its first round completes."""
     run = RunDirectory.open(run_dir)
     cfg = run.config()
     try:
@@ -225,12 +239,12 @@ def train_run(run_dir: Path, verbose: bool, args: argparse.Namespace | None = No
                 run_simulated(run_dir, cfg, verbose)
     except BaseException as exc:
         done = run.completed_rounds()
-        if new_run and done == 0:
-            shutil.rmtree(run_dir, ignore_errors=True)
+        if undo and done == 0:
+            undo()
         if not isinstance(exc, (KeyboardInterrupt, Interrupted)):
             raise
-        if new_run and done == 0:
-            print(f"\ninterrupted before round 1 completed; {run_dir} was removed", file=sys.stderr)
+        if undo and done == 0:
+            print(f"\ninterrupted before round 1 completed; nothing of {run_dir} was kept", file=sys.stderr)
         else:
             print(f"\ninterrupted after round {done}; finished rounds are kept. Continue with: "
                   f"eftguard train --resume {run_dir}", file=sys.stderr)
@@ -267,6 +281,7 @@ def cmd_train(args: argparse.Namespace) -> None:
             raise ConfigError(f"--resume continues {args.resume} with its own config.toml; drop "
                               + ", ".join("--" + g.replace("_", "-") for g in given or ["config"]))
         check_train_flags(args, cfg)
+        undo = None
         with run.lock():
             done = run.resume()
             if args.rounds is not None and args.rounds != cfg.rounds:
@@ -277,7 +292,7 @@ def cmd_train(args: argparse.Namespace) -> None:
                     raise ConfigError(f"--rounds {args.rounds} is below the {done} rounds already done")
                 cfg.rounds = args.rounds
                 run.write_config(cfg)
-        run_dir, new_run = run.path, False
+        run_dir = run.path
     else:
         cfg = config_from_args(args)
         run_dir = args.out or Path("runs") / (args.name or f"{cfg.method}-{time.strftime('%Y%m%d-%H%M%S')}")
@@ -292,12 +307,12 @@ def cmd_train(args: argparse.Namespace) -> None:
             create_key(Path(cfg.encrypt_at_rest))
             print(f"created a new at-rest key in {cfg.encrypt_at_rest}: keep it, the uploads cannot be read "
                   "without it", file=sys.stderr)
+        undo = undo_new_run(run_dir)
         RunDirectory.create(run_dir, cfg)
-        new_run = True
     print(f"run directory: {run_dir}", file=sys.stderr)
     print(f"data: {cfg.dataset}, {cfg.train_samples or 'all'} training images over {cfg.clients} clients "
           f"(--train-samples), {cfg.test_samples or 'all'} test images (--test-samples)", file=sys.stderr)
-    train_run(run_dir, args.verbose, args, new_run)
+    train_run(run_dir, args.verbose, args, undo)
     summarize(run_dir)
 
 
@@ -322,11 +337,12 @@ def cmd_demo(args: argparse.Namespace) -> None:
                           test_samples=args.test_samples).resolved()
         prepare(cfg)
         run_dir = out / method
+        undo = undo_new_run(run_dir)
         RunDirectory.create(run_dir, cfg)
         print(f"{method}: training {cfg.rounds} rounds, {cfg.clients} clients, beta {cfg.beta} -> {run_dir}",
               file=sys.stderr)
         start = time.perf_counter()
-        train_run(run_dir, args.verbose, new_run=True)
+        train_run(run_dir, args.verbose, undo=undo)
         seconds[method] = time.perf_counter() - start
         results[method] = RunDirectory.open(run_dir).metrics()
     table = Table(title=f"photos, 8 clients, beta 0.1, {args.train_samples or 'all'} training images: "

@@ -218,12 +218,14 @@ def test_bad_start_leaves_nothing_behind(tmp_path, capsys, argv, message):
 
 
 @pytest.mark.parametrize("failure, code", [(FederationError("no client node connected"), 2), (Interrupted(), 130)])
-def test_a_run_that_fails_before_its_first_round_is_removed(tmp_path, capsys, monkeypatch, failure, code):
+def test_a_run_that_fails_before_its_first_round_leaves_nothing(tmp_path, capsys, monkeypatch, failure, code):
     def runtime_fails(run_dir, cfg, verbose):
         assert (Path(run_dir) / "manifest.json").exists()
         raise failure
 
     monkeypatch.setattr("eftguard.federation.simulation.run_simulated", runtime_fails)
-    got, err = run_cli(capsys, "train", "--out", tmp_path / "run", *CLI_TINY)
-    assert got == code and not (tmp_path / "run").exists()
-    assert "--resume" not in err
+    (tmp_path / "empty").mkdir()
+    for out in ("new/folders/run", "empty"):
+        got, err = run_cli(capsys, "train", "--out", tmp_path / out, *CLI_TINY)
+        assert got == code and "--resume" not in err
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["empty"] and not any((tmp_path / "empty").iterdir())
