@@ -1,7 +1,6 @@
 """Accidents to a run directory: power loss mid-write (torn checkpoint, upload, truth or metrics line), a second
 process writing the same run, config.toml edited by hand, stray files, and starts that fail half-way."""
 
-import json
 import os
 import select
 import shutil
@@ -22,6 +21,7 @@ from eftguard.rundir import RunDirectory, RunError
 from fakegrid import FakeGrid, task_identity
 
 TINY = dict(clients=2, rounds=2, train_samples=80, test_samples=20, batch_size=16)
+REPOSITORY = Path(__file__).resolve().parents[1]
 CLI_TINY = ["--clients", "2", "--rounds", "1", "--train-samples", "80", "--test-samples", "20", "--batch-size", "16"]
 
 
@@ -148,7 +148,7 @@ with RunDirectory.open(sys.argv[1]).lock():
 
 def test_a_second_process_cannot_write_a_locked_run(copy, capsys):
     holder = subprocess.Popen([sys.executable, "-c", HOLD_LOCK, str(copy.path)], stdin=subprocess.PIPE,
-                              stdout=subprocess.PIPE, text=True, env={**os.environ, "PYTHONPATH": os.getcwd()})
+                              stdout=subprocess.PIPE, text=True, env={**os.environ, "PYTHONPATH": str(REPOSITORY)})
     try:
         ready, _, _ = select.select([holder.stdout], [], [], 120)
         assert ready and holder.stdout.readline().strip() == "locked"

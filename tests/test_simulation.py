@@ -5,7 +5,6 @@ import os
 import signal
 import subprocess
 import sys
-import time
 import uuid
 
 import numpy as np
@@ -13,6 +12,7 @@ import psutil
 import pytest
 from safetensors.numpy import load_file
 
+from eftguard.federation.simulation import stop_processes
 from eftguard.rundir import RunDirectory
 
 pytestmark = pytest.mark.slow
@@ -66,24 +66,25 @@ def test_killed_run_resumes_to_the_same_result(finished_run, tmp_path):
     killed = uuid.uuid4().hex
     process = subprocess.Popen([sys.executable, "-m", "eftguard.cli", "train", "--out", str(out), *TINY],
                                env={**ENV, "EFTGUARD_TEST_RUN": killed}, stdout=subprocess.DEVNULL,
-                               stderr=subprocess.DEVNULL, start_new_session=True)
+                               stderr=subprocess.PIPE, text=True)
     try:
-        deadline = time.monotonic() + 240
-        while time.monotonic() < deadline and process.poll() is None:
-            metrics = out / "metrics.jsonl"
-            if metrics.exists() and metrics.read_text().count("\n") >= 1:
+        for line in process.stderr:  # wait for the event: round 1 is reported done
+            if line.startswith("round 1/2"):
                 break
-            time.sleep(0.2)
         assert process.poll() is None, "the run ended before it could be interrupted"
-    finally:
-        os.killpg(process.pid, signal.SIGKILL)  # a crash: no chance to clean up
+        process.kill()  # SIGKILL of the driver alone, a crash: its Ray helpers are left running
         process.wait(timeout=30)
+    finally:
+        process.kill()
+        process.stderr.close()
     assert (out / "metrics.jsonl").read_text().count("\n") == 1
 
     result = eftguard("train", "--resume", str(out))
     assert result.returncode == 0, result.stderr[-3000:]
     assert "resuming" in result.stderr
-    assert tagged_processes(killed) == []  # the killed driver's Ray helpers were stopped by the next run
+    left = tagged_processes(killed)
+    stop_processes(left)
+    assert left == []  # the killed driver's Ray helpers were stopped by the next run
     ours = [json.loads(line)["test_accuracy"] for line in (out / "metrics.jsonl").read_text().splitlines()]
     theirs = [json.loads(line)["test_accuracy"] for line in (reference / "metrics.jsonl").read_text().splitlines()]
     assert ours == theirs
