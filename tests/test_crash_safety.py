@@ -9,6 +9,7 @@ import sys
 from pathlib import Path
 
 import numpy as np
+import psutil
 import pytest
 
 from conftest import train_in_process
@@ -17,6 +18,7 @@ from eftguard.cli import main
 from eftguard.config import TrainConfig
 from eftguard.federation.errors import FederationError, Interrupted
 from eftguard.federation.server import run_server
+from eftguard.federation.simulation import RAY_SESSION_VARIABLE, stop_ray_leftovers
 from eftguard.rundir import RunDirectory, RunError
 from fakegrid import FakeGrid, task_identity
 
@@ -229,3 +231,21 @@ def test_a_run_that_fails_before_its_first_round_leaves_nothing(tmp_path, capsys
         got, err = run_cli(capsys, "train", "--out", tmp_path / out, *CLI_TINY)
         assert got == code and "--resume" not in err
     assert sorted(p.name for p in tmp_path.iterdir()) == ["empty"] and not any((tmp_path / "empty").iterdir())
+
+
+SLEEPER = [sys.executable, "-c", "import time; time.sleep(300)"]
+
+
+def test_ray_helpers_of_a_killed_driver_are_stopped_and_a_live_drivers_are_not():
+    orphan = subprocess.Popen(SLEEPER, env={**os.environ, RAY_SESSION_VARIABLE: "1:0.0"})  # its driver is gone
+    alive_driver = f"{os.getpid()}:{psutil.Process().create_time()}"  # this test process
+    ours = subprocess.Popen(SLEEPER, env={**os.environ, RAY_SESSION_VARIABLE: alive_driver})
+    try:
+        stopped = [p.pid for p in stop_ray_leftovers()]
+        assert orphan.pid in stopped and ours.pid not in stopped
+        assert orphan.wait(timeout=10) is not None and ours.poll() is None
+    finally:
+        orphan.kill()
+        ours.kill()
+        orphan.wait(timeout=10)
+        ours.wait(timeout=10)

@@ -50,6 +50,13 @@ def _driver_is_gone(tag: str) -> bool:
         return True
 
 
+def stop_ray_leftovers() -> list[psutil.Process]:
+    """Stop the Ray processes that earlier eftguard drivers left running when they were killed (SIGKILL)."""
+    leftovers = _ray_processes(_driver_is_gone)
+    stop_processes(leftovers)
+    return leftovers
+
+
 def stop_processes(processes: list[psutil.Process], grace_seconds: float = 5.0) -> None:
     """SIGTERM, then SIGKILL whatever is still alive after grace_seconds."""
     for signal_them in (psutil.Process.terminate, psutil.Process.kill):
@@ -80,7 +87,7 @@ def run_simulated(run_dir: Path, cfg: TrainConfig, verbose: bool = False) -> Non
         signal.signal(signal.SIGINT, previous)
         print("\nstopping (Ctrl-C again to kill) ...", flush=True)
 
-    stop_processes(_ray_processes(_driver_is_gone))
+    stop_ray_leftovers()
     tag = _driver_tag(psutil.Process())
     ray_dir = tempfile.mkdtemp(prefix="eftguard-ray-")
     backend_config = {
