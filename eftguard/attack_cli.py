@@ -61,10 +61,9 @@ def resolve_round(run: RunDirectory, round_number: int | None) -> int:
 
 def round_clients(run: RunDirectory, round_number: int, choice: str = "all") -> list[int]:
     """Partitions with uploads in the round: all, or a comma-separated list of partition ids."""
-    folder = run.path / "observed" / f"round-{round_number:04d}"
-    present = sorted(int(p.name.split("-")[1]) for p in folder.glob("client-*") if p.is_dir())
+    present = run.uploaded_partitions(round_number)
     if not present:
-        raise RunError(f"{folder} holds no uploads")
+        raise RunError(f"{run.upload_dir(round_number, 0).parent} holds no uploads")
     if choice == "all":
         return present
     try:

@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import os
+import shutil
 import sys
 import time
 from pathlib import Path
@@ -17,7 +18,7 @@ from eftguard.data import DATASET_HELP, DataError
 from eftguard.federation.errors import FederationError, Interrupted
 from eftguard.metrics import MetricError
 from eftguard.model import PRESETS, ModelError
-from eftguard.rundir import RunDirectory, RunError
+from eftguard.rundir import RunDirectory, RunError, check_new_run_path
 from eftguard.sampling import BALANCE_MODES
 
 USER_ERRORS = (AttackError, ConfigError, DataError, ModelError, RunError, FederationError, CertificateError, MetricError)
@@ -234,20 +235,68 @@ def prepare(cfg: TrainConfig) -> None:
     build_model(cfg.model, dataset.num_classes, cfg.local_layers, cfg.pretrained, cfg.checkpoint or None, cfg.seed)
 
 
-def train_run(run_dir: Path, verbose: bool, args: argparse.Namespace | None = None) -> None:
-    cfg = RunDirectory.open(run_dir).config()
+def undo_new_run(run_dir: Path):
+    """Before a new run is created in run_dir: a function that removes what creating it adds (the folders it
+    makes, or the contents of the empty folder it was given), so a start that fails leaves nothing behind."""
+    created = next((p for p in reversed([run_dir, *run_dir.parents]) if not p.exists()), None)
+
+    def undo() -> None:
+        if created is not None:
+            shutil.rmtree(created, ignore_errors=True)
+        else:
+            for item in run_dir.iterdir():
+                shutil.rmtree(item) if item.is_dir() else item.unlink()
+    return undo
+
+
+def train_run(run_dir: Path, verbose: bool, args: argparse.Namespace | None = None, undo=None) -> None:
+    """Train the run in run_dir, holding its lock; a new run ends with undo() (from undo_new_run) when it stops
+    before its first round completes."""
+    run = RunDirectory.open(run_dir)
+    cfg = run.config()
     try:
         if cfg.federation == "deployment":
             from eftguard.federation.deployment import run_deployed
+            with run.lock():
+                pass  # refuse now if another process writes the run; the ServerApp's process locks it for the rounds
             run_deployed(run_dir, args.superlink, args.root_certificates, args.insecure)
         else:
             from eftguard.federation.simulation import run_simulated
-            run_simulated(run_dir, cfg, verbose)
-    except (KeyboardInterrupt, Interrupted):
-        done = RunDirectory.open(run_dir).completed_rounds()
-        print(f"\ninterrupted after round {done}; finished rounds are kept. Continue with: "
-              f"eftguard train --resume {run_dir}", file=sys.stderr)
-        raise SystemExit(130)
+            with run.lock():
+                run_simulated(run_dir, cfg, verbose)
+    except BaseException as exc:
+        done = run.completed_rounds()
+        if undo and done == 0:
+            undo()
+        if not isinstance(exc, (KeyboardInterrupt, Interrupted)):
+            raise
+        if undo and done == 0:
+            print(f"\ninterrupted before round 1 completed; nothing of {run_dir} was kept", file=sys.stderr)
+        else:
+            print(f"\ninterrupted after round {done}; finished rounds are kept. Continue with: "
+                  f"eftguard train --resume {run_dir}", file=sys.stderr)
+        raise SystemExit(130) from None
+
+
+def check_train_flags(args: argparse.Namespace, cfg: TrainConfig) -> None:
+    if cfg.federation != "deployment" and (args.superlink or args.root_certificates or args.insecure):
+        raise ConfigError("--superlink, --root-certificates and --insecure need --federation deployment")
+
+
+def check_key_file(cfg: TrainConfig) -> None:
+    """--encrypt-at-rest names a readable key file, or a new one in an existing writable folder."""
+    from defenses.at_rest import AtRestError, read_key
+
+    key = Path(cfg.encrypt_at_rest)
+    if key.exists():
+        try:
+            read_key(key)
+        except (AtRestError, OSError) as exc:
+            raise ConfigError(f"--encrypt-at-rest {key}: {getattr(exc, 'strerror', None) or exc}: give a key file "
+                              "written by eftguard, or a new file name") from None
+    elif not key.parent.is_dir() or not os.access(key.parent, os.W_OK | os.X_OK):
+        raise ConfigError(f"--encrypt-at-rest {key}: folder {key.parent} does not exist or is not writable, so no "
+                          "new key can be created there: create the folder, or give an existing key file")
 
 
 def cmd_train(args: argparse.Namespace) -> None:
@@ -258,34 +307,39 @@ def cmd_train(args: argparse.Namespace) -> None:
         if given or args.config:
             raise ConfigError(f"--resume continues {args.resume} with its own config.toml; drop "
                               + ", ".join("--" + g.replace("_", "-") for g in given or ["config"]))
-        if args.rounds is not None and args.rounds != cfg.rounds:
-            if cfg.dp_eps > 0:
-                raise ConfigError(f"--rounds cannot change on a DP-SGD run: each client's noise was calibrated for "
-                                  f"its rounds out of {cfg.rounds} within --dp-eps {cfg.dp_eps}; start a new run")
-            if args.rounds < run.completed_rounds():
-                raise ConfigError(f"--rounds {args.rounds} is below the {run.completed_rounds()} rounds already done")
-            cfg.rounds = args.rounds
-            (run.path / "config.toml").write_text(cfg.resolved().to_toml())
-            run.record_artefact(run.path / "config.toml")
+        check_train_flags(args, cfg)
+        undo = None
+        with run.lock():
+            done = run.resume()
+            if args.rounds is not None and args.rounds != cfg.rounds:
+                if cfg.dp_eps > 0:
+                    raise ConfigError(f"--rounds cannot change on a DP-SGD run: each client's noise was calibrated "
+                                      f"for its rounds out of {cfg.rounds} within --dp-eps {cfg.dp_eps}; start a new run")
+                if args.rounds < done:
+                    raise ConfigError(f"--rounds {args.rounds} is below the {done} rounds already done")
+                cfg.rounds = args.rounds
+                run.write_config(cfg)
         run_dir = run.path
     else:
         cfg = config_from_args(args)
         run_dir = args.out or Path("runs") / (args.name or f"{cfg.method}-{time.strftime('%Y%m%d-%H%M%S')}")
-        prepare(cfg)
+        check_new_run_path(run_dir)
+        check_train_flags(args, cfg)
         if cfg.encrypt_at_rest:
             cfg.encrypt_at_rest = str(Path(cfg.encrypt_at_rest).resolve())
-            if not Path(cfg.encrypt_at_rest).exists():
-                from defenses.at_rest import create_key
-                create_key(Path(cfg.encrypt_at_rest))
-                print(f"created a new at-rest key in {cfg.encrypt_at_rest}: keep it, the uploads cannot be read "
-                      "without it", file=sys.stderr)
+            check_key_file(cfg)
+        prepare(cfg)
+        if cfg.encrypt_at_rest and not Path(cfg.encrypt_at_rest).exists():
+            from defenses.at_rest import create_key
+            create_key(Path(cfg.encrypt_at_rest))
+            print(f"created a new at-rest key in {cfg.encrypt_at_rest}: keep it, the uploads cannot be read "
+                  "without it", file=sys.stderr)
+        undo = undo_new_run(run_dir)
         RunDirectory.create(run_dir, cfg)
-    if cfg.federation != "deployment" and (args.superlink or args.root_certificates or args.insecure):
-        raise ConfigError("--superlink, --root-certificates and --insecure need --federation deployment")
     print(f"run directory: {run_dir}", file=sys.stderr)
     print(f"data: {cfg.dataset}, {cfg.train_samples or 'all'} training images over {cfg.clients} clients "
           f"(--train-samples), {cfg.test_samples or 'all'} test images (--test-samples)", file=sys.stderr)
-    train_run(run_dir, args.verbose, args)
+    train_run(run_dir, args.verbose, args, undo)
     summarize(run_dir)
 
 
@@ -302,17 +356,20 @@ def cmd_demo(args: argparse.Namespace) -> None:
     from rich.table import Table
 
     out = args.out or Path("runs") / f"demo-{time.strftime('%Y%m%d-%H%M%S')}"
+    for method in METHODS:
+        check_new_run_path(out / method)
     results, seconds = {}, {}
     for method in METHODS:
         cfg = TrainConfig(method=method, rounds=args.rounds, train_samples=args.train_samples,
                           test_samples=args.test_samples).resolved()
         prepare(cfg)
         run_dir = out / method
+        undo = undo_new_run(run_dir)
         RunDirectory.create(run_dir, cfg)
         print(f"{method}: training {cfg.rounds} rounds, {cfg.clients} clients, beta {cfg.beta} -> {run_dir}",
               file=sys.stderr)
         start = time.perf_counter()
-        train_run(run_dir, args.verbose)
+        train_run(run_dir, args.verbose, undo=undo)
         seconds[method] = time.perf_counter() - start
         results[method] = RunDirectory.open(run_dir).metrics()
     table = Table(title=f"photos, 8 clients, beta 0.1, {args.train_samples or 'all'} training images: "

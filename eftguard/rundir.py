@@ -4,17 +4,23 @@
     observed/round-NNNN/client-KK/{update,features}.safetensors   what the server received
     truth/round-NNNN/client-KK.safetensors                        auditor-only ground truth
 
-A round is complete once its metrics line is written; that is always the last write of a round,
-so a crash leaves at most a partial round behind, which resume discards.
+A round is complete once its metrics line is written; that is always the last write of a round, made
+after the round's checkpoint and uploads are durable (every write is fsynced, file and folder), so a crash
+leaves at most a partial round behind, which resume discards. One process writes a run at a time
+(`lock`); manifest.json holds the sha256 of every artefact, config.toml included, which `resume` checks.
 """
 
 from __future__ import annotations
 
+import contextlib
+import fcntl
 import hashlib
 import json
 import os
 import platform
+import re
 import shutil
+import sys
 import time
 from pathlib import Path
 
@@ -35,11 +41,57 @@ class RunError(ValueError):
     """A run directory is missing, foreign or damaged; the message says what to do."""
 
 
+LOCK_FILE = ".lock"
+ROUND_FILE = re.compile(r"round-(\d{4,})(\.safetensors)?")
+CLIENT_FOLDER = re.compile(r"client-(\d{2,})")
+_held_locks: dict[Path, int] = {}  # run directories this process has locked: resolved path -> lock file descriptor
+
+
+def _fsync_dir(folder: Path) -> None:
+    fd = os.open(folder, os.O_RDONLY | os.O_DIRECTORY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def _make_dirs(folder: Path) -> None:
+    """mkdir -p, making each new folder's entry durable in its parent."""
+    if folder.is_dir():
+        return
+    _make_dirs(folder.parent)
+    folder.mkdir(exist_ok=True)
+    _fsync_dir(folder.parent)
+
+
 def _atomic_write(path: Path, write) -> None:
-    path.parent.mkdir(parents=True, exist_ok=True)
+    """Write to a temp file, fsync it, rename it over path and fsync the folder: after a power loss path holds
+    the old or the new content, never a torn one, and a later write cannot overtake this one on disk."""
+    _make_dirs(path.parent)
     tmp = path.with_name(f".{path.name}.tmp")
     write(tmp)
+    with open(tmp, "rb") as f:
+        os.fsync(f.fileno())
     os.replace(tmp, path)
+    _fsync_dir(path.parent)
+
+
+def round_number_of(name: str) -> int | None:
+    """The round of a `round-NNNN` folder or `round-NNNN.safetensors` file; None for any other name."""
+    match = ROUND_FILE.fullmatch(name)
+    return int(match.group(1)) if match else None
+
+
+def check_new_run_path(path: Path) -> None:
+    """Refuse, before any work, a path a new run cannot be written to (a file, under a file, not empty)."""
+    path = Path(path)
+    for parent in [path, *path.parents]:
+        if parent.exists() and not parent.is_dir():
+            where = "is a file" if parent == path else f"is under {parent}, which is a file"
+            raise RunError(f"{path} {where}: give --out a folder path (new or empty)")
+    if path.is_dir() and any(path.iterdir()):
+        raise RunError(f"{path} already exists and is not empty: pick another --name/--out, "
+                       f"or continue it with --resume {path}")
 
 
 def sha256_of(path: Path) -> str:
@@ -70,12 +122,16 @@ class RunDirectory:
     @classmethod
     def create(cls, path: Path, config: TrainConfig) -> "RunDirectory":
         path = Path(path)
-        if path.exists() and any(path.iterdir()):
-            raise RunError(f"{path} already exists and is not empty: pick another --name/--out, "
-                           f"or continue it with --resume {path}")
-        key = at_rest.read_key(Path(config.encrypt_at_rest)) if config.encrypt_at_rest else None
+        check_new_run_path(path)
+        try:
+            key = at_rest.read_key(Path(config.encrypt_at_rest)) if config.encrypt_at_rest else None
+        except at_rest.AtRestError as exc:
+            raise RunError(f"--encrypt-at-rest: {exc}") from None
         run = cls(path, key)
-        path.mkdir(parents=True, exist_ok=True)
+        try:
+            _make_dirs(path)
+        except OSError as exc:
+            raise RunError(f"cannot create {path}: {exc.strerror}; give --out a writable folder path") from None
         _atomic_write(path / "config.toml", lambda p: p.write_text(config.to_toml()))
         encryption = {"algorithm": "AES-256-GCM", "key_fingerprint": at_rest.fingerprint(key)} if key else None
         run._write_manifest({"format": FORMAT, "format_version": FORMAT_VERSION,
@@ -120,6 +176,39 @@ class RunDirectory:
     def config(self) -> TrainConfig:
         return TrainConfig.from_toml_file(self.path / "config.toml")
 
+    def write_config(self, config: TrainConfig) -> None:
+        """Replace config.toml (atomically) and record its sha256: the one supported way to change a run's
+        configuration; any other edit makes `resume` refuse the run."""
+        _atomic_write(self.path / "config.toml", lambda p: p.write_text(config.resolved().to_toml()))
+        self.record_artefact(self.path / "config.toml")
+
+    # --- one writer at a time -------------------------------------------------------------------------
+
+    @contextlib.contextmanager
+    def lock(self):
+        """Hold the run's lock file (fcntl.flock) while writing it, so a second process cannot write the same run;
+        re-entrant within one process (the CLI holds it around a simulated run whose server takes it again)."""
+        key = self.path.resolve()
+        if key in _held_locks:
+            yield
+            return
+        fd = os.open(self.path / LOCK_FILE, os.O_RDWR | os.O_CREAT, 0o644)
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            holder = os.read(fd, 32).decode(errors="replace").strip() or "unknown"
+            os.close(fd)
+            raise RunError(f"{self.path} is being written by another process (pid {holder}): wait for it to "
+                           "finish or stop it, then --resume") from None
+        os.ftruncate(fd, 0)
+        os.pwrite(fd, f"{os.getpid()}\n".encode(), 0)
+        _held_locks[key] = fd
+        try:
+            yield
+        finally:
+            del _held_locks[key]
+            os.close(fd)  # closing releases the flock
+
     # --- manifest -------------------------------------------------------------------------------------
 
     def manifest(self) -> dict:
@@ -134,14 +223,24 @@ class RunDirectory:
             manifest["artefacts"][file.relative_to(self.path).as_posix()] = sha256_of(file)
         self._write_manifest(manifest)
 
-    def verify(self) -> list[str]:
-        """Artefacts whose sha256 no longer matches the manifest (or that vanished)."""
+    def verify(self, prefixes: tuple[str, ...] = ("",)) -> list[str]:
+        """Artefacts (those whose path starts with one of prefixes) whose sha256 no longer matches the manifest
+        (or that vanished)."""
         bad = []
         for rel, digest in self.manifest()["artefacts"].items():
             file = self.path / rel
-            if not file.exists() or sha256_of(file) != digest:
+            if rel.startswith(prefixes) and (not file.exists() or sha256_of(file) != digest):
                 bad.append(rel)
         return bad
+
+    def check_config(self) -> None:
+        """Refuse a config.toml changed outside eftguard (e.g. rounds raised by hand on a DP-SGD run, whose noise
+        was calibrated for the original rounds): its sha256 must be the one the manifest recorded."""
+        recorded = self.manifest()["artefacts"].get("config.toml")
+        if recorded is None or sha256_of(self.path / "config.toml") != recorded:
+            raise RunError(f"{self.path / 'config.toml'} was changed outside eftguard (its sha256 does not match "
+                           "manifest.json): restore it, or start a new run; only --resume --rounds N may change "
+                           "the rounds of a run without DP-SGD")
 
     # --- rounds ---------------------------------------------------------------------------------------
 
@@ -150,11 +249,14 @@ class RunDirectory:
         if not file.exists():
             return []
         records = []
-        for line in file.read_text().splitlines():
+        for line in file.read_text(errors="replace").splitlines():
             try:
-                records.append(json.loads(line))
+                record = json.loads(line)
             except json.JSONDecodeError:
                 break  # a torn last line from a crash: that round did not complete
+            if not isinstance(record, dict):
+                break  # not a round record: nothing after it is trusted either
+            records.append(record)
         return records
 
     def completed_rounds(self) -> int:
@@ -166,15 +268,45 @@ class RunDirectory:
             last = expected
         return last
 
+    def round_files(self, round_number: int) -> list[str]:
+        """The artefacts the manifest records for round_number: its checkpoint, observed uploads and truth."""
+        name = round_name(round_number)
+        prefixes = (f"checkpoints/{name}.safetensors", f"observed/{name}/", f"truth/{name}/")
+        return [rel for rel in self.manifest()["artefacts"] if rel.startswith(prefixes)]
+
+    def resume(self) -> int:
+        """Make the run ready to continue and return its last intact completed round (0: none).
+
+        Refuses a config.toml edited by hand; verifies the sha256 of the last completed round's files
+        (checkpoint, observed uploads, truth) and, where one is truncated or corrupt (a power loss), falls back
+        round by round to the last intact one, saying so; then discards everything after it. Only the last
+        round is verified when it is intact, which keeps resume fast on long runs: the earlier rounds' files were
+        durable before the last round began, and `verify` checks every artefact on demand."""
+        self.check_config()
+        done = self.completed_rounds()
+        while done > 0:
+            checkpoint = f"checkpoints/{round_name(done)}.safetensors"
+            files = self.round_files(done)
+            damaged = self.verify(tuple(files)) if checkpoint in files else [checkpoint]
+            if not damaged:
+                break
+            print(f"round {done} of {self.path} is damaged ({damaged[0]} is truncated, corrupt or missing): "
+                  f"resuming after round {done - 1}, its later rounds are discarded", file=sys.stderr, flush=True)
+            done -= 1
+        self.discard_after(done)
+        return done
+
     def discard_after(self, round_number: int) -> None:
-        """Remove everything a partial round after round_number left behind."""
+        """Remove everything a partial round after round_number left behind (names that are not rounds are left)."""
         keep = [r for r in self.metrics() if r.get("round", 0) <= round_number]
         self._write_metrics(keep)
         for folder in ("observed", "truth", "checkpoints"):
             for item in sorted((self.path / folder).glob("round-*")):
-                number = int(item.name.split("-")[1].split(".")[0])
-                if number > round_number:
+                number = round_number_of(item.name)
+                if number is not None and number > round_number:
                     shutil.rmtree(item) if item.is_dir() else item.unlink()
+        for tmp in self.path.rglob(".*.tmp"):  # writes a crash interrupted before their rename
+            tmp.unlink()
         manifest = self.manifest()
         manifest["artefacts"] = {k: v for k, v in manifest["artefacts"].items() if (self.path / k).exists()}
         self._write_manifest(manifest)
@@ -184,11 +316,15 @@ class RunDirectory:
         _atomic_write(self.path / "metrics.jsonl", lambda p: p.write_text(text))
 
     def append_metrics(self, record: dict) -> None:
-        """Mark a round complete: the last write of every round."""
-        with open(self.path / "metrics.jsonl", "a") as f:
+        """Mark a round complete: the last write of every round, after its checkpoint and uploads are durable."""
+        file = self.path / "metrics.jsonl"
+        created = not file.exists()
+        with open(file, "a") as f:
             f.write(json.dumps(record) + "\n")
             f.flush()
             os.fsync(f.fileno())
+        if created:
+            _fsync_dir(self.path)
 
     # --- tensors --------------------------------------------------------------------------------------
 
@@ -217,6 +353,12 @@ class RunDirectory:
 
     def upload_dir(self, round_number: int, partition: int) -> Path:
         return self.path / "observed" / round_name(round_number) / client_name(partition)
+
+    def uploaded_partitions(self, round_number: int) -> list[int]:
+        """Partitions with an upload folder in the round (folders not named client-KK are ignored)."""
+        folder = self.path / "observed" / round_name(round_number)
+        found = (CLIENT_FOLDER.fullmatch(p.name) for p in folder.iterdir() if p.is_dir()) if folder.is_dir() else ()
+        return sorted(int(match.group(1)) for match in found if match)
 
     def upload_path(self, round_number: int, partition: int, kind: str) -> Path:
         """observed/.../{update,features}.safetensors, with .enc when the run is encrypted at rest."""

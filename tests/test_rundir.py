@@ -1,4 +1,6 @@
+import fcntl
 import json
+import os
 
 import numpy as np
 import pytest
@@ -71,3 +73,15 @@ def test_foreign_or_corrupt_directories_are_refused(tmp_path):
     (tmp_path / "foreign" / "manifest.json").write_text('{"format": "something-else"}')
     with pytest.raises(RunError, match="not an eftguard run directory"):
         RunDirectory.open(tmp_path / "foreign")
+
+
+def test_lock_is_reentrant_in_one_process_and_released_after(run):
+    with run.lock():
+        with RunDirectory.open(run.path).lock():  # the server thread of a simulated run takes it again
+            pass
+        assert (run.path / ".lock").read_text() == f"{os.getpid()}\n"
+        other = os.open(run.path / ".lock", os.O_RDWR)
+        with pytest.raises(BlockingIOError):  # still held after the inner block ended
+            fcntl.flock(other, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    fcntl.flock(other, fcntl.LOCK_EX | fcntl.LOCK_NB)  # released with the outer block
+    os.close(other)

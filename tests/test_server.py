@@ -69,9 +69,9 @@ def test_resumed_run_equals_uninterrupted_run(tmp_path):
     run_server(FakeGrid(3), full.path)
 
     cut = RunDirectory.create(tmp_path / "cut", CFG.resolved())
-    (cut.path / "config.toml").write_text(TrainConfig(**{**CFG.__dict__, "rounds": 1}).resolved().to_toml())
+    cut.write_config(TrainConfig(**{**CFG.__dict__, "rounds": 1}))
     run_server(FakeGrid(3), cut.path)
-    (cut.path / "config.toml").write_text(CFG.resolved().to_toml())
+    cut.write_config(CFG)
     # Debris of a crash in round 2: a half-written upload.
     cut.upload_dir(2, 0).mkdir(parents=True)
     (cut.upload_dir(2, 0) / "update.safetensors").write_bytes(b"partial")

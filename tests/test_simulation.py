@@ -5,11 +5,15 @@ import os
 import signal
 import subprocess
 import sys
-import time
+import uuid
 
 import numpy as np
+import psutil
 import pytest
 from safetensors.numpy import load_file
+
+from eftguard.federation.simulation import stop_processes
+from eftguard.rundir import RunDirectory
 
 pytestmark = pytest.mark.slow
 
@@ -17,9 +21,21 @@ TINY = ["--clients", "3", "--rounds", "2", "--train-samples", "150", "--test-sam
 ENV = {**os.environ, "HF_HUB_OFFLINE": "1", "FLWR_TELEMETRY_ENABLED": "0", "FLWR_DISABLE_UPDATE_CHECK": "1"}
 
 
-def eftguard(*args, timeout=300):
-    return subprocess.run([sys.executable, "-m", "eftguard.cli", *args], env=ENV, capture_output=True, text=True,
+def eftguard(*args, timeout=300, env=ENV):
+    return subprocess.run([sys.executable, "-m", "eftguard.cli", *args], env=env, capture_output=True, text=True,
                           timeout=timeout)
+
+
+def tagged_processes(tag: str) -> list[psutil.Process]:
+    """Processes that inherited EFTGUARD_TEST_RUN=tag: a CLI run started by a test and everything it started."""
+    found = []
+    for process in psutil.process_iter():
+        try:
+            if process.environ().get("EFTGUARD_TEST_RUN") == tag:
+                found.append(process)
+        except psutil.Error:
+            pass
+    return found
 
 
 @pytest.fixture(scope="module")
@@ -47,30 +63,82 @@ def test_two_rounds_of_simulation(finished_run):
 def test_killed_run_resumes_to_the_same_result(finished_run, tmp_path):
     reference, _ = finished_run
     out = tmp_path / "run"
-    process = subprocess.Popen([sys.executable, "-m", "eftguard.cli", "train", "--out", str(out), *TINY], env=ENV,
-                               stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True)
+    killed = uuid.uuid4().hex
+    process = subprocess.Popen([sys.executable, "-m", "eftguard.cli", "train", "--out", str(out), *TINY],
+                               env={**ENV, "EFTGUARD_TEST_RUN": killed}, stdout=subprocess.DEVNULL,
+                               stderr=subprocess.PIPE, text=True)
     try:
-        deadline = time.monotonic() + 240
-        while time.monotonic() < deadline and process.poll() is None:
-            metrics = out / "metrics.jsonl"
-            if metrics.exists() and metrics.read_text().count("\n") >= 1:
+        for line in process.stderr:  # wait for the event: round 1 is reported done
+            if line.startswith("round 1/2"):
                 break
-            time.sleep(0.2)
         assert process.poll() is None, "the run ended before it could be interrupted"
-    finally:
-        os.killpg(process.pid, signal.SIGKILL)  # a crash: no chance to clean up
+        process.kill()  # SIGKILL of the driver alone, a crash: its Ray helpers are left running
         process.wait(timeout=30)
+    finally:
+        process.kill()
+        process.stderr.close()
     assert (out / "metrics.jsonl").read_text().count("\n") == 1
 
     result = eftguard("train", "--resume", str(out))
     assert result.returncode == 0, result.stderr[-3000:]
     assert "resuming" in result.stderr
+    left = tagged_processes(killed)
+    stop_processes(left)
+    assert left == []  # the killed driver's Ray helpers were stopped by the next run
     ours = [json.loads(line)["test_accuracy"] for line in (out / "metrics.jsonl").read_text().splitlines()]
     theirs = [json.loads(line)["test_accuracy"] for line in (reference / "metrics.jsonl").read_text().splitlines()]
     assert ours == theirs
     a = load_file(str(out / "checkpoints/round-0002.safetensors"))
     b = load_file(str(reference / "checkpoints/round-0002.safetensors"))
     assert all(np.array_equal(a[k], b[k]) for k in a)
+
+
+FAIL_IN_ROUND_2 = """
+import sys
+import eftguard.federation.server as server
+calls = []
+train_global = server.train_global
+def failing_train_global(*args, **kwargs):
+    calls.append(1)
+    if len(calls) == 2:
+        raise RuntimeError("the server failed in round 2")
+    return train_global(*args, **kwargs)
+server.train_global = failing_train_global
+from eftguard.cli import main
+main(sys.argv[1:])
+"""
+
+
+def test_a_failed_run_leaves_no_ray_processes(tmp_path):
+    tag = uuid.uuid4().hex
+    out = tmp_path / "run"
+    result = subprocess.run([sys.executable, "-c", FAIL_IN_ROUND_2, "train", "--out", str(out), *TINY],
+                            env={**ENV, "EFTGUARD_TEST_RUN": tag}, capture_output=True, text=True, timeout=300)
+    assert result.returncode == 1 and "the server failed in round 2" in result.stderr
+    assert (out / "observed/round-0001/client-02").is_dir()  # round 1's clients trained in Ray actors
+    _, alive = psutil.wait_procs(tagged_processes(tag), timeout=20)
+    assert alive == [], [p.pid for p in alive]
+
+
+def test_ctrl_c_keeps_finished_rounds_and_leaves_no_ray_processes(tmp_path):
+    tag = uuid.uuid4().hex
+    out = tmp_path / "run"
+    process = subprocess.Popen([sys.executable, "-m", "eftguard.cli", "train", "--out", str(out), *TINY],
+                               env={**ENV, "EFTGUARD_TEST_RUN": tag}, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE,
+                               text=True)
+    try:
+        for line in process.stderr:  # wait for the event, not on a clock: round 1 is reported done
+            if line.startswith("round 1/2"):
+                process.send_signal(signal.SIGINT)
+                break
+        err = process.stderr.read()
+        assert process.wait(timeout=120) == 130, err[-3000:]
+    finally:
+        if process.poll() is None:
+            process.kill()
+    assert "interrupted after round 1" in err and RunDirectory.open(out).completed_rounds() == 1
+    _, alive = psutil.wait_procs(tagged_processes(tag), timeout=20)
+    assert alive == [], [p.pid for p in alive]
 
 
 def test_fedavg_reference_through_the_same_apps(tmp_path):

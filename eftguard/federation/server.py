@@ -149,10 +149,15 @@ def exchange(grid: Grid, messages: dict[int, Message], timeout: float, progress:
 def run_server(grid: Grid, run_dir: Path) -> None:
     cfg = RunDirectory.open(run_dir).config()
     run = RunDirectory.open(run_dir, cfg.encrypt_at_rest or None)
+    with run.lock():
+        serve_rounds(grid, run, cfg)
+
+
+def serve_rounds(grid: Grid, run: RunDirectory, cfg: TrainConfig) -> None:
+    """The rounds still to run, from the last intact completed round on (run locked by the caller)."""
+    done = run.resume()
     dataset = run_dataset(cfg.dataset, cfg.data_dir, cfg.model, cfg.train_samples, cfg.test_samples, cfg.seed)
     test_images, test_labels = torch.from_numpy(dataset.test.images), torch.from_numpy(dataset.test.labels)
-    done = run.completed_rounds()
-    run.discard_after(done)
     if done:
         model = build_model(cfg.model, dataset.num_classes, cfg.local_layers)
         model.load_state_dict(run.load_checkpoint(done))

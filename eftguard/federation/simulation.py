@@ -4,9 +4,13 @@ from __future__ import annotations
 
 import logging
 import os
+import shutil
 import signal
+import tempfile
 import warnings
 from pathlib import Path
+
+import psutil
 
 from eftguard.config import TrainConfig
 
@@ -19,8 +23,57 @@ def quiet_flower(verbose: bool) -> None:
         warnings.filterwarnings("ignore", category=FutureWarning, module="ray")
 
 
+RAY_SESSION_VARIABLE = "EFTGUARD_RAY_DRIVER"  # inherited by every Ray process a run starts: "pid:start-time"
+
+
+def _driver_tag(process: psutil.Process) -> str:
+    return f"{process.pid}:{process.create_time()}"
+
+
+def _ray_processes(belongs) -> list[psutil.Process]:
+    """This user's processes whose environment carries a driver tag for which belongs(tag) is true."""
+    found = []
+    for process in psutil.process_iter():
+        try:
+            tag = process.environ().get(RAY_SESSION_VARIABLE)
+        except (psutil.Error, OSError):
+            continue  # another user's process, or gone
+        if tag and process.pid != os.getpid() and belongs(tag):
+            found.append(process)
+    return found
+
+
+def _driver_is_gone(tag: str) -> bool:
+    try:
+        return _driver_tag(psutil.Process(int(tag.partition(":")[0]))) != tag
+    except (psutil.Error, ValueError):
+        return True
+
+
+def stop_ray_leftovers() -> list[psutil.Process]:
+    """Stop the Ray processes that earlier eftguard drivers left running when they were killed (SIGKILL)."""
+    leftovers = _ray_processes(_driver_is_gone)
+    stop_processes(leftovers)
+    return leftovers
+
+
+def stop_processes(processes: list[psutil.Process], grace_seconds: float = 5.0) -> None:
+    """SIGTERM, then SIGKILL whatever is still alive after grace_seconds."""
+    for signal_them in (psutil.Process.terminate, psutil.Process.kill):
+        for process in processes:
+            try:
+                signal_them(process)
+            except psutil.Error:
+                pass
+        _, processes = psutil.wait_procs(processes, timeout=grace_seconds)
+
+
 def run_simulated(run_dir: Path, cfg: TrainConfig, verbose: bool = False) -> None:
-    """Run the ServerApp against cfg.clients simulated SuperNodes, one Ray actor per cfg.cpus_per_client."""
+    """Run the ServerApp against cfg.clients simulated SuperNodes, one Ray actor per cfg.cpus_per_client.
+
+    Ray runs as a fresh local instance in its own temp folder, so helpers left by an earlier driver that was
+    killed (SIGKILL) cannot be joined; those leftovers of earlier eftguard drivers are stopped first, and this
+    run's own Ray processes are stopped whatever way it ends (done, error, Ctrl-C)."""
     quiet_flower(verbose)
     from flwr.simulation import run_simulation
 
@@ -34,15 +87,25 @@ def run_simulated(run_dir: Path, cfg: TrainConfig, verbose: bool = False) -> Non
         signal.signal(signal.SIGINT, previous)
         print("\nstopping (Ctrl-C again to kill) ...", flush=True)
 
+    stop_ray_leftovers()
+    tag = _driver_tag(psutil.Process())
+    ray_dir = tempfile.mkdtemp(prefix="eftguard-ray-")
     backend_config = {
         "client_resources": {"num_cpus": cfg.cpus_per_client, "num_gpus": 0.0},
         "init_args": {"logging_level": "WARNING" if verbose else "ERROR", "log_to_driver": verbose,
-                      "include_dashboard": False},
+                      "include_dashboard": False, "address": "local", "_temp_dir": ray_dir},
     }
     STOP_REQUESTED.clear()
     previous = signal.signal(signal.SIGINT, request_stop)
+    os.environ[RAY_SESSION_VARIABLE] = tag
     try:
         run_simulation(server_app=build_server_app(Path(run_dir).resolve()), client_app=client_app,
                        num_supernodes=cfg.clients, backend_config=backend_config, verbose_logging=verbose)
     finally:
+        import ray
+
+        ray.shutdown()  # a no-op when Flower already shut it down
         signal.signal(signal.SIGINT, previous)
+        os.environ.pop(RAY_SESSION_VARIABLE, None)
+        stop_processes(_ray_processes(lambda found: found == tag))
+        shutil.rmtree(ray_dir, ignore_errors=True)
