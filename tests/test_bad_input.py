@@ -244,8 +244,8 @@ def test_hostile_report_json_reaches_the_page_only_as_text(feature_run, tmp_path
 
     run = tmp_path / "run"
     shutil.copytree(feature_run, run)
-    with open(run / "config.toml", "a") as config:  # a comment that tries to close the Markdown code fence
-        config.write(f"# ```\n# {PAYLOADS[0]}\n")
+    config = run / "config.toml"  # a value that tries to close the Markdown code fence around the configuration
+    config.write_text(config.read_text().replace('data_dir = ""', f'data_dir = """\n```\n{PAYLOADS[0]}\n"""'))
     folder = run / "reports" / PAYLOADS[1].replace("/", "")
     folder.mkdir(parents=True)
     (folder / "report.json").write_text(json.dumps(hostile_report()))
