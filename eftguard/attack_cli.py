@@ -63,13 +63,20 @@ def finite_number(above: float, at_most: float = math.inf):
 SEED = whole_number(0, 2 ** 32 - 1)
 
 
+def path_arg(text: str) -> Path:
+    """An argparse type: a path; an empty one (an unset shell variable) would silently mean the current folder."""
+    if not text.strip():
+        raise argparse.ArgumentTypeError("must be a path, got an empty string")
+    return Path(text)
+
+
 def add_common_options(parser: argparse.ArgumentParser, image_metrics: bool = True, seeded: bool = True) -> None:
     """--round, --out, --key; --lpips-backend for image attacks; --seed for attacks with randomness of their own."""
     parser.add_argument("--round", type=whole_number(1), default=None, dest="round_number",
                         help="round whose uploads are attacked (default: the last completed round)")
-    parser.add_argument("--out", type=Path, default=None,
+    parser.add_argument("--out", type=path_arg, default=None,
                         help="folder for reports: <out>/<attack>/report.json, report.md, grid.png (default: RUN/reports)")
-    parser.add_argument("--key", type=Path, metavar="KEYFILE",
+    parser.add_argument("--key", type=path_arg, metavar="KEYFILE",
                         help="at-rest key of a run trained with --encrypt-at-rest (needed to read its uploads)")
     if image_metrics:
         from eftguard.metrics import LPIPS_BACKENDS
@@ -184,10 +191,10 @@ def add_report_parser(sub: argparse._SubParsersAction) -> None:
                             description="Writes report.html (self-contained, images inlined), report.md and "
                                         "report.json with the run's configuration, accuracy per round and every "
                                         "attack report found under --reports.")
-    report.add_argument("run", type=Path, metavar="RUN", help="run directory")
-    report.add_argument("--reports", type=Path, default=None,
+    report.add_argument("run", type=path_arg, metavar="RUN", help="run directory")
+    report.add_argument("--reports", type=path_arg, default=None,
                         help="folder of attack reports, where the run report is written too (default: RUN/reports)")
-    report.add_argument("--key", type=Path, metavar="KEYFILE", help="at-rest key of a run trained with --encrypt-at-rest")
+    report.add_argument("--key", type=path_arg, metavar="KEYFILE", help="at-rest key of a run trained with --encrypt-at-rest")
 
 
 def cmd_report(args: argparse.Namespace) -> None:
@@ -266,7 +273,7 @@ def add_invert_parser(kinds: argparse._SubParsersAction) -> argparse.ArgumentPar
                     "prior, Adam, restarts). Scored against truth/ by PSNR, SSIM and LPIPS over the whole image "
                     "and over the kept patches only, beside a mean-image baseline. DP-SGD does not protect the "
                     "uploaded features; --feature-noise does, and the attack applies it to its training data too.")
-    invert.add_argument("--features", type=Path, required=True, metavar="RUN", help="run directory to attack")
+    invert.add_argument("--features", type=path_arg, required=True, metavar="RUN", help="run directory to attack")
     invert.add_argument("--method", choices=tuple(INVERT_DEFAULT_STEPS), default="decoder",
                         help="decoder (learned inverse network) or optimize (feature matching) (default: decoder)")
     invert.add_argument("--positions", choices=("known", "unknown"), default="known",
@@ -277,7 +284,7 @@ def add_invert_parser(kinds: argparse._SubParsersAction) -> argparse.ArgumentPar
                         help="auxiliary images of the attacker: 'public' (the run dataset's public split, disjoint "
                              "from client data) or a dataset name (photos, cifar10, cifar100, imagefolder:PATH; "
                              "its training split) (default: public)")
-    invert.add_argument("--aux-data-dir", type=Path, default=None, help="local copy of the --aux dataset")
+    invert.add_argument("--aux-data-dir", type=path_arg, default=None, help="local copy of the --aux dataset")
     invert.add_argument("--max-images", type=whole_number(0), default=64,
                         help="attack at most this many uploaded feature sets per client, a seeded random choice "
                              "(0: all) (default: 64)")
@@ -394,7 +401,7 @@ def add_labels_parser(kinds: argparse._SubParsersAction) -> argparse.ArgumentPar
                     "source images per class by linking uploads that share near-identical tokens (median sampling "
                     "re-uploads images of small classes under fresh masks). head: fit per-class cross-entropy "
                     "gradients of the head to the client's head update. Reports go to <out>/labels-<method>/.")
-    labels.add_argument("--run", type=Path, required=True, metavar="RUN", help="run directory to attack")
+    labels.add_argument("--run", type=path_arg, required=True, metavar="RUN", help="run directory to attack")
     labels.add_argument("--method", choices=(*LABEL_METHODS, "all"), default="all", metavar="METHOD",
                         help=f"{' | '.join(LABEL_METHODS)} | all (one report per method) (default: all)")
     labels.add_argument("--clients", default="all", help="'all' or comma-separated partition ids (default: all)")
@@ -472,7 +479,7 @@ def add_gradient_parser(kinds: argparse._SubParsersAction) -> argparse.ArgumentP
                     "attacks an in-memory FedSGD probe: the auditor takes one gradient of B of the client's images "
                     "at the round's start weights (masked as the client would, with the run's DP-SGD clipping and "
                     "noise), the usual worst case. Reports go to OUT/gradient-METHOD/.")
-    parser.add_argument("--run", type=Path, required=True, metavar="RUN", help="run directory")
+    parser.add_argument("--run", type=path_arg, required=True, metavar="RUN", help="run directory")
     parser.add_argument("--method", choices=METHODS, default="analytic",
                         help="analytic: closed form from the positional/patch-embedding gradients (ViT, exact at "
                              "batch 1); dlg: joint image+label L-BFGS on the L2 gradient distance; idlg: label from "

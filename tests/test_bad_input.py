@@ -46,6 +46,8 @@ BAD_OPTIONS = [
     (INVERT + ["--lpips-backend", "vgg"], "argument --lpips-backend: invalid choice: 'vgg'"),
     (INVERT + ["--out", "{file}"], "{file} exists and is not a folder: pass --out with a folder"),
     (INVERT + ["--out", "{file}/reports"], "lies under {file}, a file: pass --out with a folder"),
+    (INVERT + ["--out", ""], "argument --out: must be a path, got an empty string"),
+    (INVERT + ["--aux-data-dir", " "], "argument --aux-data-dir: must be a path, got an empty string"),
     (INVERT + ["--key", "{nothex}"], "is not a hex-encoded key"),
     (INVERT + ["--key", "{tmp}/missing/dir/key"], "key file {tmp}/missing/dir/key does not exist"),
     (INVERT + ["--key", "{tmp}"], "key file {tmp} cannot be read (Is a directory)"),
@@ -63,6 +65,7 @@ BAD_OPTIONS = [
     (LABELS + ["--round", "inf"], "argument --round: must be a whole number >= 1"),
     (LABELS + ["--clients", ","], "--clients must be 'all' or comma-separated partition ids"),
     (LABELS + ["--out", "{file}"], "exists and is not a folder: pass --out with a folder"),
+    (["attack", "labels", "--run", ""], "argument --run: must be a path, got an empty string"),
     (["attack", "labels", "--run", "{file}"], "{file} is a file, not a run directory"),
     # gradient
     (GRADIENT + ["--batch", "nan"], "argument --batch: must be a whole number >= 1, got 'nan'"),
@@ -78,6 +81,7 @@ BAD_OPTIONS = [
     (GRADIENT + ["--method", "magic"], "argument --method: invalid choice: 'magic'"),
     (GRADIENT + ["--steps", "1", "--batch", "1000"], "--batch 1000 is larger than client 0's"),
     (GRADIENT + ["--out", "{file}/x"], "lies under {file}, a file: pass --out with a folder"),
+    (GRADIENT + ["--key", ""], "argument --key: must be a path, got an empty string"),
     (["attack", "gradient", "--run", "{file}"], "{file} is a file, not a run directory"),
     # report
     (REPORT + ["--reports", "{file}"], "{file} exists and is not a folder: pass --reports with a folder"),
