@@ -143,14 +143,23 @@ def out_root(run: RunDirectory, out: Path | None, flag: str = "--out") -> Path:
 
 def check_intact(run: RunDirectory, round_number: int, clients: list[int]) -> None:
     """Before any work: config.toml and every file the attack and its scoring read (start checkpoint, the
-    clients' uploads and truth) must still hash to what manifest.json recorded when they were written;
-    a truncated or altered file is named instead of failing deep inside a loader."""
+    clients' uploads and truth) must exist and still hash to what manifest.json recorded when they were
+    written; a missing, truncated or altered file is named instead of failing deep inside a loader."""
     wanted = ("config.toml", f"checkpoints/{round_name(round_number - 1)}.",
               *(f"{folder}/{round_name(round_number)}/{client_name(k)}{end}"
                 for k in clients for folder, end in (("observed", "/"), ("truth", "."))))
+    start = run.checkpoint_path(round_number - 1)
+    if not start.is_file():
+        raise RunError(f"{start} is missing: it holds the weights round {round_number} started from. Restore it from "
+                       "a backup, or attack another --round")
     for name, digest in run.manifest().get("artefacts", {}).items():
         file = run.path / name
-        if not (name == wanted[0] or name.startswith(wanted[1:])) or not file.is_file() or sha256_of(file) == digest:
+        if not (name == wanted[0] or name.startswith(wanted[1:])):
+            continue
+        if not file.is_file():
+            raise RunError(f"{file} is missing (manifest.json lists it): restore it from a backup, or attack another "
+                           "--round")
+        if sha256_of(file) == digest:
             continue
         if name == "config.toml":
             raise RunError(f"{file} was edited after training (its sha256 differs from manifest.json's): restore "

@@ -134,6 +134,8 @@ DAMAGED_RUNS = [
     (LABELS, truncate(FEATURES), f"{FEATURES} is damaged"),
     (GRADIENT + ["--client", "1"], truncate(UPDATE), f"{UPDATE} is damaged"),
     (INVERT, truncate(TRUTH), f"{TRUTH} is damaged"),
+    (LABELS, lambda run: (run / CHECKPOINT).unlink(), f"{CHECKPOINT} is missing: it holds the weights round 1"),
+    (GRADIENT, lambda run: (run / UPDATE).unlink(), f"{UPDATE} is missing (manifest.json lists it)"),
     (INVERT, edit_config(record=False), "config.toml was edited after training"),
     (LABELS, edit_config(record=False), "config.toml was edited after training"),
     (GRADIENT, edit_config(record=False), "config.toml was edited after training"),
