@@ -142,11 +142,13 @@ def report_problem(report) -> str | None:
         return '"lpips_backend" is not a name'
     for group in [g for g in GROUP_TITLES if g in report] + stat_groups(report):
         if not is_stat_group(report[group]):
-            return f'"{group}" is not a table of {{"mean", "std", "n"}} per metric'
+            return f'{json.dumps(group)} is not a table of {{"mean", "std", "n"}} per metric'
         for metric, stat in report[group].items():
-            if not (all(stat.get(k) is None or is_number(stat[k]) for k in ("mean", "std"))
+            spread = [stat.get("mean"), stat.get("std")]
+            if not ((all(map(is_number, spread)) or spread == [None, None])
                     and isinstance(stat.get("n"), int) and not isinstance(stat["n"], bool)):
-                return f'"{group}" / "{metric}" does not hold numbers "mean", "std" and an integer "n"'
+                return (f'{json.dumps(group)} / {json.dumps(metric)} does not hold numbers "mean" and "std" '
+                        'and an integer "n"')
     return None
 
 

@@ -152,6 +152,8 @@ DAMAGED_RUNS = [
     (REPORT, write_report({**VALID_REPORT, "metrics": {"psnr": {"mean": "<b>", "std": 1, "n": 2}}}),
      '"metrics" / "psnr" does not hold numbers'),
     (REPORT, write_report({**VALID_REPORT, "baseline": [1, 2]}), '"baseline" is not a table of'),
+    (REPORT, write_report({**VALID_REPORT, "metrics": {"psnr\n<b>": {"mean": 1.0, "std": None, "n": 2}}}),
+     '"metrics" / "psnr\\n<b>" does not hold numbers'),
     (REPORT, rewrite_metrics, 'metrics.jsonl is damaged: line 1 has no integer "round" and number "test_accuracy"'),
 ]
 
