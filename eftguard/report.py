@@ -42,6 +42,22 @@ def format_stat(stat: dict | None) -> str:
     return f"{stat['mean']:.3f} ± {stat['std']:.3f} (n={stat['n']})"
 
 
+def is_number(value) -> bool:
+    return isinstance(value, (int, float)) and not isinstance(value, bool)
+
+
+def is_stat(value) -> bool:
+    """{"mean", "std", "n"} as metrics.summarize writes it: numbers, or null mean and std for n = 0."""
+    if not isinstance(value, dict):
+        return False
+    spread, count = [value.get("mean"), value.get("std")], value.get("n")
+    return (all(map(is_number, spread)) or spread == [None, None]) and is_number(count) and isinstance(count, int)
+
+
+def detail_text(value) -> str:
+    return format_stat(value) if is_stat(value) else str(value)
+
+
 def is_stat_group(value) -> bool:
     return isinstance(value, dict) and bool(value) and all(isinstance(v, dict) and "mean" in v for v in value.values())
 
@@ -84,7 +100,7 @@ def attack_markdown_body(report: dict) -> list[str]:
     """Capabilities, the summary table and the details of one attack report, as Markdown lines."""
     lines = [md(capabilities_text(report)), "", markdown_table(summary_table(report)), ""]
     details = report.get("details", {})
-    return lines + [f"- {md(k)}: {md(v)}" for k, v in details.items()] + ([""] if details else [])
+    return lines + [f"- {md(k)}: {md(detail_text(v))}" for k, v in details.items()] + ([""] if details else [])
 
 
 def attack_markdown(report: dict, grid_name: str | None) -> str:
@@ -123,10 +139,6 @@ def write_attack_report(out_root: Path, report: dict, grid: Image.Image | None =
 
 # --- the run report ---------------------------------------------------------------------------------------
 
-def is_number(value) -> bool:
-    return isinstance(value, (int, float)) and not isinstance(value, bool)
-
-
 def report_problem(report) -> str | None:
     """What makes a parsed report.json unusable (None: nothing), checked before any of it is shown."""
     if not isinstance(report, dict):
@@ -144,9 +156,7 @@ def report_problem(report) -> str | None:
         if not is_stat_group(report[group]):
             return f'{json.dumps(group)} is not a table of {{"mean", "std", "n"}} per metric'
         for metric, stat in report[group].items():
-            spread = [stat.get("mean"), stat.get("std")]
-            if not ((all(map(is_number, spread)) or spread == [None, None])
-                    and isinstance(stat.get("n"), int) and not isinstance(stat["n"], bool)):
+            if not is_stat(stat):
                 return (f'{json.dumps(group)} / {json.dumps(metric)} does not hold numbers "mean" and "std" '
                         'and an integer "n"')
     return None
@@ -247,7 +257,7 @@ def write_run_report(run_path: Path, config_toml: str, metrics: list[dict], repo
                  _html_table(summary_table(report))]
         details = report.get("details", {})
         if details:
-            body.append("<ul>" + "".join(f"<li>{html.escape(str(k))}: {html.escape(str(v))}</li>"
+            body.append("<ul>" + "".join(f"<li>{html.escape(str(k))}: {html.escape(detail_text(v))}</li>"
                                          for k, v in details.items()) + "</ul>")
         grid = folder / "grid.png"
         if grid.exists():
