@@ -168,6 +168,21 @@ def check_intact(run: RunDirectory, round_number: int, clients: list[int]) -> No
                        "written (truncated or altered). Restore it from a backup, or attack another --round")
 
 
+def check_round_record(run: RunDirectory, round_number: int, clients: list[int]) -> None:
+    """metrics.jsonl grows every round, so the manifest cannot vouch for it: the round's record must hold what the
+    attacks read per client, n_k as a positive count and, for DP runs, a finite noise multiplier."""
+    record = run.metrics()[round_number - 1]
+    checks = {"num_examples": lambda v: isinstance(v, int) and not isinstance(v, bool) and v > 0}
+    if run.config().dp_eps > 0:
+        checks["noise_multiplier"] = lambda v: isinstance(v, (int, float)) and math.isfinite(v) and v >= 0
+    for key, valid in checks.items():
+        values = record.get(key) if isinstance(record.get(key), dict) else {}
+        for partition in clients:
+            if not valid(values.get(str(partition))):
+                raise RunError(f"{run.path / 'metrics.jsonl'} has no valid {key} of client {partition} in round "
+                               f"{round_number} (got {values.get(str(partition))!r}): restore the file the run wrote")
+
+
 def check_model_loads(run: RunDirectory, round_number: int) -> None:
     """config.toml must still describe the checkpoints (a changed model, split or class count is one line)."""
     try:
@@ -186,6 +201,7 @@ def open_round(path: Path, key: Path | None, round_number: int | None, choice: s
     round_number = resolve_round(run, round_number)
     clients = round_clients(run, round_number, choice)
     check_intact(run, round_number, clients)
+    check_round_record(run, round_number, clients)
     check_model_loads(run, round_number)
     if lpips_backend is not None:
         from eftguard.metrics import load_lpips
@@ -430,15 +446,13 @@ def observe_labels(run: RunDirectory, round_number: int, clients: list[int], wit
     cfg = run.config()
     if cfg.method != "eftvit":
         raise RunError(f"{run.path} is a {cfg.method} run: it uploads no features or labels to attack")
-    reported = next(m for m in run.metrics() if m["round"] == round_number).get("num_examples", {})
+    reported = run.metrics()[round_number - 1]["num_examples"]  # checked by open_round
     num_classes = run.load_checkpoint(round_number - 1)["head.weight"].shape[0]
     observed = []
     for partition in clients:
-        if str(partition) not in reported:
-            raise RunError(f"metrics.jsonl has no n_k of client {partition} in round {round_number}")
         features = run.load_upload(round_number, partition, "features")
         update = run.load_upload(round_number, partition, "update")
-        observed.append(ClientUploads(partition, int(reported[str(partition)]), features["labels"],
+        observed.append(ClientUploads(partition, reported[str(partition)], features["labels"],
                                       features["features"], update["head.weight"], update["head.bias"]))
     model = run.start_model(round_number) if with_model else None
     return LabelObservation(round_number, num_classes, observed, cfg.balance, model)

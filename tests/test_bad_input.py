@@ -99,11 +99,13 @@ def truncate(relative: str):
     return damage
 
 
-def edit_config(record: bool):
-    """Change the model's split in config.toml by hand; record=True also re-records its sha256 in the manifest."""
+def edit_config(record: bool, old: str = "local_layers = 2", new: str = "local_layers = 3"):
+    """Edit config.toml by hand (default: the model's split); record=True also re-records its sha256 in the
+    manifest, as if the edit had come through eftguard."""
     def damage(run: Path) -> None:
         config = run / "config.toml"
-        config.write_text(config.read_text().replace("local_layers = 2", "local_layers = 3"))
+        assert old in config.read_text()
+        config.write_text(config.read_text().replace(old, new))
         if record:
             RunDirectory(run).record_artefact(config)
     return damage
@@ -116,8 +118,10 @@ def write_report(report) -> callable:
     return damage
 
 
-def rewrite_metrics(run: Path) -> None:
-    (run / "metrics.jsonl").write_text(json.dumps({"round": 1, "test_accuracy": "<b>0.9</b>"}) + "\n")
+def rewrite_metrics(**record):
+    def damage(run: Path) -> None:
+        (run / "metrics.jsonl").write_text(json.dumps({"round": 1, "test_accuracy": 0.5, **record}) + "\n")
+    return damage
 
 
 VALID_REPORT = {"attack": "x", "run": "r", "round": 1, "metrics": {"psnr": {"mean": 20.0, "std": 1.0, "n": 2}}}
@@ -154,7 +158,14 @@ DAMAGED_RUNS = [
     (REPORT, write_report({**VALID_REPORT, "baseline": [1, 2]}), '"baseline" is not a table of'),
     (REPORT, write_report({**VALID_REPORT, "metrics": {"psnr\n<b>": {"mean": 1.0, "std": None, "n": 2}}}),
      '"metrics" / "psnr\\n<b>" does not hold numbers'),
-    (REPORT, rewrite_metrics, 'metrics.jsonl is damaged: line 1 has no integer "round" and number "test_accuracy"'),
+    (REPORT, rewrite_metrics(test_accuracy="<b>0.9</b>"),
+     'metrics.jsonl is damaged: line 1 has no integer "round" and number "test_accuracy"'),
+    (REPORT, rewrite_metrics(epsilon={"0": "<b>"}), 'metrics.jsonl is damaged: line 1: "epsilon" is not a number'),
+    (GRADIENT, rewrite_metrics(), "metrics.jsonl has no valid num_examples of client 0 in round 1 (got None)"),
+    (LABELS, rewrite_metrics(num_examples={"0": "abc", "1": 5}), "no valid num_examples of client 0 in round 1 (got 'abc')"),
+    (INVERT, rewrite_metrics(num_examples={"0": 5, "1": -3}), "no valid num_examples of client 1 in round 1 (got -3)"),
+    (GRADIENT, edit_config(record=True, old="dp_eps = 0.0", new="dp_eps = 8.0"),
+     "no valid noise_multiplier of client 0 in round 1 (got None)"),
 ]
 
 
