@@ -65,6 +65,7 @@ BAD_OPTIONS = [
     (LABELS + ["--round", "inf"], "argument --round: must be a whole number >= 1"),
     (LABELS + ["--clients", ","], "--clients must be 'all' or comma-separated partition ids"),
     (LABELS + ["--out", "{file}"], "exists and is not a folder: pass --out with a folder"),
+    (LABELS + ["--key", "{tmp}/missing.key"], "key file {tmp}/missing.key does not exist"),
     (["attack", "labels", "--run", ""], "argument --run: must be a path, got an empty string"),
     (["attack", "labels", "--run", "{file}"], "{file} is a file, not a run directory"),
     # gradient
@@ -77,6 +78,8 @@ BAD_OPTIONS = [
     (GRADIENT + ["--client", "-1"], "argument --client: must be a whole number >= 0"),
     (GRADIENT + ["--client", "7"], "no uploads of client(s) [7]"),
     (GRADIENT + ["--seed", "inf"], "argument --seed: must be a whole number in 0..4294967295"),
+    (GRADIENT + ["--round=-inf"], "argument --round: must be a whole number >= 1, got '-inf'"),
+    (GRADIENT + ["--lpips-backend", "alex"], "argument --lpips-backend: invalid choice: 'alex'"),
     (GRADIENT + ["--steps", "2"], "argument --steps: invalid choice: '2'"),
     (GRADIENT + ["--method", "magic"], "argument --method: invalid choice: 'magic'"),
     (GRADIENT + ["--steps", "1", "--batch", "1000"], "--batch 1000 is larger than client 0's"),
