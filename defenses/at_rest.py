@@ -33,6 +33,8 @@ def read_key(path: Path) -> bytes:
         key = bytes.fromhex(Path(path).read_text().strip())
     except FileNotFoundError:
         raise AtRestError(f"key file {path} does not exist") from None
+    except OSError as exc:  # a folder, or unreadable
+        raise AtRestError(f"key file {path} cannot be read ({exc.strerror}): give the key file itself") from None
     except ValueError:
         raise AtRestError(f"key file {path} is not a hex-encoded key") from None
     if len(key) != KEY_BYTES:

@@ -37,7 +37,8 @@ def test_invert_writes_the_report_and_the_run_report_gathers_it(feature_run, tmp
             "--positions", "unknown", "--restarts", "1", *FAST)
     optimized = json.loads((out / "invert-optimize" / "report.json").read_text())
     assert optimized["capabilities"]["positions_known"] is False
-    assert 0 <= optimized["details"]["position_accuracy"]["mean"] <= 1
+    # kept positions inferred from the features alone: a random guess of 4 of 16 positions scores about 0.15
+    assert optimized["details"]["position_accuracy"]["mean"] > 0.8
 
     run_cli("report", feature_run, "--reports", out)
     page = (out / "report.html").read_text()
@@ -77,19 +78,6 @@ def run_dataset_public(run):
 
     cfg = run.config()
     return load_dataset(cfg.dataset, cfg.data_dir, 32).public.images
-
-
-@pytest.mark.parametrize("argv, message", [
-    (["--round", "2"], "not a completed round"),
-    (["--clients", "5"], "no uploads of client"),
-    (["--max-images", "-1"], "--max-images"),
-    (["--aux", "mnist"], "unknown dataset"),
-])
-def test_bad_input_is_a_clear_error(feature_run, tmp_path, capsys, argv, message):
-    with pytest.raises(SystemExit) as exit_info:
-        run_cli("attack", "invert", "--features", feature_run, "--out", tmp_path, *FAST, *argv)
-    assert exit_info.value.code == 2
-    assert message in capsys.readouterr().err
 
 
 def test_encrypted_runs_need_their_key(tmp_path, capsys):

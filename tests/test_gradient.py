@@ -278,9 +278,9 @@ def test_encrypted_run_needs_its_key(capsys, tmp_path):
     (["--round", "2"], "--round 2 is not a completed round"),
     (["--steps", "1", "--batch", "1000"], "--batch 1000 is larger than client 0's"),
     (["--steps", "local", "--batch", "1000"], "--batch 1000 is larger than client 0's"),
-    (["--batch", "0"], "--batch must be at least 1"),
-    (["--method", "ig", "--restarts", "0"], "--restarts must be at least 1"),
-    (["--method", "dlg", "--iterations", "0"], "--iterations must be at least 1"),
+    (["--batch", "0"], "argument --batch: must be a whole number >= 1"),
+    (["--method", "ig", "--restarts", "0"], "argument --restarts: must be a whole number >= 1"),
+    (["--method", "dlg", "--iterations", "0"], "argument --iterations: must be a whole number >= 1"),
 ])
 def test_bad_input_is_one_clear_error(capsys, eftvit_run, argv, message):
     code, err = run_cli(capsys, "attack", "gradient", "--run", eftvit_run.path, *argv)

@@ -139,7 +139,7 @@ def test_cli_writes_one_report_per_method(tiny_run, tmp_path):
 
 @pytest.mark.parametrize("argv, message", [
     (["--round", "2"], "--round 2 is not a completed round"),
-    (["--method", "magic"], "--method must be one of presence, linkage, head, all"),
+    (["--method", "magic"], "argument --method: invalid choice: 'magic'"),
     (["--clients", "5"], "no uploads of client(s) [5]"),
 ])
 def test_bad_input_is_one_clear_line(tiny_run, capsys, argv, message):

@@ -1,0 +1,286 @@
+"""Every attack command and `eftguard report`, given bad input, answer with one `eftguard: error:` line that names
+the problem and the fix, exit 2, before doing any work, and leave no new file behind.
+
+Written as the user's accident or a tampered run: NaN, infinities and out-of-range values in every numeric option,
+files where folders belong, bad keys, truncated files, a hand-edited config.toml, malformed and hostile reports.
+"""
+
+import json
+import shutil
+from html.parser import HTMLParser
+from pathlib import Path
+
+import pytest
+from markdown_it import MarkdownIt
+
+from eftguard.cli import main
+from eftguard.rundir import RunDirectory
+
+LPIPS = ["--lpips-backend", "stlpips-alex"]
+INVERT = ["attack", "invert", "--features", "{run}", "--steps", "2", "--max-images", "2", *LPIPS]
+LABELS = ["attack", "labels", "--run", "{run}", "--method", "presence"]
+GRADIENT = ["attack", "gradient", "--run", "{run}", *LPIPS]
+REPORT = ["report", "{run}"]
+
+BAD_OPTIONS = [
+    # invert: every numeric option, every choice, every path
+    (INVERT + ["--steps", "nan"], "argument --steps: must be a whole number >= 1, got 'nan'"),
+    (INVERT + ["--steps", "inf"], "argument --steps: must be a whole number >= 1, got 'inf'"),
+    (INVERT + ["--steps", "0"], "argument --steps: must be a whole number >= 1, got '0'"),
+    (INVERT + ["--max-images", "nan"], "argument --max-images: must be a whole number >= 0"),
+    (INVERT + ["--max-images", "-1"], "argument --max-images: must be a whole number >= 0, got '-1'"),
+    (INVERT + ["--restarts", "inf"], "argument --restarts: must be a whole number >= 1"),
+    (INVERT + ["--restarts", "0"], "argument --restarts: must be a whole number >= 1"),
+    (INVERT + ["--round", "nan"], "argument --round: must be a whole number >= 1"),
+    (INVERT + ["--round", "0"], "argument --round: must be a whole number >= 1"),
+    (INVERT + ["--round", "2"], "--round 2 is not a completed round"),
+    (INVERT + ["--seed", "nan"], "argument --seed: must be a whole number in 0..4294967295"),
+    (INVERT + ["--seed", "-1"], "argument --seed: must be a whole number in 0..4294967295"),
+    (INVERT + ["--seed", str(2 ** 64)], "argument --seed: must be a whole number in 0..4294967295"),
+    (INVERT + ["--clients", "0,x"], "--clients must be 'all' or comma-separated partition ids"),
+    (INVERT + ["--clients", "5"], "no uploads of client(s) [5]"),
+    (INVERT + ["--aux", "mnist"], "unknown dataset"),
+    (INVERT + ["--aux", "imagefolder:{tmp}/nothing"], "is not a folder"),
+    (INVERT + ["--method", "magic"], "argument --method: invalid choice: 'magic'"),
+    (INVERT + ["--positions", "maybe"], "argument --positions: invalid choice: 'maybe'"),
+    (INVERT + ["--lpips-backend", "vgg"], "argument --lpips-backend: invalid choice: 'vgg'"),
+    (INVERT + ["--out", "{file}"], "{file} exists and is not a folder: pass --out with a folder"),
+    (INVERT + ["--out", "{file}/reports"], "lies under {file}, a file: pass --out with a folder"),
+    (INVERT + ["--out", ""], "argument --out: must be a path, got an empty string"),
+    (INVERT + ["--aux-data-dir", " "], "argument --aux-data-dir: must be a path, got an empty string"),
+    (INVERT + ["--key", "{nothex}"], "is not a hex-encoded key"),
+    (INVERT + ["--key", "{tmp}/missing/dir/key"], "key file {tmp}/missing/dir/key does not exist"),
+    (INVERT + ["--key", "{tmp}"], "key file {tmp} cannot be read (Is a directory)"),
+    (INVERT + ["--key", "{key}"], "is not encrypted at rest: drop the key"),
+    (["attack", "invert", "--features", "{file}"], "{file} is a file, not a run directory"),
+    (["attack", "invert", "--features", "{tmp}/nothing"], "is not a run directory (it does not exist)"),
+    # labels
+    (LABELS + ["--link-ratio", "nan"], "argument --link-ratio: must be a finite number > 0, got 'nan'"),
+    (LABELS + ["--link-ratio", "inf"], "argument --link-ratio: must be a finite number > 0, got 'inf'"),
+    (LABELS + ["--link-ratio", "0"], "argument --link-ratio: must be a finite number > 0, got '0'"),
+    (LABELS + ["--link-threshold", "nan"], "argument --link-threshold: must be a finite number in (0, 1]"),
+    (LABELS + ["--link-threshold=-inf"], "argument --link-threshold: must be a finite number in (0, 1]"),
+    (LABELS + ["--link-threshold", "1.5"], "argument --link-threshold: must be a finite number in (0, 1]"),
+    (LABELS + ["--method", "magic"], "argument --method: invalid choice: 'magic'"),
+    (LABELS + ["--round", "inf"], "argument --round: must be a whole number >= 1"),
+    (LABELS + ["--clients", ","], "--clients must be 'all' or comma-separated partition ids"),
+    (LABELS + ["--out", "{file}"], "exists and is not a folder: pass --out with a folder"),
+    (LABELS + ["--key", "{tmp}/missing.key"], "key file {tmp}/missing.key does not exist"),
+    (["attack", "labels", "--run", ""], "argument --run: must be a path, got an empty string"),
+    (["attack", "labels", "--run", "{file}"], "{file} is a file, not a run directory"),
+    # gradient
+    (GRADIENT + ["--batch", "nan"], "argument --batch: must be a whole number >= 1, got 'nan'"),
+    (GRADIENT + ["--batch", "0"], "argument --batch: must be a whole number >= 1, got '0'"),
+    (GRADIENT + ["--iterations", "inf"], "argument --iterations: must be a whole number >= 1"),
+    (GRADIENT + ["--iterations", "0"], "argument --iterations: must be a whole number >= 1"),
+    (GRADIENT + ["--restarts", "nan"], "argument --restarts: must be a whole number >= 1"),
+    (GRADIENT + ["--client", "nan"], "argument --client: must be a whole number >= 0"),
+    (GRADIENT + ["--client", "-1"], "argument --client: must be a whole number >= 0"),
+    (GRADIENT + ["--client", "7"], "no uploads of client(s) [7]"),
+    (GRADIENT + ["--seed", "inf"], "argument --seed: must be a whole number in 0..4294967295"),
+    (GRADIENT + ["--round=-inf"], "argument --round: must be a whole number >= 1, got '-inf'"),
+    (GRADIENT + ["--lpips-backend", "alex"], "argument --lpips-backend: invalid choice: 'alex'"),
+    (GRADIENT + ["--steps", "2"], "argument --steps: invalid choice: '2'"),
+    (GRADIENT + ["--method", "magic"], "argument --method: invalid choice: 'magic'"),
+    (GRADIENT + ["--steps", "1", "--batch", "1000"], "--batch 1000 is larger than client 0's"),
+    (GRADIENT + ["--out", "{file}/x"], "lies under {file}, a file: pass --out with a folder"),
+    (GRADIENT + ["--key", ""], "argument --key: must be a path, got an empty string"),
+    (["attack", "gradient", "--run", "{file}"], "{file} is a file, not a run directory"),
+    # report
+    (REPORT + ["--reports", "{file}"], "{file} exists and is not a folder: pass --reports with a folder"),
+    (REPORT + ["--reports", "{file}/x"], "lies under {file}, a file: pass --reports with a folder"),
+    (REPORT + ["--key", "{nothex}"], "is not a hex-encoded key"),
+    (["report", "{file}"], "{file} is a file, not a run directory"),
+    (["report", "{tmp}/nothing"], "is not a run directory (it does not exist)"),
+]
+
+
+def truncate(relative: str):
+    def damage(run: Path) -> None:
+        file = run / relative
+        file.write_bytes(file.read_bytes()[:file.stat().st_size // 2])
+    return damage
+
+
+def edit_config(record: bool, old: str = "local_layers = 2", new: str = "local_layers = 3"):
+    """Edit config.toml by hand (default: the model's split); record=True also re-records its sha256 in the
+    manifest, as if the edit had come through eftguard."""
+    def damage(run: Path) -> None:
+        config = run / "config.toml"
+        assert old in config.read_text()
+        config.write_text(config.read_text().replace(old, new))
+        if record:
+            RunDirectory(run).record_artefact(config)
+    return damage
+
+
+def write_report(report) -> callable:
+    def damage(run: Path) -> None:
+        (run / "reports" / "x").mkdir(parents=True)
+        (run / "reports" / "x" / "report.json").write_text(report if isinstance(report, str) else json.dumps(report))
+    return damage
+
+
+def rewrite_metrics(**record):
+    def damage(run: Path) -> None:
+        (run / "metrics.jsonl").write_text(json.dumps({"round": 1, "test_accuracy": 0.5, **record}) + "\n")
+    return damage
+
+
+VALID_REPORT = {"attack": "x", "run": "r", "round": 1, "metrics": {"psnr": {"mean": 20.0, "std": 1.0, "n": 2}}}
+CHECKPOINT = "checkpoints/round-0000.safetensors"
+FEATURES = "observed/round-0001/client-00/features.safetensors"
+UPDATE = "observed/round-0001/client-01/update.safetensors"
+TRUTH = "truth/round-0001/client-00.safetensors"
+
+DAMAGED_RUNS = [
+    (INVERT, truncate(CHECKPOINT), f"{CHECKPOINT} is damaged: it no longer matches the sha256 manifest.json"),
+    (LABELS, truncate(CHECKPOINT), f"{CHECKPOINT} is damaged"),
+    (GRADIENT, truncate(CHECKPOINT), f"{CHECKPOINT} is damaged"),
+    (INVERT, truncate(FEATURES), f"{FEATURES} is damaged"),
+    (LABELS, truncate(FEATURES), f"{FEATURES} is damaged"),
+    (GRADIENT + ["--client", "1"], truncate(UPDATE), f"{UPDATE} is damaged"),
+    (INVERT, truncate(TRUTH), f"{TRUTH} is damaged"),
+    (LABELS, lambda run: (run / CHECKPOINT).unlink(), f"{CHECKPOINT} is missing: it holds the weights round 1"),
+    (GRADIENT, lambda run: (run / UPDATE).unlink(), f"{UPDATE} is missing (manifest.json lists it)"),
+    (INVERT, edit_config(record=False), "config.toml was edited after training"),
+    (LABELS, edit_config(record=False), "config.toml was edited after training"),
+    (GRADIENT, edit_config(record=False), "config.toml was edited after training"),
+    (INVERT, edit_config(record=True), "config.toml does not match round-0000.safetensors (Missing key(s)"),
+    (GRADIENT, edit_config(record=True), "config.toml does not match round-0000.safetensors"),
+    (INVERT, lambda run: (run / "reports").write_text("notes"), "reports exists and is not a folder: pass --out"),
+    (LABELS, lambda run: (run / "manifest.json").write_text("{"), "manifest.json is missing or corrupt"),
+    (REPORT, write_report("{not json"), "reports/x/report.json is not readable JSON"),
+    (REPORT, write_report([VALID_REPORT]), "report.json is not an attack report: its top level is not a JSON object"),
+    (REPORT, write_report({**VALID_REPORT, "round": "<img src=x onerror=alert(1)>"}),
+     'report.json is not an attack report: "round" is missing or not a round number'),
+    (REPORT, write_report({k: v for k, v in VALID_REPORT.items() if k != "attack"}), '"attack" is missing'),
+    (REPORT, write_report({**VALID_REPORT, "capabilities": ["<script>"]}), '"capabilities" is not a JSON object'),
+    (REPORT, write_report({**VALID_REPORT, "metrics": {"psnr": {"mean": "<b>", "std": 1, "n": 2}}}),
+     '"metrics" / "psnr" does not hold numbers'),
+    (REPORT, write_report({**VALID_REPORT, "baseline": [1, 2]}), '"baseline" is not a table of'),
+    (REPORT, write_report({**VALID_REPORT, "metrics": {"psnr\n<b>": {"mean": 1.0, "std": None, "n": 2}}}),
+     '"metrics" / "psnr\\n<b>" does not hold numbers'),
+    (REPORT, rewrite_metrics(test_accuracy="<b>0.9</b>"),
+     'metrics.jsonl is damaged: line 1 has no integer "round" and number "test_accuracy"'),
+    (REPORT, rewrite_metrics(epsilon={"0": "<b>"}), 'metrics.jsonl is damaged: line 1: "epsilon" is not a number'),
+    (GRADIENT, rewrite_metrics(), "metrics.jsonl has no valid num_examples of client 0 in round 1 (got None)"),
+    (LABELS, rewrite_metrics(num_examples={"0": "abc", "1": 5}), "no valid num_examples of client 0 in round 1 (got 'abc')"),
+    (INVERT, rewrite_metrics(num_examples={"0": 5, "1": -3}), "no valid num_examples of client 1 in round 1 (got -3)"),
+    (GRADIENT, edit_config(record=True, old="dp_eps = 0.0", new="dp_eps = 8.0"),
+     "no valid noise_multiplier of client 0 in round 1 (got None)"),
+]
+
+
+def files_under(*folders: Path) -> set[Path]:
+    return {p for folder in folders for p in folder.rglob("*")}
+
+
+@pytest.fixture
+def places(tmp_path):
+    """Paths the bad inputs point at: a plain file, a non-hex key file, a valid key; nothing else."""
+    from defenses.at_rest import create_key
+
+    (tmp_path / "file.txt").write_text("not a folder\n")
+    (tmp_path / "nothex.key").write_text("zz-not-hex\n")
+    create_key(tmp_path / "valid.key")
+    return {"tmp": str(tmp_path), "file": str(tmp_path / "file.txt"), "nothex": str(tmp_path / "nothex.key"),
+            "key": str(tmp_path / "valid.key")}
+
+
+def refuse(capsys, argv: list[str], fragment: str, places: dict, watched: list[Path]) -> None:
+    """Run argv; it must exit 2 with exactly one `eftguard: error:` line holding fragment, and create nothing."""
+    before = files_under(*watched)
+    with pytest.raises(SystemExit) as exit_info:
+        main([a.format(**places) for a in argv])
+    err = capsys.readouterr().err
+    assert exit_info.value.code == 2, err
+    lines = err.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith("eftguard: error: "), err
+    assert fragment.format(**places) in lines[0]
+    assert files_under(*watched) == before
+
+
+@pytest.mark.parametrize("argv, fragment", BAD_OPTIONS, ids=[" ".join(a[1:2] + a[4:]) for a, _ in BAD_OPTIONS])
+def test_bad_option_is_one_line_before_any_work(capsys, feature_run, places, argv, fragment):
+    refuse(capsys, argv, fragment, {**places, "run": str(feature_run)}, [feature_run, Path(places["tmp"])])
+
+
+@pytest.mark.parametrize("argv, damage, fragment", DAMAGED_RUNS,
+                         ids=[f"{a[1]}-{i}" for i, (a, _, _) in enumerate(DAMAGED_RUNS)])
+def test_damaged_run_is_one_line_naming_the_file(capsys, feature_run, places, tmp_path, argv, damage, fragment):
+    run = tmp_path / "run"
+    shutil.copytree(feature_run, run)
+    damage(run)
+    refuse(capsys, argv, fragment, {**places, "run": str(run)}, [run, tmp_path])
+
+
+def test_stray_folders_are_not_uploads_or_checkpoints(capsys, feature_run, tmp_path):
+    run = tmp_path / "run"
+    shutil.copytree(feature_run, run)
+    for stray in ("observed/round-0001/client-x", "observed/junk", "checkpoints/round-abc"):
+        (run / stray).mkdir()
+    (run / "checkpoints" / "notes.txt").write_text("stray")
+    main(["attack", "labels", "--run", str(run), "--method", "presence"])
+    report = json.loads((run / "reports" / "labels-presence" / "report.json").read_text())
+    assert report["clients"] == [0, 1]
+
+
+# --- a hostile report folder ------------------------------------------------------------------------------
+
+PAYLOADS = ['<img src=x onerror=alert(1)>', '"><script>alert(2)</script>', "<svg onload=alert(3)>"]
+PAGE_TAGS = {"html", "head", "meta", "title", "style", "body", "h1", "h2", "h3", "p", "pre", "code", "svg", "line",
+             "text", "polyline", "circle", "table", "thead", "tbody", "tr", "th", "td", "ul", "li", "img"}
+
+
+class Tags(HTMLParser):
+    """Every start tag with its attributes."""
+
+    def __init__(self):
+        super().__init__()
+        self.found: list[tuple[str, dict]] = []
+
+    def handle_starttag(self, tag, attrs):
+        self.found.append((tag, dict(attrs)))
+
+
+def tags_of(page: str) -> list[tuple[str, dict]]:
+    parser = Tags()
+    parser.feed(page)
+    return parser.found
+
+
+def hostile_report() -> dict:
+    """A well-typed report.json with a script payload in every string a page could show."""
+    a, b, c = PAYLOADS
+    stat = {"mean": 1.0, "std": 0.5, "n": 3}
+    return {"attack": a, "run": b, "round": 1, "clients": [0],
+            "capabilities": {a: b, "aux_data": c}, "lpips_backend": c,
+            "metrics": {a: stat, b: stat}, "baseline": {c: stat}, b: {a: stat},
+            "histograms": {a: {"true": [b], "estimated": [c]}}, "per_client": {a: {b: c}},
+            "details": {a: b, "nested": {c: [a, b]}, "histogram": f"{a} / {b}"}}
+
+
+def test_hostile_report_json_reaches_the_page_only_as_text(feature_run, tmp_path):
+    from PIL import Image
+
+    run = tmp_path / "run"
+    shutil.copytree(feature_run, run)
+    config = run / "config.toml"  # a value that tries to close the Markdown code fence around the configuration
+    config.write_text(config.read_text().replace('data_dir = ""', f'data_dir = """\n```\n{PAYLOADS[0]}\n"""'))
+    folder = run / "reports" / PAYLOADS[1].replace("/", "")
+    folder.mkdir(parents=True)
+    (folder / "report.json").write_text(json.dumps(hostile_report()))
+    Image.new("RGB", (4, 4)).save(folder / "grid.png")
+    main(["report", str(run)])
+
+    page = (run / "reports" / "report.html").read_text()
+    rendered_md = MarkdownIt("commonmark").render((run / "reports" / "report.md").read_text())
+    for html_text in (page, rendered_md):
+        tags = tags_of(html_text)
+        assert {t for t, _ in tags} <= PAGE_TAGS
+        assert not [name for _, attrs in tags for name in attrs if name.startswith("on")]
+        images = [attrs["src"] for tag, attrs in tags if tag == "img"]
+        assert len(images) == 1 and not images[0].startswith("x")
+    assert page.count("&lt;img src=x onerror=alert(1)&gt;") >= 6  # shown as text: title, caps, metric, details...
+    assert "<img src=x" not in page and "<script>" not in page and "<svg onload" not in page
