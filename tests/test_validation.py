@@ -13,7 +13,7 @@ from eftguard.config import TrainConfig
 from eftguard.federation.client import run_dataset
 from eftguard.federation.records import UploadError, from_record, to_record
 from eftguard.federation.server import parse_reply, upload_spec
-from eftguard.federation.validation import MAX_ABS_VALUE, max_feature_sets
+from eftguard.federation.validation import MAX_FEATURE_VALUE, MAX_PARAMETER_VALUE, max_feature_sets
 from eftguard.sampling import balanced_indices
 
 CFG = TrainConfig(train_samples=200).resolved()
@@ -76,20 +76,17 @@ def test_spec_bounds_come_from_the_run(spec, dataset):
     assert (spec.balance, spec.local_epochs, spec.round_seconds) == ("median", 1, 3600.0)
 
 
-def corrupt_array(part, name, value):
-    return lambda u, f, t, m: {"update": u, "features": f, "truth": t}[part].__setitem__(name, value)
-
-
 @pytest.mark.parametrize("corrupt, reason", [
     (lambda u, f, t, m: u.__setitem__("head.weight", np.full_like(u["head.weight"], np.nan)), "NaN"),
     (lambda u, f, t, m: u.__setitem__("head.bias", np.full(10, 1e30, np.float32)), r"beyond \+-10000"),
-    (lambda u, f, t, m: u.__setitem__("head.bias", np.full(10, -2 * MAX_ABS_VALUE, np.float32)), "MAX_ABS_VALUE"),
+    (lambda u, f, t, m: u["head.bias"].__setitem__(3, -2 * MAX_PARAMETER_VALUE), "MAX_PARAMETER_VALUE"),
     (lambda u, f, t, m: u.__setitem__("head.bias", np.zeros(11, np.float32)), r"update 'head.bias' declares .*\(11,\)"),
     (lambda u, f, t, m: u.__setitem__("head.bias", u["head.bias"].astype(np.float64)), "float64"),
     (lambda u, f, t, m: u.pop("head.bias"), r"missing \['head.bias'\]"),
     (lambda u, f, t, m: u.__setitem__("global_module.norm.weight", np.ones(192, np.float32)), "unexpected"),
     (lambda u, f, t, m: f.__setitem__("features", np.full((5, 17, 192), np.inf, np.float32)), "NaN or infinite"),
-    (lambda u, f, t, m: f["features"].__setitem__((4, 16, 191), 1e30), "beyond"),
+    (lambda u, f, t, m: f["features"].__setitem__((4, 16, 191), 1e30), r"beyond \+-1e\+06"),
+    (lambda u, f, t, m: f["features"].__setitem__((0, 0, 0), -2 * MAX_FEATURE_VALUE), "MAX_FEATURE_VALUE"),
     (lambda u, f, t, m: f.__setitem__("features", np.zeros((5, 65, 192), np.float32)), r"declares float32 \(5, 65"),
     (lambda u, f, t, m: f.__setitem__("labels", np.array([0, 1, 2, 3, 10], np.int64)), "outside"),
     (lambda u, f, t, m: f.__setitem__("labels", np.array([0, 1, -1, 3, 4], np.int64)), "outside"),
@@ -144,6 +141,13 @@ def test_missing_or_extra_metrics_are_rejected(good, spec):
                     "eftvit")
     with pytest.raises(UploadError, match=r"unexpected \['weight'\]"):
         parse_reply(reply_for(update, features, truth, {**metrics, "weight": 1e9}), 2, spec, "eftvit")
+
+
+def test_values_at_the_magnitude_bounds_pass(good, spec):
+    good[0]["head.bias"][0] = -MAX_PARAMETER_VALUE
+    good[1]["features"][0, 0, 0] = MAX_FEATURE_VALUE
+    upload, _ = parse_reply(reply_for(*good), 2, spec, "eftvit")
+    assert upload.update["head.bias"][0] == -MAX_PARAMETER_VALUE
 
 
 def test_the_largest_plausible_claim_passes_and_one_more_does_not(good, spec):
