@@ -192,6 +192,8 @@ def test_missing_extra_and_unrequested_records_are_rejected(good, spec):
     (lambda t: t["kept_ids"].__setitem__((0, 1), 0), "distinct"),
     (lambda t: t["class_counts"].__setitem__(0, -4), "non-negative"),
     (lambda t: t["class_counts"].__setitem__(0, 5), r"sum to num-examples \(40\)"),
+    # Counts that sum to 40 only modulo 2**64: [2**62 + 4, 2**62, 2**62, 2**62, 4, ...].
+    (lambda t: t["class_counts"].__iadd__(np.array([2 ** 62] * 4 + [0] * 6, np.int64)), "sum to num-examples"),
     (lambda t: t.__setitem__("sample_ids", t["sample_ids"][:4]), r"'sample_ids' declares int64 \(4,\)"),
     (lambda t: t.pop("kept_ids"), r"missing \['kept_ids'\]"),
 ])

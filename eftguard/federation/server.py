@@ -18,6 +18,7 @@ from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, T
 
 from defenses.dp import ClientBudget
 from eftguard.config import TrainConfig
+from eftguard.data import Dataset
 from eftguard.federation.aggregate import fedavg
 from eftguard.federation.client import (client_partition, dp_budget, participation, run_dataset, seeded,
                                          select_clients)
@@ -25,7 +26,6 @@ from eftguard.federation.errors import FederationError, Interrupted
 from eftguard.federation.records import ClientSettings, UploadError, to_record
 from eftguard.federation.validation import (UploadSpec, validate_features, validate_metrics, validate_truth,
                                             validate_update)
-from eftguard.data import Dataset
 from eftguard.masking import kept_token_count
 from eftguard.model import EFTViT, build_model
 from eftguard.rundir import RunDirectory

@@ -3,14 +3,13 @@
 A reply is read in the order that keeps a hostile one cheap: its metrics first (plain values, each checked
 for type and range), then the names, dtypes, shapes and byte sizes its arrays *declare*, bounded by what this
 run can produce, so that an oversized upload is refused before it is decoded; only then the decoded values
-(finite, within MAX_PARAMETER_VALUE or MAX_FEATURE_VALUE, labels and sample ids in range). Every failure is an UploadError naming the
-part and the problem; nothing else leaves this module, whatever a client sends."""
+(finite, within MAX_PARAMETER_VALUE or MAX_FEATURE_VALUE, labels and sample ids in range). Every failure is an
+UploadError naming the part and the problem; nothing else leaves this module, whatever a client sends."""
 
 from __future__ import annotations
 
 import math
 from dataclasses import dataclass
-from typing import Mapping
 
 import numpy as np
 from flwr.app import Array, ArrayRecord, ConfigRecord
@@ -187,7 +186,7 @@ def validate_truth(record, spec: UploadSpec, num_examples: int, feature_sets: in
     _check_layout("truth", record, layout)
     truth = from_record(record, "truth")
     counts = truth["class_counts"]
-    if (counts < 0).any() or counts.sum() != num_examples:
+    if (counts < 0).any() or (counts > num_examples).any() or counts.sum() != num_examples:  # no int64 wrap-around
         raise UploadError(f"truth 'class_counts' must be non-negative and sum to num-examples ({num_examples})")
     ids = truth["sample_ids"]
     position = np.searchsorted(spec.train_ids, ids).clip(max=len(spec.train_ids) - 1)
