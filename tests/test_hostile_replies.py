@@ -147,12 +147,14 @@ def hostile_mutations() -> list[Mutation]:
     out.append(Mutation("truth", "kept id repeated", "kept_ids",
                         edit_array("truth", by_name("kept_ids"), lambda a, rng: np.repeat(a[:, :1], a.shape[1], 1))))
     out.append(Mutation("truth", "class count off by one", "class_counts",
-                        edit_array("truth", by_name("class_counts"), lambda a, rng: a + np.eye(len(a), dtype=a.dtype)[0])))
+                        edit_array("truth", by_name("class_counts"),
+                                   lambda a, rng: a + np.eye(len(a), dtype=a.dtype)[0])))
     for part in ("update", "features", "truth"):
         out.append(Mutation("missing or extra", f"{part} lacks an array", part,
                             lambda c, rng, part=part: with_part(c, part, dict(list(c[part].items())[1:]))))
         out.append(Mutation("missing or extra", f"{part} has an extra array", part,
-                            lambda c, rng, part=part: with_part(c, part, {**c[part], "images": np.zeros((2, 3), np.float32)})))
+                            lambda c, rng, part=part: with_part(c, part, {**c[part],
+                                                                          "images": np.zeros((2, 3), np.float32)})))
         out.append(Mutation("missing or extra", f"{part} array renamed", part,
                             lambda c, rng, part=part: with_part(c, part, {("x" + k if i == 0 else k): v for i, (k, v)
                                                                           in enumerate(c[part].items())})))
@@ -338,7 +340,8 @@ def test_malformed_metrics_and_an_all_nan_round_do_not_stop_the_run(tmp_path, ca
     assert (first["client_loss"], first["server_loss"], first["num_examples"]) == (None, None, {})
     before, after = run.load_checkpoint(0), run.load_checkpoint(1)
     assert all(torch.equal(before[k], after[k]) for k in before)
-    assert second["dropped"] == {} and second["client_loss"] > 0 and sorted(second["num_examples"]) == ["0", "1", "2", "3"]
+    assert second["dropped"] == {} and second["client_loss"] > 0
+    assert sorted(second["num_examples"]) == ["0", "1", "2", "3"]
     printed = capsys.readouterr().err
     assert f"round 1/2: test accuracy {first['test_accuracy']:.3f}  dropped 4" in printed
     assert f"round 2/2: test accuracy {second['test_accuracy']:.3f}  client loss {second['client_loss']:.3f}" in printed
@@ -355,7 +358,8 @@ def test_a_client_claiming_2_62_examples_does_not_set_the_model(tmp_path):
 
     run = run_attack(tmp_path, on_train({0: overclaim}))
     record = run.metrics()[0]
-    assert record["dropped"] == {"0": "metrics 'num-examples' 4611686018427387904 outside 1..60 (the run's training set)"}
+    assert record["dropped"] == {
+        "0": "metrics 'num-examples' 4611686018427387904 outside 1..60 (the run's training set)"}
     head_bias = run.load_checkpoint(1)["head.bias"].numpy()
     assert np.array_equal(head_bias, run.load_upload(1, 1, "update")["head.bias"])
     assert not np.allclose(head_bias, target, atol=1.0)

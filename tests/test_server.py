@@ -70,7 +70,8 @@ def test_rounds_write_the_run_directory(finished):
     # Median sampling: each present class of a client gives T feature sets, absent classes none.
     features, truth = run.load_upload(2, 1, "features"), run.load_arrays(run.truth_path(2, 1))
     counts = truth["class_counts"]
-    assert np.array_equal(np.bincount(features["labels"], minlength=10), np.where(counts > 0, class_target(counts, "median"), 0))
+    per_class = np.where(counts > 0, class_target(counts, "median"), 0)
+    assert np.array_equal(np.bincount(features["labels"], minlength=10), per_class)
     assert features["features"].shape == (records[1]["feature_sets"]["1"], 17, 192)
     assert truth["kept_ids"].shape == (len(features["labels"]), 16)
     assert sorted(p.name for p in (run.path / "checkpoints").iterdir()) == [f"round-000{i}.safetensors" for i in range(3)]
@@ -94,8 +95,8 @@ def test_checkpoint_holds_the_fedavg_of_the_uploads_and_a_trained_global_module(
     assert set(averaged) == set(after) - theta  # phi and h are uploaded, theta never
     for key, value in averaged.items():
         assert torch.equal(after[key], torch.from_numpy(value)), key
-    assert not torch.equal(after["local_module.patch_embed.proj.weight"], before["local_module.patch_embed.proj.weight"])
-    assert not torch.equal(after["head.weight"], before["head.weight"])
+    for moved in ("local_module.patch_embed.proj.weight", "head.weight"):
+        assert not torch.equal(after[moved], before[moved]), moved
     assert all(not torch.equal(after[k], before[k]) for k in theta)
 
 
@@ -110,7 +111,8 @@ def test_fedavg_method_checkpoint_is_the_weighted_average_of_whole_models(tmp_pa
     before, after = run.load_checkpoint(0), run.load_checkpoint(1)
     assert set(averaged) == set(after)
     assert all(torch.equal(after[k], torch.from_numpy(v)) for k, v in averaged.items())
-    assert not torch.equal(after["global_module.blocks.0.attn.qkv.weight"], before["global_module.blocks.0.attn.qkv.weight"])
+    assert all(not torch.equal(after[k], before[k]) for k in ("local_module.patch_embed.proj.weight", "head.weight",
+                                                               "global_module.blocks.0.attn.qkv.weight"))
 
 
 def test_the_average_is_loaded_with_strict_keys():

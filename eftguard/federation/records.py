@@ -42,7 +42,8 @@ def from_record(record: ArrayRecord, what: str) -> dict[str, np.ndarray]:
     out = {}
     for key, array in record.items():
         if array.stype != "numpy.ndarray":
-            raise UploadError(f"{what}['{key}'] has serialisation '{array.stype!s:.40}', only numpy arrays are accepted")
+            raise UploadError(f"{what}['{key}'] has serialisation '{array.stype!s:.40}', "
+                              "only numpy arrays are accepted")
         try:
             announced = _npy_layout(array.data)
             if announced != (array.dtype, tuple(array.shape)):

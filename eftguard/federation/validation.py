@@ -126,7 +126,8 @@ def _check_layout(what: str, record, layout: Layout) -> None:
         array: Array = record[name]
         declared = tuple(array.shape) if isinstance(array.shape, (tuple, list)) else array.shape
         if array.dtype != dtype or declared != shape:
-            raise UploadError(f"{what} '{name}' declares {array.dtype!s:.20} {declared!s:.60}, expected {dtype} {shape}")
+            raise UploadError(f"{what} '{name}' declares {array.dtype!s:.20} {declared!s:.60}, "
+                              f"expected {dtype} {shape}")
         if not isinstance(array.data, bytes):
             raise UploadError(f"{what} '{name}' carries {type(array.data).__name__}, not bytes")
         payload = np.dtype(dtype).itemsize * math.prod(shape)
