@@ -233,17 +233,13 @@ def test_dp_run_records_epsilon_per_client_within_budget(tmp_path):
     assert records[0]["noise_multiplier"]["2"] == records[2]["noise_multiplier"]["2"]  # fixed for the whole run
 
 
-def crash_in_round_2():
-    """A tamper under which the server dies while collecting round 2 (round 1 has two clients)."""
-    seen = []
-
-    def tamper(node, reply):
-        if reply.metadata.message_type == "train":
-            seen.append(node)
-            if len(seen) == 3:
-                raise KeyboardInterrupt
-        return reply
-    return tamper
+def crash_in_round_2(node, reply, seen=[]):
+    """The server dies while collecting round 2 (round 1 has two clients); `seen` counts across calls."""
+    if reply.metadata.message_type == "train":
+        seen.append(node)
+        if len(seen) == 3:
+            raise KeyboardInterrupt
+    return reply
 
 
 def test_dp_run_with_feature_noise_resumes_exactly(tmp_path):
@@ -252,7 +248,7 @@ def test_dp_run_with_feature_noise_resumes_exactly(tmp_path):
     run_server(FakeGrid(3), full.path)
     cut = RunDirectory.create(tmp_path / "cut", cfg)
     with pytest.raises(KeyboardInterrupt):
-        run_server(FakeGrid(3, tamper=crash_in_round_2()), cut.path)
+        run_server(FakeGrid(3, tamper=crash_in_round_2), cut.path)
     assert cut.completed_rounds() == 1
     run_server(FakeGrid(3), cut.path)
     a, b = full.metrics(), cut.metrics()

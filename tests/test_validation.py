@@ -150,6 +150,23 @@ def test_values_at_the_magnitude_bounds_pass(good, spec):
     assert upload.update["head.bias"][0] == -MAX_PARAMETER_VALUE
 
 
+DP_REPORT = {"dp-noise-multiplier": 1.0, "dp-sample-rate": 0.25, "dp-steps": 4, "dp-epsilon-spent": 2.0}
+
+
+def test_a_dp_report_may_come_with_the_metrics_but_only_well_typed(good, spec):
+    """A DP client reports what its optimizer applied (checked against the budget elsewhere); here only that
+    every value is a finite number (steps: an integer), so that later checks cannot be crashed."""
+    update, features, truth, metrics = good
+    assert parse_reply(reply_for(update, features, truth, {**metrics, **DP_REPORT}), 2, spec, "eftvit")[0].num_examples == 40
+    for key, value, reason in (("dp-epsilon-spent", 10 ** 400, "'dp-epsilon-spent' must be finite"),
+                               ("dp-noise-multiplier", "abc", "'dp-noise-multiplier' must be a number"),
+                               ("dp-sample-rate", float("nan"), "'dp-sample-rate' must be finite"),
+                               ("dp-steps", 4.0, "'dp-steps' must be an integer"),
+                               ("dp-steps", True, "'dp-steps' must be an integer")):
+        with pytest.raises(UploadError, match=reason):
+            parse_reply(reply_for(update, features, truth, {**metrics, **DP_REPORT, key: value}), 2, spec, "eftvit")
+
+
 def test_the_largest_plausible_claim_passes_and_one_more_does_not(good, spec):
     good[3]["num-examples"] = 200
     good[2]["class_counts"] = np.full(10, 20, np.int64)

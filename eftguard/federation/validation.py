@@ -30,6 +30,10 @@ MAX_LOSS = 1e6  # a cross-entropy is 2.3 at init for 10 classes; this keeps the 
 NPY_HEADER_BYTES = 1024
 # What a client reports with its upload (eftguard.federation.apps.train); a reply with other keys is refused.
 METRIC_KEYS = frozenset({"partition-id", "num-examples", "loss", "epoch-seconds", "feature-seconds"})
+# What a DP client may add: the DP-SGD its optimizer applied and its ledger's spend. Only their types are checked
+# here; whether they meet the run's budget is the server's DP check.
+DP_REPORT_NUMBERS = frozenset({"dp-noise-multiplier", "dp-sample-rate", "dp-epsilon-spent"})
+DP_REPORT_INTEGERS = frozenset({"dp-steps"})
 
 Layout = dict[str, tuple[str, tuple[int, ...]]]  # array name -> (dtype name, shape)
 
@@ -88,16 +92,20 @@ def _seconds(what: str, value, spec: UploadSpec) -> float:
     return seconds
 
 
-def _check_names(what: str, record, names, kind=ArrayRecord) -> None:
+def _check_names(what: str, record, names, kind=ArrayRecord, optional=frozenset()) -> None:
     if not isinstance(record, kind):
         raise UploadError(f"reply '{what}' is {type(record).__name__}, expected {kind.__name__}")
-    missing, extra = sorted(set(names) - set(record.keys())), sorted(set(record.keys()) - set(names))
+    missing, extra = sorted(set(names) - set(record.keys())), sorted(set(record.keys()) - set(names) - optional)
     if missing or extra:
         raise UploadError(f"{what} has wrong entries (missing {missing[:3]}, unexpected {[e[:40] for e in extra[:3]]})")
 
 
 def validate_metrics(record, partition: int, spec: UploadSpec) -> ReplyMetrics:
-    _check_names("metrics", record, METRIC_KEYS, ConfigRecord)
+    _check_names("metrics", record, METRIC_KEYS, ConfigRecord, DP_REPORT_NUMBERS | DP_REPORT_INTEGERS)
+    for key in DP_REPORT_NUMBERS & set(record.keys()):
+        _finite(f"metrics '{key}'", record[key])
+    for key in DP_REPORT_INTEGERS & set(record.keys()):
+        _integer(f"metrics '{key}'", record[key])
     claimed = _integer("metrics 'partition-id'", record["partition-id"])
     if claimed != partition:
         raise UploadError(f"metrics 'partition-id' {claimed} is another partition than this node's ({partition})")
