@@ -157,7 +157,8 @@ def test_a_dp_report_may_come_with_the_metrics_but_only_well_typed(good, spec):
     """A DP client reports what its optimizer applied (checked against the budget elsewhere); here only that
     every value is a finite number (steps: an integer), so that later checks cannot be crashed."""
     update, features, truth, metrics = good
-    assert parse_reply(reply_for(update, features, truth, {**metrics, **DP_REPORT}), 2, spec, "eftvit")[0].num_examples == 40
+    upload, _ = parse_reply(reply_for(update, features, truth, {**metrics, **DP_REPORT}), 2, spec, "eftvit")
+    assert upload.num_examples == 40
     for key, value, reason in (("dp-epsilon-spent", 10 ** 400, "'dp-epsilon-spent' must be finite"),
                                ("dp-noise-multiplier", "abc", "'dp-noise-multiplier' must be a number"),
                                ("dp-sample-rate", float("nan"), "'dp-sample-rate' must be finite"),
