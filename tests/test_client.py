@@ -5,8 +5,8 @@ import pytest
 
 from eftguard.config import TrainConfig
 from eftguard.data import load_dataset
-from eftguard.federation.client import client_partition, client_round
-from eftguard.federation.records import ClientSettings
+from eftguard.federation.client import client_partition, client_round, run_dataset
+from eftguard.federation.records import ClientSettings, to_record
 from eftguard.federation.server import upload_spec
 from eftguard.federation.validation import validate_features, validate_truth, validate_update
 from eftguard.model import build_model
@@ -24,10 +24,10 @@ def start():
 def test_eftvit_client_upload_is_valid_and_truthful(start):
     model, state = start
     upload = client_round(ClientSettings.from_config(CFG, 1), state, partition_id=1, num_partitions=4)
-    spec = upload_spec(model, CFG, 10)
-    validate_update(upload.update, spec)
-    validate_features(upload.features, spec)
-    validate_truth(upload.truth, spec, len(upload.features["labels"]))
+    spec = upload_spec(model, CFG, run_dataset(CFG.dataset, "", CFG.model, CFG.train_samples, 0, CFG.seed))
+    validate_update(to_record(upload.update), spec)
+    validate_features(to_record(upload.features), spec, upload.num_examples)
+    validate_truth(to_record(upload.truth), spec, upload.num_examples, len(upload.features["labels"]))
     # Ground truth matches the partition: labels of the source images equal the uploaded labels.
     dataset = load_dataset("photos", None, 32)
     assert np.array_equal(dataset.train.labels[upload.truth["sample_ids"]], upload.features["labels"])
@@ -57,7 +57,8 @@ def test_fedavg_client_uploads_whole_model_and_no_features(start):
     cfg = TrainConfig(clients=4, train_samples=200, method="fedavg").resolved()
     upload = client_round(ClientSettings.from_config(cfg, 1), state, 2, 4)
     assert upload.features is None
-    validate_update(upload.update, upload_spec(model, cfg, 10))
+    validate_update(to_record(upload.update),
+                    upload_spec(model, cfg, run_dataset(cfg.dataset, "", cfg.model, cfg.train_samples, 0, cfg.seed)))
 
 
 def test_node_started_for_another_federation_is_refused(start):

@@ -6,10 +6,16 @@ corrupt one client's reply, as a malicious or broken client would."""
 
 import numpy as np
 import pytest
+import torch
 from flwr.app import Array
 
 from eftguard.config import TrainConfig
-from eftguard.federation.server import FederationError, run_server
+from eftguard.federation.aggregate import fedavg
+from eftguard.federation.client import run_dataset
+from eftguard.federation.server import FederationError, load_average, run_server
+from eftguard.model import build_model
+from eftguard.sampling import class_target
+from eftguard.training import evaluate
 from eftguard.rundir import RunDirectory, RunError
 from fakegrid import FakeGrid, task_identity
 
@@ -32,19 +38,41 @@ def poison_node(target):
     return tamper
 
 
-def test_rounds_write_the_run_directory(tmp_path):
-    run = RunDirectory.create(tmp_path / "run", CFG.resolved())
-    run_server(FakeGrid(3), run.path)
+def assembled(run: RunDirectory, round_number: int):
+    model = build_model(CFG.model, 10, CFG.local_layers)
+    model.load_state_dict(run.load_checkpoint(round_number))
+    return model
+
+
+@pytest.fixture(scope="module")
+def finished(tmp_path_factory):
+    """The CFG run, uninterrupted; tests must not modify it."""
+    run = RunDirectory.create(tmp_path_factory.mktemp("runs") / "full", CFG.resolved())
+    with task_identity():
+        run_server(FakeGrid(3), run.path)
+    return run
+
+
+def test_rounds_write_the_run_directory(finished):
+    run = finished
     records = run.metrics()
     assert [r["round"] for r in records] == [1, 2]
-    for key in ("test_accuracy", "client_loss", "server_loss", "client_seconds", "server_seconds", "upload_bytes",
-                "epsilon", "noise_multiplier"):
-        assert key in records[0]
-    assert records[0]["epsilon"] is None and records[0]["noise_multiplier"] is None
-    assert records[0]["clients"] == [0, 1, 2] and records[0]["dropped"] == {}
-    features = run.load_upload(2, 1, "features")
-    assert features["features"].shape[1:] == (17, 192)
-    truth = run.load_arrays(run.truth_path(2, 1))
+    test = run_dataset(CFG.dataset, CFG.data_dir, CFG.model, CFG.train_samples, CFG.test_samples, CFG.seed).test
+    for record in records:
+        assert record["clients"] == [0, 1, 2] and record["dropped"] == {}
+        assert sum(record["num_examples"].values()) == CFG.train_samples  # the partitions cover the training set
+        assert record["epsilon"] is None and record["noise_multiplier"] is None
+        assert record["server_loss"] > 0 and record["server_seconds"] > 0 and record["client_loss"] > 0
+        assert all(record["client_seconds"][k] > 0 for k in ("0", "1", "2"))
+        # The recorded accuracy is that of the checkpoint written for the round.
+        model = assembled(run, record["round"])
+        assert record["test_accuracy"] == evaluate(model, torch.from_numpy(test.images), torch.from_numpy(test.labels))
+    # Median sampling: each present class of a client gives T feature sets, absent classes none.
+    features, truth = run.load_upload(2, 1, "features"), run.load_arrays(run.truth_path(2, 1))
+    counts = truth["class_counts"]
+    per_class = np.where(counts > 0, class_target(counts, "median"), 0)
+    assert np.array_equal(np.bincount(features["labels"], minlength=10), per_class)
+    assert features["features"].shape == (records[1]["feature_sets"]["1"], 17, 192)
     assert truth["kept_ids"].shape == (len(features["labels"]), 16)
     assert sorted(p.name for p in (run.path / "checkpoints").iterdir()) == [f"round-000{i}.safetensors" for i in range(3)]
     assert run.verify() == []
@@ -54,20 +82,63 @@ def test_rounds_write_the_run_directory(tmp_path):
     assert records[1]["upload_bytes"]["1"] == sent
 
 
+@pytest.mark.parametrize("round_number", [1, 2])
+def test_checkpoint_holds_the_fedavg_of_the_uploads_and_a_trained_global_module(finished, round_number):
+    """Issue 16: phi and h in the checkpoint are exactly fedavg(stored uploads, n_k) (so server training left h
+    alone and FedAvg was not a no-op), and theta moved by server training."""
+    run = finished
+    counts = run.metrics()[round_number - 1]["num_examples"]
+    averaged = fedavg([run.load_upload(round_number, k, "update") for k in range(3)],
+                      [counts[str(k)] for k in range(3)])
+    before, after = run.load_checkpoint(round_number - 1), run.load_checkpoint(round_number)
+    theta = {k for k in after if k.startswith("global_module.")}
+    assert set(averaged) == set(after) - theta  # phi and h are uploaded, theta never
+    for key, value in averaged.items():
+        assert torch.equal(after[key], torch.from_numpy(value)), key
+    for moved in ("local_module.patch_embed.proj.weight", "head.weight"):
+        assert not torch.equal(after[moved], before[moved]), moved
+    assert all(not torch.equal(after[k], before[k]) for k in theta)
+
+
+def test_fedavg_method_checkpoint_is_the_weighted_average_of_whole_models(tmp_path):
+    cfg = TrainConfig(clients=2, rounds=1, train_samples=60, test_samples=10, batch_size=16, method="fedavg")
+    run = RunDirectory.create(tmp_path / "run", cfg.resolved())
+    run_server(FakeGrid(2), run.path)
+    record = run.metrics()[0]
+    assert record["server_loss"] is None and record["feature_sets"] == {}
+    counts = record["num_examples"]
+    averaged = fedavg([run.load_upload(1, k, "update") for k in range(2)], [counts["0"], counts["1"]])
+    before, after = run.load_checkpoint(0), run.load_checkpoint(1)
+    assert set(averaged) == set(after)
+    assert all(torch.equal(after[k], torch.from_numpy(v)) for k, v in averaged.items())
+    assert all(not torch.equal(after[k], before[k]) for k in ("local_module.patch_embed.proj.weight", "head.weight",
+                                                               "global_module.blocks.0.attn.qkv.weight"))
+
+
+def test_the_average_is_loaded_with_strict_keys():
+    """A renamed key must not be skipped silently (which would leave FedAvg a no-op)."""
+    model = build_model("vit-tiny-32", 10, 2, seed=0)
+    state = {k: v.clone() for k, v in model.state_dict().items()}
+    head = np.full((10,), 0.25, np.float32)
+    load_average(model, {"head.bias": head})
+    assert torch.equal(model.state_dict()["head.bias"], torch.from_numpy(head))
+    assert all(torch.equal(model.state_dict()[k], v) for k, v in state.items() if k != "head.bias")
+    with pytest.raises(FederationError, match=r"averaged parameters \['module.head.bias'\] are not in the model"):
+        load_average(model, {"module.head.bias": head})
+
+
 def test_bad_upload_is_dropped_and_the_round_goes_on(tmp_path):
     run = RunDirectory.create(tmp_path / "run", CFG.resolved())
     run_server(FakeGrid(3, tamper=poison_node(101)), run.path)
     records = run.metrics()
     assert len(records) == 2
-    assert "NaN" in records[0]["dropped"]["1"]
+    assert records[0]["dropped"] == {"1": "features contains NaN or infinite values"}
     assert set(records[0]["upload_bytes"]) == {"0", "2"}
     assert not run.upload_dir(1, 1).exists()  # nothing of the bad upload is kept
 
 
-def test_resumed_run_equals_uninterrupted_run(tmp_path):
-    full = RunDirectory.create(tmp_path / "full", CFG.resolved())
-    run_server(FakeGrid(3), full.path)
-
+def test_resumed_run_equals_uninterrupted_run(tmp_path, finished):
+    full = finished
     cut = RunDirectory.create(tmp_path / "cut", CFG.resolved())
     cut.write_config(TrainConfig(**{**CFG.__dict__, "rounds": 1}))
     run_server(FakeGrid(3), cut.path)

@@ -1,25 +1,43 @@
+"""parse_reply: what the server accepts from a client, and the reason it gives for everything else.
+
+Each case is a reply a broken or hostile client could send; the full-server versions (over the in-process
+grid) are in test_hostile_replies.py."""
+
+import io
+
 import numpy as np
 import pytest
 from flwr.app import Array, ArrayRecord, ConfigRecord, Error, Message, Metadata, RecordDict
 
 from eftguard.config import TrainConfig
+from eftguard.federation.client import run_dataset
 from eftguard.federation.records import UploadError, from_record, to_record
 from eftguard.federation.server import parse_reply, upload_spec
+from eftguard.federation.validation import MAX_FEATURE_VALUE, MAX_PARAMETER_VALUE, max_feature_sets
+from eftguard.sampling import balanced_indices
+
+CFG = TrainConfig(train_samples=200).resolved()
 
 
 @pytest.fixture(scope="module")
-def spec(tiny_model):
-    return upload_spec(tiny_model, TrainConfig().resolved(), 10)
+def dataset():
+    return run_dataset(CFG.dataset, CFG.data_dir, CFG.model, CFG.train_samples, 0, CFG.seed)
+
+
+@pytest.fixture(scope="module")
+def spec(tiny_model, dataset):
+    return upload_spec(tiny_model, CFG, dataset)
 
 
 @pytest.fixture
-def good(tiny_model, spec):
+def good(tiny_model, dataset):
     update = {k: v.numpy().copy() for k, v in tiny_model.uploaded_state().items()}
-    features = {"features": np.zeros((5, spec.tokens, spec.width), np.float32),
+    features = {"features": np.random.default_rng(0).normal(size=(5, 17, 192)).astype(np.float32),
                 "labels": np.array([0, 1, 2, 3, 9], np.int64)}
-    truth = {"sample_ids": np.arange(5, dtype=np.int64), "kept_ids": np.tile(np.arange(16), (5, 1)).astype(np.int64),
-             "class_counts": np.ones(10, np.int64)}
-    return update, features, truth
+    truth = {"sample_ids": dataset.train.ids[[0, 3, 5, 7, 9]].astype(np.int64),
+             "kept_ids": np.tile(np.arange(16), (5, 1)).astype(np.int64), "class_counts": np.full(10, 4, np.int64)}
+    metrics = {"partition-id": 2, "num-examples": 40, "loss": 1.0, "epoch-seconds": [0.5], "feature-seconds": 0.1}
+    return update, features, truth, metrics
 
 
 def reply_metadata():
@@ -27,51 +45,250 @@ def reply_metadata():
                     created_at=0.0, ttl=60.0, message_type="train")
 
 
-def reply_for(update, features, truth, partition=2, num_examples=40):
-    content = RecordDict({"update": to_record(update), "features": to_record(features), "truth": to_record(truth),
-                          "metrics": ConfigRecord({"partition-id": partition, "num-examples": num_examples,
-                                                   "loss": 1.0, "epoch-seconds": [0.5]})})
-    return Message(content=content, metadata=reply_metadata())
+def reply_for(update, features, truth, metrics):
+    content = {"update": to_record(update), "metrics": ConfigRecord(metrics)}
+    if features is not None:
+        content["features"] = to_record(features)
+    if truth is not None:
+        content["truth"] = to_record(truth)
+    return Message(content=RecordDict(content), metadata=reply_metadata())
 
 
-def test_good_upload_passes(good, spec):
-    upload, truth = parse_reply(reply_for(*good), 2, spec, "eftvit")
-    assert upload.num_examples == 40 and upload.upload_bytes > 0
-    assert truth["class_counts"].sum() == 10
+def test_good_upload_is_accepted_as_sent(good, spec):
+    update, features, truth, _ = good
+    upload, stored_truth = parse_reply(reply_for(*good), 2, spec, "eftvit")
+    assert (upload.partition, upload.num_examples, upload.loss, upload.epoch_seconds) == (2, 40, 1.0, [0.5])
+    assert all(np.array_equal(upload.update[k], update[k]) for k in update) and upload.update.keys() == update.keys()
+    assert np.array_equal(upload.features["features"], features["features"])
+    assert all(np.array_equal(stored_truth[k], truth[k]) for k in truth)
+    assert upload.upload_bytes == sum(a.nbytes for a in update.values()) + 5 * 17 * 192 * 4 + 5 * 8
 
 
-def test_spec_expects_masked_token_count(spec):
-    assert spec.tokens == 17 and spec.width == 192
+def test_a_node_that_keeps_its_truth_is_accepted_without_it(good, spec):
+    update, features, _, metrics = good
+    upload, truth = parse_reply(reply_for(update, features, None, metrics), 2, spec, "eftvit")
+    assert truth is None and upload.num_examples == 40
+
+
+def test_spec_bounds_come_from_the_run(spec, dataset):
+    assert (spec.tokens, spec.width, spec.num_patches) == (17, 192, 64)
+    assert np.array_equal(spec.train_ids, np.sort(dataset.train.ids)) and len(spec.train_ids) == 200
+    assert (spec.balance, spec.local_epochs, spec.round_seconds) == ("median", 1, 3600.0)
 
 
 @pytest.mark.parametrize("corrupt, reason", [
-    (lambda u, f: u.__setitem__("head.weight", np.full_like(u["head.weight"], np.nan)), "NaN"),
-    (lambda u, f: u.__setitem__("head.bias", np.zeros(11, np.float32)), "shape"),
-    (lambda u, f: u.__setitem__("head.bias", u["head.bias"].astype(np.float64)), "dtype"),
-    (lambda u, f: u.pop("head.bias"), "missing"),
-    (lambda u, f: f.__setitem__("features", np.full((5, 17, 192), np.inf, np.float32)), "NaN or infinite"),
-    (lambda u, f: f.__setitem__("features", np.zeros((5, 65, 192), np.float32)), "expected float32"),
-    (lambda u, f: f.__setitem__("labels", np.array([0, 1, 2, 3, 10], np.int64)), "outside"),
-    (lambda u, f: f.__setitem__("labels", np.zeros(4, np.int64)), "labels have"),
+    (lambda u, f, t, m: u.__setitem__("head.weight", np.full_like(u["head.weight"], np.nan)), "NaN"),
+    (lambda u, f, t, m: u.__setitem__("head.bias", np.full(10, 1e30, np.float32)), r"beyond \+-10000"),
+    (lambda u, f, t, m: u["head.bias"].__setitem__(3, -2 * MAX_PARAMETER_VALUE), "MAX_PARAMETER_VALUE"),
+    (lambda u, f, t, m: u.__setitem__("head.bias", np.zeros(11, np.float32)), r"update 'head.bias' declares .*\(11,\)"),
+    (lambda u, f, t, m: u.__setitem__("head.bias", u["head.bias"].astype(np.float64)), "float64"),
+    (lambda u, f, t, m: u.pop("head.bias"), r"missing \['head.bias'\]"),
+    (lambda u, f, t, m: u.__setitem__("global_module.norm.weight", np.ones(192, np.float32)), "unexpected"),
+    (lambda u, f, t, m: f.__setitem__("features", np.full((5, 17, 192), np.inf, np.float32)), "NaN or infinite"),
+    (lambda u, f, t, m: f["features"].__setitem__((4, 16, 191), 1e30), r"beyond \+-1e\+06"),
+    (lambda u, f, t, m: f["features"].__setitem__((0, 0, 0), -2 * MAX_FEATURE_VALUE), "MAX_FEATURE_VALUE"),
+    (lambda u, f, t, m: f.__setitem__("features", np.zeros((5, 65, 192), np.float32)), r"declares float32 \(5, 65"),
+    (lambda u, f, t, m: f.__setitem__("labels", np.array([0, 1, 2, 3, 10], np.int64)), "outside"),
+    (lambda u, f, t, m: f.__setitem__("labels", np.array([0, 1, -1, 3, 4], np.int64)), "outside"),
+    (lambda u, f, t, m: f.__setitem__("labels", np.zeros(4, np.int64)), r"'labels' declares int64 \(4,\)"),
+    (lambda u, f, t, m: f.__setitem__("labels", np.zeros(5, np.int32)), "int32"),
+    (lambda u, f, t, m: f.__setitem__("extra", np.zeros(1, np.float32)), r"features has wrong entries.*'extra'"),
 ])
-def test_bad_uploads_are_rejected_with_a_reason(good, spec, corrupt, reason):
-    update, features, truth = good
-    corrupt(update, features)
+def test_bad_arrays_are_rejected_with_a_reason(good, spec, corrupt, reason):
+    corrupt(*good)
     with pytest.raises(UploadError, match=reason):
-        parse_reply(reply_for(update, features, truth), 2, spec, "eftvit")
+        parse_reply(reply_for(*good), 2, spec, "eftvit")
 
 
-def test_reply_from_wrong_partition_or_error_is_rejected(good, spec):
-    with pytest.raises(UploadError, match="another partition"):
-        parse_reply(reply_for(*good, partition=3), 2, spec, "eftvit")
-    with pytest.raises(UploadError, match="positive integer"):
-        parse_reply(reply_for(*good, num_examples=0), 2, spec, "eftvit")
+@pytest.mark.parametrize("key, value, reason", [
+    ("loss", "abc", "'loss' must be a number, got str"),
+    ("loss", float("nan"), "'loss' must be finite"),
+    ("loss", float("inf"), "'loss' must be finite"),
+    ("loss", -0.5, r"'loss' -0.5 outside \[0"),
+    ("loss", 1e30, "'loss' 1e\\+30 outside"),
+    ("loss", 10 ** 400, "'loss' must be finite"),
+    ("loss", [1.0], "'loss' must be a number, got list"),
+    ("epoch-seconds", 5, "must list 1 number"),
+    ("epoch-seconds", [0.5, 0.5], "must list 1 number"),
+    ("epoch-seconds", ["a"], "'epoch-seconds' must be a number, got str"),
+    ("epoch-seconds", [True], "'epoch-seconds' must be a number, got bool"),
+    ("epoch-seconds", [-1.0], "outside"),
+    ("epoch-seconds", [1e9], r"outside \[0, 3600\]"),
+    ("epoch-seconds", [float("nan")], "finite"),
+    ("feature-seconds", 3599.9, "more than the round timeout"),
+    ("feature-seconds", "0", "'feature-seconds' must be a number"),
+    ("partition-id", "x", "'partition-id' must be an integer, got str"),
+    ("partition-id", True, "'partition-id' must be an integer, got bool"),
+    ("partition-id", 2.0, "'partition-id' must be an integer, got float"),
+    ("partition-id", 3, "another partition"),
+    ("num-examples", 2 ** 62, r"'num-examples' 4611686018427387904 outside 1..200 \(the run's training set\)"),
+    ("num-examples", 201, "outside 1..200"),
+    ("num-examples", 0, "outside 1..200"),
+    ("num-examples", 40.0, "must be an integer, got float"),
+    ("num-examples", True, "must be an integer, got bool"),
+    ("num-examples", [40], "must be an integer, got list"),
+])
+def test_malformed_metrics_are_rejected_with_a_reason(good, spec, key, value, reason):
+    good[3][key] = value
+    with pytest.raises(UploadError, match=reason):
+        parse_reply(reply_for(*good), 2, spec, "eftvit")
+
+
+def test_missing_or_extra_metrics_are_rejected(good, spec):
+    update, features, truth, metrics = good
+    with pytest.raises(UploadError, match=r"metrics has wrong entries \(missing \['loss'\]"):
+        parse_reply(reply_for(update, features, truth, {k: v for k, v in metrics.items() if k != "loss"}), 2, spec,
+                    "eftvit")
+    with pytest.raises(UploadError, match=r"unexpected \['weight'\]"):
+        parse_reply(reply_for(update, features, truth, {**metrics, "weight": 1e9}), 2, spec, "eftvit")
+
+
+def test_values_at_the_magnitude_bounds_pass(good, spec):
+    good[0]["head.bias"][0] = -MAX_PARAMETER_VALUE
+    good[1]["features"][0, 0, 0] = MAX_FEATURE_VALUE
+    upload, _ = parse_reply(reply_for(*good), 2, spec, "eftvit")
+    assert upload.update["head.bias"][0] == -MAX_PARAMETER_VALUE
+
+
+DP_REPORT = {"dp-noise-multiplier": 1.0, "dp-sample-rate": 0.25, "dp-steps": 4, "dp-epsilon-spent": 2.0}
+
+
+def test_a_dp_report_may_come_with_the_metrics_but_only_well_typed(good, spec):
+    """A DP client reports what its optimizer applied (checked against the budget elsewhere); here only that
+    every value is a finite number (steps: an integer), so that later checks cannot be crashed."""
+    update, features, truth, metrics = good
+    upload, _ = parse_reply(reply_for(update, features, truth, {**metrics, **DP_REPORT}), 2, spec, "eftvit")
+    assert upload.num_examples == 40
+    for key, value, reason in (("dp-epsilon-spent", 10 ** 400, "'dp-epsilon-spent' must be finite"),
+                               ("dp-noise-multiplier", "abc", "'dp-noise-multiplier' must be a number"),
+                               ("dp-sample-rate", float("nan"), "'dp-sample-rate' must be finite"),
+                               ("dp-steps", 4.0, "'dp-steps' must be an integer"),
+                               ("dp-steps", True, "'dp-steps' must be an integer")):
+        with pytest.raises(UploadError, match=reason):
+            parse_reply(reply_for(update, features, truth, {**metrics, **DP_REPORT, key: value}), 2, spec, "eftvit")
+
+
+def test_the_largest_plausible_claim_passes_and_one_more_does_not(good, spec):
+    good[3]["num-examples"] = 200
+    good[2]["class_counts"] = np.full(10, 20, np.int64)
+    assert parse_reply(reply_for(*good), 2, spec, "eftvit")[0].num_examples == 200
+    good[3]["num-examples"] = 201
+    with pytest.raises(UploadError, match="num-examples"):
+        parse_reply(reply_for(*good), 2, spec, "eftvit")
+
+
+@pytest.mark.parametrize("swap, reason", [
+    ("metrics", "reply 'metrics' is ArrayRecord, expected ConfigRecord"),
+    ("update", "reply 'update' is ConfigRecord, expected ArrayRecord"),
+    ("features", "reply 'features' is ConfigRecord, expected ArrayRecord"),
+    ("truth", "reply 'truth' is ConfigRecord, expected ArrayRecord"),
+])
+def test_records_of_the_wrong_type_are_rejected(good, spec, swap, reason):
+    reply = reply_for(*good)
+    reply.content[swap] = ArrayRecord() if swap == "metrics" else ConfigRecord({"x": 1})
+    with pytest.raises(UploadError, match=reason):
+        parse_reply(reply, 2, spec, "eftvit")
+
+
+def test_missing_extra_and_unrequested_records_are_rejected(good, spec):
+    reply = reply_for(*good)
+    reply.content["sidechannel"] = ConfigRecord({"x": 1})
+    with pytest.raises(UploadError, match=r"unexpected \['sidechannel'\]"):
+        parse_reply(reply, 2, spec, "eftvit")
+    with pytest.raises(UploadError, match=r"unexpected \['truth'\]"):  # the run did not ask for ground truth
+        parse_reply(reply_for(*good), 2, spec, "eftvit", record_truth=False)
+    update, _, truth, metrics = good
+    with pytest.raises(UploadError, match=r"missing \['features'\]"):
+        parse_reply(reply_for(update, None, truth, metrics), 2, spec, "eftvit")
+
+
+@pytest.mark.parametrize("corrupt, reason", [
+    (lambda t: t.__setitem__("secret_images", np.zeros((5, 32, 32, 3), np.int64)), r"unexpected \['secret_images'\]"),
+    (lambda t: t["sample_ids"].__setitem__(0, -1), "outside this run's training set"),
+    (lambda t: t["sample_ids"].__setitem__(0, 2 ** 40), "outside this run's training set"),
+    (lambda t: t.__setitem__("kept_ids", np.tile(np.arange(1, 17), (5, 1)) * 4), r"\[0, 64\)"),
+    (lambda t: t["kept_ids"].__setitem__((0, 1), 0), "distinct"),
+    (lambda t: t["class_counts"].__setitem__(0, -4), "non-negative"),
+    (lambda t: t["class_counts"].__setitem__(0, 5), r"sum to num-examples \(40\)"),
+    # Counts that sum to 40 only modulo 2**64: [2**62 + 4, 2**62, 2**62, 2**62, 4, ...].
+    (lambda t: t["class_counts"].__iadd__(np.array([2 ** 62] * 4 + [0] * 6, np.int64)), "sum to num-examples"),
+    (lambda t: t.__setitem__("sample_ids", t["sample_ids"][:4]), r"'sample_ids' declares int64 \(4,\)"),
+    (lambda t: t.pop("kept_ids"), r"missing \['kept_ids'\]"),
+])
+def test_inconsistent_truth_is_rejected(good, spec, corrupt, reason):
+    corrupt(good[2])
+    with pytest.raises(UploadError, match=reason):
+        parse_reply(reply_for(*good), 2, spec, "eftvit")
+
+
+def test_sample_ids_must_be_images_of_this_run(good, spec, dataset):
+    """An id of the full train split that the run's limited subset left out is as wrong as one past its end."""
+    left_out = np.setdiff1d(np.arange(dataset.train.ids.max()), dataset.train.ids)[0]
+    good[2]["sample_ids"][0] = left_out
+    with pytest.raises(UploadError, match="outside this run's training set"):
+        parse_reply(reply_for(*good), 2, spec, "eftvit")
+
+
+def test_error_reply_is_rejected_with_its_reason(spec):
     failed = Message(error=Error(code=0, reason="boom"), metadata=reply_metadata())
-    with pytest.raises(UploadError, match="boom"):
+    with pytest.raises(UploadError, match="client failed: boom"):
         parse_reply(failed, 2, spec, "eftvit")
+
+
+@pytest.fixture
+def no_decoding(monkeypatch):
+    """Fails the test if any array is decoded."""
+    def refuse(self):
+        raise AssertionError("an array was decoded")
+    monkeypatch.setattr(Array, "numpy", refuse)
+
+
+def test_oversized_feature_upload_is_refused_before_decoding(good, spec, no_decoding):
+    """12 GiB of features declared: refused from the declared shape, without touching (or allocating) the data."""
+    sets = 12 * 2 ** 30 // (17 * 192 * 4)
+    reply = reply_for(*good)
+    reply.content["features"]["features"] = Array(dtype="float32", shape=(sets, 17, 192), stype="numpy.ndarray",
+                                                  data=b"\x93NUMPY")
+    with pytest.raises(UploadError, match=rf"declares shape \({sets}, 17, 192\): expected 1..80 rows"):
+        parse_reply(reply, 2, spec, "eftvit")
+
+
+def test_more_bytes_than_declared_are_refused_before_decoding(good, spec, no_decoding):
+    reply = reply_for(*good)
+    padded = reply.content["features"]["labels"]
+    reply.content["features"]["labels"] = Array(dtype=padded.dtype, shape=padded.shape, stype=padded.stype,
+                                                data=padded.data + bytes(2 ** 20))
+    with pytest.raises(UploadError, match=r"'labels' carries 1048744 bytes, a int64 \(5,\) array takes 40"):
+        parse_reply(reply, 2, spec, "eftvit")
+
+
+def test_payload_whose_header_announces_another_shape_is_not_decoded(no_decoding):
+    """np.load allocates what the header announces: a small declared shape must not hide a huge one."""
+    header = io.BytesIO()
+    np.lib.format.write_array_header_1_0(header, {"descr": "<f4", "fortran_order": False, "shape": (9999999999,)})
+    lying = Array(dtype="float32", shape=(4,), stype="numpy.ndarray", data=header.getvalue() + bytes(16))
+    with pytest.raises(UploadError, match=r"header announces float32 \(9999999999,\), but it declares float32 \(4,\)"):
+        from_record(ArrayRecord({"x": lying}), "update")
 
 
 def test_non_numpy_arrays_are_never_decoded():
     pickled = Array(dtype="float32", shape=(1,), stype="pickle", data=b"\x80\x04K\x01.")
     with pytest.raises(UploadError, match="only numpy arrays"):
         from_record(ArrayRecord({"x": pickled}), "update")
+
+
+@pytest.mark.parametrize("balance", ["median", "mean", "max", "none"])
+def test_feature_set_bound_holds_for_the_most_skewed_clients(balance):
+    """max_feature_sets bounds what eftguard.sampling really draws, and is reached or nearly so: the bound
+    must neither reject an honest client nor allow far more than sampling can produce."""
+    rng = np.random.default_rng(0)
+    skewed = [np.repeat(np.arange(len(counts)), counts) for counts in
+              ([1] * 5 + [40] * 5, [1] * 4 + [40] * 6, [1] * 9 + [100], [7] * 10, [3, 50], [1])]
+    skewed += [rng.integers(0, 10, size=rng.integers(1, 300)) for _ in range(50)]
+    ratios = []
+    for labels in skewed:
+        drawn = len(balanced_indices(labels, 10, balance, rng))
+        bound = max_feature_sets(balance, 10, len(labels))
+        assert drawn <= bound, (balance, np.bincount(labels))
+        ratios.append(drawn / bound)
+    assert max(ratios) > 0.8

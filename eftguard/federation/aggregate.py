@@ -9,6 +9,8 @@ def fedavg(states: list[dict[str, np.ndarray]], weights: list[int]) -> dict[str,
     """Weighted average of parameter dicts (weights: client sample counts), accumulated in float64."""
     if not states or len(states) != len(weights):
         raise ValueError("fedavg needs one weight per state and at least one state")
+    if any(state.keys() != states[0].keys() for state in states):
+        raise ValueError("fedavg needs the same parameters in every state")
     total = float(sum(weights))
     out = {}
     for key in states[0]:

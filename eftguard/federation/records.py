@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import io
 from dataclasses import dataclass, asdict
 
 import numpy as np
@@ -20,18 +21,37 @@ def to_record(arrays: dict[str, np.ndarray | torch.Tensor]) -> ArrayRecord:
                         for k, v in arrays.items()})
 
 
+def _npy_layout(data: bytes) -> tuple[str, tuple[int, ...]]:
+    """The dtype and shape an np.save payload's header announces, read without decoding the payload
+    (np.load allocates what the header announces before reading a byte of data)."""
+    stream = io.BytesIO(data)
+    version = np.lib.format.read_magic(stream)
+    read_header = {(1, 0): np.lib.format.read_array_header_1_0, (2, 0): np.lib.format.read_array_header_2_0}
+    if version not in read_header:
+        raise ValueError(f"unsupported .npy version {version}")
+    shape, _, dtype = read_header[version](stream)
+    return str(dtype), tuple(shape)
+
+
 def from_record(record: ArrayRecord, what: str) -> dict[str, np.ndarray]:
-    """numpy arrays from an ArrayRecord; only numpy-serialised arrays are accepted (never pickles)."""
+    """numpy arrays from an ArrayRecord; only numpy-serialised arrays are accepted (never pickles), and each
+    is decoded only if its header announces the dtype and shape the array declares (which the server checked
+    against the run before calling this)."""
     if not isinstance(record, ArrayRecord):
         raise UploadError(f"{what} is not an ArrayRecord")
     out = {}
     for key, array in record.items():
         if array.stype != "numpy.ndarray":
-            raise UploadError(f"{what}['{key}'] has serialisation '{array.stype}', only numpy arrays are accepted")
+            raise UploadError(f"{what}['{key}'] has serialisation '{array.stype!s:.40}', "
+                              "only numpy arrays are accepted")
         try:
+            announced = _npy_layout(array.data)
+            if announced != (array.dtype, tuple(array.shape)):
+                raise ValueError(f"its header announces {announced[0]:.20} {announced[1]!s:.60}, "
+                                 f"but it declares {array.dtype!s:.20} {tuple(array.shape)!s:.60}")
             out[key] = array.numpy()
-        except ValueError as exc:
-            raise UploadError(f"{what}['{key}'] cannot be decoded as a numpy array: {exc}") from None
+        except (ValueError, EOFError) as exc:
+            raise UploadError(f"{what}['{key}'] cannot be decoded as a numpy array: {str(exc):.200}") from None
     return out
 
 

@@ -11,19 +11,20 @@ from pathlib import Path
 
 import numpy as np
 import torch
-from flwr.app import ConfigRecord, Message, MessageType, RecordDict
+from flwr.app import Message, MessageType, RecordDict
 from flwr.serverapp import Grid
 from rich.console import Console
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 
 from defenses.dp import ClientBudget
 from eftguard.config import TrainConfig
+from eftguard.data import Dataset
 from eftguard.federation.aggregate import fedavg
 from eftguard.federation.client import (client_partition, dp_budget, participation, run_dataset, seeded,
                                          select_clients)
 from eftguard.federation.errors import FederationError, Interrupted
-from eftguard.federation.records import ClientSettings, UploadError, from_record, to_record
-from eftguard.federation.validation import (UploadSpec, validate_features, validate_num_examples, validate_truth,
+from eftguard.federation.records import ClientSettings, UploadError, to_record
+from eftguard.federation.validation import (UploadSpec, validate_features, validate_metrics, validate_truth,
                                             validate_update)
 from eftguard.masking import kept_token_count
 from eftguard.model import EFTViT, build_model
@@ -55,14 +56,16 @@ class AcceptedUpload:
     upload_bytes: int
 
 
-def upload_spec(model: EFTViT, cfg: TrainConfig, num_classes: int) -> UploadSpec:
+def upload_spec(model: EFTViT, cfg: TrainConfig, dataset: Dataset) -> UploadSpec:
+    """What this run's clients can validly upload: bounds on every part of a reply, from the model and data."""
     state = model.uploaded_state() if cfg.method == "eftvit" else model.state_dict()
     num_patches = model.local_module.num_patches
     return UploadSpec(
         update_shapes={k: tuple(v.shape) for k, v in state.items()},
         tokens=1 + kept_token_count(num_patches, cfg.mask_ratio) if cfg.method == "eftvit" else None,
         width=model.local_module.token_embedding.pos_embed.shape[-1],
-        num_classes=num_classes, num_patches=num_patches)
+        num_classes=dataset.num_classes, num_patches=num_patches, train_ids=np.sort(dataset.train.ids),
+        balance=cfg.balance, local_epochs=cfg.local_epochs, round_seconds=cfg.round_timeout)
 
 
 def discover_nodes(grid: Grid, clients: int, timeout: float) -> dict[int, int]:
@@ -102,32 +105,27 @@ def discover_nodes(grid: Grid, clients: int, timeout: float) -> dict[int, int]:
 
 def parse_reply(reply: Message, partition: int, spec: UploadSpec, method: str,
                 record_truth: bool = True) -> tuple[AcceptedUpload, dict | None]:
-    """Decode and validate one client's reply (and its ground truth when the run records it);
-    raises UploadError naming what is wrong."""
+    """Decode and validate one client's reply (and its ground truth, when the run asks for it and the node
+    shares it); raises UploadError naming what is wrong, and nothing else, whatever the client sent."""
     if reply.has_error():
-        raise UploadError(f"client failed: {reply.error.reason}")
+        raise UploadError(f"client failed: {str(reply.error.reason):.200}")
     content = reply.content
-    for key in ("update", "metrics") + (("features",) if method == "eftvit" else ()) + (("truth",) if record_truth else ()):
-        if key not in content:
-            raise UploadError(f"reply lacks '{key}'")
-    update = from_record(content["update"], "update")
-    validate_update(update, spec)
-    features = None
-    if method == "eftvit":
-        features = from_record(content["features"], "features")
-        validate_features(features, spec)
+    required = {"update", "metrics"} | ({"features"} if method == "eftvit" else set())
+    allowed = required | ({"truth"} if record_truth else set())
+    missing, extra = sorted(required - set(content.keys())), sorted(set(content.keys()) - allowed)
+    if missing or extra:
+        raise UploadError(f"reply has wrong records (missing {missing}, unexpected {[k[:40] for k in extra[:3]]})")
+    metrics = validate_metrics(content["metrics"], partition, spec)
+    # Features first: the one part whose size the client chooses, refused before anything is decoded if too large.
+    features = validate_features(content["features"], spec, metrics.num_examples) if method == "eftvit" else None
+    update = validate_update(content["update"], spec)
     truth = None
-    if record_truth:
-        truth = from_record(content["truth"], "truth")
-        validate_truth(truth, spec, len(features["labels"]) if features else None)
-    metrics = content["metrics"]
-    if not isinstance(metrics, ConfigRecord) or int(metrics.get("partition-id", -1)) != partition:
-        raise UploadError("reply metrics missing or from another partition")
-    num_examples = validate_num_examples(metrics.get("num-examples"))
-    loss = float(metrics.get("loss", float("nan")))
+    if "truth" in content:
+        truth = validate_truth(content["truth"], spec, metrics.num_examples,
+                               len(features["labels"]) if features else None)
     upload_bytes = sum(a.nbytes for a in update.values()) + (sum(a.nbytes for a in features.values()) if features else 0)
-    epoch_seconds = [float(x) for x in metrics.get("epoch-seconds", [])]
-    return AcceptedUpload(partition, update, features, num_examples, loss, epoch_seconds, upload_bytes), truth
+    return AcceptedUpload(partition, update, features, metrics.num_examples, metrics.loss, metrics.epoch_seconds,
+                          upload_bytes), truth
 
 
 def exchange(grid: Grid, messages: dict[int, Message], timeout: float, progress: Progress, task) -> dict[int, Message]:
@@ -169,7 +167,7 @@ def serve_rounds(grid: Grid, run: RunDirectory, cfg: TrainConfig) -> None:
     if done >= cfg.rounds:
         console.print(f"{run.path} already has all {cfg.rounds} rounds")
         return
-    spec = upload_spec(model, cfg, dataset.num_classes)
+    spec = upload_spec(model, cfg, dataset)
     budgets = dp_budgets(cfg)
     nodes = discover_nodes(grid, cfg.clients, min(cfg.round_timeout, HANDSHAKE_SECONDS))
     started = time.perf_counter()
@@ -183,10 +181,15 @@ def serve_rounds(grid: Grid, run: RunDirectory, cfg: TrainConfig) -> None:
             record["elapsed_seconds"] = round(time.perf_counter() - started, 3)
             run.append_metrics(record)
             progress.update(rounds_task, completed=round_number)
-            progress.console.print(f"round {round_number}/{cfg.rounds}: test accuracy {record['test_accuracy']:.3f}"
-                                   f"  client loss {record['client_loss']:.3f}"
-                                   + (f"  server loss {record['server_loss']:.3f}" if record["server_loss"] is not None else "")
-                                   + (f"  dropped {len(record['dropped'])}" if record["dropped"] else ""))
+            progress.console.print(round_summary(record, cfg.rounds))
+
+
+def round_summary(record: dict, rounds: int) -> str:
+    """The line printed after a round; losses are absent (None) when no upload was accepted."""
+    losses = "".join(f"  {name.replace('_', ' ')} {record[name]:.3f}" for name in ("client_loss", "server_loss")
+                     if record[name] is not None)
+    dropped = f"  dropped {len(record['dropped'])}" if record["dropped"] else ""
+    return f"round {record['round']}/{rounds}: test accuracy {record['test_accuracy']:.3f}{losses}{dropped}"
 
 
 def dp_budgets(cfg: TrainConfig) -> dict[int, ClientBudget]:
@@ -199,6 +202,16 @@ def dp_budgets(cfg: TrainConfig) -> dict[int, ClientBudget]:
     with console.status("calibrating DP-SGD noise per client"):
         return {k: dp_budget(cfg, k, sizes[k], cfg.rounds) for k in range(cfg.clients)
                 if participation(cfg, k, cfg.rounds)}
+
+
+def load_average(model: EFTViT, averaged: dict[str, np.ndarray]) -> None:
+    """Put the averaged parameters into the model; every averaged key must name one of its parameters (a
+    non-strict load would silently skip renamed keys and leave FedAvg a no-op)."""
+    state = model.state_dict()
+    unknown = sorted(set(averaged) - set(state))
+    if unknown:
+        raise FederationError(f"averaged parameters {unknown[:3]} are not in the model")
+    model.load_state_dict({**state, **{k: torch.from_numpy(v) for k, v in averaged.items()}}, strict=True)
 
 
 def run_round(grid: Grid, run: RunDirectory, cfg: TrainConfig, model: EFTViT, spec: UploadSpec,
@@ -236,8 +249,7 @@ def run_round(grid: Grid, run: RunDirectory, cfg: TrainConfig, model: EFTViT, sp
 
     server_loss, server_seconds = None, 0.0
     if accepted:
-        averaged = fedavg([u.update for u in accepted], [u.num_examples for u in accepted])
-        model.load_state_dict({k: torch.from_numpy(v) for k, v in averaged.items()}, strict=False)
+        load_average(model, fedavg([u.update for u in accepted], [u.num_examples for u in accepted]))
         if cfg.method == "eftvit":
             features = torch.from_numpy(np.concatenate([u.features["features"] for u in accepted]))
             labels = torch.from_numpy(np.concatenate([u.features["labels"] for u in accepted]))

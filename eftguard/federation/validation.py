@@ -1,77 +1,209 @@
-"""Validation of every upload before the server uses it: names, shapes, dtypes, finite values, label range."""
+"""Validation of every reply before the server uses any of it.
+
+A reply is read in the order that keeps a hostile one cheap: its metrics first (plain values, each checked
+for type and range), then the names, dtypes, shapes and byte sizes its arrays *declare*, bounded by what this
+run can produce, so that an oversized upload is refused before it is decoded; only then the decoded values
+(finite, within MAX_PARAMETER_VALUE or MAX_FEATURE_VALUE, labels and sample ids in range). Every failure is an
+UploadError naming the part and the problem; nothing else leaves this module, whatever a client sends."""
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 
 import numpy as np
+from flwr.app import Array, ArrayRecord, ConfigRecord
 
-from eftguard.federation.records import UploadError
+from eftguard.federation.records import UploadError, from_record
 
-MAX_FEATURE_SETS = 1_000_000  # per client and round; guards the server's memory
+# Largest |value| accepted in uploads, measured with tests/conftest.py's train_in_process on vit-tiny-32 (3 rounds,
+# 2 clients, 400 images, 2 local and server epochs). Parameters: within 1.0 at init (vit-tiny-32 and vit-b16-224)
+# and 1.07 after training at the default lr, 1.3 at ten times it. Features (the residual stream after M = 2
+# blocks): 2.3 at init, 9.7 after 3 rounds at the default lr, 620 at ten times it. The margins are wide, and
+# server training stays finite far beyond them: the global blocks start with a LayerNorm, whose float32 squares
+# overflow only near 1e19; a 1e30 "update" would own the average and a 1e30 feature turns server training to NaN.
+MAX_PARAMETER_VALUE = 1e4
+MAX_FEATURE_VALUE = 1e6
+MAX_LOSS = 1e6  # a cross-entropy is 2.3 at init for 10 classes; this keeps the round's weighted mean finite
+# np.save's header (magic, version, dtype/shape dict) is 128 bytes for the arrays uploaded here; anything past the
+# declared payload plus this much is not a numpy array of the declared layout.
+NPY_HEADER_BYTES = 1024
+# What a client reports with its upload (eftguard.federation.apps.train); a reply with other keys is refused.
+METRIC_KEYS = frozenset({"partition-id", "num-examples", "loss", "epoch-seconds", "feature-seconds"})
+# What a DP client may add: the DP-SGD its optimizer applied and its ledger's spend. Only their types are checked
+# here; whether they meet the run's budget is the server's DP check.
+DP_REPORT_NUMBERS = frozenset({"dp-noise-multiplier", "dp-sample-rate", "dp-epsilon-spent"})
+DP_REPORT_INTEGERS = frozenset({"dp-steps"})
+
+Layout = dict[str, tuple[str, tuple[int, ...]]]  # array name -> (dtype name, shape)
 
 
 @dataclass(frozen=True)
 class UploadSpec:
-    """What a valid upload looks like for this run's model."""
+    """What a valid upload looks like for this run's model and data."""
 
     update_shapes: dict[str, tuple[int, ...]]
     tokens: int | None  # 1 + kept patches per feature set; None: no features expected (fedavg)
     width: int
     num_classes: int
     num_patches: int
+    train_ids: np.ndarray  # sorted ids of the run's training images: no client holds others, nor more of them
+    balance: str  # the run's median-sampling mode: bounds how many feature sets a client can produce
+    local_epochs: int
+    round_seconds: float  # the round timeout: no client can have spent longer on a reply that arrived
 
 
-def _check_finite(name: str, array: np.ndarray) -> None:
-    if not np.isfinite(array).all():
-        raise UploadError(f"{name} contains NaN or infinite values")
+@dataclass(frozen=True)
+class ReplyMetrics:
+    num_examples: int
+    loss: float
+    epoch_seconds: list[float]
 
 
-def validate_update(update: dict[str, np.ndarray], spec: UploadSpec) -> None:
-    missing = sorted(set(spec.update_shapes) - set(update))
-    extra = sorted(set(update) - set(spec.update_shapes))
-    if missing or extra:
-        raise UploadError(f"update has wrong parameters (missing {missing[:3]}, unexpected {extra[:3]})")
-    for name, shape in spec.update_shapes.items():
-        array = update[name]
-        if array.dtype != np.float32:
-            raise UploadError(f"update '{name}' has dtype {array.dtype}, expected float32")
-        if tuple(array.shape) != shape:
-            raise UploadError(f"update '{name}' has shape {tuple(array.shape)}, expected {shape}")
-        _check_finite(f"update '{name}'", array)
+def max_feature_sets(balance: str, num_classes: int, num_examples: int) -> int:
+    """The most feature sets median sampling (eftguard.sampling) can draw from num_examples samples.
+
+    p present classes each give T sets. median: at least half the present classes hold >= T samples, so
+    p T <= 2 n. mean: T = round(n / p), so p T <= n + p / 2. max: p T <= classes x n. none: n."""
+    bounds = {"median": 2 * num_examples, "mean": num_examples + (num_classes + 1) // 2,
+              "max": min(num_classes, num_examples) * num_examples, "none": num_examples}
+    return bounds[balance]
 
 
-def validate_features(features: dict[str, np.ndarray], spec: UploadSpec) -> None:
-    if set(features) != {"features", "labels"}:
-        raise UploadError(f"features upload must hold exactly 'features' and 'labels', got {sorted(features)}")
-    z, y = features["features"], features["labels"]
-    if z.dtype != np.float32 or z.ndim != 3 or z.shape[1:] != (spec.tokens, spec.width):
-        raise UploadError(f"features have {z.dtype} {tuple(z.shape)}, expected float32 [n, {spec.tokens}, {spec.width}]")
-    if not 1 <= len(z) <= MAX_FEATURE_SETS:
-        raise UploadError(f"features hold {len(z)} sets, expected 1..{MAX_FEATURE_SETS}")
-    _check_finite("features", z)
-    if y.dtype != np.int64 or y.shape != (len(z),):
-        raise UploadError(f"labels have {y.dtype} {tuple(y.shape)}, expected int64 [{len(z)}]")
-    if y.min() < 0 or y.max() >= spec.num_classes:
-        raise UploadError(f"labels outside [0, {spec.num_classes})")
-
-
-def validate_truth(truth: dict[str, np.ndarray], spec: UploadSpec, feature_sets: int | None) -> None:
-    """The auditor-only record must be consistent too, or the audit would score against garbage."""
-    counts = truth.get("class_counts")
-    if counts is None or counts.dtype != np.int64 or counts.shape != (spec.num_classes,) or (counts < 0).any():
-        raise UploadError(f"truth 'class_counts' must be int64 [{spec.num_classes}] and non-negative")
-    ids = truth.get("sample_ids")
-    if ids is None or ids.dtype != np.int64 or ids.ndim != 1:
-        raise UploadError("truth 'sample_ids' must be int64 [n]")
-    if feature_sets is not None:
-        kept = truth.get("kept_ids")
-        if len(ids) != feature_sets or kept is None or kept.dtype != np.int64 \
-                or kept.shape != (feature_sets, spec.tokens - 1) or kept.min() < 0 or kept.max() >= spec.num_patches:
-            raise UploadError("truth 'sample_ids'/'kept_ids' do not match the uploaded features")
-
-
-def validate_num_examples(value) -> int:
-    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-        raise UploadError(f"num_examples must be a positive integer, got {value!r}")
+def _integer(what: str, value) -> int:
+    if isinstance(value, bool) or not isinstance(value, int):
+        raise UploadError(f"{what} must be an integer, got {type(value).__name__} {value!r:.40}")
     return value
+
+
+def _finite(what: str, value) -> float:
+    if isinstance(value, bool) or not isinstance(value, (int, float)):
+        raise UploadError(f"{what} must be a number, got {type(value).__name__} {value!r:.40}")
+    number = float(value) if abs(value) < 1e300 else math.inf
+    if not math.isfinite(number):
+        raise UploadError(f"{what} must be finite, got {value!r:.40}")
+    return number
+
+
+def _seconds(what: str, value, spec: UploadSpec) -> float:
+    seconds = _finite(what, value)
+    if not 0 <= seconds <= spec.round_seconds:
+        raise UploadError(f"{what} {seconds} outside [0, {spec.round_seconds:g}] s (the round timeout)")
+    return seconds
+
+
+def _check_names(what: str, record, names, kind=ArrayRecord, optional=frozenset()) -> None:
+    if not isinstance(record, kind):
+        raise UploadError(f"reply '{what}' is {type(record).__name__}, expected {kind.__name__}")
+    missing, extra = sorted(set(names) - set(record.keys())), sorted(set(record.keys()) - set(names) - optional)
+    if missing or extra:
+        raise UploadError(f"{what} has wrong entries (missing {missing[:3]}, unexpected {[e[:40] for e in extra[:3]]})")
+
+
+def validate_metrics(record, partition: int, spec: UploadSpec) -> ReplyMetrics:
+    _check_names("metrics", record, METRIC_KEYS, ConfigRecord, DP_REPORT_NUMBERS | DP_REPORT_INTEGERS)
+    for key in DP_REPORT_NUMBERS & set(record.keys()):
+        _finite(f"metrics '{key}'", record[key])
+    for key in DP_REPORT_INTEGERS & set(record.keys()):
+        _integer(f"metrics '{key}'", record[key])
+    claimed = _integer("metrics 'partition-id'", record["partition-id"])
+    if claimed != partition:
+        raise UploadError(f"metrics 'partition-id' {claimed} is another partition than this node's ({partition})")
+    num_examples = _integer("metrics 'num-examples'", record["num-examples"])
+    if not 1 <= num_examples <= len(spec.train_ids):
+        raise UploadError(f"metrics 'num-examples' {num_examples} outside 1..{len(spec.train_ids)} "
+                          "(the run's training set)")
+    loss = _finite("metrics 'loss'", record["loss"])
+    if not 0 <= loss <= MAX_LOSS:
+        raise UploadError(f"metrics 'loss' {loss:g} outside [0, {MAX_LOSS:g}] (a cross-entropy, MAX_LOSS)")
+    epochs = record["epoch-seconds"]
+    if not isinstance(epochs, list) or len(epochs) != spec.local_epochs:
+        raise UploadError(f"metrics 'epoch-seconds' must list {spec.local_epochs} number(s), one per local epoch, "
+                          f"got {type(epochs).__name__} {epochs!r:.40}")
+    epoch_seconds = [_seconds("metrics 'epoch-seconds'", s, spec) for s in epochs]
+    spent = sum(epoch_seconds) + _seconds("metrics 'feature-seconds'", record["feature-seconds"], spec)
+    if spent > spec.round_seconds:
+        raise UploadError(f"metrics claim {spent:g} s of work, more than the round timeout {spec.round_seconds:g} s")
+    return ReplyMetrics(num_examples, loss, epoch_seconds)
+
+
+def _check_layout(what: str, record, layout: Layout) -> None:
+    """Names, dtypes, shapes and byte sizes as the arrays declare them, before anything is decoded."""
+    _check_names(what, record, layout)
+    for name, (dtype, shape) in layout.items():
+        array: Array = record[name]
+        declared = tuple(array.shape) if isinstance(array.shape, (tuple, list)) else array.shape
+        if array.dtype != dtype or declared != shape:
+            raise UploadError(f"{what} '{name}' declares {array.dtype!s:.20} {declared!s:.60}, "
+                              f"expected {dtype} {shape}")
+        if not isinstance(array.data, bytes):
+            raise UploadError(f"{what} '{name}' carries {type(array.data).__name__}, not bytes")
+        payload = np.dtype(dtype).itemsize * math.prod(shape)
+        if not payload < len(array.data) <= payload + NPY_HEADER_BYTES:
+            raise UploadError(f"{what} '{name}' carries {len(array.data)} bytes, a {dtype} {shape} array takes "
+                              f"{payload} plus a header")
+
+
+def _declared_rows(what: str, array: Array, low: int, high: int) -> int:
+    """The leading dimension an array of variable length declares, within [low, high]."""
+    shape = array.shape
+    rows = shape[0] if isinstance(shape, (tuple, list)) and shape else None
+    if isinstance(rows, bool) or not isinstance(rows, int) or not low <= rows <= high:
+        raise UploadError(f"{what} declares shape {shape!s:.60}: expected {low}..{high} rows")
+    return rows
+
+
+def _check_bounded(what: str, array: np.ndarray, limit: float, name: str) -> None:
+    if not np.isfinite(array).all():
+        raise UploadError(f"{what} contains NaN or infinite values")
+    if np.abs(array).max(initial=0.0) > limit:
+        raise UploadError(f"{what} has values beyond +-{limit:g} ({name})")
+
+
+def validate_update(record, spec: UploadSpec) -> dict[str, np.ndarray]:
+    """φ_k and h_k (eftvit) or the whole model (fedavg), decoded once their layout matches the model's."""
+    _check_layout("update", record, {k: ("float32", shape) for k, shape in spec.update_shapes.items()})
+    update = from_record(record, "update")
+    for name, array in update.items():
+        _check_bounded(f"update '{name}'", array, MAX_PARAMETER_VALUE, "MAX_PARAMETER_VALUE")
+    return update
+
+
+def validate_features(record, spec: UploadSpec, num_examples: int) -> dict[str, np.ndarray]:
+    """Z_k and y_k: at most as many sets as median sampling draws from num_examples samples."""
+    most = max_feature_sets(spec.balance, spec.num_classes, num_examples)
+    _check_names("features", record, ("features", "labels"))
+    sets = _declared_rows("features 'features'", record["features"], 1, most)
+    _check_layout("features", record, {"features": ("float32", (sets, spec.tokens, spec.width)),
+                                       "labels": ("int64", (sets,))})
+    features = from_record(record, "features")
+    _check_bounded("features", features["features"], MAX_FEATURE_VALUE, "MAX_FEATURE_VALUE")
+    labels = features["labels"]
+    if labels.min() < 0 or labels.max() >= spec.num_classes:
+        raise UploadError(f"features 'labels' outside [0, {spec.num_classes})")
+    return features
+
+
+def validate_truth(record, spec: UploadSpec, num_examples: int, feature_sets: int | None) -> dict[str, np.ndarray]:
+    """The auditor-only record must be consistent too, or the audit would score against garbage: exactly the
+    expected arrays, one sample id per feature set (per sample for fedavg), ids of this run's training images,
+    kept patches distinct and in range, class counts summing to num_examples."""
+    layout: Layout = {"sample_ids": ("int64", (feature_sets if feature_sets is not None else num_examples,)),
+                      "class_counts": ("int64", (spec.num_classes,))}
+    if feature_sets is not None:
+        layout["kept_ids"] = ("int64", (feature_sets, spec.tokens - 1))
+    _check_layout("truth", record, layout)
+    truth = from_record(record, "truth")
+    counts = truth["class_counts"]
+    if (counts < 0).any() or (counts > num_examples).any() or counts.sum() != num_examples:  # no int64 wrap-around
+        raise UploadError(f"truth 'class_counts' must be non-negative and sum to num-examples ({num_examples})")
+    ids = truth["sample_ids"]
+    position = np.searchsorted(spec.train_ids, ids).clip(max=len(spec.train_ids) - 1)
+    if (spec.train_ids[position] != ids).any():
+        raise UploadError("truth 'sample_ids' name images outside this run's training set")
+    if feature_sets is not None:
+        kept = np.sort(truth["kept_ids"], axis=1)
+        if kept.size and (kept[:, 0].min() < 0 or kept[:, -1].max() >= spec.num_patches
+                          or (np.diff(kept, axis=1) <= 0).any()):
+            raise UploadError(f"truth 'kept_ids' must be distinct patch ids in [0, {spec.num_patches}) per set")
+    return truth
