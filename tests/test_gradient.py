@@ -10,15 +10,19 @@ from torch import nn
 
 from attacks.gradient import (AnalyticAttack, DLGAttack, GradientObservation, InvertingGradients, kept_positions,
                               prepare_numerics, recover_labels)
-from defenses.dp import client_budget
+from attacks.base import ThreatModel
+from defenses.dp import DPSGD, client_budget, make_private
 from eftguard import audit, metrics
 from eftguard.cli import main
+from eftguard.config import TrainConfig
 from eftguard.data import load_dataset
+from eftguard.federation.client import client_round
+from eftguard.federation.records import ClientSettings
 from eftguard.gradient_audit import DPNoise, probe_gradient, trained_names
 from eftguard.masking import random_keep_ids
-from eftguard.model import build_model
+from eftguard.model import EFTViT, build_model
 from eftguard.rundir import RunDirectory
-from conftest import train_in_process
+from conftest import flushes_denormals, restored_torch_state, train_in_process
 
 
 @pytest.fixture(scope="module", autouse=True)
@@ -123,6 +127,97 @@ def test_head_bias_gives_the_labels(photos):
                            torch.from_numpy(photos.train.labels[batch]), None)
     obs = GradientObservation(model, grads, 4, 32, model.mean, model.std)
     assert metrics.label_hits(recover_labels(obs), photos.train.labels[batch]).all()
+
+
+# --- the probe is the client's step ------------------------------------------------------------------------
+
+def opacus_step_gradient(model, names, images, labels, keep, dp: DPNoise, seed=0):
+    """The gradient the client's DP-SGD step applies to one batch: defenses.dp.make_private (ghost clipping,
+    Opacus' noise) as eftguard.training uses it, read off the parameters after a zero-learning-rate step."""
+    named = dict(model.named_parameters())
+    model.train().global_module.requires_grad_(False)
+    optimizer = torch.optim.SGD([named[n] for n in names], lr=0.0)
+    wrapped, dp_optimizer, criterion = make_private(model, optimizer, DPSGD(dp.noise_multiplier, dp.max_grad_norm, 1.0),
+                                                    len(labels), torch.Generator().manual_seed(seed))
+    try:
+        criterion(wrapped(images, keep), labels).backward()
+        dp_optimizer.step()
+    finally:
+        wrapped.to_standard_module()
+        model.global_module.requires_grad_(True)
+    return {n: named[n].grad.detach().clone() for n in names}
+
+
+def flat(gradients, names):
+    return torch.cat([gradients[n].flatten() for n in names])
+
+
+def test_probe_dp_step_is_opacus_step_at_zero_noise_and_has_its_noise_scale(photos):
+    """The DP probe (gradient_audit.probe_gradient) stands in for the client's DP-SGD step in every DP audit:
+    at zero noise it must give Opacus' clipped mean, and its noise must have Opacus' scale, sigma * C / B."""
+    model = build_model("vit-tiny-32", 10, 2, seed=0)
+    indices = [0, 40, 80, 120]
+    images = model.normalize(torch.from_numpy(photos.train.images[indices]))
+    labels = torch.from_numpy(photos.train.labels[indices])
+    keep = random_keep_ids(4, 64, 0.75, torch.Generator().manual_seed(0))
+    names = trained_names(model, "eftvit")
+    norms = [float(flat(probe_gradient(model, names, images[i:i + 1], labels[i:i + 1], keep[i:i + 1]), names).norm())
+             for i in range(4)]
+    clip = float(np.median(norms))  # two samples clipped, two left alone
+    probe = probe_gradient(model, names, images, labels, keep, DPNoise(0.0, clip))
+    opacus = opacus_step_gradient(model, names, images, labels, keep, DPNoise(0.0, clip))
+    for name in names:
+        torch.testing.assert_close(probe[name], opacus[name], rtol=1e-4, atol=2e-6, msg=name)  # measured 5e-7
+    sigma, expected_std = 0.5, 0.5 * clip / 4
+    probe_noise = flat(probe_gradient(model, names, images, labels, keep, DPNoise(sigma, clip),
+                                      torch.Generator().manual_seed(1)), names) - flat(probe, names)
+    opacus_noise = flat(opacus_step_gradient(model, names, images, labels, keep, DPNoise(sigma, clip)), names) \
+        - flat(opacus, names)
+    assert float(probe_noise.std()) == pytest.approx(expected_std, rel=0.01)
+    assert float(opacus_noise.std()) == pytest.approx(expected_std, rel=0.01)
+
+
+def test_the_clients_first_step_is_the_probe_gradient_and_gives_its_image_away(photos, monkeypatch):
+    """The real client (client_round, batch size 1): the gradient its first AdamW step applies equals the probe's
+    gradient of the same image, mask and label, and the analytic attack recovers that image's kept patches."""
+    cfg = TrainConfig(clients=2, rounds=1, train_samples=60, test_samples=20, batch_size=1).resolved()
+    start = build_model(cfg.model, 10, cfg.local_layers, seed=cfg.seed)
+    state = {k: v.detach().numpy().copy() for k, v in start.state_dict().items()}
+    seen = {}
+
+    class FirstStepRecorder(torch.optim.AdamW):
+        def step(self, closure=None):
+            seen.setdefault("grads", {id(p): p.grad.clone() for g in self.param_groups for p in g["params"]})
+            return super().step(closure)
+
+    forward, cross_entropy = EFTViT.forward, torch.nn.functional.cross_entropy
+
+    def recording_forward(self, images, keep_ids=None):
+        seen.setdefault("batch", (self, images.detach().clone(), keep_ids.clone()))
+        return forward(self, images, keep_ids)
+
+    def recording_loss(logits, target, *args, **kwargs):
+        seen.setdefault("labels", target.clone())
+        return cross_entropy(logits, target, *args, **kwargs)
+
+    monkeypatch.setattr(torch.optim, "AdamW", FirstStepRecorder)
+    monkeypatch.setattr(EFTViT, "forward", recording_forward)
+    monkeypatch.setattr(torch.nn.functional, "cross_entropy", recording_loss)
+    client_round(ClientSettings.from_config(cfg, 1), state, 0, 2)
+    monkeypatch.undo()
+
+    client_model, image, keep = seen["batch"]
+    names = trained_names(start, "eftvit")
+    parameters = dict(client_model.named_parameters())
+    applied = {n: seen["grads"][id(parameters[n])] for n in names}
+    probe = probe_gradient(start, names, image, seen["labels"], keep)
+    for name in names:
+        torch.testing.assert_close(applied[name], probe[name], rtol=1e-4, atol=1e-8, msg=name)
+    obs = GradientObservation(start, applied, 1, 32, start.mean, start.std, masked=True)
+    result = AnalyticAttack().reconstruct(obs)
+    assert np.array_equal(result.kept_ids[0], keep[0].numpy())
+    kept = metrics.kept_pixels(keep.numpy(), 32, 4)
+    assert metrics.psnr(result.images, obs.to_pixels(image), kept)[0] > 40
 
 
 def lenet(num_classes=10):
