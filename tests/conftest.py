@@ -1,5 +1,8 @@
+import builtins
+import io
 import os
 from contextlib import contextmanager
+from pathlib import Path
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("FLWR_TELEMETRY_ENABLED", "0")
@@ -61,6 +64,55 @@ def _restore_torch_global_state():
     test's numbers may depend on which tests ran before it."""
     with restored_torch_state():
         yield
+
+
+@contextmanager
+def truth_out_of_reach(run_path):
+    """While the block runs, every way to ground truth raises: RunDirectory's and the auditor's truth accessors, the
+    client's images (audit.client_training_set), and open() or any safetensors loader on a file under RUN/truth/."""
+    import safetensors
+    import safetensors.numpy
+    import safetensors.torch
+
+    from eftguard import audit, rundir
+
+    truth = (Path(run_path) / "truth").resolve()
+
+    def refuse(*_, **__):
+        raise AssertionError("ground truth was read while an attack ran")
+
+    def guarded(load):
+        def load_unless_truth(path, *args, **kwargs):
+            if isinstance(path, (str, os.PathLike)) and Path(path).resolve().is_relative_to(truth):
+                refuse()
+            return load(path, *args, **kwargs)
+        return load_unless_truth
+
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(builtins, "open", guarded(builtins.open))
+        patch.setattr(io, "open", guarded(io.open))  # pathlib's read_bytes / open
+        for module, names in ((safetensors, ["safe_open"]), (safetensors.numpy, ["load_file"]),
+                              (safetensors.torch, ["load_file"]), (rundir, ["load_numpy", "load_torch"])):
+            for name in names:
+                patch.setattr(module, name, guarded(getattr(module, name)))
+        for owner, name in ((rundir.RunDirectory, "truth_path"), (rundir.RunDirectory, "load_truth"),
+                            (audit, "load_truth"), (audit, "client_training_set")):
+            if hasattr(owner, name):
+                patch.setattr(owner, name, refuse)
+        yield
+
+
+def attacks_guarded(monkeypatch, run_path, *attack_classes) -> list[str]:
+    """Make each attack class's reconstruct run under truth_out_of_reach; returns the list it appends the class
+    name to on every call (so a test can show the guarded code really ran)."""
+    calls = []
+    for cls in attack_classes:
+        def reconstruct(self, *args, _original=cls.reconstruct, **kwargs):
+            calls.append(type(self).__name__)
+            with truth_out_of_reach(run_path):
+                return _original(self, *args, **kwargs)
+        monkeypatch.setattr(cls, "reconstruct", reconstruct)
+    return calls
 
 
 def train_in_process(path, **config):

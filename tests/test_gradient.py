@@ -340,9 +340,10 @@ def test_cli_probe_writes_report_and_grid_that_the_run_report_picks_up(capsys, e
     assert code == 0, err
     folder = tmp_path / "gradient-analytic"
     report = json.loads((folder / "report.json").read_text())
-    for key in ("attack", "run", "round", "capabilities", "lpips_backend", "metrics", "metrics_kept", "baseline"):
-        assert key in report
+    assert (report["attack"], report["run"], report["round"]) == ("gradient-analytic", str(eftvit_run.path), 1)
+    assert report["capabilities"] == ThreatModel().capabilities()
     assert report["lpips_backend"] == "stlpips-alex"
+    assert report["metrics"]["psnr"]["n"] == report["baseline"]["psnr"]["n"] == 1
     assert report["metrics_kept"]["psnr"]["mean"] > 40 > report["baseline_kept"]["psnr"]["mean"]
     assert report["details"]["position_accuracy"]["mean"] == 1.0
     assert report["details"]["label_accuracy"]["mean"] == 1.0
@@ -359,7 +360,8 @@ def test_cli_probe_of_a_dp_run_falls_to_the_baseline(capsys, tmp_path):
                         "stlpips-alex", "--out", tmp_path)
     assert code == 0, err
     report = json.loads((tmp_path / "gradient-analytic" / "report.json").read_text())
-    assert "noise multiplier" in report["details"]["dp_sgd"]
+    sigma = run.metrics()[0]["noise_multiplier"]["0"]
+    assert sigma > 1 and f"noise multiplier {sigma:.3f}" in report["details"]["dp_sgd"]  # the client's own noise
     assert report["metrics_kept"]["psnr"]["mean"] < report["baseline_kept"]["psnr"]["mean"] + 3
     assert report["details"]["position_accuracy"]["mean"] < 0.5
 
