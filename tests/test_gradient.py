@@ -22,7 +22,7 @@ from eftguard.gradient_audit import DPNoise, probe_gradient, trained_names
 from eftguard.masking import random_keep_ids
 from eftguard.model import EFTViT, build_model
 from eftguard.rundir import RunDirectory
-from conftest import flushes_denormals, restored_torch_state, train_in_process
+from conftest import attacks_guarded, flushes_denormals, restored_torch_state, train_in_process
 
 
 @pytest.fixture(scope="module", autouse=True)
@@ -377,26 +377,14 @@ def test_cli_attacks_an_uploaded_fedavg_update(capsys, fedavg_run, tmp_path):
 
 def test_attacks_never_read_ground_truth(monkeypatch, capsys, eftvit_run, tmp_path):
     """While an attack reconstructs, truth/ and the client's images are out of reach; only scoring reads them."""
-    reconstruct = AnalyticAttack.reconstruct
-    phases = []
-
-    def forbidden(*args, **kwargs):
-        raise AssertionError("the attack read ground truth")
-
-    def guarded(self, obs, progress=None):
-        with monkeypatch.context() as m:
-            m.setattr(RunDirectory, "truth_path", forbidden)
-            m.setattr(RunDirectory, "load_arrays", forbidden)
-            m.setattr(audit, "client_training_set", forbidden)
-            phases.append("attack")
-            return reconstruct(self, obs, progress)
-
-    monkeypatch.setattr(AnalyticAttack, "reconstruct", guarded)
-    for steps in ("1", "local"):
-        code, err = run_cli(capsys, "attack", "gradient", "--run", eftvit_run.path, "--steps", steps,
-                            "--lpips-backend", "stlpips-alex", "--out", tmp_path)
+    calls = attacks_guarded(monkeypatch, eftvit_run.path, AnalyticAttack, DLGAttack, InvertingGradients)
+    for method, steps in (("analytic", "1"), ("analytic", "local"), ("idlg", "1"), ("ig", "local")):
+        code, err = run_cli(capsys, "attack", "gradient", "--run", eftvit_run.path, "--method", method, "--steps", steps,
+                            "--iterations", "1", "--lpips-backend", "stlpips-alex", "--out", tmp_path)
         assert code == 0, err
-    assert phases == ["attack", "attack"]
+        report = json.loads((tmp_path / f"gradient-{method}" / "report.json").read_text())
+        assert report["metrics"]["psnr"]["n"] == 1  # scored afterwards, by the auditor
+    assert calls == ["AnalyticAttack", "AnalyticAttack", "DLGAttack", "InvertingGradients"]
 
 
 def test_encrypted_run_needs_its_key(capsys, tmp_path):

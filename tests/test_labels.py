@@ -13,7 +13,7 @@ from eftguard.attack_cli import observe_labels
 from eftguard.cli import main
 from eftguard.rundir import RunDirectory
 from eftguard.sampling import balanced_indices, class_target
-from conftest import train_in_process
+from conftest import train_in_process, truth_out_of_reach
 
 NO_HEAD = (np.zeros((10, 192), np.float32), np.zeros(10, np.float32))
 
@@ -104,17 +104,26 @@ def tiny_run(feature_run):
     return RunDirectory.open(feature_run)
 
 
-def test_attacks_never_read_truth(tiny_run, monkeypatch):
-    def refuse(*_):
-        raise AssertionError("an attack read truth/")
-
-    with monkeypatch.context() as patch:
-        patch.setattr(RunDirectory, "truth_path", refuse)
+def test_attacks_on_a_real_round_beat_the_prior_and_never_read_truth(tiny_run):
+    """The uploads of a real round (the real server and clients over the in-process grid), attacked with truth/ out
+    of reach. Measured: linkage L1 0.25 and 0.18, head 0.27 and 0.33, against 0.39 and 0.77 for the prior; linkage
+    counts 5 of the 8 classes below T exactly (the prior none)."""
+    with truth_out_of_reach(tiny_run.path):
         observation = observe_labels(tiny_run, 1, [0, 1], with_model=True)
         estimates = {a.name: a.reconstruct(observation) for a in (PresenceAttack(), LinkageAttack(), HeadGradientAttack())}
-    truth = audit.true_class_counts(tiny_run, 1, 0)
-    assert np.array_equal(estimates["labels-presence"][0].present, truth > 0)
-    assert estimates["labels-linkage"][0].counts.sum() == pytest.approx(truth.sum())
+    exact_below_t = []
+    for client in (0, 1):
+        truth = audit.true_class_counts(tiny_run, 1, client)
+        assert np.array_equal(estimates["labels-presence"][client].present, truth > 0)
+        prior = audit.label_scores(audit.prior_baseline(truth), truth)["l1"][0]
+        for name in ("labels-linkage", "labels-head"):
+            l1 = audit.label_scores(estimates[name][client], truth)["l1"][0]
+            assert l1 < 0.8 * prior, (name, client, l1, prior)
+        linkage = estimates["labels-linkage"][client]
+        below = (truth > 0) & (truth < linkage.details["T"])
+        exact_below_t += (np.rint(linkage.counts[below]) == truth[below]).tolist()
+        assert linkage.counts.sum() == pytest.approx(truth.sum())
+    assert len(exact_below_t) >= 6 and np.mean(exact_below_t) > 0.5, exact_below_t
 
 
 def run_cli(capsys, *argv):
