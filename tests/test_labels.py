@@ -93,7 +93,9 @@ def test_scores_and_prior_baseline():
     baseline = audit.prior_baseline(truth)
     assert baseline.counts.tolist() == [5, 0, 5, 0]
     scores = audit.label_scores(baseline, truth)
-    assert scores["l1"][0] == pytest.approx(0.6) and 0 < scores["js"][0] < 1
+    p, q, m = np.array([0.8, 0.2]), np.array([0.5, 0.5]), np.array([0.65, 0.35])  # the present classes
+    js_by_hand = np.sqrt(0.5 * (p * np.log2(p / m)).sum() + 0.5 * (q * np.log2(q / m)).sum())
+    assert scores["l1"][0] == pytest.approx(0.6) and scores["js"][0] == pytest.approx(js_by_hand)
     assert scores["exact_count_accuracy"].tolist() == [0, 0] and scores["presence_f1"][0] == 1
     wrong = audit.label_scores(LabelEstimate(np.array([0, 10.0, 0, 0]), np.array([0, 1, 0, 0], bool)), truth)
     assert wrong["presence_precision"][0] == 0 and wrong["presence_f1"][0] == 0 and wrong["js"][0] == pytest.approx(1)
@@ -134,14 +136,23 @@ def run_cli(capsys, *argv):
 
 def test_cli_writes_one_report_per_method(tiny_run, tmp_path):
     main(["attack", "labels", "--run", str(tiny_run.path), "--out", str(tmp_path)])
-    for method in ("presence", "linkage", "head"):
-        report = json.loads((tmp_path / f"labels-{method}" / "report.json").read_text())
-        assert report["attack"] == f"labels-{method}" and report["round"] == 1 and report["clients"] == [0, 1]
-        for group in ("metrics", "baseline"):
-            assert {"l1", "js", "exact_count_accuracy", "presence_f1"} <= set(report[group])
-            assert report[group]["l1"]["n"] == 2
-        assert set(report["histograms"]) == {"0", "1"}
-        assert (tmp_path / f"labels-{method}" / "report.md").exists()
+    observation = observe_labels(tiny_run, 1, [0, 1], with_model=True)
+    truths = [audit.true_class_counts(tiny_run, 1, k) for k in (0, 1)]
+    prior = [audit.label_scores(audit.prior_baseline(t), t) for t in truths]
+    for attack in (PresenceAttack(), LinkageAttack(), HeadGradientAttack()):
+        report = json.loads((tmp_path / attack.name / "report.json").read_text())
+        assert report["attack"] == attack.name and report["round"] == 1 and report["clients"] == [0, 1]
+        estimates = attack.reconstruct(observation)
+        scores = [audit.label_scores(estimates[k], t) for k, t in zip((0, 1), truths)]
+        for metric in ("l1", "js", "presence_f1"):  # the report pools exactly these per-client scores
+            assert report["metrics"][metric]["mean"] == pytest.approx(np.mean([s[metric][0] for s in scores]))
+            assert report["baseline"][metric]["mean"] == pytest.approx(np.mean([s[metric][0] for s in prior]))
+            assert report["metrics"][metric]["n"] == 2
+        exact = np.concatenate([s["exact_count_accuracy"] for s in scores])
+        assert report["metrics"]["exact_count_accuracy"] == pytest.approx(
+            {"mean": exact.mean(), "std": exact.std(), "median": np.median(exact), "n": len(exact)})
+        assert [report["histograms"][k]["true"] for k in ("0", "1")] == [t.tolist() for t in truths]
+        assert (tmp_path / attack.name / "report.md").exists()
     presence = json.loads((tmp_path / "labels-presence" / "report.json").read_text())
     assert presence["metrics"]["presence_f1"]["mean"] == 1.0
 
