@@ -59,11 +59,12 @@ def test_monotone_assignment_finds_increasing_positions():
 
 
 def test_decoder_recovers_images_from_unmasked_features_far_better_than_the_mean_image(photos):
+    """Measured 25.1 dB against 12.9 for the mean image after 100 steps."""
     model = build_model("vit-tiny-32", photos.num_classes, local_layers=1, seed=0)  # random initialisation
     targets = photos.train.images[::50][:48]
     client, _ = observe(model, targets, mask_ratio=0.0, positions_known=True)
     observation = RoundFeatures(1, [client], model, 0.0, photos.public.images)
-    attack = DecoderInversion(ThreatModel(positions_known=True), steps=150, width=96, depth=1, batch_size=32)
+    attack = DecoderInversion(ThreatModel(positions_known=True), steps=100, lr=1e-2, width=64, depth=1, batch_size=16)
     recon = attack.reconstruct(observation)[0]
     truth = targets.astype(np.float32) / 255
     attacked = metrics.psnr(recon.images, truth).mean()
@@ -97,8 +98,8 @@ def test_decoder_recovers_kept_patches_at_mask_ratio_075_unless_the_features_are
     attacked = kept_patch_psnr(attack.reconstruct(observation)[0].images, truth, keep).mean()
     baseline = mean_image_kept_psnr(photos, truth, keep).mean()
     if feature_noise:
-        # Near the mean image on both sides: an average image (measured 12.4 against 14.1), not the 6-8 dB of noise.
-        assert abs(attacked - baseline) < 2.5, (attacked, baseline)
+        # Near the mean image on both sides: an average image (measured 13.9 against 14.1), not the 6-8 dB of noise.
+        assert abs(attacked - baseline) < 1.5, (attacked, baseline)
     else:
         assert attacked > baseline + 6, (attacked, baseline)
 
