@@ -12,7 +12,7 @@ from attacks.gradient import (AnalyticAttack, DLGAttack, GradientObservation, In
                               prepare_numerics, recover_labels)
 from attacks.base import ThreatModel
 from defenses.dp import DPSGD, client_budget, make_private
-from eftguard import audit, metrics
+from eftguard import metrics
 from eftguard.cli import main
 from eftguard.config import TrainConfig
 from eftguard.data import load_dataset
