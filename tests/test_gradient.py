@@ -189,10 +189,10 @@ def test_probe_dp_step_is_opacus_step_at_zero_noise_and_has_its_noise_scale(phot
     assert float(opacus_noise.std()) == pytest.approx(expected_std, rel=0.01)
 
 
-def test_the_clients_first_step_is_the_probe_gradient_and_gives_its_image_away(photos, monkeypatch):
-    """The real client (client_round, batch size 1): the gradient its first AdamW step applies equals the probe's
-    gradient of the same image, mask and label, and the analytic attack recovers that image's kept patches."""
-    cfg = TrainConfig(clients=2, rounds=1, train_samples=60, test_samples=20, batch_size=1).resolved()
+def first_client_step(monkeypatch, cfg):
+    """Run the real client (client_round) for partition 0 from a fresh model and record its first training step:
+    (start model, the trained names, the batch's images, kept ids and labels, the gradient the step applied by
+    name, and the upload)."""
     start = build_model(cfg.model, 10, cfg.local_layers, seed=cfg.seed)
     state = {k: v.detach().numpy().copy() for k, v in start.state_dict().items()}
     seen = {}
@@ -212,17 +212,24 @@ def test_the_clients_first_step_is_the_probe_gradient_and_gives_its_image_away(p
         seen.setdefault("labels", target.clone())
         return cross_entropy(logits, target, *args, **kwargs)
 
-    monkeypatch.setattr(torch.optim, "AdamW", FirstStepRecorder)
-    monkeypatch.setattr(EFTViT, "forward", recording_forward)
-    monkeypatch.setattr(torch.nn.functional, "cross_entropy", recording_loss)
-    client_round(ClientSettings.from_config(cfg, 1), state, 0, 2)
-    monkeypatch.undo()
-
-    client_model, image, keep = seen["batch"]
+    with monkeypatch.context() as patch:
+        patch.setattr(torch.optim, "AdamW", FirstStepRecorder)
+        patch.setattr(EFTViT, "forward", recording_forward)
+        patch.setattr(torch.nn.functional, "cross_entropy", recording_loss)
+        upload = client_round(ClientSettings.from_config(cfg, 1), state, 0, 2)
+    client_model, images, keep = seen["batch"]
     names = trained_names(start, "eftvit")
     parameters = dict(client_model.named_parameters())
     applied = {n: seen["grads"][id(parameters[n])] for n in names}
-    probe = probe_gradient(start, names, image, seen["labels"], keep)
+    return start, names, images, keep, seen["labels"], applied, upload
+
+
+def test_the_clients_first_step_is_the_probe_gradient_and_gives_its_image_away(photos, monkeypatch):
+    """The real client (client_round, batch size 1): the gradient its first AdamW step applies equals the probe's
+    gradient of the same image, mask and label, and the analytic attack recovers that image's kept patches."""
+    cfg = TrainConfig(clients=2, rounds=1, train_samples=60, test_samples=20, batch_size=1).resolved()
+    start, names, image, keep, labels, applied, _ = first_client_step(monkeypatch, cfg)
+    probe = probe_gradient(start, names, image, labels, keep)
     for name in names:
         torch.testing.assert_close(applied[name], probe[name], rtol=1e-4, atol=1e-8, msg=name)
     obs = GradientObservation(start, applied, 1, 32, start.mean, start.std, masked=True)
@@ -230,6 +237,23 @@ def test_the_clients_first_step_is_the_probe_gradient_and_gives_its_image_away(p
     assert np.array_equal(result.kept_ids[0], keep[0].numpy())
     kept = metrics.kept_pixels(keep.numpy(), 32, 4)
     assert metrics.psnr(result.images, obs.to_pixels(image), kept)[0] > 40
+
+
+def test_a_one_step_upload_is_adamw_applied_to_the_probe_gradient(monkeypatch):
+    """A client whose whole partition is one batch uploads after exactly one AdamW step: phi_k - phi equals
+    -lr * (weight_decay * phi + g / (|g| + eps)) with g the probe gradient of its batch. So an upload keeps only
+    the sign of each coordinate of the gradient (|g| >> eps), which is why the closed-form attack needs the probe
+    (--steps 1) and treats --steps local as an estimate."""
+    cfg = TrainConfig(clients=2, rounds=1, train_samples=60, test_samples=20, batch_size=64, local_epochs=1).resolved()
+    start, names, images, keep, labels, applied, upload = first_client_step(monkeypatch, cfg)
+    assert len(labels) == upload.num_examples  # one batch: the upload is one step
+    probe = probe_gradient(start, names, images, labels, keep)
+    named = dict(start.named_parameters())
+    for name in names:
+        torch.testing.assert_close(applied[name], probe[name], rtol=1e-4, atol=1e-8, msg=name)
+        before, g = named[name].detach(), probe[name]
+        expected = before * (1 - cfg.lr * cfg.weight_decay) - cfg.lr * g / (g.abs() + 1e-8)
+        torch.testing.assert_close(torch.from_numpy(upload.update[name]), expected, rtol=1e-4, atol=1e-6, msg=name)
 
 
 def lenet(num_classes=10):
