@@ -1,4 +1,8 @@
+import builtins
+import io
 import os
+from contextlib import contextmanager
+from pathlib import Path
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("FLWR_TELEMETRY_ENABLED", "0")
@@ -26,6 +30,89 @@ def rng():
 @pytest.fixture(autouse=True)
 def _seed():
     torch.manual_seed(0)
+
+
+def flushes_denormals() -> bool:
+    """torch has a setter for flush-to-zero but no getter: a denormal float32 times one reads 0 when it is on."""
+    return float(torch.tensor([1e-39]) * 1.0) == 0.0
+
+
+def torch_global_state() -> dict:
+    return {"flush_denormal": flushes_denormals(), "num_threads": torch.get_num_threads(),
+            "default_dtype": torch.get_default_dtype(), "grad_enabled": torch.is_grad_enabled(),
+            "deterministic": (torch.are_deterministic_algorithms_enabled(),
+                              torch.is_deterministic_algorithms_warn_only_enabled())}
+
+
+@contextmanager
+def restored_torch_state():
+    """Whatever the block changes of torch's global state is put back afterwards."""
+    saved = torch_global_state()
+    try:
+        yield
+    finally:
+        torch.set_flush_denormal(saved["flush_denormal"])
+        torch.set_num_threads(saved["num_threads"])
+        torch.set_default_dtype(saved["default_dtype"])
+        torch.set_grad_enabled(saved["grad_enabled"])
+        torch.use_deterministic_algorithms(saved["deterministic"][0], warn_only=saved["deterministic"][1])
+
+
+@pytest.fixture(autouse=True)
+def _restore_torch_global_state():
+    """Attacks turn on flush-to-zero (attacks.gradient.prepare_numerics) and tests change threads or dtypes: no
+    test's numbers may depend on which tests ran before it."""
+    with restored_torch_state():
+        yield
+
+
+@contextmanager
+def truth_out_of_reach(run_path):
+    """While the block runs, every way to ground truth raises: RunDirectory's and the auditor's truth accessors, the
+    client's images (audit.client_training_set), and open() or any safetensors loader on a file under RUN/truth/."""
+    import safetensors
+    import safetensors.numpy
+    import safetensors.torch
+
+    from eftguard import audit, rundir
+
+    truth = (Path(run_path) / "truth").resolve()
+
+    def refuse(*_, **__):
+        raise AssertionError("ground truth was read while an attack ran")
+
+    def guarded(load):
+        def load_unless_truth(path, *args, **kwargs):
+            if isinstance(path, (str, os.PathLike)) and Path(path).resolve().is_relative_to(truth):
+                refuse()
+            return load(path, *args, **kwargs)
+        return load_unless_truth
+
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(builtins, "open", guarded(builtins.open))
+        patch.setattr(io, "open", guarded(io.open))  # pathlib's read_bytes / open
+        for module, names in ((safetensors, ["safe_open"]), (safetensors.numpy, ["load_file"]),
+                              (safetensors.torch, ["load_file"]), (rundir, ["load_numpy", "load_torch"])):
+            for name in names:
+                patch.setattr(module, name, guarded(getattr(module, name)))
+        for owner, name in ((rundir.RunDirectory, "truth_path"), (rundir.RunDirectory, "load_truth"),
+                            (audit, "load_truth"), (audit, "client_training_set")):
+            if hasattr(owner, name):
+                patch.setattr(owner, name, refuse)
+        yield
+
+
+def attacks_guarded(monkeypatch, run_path, *attack_classes) -> list[str]:
+    """Make each attack class's reconstruct run under truth_out_of_reach; returns the list it appends the class
+    name to on every call (so a test can show the guarded code really ran)."""
+    calls = []
+    for cls in attack_classes:
+        def reconstruct(self, *args, _original=cls.reconstruct, **kwargs):
+            calls.append(type(self).__name__)
+            with truth_out_of_reach(run_path):
+                return _original(self, *args, **kwargs)
+        monkeypatch.setattr(cls, "reconstruct", reconstruct)
+    return calls
 
 
 def train_in_process(path, **config):

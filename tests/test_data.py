@@ -21,12 +21,32 @@ def test_photos_sizes_and_classes():
 
 
 def test_photos_is_deterministic_and_splits_are_disjoint(tmp_path, monkeypatch):
+    """Two builds give the same crops, and no pixel of a source photo lands in two splits (read off the crops the
+    real build cuts: per photo, PER_CLASS["train"] train crops, then the test ones, then the public ones)."""
     from eftguard.data import photos
     monkeypatch.setenv("EFTGUARD_CACHE", str(tmp_path))
+    crops, crop = [], photos._crop
+
+    def recording_crop(photo, y, x, side, flip):
+        crops.append((photo.shape[:2], y, x, side))
+        return crop(photo, y, x, side, flip)
+
+    monkeypatch.setattr(photos, "_crop", recording_crop)
     built = photos.build_photos()
-    cached = load_photos()  # from the user cache, built earlier
+    monkeypatch.setattr(photos, "_crop", crop)
+    cached = load_photos()  # a second build, into the empty cache
     assert np.array_equal(built["train_images"], cached.train.images)
-    assert set(TILE_SPLITS) == {"train", "test", "public"}
+    assert np.array_equal(built["public_images"], cached.public.images)
+    per_photo = sum(PER_CLASS.values())
+    splits = [split for split, count in PER_CLASS.items() for _ in range(count)]
+    assert len(crops) == 10 * per_photo
+    for label in range(10):
+        covered = {split: np.zeros(crops[label * per_photo][0], bool) for split in PER_CLASS}
+        for (_, y, x, side), split in zip(crops[label * per_photo:(label + 1) * per_photo], splits):
+            covered[split][y:y + side, x:x + side] = True
+        assert covered["train"].any() and covered["test"].any() and covered["public"].any()
+        assert not (covered["train"] & covered["test"]).any() and not (covered["train"] & covered["public"]).any()
+        assert not (covered["test"] & covered["public"]).any(), label
 
 
 @pytest.mark.parametrize("shape", [(300, 451), (1411, 1411), (370, 371)])

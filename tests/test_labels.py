@@ -13,7 +13,7 @@ from eftguard.attack_cli import observe_labels
 from eftguard.cli import main
 from eftguard.rundir import RunDirectory
 from eftguard.sampling import balanced_indices, class_target
-from conftest import train_in_process
+from conftest import train_in_process, truth_out_of_reach
 
 NO_HEAD = (np.zeros((10, 192), np.float32), np.zeros(10, np.float32))
 
@@ -93,7 +93,9 @@ def test_scores_and_prior_baseline():
     baseline = audit.prior_baseline(truth)
     assert baseline.counts.tolist() == [5, 0, 5, 0]
     scores = audit.label_scores(baseline, truth)
-    assert scores["l1"][0] == pytest.approx(0.6) and 0 < scores["js"][0] < 1
+    p, q, m = np.array([0.8, 0.2]), np.array([0.5, 0.5]), np.array([0.65, 0.35])  # the present classes
+    js_by_hand = np.sqrt(0.5 * (p * np.log2(p / m)).sum() + 0.5 * (q * np.log2(q / m)).sum())
+    assert scores["l1"][0] == pytest.approx(0.6) and scores["js"][0] == pytest.approx(js_by_hand)
     assert scores["exact_count_accuracy"].tolist() == [0, 0] and scores["presence_f1"][0] == 1
     wrong = audit.label_scores(LabelEstimate(np.array([0, 10.0, 0, 0]), np.array([0, 1, 0, 0], bool)), truth)
     assert wrong["presence_precision"][0] == 0 and wrong["presence_f1"][0] == 0 and wrong["js"][0] == pytest.approx(1)
@@ -104,17 +106,26 @@ def tiny_run(feature_run):
     return RunDirectory.open(feature_run)
 
 
-def test_attacks_never_read_truth(tiny_run, monkeypatch):
-    def refuse(*_):
-        raise AssertionError("an attack read truth/")
-
-    with monkeypatch.context() as patch:
-        patch.setattr(RunDirectory, "truth_path", refuse)
+def test_attacks_on_a_real_round_beat_the_prior_and_never_read_truth(tiny_run):
+    """The uploads of a real round (the real server and clients over the in-process grid), attacked with truth/ out
+    of reach. Measured: linkage L1 0.25 and 0.18, head 0.27 and 0.33, against 0.39 and 0.77 for the prior; linkage
+    counts 5 of the 8 classes below T exactly (the prior none)."""
+    with truth_out_of_reach(tiny_run.path):
         observation = observe_labels(tiny_run, 1, [0, 1], with_model=True)
         estimates = {a.name: a.reconstruct(observation) for a in (PresenceAttack(), LinkageAttack(), HeadGradientAttack())}
-    truth = audit.true_class_counts(tiny_run, 1, 0)
-    assert np.array_equal(estimates["labels-presence"][0].present, truth > 0)
-    assert estimates["labels-linkage"][0].counts.sum() == pytest.approx(truth.sum())
+    exact_below_t = []
+    for client in (0, 1):
+        truth = audit.true_class_counts(tiny_run, 1, client)
+        assert np.array_equal(estimates["labels-presence"][client].present, truth > 0)
+        prior = audit.label_scores(audit.prior_baseline(truth), truth)["l1"][0]
+        for name in ("labels-linkage", "labels-head"):
+            l1 = audit.label_scores(estimates[name][client], truth)["l1"][0]
+            assert l1 < 0.8 * prior, (name, client, l1, prior)
+        linkage = estimates["labels-linkage"][client]
+        below = (truth > 0) & (truth < linkage.details["T"])
+        exact_below_t += (np.rint(linkage.counts[below]) == truth[below]).tolist()
+        assert linkage.counts.sum() == pytest.approx(truth.sum())
+    assert len(exact_below_t) >= 6 and np.mean(exact_below_t) > 0.5, exact_below_t
 
 
 def run_cli(capsys, *argv):
@@ -125,14 +136,23 @@ def run_cli(capsys, *argv):
 
 def test_cli_writes_one_report_per_method(tiny_run, tmp_path):
     main(["attack", "labels", "--run", str(tiny_run.path), "--out", str(tmp_path)])
-    for method in ("presence", "linkage", "head"):
-        report = json.loads((tmp_path / f"labels-{method}" / "report.json").read_text())
-        assert report["attack"] == f"labels-{method}" and report["round"] == 1 and report["clients"] == [0, 1]
-        for group in ("metrics", "baseline"):
-            assert {"l1", "js", "exact_count_accuracy", "presence_f1"} <= set(report[group])
-            assert report[group]["l1"]["n"] == 2
-        assert set(report["histograms"]) == {"0", "1"}
-        assert (tmp_path / f"labels-{method}" / "report.md").exists()
+    observation = observe_labels(tiny_run, 1, [0, 1], with_model=True)
+    truths = [audit.true_class_counts(tiny_run, 1, k) for k in (0, 1)]
+    prior = [audit.label_scores(audit.prior_baseline(t), t) for t in truths]
+    for attack in (PresenceAttack(), LinkageAttack(), HeadGradientAttack()):
+        report = json.loads((tmp_path / attack.name / "report.json").read_text())
+        assert report["attack"] == attack.name and report["round"] == 1 and report["clients"] == [0, 1]
+        estimates = attack.reconstruct(observation)
+        scores = [audit.label_scores(estimates[k], t) for k, t in zip((0, 1), truths)]
+        for metric in ("l1", "js", "presence_f1"):  # the report pools exactly these per-client scores
+            assert report["metrics"][metric]["mean"] == pytest.approx(np.mean([s[metric][0] for s in scores]))
+            assert report["baseline"][metric]["mean"] == pytest.approx(np.mean([s[metric][0] for s in prior]))
+            assert report["metrics"][metric]["n"] == 2
+        exact = np.concatenate([s["exact_count_accuracy"] for s in scores])
+        assert report["metrics"]["exact_count_accuracy"] == pytest.approx(
+            {"mean": exact.mean(), "std": exact.std(), "median": np.median(exact), "n": len(exact)})
+        assert [report["histograms"][k]["true"] for k in ("0", "1")] == [t.tolist() for t in truths]
+        assert (tmp_path / attack.name / "report.md").exists()
     presence = json.loads((tmp_path / "labels-presence" / "report.json").read_text())
     assert presence["metrics"]["presence_f1"]["mean"] == 1.0
 
