@@ -16,7 +16,7 @@ from eftguard.attack_cli import add_attack_parser, add_report_parser, cmd_attack
 from eftguard.config import ACCOUNTANTS, FEDERATIONS, METHODS, ConfigError, TrainConfig
 from eftguard.data import DATASET_HELP, DataError
 from eftguard.federation.errors import FederationError, Interrupted
-from eftguard.metrics import MetricError
+from eftguard.metrics import LPIPS_BACKENDS, MetricError
 from eftguard.model import PRESETS, ModelError
 from eftguard.rundir import RunDirectory, RunError, check_new_run_path
 from eftguard.sampling import BALANCE_MODES
@@ -195,6 +195,10 @@ def build_parser() -> argparse.ArgumentParser:
     demo.add_argument("--attack-steps", type=int, default=1000,
                       help="then attack the EFTViT run's uploaded features with the inversion decoder trained for "
                            "this many steps and write its report.html (0: skip) (default: 1000)")
+    demo.add_argument("--lpips-backend", choices=LPIPS_BACKENDS, default="auto",
+                      help="LPIPS network of the audit: lpips-alex (standard, needs the AlexNet weights), "
+                           "stlpips-alex (shift-tolerant, ships its weights, works offline) or auto (the first "
+                           "that loads) (default: auto)")
 
     add_attack_parser(sub)
     add_report_parser(sub)
@@ -386,7 +390,7 @@ def cmd_demo(args: argparse.Namespace) -> None:
         eftvit_run = str(out / "eftvit")
         parser = build_parser()
         cmd_attack(parser.parse_args(["attack", "invert", "--features", eftvit_run, "--steps", str(args.attack_steps),
-                                      "--max-images", "32"]))
+                                      "--max-images", "32", "--lpips-backend", args.lpips_backend]))
         cmd_report(parser.parse_args(["report", eftvit_run]))
 
 

@@ -153,7 +153,8 @@ def test_fedavg_reference_through_the_same_apps(tmp_path):
 
 def test_demo_compares_both_methods(tmp_path):
     result = eftguard("demo", "--out", str(tmp_path / "demo"), "--rounds", "1", "--train-samples", "120",
-                      "--test-samples", "40", "--attack-steps", "2")
+                      "--test-samples", "40", "--attack-steps", "2",
+                      "--lpips-backend", "stlpips-alex")  # offline by construction: never tries a download
     assert result.returncode == 0, result.stderr[-3000:]
     assert "eftvit" in result.stdout and "fedavg" in result.stdout and "client s/epoch" in result.stdout
     assert "invert-decoder" in result.stdout  # the audit's summary table
