@@ -19,12 +19,18 @@ def quiet_flower(verbose: bool) -> None:
         warnings.filterwarnings("ignore", category=FutureWarning, module="ray")
 
 
+def simulated_node_defaults(run_dir: Path, cfg: TrainConfig) -> dict:
+    """The operator runs every simulated node: they share ground truth when the run records it, and keep
+    their privacy ledgers in the run directory (nodes/), so a resumed simulation sees what they spent."""
+    return {"share-truth": cfg.record_truth, "ledger-dir": str(Path(run_dir).resolve() / "nodes")}
+
+
 def run_simulated(run_dir: Path, cfg: TrainConfig, verbose: bool = False) -> None:
     """Run the ServerApp against cfg.clients simulated SuperNodes, one Ray actor per cfg.cpus_per_client."""
     quiet_flower(verbose)
     from flwr.simulation import run_simulation
 
-    from eftguard.federation.apps import build_server_app, client_app
+    from eftguard.federation.apps import build_client_app, build_server_app
 
     from eftguard.federation.server import STOP_REQUESTED
 
@@ -42,7 +48,8 @@ def run_simulated(run_dir: Path, cfg: TrainConfig, verbose: bool = False) -> Non
     STOP_REQUESTED.clear()
     previous = signal.signal(signal.SIGINT, request_stop)
     try:
-        run_simulation(server_app=build_server_app(Path(run_dir).resolve()), client_app=client_app,
+        run_simulation(server_app=build_server_app(Path(run_dir).resolve()),
+                       client_app=build_client_app(simulated_node_defaults(run_dir, cfg)),
                        num_supernodes=cfg.clients, backend_config=backend_config, verbose_logging=verbose)
     finally:
         signal.signal(signal.SIGINT, previous)
