@@ -81,6 +81,20 @@ def compose(spends: list[Spend], delta: float, accountant: str) -> float:
     return float(acc.get_epsilon(delta=delta))
 
 
+def _check_terms(terms: Terms) -> None:
+    if not (isinstance(terms.declared_epsilon, float) and math.isfinite(terms.declared_epsilon)
+            and terms.declared_epsilon > 0 and isinstance(terms.delta, float) and 0 < terms.delta < 1
+            and terms.accountant in ("prv", "rdp")):
+        raise ValueError(f"terms {asdict(terms)} are not DP-SGD terms")
+
+
+def _check_spend(spend: Spend) -> None:
+    if not (isinstance(spend.round, int) and isinstance(spend.steps, int) and spend.steps >= 0
+            and math.isfinite(spend.noise_multiplier) and spend.noise_multiplier >= 0
+            and 0 < spend.sample_rate <= 1):
+        raise ValueError(f"entry {asdict(spend)} is not a DP-SGD spend")
+
+
 class PrivacyLedger:
     """One node partition's ledger directory; max_epsilon (0: none) is the node's own ceiling per run."""
 
@@ -100,6 +114,10 @@ class PrivacyLedger:
 
     def read(self, run_id: str) -> tuple[Terms | None, list[Spend]]:
         """The run's terms and spends ((None, []) for a run this node never trained with DP)."""
+        terms, entries = self._load(run_id)
+        return terms, [Spend(**entry["spend"]) for entry in entries]
+
+    def _load(self, run_id: str) -> tuple[Terms | None, list[dict]]:
         path = self.path(run_id)
         if not path.exists():
             return None, []
@@ -108,17 +126,16 @@ class PrivacyLedger:
             if data.get("format") != FORMAT or data.get("run_id") != run_id or data.get("partition") != self.partition:
                 raise ValueError("not this node's ledger of this run")
             terms = Terms(**data["terms"])
-            spends = [Spend(**entry["spend"]) for entry in data["entries"]]
+            _check_terms(terms)
+            for entry in data["entries"]:
+                _check_spend(Spend(**entry["spend"]))
         except (OSError, ValueError, TypeError, KeyError, AttributeError) as exc:
             raise LedgerError(f"privacy ledger {path} is damaged ({exc}): restore it from a backup; a missing "
                               "record would give this run a fresh budget, so the node refuses to train") from None
-        return terms, spends
+        return terms, data["entries"]
 
-    def _write(self, run_id: str, terms: Terms, spends: list[Spend]) -> None:
+    def _write(self, run_id: str, terms: Terms, entries: list[dict]) -> None:
         path = self.path(run_id)
-        entries = [{"spend": asdict(s), "delta": terms.delta,
-                    "epsilon_after": compose(spends[:i + 1], terms.delta, terms.accountant)}
-                   for i, s in enumerate(spends)]
         text = json.dumps({"format": FORMAT, "format_version": FORMAT_VERSION, "run_id": run_id,
                            "partition": self.partition, "terms": asdict(terms), "entries": entries}, indent=1)
         tmp = path.with_name(f".{path.name}.tmp")
@@ -171,10 +188,14 @@ class PrivacyLedger:
 
     def record(self, run_id: str, terms: Terms, applied: list[Spend]) -> float:
         """Record a trained round (before its upload leaves the node); returns the run's epsilon spent."""
-        _, spends = self.read(run_id)
-        spends.extend(applied)
-        self._write(run_id, terms, spends)
-        return compose(spends, terms.delta, terms.accountant)
+        _, entries = self._load(run_id)
+        spends = [Spend(**entry["spend"]) for entry in entries]
+        for spend in applied:
+            spends.append(spend)
+            entries.append({"spend": asdict(spend), "delta": terms.delta,
+                            "epsilon_after": compose(spends, terms.delta, terms.accountant)})
+        self._write(run_id, terms, entries)
+        return entries[-1]["epsilon_after"] if entries else 0.0
 
     def times_spent(self, run_id: str, round_number: int) -> int:
         """How often this round was already spent (a server re-sending it gets fresh noise from this)."""

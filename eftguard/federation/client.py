@@ -78,17 +78,23 @@ def client_partition(dataset: str, data_dir: str, model: str, train_samples: int
 def requested_dp(s: ClientSettings, partition_id: int, num_examples: int) -> tuple[Terms, Spend] | None:
     """The server's DP request for this round, as terms and the spend it implies for this client's own data
     (None: no DP requested). A request that is not a valid DP configuration is refused, never read as "no DP"."""
-    if s.dp_eps == 0:
+    eps, sigma, delta, clip = (_number(v) for v in (s.dp_eps, s.noise_multiplier, s.dp_delta, s.max_grad_norm))
+    if eps == 0:
         return None
-    if not (math.isfinite(s.dp_eps) and s.dp_eps > 0 and math.isfinite(s.noise_multiplier) and s.noise_multiplier > 0
-            and 0 <= s.dp_delta < 1 and s.accountant in ACCOUNTANTS and s.method == "eftvit"):
-        raise PrivacyBudgetError(f"the server asks for DP-SGD with dp_eps {s.dp_eps}, noise multiplier "
-                                 f"{s.noise_multiplier}, dp_delta {s.dp_delta}, accountant {s.accountant!r}, method {s.method!r}: "
-                                 "refused")
-    budget = client_budget(s.dp_eps, s.dp_delta, s.accountant, num_examples, s.batch_size, s.local_epochs,
-                           (s.round,), s.noise_multiplier)
-    return (Terms(s.dp_eps, budget.delta, s.accountant),
-            Spend(s.round, s.noise_multiplier, budget.sample_rate, budget.steps_per_round))
+    if not (math.isfinite(eps) and eps > 0 and math.isfinite(sigma) and sigma > 0 and 0 <= delta < 1
+            and math.isfinite(clip) and clip > 0 and _number(s.batch_size) >= 1 and _number(s.local_epochs) >= 1
+            and s.accountant in ACCOUNTANTS and s.method == "eftvit"):
+        raise PrivacyBudgetError(f"the server asks for DP-SGD with dp_eps {s.dp_eps!r}, noise multiplier "
+                                 f"{s.noise_multiplier!r}, dp_delta {s.dp_delta!r}, max_grad_norm {s.max_grad_norm!r}, "
+                                 f"batch size {s.batch_size!r}, local epochs {s.local_epochs!r}, accountant "
+                                 f"{s.accountant!r}, method {s.method!r}: refused")
+    budget = client_budget(eps, delta, s.accountant, num_examples, s.batch_size, s.local_epochs, (s.round,), sigma)
+    return Terms(eps, budget.delta, s.accountant), Spend(s.round, sigma, budget.sample_rate, budget.steps_per_round)
+
+
+def _number(value) -> float:
+    """A setting as a float; NaN for anything that is not a number (a bool included)."""
+    return float(value) if isinstance(value, (int, float)) and not isinstance(value, bool) else math.nan
 
 
 def dp_report(applied: list[Spend], spent: float) -> dict[str, float | int]:
@@ -131,7 +137,7 @@ def client_round(settings: ClientSettings, state: dict[str, np.ndarray], partiti
         dp = None
         if terms:
             respent = ledger.times_spent(s.run_id, s.round)  # a re-sent round gets fresh noise
-            dp = DPSGD(s.noise_multiplier, s.max_grad_norm, request[1].sample_rate,
+            dp = DPSGD(request[1].noise_multiplier, s.max_grad_norm, request[1].sample_rate,
                        seeded(s.seed, s.round, partition_id, 6, respent, *private))
         result = train_local(model, images, labels, s.method, s.mask_ratio, optim, generator, report, dp)
         dp_applied = None

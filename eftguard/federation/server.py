@@ -170,6 +170,7 @@ def exchange(grid: Grid, messages: dict[int, Message], timeout: float, progress:
 
 def run_server(grid: Grid, run_dir: Path) -> None:
     cfg = RunDirectory.open(run_dir).config()
+    cfg.validate()  # a config.toml edited by hand (dp_eps = nan) must not reach the rounds
     run = RunDirectory.open(run_dir, cfg.encrypt_at_rest or None)
     dataset = run_dataset(cfg.dataset, cfg.data_dir, cfg.model, cfg.train_samples, cfg.test_samples, cfg.seed)
     test_images, test_labels = torch.from_numpy(dataset.test.images), torch.from_numpy(dataset.test.labels)
