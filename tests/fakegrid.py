@@ -10,14 +10,15 @@ from eftguard.federation import apps
 
 
 class FakeGrid:
-    """node_config: extra node-config keys for every node (like a simulation's, nodes share ground truth and
-    keep their privacy ledgers in $EFTGUARD_HOME, which conftest points at a temporary folder)."""
+    """node_config: extra node-config keys for every node (like a simulation's, nodes share ground truth and seed
+    from the run's seed alone; they keep their privacy ledgers in $EFTGUARD_HOME, a temporary folder in tests)."""
 
     def __init__(self, clients, tamper=None, partitions=None, node_config=None):
         self.partitions = partitions or {100 + k: k for k in range(clients)}
         self.clients = clients
         self.tamper = tamper or (lambda node, reply: reply)
-        self.node_config = {"share-truth": True, **(node_config or {})}
+        config = {"share-truth": True, "noise-secret": 0, **(node_config or {})}
+        self.node_config = {k: v for k, v in config.items() if v is not None}  # None: the key is not set
         self.outbox = {}
 
     def get_node_ids(self):

@@ -137,6 +137,15 @@ def test_torn_ledger_file_is_an_error_naming_it_not_a_fresh_budget(honest, tmp_p
     assert path.read_bytes() == torn
 
 
+def test_deployed_node_without_a_secret_draws_noise_the_server_cannot_regenerate(honest, tmp_path):
+    """Without --noise-secret a deployed node seeds from the OS: the same round, settings and seed give other
+    noise on every try (with a secret of 0, as simulated nodes use, they would give the same)."""
+    _, sigma, model = honest
+    a, b = (MaliciousServer(model, tmp_path / name, **{"noise-secret": None}).train(1, sigma) for name in "ab")
+    key = "head.weight"
+    assert not np.array_equal(a.content["update"][key].numpy(), b.content["update"][key].numpy())
+
+
 def test_ledger_of_another_run_or_partition_is_not_accepted(tmp_path):
     ledger = PrivacyLedger(tmp_path, 1)
     terms, spend = Terms(3.0, 1e-3, "rdp"), Spend(1, 1.5, 0.25, 4)

@@ -5,12 +5,15 @@ What a node does is the node operator's decision (Flower's --node-config), never
   share-truth  send auditor-only ground truth when the run asks for it (default: off)
   ledger-dir   where the node keeps its privacy ledger (default: $EFTGUARD_HOME/ledger, ~/.eftguard/ledger)
   max-epsilon  the node's own privacy ceiling per run (default: none; set, it also refuses rounds without DP)
-  noise-secret mixed into the node's random seeds (default: 0, seeds from the run's seed alone)
+  noise-secret mixed into the node's random seeds, so the server (which knows the run's seed) cannot regenerate
+               the DP noise (default: a fresh secret from the OS every round; 0: seeds from the run's seed alone,
+               as simulated nodes do)
 """
 
 from __future__ import annotations
 
 import os
+import secrets
 from pathlib import Path
 
 from flwr.app import ConfigRecord, Context, Error, Message, RecordDict
@@ -54,7 +57,7 @@ def train(msg: Message, context: Context, node_defaults: dict | None = None) -> 
     node = {**(node_defaults or {}), **context.node_config}
     partition, partitions = _node_partition(context)
     settings = ClientSettings.from_record(msg.content["settings"])
-    secret = int(node.get("noise-secret", 0))
+    secret = int(node["noise-secret"]) if "noise-secret" in node else secrets.randbelow(2**62) + 1
     share_truth = _node_flag(node.get("share-truth", False))
     ledger = PrivacyLedger(Path(str(node.get("ledger-dir") or default_ledger_dir())), partition,
                            float(node.get("max-epsilon", 0.0)))

@@ -20,9 +20,10 @@ def quiet_flower(verbose: bool) -> None:
 
 
 def simulated_node_defaults(run_dir: Path, cfg: TrainConfig) -> dict:
-    """The operator runs every simulated node: they share ground truth when the run records it, and keep
-    their privacy ledgers in the run directory (nodes/), so a resumed simulation sees what they spent."""
-    return {"share-truth": cfg.record_truth, "ledger-dir": str(Path(run_dir).resolve() / "nodes")}
+    """The operator runs every simulated node: they share ground truth when the run records it, keep their
+    privacy ledgers in the run directory (nodes/), so a resumed simulation sees what they spent, and seed from
+    the run's seed alone (noise-secret 0), so simulations are reproducible."""
+    return {"share-truth": cfg.record_truth, "ledger-dir": str(Path(run_dir).resolve() / "nodes"), "noise-secret": 0}
 
 
 def run_simulated(run_dir: Path, cfg: TrainConfig, verbose: bool = False) -> None:
