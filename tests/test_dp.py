@@ -73,8 +73,9 @@ def test_ghost_clipping_step_equals_mean_of_clipped_per_sample_gradients(frozen_
     x = frozen_theta.normalize(images)
     reference = one_at_a_time(frozen_theta, x, labels, keep)
     norms = torch.stack([torch.sqrt(sum((g * g).sum() for g in r.values())) for r in reference])
-    clip = {"below_all": float(norms.min()) / 2, "median": float(norms.median()),
-            "above_all": float(norms.max()) * 2}[clip_at]
+    ordered = norms.sort().values
+    clip = {"below_all": float(ordered[0]) / 2, "median": float(ordered[1] + ordered[2]) / 2,  # two of four clipped
+            "above_all": float(ordered[-1]) * 2}[clip_at]
     params = [p for _, p in trainable(frozen_theta)]
     optimizer = torch.optim.SGD(params, lr=0.0)
     wrapped, dp_optimizer, criterion, _ = make_private(frozen_theta, optimizer, DPSGD(0.0, clip, 1.0, 0), len(labels))
@@ -83,7 +84,7 @@ def test_ghost_clipping_step_equals_mean_of_clipped_per_sample_gradients(frozen_
     dp_optimizer.step()
     for name, p in trainable(frozen_theta):
         expected = sum(r[name] * min(1.0, clip / float(n)) for r, n in zip(reference, norms)) / len(labels)
-        torch.testing.assert_close(p.grad, expected, rtol=1e-4, atol=1e-7, msg=name)
+        torch.testing.assert_close(p.grad, expected, rtol=1e-4, atol=1e-6, msg=name)  # float32 sums: ~3e-7
     wrapped.to_standard_module()
     assert not frozen_theta.local_module.blocks[0].attn.qkv._forward_hooks  # hooks are gone after training
 

@@ -185,7 +185,8 @@ def test_node_that_does_not_share_truth_sends_none_and_the_round_goes_on(tmp_pat
         sent.append("truth" in reply.content) if reply.metadata.message_type == "train" else None
         return reply
 
-    run, metrics = one_round(plain, tmp_path, tamper=record, node_config={"share-truth": False})
+    # A deployed node started without --share-truth: the key is absent, sharing is off by default.
+    run, metrics = one_round(plain, tmp_path, tamper=record, node_config={"share-truth": None})
     assert sent == [False, False] and metrics["dropped"] == {} and set(metrics["num_examples"]) == {"0", "1"}
     with pytest.raises(RunError, match="client 0 did not share its ground truth"):
         run.load_truth(1, 0)
