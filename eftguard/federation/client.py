@@ -132,7 +132,7 @@ def client_round(settings: ClientSettings, state: dict[str, np.ndarray], partiti
     request = requested_dp(s, partition_id, len(data))
     if request and ledger is None:
         raise PrivacyBudgetError("a DP-SGD round needs the node's privacy ledger (--ledger-dir): refused")
-    with ledger.locked(s.run_id) if ledger else contextlib.nullcontext():
+    with ledger.locked(s.run_id) if ledger and request else contextlib.nullcontext():  # a DP round only writes
         terms = ledger.authorize(s.run_id, s.round, *(request or (None, None))) if ledger else None
         dp = None
         if terms:
