@@ -10,14 +10,16 @@ the server declared then, the delta and the accountant. Every DP round then
      and fsynced BEFORE the upload leaves the node: a crash can over-count a round, never under-count it.
 
 Guarantees: a server that re-sends a round pays for it again (and the round's noise is fresh: the noise seed
-mixes in how often the round was spent before); a server that later raises dp_eps or lowers the noise is
+mixes in how often the round was spent before, and a deployed node without --noise-secret seeds from the OS,
+so the server cannot regenerate its noise either); a server that later raises dp_eps or lowers the noise is
 refused once the recorded spend would pass the first declared epsilon; a server that sends dp_eps 0 for a
 run the ledger knows as a DP run is refused; a node with --max-epsilon refuses every round without DP-SGD.
 A torn or foreign ledger file is an error naming the file, never a fresh budget.
 
 Limits: the ledger is keyed by the run id the server sends. A server that invents a new run id gets a fresh
 per-run budget: --max-epsilon bounds each run, not the node's lifetime (there is no node-wide ceiling across
-runs). Deleting the ledger directory resets it. The ledger bounds what the uploaded parameters (phi, h) reveal;
+runs). Deleting the ledger directory resets it. A node with noise-secret 0 (simulated nodes) seeds from the
+run's seed alone, which the server knows: reproducible, not private against its own server. The ledger bounds what the uploaded parameters (phi, h) reveal;
 the uploaded patch features are outside DP-SGD (see defenses.feature_noise).
 """
 
