@@ -53,15 +53,15 @@ def describe(msg: Message, context: Context) -> Message:
 
 def train(msg: Message, context: Context, node_defaults: dict | None = None) -> Message:
     """One round on this node. node_defaults: node-config values for keys the node was not given
-    (simulated nodes: their run's ledger folder and truth sharing)."""
+    (simulated nodes: their run's ledger folder, truth sharing and noise-secret 0)."""
     node = {**(node_defaults or {}), **context.node_config}
     partition, partitions = _node_partition(context)
     settings = ClientSettings.from_record(msg.content["settings"])
     secret = int(node["noise-secret"]) if "noise-secret" in node else secrets.randbelow(2**62) + 1
     share_truth = _node_flag(node.get("share-truth", False))
-    ledger = PrivacyLedger(Path(str(node.get("ledger-dir") or default_ledger_dir())), partition,
-                           float(node.get("max-epsilon", 0.0)))
     try:
+        ledger = PrivacyLedger(Path(str(node.get("ledger-dir") or default_ledger_dir())), partition,
+                               float(node.get("max-epsilon", 0.0)))
         upload = client_round(settings, from_record(msg.content["model"], "model"), partition, partitions, secret,
                               ledger)
     except (PrivacyBudgetError, LedgerError) as exc:  # a refusal: the server records the reason as dropped
