@@ -15,7 +15,7 @@ import math
 from dataclasses import dataclass
 
 import torch
-from opacus.accountants import create_accountant
+from opacus.accountants import RDPAccountant, create_accountant
 from opacus.accountants.utils import MAX_SIGMA, get_noise_multiplier
 from opacus.grad_sample import GradSampleModuleFastGradientClipping
 from opacus.optimizers import DPOptimizerFastGradientClipping
@@ -73,15 +73,6 @@ class ClientBudget:
         return epsilon_spent(self.noise_multiplier, self.sample_rate, taken * self.steps_per_round, self.delta,
                              self.accountant)
 
-    def check(self, round_number: int) -> float:
-        """The epsilon after training in round_number; raises if that exceeds the budget (the client refuses)."""
-        spent = self.epsilon_after(round_number)
-        if spent > self.epsilon:
-            raise PrivacyBudgetError(f"training in round {round_number} would spend epsilon {spent:.3f} > --dp-eps "
-                                     f"{self.epsilon} (noise multiplier {self.noise_multiplier:.4f}); "
-                                     "the client refuses")
-        return spent
-
 
 def client_budget(epsilon: float, delta: float, accountant: str, num_examples: int, batch_size: int,
                   local_epochs: int, rounds: tuple[int, ...], noise_multiplier: float | None = None) -> ClientBudget:
@@ -109,25 +100,31 @@ def check_feasible(epsilon: float, delta: float, accountant: str, num_examples: 
 
 @dataclass(frozen=True)
 class DPSGD:
-    """What DP-SGD needs for one round's local training."""
+    """What DP-SGD needs for one round's local training. The noise has its own seed, so that a re-sent
+    round can get fresh noise while batches and masks stay reproducible."""
 
     noise_multiplier: float
     max_grad_norm: float
     sample_rate: float
+    noise_seed: int
 
 
-def make_private(model: nn.Module, optimizer: torch.optim.Optimizer, dp: DPSGD, expected_batch_size: int,
-                 generator: torch.Generator) -> tuple[nn.Module, DPOptimizerFastGradientClipping, DPLossFastGradientClipping]:
-    """Wrap model, optimizer and cross-entropy for ghost clipping; the noise comes from `generator`.
-    Frozen parameters (theta) get no hooks. Remove the hooks with `wrapped.to_standard_module()` after training."""
+def make_private(model: nn.Module, optimizer: torch.optim.Optimizer, dp: DPSGD, expected_batch_size: int
+                 ) -> tuple[nn.Module, DPOptimizerFastGradientClipping, DPLossFastGradientClipping, RDPAccountant]:
+    """Wrap model, optimizer and cross-entropy for ghost clipping; the noise comes from dp.noise_seed.
+    Frozen parameters (theta) get no hooks. Remove the hooks with `wrapped.to_standard_module()` after training.
+    The accountant is opacus' step hook on the optimizer: its history is the (noise multiplier, sample rate,
+    steps) the optimizer really applied, which is what the client records and reports."""
     wrapped = GradSampleModuleFastGradientClipping(model, batch_first=True, loss_reduction="mean",
                                                    max_grad_norm=dp.max_grad_norm, use_ghost_clipping=True)
     dp_optimizer = DPOptimizerFastGradientClipping(optimizer, noise_multiplier=dp.noise_multiplier,
                                                    max_grad_norm=dp.max_grad_norm,
                                                    expected_batch_size=expected_batch_size, loss_reduction="mean",
-                                                   generator=generator)
+                                                   generator=torch.Generator().manual_seed(dp.noise_seed))
+    applied = RDPAccountant()
+    dp_optimizer.attach_step_hook(applied.get_optimizer_hook_fn(sample_rate=dp.sample_rate))
     criterion = DPLossFastGradientClipping(wrapped, dp_optimizer, nn.CrossEntropyLoss(), loss_reduction="mean")
-    return wrapped, dp_optimizer, criterion
+    return wrapped, dp_optimizer, criterion, applied
 
 
 def poisson_batch(num_examples: int, sample_rate: float, generator: torch.Generator) -> torch.Tensor:

@@ -1,5 +1,5 @@
 """The auditor: joins attack results with ground truth and scores them. Attacks never come here; this is
-the only code that reads truth/ (RunDirectory.truth_path) and the original client images.
+the only code that reads truth/ (RunDirectory.load_truth) and the original client images.
 
 One scoring path for every image attack: `score_client` turns reconstructions plus originals into per-image
 scores for the attack and the baselines, `image_report` sums them up in DESIGN.md's report.json shape.
@@ -19,14 +19,6 @@ from eftguard.data import ImageSet
 from eftguard.rundir import RunDirectory, RunError
 
 GRID_IMAGES = 8
-
-
-def load_truth(run: RunDirectory, round_number: int, partition: int) -> dict[str, np.ndarray]:
-    path = run.truth_path(round_number, partition)
-    if not path.exists():
-        raise RunError(f"{path} does not exist: this run kept ground truth on the clients (--no-record-truth), so "
-                       "attacks can run but cannot be scored")
-    return run.load_arrays(path)
 
 
 def client_training_set(run: RunDirectory, partition: int) -> ImageSet:
@@ -116,7 +108,7 @@ def image_report(attack: str, run: RunDirectory, round_number: int, threat: Thre
 def granted_positions(run: RunDirectory, round_number: int, partition: int) -> np.ndarray:
     """The kept-patch ids of each uploaded feature set: the auditor grants them to an attack run with
     positions_known (they are never uploaded)."""
-    truth = load_truth(run, round_number, partition)
+    truth = run.load_truth(round_number, partition)
     if "kept_ids" not in truth:
         raise RunError(f"truth of client {partition} in round {round_number} has no kept positions "
                        "(a fedavg run): use --positions unknown")
@@ -127,7 +119,7 @@ def score_upload_reconstruction(run: RunDirectory, round_number: int, partition:
                                 recon: ImageReconstruction, dataset, public_images: np.ndarray,
                                 lpips: metrics.LPIPS, patch_size: int) -> ClientScores:
     """Score reconstructions of a client's uploaded feature sets `rows` against the images behind them."""
-    truth = load_truth(run, round_number, partition)
+    truth = run.load_truth(round_number, partition)
     sample_ids = truth["sample_ids"][rows]
     originals = as_float_images(dataset.train.images[sample_ids])
     true_kept = truth["kept_ids"][rows]
@@ -139,7 +131,7 @@ def score_upload_reconstruction(run: RunDirectory, round_number: int, partition:
 
 def true_class_counts(run: RunDirectory, round_number: int, partition: int) -> np.ndarray:
     """The client's class histogram over all its samples (not just the uploaded ones)."""
-    return load_truth(run, round_number, partition)["class_counts"].astype(np.int64)
+    return run.load_truth(round_number, partition)["class_counts"].astype(np.int64)
 
 
 def prior_baseline(true_counts: np.ndarray) -> LabelEstimate:

@@ -51,8 +51,9 @@ TRAIN_HELP = {
                   "SuperLink with one SuperNode per partition; see --superlink)",
     "cpus_per_client": "CPU cores reserved per simulated client (2 clients train in parallel on 2 cores)",
     "round_timeout": "seconds to wait for client replies in a round; late clients are dropped",
-    "record_truth": "clients send auditor-only ground truth (source sample ids, kept patches, class counts) that "
-                    "the server stores in truth/ for scoring attacks; --no-record-truth when the server is not "
+    "record_truth": "ask clients for auditor-only ground truth (source sample ids, kept patches, class counts) that "
+                    "the server stores in truth/ for scoring attacks. A deployed node sends it only if started with "
+                    "--share-truth; simulated nodes follow this option. --no-record-truth when the server is not "
                     "your auditor: the truth reveals each client's class histogram",
     "encrypt_at_rest": "KEYFILE: store uploads in observed/ encrypted (AES-256-GCM); a missing file gets a new "
                        "random key (mode 0600). Attacks and reports then need the key",

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
+import math
 import tomllib
 from dataclasses import dataclass, fields
 from pathlib import Path
@@ -70,6 +71,7 @@ class TrainConfig:
     def validate(self) -> None:
         from eftguard.model import PRESETS, check_local_layers, ModelError
 
+        self._check_finite()
         check_dataset_name(self.dataset)
         if self.model not in PRESETS:
             raise ConfigError(f"--model: unknown preset '{self.model}', choose {', '.join(PRESETS)}")
@@ -116,6 +118,14 @@ class TrainConfig:
             raise ConfigError(f"--dataset {self.dataset} needs --data-dir DIR (a local copy, or where to download it)")
         if self.data_dir and not Path(self.data_dir).is_dir():
             raise ConfigError(f"--data-dir {self.data_dir} does not exist: create it or point to your dataset copy")
+
+    def _check_finite(self) -> None:
+        """NaN and inf first: every comparison below is False for NaN (`nan > 0` skipped DP-SGD while the
+        server calibrated noise for it), so no later check may see one."""
+        for f in fields(self):
+            value = getattr(self, f.name)
+            if f.type in ("int", "float") and not math.isfinite(value):
+                raise ConfigError(f"--{f.name.replace('_', '-')} must be a finite number, got {value}")
 
     def to_toml(self) -> str:
         return tomli_w.dumps(dataclasses.asdict(self))

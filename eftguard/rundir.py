@@ -22,6 +22,7 @@ import re
 import shutil
 import sys
 import time
+import uuid
 from pathlib import Path
 
 import numpy as np
@@ -136,6 +137,7 @@ class RunDirectory:
         encryption = {"algorithm": "AES-256-GCM", "key_fingerprint": at_rest.fingerprint(key)} if key else None
         run._write_manifest({"format": FORMAT, "format_version": FORMAT_VERSION,
                              "created": time.strftime("%Y-%m-%dT%H:%M:%S%z"), "seed": config.seed,
+                             "run_id": uuid.uuid4().hex,
                              "versions": _versions(), "encrypted_at_rest": encryption, "artefacts": {}})
         run.record_artefact(path / "config.toml")
         return run
@@ -208,6 +210,14 @@ class RunDirectory:
         finally:
             del _held_locks[key]
             os.close(fd)  # closing releases the flock
+
+    @property
+    def run_id(self) -> str:
+        """The run's identity, sent to clients: the key of each client's privacy ledger."""
+        run_id = self.manifest().get("run_id")
+        if not run_id:
+            raise RunError(f"{self.path} was created by an older eftguard and has no run id: start a new run")
+        return run_id
 
     # --- manifest -------------------------------------------------------------------------------------
 
@@ -366,7 +376,33 @@ class RunDirectory:
         return self.upload_dir(round_number, partition) / name
 
     def save_upload(self, round_number: int, partition: int, kind: str, arrays: dict[str, np.ndarray]) -> None:
+        self._save_sealed(self.upload_path(round_number, partition, kind), arrays)
+
+    def load_upload(self, round_number: int, partition: int, kind: str) -> dict[str, np.ndarray]:
         path = self.upload_path(round_number, partition, kind)
+        if not path.exists():
+            raise RunError(f"{path} does not exist: no {kind} upload of client {partition} in round {round_number}")
+        return self._load_sealed(path)
+
+    def truth_path(self, round_number: int, partition: int) -> Path:
+        """truth/.../client-KK.safetensors, with .enc when the run is encrypted at rest."""
+        name = f"{client_name(partition)}.safetensors" + (".enc" if self.encrypted else "")
+        return self.path / "truth" / round_name(round_number) / name
+
+    def save_truth(self, round_number: int, partition: int, arrays: dict[str, np.ndarray]) -> None:
+        """A client's ground truth, encrypted at rest like its uploads."""
+        self._save_sealed(self.truth_path(round_number, partition), arrays)
+
+    def load_truth(self, round_number: int, partition: int) -> dict[str, np.ndarray]:
+        path = self.truth_path(round_number, partition)
+        if not path.exists():
+            raise RunError(f"{path} does not exist: client {partition} did not share its ground truth in round "
+                           f"{round_number} (ground truth is opt-in on each node: eftguard supernode --share-truth; "
+                           "the run asks for it unless --no-record-truth), so attacks can run but cannot be scored")
+        return self._load_sealed(path)
+
+    def _save_sealed(self, path: Path, arrays: dict[str, np.ndarray]) -> None:
+        """Arrays as safetensors, AES-GCM encrypted (bound to the relative path) when the run is encrypted."""
         if not self.encrypted:
             self.save_arrays(path, arrays)
             return
@@ -377,10 +413,7 @@ class RunDirectory:
         _atomic_write(path, lambda p: p.write_bytes(blob))
         self.record_artefact(path)
 
-    def load_upload(self, round_number: int, partition: int, kind: str) -> dict[str, np.ndarray]:
-        path = self.upload_path(round_number, partition, kind)
-        if not path.exists():
-            raise RunError(f"{path} does not exist: no {kind} upload of client {partition} in round {round_number}")
+    def _load_sealed(self, path: Path) -> dict[str, np.ndarray]:
         if not self.encrypted:
             return self.load_arrays(path)
         if self.key is None:
@@ -390,9 +423,6 @@ class RunDirectory:
             return load_numpy_bytes(at_rest.decrypt(self.key, path.read_bytes(), path.relative_to(self.path).as_posix()))
         except at_rest.AtRestError as exc:
             raise RunError(str(exc)) from None
-
-    def truth_path(self, round_number: int, partition: int) -> Path:
-        return self.path / "truth" / round_name(round_number) / f"{client_name(partition)}.safetensors"
 
     def save_arrays(self, path: Path, arrays: dict[str, np.ndarray], metadata: dict[str, str] | None = None) -> None:
         arrays = {k: np.ascontiguousarray(v) for k, v in arrays.items()}

@@ -32,6 +32,7 @@ class TrainResult:
     loss: float
     steps: int
     epoch_seconds: list[float] = field(default_factory=list)
+    dp_applied: list[tuple[float, float, int]] = field(default_factory=list)  # (noise, sample rate, steps) taken
 
     @property
     def seconds(self) -> float:
@@ -64,12 +65,12 @@ def _fit(params: list[nn.Parameter], n: int, optim: OptimConfig, generator: torc
 def _fit_private(model: EFTViT, params: list[nn.Parameter], images: torch.Tensor, labels: torch.Tensor,
                  mask_ratio: float, optim: OptimConfig, dp: DPSGD, generator: torch.Generator,
                  progress: Progress | None) -> TrainResult:
-    """DP-SGD: Poisson-sampled batches (expected size batch_size), per-sample clipping, noise; batches,
-    masks and noise all come from `generator`. ceil(n / batch_size) steps make an epoch."""
+    """DP-SGD: Poisson-sampled batches (expected size batch_size), per-sample clipping, noise; batches and
+    masks come from `generator`, the noise from dp.noise_seed. ceil(n / batch_size) steps make an epoch."""
     n = len(labels)
     expected = min(optim.batch_size, n)
     optimizer = torch.optim.AdamW(params, lr=optim.lr, weight_decay=optim.weight_decay)
-    wrapped, dp_optimizer, criterion = make_private(model, optimizer, dp, expected, generator)
+    wrapped, dp_optimizer, criterion, applied = make_private(model, optimizer, dp, expected)
     num_patches = model.local_module.num_patches
     total, seen, steps, epoch_seconds = 0.0, 0, 0, []
     try:
@@ -93,7 +94,7 @@ def _fit_private(model: EFTViT, params: list[nn.Parameter], images: torch.Tensor
                 progress(epoch + 1, optim.epochs)
     finally:
         wrapped.to_standard_module()  # removes the hooks; the model is used again for feature extraction
-    return TrainResult(total / max(seen, 1), steps, epoch_seconds)
+    return TrainResult(total / max(seen, 1), steps, epoch_seconds, list(applied.history))
 
 
 def train_local(model: EFTViT, images: torch.Tensor, labels: torch.Tensor, method: str, mask_ratio: float,

@@ -27,6 +27,18 @@ def rng():
     return np.random.default_rng(0)
 
 
+@pytest.fixture(scope="session", autouse=True)
+def _eftguard_home(tmp_path_factory):
+    """Client nodes keep their privacy ledgers in $EFTGUARD_HOME: a temporary folder, never ~/.eftguard."""
+    saved = os.environ.get("EFTGUARD_HOME")
+    os.environ["EFTGUARD_HOME"] = str(tmp_path_factory.mktemp("eftguard-home"))
+    yield
+    if saved is None:
+        del os.environ["EFTGUARD_HOME"]
+    else:
+        os.environ["EFTGUARD_HOME"] = saved
+
+
 @pytest.fixture(autouse=True)
 def _seed():
     torch.manual_seed(0)

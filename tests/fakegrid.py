@@ -10,10 +10,15 @@ from eftguard.federation import apps
 
 
 class FakeGrid:
-    def __init__(self, clients, tamper=None, partitions=None):
+    """node_config: extra node-config keys for every node (like a simulation's, nodes share ground truth and seed
+    from the run's seed alone; they keep their privacy ledgers in $EFTGUARD_HOME, a temporary folder in tests)."""
+
+    def __init__(self, clients, tamper=None, partitions=None, node_config=None):
         self.partitions = partitions or {100 + k: k for k in range(clients)}
         self.clients = clients
         self.tamper = tamper or (lambda node, reply: reply)
+        config = {"share-truth": True, "noise-secret": 0, **(node_config or {})}
+        self.node_config = {k: v for k, v in config.items() if v is not None}  # None: the key is not set
         self.outbox = {}
 
     def get_node_ids(self):
@@ -22,11 +27,13 @@ class FakeGrid:
     def _deliver(self, msg):
         node = msg.metadata.dst_node_id
         context = Context(run_id=1, node_id=node, state=RecordDict({}), run_config={},
-                          node_config={"partition-id": self.partitions[node], "num-partitions": self.clients})
+                          node_config={"partition-id": self.partitions[node], "num-partitions": self.clients,
+                                       **self.node_config})
         msg.metadata.__dict__["_message_id"] = f"msg-{node}-{len(self.outbox)}"
         handler = apps.describe if msg.metadata.message_type == "query" else apps.train
         reply = handler(msg, context)
-        reply = Message(content=reply.content, metadata=Metadata(
+        body = {"error": reply.error} if reply.has_error() else {"content": reply.content}
+        reply = Message(**body, metadata=Metadata(
             run_id=1, message_id=f"reply-{node}", src_node_id=node, dst_node_id=0,
             reply_to_message_id=msg.metadata.message_id, group_id="", created_at=0.0, ttl=60.0,
             message_type=msg.metadata.message_type))

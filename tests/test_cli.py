@@ -1,10 +1,13 @@
 """Bad input ends in one clear line and exit code 2, before any federation starts."""
 
+import dataclasses
+
 import pytest
 import torch
 from safetensors.torch import save_file
 
 from eftguard.cli import main
+from eftguard.config import TrainConfig
 
 
 def run_cli(capsys, *argv):
@@ -73,3 +76,29 @@ def test_resume_cannot_extend_a_dp_run(capsys, tmp_path):
     RunDirectory.create(tmp_path / "run", TrainConfig(dp_eps=8.0, rounds=2).resolved())
     code, err = run_cli(capsys, "train", "--resume", str(tmp_path / "run"), "--rounds", "4")
     assert code == 2 and "--rounds cannot change on a DP-SGD run" in err
+
+
+NUMERIC_OPTIONS = [f.name for f in dataclasses.fields(TrainConfig) if f.type in ("int", "float")]
+FLOAT_OPTIONS = {f.name for f in dataclasses.fields(TrainConfig) if f.type == "float"}
+
+
+@pytest.mark.parametrize("value", ["nan", "inf", "-inf"])
+@pytest.mark.parametrize("name", NUMERIC_OPTIONS)
+def test_every_numeric_option_rejects_nan_and_inf(capsys, tmp_path, name, value):
+    """`--dp-eps nan` once passed validation (`nan < 0` is False) and the clients then skipped DP-SGD."""
+    flag = "--" + name.replace("_", "-")
+    code, err = run_cli(capsys, "train", "--out", str(tmp_path / "run"), f"{flag}={value}")
+    assert code == 2 and flag in err.strip().splitlines()[-1] and "Traceback" not in err
+    if name in FLOAT_OPTIONS:  # int options are refused by argparse itself ("invalid int value")
+        assert err.startswith("eftguard: error:") and "finite" in err and len(err.strip().splitlines()) == 1
+    assert not (tmp_path / "run").exists()
+
+
+@pytest.mark.parametrize("value", ["nan", "inf", "-inf"])
+@pytest.mark.parametrize("name", NUMERIC_OPTIONS)
+def test_config_file_with_nan_or_inf_is_refused(capsys, tmp_path, name, value):
+    config = tmp_path / "bad.toml"
+    config.write_text(f"{name} = {value}\n")
+    code, err = run_cli(capsys, "train", "--out", str(tmp_path / "run"), "--config", str(config))
+    assert code == 2 and name in err.replace("-", "_") and "Traceback" not in err
+    assert err.startswith("eftguard: error:") and not (tmp_path / "run").exists()

@@ -1,25 +1,49 @@
 """Flower ClientApp and ServerApp (Message API). The same two apps run under the simulation engine
-and on a deployed SuperLink; the ServerApp finds its run directory in the run config ("run-dir")."""
+and on a deployed SuperLink; the ServerApp finds its run directory in the run config ("run-dir").
+
+What a node does is the node operator's decision (Flower's --node-config), never the server's:
+  share-truth  send auditor-only ground truth when the run asks for it (default: off)
+  ledger-dir   where the node keeps its privacy ledger (default: $EFTGUARD_HOME/ledger, ~/.eftguard/ledger)
+  max-epsilon  the node's own privacy ceiling per run (default: none; set, it also refuses rounds without DP)
+  noise-secret mixed into the node's random seeds, so the server (which knows the run's seed) cannot regenerate
+               the DP noise (default: a fresh secret from the OS every round; 0: seeds from the run's seed alone,
+               as simulated nodes do)
+"""
 
 from __future__ import annotations
 
+import os
+import secrets
 from pathlib import Path
 
-from flwr.app import ConfigRecord, Context, Message, RecordDict
+from flwr.app import ConfigRecord, Context, Error, Message, RecordDict
 from flwr.clientapp import ClientApp
+from flwr.common.constant import ErrorCode
 from flwr.serverapp import Grid, ServerApp
 
+from defenses.dp import PrivacyBudgetError
+from defenses.ledger import LedgerError, PrivacyLedger
 from eftguard.federation.client import client_round
 from eftguard.federation.records import ClientSettings, from_record, to_record
 
-client_app = ClientApp()
+
+def default_ledger_dir() -> Path:
+    return Path(os.environ.get("EFTGUARD_HOME") or Path.home() / ".eftguard") / "ledger"
 
 
 def _node_partition(context: Context) -> tuple[int, int]:
     return int(context.node_config["partition-id"]), int(context.node_config["num-partitions"])
 
 
-@client_app.query()
+def _node_flag(value) -> bool:
+    """A node-config boolean: TOML true/false, or the strings "true"/"false"."""
+    if isinstance(value, str) and value.lower() in ("true", "false"):
+        return value.lower() == "true"
+    if isinstance(value, bool):
+        return value
+    raise ValueError(f"share-truth must be true or false, got {value!r}")
+
+
 def describe(msg: Message, context: Context) -> Message:
     """Handshake: tells the server which data partition this node holds."""
     partition, partitions = _node_partition(context)
@@ -27,23 +51,47 @@ def describe(msg: Message, context: Context) -> Message:
                    reply_to=msg)
 
 
-@client_app.train()
-def train(msg: Message, context: Context) -> Message:
+def train(msg: Message, context: Context, node_defaults: dict | None = None) -> Message:
+    """One round on this node. node_defaults: node-config values for keys the node was not given
+    (simulated nodes: their run's ledger folder, truth sharing and noise-secret 0)."""
+    node = {**(node_defaults or {}), **context.node_config}
     partition, partitions = _node_partition(context)
     settings = ClientSettings.from_record(msg.content["settings"])
-    secret = int(context.node_config.get("noise-secret", 0))  # --node-config "... noise-secret=N"
-    upload = client_round(settings, from_record(msg.content["model"], "model"), partition, partitions, secret)
+    secret = int(node["noise-secret"]) if "noise-secret" in node else secrets.randbelow(2**62) + 1
+    share_truth = _node_flag(node.get("share-truth", False))
+    try:
+        ledger = PrivacyLedger(Path(str(node.get("ledger-dir") or default_ledger_dir())), partition,
+                               float(node.get("max-epsilon", 0.0)))
+        upload = client_round(settings, from_record(msg.content["model"], "model"), partition, partitions, secret,
+                              ledger)
+    except (PrivacyBudgetError, LedgerError) as exc:  # a refusal: the server records the reason as dropped
+        return Message(error=Error(ErrorCode.CLIENT_APP_RAISED_EXCEPTION, f"client refuses: {exc}"), reply_to=msg)
     content = {
         "update": to_record(upload.update),
         "metrics": ConfigRecord({"partition-id": partition, "num-examples": upload.num_examples,
                                  "loss": upload.loss, "epoch-seconds": upload.epoch_seconds,
-                                 "feature-seconds": upload.feature_seconds}),
+                                 "feature-seconds": upload.feature_seconds, **(upload.dp_report or {})}),
     }
     if upload.features is not None:
         content["features"] = to_record(upload.features)
-    if settings.record_truth:
+    if settings.record_truth and share_truth:  # the run's request, granted only by the node
         content["truth"] = to_record(upload.truth)
     return Message(RecordDict(content), reply_to=msg)
+
+
+def build_client_app(node_defaults: dict | None = None) -> ClientApp:
+    """The ClientApp; node_defaults as in `train`."""
+    app = ClientApp()
+    app.query()(describe)
+
+    @app.train()
+    def train_round(msg: Message, context: Context) -> Message:
+        return train(msg, context, node_defaults)
+
+    return app
+
+
+client_app = build_client_app()
 
 
 def build_server_app(run_dir: Path | None = None) -> ServerApp:

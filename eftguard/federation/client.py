@@ -2,16 +2,20 @@
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import logging
+import math
 import time
 from dataclasses import dataclass
 
 import numpy as np
 import torch
 
-from defenses.dp import DPSGD, ClientBudget, client_budget
+from defenses.dp import DPSGD, ClientBudget, PrivacyBudgetError, client_budget
 from defenses.feature_noise import release_features
+from defenses.ledger import PrivacyLedger, Spend, Terms
+from eftguard.config import ACCOUNTANTS
 from eftguard.data import Dataset, dirichlet_partition, load_dataset
 from eftguard.federation.records import ClientSettings
 from eftguard.model import PRESETS, build_model
@@ -30,6 +34,7 @@ class ClientUpload:
     loss: float
     epoch_seconds: list[float]
     feature_seconds: float
+    dp_report: dict[str, float | int] | None = None  # what DP-SGD applied and the ledger's spend; None without DP
 
 
 def seeded(*key: int) -> int:
@@ -70,10 +75,41 @@ def client_partition(dataset: str, data_dir: str, model: str, train_samples: int
     return dirichlet_partition(train.labels, clients, beta, seed)
 
 
+def requested_dp(s: ClientSettings, partition_id: int, num_examples: int) -> tuple[Terms, Spend] | None:
+    """The server's DP request for this round, as terms and the spend it implies for this client's own data
+    (None: no DP requested). A request that is not a valid DP configuration is refused, never read as "no DP"."""
+    eps, sigma, delta, clip = (_number(v) for v in (s.dp_eps, s.noise_multiplier, s.dp_delta, s.max_grad_norm))
+    if eps == 0:
+        return None
+    if not (math.isfinite(eps) and eps > 0 and math.isfinite(sigma) and sigma > 0 and 0 <= delta < 1
+            and math.isfinite(clip) and clip > 0 and _number(s.batch_size) >= 1 and _number(s.local_epochs) >= 1
+            and s.accountant in ACCOUNTANTS and s.method == "eftvit"):
+        raise PrivacyBudgetError(f"the server asks for DP-SGD with dp_eps {s.dp_eps!r}, noise multiplier "
+                                 f"{s.noise_multiplier!r}, dp_delta {s.dp_delta!r}, max_grad_norm {s.max_grad_norm!r}, "
+                                 f"batch size {s.batch_size!r}, local epochs {s.local_epochs!r}, accountant "
+                                 f"{s.accountant!r}, method {s.method!r}: refused")
+    budget = client_budget(eps, delta, s.accountant, num_examples, s.batch_size, s.local_epochs, (s.round,), sigma)
+    return Terms(eps, budget.delta, s.accountant), Spend(s.round, sigma, budget.sample_rate, budget.steps_per_round)
+
+
+def _number(value) -> float:
+    """A setting as a float; NaN for anything that is not a number (a bool included)."""
+    return float(value) if isinstance(value, (int, float)) and not isinstance(value, bool) else math.nan
+
+
+def dp_report(applied: list[Spend], spent: float) -> dict[str, float | int]:
+    """What the client tells the server it applied (read from the optimizer's accountant) and has spent."""
+    return {"dp-noise-multiplier": min((a.noise_multiplier for a in applied), default=0.0),
+            "dp-sample-rate": max((a.sample_rate for a in applied), default=0.0),
+            "dp-steps": sum(a.steps for a in applied), "dp-epsilon-spent": spent}
+
+
 def client_round(settings: ClientSettings, state: dict[str, np.ndarray], partition_id: int,
-                 num_partitions: int, secret: int = 0) -> ClientUpload:
+                 num_partitions: int, secret: int = 0, ledger: PrivacyLedger | None = None) -> ClientUpload:
     """secret (the node's, never sent): mixed into the seeds of batches, masks and DP / feature noise, so
-    that a server knowing the run's seed cannot regenerate them. 0: seeds from the run's seed alone."""
+    that a server knowing the run's seed cannot regenerate them. 0: seeds from the run's seed alone.
+    ledger: the node's privacy ledger, which every DP round must pass and is recorded in before the upload
+    is returned (None: rounds without DP only)."""
     if num_partitions != settings.clients:
         raise ValueError(f"this node was started for {num_partitions} partitions, the run has {settings.clients}")
     if not 0 <= partition_id < num_partitions:
@@ -93,13 +129,23 @@ def client_round(settings: ClientSettings, state: dict[str, np.ndarray], partiti
     def report(epoch: int, total: int) -> None:
         log.info("round %d, client %d: local epoch %d/%d done", s.round, partition_id, epoch, total)
 
-    dp = None
-    if s.dp_eps > 0:
-        # The client checks the server's noise multiplier against its own accountant before training.
-        budget = dp_budget(s, partition_id, len(data), s.round, s.noise_multiplier)
-        log.info("round %d, client %d: epsilon after this round %.3f", s.round, partition_id, budget.check(s.round))
-        dp = DPSGD(s.noise_multiplier, s.max_grad_norm, budget.sample_rate)
-    result = train_local(model, images, labels, s.method, s.mask_ratio, optim, generator, report, dp)
+    request = requested_dp(s, partition_id, len(data))
+    if request and ledger is None:
+        raise PrivacyBudgetError("a DP-SGD round needs the node's privacy ledger (--ledger-dir): refused")
+    with ledger.locked(s.run_id) if ledger and request else contextlib.nullcontext():  # a DP round only writes
+        terms = ledger.authorize(s.run_id, s.round, *(request or (None, None))) if ledger else None
+        dp = None
+        if terms:
+            respent = ledger.times_spent(s.run_id, s.round)  # a re-sent round gets fresh noise
+            dp = DPSGD(request[1].noise_multiplier, s.max_grad_norm, request[1].sample_rate,
+                       seeded(s.seed, s.round, partition_id, 6, respent, *private))
+        result = train_local(model, images, labels, s.method, s.mask_ratio, optim, generator, report, dp)
+        dp_applied = None
+        if terms:
+            applied = [Spend(s.round, sigma, q, steps) for sigma, q, steps in result.dp_applied]
+            dp_applied = dp_report(applied, ledger.record(s.run_id, terms, applied))
+            log.info("round %d, client %d: epsilon spent in this run %.3f", s.round, partition_id,
+                     dp_applied["dp-epsilon-spent"])
     class_counts = np.bincount(data.labels, minlength=dataset.num_classes).astype(np.int64)
 
     if s.method == "fedavg":
@@ -118,4 +164,4 @@ def client_round(settings: ClientSettings, state: dict[str, np.ndarray], partiti
     truth = {"sample_ids": data.ids[chosen].astype(np.int64), "kept_ids": keep_ids.numpy().astype(np.int64),
              "class_counts": class_counts}
     return ClientUpload(update, {"features": features.numpy(), "labels": data.labels[chosen].astype(np.int64)},
-                        truth, len(data), result.loss, result.epoch_seconds, feature_seconds)
+                        truth, len(data), result.loss, result.epoch_seconds, feature_seconds, dp_applied)

@@ -84,11 +84,14 @@ class ClientSettings:
     feature_clip: float
     record_truth: bool
     noise_multiplier: float  # this client's, calibrated by the server for all its rounds; 0.0 without DP
+    run_id: str  # manifest.json's; the key of the client's privacy ledger
 
     @classmethod
-    def from_config(cls, cfg: TrainConfig, round_number: int, noise_multiplier: float = 0.0) -> "ClientSettings":
-        return cls(round=round_number, noise_multiplier=noise_multiplier,
-                   **{k: getattr(cfg, k) for k in cls.__dataclass_fields__ if k not in ("round", "noise_multiplier")})
+    def from_config(cls, cfg: TrainConfig, round_number: int, noise_multiplier: float = 0.0,
+                    run_id: str = "") -> "ClientSettings":
+        return cls(round=round_number, noise_multiplier=noise_multiplier, run_id=run_id,
+                   **{k: getattr(cfg, k) for k in cls.__dataclass_fields__
+                      if k not in ("round", "noise_multiplier", "run_id")})
 
     def to_record(self) -> ConfigRecord:
         return ConfigRecord(asdict(self))

@@ -4,6 +4,7 @@ and everything written to the run directory."""
 from __future__ import annotations
 
 import logging
+import math
 import threading
 import time
 from dataclasses import dataclass
@@ -11,7 +12,7 @@ from pathlib import Path
 
 import numpy as np
 import torch
-from flwr.app import Message, MessageType, RecordDict
+from flwr.app import ConfigRecord, Message, MessageType, RecordDict
 from flwr.serverapp import Grid
 from rich.console import Console
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
@@ -128,6 +129,26 @@ def parse_reply(reply: Message, partition: int, spec: UploadSpec, method: str,
                           upload_bytes), truth
 
 
+def check_dp_report(metrics: ConfigRecord, budget: ClientBudget, dp_eps: float) -> float:
+    """A DP run's upload must report the DP-SGD its optimizer applied: the noise the server sent (or more),
+    the sample rate and steps of the client's schedule, and a finite spend within --dp-eps. An upload that
+    claims less (or no DP at all) is dropped. Returns the epsilon the client reports it has spent."""
+    try:
+        sigma, rate = float(metrics["dp-noise-multiplier"]), float(metrics["dp-sample-rate"])
+        steps, spent = metrics["dp-steps"], float(metrics["dp-epsilon-spent"])
+    except (KeyError, TypeError, ValueError):
+        raise UploadError("the run uses DP-SGD but the reply does not report the DP-SGD it applied "
+                          "(dp-noise-multiplier, dp-sample-rate, dp-steps, dp-epsilon-spent)") from None
+    if not sigma >= budget.noise_multiplier:  # also catches NaN
+        raise UploadError(f"the client applied noise multiplier {sigma}, below the {budget.noise_multiplier:.4f} sent")
+    if isinstance(steps, bool) or steps != budget.steps_per_round or not math.isclose(rate, budget.sample_rate):
+        raise UploadError(f"the client reports {steps} DP-SGD steps at sample rate {rate}, its schedule is "
+                          f"{budget.steps_per_round} at {budget.sample_rate:.4g}")
+    if not 0 < spent <= dp_eps * (1 + 1e-9):
+        raise UploadError(f"the client reports epsilon {spent} spent, outside (0, --dp-eps {dp_eps}]")
+    return spent
+
+
 def exchange(grid: Grid, messages: dict[int, Message], timeout: float, progress: Progress, task) -> dict[int, Message]:
     """Send one message per partition and collect replies as they arrive (progress per client)."""
     ids = dict(zip(grid.push_messages(messages.values()), messages))
@@ -146,6 +167,7 @@ def exchange(grid: Grid, messages: dict[int, Message], timeout: float, progress:
 
 def run_server(grid: Grid, run_dir: Path) -> None:
     cfg = RunDirectory.open(run_dir).config()
+    cfg.validate()  # a config.toml edited by hand (dp_eps = nan) must not reach the rounds
     run = RunDirectory.open(run_dir, cfg.encrypt_at_rest or None)
     with run.lock():
         serve_rounds(grid, run, cfg)
@@ -222,13 +244,14 @@ def run_round(grid: Grid, run: RunDirectory, cfg: TrainConfig, model: EFTViT, sp
     messages = {}
     for p in selected:
         sigma = budgets[p].noise_multiplier if budgets else 0.0
-        settings = ClientSettings.from_config(cfg, round_number, sigma).to_record()
+        settings = ClientSettings.from_config(cfg, round_number, sigma, run.run_id).to_record()
         messages[p] = Message(RecordDict({"model": model_record, "settings": settings}), nodes[p], MessageType.TRAIN)
     task = progress.add_task(f"round {round_number}: client training", total=len(selected))
     replies = exchange(grid, messages, cfg.round_timeout, progress, task)
     progress.remove_task(task)
 
     accepted: list[AcceptedUpload] = []
+    epsilon: dict[str, float] = {}  # what each accepted DP client reports it has spent (its ledger)
     dropped: dict[str, str] = {}
     for partition in selected:
         if partition not in replies:
@@ -236,6 +259,9 @@ def run_round(grid: Grid, run: RunDirectory, cfg: TrainConfig, model: EFTViT, sp
             continue
         try:
             upload, truth = parse_reply(replies[partition], partition, spec, cfg.method, cfg.record_truth)
+            if budgets:
+                epsilon[str(partition)] = check_dp_report(replies[partition].content["metrics"], budgets[partition],
+                                                          cfg.dp_eps)
         except UploadError as exc:
             dropped[str(partition)] = str(exc)
             progress.console.print(f"[yellow]round {round_number}: dropped client {partition}'s upload: {exc}")
@@ -244,7 +270,7 @@ def run_round(grid: Grid, run: RunDirectory, cfg: TrainConfig, model: EFTViT, sp
         if upload.features is not None:
             run.save_upload(round_number, partition, "features", upload.features)
         if truth is not None:
-            run.save_arrays(run.truth_path(round_number, partition), truth)
+            run.save_truth(round_number, partition, truth)
         accepted.append(upload)
 
     server_loss, server_seconds = None, 0.0
@@ -282,7 +308,8 @@ def run_round(grid: Grid, run: RunDirectory, cfg: TrainConfig, model: EFTViT, sp
         "upload_bytes": {str(u.partition): u.upload_bytes for u in accepted},
         "num_examples": {str(u.partition): u.num_examples for u in accepted},
         "feature_sets": {str(u.partition): len(u.features["labels"]) for u in accepted if u.features},
-        "epsilon": {str(p): budgets[p].epsilon_after(round_number) for p in selected} if budgets else None,
+        "epsilon": epsilon if budgets else None,
+        "epsilon_server": {str(p): budgets[p].epsilon_after(round_number) for p in selected} if budgets else None,
         "noise_multiplier": {str(p): budgets[p].noise_multiplier for p in selected} if budgets else None,
         "clients": selected,
         "dropped": dropped,

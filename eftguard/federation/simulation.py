@@ -67,6 +67,12 @@ def stop_processes(processes: list[psutil.Process], grace_seconds: float = 5.0) 
                 pass
         _, processes = psutil.wait_procs(processes, timeout=grace_seconds)
 
+def simulated_node_defaults(run_dir: Path, cfg: TrainConfig) -> dict:
+    """The operator runs every simulated node: they share ground truth when the run records it, keep their
+    privacy ledgers in the run directory (nodes/), so a resumed simulation sees what they spent, and seed from
+    the run's seed alone (noise-secret 0), so simulations are reproducible."""
+    return {"share-truth": cfg.record_truth, "ledger-dir": str(Path(run_dir).resolve() / "nodes"), "noise-secret": 0}
+
 
 def run_simulated(run_dir: Path, cfg: TrainConfig, verbose: bool = False) -> None:
     """Run the ServerApp against cfg.clients simulated SuperNodes, one Ray actor per cfg.cpus_per_client.
@@ -77,7 +83,7 @@ def run_simulated(run_dir: Path, cfg: TrainConfig, verbose: bool = False) -> Non
     quiet_flower(verbose)
     from flwr.simulation import run_simulation
 
-    from eftguard.federation.apps import build_server_app, client_app
+    from eftguard.federation.apps import build_client_app, build_server_app
 
     from eftguard.federation.server import STOP_REQUESTED
 
@@ -99,7 +105,8 @@ def run_simulated(run_dir: Path, cfg: TrainConfig, verbose: bool = False) -> Non
     previous = signal.signal(signal.SIGINT, request_stop)
     os.environ[RAY_SESSION_VARIABLE] = tag
     try:
-        run_simulation(server_app=build_server_app(Path(run_dir).resolve()), client_app=client_app,
+        run_simulation(server_app=build_server_app(Path(run_dir).resolve()),
+                       client_app=build_client_app(simulated_node_defaults(run_dir, cfg)),
                        num_supernodes=cfg.clients, backend_config=backend_config, verbose_logging=verbose)
     finally:
         import ray

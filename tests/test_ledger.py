@@ -1,0 +1,288 @@
+"""The node's privacy ledger, tried as a curious or malicious server would: through the real ClientApp over the
+in-process grid, with settings the server chose. The node refuses, and its ledger file shows the true spend."""
+
+import json
+import math
+
+import numpy as np
+import pytest
+from flwr.app import Message, MessageType, RecordDict
+
+from defenses.ledger import LedgerError, PrivacyLedger, Spend, Terms, compose
+from eftguard.config import TrainConfig
+from eftguard.federation.client import client_partition, dp_budget
+from eftguard.federation.records import ClientSettings, to_record
+from eftguard.federation.server import run_server
+from eftguard.model import build_model
+from eftguard.rundir import RunDirectory, RunError
+from fakegrid import FakeGrid, task_identity
+
+RUN_ID = "feedfacecafebeef0123456789abcdef"
+# Two clients, both in both rounds; client 0 holds about half of 64 images: 2 DP-SGD steps per round.
+CFG = TrainConfig(clients=2, rounds=2, train_samples=64, test_samples=20, batch_size=16, dp_eps=3.0,
+                  accountant="rdp").resolved()
+
+
+@pytest.fixture(autouse=True)
+def _task_identity():
+    with task_identity():
+        yield
+
+
+@pytest.fixture(scope="module")
+def honest():
+    """(client 0's sample count, its noise multiplier for the run's two rounds, the start model record)."""
+    n = len(client_partition("photos", "", CFG.model, CFG.train_samples, CFG.seed, CFG.clients, CFG.beta)[0])
+    model = build_model(CFG.model, 10, CFG.local_layers, seed=0)
+    return n, dp_budget(CFG, 0, n, CFG.rounds).noise_multiplier, to_record(model.state_dict())
+
+
+class MaliciousServer:
+    """Sends client 0 (node 100) whatever train settings it likes, for one run id."""
+
+    def __init__(self, model_record, ledger_dir, run_id=RUN_ID, **node_config):
+        self.model_record, self.run_id = model_record, run_id
+        self.grid = FakeGrid(2, node_config={"ledger-dir": str(ledger_dir), **node_config})
+
+    def train(self, round_number, sigma, **changes):
+        cfg = TrainConfig(**{**CFG.__dict__, **changes})
+        settings = ClientSettings.from_config(cfg, round_number, sigma, self.run_id).to_record()
+        msg = Message(RecordDict({"model": self.model_record, "settings": settings}), 100, MessageType.TRAIN)
+        (reply,) = self.grid.send_and_receive([msg])
+        return reply
+
+
+def ledger_file(ledger_dir, run_id=RUN_ID, partition=0):
+    return json.loads((ledger_dir / f"{run_id}-client-{partition:02d}.json").read_text())
+
+
+def refused(reply, reason):
+    assert reply.has_error(), "the client trained"
+    assert "client refuses" in reply.error.reason and reason in reply.error.reason, reply.error.reason
+    return True
+
+
+def test_resent_round_is_spent_again_with_fresh_noise(honest, tmp_path):
+    n, sigma, model = honest
+    server = MaliciousServer(model, tmp_path)
+    first, again = server.train(1, sigma), server.train(1, sigma)  # the same round, the same settings
+    assert not first.has_error() and not again.has_error()
+    key = "head.weight"
+    assert not np.array_equal(first.content["update"][key].numpy(), again.content["update"][key].numpy())
+    assert refused(server.train(2, sigma), "> its budget 3")  # the re-sent round used round 2's budget
+    record = ledger_file(tmp_path)
+    steps = math.ceil(n / CFG.batch_size)
+    assert [e["spend"] for e in record["entries"]] == [
+        {"round": 1, "noise_multiplier": sigma, "sample_rate": pytest.approx(CFG.batch_size / n), "steps": steps}] * 2
+    spent = record["entries"][-1]["epsilon_after"]
+    assert 2.9 < spent <= 3.0 and again.content["metrics"]["dp-epsilon-spent"] == spent
+
+
+def test_raising_dp_eps_mid_run_is_refused(honest, tmp_path):
+    n, sigma, model = honest
+    server = MaliciousServer(model, tmp_path)
+    assert not server.train(1, sigma).has_error()
+    loose = TrainConfig(**{**CFG.__dict__, "dp_eps": 30.0})
+    assert refused(server.train(2, dp_budget(loose, 0, n, 2).noise_multiplier, dp_eps=30.0), "> its budget 3")
+    record = ledger_file(tmp_path)
+    assert record["terms"]["declared_epsilon"] == 3.0 and len(record["entries"]) == 1
+
+
+def test_lowering_the_noise_is_refused(honest, tmp_path):
+    _, sigma, model = honest
+    server = MaliciousServer(model, tmp_path)
+    assert not server.train(1, sigma).has_error()
+    assert refused(server.train(2, sigma / 3), "> its budget 3")
+    assert len(ledger_file(tmp_path)["entries"]) == 1
+
+
+def test_dp_eps_zero_for_a_dp_run_is_refused(honest, tmp_path):
+    _, sigma, model = honest
+    server = MaliciousServer(model, tmp_path)
+    assert not server.train(1, sigma).has_error()
+    assert refused(server.train(2, 0.0, dp_eps=0.0), "without DP-SGD")
+
+
+@pytest.mark.parametrize("changes", [{"dp_eps": math.nan}, {"dp_eps": math.inf}, {"dp_delta": 1.5},
+                                     {"max_grad_norm": math.nan}, {"batch_size": 0}, {"accountant": "gdp"}])
+def test_invalid_dp_request_is_refused_not_read_as_no_dp(honest, tmp_path, changes):
+    _, sigma, model = honest
+    assert refused(MaliciousServer(model, tmp_path).train(1, sigma, **changes), "refused")
+    assert not list(tmp_path.glob("*.json"))
+
+
+def test_node_ceiling_caps_the_run_and_refuses_rounds_without_dp(honest, tmp_path):
+    _, sigma, model = honest
+    server = MaliciousServer(model, tmp_path, **{"max-epsilon": 1.0})
+    assert refused(server.train(1, sigma), "> its budget 1")  # sigma spends about 2.1 of the server's 3
+    assert refused(server.train(1, 0.0, dp_eps=0.0), "--max-epsilon is 1.0")
+    assert not list(tmp_path.glob("*.json"))
+
+
+def test_hostile_run_id_cannot_escape_the_ledger_folder(honest, tmp_path):
+    _, sigma, model = honest
+    ledger_dir = tmp_path / "ledger"
+    assert refused(MaliciousServer(model, ledger_dir, run_id="../" * 4 + "x").train(1, sigma), "not a 32-digit")
+    assert list(tmp_path.rglob("*")) == []
+
+
+def test_torn_ledger_file_is_an_error_naming_it_not_a_fresh_budget(honest, tmp_path):
+    _, sigma, model = honest
+    server = MaliciousServer(model, tmp_path)
+    assert not server.train(1, sigma).has_error()
+    path = tmp_path / f"{RUN_ID}-client-00.json"
+    torn = path.read_bytes()[:len(path.read_bytes()) // 2]  # power loss mid-write (or a hand edit)
+    path.write_bytes(torn)
+    assert refused(server.train(2, sigma), f"privacy ledger {path} is damaged")
+    assert path.read_bytes() == torn
+
+
+def test_deployed_node_without_a_secret_draws_noise_the_server_cannot_regenerate(honest, tmp_path):
+    """Without --noise-secret a deployed node seeds from the OS: the same round, settings and seed give other
+    noise on every try (with a secret of 0, as simulated nodes use, they would give the same)."""
+    _, sigma, model = honest
+    a, b = (MaliciousServer(model, tmp_path / name, **{"noise-secret": None}).train(1, sigma) for name in "ab")
+    key = "head.weight"
+    assert not np.array_equal(a.content["update"][key].numpy(), b.content["update"][key].numpy())
+
+
+def test_ledger_of_another_run_or_partition_is_not_accepted(tmp_path):
+    ledger = PrivacyLedger(tmp_path, 1)
+    terms, spend = Terms(3.0, 1e-3, "rdp"), Spend(1, 1.5, 0.25, 4)
+    ledger.record(RUN_ID, terms, [spend])
+    other = tmp_path / f"{'0' * 32}-client-01.json"
+    other.write_text((tmp_path / f"{RUN_ID}-client-01.json").read_text())  # copied over a fresh run's name
+    with pytest.raises(LedgerError, match="not this node's ledger of this run"):
+        ledger.read("0" * 32)
+
+
+def test_composition_of_equal_rounds_equals_one_long_run():
+    """Merging equal rounds is exact: the client's spend equals the server's single-history computation."""
+    from defenses.dp import epsilon_spent
+
+    rounds = [Spend(r, 1.1, 0.2, 5) for r in (1, 2, 3)]
+    for accountant in ("rdp", "prv"):
+        assert compose(rounds, 1e-4, accountant) == epsilon_spent(1.1, 0.2, 15, 1e-4, accountant)
+    assert compose(rounds + [Spend(4, 0.0, 0.2, 5)], 1e-4, "rdp") == math.inf
+    assert compose([Spend(1, 0.9, 0.2, 5), Spend(2, 1.4, 0.2, 5)], 1e-4, "rdp") > compose(
+        [Spend(1, 1.4, 0.2, 10)], 1e-4, "rdp")
+
+
+# --- the real server over the grid -------------------------------------------------------------------------
+
+
+def one_round(cfg, tmp_path, **grid):
+    run = RunDirectory.create(tmp_path / "run", TrainConfig(**{**cfg.__dict__, "rounds": 1}).resolved())
+    run_server(FakeGrid(2, **grid), run.path)
+    return run, run.metrics()[0]
+
+
+def test_node_that_does_not_share_truth_sends_none_and_the_round_goes_on(tmp_path):
+    plain = TrainConfig(**{**CFG.__dict__, "dp_eps": 0.0})
+    sent = []
+
+    def record(node, reply):
+        sent.append("truth" in reply.content) if reply.metadata.message_type == "train" else None
+        return reply
+
+    # A deployed node started without --share-truth: the key is absent, sharing is off by default.
+    run, metrics = one_round(plain, tmp_path, tamper=record, node_config={"share-truth": None})
+    assert sent == [False, False] and metrics["dropped"] == {} and set(metrics["num_examples"]) == {"0", "1"}
+    with pytest.raises(RunError, match="client 0 did not share its ground truth"):
+        run.load_truth(1, 0)
+
+
+def test_ground_truth_is_encrypted_at_rest(tmp_path):
+    from defenses.at_rest import create_key
+
+    create_key(tmp_path / "key")
+    cfg = TrainConfig(**{**CFG.__dict__, "dp_eps": 0.0, "encrypt_at_rest": str(tmp_path / "key")})
+    run, _ = one_round(cfg, tmp_path)
+    stored = run.truth_path(1, 1)
+    assert stored.name.endswith(".safetensors.enc") and b"sample_ids" not in stored.read_bytes()
+    opened = RunDirectory.open(run.path, tmp_path / "key")
+    truth = opened.load_truth(1, 1)
+    assert len(truth["sample_ids"]) == len(opened.load_upload(1, 1, "features")["labels"]) > 0
+    with pytest.raises(RunError, match="pass --key KEYFILE"):
+        RunDirectory.open(run.path).load_truth(1, 1)
+
+
+def test_server_resuming_after_a_client_trained_resends_the_round_and_the_client_refuses(tmp_path):
+    replies = []
+
+    def die_after_client_0_trained_round_2(node, reply):
+        if reply.metadata.message_type == "train":
+            replies.append(node)
+            if len(replies) == 3:  # round 1: nodes 100 and 101; round 2: node 100 has trained and recorded it
+                raise KeyboardInterrupt
+        return reply
+
+    nodes = {"ledger-dir": str(tmp_path / "nodes")}
+    run = RunDirectory.create(tmp_path / "run", CFG)
+    with pytest.raises(KeyboardInterrupt):
+        run_server(FakeGrid(2, tamper=die_after_client_0_trained_round_2, node_config=nodes), run.path)
+    run_server(FakeGrid(2, node_config=nodes), run.path)
+    second = run.metrics()[1]
+    assert "client refuses: round 2" in second["dropped"]["0"] and set(second["epsilon"]) == {"1"}
+    assert [e["spend"]["round"] for e in ledger_file(tmp_path / "nodes", run.run_id, 0)["entries"]] == [1, 2]
+    assert [e["spend"]["round"] for e in ledger_file(tmp_path / "nodes", run.run_id, 1)["entries"]] == [1, 2]
+
+
+def switch_off_dp(node, reply):
+    """Client 0's DP-SGD was switched off (the `dp = None` bug): its reply reports no DP."""
+    if node == 100 and reply.metadata.message_type == "train":
+        metrics = reply.content["metrics"]
+        for key in [k for k in metrics if k.startswith("dp-")]:
+            del metrics[key]
+    return reply
+
+
+def test_dp_run_records_the_clients_own_spend_and_drops_a_client_without_dp(tmp_path):
+    run, metrics = one_round(CFG, tmp_path, tamper=switch_off_dp, node_config={"ledger-dir": str(tmp_path / "nodes")})
+    assert "does not report the DP-SGD it applied" in metrics["dropped"]["0"] and not run.upload_dir(1, 0).exists()
+    spent = ledger_file(tmp_path / "nodes", run.run_id, 1)["entries"][-1]["epsilon_after"]
+    assert metrics["epsilon"] == {"1": spent} and 0 < spent < CFG.dp_eps  # one of two calibrated rounds
+    assert metrics["epsilon_server"]["1"] == pytest.approx(spent, rel=1e-9)
+
+
+@pytest.mark.parametrize("lie, reason", [
+    ({"dp-noise-multiplier": 0.5}, "below the 1.0000 sent"), ({"dp-noise-multiplier": math.nan}, "below"),
+    ({"dp-steps": 3}, "3 DP-SGD steps"), ({"dp-steps": True}, "DP-SGD steps"), ({"dp-sample-rate": 0.9}, "schedule"),
+    ({"dp-epsilon-spent": math.nan}, "outside"), ({"dp-epsilon-spent": 0.0}, "outside"),
+    ({"dp-epsilon-spent": 3.5}, "outside"), ({"dp-steps": "4"}, "DP-SGD steps"),
+    ({"dp-noise-multiplier": "abc"}, "does not report"),
+])
+def test_dp_report_that_claims_less_than_the_run_is_dropped(lie, reason):
+    from flwr.app import ConfigRecord
+
+    from defenses.dp import client_budget
+    from eftguard.federation.records import UploadError
+    from eftguard.federation.server import check_dp_report
+
+    budget = client_budget(3.0, 1e-3, "rdp", 64, 16, 1, (1,), noise_multiplier=1.0)
+    honest_report = {"dp-noise-multiplier": 1.0, "dp-sample-rate": 0.25, "dp-steps": 4, "dp-epsilon-spent": 2.0}
+    assert check_dp_report(ConfigRecord(honest_report), budget, 3.0) == 2.0
+    with pytest.raises(UploadError, match=reason):
+        check_dp_report(ConfigRecord({**honest_report, **lie}), budget, 3.0)
+
+
+def test_non_dp_run_never_records_an_epsilon(tmp_path):
+    def claim_dp(node, reply):
+        if reply.metadata.message_type == "train":
+            assert not any(k.startswith("dp-") for k in reply.content["metrics"])  # the client applied none
+            reply.content["metrics"]["dp-epsilon-spent"] = 0.5
+        return reply
+
+    _, metrics = one_round(TrainConfig(**{**CFG.__dict__, "dp_eps": 0.0}), tmp_path, tamper=claim_dp)
+    assert metrics["epsilon"] is None and metrics["epsilon_server"] is None and metrics["dropped"] == {}
+
+
+def test_run_directory_with_nan_dp_eps_is_refused_before_any_round(tmp_path):
+    """config.toml edited to dp_eps = nan: the server would calibrate noise the clients skip."""
+    run = RunDirectory.create(tmp_path / "run", TrainConfig(**{**CFG.__dict__, "dp_eps": 0.0}).resolved())
+    text = (run.path / "config.toml").read_text().replace("dp_eps = 0.0", "dp_eps = nan")
+    (run.path / "config.toml").write_text(text)
+    from eftguard.config import ConfigError
+    with pytest.raises(ConfigError, match="--dp-eps must be a finite number"):
+        run_server(FakeGrid(2), run.path)
+    assert run.metrics() == []
