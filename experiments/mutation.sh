@@ -49,6 +49,10 @@ for entry in "${MODULES[@]}"; do
     mutmut export-cicd-stats >/dev/null
     for mutant in $(awk -F: '!/: killed$/ {print $1}' results.txt); do mutmut show "$mutant"; done >survivors.diff
   )
-  python3 -c 'import json, sys; s = json.load(open(sys.argv[1])); print(f"{sys.argv[2]:14} generated {s[\"total\"]:4}  killed {s[\"killed\"]:4}  survived {s[\"survived\"]:3}  timeout {s[\"timeout\"]:2}  no tests {s[\"no_tests\"]:2}  ({sys.argv[3]} s)")' \
-    "$work/mutants/mutmut-cicd-stats.json" "$name" $((SECONDS - start))
+  python3 - "$work/mutants/mutmut-cicd-stats.json" "$name" $((SECONDS - start)) <<'PY'
+import json, sys
+stats, name, seconds = json.load(open(sys.argv[1])), sys.argv[2], sys.argv[3]
+print(f"{name:14} generated {stats['total']:4}  killed {stats['killed']:4}  survived {stats['survived']:3}  "
+      f"timeout {stats['timeout']:2}  no tests {stats['no_tests']:2}  ({seconds} s)")
+PY
 done
