@@ -6,6 +6,7 @@ import numpy as np
 import pytest
 import torch
 
+from eftguard.federation.aggregate import fedavg
 from eftguard.masking import random_keep_ids
 from eftguard.sampling import balanced_indices, class_target
 
@@ -40,3 +41,11 @@ def test_masks_come_from_the_generator_passed_in_not_the_global_rng():
     first = random_keep_ids(8, 64, 0.75, torch.Generator().manual_seed(5))
     torch.manual_seed(2)
     assert torch.equal(random_keep_ids(8, 64, 0.75, torch.Generator().manual_seed(5)), first)
+
+
+# --- aggregation ------------------------------------------------------------------------------------------------
+
+@pytest.mark.parametrize("states, weights", [([], []), ([{"w": np.zeros(2, np.float32)}], [1, 2])])
+def test_fedavg_refuses_states_and_weights_that_do_not_pair_up(states, weights):
+    with pytest.raises(ValueError, match="fedavg needs one weight per state and at least one state"):
+        fedavg(states, weights)
