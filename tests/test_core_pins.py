@@ -2,13 +2,21 @@
 a mutant of sampling, masking, aggregation, DP, validation, metrics, feature noise or training that survived
 the module's own tests."""
 
+import copy
+import math
+import time
+
 import numpy as np
 import pytest
 import torch
+from torch import nn
 
 from eftguard.federation.aggregate import fedavg
 from eftguard.masking import random_keep_ids
+from defenses.dp import DPSGD
+from eftguard import training
 from eftguard.sampling import balanced_indices, class_target
+from eftguard.training import OptimConfig, evaluate, extract_features, train_global, train_local
 
 
 # --- sampling ---------------------------------------------------------------------------------------------------
@@ -49,3 +57,136 @@ def test_masks_come_from_the_generator_passed_in_not_the_global_rng():
 def test_fedavg_refuses_states_and_weights_that_do_not_pair_up(states, weights):
     with pytest.raises(ValueError, match="fedavg needs one weight per state and at least one state"):
         fedavg(states, weights)
+
+
+# --- training ---------------------------------------------------------------------------------------------------
+
+def images_and_labels(n, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    return torch.randint(0, 256, (n, 32, 32, 3), generator=g, dtype=torch.uint8), torch.randint(0, 10, (n,), generator=g)
+
+
+def state_of(module):
+    return {k: v.detach().clone() for k, v in module.state_dict().items()}
+
+
+def moved(before, module):
+    return [k for k, v in module.state_dict().items() if not torch.equal(before[k], v)]
+
+
+@pytest.fixture
+def model(tiny_model):
+    return copy.deepcopy(tiny_model)
+
+
+def test_server_training_moves_theta_only_and_leaves_the_head_trainable_for_the_next_round(model):
+    images, labels = images_and_labels(8)
+    features, _ = extract_features(model, images, 0.75, torch.Generator().manual_seed(0))
+    phi, theta, head = state_of(model.local_module), state_of(model.global_module), state_of(model.head)
+    result = train_global(model, features, labels, OptimConfig(1, 4, 1e-3, 0.0), torch.Generator().manual_seed(0))
+    assert result.steps == 2
+    assert moved(theta, model.global_module) and not moved(head, model.head) and not moved(phi, model.local_module)
+    assert all(p.grad is None for p in model.head.parameters())  # h is frozen, not merely left out of the optimizer
+    assert all(p.requires_grad for p in model.parameters())  # a client trains h again next round
+
+
+def test_client_training_restores_theta_for_server_training(model):
+    images, labels = images_and_labels(8)
+    train_local(model, images, labels, "eftvit", 0.75, OptimConfig(1, 4, 1e-3, 0.0), torch.Generator().manual_seed(0))
+    assert all(p.requires_grad for p in model.global_module.parameters())
+
+
+def test_fedavg_clients_train_the_whole_model_on_full_images(model, monkeypatch):
+    images, labels = images_and_labels(8)
+    before = state_of(model)
+    seen_keep_ids = []
+    forward = type(model).forward
+    monkeypatch.setattr(type(model), "forward", lambda self, x, keep=None: seen_keep_ids.append(keep) or forward(self, x, keep))
+    train_local(model, images, labels, "fedavg", 0.75, OptimConfig(1, 4, 1e-3, 0.0), torch.Generator().manual_seed(0))
+    assert seen_keep_ids == [None, None]
+    assert {k.split(".")[0] for k in moved(before, model)} == {"local_module", "global_module", "head"}
+
+
+def test_dp_sgd_is_refused_for_fedavg(model):
+    images, labels = images_and_labels(4)
+    with pytest.raises(ValueError, match="DP-SGD is implemented for eftvit's local module and head only"):
+        train_local(model, images, labels, "fedavg", 0.0, OptimConfig(1, 4, 1e-3, 0.0),
+                    torch.Generator().manual_seed(0), dp=DPSGD(1.0, 1.0, 1.0))
+
+
+def full_image_loss(model, images, labels):
+    with torch.no_grad():
+        return float(nn.functional.cross_entropy(model.train()(model.normalize(images)), labels))
+
+
+@pytest.mark.parametrize("n, batch_size", [(4, 2), (1, 4)])
+def test_reported_loss_is_the_mean_over_every_trained_sample(model, n, batch_size):
+    """lr 0 keeps the model fixed, mask ratio 0 keeps every patch: the reported loss is then exactly the mean
+    cross-entropy of the data, for plain training and for DP-SGD (sample rate 1: every step sees every sample)."""
+    images, labels = images_and_labels(n)
+    expected = full_image_loss(model, images, labels)
+    steps = math.ceil(n / batch_size)
+    optim = OptimConfig(1, batch_size, 0.0, 0.0)
+    plain = train_local(model, images, labels, "eftvit", 0.0, optim, torch.Generator().manual_seed(0))
+    private = train_local(model, images, labels, "eftvit", 0.0, optim, torch.Generator().manual_seed(0),
+                          dp=DPSGD(0.0, 1e6, 1.0))
+    assert (plain.steps, private.steps) == (steps, steps)
+    assert plain.loss == pytest.approx(expected, rel=1e-5) and private.loss == pytest.approx(expected, rel=1e-5)
+
+
+def test_dp_noise_is_scaled_to_the_expected_batch_size(model, monkeypatch):
+    """Opacus divides the summed noisy gradient by the expected batch size: it must be the Poisson batch's mean
+    size, min(batch_size, n), or the noise per sample is wrong."""
+    seen = []
+    make_private = training.make_private
+    monkeypatch.setattr(training, "make_private",
+                        lambda m, o, dp, expected, g: seen.append((dp, expected)) or make_private(m, o, dp, expected, g))
+    images, labels = images_and_labels(6)
+    dp = DPSGD(1.0, 1.0, 0.5)
+    for batch_size in (3, 8):
+        train_local(model, images, labels, "eftvit", 0.75, OptimConfig(1, batch_size, 1e-3, 0.0),
+                    torch.Generator().manual_seed(0), dp=dp)
+    assert seen == [(dp, 3), (dp, 6)]
+
+
+@pytest.mark.parametrize("dp", [None, DPSGD(1.0, 1.0, 0.5)], ids=["plain", "dp-sgd"])
+def test_training_is_a_function_of_its_generator_not_the_global_rng(tiny_model, dp):
+    images, labels = images_and_labels(8)
+
+    def trained(global_seed):
+        model = copy.deepcopy(tiny_model)
+        torch.manual_seed(global_seed)
+        train_local(model, images, labels, "eftvit", 0.75, OptimConfig(1, 4, 1e-3, 0.0),
+                    torch.Generator().manual_seed(3), dp=dp)
+        return model.head.weight.detach()
+
+    assert torch.equal(trained(1), trained(2))
+
+
+def test_epochs_report_progress_and_their_own_duration(model):
+    images, labels = images_and_labels(4)
+    calls = []
+    start = time.perf_counter()
+    result = train_local(model, images, labels, "eftvit", 0.75, OptimConfig(2, 4, 1e-3, 0.0),
+                         torch.Generator().manual_seed(0), progress=lambda done, total: calls.append((done, total)))
+    elapsed = time.perf_counter() - start
+    assert calls == [(1, 2), (2, 2)]
+    assert len(result.epoch_seconds) == 2 and 0 < result.seconds <= elapsed
+
+
+def test_features_are_extracted_in_batches_exactly_as_in_one(model):
+    images, _ = images_and_labels(7)
+    features, keep_ids = extract_features(model, images, 0.75, torch.Generator().manual_seed(4), batch_size=3)
+    assert torch.equal(keep_ids, training.random_keep_ids(7, 64, 0.75, torch.Generator().manual_seed(4)))
+    with torch.no_grad():
+        whole = model.local_module(model.normalize(images), keep_ids)
+    torch.testing.assert_close(features, whole, rtol=1e-5, atol=1e-6)
+
+
+def test_accuracy_counts_every_batch(model):
+    images, labels = images_and_labels(7)
+    with torch.no_grad():
+        predicted = model.eval()(model.normalize(images)).argmax(1)
+    labels = torch.where(torch.arange(7) < 4, predicted, (predicted + 1) % 10)  # 4 of 7 right
+    assert evaluate(model, images, labels, batch_size=3) == pytest.approx(4 / 7)
+    assert evaluate(model, images[:1], labels[:1]) == 1.0
