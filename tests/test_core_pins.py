@@ -14,6 +14,7 @@ from torch import nn
 from eftguard.federation.aggregate import fedavg
 from eftguard.masking import random_keep_ids
 from defenses.dp import DPSGD
+from defenses.feature_noise import release_features
 from eftguard import training
 from eftguard.sampling import balanced_indices, class_target
 from eftguard.training import OptimConfig, evaluate, extract_features, train_global, train_local
@@ -57,6 +58,28 @@ def test_masks_come_from_the_generator_passed_in_not_the_global_rng():
 def test_fedavg_refuses_states_and_weights_that_do_not_pair_up(states, weights):
     with pytest.raises(ValueError, match="fedavg needs one weight per state and at least one state"):
         fedavg(states, weights)
+
+
+# --- feature noise ----------------------------------------------------------------------------------------------
+
+def tokens_of_norm(norms, width=192, seed=0):
+    direction = torch.randn(len(norms), width, generator=torch.Generator().manual_seed(seed))
+    return (direction / torch.linalg.vector_norm(direction, dim=-1, keepdim=True) * torch.tensor(norms)[:, None])[None]
+
+
+def test_clipping_below_unit_norm_brings_long_tokens_to_exactly_the_clip_and_keeps_short_ones():
+    tokens = tokens_of_norm([0.1, 0.3, 0.8, 0.95])
+    out = release_features(tokens, clip=0.5, noise=0.0, generator=torch.Generator().manual_seed(0))
+    torch.testing.assert_close(out[0, :2], tokens[0, :2], rtol=0, atol=0)
+    torch.testing.assert_close(torch.linalg.vector_norm(out[0, 2:], dim=-1), torch.tensor([0.5, 0.5]))
+
+
+@pytest.mark.parametrize("noise, clip", [(1.0, 0.5), (0.25, 2.0), (2.0, 3.0)])
+def test_feature_noise_std_is_sigma_times_clip(noise, clip):
+    tokens = tokens_of_norm([10.0] * 64).expand(64, -1, -1).contiguous()  # 262144 noise values
+    clipped = release_features(tokens, clip, 0.0, torch.Generator().manual_seed(1))
+    noisy = release_features(tokens, clip, noise, torch.Generator().manual_seed(1))
+    assert float((noisy - clipped).std()) == pytest.approx(noise * clip, rel=0.01)
 
 
 # --- training ---------------------------------------------------------------------------------------------------
