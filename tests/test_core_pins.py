@@ -5,6 +5,7 @@ the module's own tests."""
 import copy
 import math
 import time
+import warnings
 
 import numpy as np
 import pytest
@@ -15,7 +16,7 @@ from eftguard.federation.aggregate import fedavg
 from eftguard.masking import random_keep_ids
 from defenses.dp import DPSGD
 from defenses.feature_noise import release_features
-from eftguard import training
+from eftguard import metrics, training
 from eftguard.sampling import balanced_indices, class_target
 from eftguard.training import OptimConfig, evaluate, extract_features, train_global, train_local
 
@@ -80,6 +81,60 @@ def test_feature_noise_std_is_sigma_times_clip(noise, clip):
     clipped = release_features(tokens, clip, 0.0, torch.Generator().manual_seed(1))
     noisy = release_features(tokens, clip, noise, torch.Generator().manual_seed(1))
     assert float((noisy - clipped).std()) == pytest.approx(noise * clip, rel=0.01)
+
+
+# --- metrics ----------------------------------------------------------------------------------------------------
+
+@pytest.fixture(scope="module")
+def photos():
+    from eftguard.data.registry import load_dataset
+
+    return load_dataset("photos", None, 32).train.images[::97][:6].astype(np.float32) / 255.0
+
+
+@pytest.fixture(scope="module")
+def lpips():
+    return metrics.load_lpips("stlpips-alex")
+
+
+def top_half_kept(count):
+    kept = np.zeros((count, 32, 32), dtype=bool)
+    kept[:, :16] = True
+    return kept
+
+
+def test_kept_pixel_psnr_is_the_mse_over_kept_pixels_of_each_image():
+    truth = np.zeros((2, 8, 8, 3))
+    recon = truth.copy()
+    recon[0, :4] = 0.1  # kept half of image 0: mse 0.01 -> 20 dB
+    recon[1, :4] = 0.01  # kept half of image 1: mse 1e-4 -> 40 dB
+    recon[:, 4:] = 1.0  # never sent: ignored
+    kept = np.zeros((2, 8, 8), dtype=bool)
+    kept[:, :4] = True
+    assert metrics.psnr(recon, truth, kept) == pytest.approx([20.0, 40.0])
+    assert metrics.psnr(recon, truth, kept.astype(np.float32)) == pytest.approx([20.0, 40.0])
+
+
+def test_identical_images_score_the_cap_without_a_divide_warning():
+    images = np.full((2, 8, 8, 3), 0.5)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        assert metrics.psnr(images, images).tolist() == [metrics.MAX_PSNR] * 2
+
+
+def test_kept_pixel_ssim_averages_the_ssim_map_over_kept_pixels_only(photos):
+    kept = top_half_kept(len(photos))
+    damaged = photos.copy()
+    damaged[:, 24:] = 1 - damaged[:, 24:]  # outside every SSIM window that touches a kept pixel (7 px)
+    assert metrics.ssim(damaged, photos, kept) == pytest.approx(np.ones(len(photos)))
+    assert (metrics.ssim(damaged, photos) < 0.9).all()
+
+
+@pytest.mark.parametrize("recon_shape, truth_shape", [((8, 8, 3), (8, 8, 3)), ((2, 8, 8, 3), (3, 8, 8, 3)),
+                                                     ((2, 8, 8, 4), (2, 8, 8, 4))])
+def test_images_of_the_wrong_layout_are_refused_before_scoring(recon_shape, truth_shape):
+    with pytest.raises(metrics.MetricError, match=r"images must both be \[N, H, W, 3\]; got"):
+        metrics.psnr(np.zeros(recon_shape), np.zeros(truth_shape))
 
 
 # --- training ---------------------------------------------------------------------------------------------------
