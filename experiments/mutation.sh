@@ -47,8 +47,8 @@ for entry in "${MODULES[@]}"; do
     cd "$work"
     mutmut results >results.txt 2>&1
     mutmut export-cicd-stats >/dev/null
-    for mutant in $(awk -F: '!/: killed$/ {print $1}' results.txt); do mutmut show "$mutant"; done >survivors.diff
   )
+  python3 experiments/mutation_survivors.py "$work" "$file" >"$work/survivors.diff"
   python3 - "$work/mutants/mutmut-cicd-stats.json" "$name" $((SECONDS - start)) <<'PY'
 import json, sys
 stats, name, seconds = json.load(open(sys.argv[1])), sys.argv[2], sys.argv[3]
