@@ -137,6 +137,121 @@ def test_images_of_the_wrong_layout_are_refused_before_scoring(recon_shape, trut
         metrics.psnr(np.zeros(recon_shape), np.zeros(truth_shape))
 
 
+
+def test_lpips_feeds_zero_one_images_to_the_network_and_weights_each_image_by_its_own_kept_pixels(photos, lpips):
+    noisy = np.clip(photos + np.random.default_rng(0).normal(0, 0.1, photos.shape), 0, 1).astype(np.float32)
+    kept = top_half_kept(len(photos))
+    kept[0] = True  # images differ in how much was kept
+    with torch.no_grad():
+        spatial = lpips.network(*(torch.from_numpy(x).permute(0, 3, 1, 2) for x in (noisy, photos)), normalize=True)
+    weights = torch.from_numpy(kept.astype(np.float32))[:, None]
+    expected_kept = (spatial * weights).sum(dim=(1, 2, 3)) / weights.sum(dim=(1, 2, 3))
+    assert lpips(noisy, photos, batch_size=4) == pytest.approx(spatial.mean(dim=(1, 2, 3)).numpy(), rel=1e-4)
+    assert lpips(noisy, photos, kept, batch_size=4) == pytest.approx(expected_kept.numpy(), rel=1e-4)
+
+
+def test_lpips_of_no_images_is_empty(lpips):
+    assert lpips(np.zeros((0, 32, 32, 3)), np.zeros((0, 32, 32, 3))).shape == (0,)
+
+
+
+def test_kept_scores_weight_the_composite_by_kept_pixels(photos, lpips):
+    """metrics_kept must score the composite only where patches were kept: unweighted, the perfect pixels
+    outside would dilute the damage on the kept ones."""
+    kept = top_half_kept(len(photos))
+    recon = np.clip(photos + np.random.default_rng(1).normal(0, 0.2, photos.shape), 0, 1)
+    mixed = metrics.composite(recon, photos, kept)
+    assert np.array_equal(mixed[:, :16], recon[:, :16]) and np.array_equal(mixed[:, 16:], photos[:, 16:])
+    scores = metrics.score(recon, photos, lpips, kept)
+    assert set(scores) == {"metrics", "metrics_kept"}
+    assert set(scores["metrics"]) == set(scores["metrics_kept"]) == {"psnr", "ssim", "lpips"}
+    assert scores["metrics_kept"]["ssim"] == pytest.approx(metrics.ssim(mixed, photos, kept))
+    assert (scores["metrics_kept"]["ssim"] < metrics.ssim(mixed, photos) - 0.1).all()
+    assert scores["metrics_kept"]["lpips"] == pytest.approx(lpips(mixed, photos, kept), rel=1e-5)
+    assert not np.allclose(scores["metrics_kept"]["lpips"], lpips(mixed, photos), rtol=0.01)
+
+
+def test_squared_errors_are_the_summed_squared_differences_of_every_pair():
+    rng = np.random.default_rng(0)
+    a, b = rng.random((3, 4, 4, 3)), rng.random((5, 4, 4, 3))
+    expected = ((a[:, None] - b[None]) ** 2).reshape(3, 5, -1).sum(-1)
+    np.testing.assert_allclose(metrics.squared_errors(a, b), expected, rtol=1e-10)
+
+
+def test_reconstructions_are_matched_to_their_originals_in_a_larger_pool(photos):
+    pool = photos
+    recon = pool[[4, 1, 3]] + 0.01
+    assert metrics.match_to_pool(recon, pool).tolist() == [4, 1, 3]
+    assert sorted(metrics.match_to_pool(pool[::-1], pool).tolist()) == list(range(len(pool)))  # a full pool
+    with pytest.raises(metrics.MetricError, match=f"cannot match {len(pool) + 1} reconstructions to {len(pool)} originals"):
+        metrics.match_to_pool(np.concatenate([pool, pool[:1]]), pool)
+    with pytest.raises(metrics.MetricError, match="cannot match 2 reconstructions to 3 originals"):
+        metrics.hungarian_match(pool[:2], pool[:3])
+
+
+def test_label_hits_pair_each_true_label_once():
+    assert metrics.label_hits(np.array([3, 3, 5, 7, 5, 5]), np.array([5, 3, 5])).tolist() == \
+        [True, False, True, False, True, False]
+    assert metrics.label_hits([1, 2], []).tolist() == [False, False]
+
+
+def test_kept_pixel_masks_are_boolean_images():
+    mask = metrics.kept_pixels(np.array([[0], [3]]), image_size=4, patch_size=2)
+    assert mask.dtype == bool and mask.shape == (2, 4, 4) and mask.sum(axis=(1, 2)).tolist() == [4, 4]
+    assert mask[1, 2:, 2:].all()
+
+
+def test_mean_image_baseline_is_the_per_pixel_mean_repeated():
+    public = np.random.default_rng(0).random((3, 4, 4, 3))
+    baseline = metrics.mean_image_baseline(public, 2)
+    assert baseline.shape == (2, 4, 4, 3)
+    np.testing.assert_allclose(baseline, np.stack([public.mean(axis=0)] * 2))
+
+
+def test_summaries_of_one_and_of_no_values():
+    assert metrics.summarize(np.array([2.0])) == {"mean": 2.0, "std": 0.0, "median": 2.0, "n": 1}
+    assert metrics.summarize(np.array([])) == {"mean": None, "std": None, "median": None, "n": 0}
+
+
+@pytest.fixture
+def fresh_lpips(monkeypatch):
+    """load_lpips without its per-process cache; standard LPIPS 'available' as a stand-in network."""
+    monkeypatch.setattr(metrics, "_LOADED", {})
+    stand_in = torch.nn.Identity()
+    monkeypatch.setattr(metrics, "_standard_lpips", lambda: stand_in)
+    return stand_in
+
+
+def test_each_lpips_backend_loads_under_its_own_name_once(fresh_lpips, capsys):
+    shifted = metrics.load_lpips("stlpips-alex")
+    assert shifted.name == "stlpips-alex" and shifted is metrics.load_lpips("stlpips-alex")
+    assert capsys.readouterr().out == ""  # quiet
+    images = np.random.default_rng(0).random((2, 32, 32, 3)).astype(np.float32)
+    with torch.no_grad():
+        assert shifted.network(*[metrics._to_lpips_tensor(images)] * 2, normalize=True).shape == (2, 1, 32, 32)
+    for backend in ("lpips-alex", "auto"):
+        standard = metrics.load_lpips(backend)
+        assert (standard.name, standard.network) == ("lpips-alex", fresh_lpips)
+    assert metrics.load_lpips().network is fresh_lpips
+    with pytest.raises(metrics.MetricError, match="unknown LPIPS backend 'vgg': choose auto, lpips-alex, stlpips-alex"):
+        metrics.load_lpips("vgg")
+
+
+def test_lpips_falls_back_offline_to_a_working_shift_tolerant_network(monkeypatch):
+    monkeypatch.setattr(metrics, "_LOADED", {})
+
+    def offline():
+        raise OSError("no network")
+
+    monkeypatch.setattr(metrics, "_standard_lpips", offline)
+    with pytest.raises(metrics.MetricError, match=r"nor downloadable \(OSError\)\. Copy them there, or use "
+                                                  r"--lpips-backend stlpips-alex \(weights shipped, works offline\)$"):
+        metrics.load_lpips("lpips-alex")
+    fallback = metrics.load_lpips("auto")
+    images = np.random.default_rng(0).random((1, 32, 32, 3)).astype(np.float32)
+    assert fallback.name == "stlpips-alex" and fallback(images, images) == pytest.approx([0.0], abs=1e-6)
+
+
 # --- training ---------------------------------------------------------------------------------------------------
 
 def images_and_labels(n, seed=0):
