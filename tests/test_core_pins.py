@@ -57,7 +57,7 @@ def test_masks_come_from_the_generator_passed_in_not_the_global_rng():
 
 @pytest.mark.parametrize("states, weights", [([], []), ([{"w": np.zeros(2, np.float32)}], [1, 2])])
 def test_fedavg_refuses_states_and_weights_that_do_not_pair_up(states, weights):
-    with pytest.raises(ValueError, match="fedavg needs one weight per state and at least one state"):
+    with pytest.raises(ValueError, match="^fedavg needs one weight per state and at least one state$"):
         fedavg(states, weights)
 
 
