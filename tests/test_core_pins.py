@@ -190,8 +190,8 @@ def test_reconstructions_are_matched_to_their_originals_in_a_larger_pool(photos)
 
 
 def test_label_hits_pair_each_true_label_once():
-    assert metrics.label_hits(np.array([3, 3, 5, 7, 5, 5]), np.array([5, 3, 5])).tolist() == \
-        [True, False, True, False, True, False]
+    hits = metrics.label_hits(np.array([3, 3, 5, 7, 5, 5]), np.array([5, 3, 5]))
+    assert hits.dtype == bool and hits.tolist() == [True, False, True, False, True, False]
     assert metrics.label_hits([1, 2], []).tolist() == [False, False]
 
 
