@@ -289,15 +289,39 @@ def test_client_training_restores_theta_for_server_training(model):
     assert all(p.requires_grad for p in model.global_module.parameters())
 
 
-def test_fedavg_clients_train_the_whole_model_on_full_images(model, monkeypatch):
+@pytest.mark.parametrize("method, dp, kept_patches", [("fedavg", None, None), ("eftvit", None, 16),
+                                                     ("eftvit", DPSGD(1.0, 1.0, 1.0), 16)],
+                         ids=["fedavg", "eftvit", "eftvit-dp-sgd"])
+def test_each_client_training_path_sees_the_images_and_trains_the_parts_it_should(model, monkeypatch, method, dp,
+                                                                                   kept_patches):
+    """fedavg: the whole model on full images; eftvit, with or without DP-SGD: phi and h on masked images."""
     images, labels = images_and_labels(8)
     before = state_of(model)
-    seen_keep_ids = []
+    seen = []
     forward = type(model).forward
-    monkeypatch.setattr(type(model), "forward", lambda self, x, keep=None: seen_keep_ids.append(keep) or forward(self, x, keep))
-    train_local(model, images, labels, "fedavg", 0.75, OptimConfig(1, 4, 1e-3, 0.0), torch.Generator().manual_seed(0))
-    assert seen_keep_ids == [None, None]
-    assert {k.split(".")[0] for k in moved(before, model)} == {"local_module", "global_module", "head"}
+    monkeypatch.setattr(type(model), "forward", lambda self, x, keep=None: seen.append(
+        None if keep is None else keep.shape[1]) or forward(self, x, keep))
+    train_local(model, images, labels, method, 0.75, OptimConfig(1, 4, 1e-3, 0.0), torch.Generator().manual_seed(0),
+                dp=dp)
+    assert seen == [kept_patches, kept_patches]
+    trained = {"local_module", "global_module", "head"} if method == "fedavg" else {"local_module", "head"}
+    assert {k.split(".")[0] for k in moved(before, model)} == trained
+
+
+@pytest.mark.parametrize("dp", [None, DPSGD(0.0, 1e6, 1.0)], ids=["plain", "dp-sgd"])
+def test_client_training_applies_the_configured_weight_decay(tiny_model, dp):
+    """One AdamW step: weight decay w shrinks every parameter by lr * w * p on top of the same Adam update."""
+    images, labels = images_and_labels(4)
+    lr, decay = 1e-2, 0.5
+
+    def head_after(weight_decay):
+        model = copy.deepcopy(tiny_model)
+        train_local(model, images, labels, "eftvit", 0.75, OptimConfig(1, 4, lr, weight_decay),
+                    torch.Generator().manual_seed(0), dp=dp)
+        return model.head.weight.detach()
+
+    torch.testing.assert_close(head_after(0.0) - head_after(decay), lr * decay * tiny_model.head.weight.detach(),
+                               rtol=1e-3, atol=1e-7)
 
 
 def test_dp_sgd_is_refused_for_fedavg(model):
@@ -356,12 +380,31 @@ def test_training_is_a_function_of_its_generator_not_the_global_rng(tiny_model, 
     assert torch.equal(trained(1), trained(2))
 
 
-def test_epochs_report_progress_and_their_own_duration(model):
+def test_server_training_is_a_function_of_its_generator_not_the_global_rng(tiny_model):
+    features = torch.randn(8, 17, 192, generator=torch.Generator().manual_seed(0))
+    labels = torch.arange(8) % 10
+
+    def trained(global_seed):
+        model = copy.deepcopy(tiny_model)
+        torch.manual_seed(global_seed)
+        train_global(model, features, labels, OptimConfig(1, 4, 1e-3, 0.0), torch.Generator().manual_seed(3))
+        return model.global_module.norm.weight.detach()
+
+    assert torch.equal(trained(1), trained(2))
+
+
+@pytest.mark.parametrize("path", ["plain", "dp-sgd", "server"])
+def test_epochs_report_progress_and_their_own_duration(model, path):
     images, labels = images_and_labels(4)
     calls = []
+    optim, generator = OptimConfig(2, 4, 1e-3, 0.0), torch.Generator().manual_seed(0)
+    progress = lambda done, total: calls.append((done, total))  # noqa: E731
     start = time.perf_counter()
-    result = train_local(model, images, labels, "eftvit", 0.75, OptimConfig(2, 4, 1e-3, 0.0),
-                         torch.Generator().manual_seed(0), progress=lambda done, total: calls.append((done, total)))
+    if path == "server":
+        result = train_global(model, torch.randn(4, 17, 192), labels, optim, generator, progress)
+    else:
+        result = train_local(model, images, labels, "eftvit", 0.75, optim, generator, progress,
+                             dp=DPSGD(1.0, 1.0, 1.0) if path == "dp-sgd" else None)
     elapsed = time.perf_counter() - start
     assert calls == [(1, 2), (2, 2)]
     assert len(result.epoch_seconds) == 2 and 0 < result.seconds <= elapsed
