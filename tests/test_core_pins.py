@@ -408,6 +408,7 @@ def test_epochs_report_progress_and_their_own_duration(model, path):
     elapsed = time.perf_counter() - start
     assert calls == [(1, 2), (2, 2)]
     assert len(result.epoch_seconds) == 2 and 0 < result.seconds <= elapsed
+    assert result.seconds == pytest.approx(result.epoch_seconds[0] + result.epoch_seconds[1])
 
 
 def test_features_are_extracted_in_batches_exactly_as_in_one(model):
