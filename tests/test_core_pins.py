@@ -252,6 +252,26 @@ def test_lpips_falls_back_offline_to_a_working_shift_tolerant_network(monkeypatc
     assert fallback.name == "stlpips-alex" and fallback(images, images) == pytest.approx([0.0], abs=1e-6)
 
 
+
+def test_standard_lpips_is_alexnet_lpips_with_spatial_maps_and_quiet(monkeypatch):
+    """The real network needs torchvision's AlexNet weights (not downloadable here): check how it is built."""
+    import lpips as lpips_package
+
+    built = []
+
+    class StandIn(torch.nn.Module):
+        def __init__(self, **options):
+            super().__init__()
+            built.append(options)
+            warnings.warn("Arguments other than a weight enum or `None` for 'weights' are deprecated", UserWarning)
+
+    monkeypatch.setattr(lpips_package, "LPIPS", StandIn)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        network = metrics._standard_lpips()
+    assert built == [{"net": "alex", "spatial": True, "verbose": False}] and not network.training
+
+
 # --- training ---------------------------------------------------------------------------------------------------
 
 def images_and_labels(n, seed=0):
