@@ -12,7 +12,9 @@ import pytest
 import torch
 from torch import nn
 
+from eftguard.federation import validation
 from eftguard.federation.aggregate import fedavg
+from eftguard.federation.records import UploadError
 from eftguard.masking import random_keep_ids
 from defenses.dp import DPSGD
 from defenses.feature_noise import release_features
@@ -270,6 +272,80 @@ def test_standard_lpips_is_alexnet_lpips_with_spatial_maps_and_quiet(monkeypatch
         warnings.simplefilter("error")
         network = metrics._standard_lpips()
     assert built == [{"net": "alex", "spatial": True, "verbose": False}] and not network.training
+
+
+
+# --- validation (provisional: issue 9 is rewriting this module) ---------------------------------------------------
+
+SPEC = validation.UploadSpec(update_shapes={"w": (2,)}, tokens=17, width=192, num_classes=10, num_patches=64)
+
+
+def features_of(count, dtype=np.float32):
+    return {"features": np.zeros((count, 17, 192), dtype), "labels": np.zeros(count, np.int64)}
+
+
+def truth_of(count, **changes):
+    return {"class_counts": np.zeros(10, np.int64), "sample_ids": np.arange(count, dtype=np.int64),
+            "kept_ids": np.tile(np.arange(16), (count, 1)).astype(np.int64), **changes}
+
+
+def test_sample_counts_from_one_up_are_accepted_and_nothing_else():
+    assert validation.validate_num_examples(1) == 1
+    for bad in (0, -3, True, 2.0, "5", None):
+        with pytest.raises(UploadError, match="^num_examples must be a positive integer"):
+            validation.validate_num_examples(bad)
+
+
+def test_feature_set_count_is_checked_at_both_ends(monkeypatch):
+    monkeypatch.setattr(validation, "MAX_FEATURE_SETS", 3)
+    for count in (1, 3):
+        validation.validate_features(features_of(count), SPEC)
+    for count in (0, 4):
+        with pytest.raises(UploadError, match=rf"^features hold {count} sets, expected 1\.\.3$"):
+            validation.validate_features(features_of(count), SPEC)
+
+
+def test_feature_uploads_of_the_wrong_dtype_keys_or_values_are_named():
+    with pytest.raises(UploadError, match=r"^features have float64 \(2, 17, 192\), expected float32"):
+        validation.validate_features(features_of(2, np.float64), SPEC)
+    with pytest.raises(UploadError, match=r"^features upload must hold exactly 'features' and 'labels', got "
+                                          r"\['extra', 'features', 'labels'\]$"):
+        validation.validate_features({**features_of(2), "extra": np.zeros(1)}, SPEC)
+    poisoned = features_of(2)
+    poisoned["features"][1, 3, 5] = np.nan
+    with pytest.raises(UploadError, match="^features contains NaN or infinite values$"):
+        validation.validate_features(poisoned, SPEC)
+    with pytest.raises(UploadError, match="^update 'w' contains NaN or infinite values$"):
+        validation.validate_update({"w": np.array([0.0, np.inf], np.float32)}, SPEC)
+
+
+def test_truth_with_absent_classes_is_accepted_and_without_features_needs_no_kept_ids():
+    validation.validate_truth(truth_of(3), SPEC, 3)
+    validation.validate_truth({k: v for k, v in truth_of(3).items() if k != "kept_ids"}, SPEC, None)
+
+
+COUNTS = r"^truth 'class_counts' must be int64 \[10\] and non-negative$"
+IDS = r"^truth 'sample_ids' must be int64 \[n\]$"
+MISMATCH = r"^truth 'sample_ids'/'kept_ids' do not match the uploaded features$"
+
+
+@pytest.mark.parametrize("changes, message", [
+    ({"class_counts": np.full(10, -1, np.int64)}, COUNTS),
+    ({"class_counts": np.zeros(10, np.int32)}, COUNTS),
+    ({"class_counts": np.zeros(9, np.int64)}, COUNTS),
+    ({"sample_ids": None}, IDS),
+    ({"sample_ids": np.zeros((3, 1), np.int64)}, IDS),
+    ({"sample_ids": np.arange(2, dtype=np.int64)}, MISMATCH),
+    ({"kept_ids": None}, MISMATCH),
+    ({"kept_ids": np.zeros((3, 16), np.float32)}, MISMATCH),
+    ({"kept_ids": np.zeros((3, 15), np.int64)}, MISMATCH),
+    ({"kept_ids": np.full((3, 16), -1, np.int64)}, MISMATCH),
+    ({"kept_ids": np.full((3, 16), 64, np.int64)}, MISMATCH),
+], ids=["negative-count", "int32-counts", "short-counts", "no-ids", "2d-ids", "ids-per-set", "no-kept", "float-kept",
+        "short-kept", "negative-kept", "kept-past-last-patch"])
+def test_inconsistent_ground_truth_is_refused(changes, message):
+    with pytest.raises(UploadError, match=message):
+        validation.validate_truth(truth_of(3, **changes), SPEC, 3)
 
 
 # --- training ---------------------------------------------------------------------------------------------------
