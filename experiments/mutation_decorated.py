@@ -4,6 +4,7 @@
     python experiments/mutation_decorated.py     # from the repository root; prints one line per mutant
 """
 
+import os
 import shutil
 import subprocess
 import sys
@@ -38,7 +39,7 @@ def main() -> None:
             control = original == mutant
             target.write_text(source.replace(original, mutant))
             run = subprocess.run([sys.executable, "-m", "pytest", "-q", "-x", "-p", "no:cacheprovider", *TESTS],
-                                 cwd=scratch, env={**__import__("os").environ, "PYTHONPATH": scratch},
+                                 cwd=scratch, env={**os.environ, "PYTHONPATH": scratch},
                                  capture_output=True, text=True)
             if control and run.returncode:
                 sys.exit(f"the tests fail without any mutant:\n{run.stdout[-2000:]}")

@@ -12,13 +12,13 @@ import pytest
 import torch
 from torch import nn
 
+from defenses.dp import DPSGD
+from defenses.feature_noise import release_features
+from eftguard import metrics, training
 from eftguard.federation import validation
 from eftguard.federation.aggregate import fedavg
 from eftguard.federation.records import UploadError
 from eftguard.masking import random_keep_ids
-from defenses.dp import DPSGD
-from defenses.feature_noise import release_features
-from eftguard import metrics, training
 from eftguard.sampling import balanced_indices, class_target
 from eftguard.training import OptimConfig, evaluate, extract_features, train_global, train_local
 
