@@ -3,6 +3,7 @@ a mutant of sampling, masking, aggregation, DP, validation, metrics, feature noi
 the module's own tests."""
 
 import copy
+import dataclasses
 import math
 import time
 import warnings
@@ -12,7 +13,7 @@ import pytest
 import torch
 from torch import nn
 
-from defenses.dp import DPSGD
+from defenses.dp import DPSGD, PrivacyBudgetError, check_feasible, client_budget, epsilon_spent
 from defenses.feature_noise import release_features
 from eftguard import metrics, training
 from eftguard.federation import validation
@@ -61,6 +62,30 @@ def test_masks_come_from_the_generator_passed_in_not_the_global_rng():
 def test_fedavg_refuses_states_and_weights_that_do_not_pair_up(states, weights):
     with pytest.raises(ValueError, match="^fedavg needs one weight per state and at least one state$"):
         fedavg(states, weights)
+
+
+
+# --- DP accounting (provisional: issue 9 is rewriting defenses/dp.py) ----------------------------------------------
+
+def test_one_dp_step_already_spends_privacy_and_none_spends_nothing():
+    assert epsilon_spent(1.0, 0.1, 0, 1e-5, "rdp") == 0.0
+    assert 0.0 < epsilon_spent(1.0, 0.1, 1, 1e-5, "rdp") < epsilon_spent(1.0, 0.1, 2, 1e-5, "rdp")
+
+
+def test_a_round_that_spends_exactly_the_budget_is_allowed():
+    budget = client_budget(4.0, 0.0, "rdp", 250, 64, 1, (1, 2), noise_multiplier=1.0)
+    exact = dataclasses.replace(budget, epsilon=budget.epsilon_after(2))
+    assert exact.check(2) == exact.epsilon
+    with pytest.raises(PrivacyBudgetError, match="round 2 would spend .*; the client refuses$"):
+        dataclasses.replace(budget, epsilon=budget.epsilon_after(2) * 0.999).check(2)
+
+
+def test_an_unreachable_target_is_refused_with_the_noise_ceiling_and_the_steps_named():
+    with pytest.raises(PrivacyBudgetError, match=r"^--dp-eps 0.01 cannot be met: even noise multiplier 1e\+06 spends "
+                                                 r"epsilon .* at delta 1e-05 over 8 steps with the rdp accountant; "
+                                                 r"raise --dp-eps or --dp-delta, lower --rounds or --local-epochs, "
+                                                 r"or try --accountant prv$"):
+        check_feasible(0.01, 1e-5, "rdp", 250, 64, 1, (1, 2))
 
 
 # --- feature noise ----------------------------------------------------------------------------------------------
