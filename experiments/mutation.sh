@@ -1,0 +1,58 @@
+#!/usr/bin/env bash
+# Mutation check of eftguard's core (issue 16): mutmut 3.x, one module at a time, each against its own fast tests.
+#
+#   bash experiments/mutation.sh                # every core module, in the order below
+#   bash experiments/mutation.sh sampling dp    # only these
+#
+# Each module is mutated in a scratch copy of the working tree (mutation-work/NAME, git-ignored), so the
+# checkout is never touched and the per-module mutmut config lives only there. One worker, one thread:
+# the check is meant to run beside other work on a 2-core machine. Results: mutation-work/NAME/results.txt
+# (every mutant that was not killed), survivors.diff (their diffs) and a summary line per module on stdout.
+# Needs: pip install 'mutmut>=3.8,<4' (a tool for developers, not a project dependency).
+set -euo pipefail
+
+cd "$(git rev-parse --show-toplevel)"
+export OMP_NUM_THREADS=1 HF_HUB_OFFLINE=1 FLWR_TELEMETRY_ENABLED=0 FLWR_DISABLE_UPDATE_CHECK=1
+unset PYTHONPATH  # mutmut puts its mutated copy first on sys.path; nothing may shadow it
+
+# name | file to mutate | its own fast tests (pytest arguments, -m "not slow" is always added)
+MODULES=(
+  "sampling|eftguard/sampling.py|tests/test_sampling.py tests/test_core_pins.py"
+  "masking|eftguard/masking.py|tests/test_masking.py tests/test_core_pins.py"
+  "aggregate|eftguard/federation/aggregate.py|tests/test_aggregate.py tests/test_core_pins.py"
+  "feature_noise|defenses/feature_noise.py|tests/test_feature_noise.py tests/test_core_pins.py"
+  "metrics|eftguard/metrics.py|tests/test_metrics.py tests/test_core_pins.py"
+  "training|eftguard/training.py|tests/test_core_pins.py tests/test_model.py tests/test_dp.py tests/test_sampling.py --deselect=tests/test_model.py::test_paper_preset_splits_like_timm"
+  "validation|eftguard/federation/validation.py|tests/test_validation.py tests/test_core_pins.py"
+  "dp|defenses/dp.py|tests/test_dp.py tests/test_core_pins.py"
+)
+
+command -v mutmut >/dev/null || { echo "mutation.sh: error: mutmut is not installed: pip install 'mutmut>=3.8,<4'" >&2; exit 2; }
+wanted=("$@")
+for entry in "${MODULES[@]}"; do
+  IFS='|' read -r name file tests <<<"$entry"
+  if ((${#wanted[@]})) && [[ " ${wanted[*]} " != *" $name "* ]]; then continue; fi
+  work="mutation-work/$name"
+  rm -rf "$work" && mkdir -p "$work"
+  git ls-files -co --exclude-standard -z eftguard defenses attacks tests pyproject.toml | xargs -0 cp --parents -t "$work"
+  {
+    printf '[mutmut]\nsource_paths =\n    eftguard\n    defenses\n    attacks\nonly_mutate = %s\n' "$file"
+    printf 'pytest_add_cli_args =\n    -q\n    -p\n    no:cacheprovider\n    -m\n    not slow\n'
+    printf 'pytest_add_cli_args_test_selection =\n'
+    for t in $tests; do [[ -e $t || $t == -* ]] && printf "    %s\n" "$t"; done
+  } >"$work/setup.cfg"
+  start=$SECONDS
+  (cd "$work" && mutmut run --max-children 1 >run.log 2>&1) || { echo "$name: mutmut failed, see $work/run.log" >&2; continue; }
+  (
+    cd "$work"
+    mutmut results >results.txt 2>&1
+    mutmut export-cicd-stats >/dev/null
+  )
+  python3 experiments/mutation_survivors.py "$work" "$file" >"$work/survivors.diff"
+  python3 - "$work/mutants/mutmut-cicd-stats.json" "$name" $((SECONDS - start)) <<'PY'
+import json, sys
+stats, name, seconds = json.load(open(sys.argv[1])), sys.argv[2], sys.argv[3]
+print(f"{name:14} generated {stats['total']:4}  killed {stats['killed']:4}  survived {stats['survived']:3}  "
+      f"timeout {stats['timeout']:2}  no tests {stats['no_tests']:2}  ({seconds} s)")
+PY
+done
