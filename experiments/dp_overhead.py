@@ -34,7 +34,7 @@ def make_step(mode: str, batch: int):
     generator = torch.Generator().manual_seed(0)
     forward, criterion = model, nn.CrossEntropyLoss()
     if mode == "dp-ghost":
-        forward, optimizer, criterion = make_private(model, optimizer, DPSGD(1.0, 1.0, 0.25), batch, generator)
+        forward, optimizer, criterion, _ = make_private(model, optimizer, DPSGD(1.0, 1.0, 0.25, 0), batch)
     elif mode == "dp-hooks":
         forward = GradSampleModule(model)
         optimizer = DPOptimizer(optimizer, noise_multiplier=1.0, max_grad_norm=1.0, expected_batch_size=batch,

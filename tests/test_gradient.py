@@ -149,8 +149,9 @@ def opacus_step_gradient(model, names, images, labels, keep, dp: DPNoise, seed=0
     named = dict(model.named_parameters())
     model.train().global_module.requires_grad_(False)
     optimizer = torch.optim.SGD([named[n] for n in names], lr=0.0)
-    wrapped, dp_optimizer, criterion = make_private(model, optimizer, DPSGD(dp.noise_multiplier, dp.max_grad_norm, 1.0),
-                                                    len(labels), torch.Generator().manual_seed(seed))
+    wrapped, dp_optimizer, criterion, _ = make_private(model, optimizer,
+                                                       DPSGD(dp.noise_multiplier, dp.max_grad_norm, 1.0, seed),
+                                                       len(labels))
     try:
         criterion(wrapped(images, keep), labels).backward()
         dp_optimizer.step()
