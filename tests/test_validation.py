@@ -13,7 +13,8 @@ from eftguard.config import TrainConfig
 from eftguard.federation.client import run_dataset
 from eftguard.federation.records import UploadError, from_record, to_record
 from eftguard.federation.server import parse_reply, upload_spec
-from eftguard.federation.validation import MAX_FEATURE_VALUE, MAX_PARAMETER_VALUE, max_feature_sets
+from eftguard.federation.validation import (MAX_FEATURE_VALUE, MAX_LOSS, MAX_PARAMETER_VALUE, max_feature_sets,
+                                            validate_features, validate_metrics, validate_truth)
 from eftguard.sampling import balanced_indices
 
 CFG = TrainConfig(train_samples=200).resolved()
@@ -292,3 +293,58 @@ def test_feature_set_bound_holds_for_the_most_skewed_clients(balance):
         assert drawn <= bound, (balance, np.bincount(labels))
         ratios.append(drawn / bound)
     assert max(ratios) > 0.8
+
+
+# --- the edges of what an honest client sends (each of these was a surviving mutant; docs/mutation.md) --------------
+
+@pytest.mark.parametrize("changes", [
+    {"num-examples": 1}, {"loss": 0.0}, {"loss": 0.5}, {"loss": MAX_LOSS}, {"epoch-seconds": [0.0]},
+    {"epoch-seconds": [3600.0], "feature-seconds": 0.0}, {"epoch-seconds": [3599.0], "feature-seconds": 1.0},
+], ids=["one-example", "zero-loss", "loss-below-one", "loss-at-bound", "instant-epoch", "epoch-of-the-whole-timeout",
+        "work-of-exactly-the-timeout"])
+def test_honest_metrics_at_their_bounds_are_accepted(good, spec, changes):
+    metrics = ConfigRecord({**good[3], **changes})
+    accepted = validate_metrics(metrics, 2, spec)
+    assert (accepted.num_examples, accepted.loss, accepted.epoch_seconds) == \
+        (metrics["num-examples"], metrics["loss"], metrics["epoch-seconds"])
+
+
+def test_feature_uploads_from_one_set_up_to_exactly_the_median_sampling_bound_are_accepted(spec):
+    most = max_feature_sets("median", 10, 40)
+    assert most == 80
+    for rows in (1, most):
+        features = {"features": np.zeros((rows, 17, 192), np.float32), "labels": np.zeros(rows, np.int64)}
+        assert len(validate_features(to_record(features), spec, 40)["labels"]) == rows
+    over = {"features": np.zeros((most + 1, 17, 192), np.float32), "labels": np.zeros(most + 1, np.int64)}
+    with pytest.raises(UploadError, match="features"):
+        validate_features(to_record(over), spec, 40)
+
+
+def test_mean_balancing_bound_is_n_plus_half_the_classes():
+    """mean: T = round(n / p), so p * T <= n + p / 2 with p <= classes present."""
+    assert [max_feature_sets("mean", classes, 40) for classes in (1, 2, 9, 10)] == [41, 41, 45, 45]
+
+
+def test_truth_of_a_one_class_client_with_absent_classes_and_the_last_training_image_is_accepted(spec):
+    counts = np.zeros(10, np.int64)
+    counts[3] = 40  # every sample in one class: counts equal to n, and nine absent classes
+    truth = {"sample_ids": np.array([spec.train_ids[0], spec.train_ids[-1]], np.int64),
+             "kept_ids": np.tile(np.arange(16), (2, 1)).astype(np.int64), "class_counts": counts}
+    assert np.array_equal(validate_truth(to_record(truth), spec, 40, 2)["class_counts"], counts)
+
+
+def test_fedavg_truth_names_one_sample_per_example_and_no_kept_patches(spec):
+    truth = {"sample_ids": spec.train_ids[:40].astype(np.int64), "class_counts": np.full(10, 4, np.int64)}
+    assert set(validate_truth(to_record(truth), spec, 40, None)) == {"sample_ids", "class_counts"}
+    with pytest.raises(UploadError, match="truth"):
+        validate_truth(to_record({**truth, "sample_ids": truth["sample_ids"][:39]}), spec, 40, None)
+
+
+@pytest.mark.parametrize("bad_id", [-1, 64], ids=["negative", "past-the-last-patch"])
+def test_one_kept_patch_id_out_of_range_in_one_set_is_refused(spec, bad_id):
+    kept = np.tile(np.arange(1, 17), (2, 1)).astype(np.int64)
+    kept[1, 0 if bad_id < 0 else -1] = bad_id
+    truth = {"sample_ids": spec.train_ids[:2].astype(np.int64), "kept_ids": kept,
+             "class_counts": np.array([40] + [0] * 9, np.int64)}
+    with pytest.raises(UploadError, match=r"kept_ids' must be distinct patch ids in \[0, 64\)"):
+        validate_truth(to_record(truth), spec, 40, 2)
