@@ -15,7 +15,7 @@ from pathlib import Path
 import numpy as np
 from rich.console import Console
 
-from eftguard.rundir import RunDirectory, RunError, client_name, round_name, sha256_of
+from eftguard.rundir import RunDirectory, RunError, client_name, round_name
 
 console = Console(stderr=True)
 
@@ -142,25 +142,19 @@ def check_intact(run: RunDirectory, round_number: int, clients: list[int]) -> No
     """Before any work: config.toml and every file the attack and its scoring read (start checkpoint, the
     clients' uploads and truth) must exist and still hash to what manifest.json recorded when they were
     written; a missing, truncated or altered file is named instead of failing deep inside a loader."""
-    wanted = ("config.toml", f"checkpoints/{round_name(round_number - 1)}.",
-              *(f"{folder}/{round_name(round_number)}/{client_name(k)}{end}"
-                for k in clients for folder, end in (("observed", "/"), ("truth", "."))))
     start = run.checkpoint_path(round_number - 1)
     if not start.is_file():
         raise RunError(f"{start} is missing: it holds the weights round {round_number} started from. Restore it from "
                        "a backup, or attack another --round")
-    for name, digest in run.manifest().get("artefacts", {}).items():
+    run.check_config()
+    read = (f"checkpoints/{round_name(round_number - 1)}.",
+            *(f"{folder}/{round_name(round_number)}/{client_name(k)}{end}"
+              for k in clients for folder, end in (("observed", "/"), ("truth", "."))))
+    for name in run.verify(read):
         file = run.path / name
-        if not (name == wanted[0] or name.startswith(wanted[1:])):
-            continue
         if not file.is_file():
             raise RunError(f"{file} is missing (manifest.json lists it): restore it from a backup, or attack another "
                            "--round")
-        if sha256_of(file) == digest:
-            continue
-        if name == "config.toml":
-            raise RunError(f"{file} was edited after training (its sha256 differs from manifest.json's): restore "
-                           "the config.toml the run was trained with")
         raise RunError(f"{file} is damaged: it no longer matches the sha256 manifest.json recorded when it was "
                        "written (truncated or altered). Restore it from a backup, or attack another --round")
 
