@@ -28,7 +28,6 @@ from __future__ import annotations
 import fcntl
 import json
 import math
-import os
 import re
 from collections import Counter
 from contextlib import contextmanager
@@ -39,6 +38,7 @@ from typing import Iterator
 from opacus.accountants import create_accountant
 
 from defenses.dp import PrivacyBudgetError
+from eftguard.rundir import atomic_write
 
 FORMAT = "eftguard-privacy-ledger"
 FORMAT_VERSION = 1
@@ -140,17 +140,7 @@ class PrivacyLedger:
         path = self.path(run_id)
         text = json.dumps({"format": FORMAT, "format_version": FORMAT_VERSION, "run_id": run_id,
                            "partition": self.partition, "terms": asdict(terms), "entries": entries}, indent=1)
-        tmp = path.with_name(f".{path.name}.tmp")
-        with open(tmp, "w") as f:
-            f.write(text + "\n")
-            f.flush()
-            os.fsync(f.fileno())
-        os.replace(tmp, path)
-        directory = os.open(path.parent, os.O_RDONLY)
-        try:
-            os.fsync(directory)
-        finally:
-            os.close(directory)
+        atomic_write(path, lambda tmp: tmp.write_text(text + "\n"))
 
     @contextmanager
     def locked(self, run_id: str) -> Iterator[None]:

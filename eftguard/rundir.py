@@ -65,7 +65,7 @@ def _make_dirs(folder: Path) -> None:
     _fsync_dir(folder.parent)
 
 
-def _atomic_write(path: Path, write) -> None:
+def atomic_write(path: Path, write) -> None:
     """Write to a temp file, fsync it, rename it over path and fsync the folder: after a power loss path holds
     the old or the new content, never a torn one, and a later write cannot overtake this one on disk."""
     _make_dirs(path.parent)
@@ -133,7 +133,7 @@ class RunDirectory:
             _make_dirs(path)
         except OSError as exc:
             raise RunError(f"cannot create {path}: {exc.strerror}; give --out a writable folder path") from None
-        _atomic_write(path / "config.toml", lambda p: p.write_text(config.to_toml()))
+        atomic_write(path / "config.toml", lambda p: p.write_text(config.to_toml()))
         encryption = {"algorithm": "AES-256-GCM", "key_fingerprint": at_rest.fingerprint(key)} if key else None
         run._write_manifest({"format": FORMAT, "format_version": FORMAT_VERSION,
                              "created": time.strftime("%Y-%m-%dT%H:%M:%S%z"), "seed": config.seed,
@@ -181,7 +181,7 @@ class RunDirectory:
     def write_config(self, config: TrainConfig) -> None:
         """Replace config.toml (atomically) and record its sha256: the one supported way to change a run's
         configuration; any other edit makes `resume` refuse the run."""
-        _atomic_write(self.path / "config.toml", lambda p: p.write_text(config.resolved().to_toml()))
+        atomic_write(self.path / "config.toml", lambda p: p.write_text(config.resolved().to_toml()))
         self.record_artefact(self.path / "config.toml")
 
     # --- one writer at a time -------------------------------------------------------------------------
@@ -225,7 +225,7 @@ class RunDirectory:
         return json.loads((self.path / "manifest.json").read_text())
 
     def _write_manifest(self, manifest: dict) -> None:
-        _atomic_write(self.path / "manifest.json", lambda p: p.write_text(json.dumps(manifest, indent=2) + "\n"))
+        atomic_write(self.path / "manifest.json", lambda p: p.write_text(json.dumps(manifest, indent=2) + "\n"))
 
     def record_artefact(self, *files: Path) -> None:
         manifest = self.manifest()
@@ -323,7 +323,7 @@ class RunDirectory:
 
     def _write_metrics(self, records: list[dict]) -> None:
         text = "".join(json.dumps(r) + "\n" for r in records)
-        _atomic_write(self.path / "metrics.jsonl", lambda p: p.write_text(text))
+        atomic_write(self.path / "metrics.jsonl", lambda p: p.write_text(text))
 
     def append_metrics(self, record: dict) -> None:
         """Mark a round complete: the last write of every round, after its checkpoint and uploads are durable."""
@@ -344,7 +344,7 @@ class RunDirectory:
     def save_checkpoint(self, round_number: int, state: dict[str, torch.Tensor]) -> None:
         path = self.checkpoint_path(round_number)
         tensors = {k: v.detach().contiguous() for k, v in state.items()}
-        _atomic_write(path, lambda p: save_torch(tensors, str(p), metadata={"round": str(round_number)}))
+        atomic_write(path, lambda p: save_torch(tensors, str(p), metadata={"round": str(round_number)}))
         self.record_artefact(path)
 
     def load_checkpoint(self, round_number: int) -> dict[str, torch.Tensor]:
@@ -410,7 +410,7 @@ class RunDirectory:
             raise RunError(f"{self.path} stores uploads encrypted at rest but no key was given")
         plaintext = save_numpy_bytes({k: np.ascontiguousarray(v) for k, v in arrays.items()})
         blob = at_rest.encrypt(self.key, plaintext, path.relative_to(self.path).as_posix())
-        _atomic_write(path, lambda p: p.write_bytes(blob))
+        atomic_write(path, lambda p: p.write_bytes(blob))
         self.record_artefact(path)
 
     def _load_sealed(self, path: Path) -> dict[str, np.ndarray]:
@@ -426,7 +426,7 @@ class RunDirectory:
 
     def save_arrays(self, path: Path, arrays: dict[str, np.ndarray], metadata: dict[str, str] | None = None) -> None:
         arrays = {k: np.ascontiguousarray(v) for k, v in arrays.items()}
-        _atomic_write(path, lambda p: save_numpy(arrays, str(p), metadata=metadata))
+        atomic_write(path, lambda p: save_numpy(arrays, str(p), metadata=metadata))
         self.record_artefact(path)
 
     def load_arrays(self, path: Path) -> dict[str, np.ndarray]:
