@@ -1,4 +1,4 @@
-"""The run directory: the contract between training and the attacks (see DESIGN.md).
+"""The run directory: the contract between training and the attacks (docs/run-directory.md).
 
     config.toml, manifest.json, metrics.jsonl, checkpoints/round-NNNN.safetensors,
     observed/round-NNNN/client-KK/{update,features}.safetensors   what the server received
