@@ -92,11 +92,13 @@ def build_parser() -> argparse.ArgumentParser:
     logs = argparse.ArgumentParser(add_help=False)
     logs.add_argument("--verbose", action="store_true", help="show Flower and Ray logs")
 
-    train = sub.add_parser("train", parents=[logs], help="train with EFTViT (or the Fed-Full reference) on Flower",
-                           description="Hierarchical federated training: each client trains its local module on "
-                                       "masked images and uploads median-sampled patch features; the server "
-                                       "averages local modules and trains the global module. Writes a run "
-                                       "directory (runs/NAME) that the attacks read.")
+    train = sub.add_parser("train", parents=[logs],
+                           help=f"federated training on Flower (--method {' | '.join(METHODS)})",
+                           description="Federated training with one of the methods of --method. eftvit (the "
+                                       "default): each client trains its local module on masked images and uploads "
+                                       "median-sampled patch features; the server averages local modules and "
+                                       "trains the global module. Writes a run directory (runs/NAME) that the "
+                                       "attacks read.")
     where = train.add_mutually_exclusive_group()
     where.add_argument("--name", help="write the run to runs/NAME")
     where.add_argument("--out", type=Path, help="write the run to this folder")

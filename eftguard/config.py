@@ -94,15 +94,16 @@ class TrainConfig:
         if not 0.0 <= self.dp_delta < 1.0:
             raise ConfigError(f"--dp-delta must be in [0, 1) (0: 1 / (10 n) per client), got {self.dp_delta}")
         if self.dp_eps > 0 and not method.dp_sgd:
-            raise ConfigError(f"--dp-eps: --method {method.name} has no DP-SGD (methods "
-                              f"with DP-SGD: {', '.join(m.name for m in methods_with('dp_sgd'))})")
+            private = ", ".join(m.name for m in methods_with("dp_sgd"))
+            raise ConfigError(f"--dp-eps: --method {method.name} has no DP-SGD (methods with DP-SGD: {private})")
         if self.feature_noise < 0 or self.feature_clip < 0:
             raise ConfigError("--feature-noise and --feature-clip must be >= 0")
         if self.feature_noise > 0 and self.feature_clip == 0:
             raise ConfigError("--feature-noise is relative to the clipping norm: set --feature-clip C > 0 too")
         if self.feature_clip > 0 and not method.uploads_features:
+            uploading = ", ".join(m.name for m in methods_with("uploads_features"))
             raise ConfigError(f"--feature-clip/--feature-noise apply to uploaded features; --method {method.name} "
-                              f"uploads none (methods that do: {', '.join(m.name for m in methods_with('uploads_features'))})")
+                              f"uploads none (methods that do: {uploading})")
         positive = {"clients": self.clients, "rounds": self.rounds, "local_epochs": self.local_epochs,
                     "server_epochs": self.server_epochs, "batch_size": self.batch_size, "lr": self.lr,
                     "server_lr": self.server_lr, "beta": self.beta, "cpus_per_client": self.cpus_per_client,

@@ -165,5 +165,6 @@ def test_no_module_branches_on_a_method_name():
                and not p.relative_to(ROOT).as_posix().startswith("eftguard/audit/")
                and p.name != "methods.py"]
     assert len(sources) > 20  # the walk found the package
-    hits = [hit for path in sources for hit in method_name_comparisons(path.read_text(), path.relative_to(ROOT).as_posix())]
+    hits = [hit for path in sources
+            for hit in method_name_comparisons(path.read_text(), path.relative_to(ROOT).as_posix())]
     assert hits == []

@@ -187,8 +187,8 @@ def validate_features(record, spec: UploadSpec, num_examples: int) -> dict[str, 
 
 def validate_truth(record, spec: UploadSpec, num_examples: int, feature_sets: int | None) -> dict[str, np.ndarray]:
     """The auditor-only record must be consistent too, or the audit would score against garbage: exactly the
-    expected arrays, one sample id per feature set (per sample for a method without features), ids of this run's training images,
-    kept patches distinct and in range, class counts summing to num_examples."""
+    expected arrays, one sample id per feature set (per sample for a method without features), ids of this
+    run's training images, kept patches distinct and in range, class counts summing to num_examples."""
     layout: Layout = {"sample_ids": ("int64", (feature_sets if feature_sets is not None else num_examples,)),
                       "class_counts": ("int64", (spec.num_classes,))}
     if feature_sets is not None:
