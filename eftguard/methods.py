@@ -31,6 +31,7 @@ class MethodSpec:
         return not self.trains or name.startswith(self.trains)
 
     def trained_parameters(self, model: nn.Module) -> list[nn.Parameter]:
+        """The parameters the client's optimizer updates, in the model's order."""
         return [p for name, p in model.named_parameters() if self.trains_parameter(name)]
 
     def uploaded_state(self, model: nn.Module) -> dict[str, Tensor]:
@@ -58,6 +59,8 @@ METHODS: dict[str, MethodSpec] = {spec.name: spec for spec in (
 
 
 def method_spec(name: str) -> MethodSpec:
+    """The spec of a --method value (a run's config, a client's settings); a ConfigError listing the table for
+    anything else."""
     from eftguard.config import ConfigError  # config imports this module
 
     try:
