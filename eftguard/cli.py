@@ -16,6 +16,7 @@ from eftguard.attack_cli import add_attack_parser, add_report_parser, cmd_attack
 from eftguard.config import ACCOUNTANTS, FEDERATIONS, METHODS, ConfigError, TrainConfig
 from eftguard.data import DATASET_HELP, DataError
 from eftguard.federation.errors import FederationError, Interrupted
+from eftguard.methods import METHODS as METHOD_SPECS
 from eftguard.metrics import LPIPS_BACKENDS, MetricError
 from eftguard.model import PRESETS, ModelError
 from eftguard.rundir import RunDirectory, RunError, check_new_run_path
@@ -29,8 +30,7 @@ TRAIN_HELP = {
     "model": "model preset: " + "; ".join(f"{k} ({v.description})" for k, v in PRESETS.items()),
     "pretrained": "start from timm's pretrained hub weights (needs the network or the hub cache)",
     "checkpoint": "start from local weights (.safetensors, or a state dict .pt/.pth); timm or eftguard layout",
-    "method": "eftvit (masked local modules + server-trained global module) or fedavg (Fed-Full reference: "
-              "plain FedAvg of the whole ViT on unmasked images)",
+    "method": "training method: " + "; ".join(f"{name} ({spec.description})" for name, spec in METHOD_SPECS.items()),
     "mask_ratio": "fraction of patch tokens each client drops per image, in [0, 1)",
     "local_layers": "M: transformer blocks in the client's local module (1..depth-1); the rest stay on the server",
     "clients": "number of clients (data partitions)",
@@ -92,11 +92,13 @@ def build_parser() -> argparse.ArgumentParser:
     logs = argparse.ArgumentParser(add_help=False)
     logs.add_argument("--verbose", action="store_true", help="show Flower and Ray logs")
 
-    train = sub.add_parser("train", parents=[logs], help="train with EFTViT (or the Fed-Full reference) on Flower",
-                           description="Hierarchical federated training: each client trains its local module on "
-                                       "masked images and uploads median-sampled patch features; the server "
-                                       "averages local modules and trains the global module. Writes a run "
-                                       "directory (runs/NAME) that the attacks read.")
+    train = sub.add_parser("train", parents=[logs],
+                           help=f"federated training on Flower (--method {' | '.join(METHODS)})",
+                           description="Federated training with one of the methods of --method. eftvit (the "
+                                       "default): each client trains its local module on masked images and uploads "
+                                       "median-sampled patch features; the server averages local modules and "
+                                       "trains the global module. Writes a run directory (runs/NAME) that the "
+                                       "attacks read.")
     where = train.add_mutually_exclusive_group()
     where.add_argument("--name", help="write the run to runs/NAME")
     where.add_argument("--out", type=Path, help="write the run to this folder")

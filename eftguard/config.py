@@ -11,9 +11,10 @@ from pathlib import Path
 import tomli_w
 
 from eftguard.data.registry import check_dataset_name
+from eftguard.methods import METHODS as METHOD_SPECS, method_spec, methods_with
 from eftguard.sampling import BALANCE_MODES
 
-METHODS = ("eftvit", "fedavg")
+METHODS = tuple(METHOD_SPECS)
 ACCOUNTANTS = ("prv", "rdp")  # opacus accountants that calibrate DP-SGD noise
 FEDERATIONS = ("simulation", "deployment")
 
@@ -75,8 +76,7 @@ class TrainConfig:
         check_dataset_name(self.dataset)
         if self.model not in PRESETS:
             raise ConfigError(f"--model: unknown preset '{self.model}', choose {', '.join(PRESETS)}")
-        if self.method not in METHODS:
-            raise ConfigError(f"--method: unknown method '{self.method}', choose {', '.join(METHODS)}")
+        method = method_spec(self.method)
         if not 0.0 <= self.mask_ratio < 1.0:
             raise ConfigError(f"--mask-ratio must be in [0, 1) (fraction of patches dropped), got {self.mask_ratio}")
         try:
@@ -93,14 +93,17 @@ class TrainConfig:
             raise ConfigError(f"--dp-eps must be >= 0 (0: no DP-SGD), got {self.dp_eps}")
         if not 0.0 <= self.dp_delta < 1.0:
             raise ConfigError(f"--dp-delta must be in [0, 1) (0: 1 / (10 n) per client), got {self.dp_delta}")
-        if self.dp_eps > 0 and self.method != "eftvit":
-            raise ConfigError("--dp-eps protects EFTViT's local module and head; --method fedavg has no DP-SGD")
+        if self.dp_eps > 0 and not method.dp_sgd:
+            private = ", ".join(m.name for m in methods_with("dp_sgd"))
+            raise ConfigError(f"--dp-eps: --method {method.name} has no DP-SGD (methods with DP-SGD: {private})")
         if self.feature_noise < 0 or self.feature_clip < 0:
             raise ConfigError("--feature-noise and --feature-clip must be >= 0")
         if self.feature_noise > 0 and self.feature_clip == 0:
             raise ConfigError("--feature-noise is relative to the clipping norm: set --feature-clip C > 0 too")
-        if self.feature_clip > 0 and self.method != "eftvit":
-            raise ConfigError("--feature-clip/--feature-noise apply to EFTViT's feature upload; fedavg uploads none")
+        if self.feature_clip > 0 and not method.uploads_features:
+            uploading = ", ".join(m.name for m in methods_with("uploads_features"))
+            raise ConfigError(f"--feature-clip/--feature-noise apply to uploaded features; --method {method.name} "
+                              f"uploads none (methods that do: {uploading})")
         positive = {"clients": self.clients, "rounds": self.rounds, "local_epochs": self.local_epochs,
                     "server_epochs": self.server_epochs, "batch_size": self.batch_size, "lr": self.lr,
                     "server_lr": self.server_lr, "beta": self.beta, "cpus_per_client": self.cpus_per_client,

@@ -20,6 +20,7 @@ import torch
 from torch import nn
 
 from eftguard.masking import keep_tokens
+from eftguard.methods import METHODS
 
 
 class ModelError(ValueError):
@@ -124,7 +125,7 @@ class EFTViT(nn.Module):
 
     def uploaded_state(self) -> dict[str, torch.Tensor]:
         """What an EFTViT client uploads: phi and h."""
-        return {k: v for k, v in self.state_dict().items() if k.startswith(("local_module.", "head."))}
+        return METHODS["eftvit"].uploaded_state(self)
 
 
 def create_timm_vit(preset_name: str, num_classes: int, pretrained: bool = False) -> nn.Module:

@@ -14,9 +14,11 @@ from torch import nn
 
 from defenses.dp import DPSGD, make_private, noise_only_step, poisson_batch
 from eftguard.masking import random_keep_ids
+from eftguard.methods import method_spec, methods_with
 from eftguard.model import EFTViT
 
 Progress = Callable[[int, int], None]  # (done, total) -> None
+KeepIds = Callable[[int], "torch.Tensor | None"]  # batch size -> the patches each image keeps (None: all, in order)
 
 
 @dataclass(frozen=True)
@@ -63,7 +65,7 @@ def _fit(params: list[nn.Parameter], n: int, optim: OptimConfig, generator: torc
 
 
 def _fit_private(model: EFTViT, params: list[nn.Parameter], images: torch.Tensor, labels: torch.Tensor,
-                 mask_ratio: float, optim: OptimConfig, dp: DPSGD, generator: torch.Generator,
+                 keep_ids: KeepIds, optim: OptimConfig, dp: DPSGD, generator: torch.Generator,
                  progress: Progress | None) -> TrainResult:
     """DP-SGD: Poisson-sampled batches (expected size batch_size), per-sample clipping, noise; batches and
     masks come from `generator`, the noise from dp.noise_seed. ceil(n / batch_size) steps make an epoch."""
@@ -71,7 +73,6 @@ def _fit_private(model: EFTViT, params: list[nn.Parameter], images: torch.Tensor
     expected = min(optim.batch_size, n)
     optimizer = torch.optim.AdamW(params, lr=optim.lr, weight_decay=optim.weight_decay)
     wrapped, dp_optimizer, criterion, applied = make_private(model, optimizer, dp, expected)
-    num_patches = model.local_module.num_patches
     total, seen, steps, epoch_seconds = 0.0, 0, 0, []
     try:
         for epoch in range(optim.epochs):
@@ -82,8 +83,7 @@ def _fit_private(model: EFTViT, params: list[nn.Parameter], images: torch.Tensor
                 if len(batch) == 0:
                     noise_only_step(dp_optimizer)
                 else:
-                    keep = random_keep_ids(len(batch), num_patches, mask_ratio, generator)
-                    loss = criterion(wrapped(model.normalize(images[batch]), keep), labels[batch])
+                    loss = criterion(wrapped(model.normalize(images[batch]), keep_ids(len(batch))), labels[batch])
                     loss.backward()
                     dp_optimizer.step()
                     total += float(loss.detach()) * len(batch)
@@ -100,29 +100,34 @@ def _fit_private(model: EFTViT, params: list[nn.Parameter], images: torch.Tensor
 def train_local(model: EFTViT, images: torch.Tensor, labels: torch.Tensor, method: str, mask_ratio: float,
                 optim: OptimConfig, generator: torch.Generator, progress: Progress | None = None,
                 dp: DPSGD | None = None) -> TrainResult:
-    """Client training. eftvit: phi and h on masked images through the frozen theta (theta gets no
-    gradients), with DP-SGD when dp is given. fedavg: the whole model on full images."""
-    if dp is not None and method != "eftvit":
-        raise ValueError("DP-SGD is implemented for eftvit's local module and head only")
+    """Client training of the parameters the method trains (the rest frozen: they get no gradients), on
+    masked images if the method masks, with DP-SGD when dp is given (eftvit: phi and h on masked images
+    through the frozen theta; fedavg: the whole model on full images)."""
+    spec = method_spec(method)
+    if dp is not None and not spec.dp_sgd:
+        scope = ", ".join(f"{m.name}'s {m.trained_parts}" for m in methods_with("dp_sgd"))
+        raise ValueError(f"DP-SGD is implemented for {scope} only")
     model.train()
-    if method == "eftvit":
-        model.global_module.requires_grad_(False)
-        params = [*model.local_module.parameters(), *model.head.parameters()]
-    else:
-        params = list(model.parameters())
+    frozen = [p for name, p in model.named_parameters() if not spec.trains_parameter(name) and p.requires_grad]
+    for parameter in frozen:
+        parameter.requires_grad_(False)
+    params = spec.trained_parameters(model)
     num_patches = model.local_module.num_patches
+
+    def keep_ids(count: int) -> torch.Tensor | None:
+        return random_keep_ids(count, num_patches, mask_ratio, generator) if spec.masked else None
 
     def loss_of_batch(batch: torch.Tensor) -> torch.Tensor:
         x = model.normalize(images[batch])
-        keep = random_keep_ids(len(batch), num_patches, mask_ratio, generator) if method == "eftvit" else None
-        return nn.functional.cross_entropy(model(x, keep), labels[batch])
+        return nn.functional.cross_entropy(model(x, keep_ids(len(batch))), labels[batch])
 
     try:
         if dp is not None:
-            return _fit_private(model, params, images, labels, mask_ratio, optim, dp, generator, progress)
+            return _fit_private(model, params, images, labels, keep_ids, optim, dp, generator, progress)
         return _fit(params, len(labels), optim, generator, loss_of_batch, progress)
     finally:
-        model.global_module.requires_grad_(True)
+        for parameter in frozen:
+            parameter.requires_grad_(True)
 
 
 @torch.no_grad()

@@ -18,6 +18,7 @@ from defenses.ledger import PrivacyLedger, Spend, Terms
 from eftguard.config import ACCOUNTANTS
 from eftguard.data import Dataset, dirichlet_partition, load_dataset
 from eftguard.federation.records import ClientSettings
+from eftguard.methods import method_spec
 from eftguard.model import PRESETS, build_model
 from eftguard.sampling import balanced_indices
 from eftguard.training import OptimConfig, extract_features, train_local
@@ -27,8 +28,8 @@ log = logging.getLogger("eftguard.client")
 
 @dataclass
 class ClientUpload:
-    update: dict[str, np.ndarray]  # phi_k and h_k (eftvit) or the whole model (fedavg)
-    features: dict[str, np.ndarray] | None  # {"features": Z_k, "labels": y_k}; None for fedavg
+    update: dict[str, np.ndarray]  # the parameters the method trains (eftvit: phi_k and h_k; fedavg: all)
+    features: dict[str, np.ndarray] | None  # {"features": Z_k, "labels": y_k}; None: the method uploads none
     truth: dict[str, np.ndarray]  # auditor-only ground truth
     num_examples: int
     loss: float
@@ -83,7 +84,7 @@ def requested_dp(s: ClientSettings, partition_id: int, num_examples: int) -> tup
         return None
     if not (math.isfinite(eps) and eps > 0 and math.isfinite(sigma) and sigma > 0 and 0 <= delta < 1
             and math.isfinite(clip) and clip > 0 and _number(s.batch_size) >= 1 and _number(s.local_epochs) >= 1
-            and s.accountant in ACCOUNTANTS and s.method == "eftvit"):
+            and s.accountant in ACCOUNTANTS and method_spec(s.method).dp_sgd):
         raise PrivacyBudgetError(f"the server asks for DP-SGD with dp_eps {s.dp_eps!r}, noise multiplier "
                                  f"{s.noise_multiplier!r}, dp_delta {s.dp_delta!r}, max_grad_norm {s.max_grad_norm!r}, "
                                  f"batch size {s.batch_size!r}, local epochs {s.local_epochs!r}, accountant "
@@ -115,6 +116,7 @@ def client_round(settings: ClientSettings, state: dict[str, np.ndarray], partiti
     if not 0 <= partition_id < num_partitions:
         raise ValueError(f"partition-id {partition_id} outside [0, {num_partitions})")
     s = settings
+    method = method_spec(s.method)
     dataset = run_dataset(s.dataset, s.data_dir, s.model, s.train_samples, 0, s.seed)
     mine = client_partition(s.dataset, s.data_dir, s.model, s.train_samples, s.seed, s.clients, s.beta)[partition_id]
     data = dataset.train.subset(mine)
@@ -148,19 +150,18 @@ def client_round(settings: ClientSettings, state: dict[str, np.ndarray], partiti
                      dp_applied["dp-epsilon-spent"])
     class_counts = np.bincount(data.labels, minlength=dataset.num_classes).astype(np.int64)
 
-    if s.method == "fedavg":
-        update = {k: v.numpy().copy() for k, v in model.state_dict().items()}
+    update = {k: v.numpy().copy() for k, v in method.uploaded_state(model).items()}
+    if not method.uploads_features:
         return ClientUpload(update, None, {"sample_ids": data.ids.astype(np.int64), "class_counts": class_counts},
-                            len(data), result.loss, result.epoch_seconds, 0.0)
+                            len(data), result.loss, result.epoch_seconds, 0.0, dp_applied)
 
     start = time.perf_counter()
     chosen = balanced_indices(data.labels, dataset.num_classes, s.balance, np.random.default_rng(seeded(s.seed, s.round, partition_id, 2)))
-    features, keep_ids = extract_features(model, images[chosen], s.mask_ratio, generator)
+    features, keep_ids = extract_features(model, images[chosen], method.mask_ratio(s.mask_ratio), generator)
     if s.feature_clip > 0:
         noise = torch.Generator().manual_seed(seeded(s.seed, s.round, partition_id, 5, *private))
         features = release_features(features, s.feature_clip, s.feature_noise, noise)
     feature_seconds = time.perf_counter() - start
-    update = {k: v.numpy().copy() for k, v in model.uploaded_state().items()}
     truth = {"sample_ids": data.ids[chosen].astype(np.int64), "kept_ids": keep_ids.numpy().astype(np.int64),
              "class_counts": class_counts}
     return ClientUpload(update, {"features": features.numpy(), "labels": data.labels[chosen].astype(np.int64)},

@@ -28,6 +28,7 @@ from eftguard.federation.records import ClientSettings, UploadError, to_record
 from eftguard.federation.validation import (UploadSpec, validate_features, validate_metrics, validate_truth,
                                             validate_update)
 from eftguard.masking import kept_token_count
+from eftguard.methods import method_spec
 from eftguard.model import EFTViT, build_model
 from eftguard.rundir import RunDirectory
 from eftguard.training import OptimConfig, evaluate, train_global
@@ -59,11 +60,12 @@ class AcceptedUpload:
 
 def upload_spec(model: EFTViT, cfg: TrainConfig, dataset: Dataset) -> UploadSpec:
     """What this run's clients can validly upload: bounds on every part of a reply, from the model and data."""
-    state = model.uploaded_state() if cfg.method == "eftvit" else model.state_dict()
+    method = method_spec(cfg.method)
     num_patches = model.local_module.num_patches
     return UploadSpec(
-        update_shapes={k: tuple(v.shape) for k, v in state.items()},
-        tokens=1 + kept_token_count(num_patches, cfg.mask_ratio) if cfg.method == "eftvit" else None,
+        update_shapes={k: tuple(v.shape) for k, v in method.uploaded_state(model).items()},
+        tokens=1 + kept_token_count(num_patches, method.mask_ratio(cfg.mask_ratio)) if method.uploads_features
+        else None,
         width=model.local_module.token_embedding.pos_embed.shape[-1],
         num_classes=dataset.num_classes, num_patches=num_patches, train_ids=np.sort(dataset.train.ids),
         balance=cfg.balance, local_epochs=cfg.local_epochs, round_seconds=cfg.round_timeout)
@@ -111,14 +113,15 @@ def parse_reply(reply: Message, partition: int, spec: UploadSpec, method: str,
     if reply.has_error():
         raise UploadError(f"client failed: {str(reply.error.reason):.200}")
     content = reply.content
-    required = {"update", "metrics"} | ({"features"} if method == "eftvit" else set())
+    uploads_features = method_spec(method).uploads_features
+    required = {"update", "metrics"} | ({"features"} if uploads_features else set())
     allowed = required | ({"truth"} if record_truth else set())
     missing, extra = sorted(required - set(content.keys())), sorted(set(content.keys()) - allowed)
     if missing or extra:
         raise UploadError(f"reply has wrong records (missing {missing}, unexpected {[k[:40] for k in extra[:3]]})")
     metrics = validate_metrics(content["metrics"], partition, spec)
     # Features first: the one part whose size the client chooses, refused before anything is decoded if too large.
-    features = validate_features(content["features"], spec, metrics.num_examples) if method == "eftvit" else None
+    features = validate_features(content["features"], spec, metrics.num_examples) if uploads_features else None
     update = validate_update(content["update"], spec)
     truth = None
     if "truth" in content:
@@ -276,7 +279,7 @@ def run_round(grid: Grid, run: RunDirectory, cfg: TrainConfig, model: EFTViT, sp
     server_loss, server_seconds = None, 0.0
     if accepted:
         load_average(model, fedavg([u.update for u in accepted], [u.num_examples for u in accepted]))
-        if cfg.method == "eftvit":
+        if method_spec(cfg.method).server_trains:
             features = torch.from_numpy(np.concatenate([u.features["features"] for u in accepted]))
             labels = torch.from_numpy(np.concatenate([u.features["labels"] for u in accepted]))
             task = progress.add_task(f"round {round_number}: server training", total=cfg.server_epochs)

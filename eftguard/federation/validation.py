@@ -43,7 +43,7 @@ class UploadSpec:
     """What a valid upload looks like for this run's model and data."""
 
     update_shapes: dict[str, tuple[int, ...]]
-    tokens: int | None  # 1 + kept patches per feature set; None: no features expected (fedavg)
+    tokens: int | None  # 1 + kept patches per feature set; None: the method uploads no features (fedavg)
     width: int
     num_classes: int
     num_patches: int
@@ -161,7 +161,8 @@ def _check_bounded(what: str, array: np.ndarray, limit: float, name: str) -> Non
 
 
 def validate_update(record, spec: UploadSpec) -> dict[str, np.ndarray]:
-    """φ_k and h_k (eftvit) or the whole model (fedavg), decoded once their layout matches the model's."""
+    """The parameters the method trains (eftvit: φ_k and h_k; fedavg: the whole model), decoded once their layout
+    matches the model's."""
     _check_layout("update", record, {k: ("float32", shape) for k, shape in spec.update_shapes.items()})
     update = from_record(record, "update")
     for name, array in update.items():
@@ -186,8 +187,8 @@ def validate_features(record, spec: UploadSpec, num_examples: int) -> dict[str, 
 
 def validate_truth(record, spec: UploadSpec, num_examples: int, feature_sets: int | None) -> dict[str, np.ndarray]:
     """The auditor-only record must be consistent too, or the audit would score against garbage: exactly the
-    expected arrays, one sample id per feature set (per sample for fedavg), ids of this run's training images,
-    kept patches distinct and in range, class counts summing to num_examples."""
+    expected arrays, one sample id per feature set (per sample for a method without features), ids of this
+    run's training images, kept patches distinct and in range, class counts summing to num_examples."""
     layout: Layout = {"sample_ids": ("int64", (feature_sets if feature_sets is not None else num_examples,)),
                       "class_counts": ("int64", (spec.num_classes,))}
     if feature_sets is not None:
