@@ -19,8 +19,9 @@ from pathlib import Path
 from urllib.parse import quote
 
 import numpy as np
-from PIL import Image
+from PIL import Image, ImageDraw, ImageFont
 
+from eftguard.metrics import psnr
 from eftguard.rundir import RunError
 
 # Column order of the summary tables; any other {"metric": {"mean", "std", "n"}} group follows these.
@@ -112,18 +113,35 @@ def attack_markdown(report: dict, grid_name: str | None) -> str:
     return "\n".join(parts)
 
 
+GRID_COLUMNS = ("original", "what was sent", "reconstruction")
+GRID_HEADER, GRID_PSNR_WIDTH, GRID_MIN_CELL = 18, 86, 96  # pixels: heading band, PSNR column, narrowest cell
+
+
 def image_grid(rows: list[list[np.ndarray]], scale: int = 3, gap: int = 2) -> Image.Image:
-    """Images (float [H, W, 3] in [0, 1]) laid out row by row, upscaled by `scale`, on a white background."""
+    """Rows of [original, what was sent, reconstruction] (float [H, W, 3] in [0, 1]) upscaled by `scale` (more
+    for tiny images, so that the headings fit) under column headings, each row followed by the PSNR of its
+    reconstruction against its original: a reader sees which row the table's mean hides."""
     h, w = rows[0][0].shape[:2]
+    scale = max(scale, -(-GRID_MIN_CELL // w))
     cols = max(len(r) for r in rows)
     cell_h, cell_w = h * scale, w * scale
-    canvas = np.full((len(rows) * (cell_h + gap) + gap, cols * (cell_w + gap) + gap, 3), 255, dtype=np.uint8)
+    width = cols * (cell_w + gap) + gap + GRID_PSNR_WIDTH
+    canvas = Image.new("RGB", (width, GRID_HEADER + len(rows) * (cell_h + gap) + gap), "white")
+    draw, font = ImageDraw.Draw(canvas), ImageFont.load_default(size=12)
+    for j, title in enumerate(GRID_COLUMNS[:cols]):
+        draw.text((gap + j * (cell_w + gap) + cell_w // 2, GRID_HEADER // 2), title, fill="black", font=font,
+                  anchor="mm")
+    draw.text((width - GRID_PSNR_WIDTH // 2, GRID_HEADER // 2), "PSNR", fill="black", font=font, anchor="mm")
     for i, row in enumerate(rows):
+        y = GRID_HEADER + gap + i * (cell_h + gap)
         for j, image in enumerate(row):
             tile = (np.clip(image, 0, 1) * 255 + 0.5).astype(np.uint8).repeat(scale, 0).repeat(scale, 1)
-            y, x = gap + i * (cell_h + gap), gap + j * (cell_w + gap)
-            canvas[y:y + cell_h, x:x + cell_w] = tile
-    return Image.fromarray(canvas)
+            canvas.paste(Image.fromarray(tile), (gap + j * (cell_w + gap), y))
+        if len(row) >= 2:
+            value = float(psnr(np.clip(row[-1], 0, 1)[None], np.clip(row[0], 0, 1)[None])[0])
+            draw.text((width - GRID_PSNR_WIDTH // 2, y + cell_h // 2), f"{value:.1f} dB", fill="black", font=font,
+                      anchor="mm")
+    return canvas
 
 
 def write_attack_report(out_root: Path, report: dict, grid: Image.Image | None = None) -> Path:
