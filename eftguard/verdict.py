@@ -20,7 +20,7 @@ class Headline:
     """One figure that sums up a channel, its baseline and how far past the baseline counts as medium or high.
 
     gain is measured in dB above the baseline for PSNR, and as the fraction of the baseline's error the attack
-    removes for errors (1 - value / baseline), so that a larger gain always means more leakage."""
+    removes for errors ((baseline - value) / baseline), so that a larger gain always means more leakage."""
 
     figure: str             # AttackReport.figures() name, e.g. "psnr_kept"
     baseline: str           # e.g. "baseline_kept.psnr"
@@ -36,7 +36,7 @@ class Headline:
             return value - baseline
         if baseline <= 0:  # the prior alone already has the answer: the attack cannot add to it
             return 0.0
-        return 1.0 - value / baseline
+        return (baseline - value) / baseline
 
     def level(self, value: float, baseline: float) -> str:
         gain = self.gain(value, baseline)
@@ -143,20 +143,33 @@ def verdict(reports: list) -> list[ChannelVerdict]:
 def verdict_of_attacks(attacks: dict) -> list[ChannelVerdict]:
     """One verdict per channel from {attack name: {"family", "figures"}}, the shape of a configuration's
     "attacks" in an audit's summary.json."""
-    return [channel_verdict(channel, {name: a.get("figures") or {} for name, a in attacks.items()
-                                      if isinstance(a, dict) and a.get("family") == channel.family})
-            for channel in CHANNELS]
+    return [channel_verdict(channel, figures_of_family(attacks, channel.family)) for channel in CHANNELS]
+
+
+def figures_of_family(attacks: dict, family: str) -> dict:
+    """{attack name: figures} of the attacks of one family in {attack name: {"family", "figures"}}."""
+    return {str(name): a.get("figures") or {} for name, a in attacks.items()
+            if isinstance(a, dict) and a.get("family") == family}
+
+
+def strongest(figures_of: dict, headline: Headline) -> tuple[str, float, float] | None:
+    """(attack, figure, baseline) of the attack that got most out by the headline's figure, among those with a
+    finite figure and baseline; None when there is none. Ties go to the first name in sorted order."""
+    scored = {name: figures for name, figures in figures_of.items() if isinstance(figures, dict)
+              and finite(figures.get(headline.figure)) and finite(figures.get(headline.baseline))}
+    if not scored:
+        return None
+    name = max(sorted(scored), key=lambda n: headline.leak_order(scored[n][headline.figure]))
+    return name, float(scored[name][headline.figure]), float(scored[name][headline.baseline])
 
 
 def channel_verdict(channel: Channel, figures_of: dict) -> ChannelVerdict:
     if not figures_of:
         return ChannelVerdict(channel.name, channel.family, NOT_AUDITED)
     for headline in channel.headlines:
-        scored = {name: figures for name, figures in figures_of.items() if isinstance(figures, dict)
-                  and finite(figures.get(headline.figure)) and finite(figures.get(headline.baseline))}
-        if scored:
-            strongest = max(sorted(scored), key=lambda name: headline.leak_order(scored[name][headline.figure]))
-            value, baseline = scored[strongest][headline.figure], scored[strongest][headline.baseline]
-            return ChannelVerdict(channel.name, channel.family, headline.level(value, baseline), strongest,
+        found = strongest(figures_of, headline)
+        if found:
+            name, value, baseline = found
+            return ChannelVerdict(channel.name, channel.family, headline.level(value, baseline), name,
                                   headline.figure, value, baseline, headline)
     return ChannelVerdict(channel.name, channel.family, NOT_SCORED)
