@@ -120,7 +120,7 @@ def attack_markdown(report: dict, grid_name: str | None) -> str:
 
 
 GRID_COLUMNS = ("original", "what was sent", "reconstruction")
-GRID_HEADER, GRID_PSNR_WIDTH, GRID_MIN_CELL = 18, 86, 96  # pixels: heading band, PSNR column, narrowest cell
+GRID_HEADER, GRID_PSNR_WIDTH, GRID_MIN_CELL = 20, 86, 128  # pixels: heading band, PSNR column, narrowest cell
 
 
 def image_grid(rows: list[list[np.ndarray]], scale: int = 3, gap: int = 2) -> Image.Image:
@@ -405,9 +405,9 @@ def write_run_report(run_path: Path, config_toml: str, metrics: list[dict], repo
 
 # --- the audit report -------------------------------------------------------------------------------------
 
-KEPT, WHOLE = verdict.CHANNELS[0].headlines  # inversion of the uploaded features: kept patches, whole image
+KEPT, WHOLE = verdict.IMAGE_HEADLINES
 LABEL_ERROR = verdict.CHANNELS[2].headlines[0]
-GRADIENT = verdict.CHANNELS[1].headlines[0]
+NO_DP = "No configuration ran DP-SGD (no ε): no privacy-budget plot."
 LABEL_LIMIT = 40  # characters of a group name written next to its point in a plot
 
 
@@ -449,7 +449,7 @@ def configuration_rows(configurations: list[dict]) -> tuple[list[list[str]], lis
         verdicts = verdict.verdict_of_attacks(attacks_of(configuration))
         rows.append([name, number_text(configuration.get("accuracy")),
                      number_text(configuration.get("epsilon"), 2, "off"),
-                     *(f"{v.summary} ({v.attack}): {v.level}" if v.attack else v.level for v in verdicts)])
+                     *(f"{v.short}, {v.attack}: {v.level}" if v.attack else v.level for v in verdicts)])
         classes.append(["", "", "", *(LEVEL_CLASS.get(v.level, "none") for v in verdicts)])
     return rows, classes
 
@@ -503,12 +503,15 @@ def epsilon_of(configuration: dict):
     return configuration.get("epsilon")
 
 
-def draw_series(ax, points, label: str, marker: str) -> None:
+def draw_series(ax, points, label: str, marker: str, annotate: bool = True) -> None:
+    """One marker per group with error bars; annotate names the groups (once per plot, so names do not pile up
+    on the other series' points of the same group)."""
     if not points:
         return
     _, xs, xerr, ys, yerr = zip(*points)
     ax.errorbar(xs, ys, xerr=xerr, yerr=yerr, fmt=marker, capsize=3, label=plain(label))
-    for group, x, _, y, _ in points:
+    ax.margins(x=0.2)
+    for group, x, _, y, _ in points if annotate else ():
         name = group if len(group) <= LABEL_LIMIT else group[:LABEL_LIMIT - 1] + "…"
         ax.annotate(plain(name), (x, y), textcoords="offset points", xytext=(5, 4), fontsize=8)
 
@@ -529,7 +532,7 @@ def privacy_utility_plots(configurations: list[dict]) -> list[tuple[str, bytes]]
         fig, ax = new_plot("Accuracy vs feature inversion", "inversion PSNR (dB, higher = more leakage)",
                            "test accuracy (fraction of test images)")
         draw_series(ax, kept, "kept patches", "o")
-        draw_series(ax, whole, "whole image", "s")
+        draw_series(ax, whole, "whole image", "s", annotate=not kept)
         draw_baseline(ax, configurations, headline_value(KEPT, "invert", baseline=True), "mean image (baseline)")
         ax.legend(fontsize=8)
         plots.append(("Test accuracy against the strongest feature inversion's PSNR, kept patches and whole image",
@@ -546,12 +549,12 @@ def privacy_utility_plots(configurations: list[dict]) -> list[tuple[str, bytes]]
     series = [(group_points(configurations, epsilon_of, headline_value(h, family)), label, marker)
               for h, family, label, marker in ((KEPT, "invert", "inversion, kept patches", "o"),
                                                (WHOLE, "invert", "inversion, whole image", "s"),
-                                               (GRADIENT, "gradient", "gradient attack", "^"))]
+                                               (KEPT, "gradient", "gradient attack, kept patches", "^"))]
     if any(points for points, _, _ in series):
         fig, ax = new_plot("Privacy budget vs reconstruction", "DP-SGD ε (larger = weaker guarantee)",
                            "PSNR (dB, higher = more leakage)")
-        for points, label, marker in series:
-            draw_series(ax, points, label, marker)
+        for i, (points, label, marker) in enumerate(series):
+            draw_series(ax, points, label, marker, annotate=not any(p for p, _, _ in series[:i]))
         ax.legend(fontsize=8)
         plots.append(("Reconstruction PSNR against the DP-SGD budget ε (DP configurations only)", plot_png(fig)))
     return plots
@@ -583,6 +586,8 @@ def write_audit_report(summary: dict, out: Path) -> list[Path]:
             "<h2>Privacy–utility</h2>"]
     body += [plot_html(png, caption) + f"<p>{html.escape(caption)}</p>" for caption, png in plots] or \
         ["<p>No configuration finished with both an accuracy and an attack figure.</p>"]
+    if not any(verdict.finite(c.get("epsilon")) for c in configurations):
+        body.append(f"<p>{html.escape(NO_DP)}</p>")
     if failed:
         body += ["<h2>Failed configurations</h2>", _html_table(failure_rows(configurations))]
     body.append(f"<details><summary>Configurations ({len(configurations)})</summary>{_html_table(setup_rows)}"

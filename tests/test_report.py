@@ -92,6 +92,14 @@ def test_the_strongest_attack_of_each_channel_leads():
     assert labels.summary == "class-histogram error (L1): 0.420 vs 0.930 for the prior"
 
 
+def test_parameter_updates_lead_with_the_kept_patches_too():
+    """The closed-form attack on a masked probe returns every sent patch exactly; the whole image, mostly never
+    sent, stays near the mean image. The verdict must not call that low."""
+    exact = image_report("gradient-analytic", 18.4, 16.9, 60.0, 16.1)
+    v = by_channel(verdict.verdict([exact, image_report("gradient-ig", 19.0, 16.9, 20.0, 16.1)]))["parameter updates"]
+    assert (v.attack, v.figure, v.level) == ("gradient-analytic", "psnr_kept", "high")
+
+
 def test_whole_image_figure_when_the_run_has_no_masking():
     v = by_channel(verdict.verdict([image_report("invert-decoder", 29.8, 12.0)]))["uploaded features"]
     assert (v.figure, v.value, v.baseline) == ("psnr", 29.8, 12.0)
@@ -234,7 +242,7 @@ def test_grid_has_a_heading_band_and_a_psnr_column():
     header = plain[:16]
     psnr_column = plain[20:, -80:]
     assert (header < 100).any() and (psnr_column < 100).any()  # text drawn in both; the images start below
-    assert plain.shape[0] > 2 * 96 + 16 and plain.shape[1] > 3 * 96 + 80
+    assert plain.shape[0] > 2 * 128 + 16 and plain.shape[1] > 3 * 128 + 80  # 32 px images shown at 128 px
 
 
 # --- the audit report -------------------------------------------------------------------------------------
@@ -287,12 +295,11 @@ def test_audit_report_tables_plots_and_failures(tmp_path):
     verdicts = {row[0]: row for row in page.tables[0][1:]}
     assert page.tables[0][0] == ["configuration", "test accuracy", "ε", "uploaded features", "parameter updates",
                                  "labels"]
-    assert verdicts["mask_ratio=0.5,seed=0"][1:] == [
-        "0.410", "off", "kept patches recovered: 28.0 dB vs 12.0 dB for the mean image (invert-decoder): high",
-        "not audited", "class-histogram error (L1): 0.300 vs 0.900 for the prior (labels-head): high"]
+    assert verdicts["mask_ratio=0.5,seed=0"][1:] == ["0.410", "off", "kept patches 28.0 dB vs 12.0 dB, invert-decoder: high",
+                                                     "not audited", "L1 0.300 vs 0.900, labels-head: high"]
     assert verdicts["mask_ratio=0.9,seed=0"][5] == "not audited"
     assert verdicts["mask_ratio=0.9,seed=1"][1] == "–" and verdicts["mask_ratio=0.9,seed=1"][3].startswith(
-        "images recovered: 20.0 dB")  # NaN kept figure: the whole-image figure stands in
+        "whole image 20.0 dB")  # NaN kept figure: the whole-image figure stands in
     assert verdicts["mask_ratio=0.9,seed=1"][5] == "not scored"
     assert verdicts["dp_eps=3,seed=0"][2] == "3.00"
     assert verdicts["mask_ratio=0.1,seed=0"][1] == "failed"
