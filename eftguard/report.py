@@ -137,7 +137,8 @@ def image_grid(rows: list[list[np.ndarray]], scale: int = 3, gap: int = 2) -> Im
     for j, title in enumerate(GRID_COLUMNS[:cols]):
         draw.text((gap + j * (cell_w + gap) + cell_w // 2, GRID_HEADER // 2), title, fill="black", font=font,
                   anchor="mm")
-    draw.text((width - GRID_PSNR_WIDTH // 2, GRID_HEADER // 2), "PSNR", fill="black", font=font, anchor="mm")
+    draw.text((width - GRID_PSNR_WIDTH // 2, GRID_HEADER // 2), "PSNR (whole)", fill="black", font=font,
+              anchor="mm")
     for i, row in enumerate(rows):
         y = GRID_HEADER + gap + i * (cell_h + gap)
         for j, image in enumerate(row):

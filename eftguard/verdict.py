@@ -131,8 +131,8 @@ def report_figures(report: dict) -> dict:
         for metric, stat in table.items():
             if "mean" not in stat:
                 continue
-            name = metric if group == "metrics" else f"{metric}_kept" if group == "metrics_kept" else f"{group}.{metric}"
-            figures[name] = stat["mean"]
+            names = {"metrics": metric, "metrics_kept": f"{metric}_kept"}
+            figures[names.get(group, f"{group}.{metric}")] = stat["mean"]
     return figures
 
 

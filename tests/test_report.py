@@ -295,8 +295,9 @@ def test_audit_report_tables_plots_and_failures(tmp_path):
     verdicts = {row[0]: row for row in page.tables[0][1:]}
     assert page.tables[0][0] == ["configuration", "test accuracy", "ε", "uploaded features", "parameter updates",
                                  "labels"]
-    assert verdicts["mask_ratio=0.5,seed=0"][1:] == ["0.410", "off", "kept patches 28.0 dB vs 12.0 dB, invert-decoder: high",
-                                                     "not audited", "L1 0.300 vs 0.900, labels-head: high"]
+    assert verdicts["mask_ratio=0.5,seed=0"][1:] == [
+        "0.410", "off", "kept patches 28.0 dB vs 12.0 dB, invert-decoder: high", "not audited",
+        "L1 0.300 vs 0.900, labels-head: high"]
     assert verdicts["mask_ratio=0.9,seed=0"][5] == "not audited"
     assert verdicts["mask_ratio=0.9,seed=1"][1] == "–" and verdicts["mask_ratio=0.9,seed=1"][3].startswith(
         "whole image 20.0 dB")  # NaN kept figure: the whole-image figure stands in
