@@ -290,10 +290,12 @@ def code_fence(text: str) -> str:
 # --- the verdict ------------------------------------------------------------------------------------------
 
 LEVEL_CLASS = {verdict.LOW: "low", verdict.MEDIUM: "medium", verdict.HIGH: "high"}  # CSS class per level
-THRESHOLDS = ("Levels (docs/reports.md): images, PSNR above the mean-image baseline: under 2 dB low, 2–6 dB medium, "
-              "over 6 dB high; labels, share of the prior's L1 error the attack removes: under 20 % low, "
-              "20–50 % medium, over 50 % high. Not audited means no attack of that kind was run, not that the "
-              "channel is safe.")
+PSNR_LOW, PSNR_HIGH = verdict.PSNR_GAIN_DB
+L1_LOW, L1_HIGH = (round(100 * share) for share in verdict.LABEL_ERROR_REMOVED)
+THRESHOLDS = (f"Levels (docs/reports.md): images, PSNR above the mean-image baseline: under {PSNR_LOW:g} dB low, "
+              f"{PSNR_LOW:g}–{PSNR_HIGH:g} dB medium, over {PSNR_HIGH:g} dB high; labels, share of the prior's L1 "
+              f"error the attack removes: under {L1_LOW} % low, {L1_LOW}–{L1_HIGH} % medium, over {L1_HIGH} % high. "
+              "Not audited means no attack of that kind was run, not that the channel is safe.")
 
 
 def verdict_rows(verdicts: list[verdict.ChannelVerdict]) -> list[list[str]]:

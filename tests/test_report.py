@@ -348,3 +348,19 @@ def test_an_unusable_summary_is_one_clear_error_and_writes_nothing(tmp_path, bro
     with pytest.raises(RunError, match=problem):
         write_audit_report(broken, tmp_path / "out")
     assert not (tmp_path / "out").exists()
+
+
+def test_garbage_inside_a_summary_is_shown_as_missing_not_a_crash(tmp_path):
+    """A hand-edited summary.json: wrong types everywhere below the top level."""
+    garbage = [{"id": ["x"], "status": "done", "accuracy": "high", "epsilon": True, "attacks": ["invert-decoder"]},
+               {"id": "y", "status": "done", "accuracy": math.inf, "group": None,
+                "attacks": {"invert-decoder": {"family": "invert", "figures": "28 dB"},
+                            "labels-head": {"family": "labels", "figures": {"l1": "0.1", "baseline.l1": 0.9}},
+                            "gradient-x": "not an object"}}]
+    gates = [{"expression": None, "passed": "yes", "failures": [None, {"value": "NaN"}]}]
+    html_file, _ = write_audit_report({"configurations": garbage, "gates": gates}, tmp_path)
+    page = Page(html_file.read_text())
+    assert [row[1:] for row in page.tables[0][1:]] == [["–", "off", "not audited", "not audited", "not audited"],
+                                                       ["–", "off", "not scored", "not audited", "not scored"]]
+    assert page.tables[1][1] == ["None", "FAILED", "None: None = –"]  # only a literal true passes a gate
+    assert len(page.sources()) == 0  # nothing finite to plot
