@@ -326,7 +326,7 @@ def config_differences(config_toml: str) -> list[list[str]] | None:
         return None
     defaults = dataclasses.asdict(TrainConfig())
     return [["option", "value", "default"]] + [
-        [key, json.dumps(value), json.dumps(defaults[key]) if key in defaults else "(unknown option)"]
+        [key, json.dumps(value, default=str), json.dumps(defaults[key]) if key in defaults else "(unknown option)"]
         for key, value in values.items() if key not in defaults or value != defaults[key]]
 
 

@@ -202,7 +202,7 @@ def test_run_report_leads_with_the_verdict_and_collapses_what_matches_the_defaul
     write_reports(reports, [image_report("invert-decoder", 21.4, 11.1, 25.3, 11.1),
                             label_report("labels-head", 0.6, 0.93)])
     Image.new("RGB", (8, 8)).save(reports / "invert-decoder" / "grid.png")
-    config = 'dataset = "photos"\nmask_ratio = 0.5\nrounds = 5\nfuture_knob = 3\n'
+    config = 'dataset = "photos"\nmask_ratio = 0.5\nrounds = 5\nfuture_knob = 3\nwhen = 2026-11-30\n'
     html_file, md_file, json_file = write_run_report(tmp_path / "run", config, METRICS, reports)
 
     text = html_file.read_text()
@@ -218,7 +218,7 @@ def test_run_report_leads_with_the_verdict_and_collapses_what_matches_the_defaul
     # only what differs from TrainConfig's defaults is tabled; the full text sits in a nested, closed block
     differences = page.tables[-1]
     assert differences == [["option", "value", "default"], ["mask_ratio", "0.5", "0.75"],
-                           ["future_knob", "3", "(unknown option)"]]
+                           ["future_knob", "3", "(unknown option)"], ["when", '"2026-11-30"', "(unknown option)"]]
     assert text.count("<details>") == 2 and "<details open" not in text
     assert "rounds = 5" in text.split("full configuration")[1]
     assert markdown_tables(md_file.read_text())[0] == verdict_table
