@@ -506,6 +506,25 @@ def epsilon_of(configuration: dict):
     return configuration.get("epsilon")
 
 
+def short_name(group: str) -> str:
+    return group if len(group) <= LABEL_LIMIT else group[:LABEL_LIMIT - 1] + "…"
+
+
+def point_labels(points) -> list[tuple[str, float, float]]:
+    """(text, x, y) naming the groups, one text for groups whose points lie closer than a short name's width
+    (8 % of the points' span across, 5 % up) to each other: their names would print over one another."""
+    xs, ys = [p[1] for p in points], [p[3] for p in points]
+    near_x, near_y = 0.08 * (max(xs) - min(xs) or 1.0), 0.05 * (max(ys) - min(ys) or 1.0)
+    labels: list[tuple[list[str], float, float]] = []
+    for group, x, _, y, _ in points:
+        close = next((label for label in labels if abs(label[1] - x) <= near_x and abs(label[2] - y) <= near_y), None)
+        if close:
+            close[0].append(short_name(group))
+        else:
+            labels.append(([short_name(group)], x, y))
+    return [(", ".join(names), x, y) for names, x, y in labels]
+
+
 def draw_series(ax, points, label: str, marker: str, annotate: bool = True) -> None:
     """One marker per group with error bars; annotate names the groups (once per plot, so names do not pile up
     on the other series' points of the same group)."""
@@ -513,10 +532,9 @@ def draw_series(ax, points, label: str, marker: str, annotate: bool = True) -> N
         return
     _, xs, xerr, ys, yerr = zip(*points)
     ax.errorbar(xs, ys, xerr=xerr, yerr=yerr, fmt=marker, capsize=3, label=plain(label))
-    ax.margins(x=0.2)
-    for group, x, _, y, _ in points if annotate else ():
-        name = group if len(group) <= LABEL_LIMIT else group[:LABEL_LIMIT - 1] + "…"
-        ax.annotate(plain(name), (x, y), textcoords="offset points", xytext=(5, 4), fontsize=8)
+    ax.margins(x=0.2, y=0.12)
+    for text, x, y in point_labels(points) if annotate else ():
+        ax.annotate(plain(text), (x, y), textcoords="offset points", xytext=(5, 4), fontsize=8)
 
 
 def draw_baseline(ax, configurations: list[dict], value_of, label: str) -> None:

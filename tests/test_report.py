@@ -364,3 +364,12 @@ def test_garbage_inside_a_summary_is_shown_as_missing_not_a_crash(tmp_path):
                                                        ["–", "off", "not scored", "not audited", "not scored"]]
     assert page.tables[1][1] == ["None", "FAILED", "None: None = –"]  # only a literal true passes a gate
     assert len(page.sources()) == 0  # nothing finite to plot
+
+
+def test_groups_on_one_spot_share_one_label():
+    from eftguard.report import point_labels
+
+    points = [("dp_eps=1", 0.458, 0.0, 0.125, 0.0), ("dp_eps=8", 0.453, 0.0, 0.125, 0.0),
+              ("mask_ratio=0.5", 0.28, 0.1, 0.31, 0.1), ("mask_ratio=0.75", 0.3, 0.1, 0.21, 0.1)]
+    assert point_labels(points) == [("dp_eps=1, dp_eps=8", 0.458, 0.125), ("mask_ratio=0.5", 0.28, 0.31),
+                                    ("mask_ratio=0.75", 0.3, 0.21)]
