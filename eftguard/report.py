@@ -1,7 +1,9 @@
-"""Attack reports (report.json, report.md, grid.png per attack) and the run report (report.html, report.md,
-report.json gathering every attack report of a run with its configuration and accuracy per round).
+"""Attack reports (report.json, report.md, grid.png per attack), the run report (report.html, report.md,
+report.json gathering every attack report of a run with its configuration and accuracy per round) and the audit
+report (report.html, report.md over the configurations of an `eftguard audit`). Both lead with the verdict
+(eftguard/verdict.py); docs/reports.md says how to read them.
 
-report.json follows DESIGN.md: "metrics", "baseline" and (image attacks) "metrics_kept" hold
+report.json (docs/attacks.md): "metrics", "baseline" and (image attacks) "metrics_kept" hold
 {"mean", "std", "n"} per metric; every other group of that shape is shown beside them.
 
 A report folder may hold files anyone could have edited, so every report.json is checked before use (a malformed
@@ -12,15 +14,20 @@ Markdown viewers render as HTML).
 from __future__ import annotations
 
 import base64
+import dataclasses
 import html
+import io
 import json
 import re
+import tomllib
 from pathlib import Path
 from urllib.parse import quote
 
 import numpy as np
-from PIL import Image
+from PIL import Image, ImageDraw, ImageFont
 
+from eftguard import verdict
+from eftguard.metrics import psnr
 from eftguard.rundir import RunError
 
 # Column order of the summary tables; any other {"metric": {"mean", "std", "n"}} group follows these.
@@ -112,18 +119,36 @@ def attack_markdown(report: dict, grid_name: str | None) -> str:
     return "\n".join(parts)
 
 
+GRID_COLUMNS = ("original", "what was sent", "reconstruction")
+GRID_HEADER, GRID_PSNR_WIDTH, GRID_MIN_CELL = 20, 86, 128  # pixels: heading band, PSNR column, narrowest cell
+
+
 def image_grid(rows: list[list[np.ndarray]], scale: int = 3, gap: int = 2) -> Image.Image:
-    """Images (float [H, W, 3] in [0, 1]) laid out row by row, upscaled by `scale`, on a white background."""
+    """Rows of [original, what was sent, reconstruction] (float [H, W, 3] in [0, 1]) upscaled by `scale` (more
+    for tiny images, so that the headings fit) under column headings, each row followed by the PSNR of its
+    reconstruction against its original: a reader sees which row the table's mean hides."""
     h, w = rows[0][0].shape[:2]
+    scale = max(scale, -(-GRID_MIN_CELL // w))
     cols = max(len(r) for r in rows)
     cell_h, cell_w = h * scale, w * scale
-    canvas = np.full((len(rows) * (cell_h + gap) + gap, cols * (cell_w + gap) + gap, 3), 255, dtype=np.uint8)
+    width = cols * (cell_w + gap) + gap + GRID_PSNR_WIDTH
+    canvas = Image.new("RGB", (width, GRID_HEADER + len(rows) * (cell_h + gap) + gap), "white")
+    draw, font = ImageDraw.Draw(canvas), ImageFont.load_default(size=12)
+    for j, title in enumerate(GRID_COLUMNS[:cols]):
+        draw.text((gap + j * (cell_w + gap) + cell_w // 2, GRID_HEADER // 2), title, fill="black", font=font,
+                  anchor="mm")
+    draw.text((width - GRID_PSNR_WIDTH // 2, GRID_HEADER // 2), "PSNR (whole)", fill="black", font=font,
+              anchor="mm")
     for i, row in enumerate(rows):
+        y = GRID_HEADER + gap + i * (cell_h + gap)
         for j, image in enumerate(row):
             tile = (np.clip(image, 0, 1) * 255 + 0.5).astype(np.uint8).repeat(scale, 0).repeat(scale, 1)
-            y, x = gap + i * (cell_h + gap), gap + j * (cell_w + gap)
-            canvas[y:y + cell_h, x:x + cell_w] = tile
-    return Image.fromarray(canvas)
+            canvas.paste(Image.fromarray(tile), (gap + j * (cell_w + gap), y))
+        if len(row) >= 2:
+            value = float(psnr(np.clip(row[-1], 0, 1)[None], np.clip(row[0], 0, 1)[None])[0])
+            draw.text((width - GRID_PSNR_WIDTH // 2, y + cell_h // 2), f"{value:.1f} dB", fill="black", font=font,
+                      anchor="mm")
+    return canvas
 
 
 def write_attack_report(out_root: Path, report: dict, grid: Image.Image | None = None) -> Path:
@@ -190,40 +215,71 @@ def metrics_problem(metrics: list[dict]) -> str | None:
     return None
 
 
-def _png_data_uri(path: Path) -> str:
-    return "data:image/png;base64," + base64.b64encode(path.read_bytes()).decode()
+def _png_data_uri(data: bytes) -> str:
+    return "data:image/png;base64," + base64.b64encode(data).decode()
 
 
-def accuracy_svg(metrics: list[dict], width: int = 420, height: int = 180) -> str:
-    """Test accuracy per round as an inline SVG line chart (no plotting library, no external file)."""
-    points = [(m["round"], m["test_accuracy"]) for m in metrics if m.get("test_accuracy") is not None]
-    if not points:
-        return "<p>No completed rounds.</p>"
-    pad, last = 30, max(r for r, _ in points)
-    xy = [(pad + (width - 2 * pad) * (r - 1) / max(last - 1, 1), height - pad - (height - 2 * pad) * a)
-          for r, a in points]
-    path = " ".join(f"{x:.1f},{y:.1f}" for x, y in xy)
-    dots = "".join(f'<circle cx="{x:.1f}" cy="{y:.1f}" r="3"><title>round {r}: {a:.3f}</title></circle>'
-                   for (x, y), (r, a) in zip(xy, points))
-    return (f'<svg xmlns="http://www.w3.org/2000/svg" width="{width}" height="{height}" role="img" '
-            f'aria-label="test accuracy per round">'
-            f'<line x1="{pad}" y1="{height - pad}" x2="{width - pad}" y2="{height - pad}" stroke="#999"/>'
-            f'<line x1="{pad}" y1="{pad}" x2="{pad}" y2="{height - pad}" stroke="#999"/>'
-            f'<text x="{pad - 4}" y="{pad + 4}" font-size="10" text-anchor="end">1.0</text>'
-            f'<text x="{pad - 4}" y="{height - pad + 4}" font-size="10" text-anchor="end">0</text>'
-            f'<text x="{width - pad}" y="{height - 8}" font-size="10" text-anchor="end">round {last}</text>'
-            f'<polyline fill="none" stroke="#1f77b4" stroke-width="2" points="{path}"/>{dots}</svg>')
+# --- plots (matplotlib's object API: no pyplot, no global backend state) ------------------------------------
+
+def plain(text) -> str:
+    """Text for a matplotlib label: a "$" pair would be parsed as mathtext (and can fail to parse)."""
+    return str(text).replace("$", r"\$")
 
 
-def _html_table(rows: list[list[str]]) -> str:
+def new_plot(title: str, xlabel: str, ylabel: str):
+    from matplotlib.figure import Figure
+
+    fig = Figure(figsize=(6.4, 3.8), layout="constrained")
+    ax = fig.add_subplot()
+    ax.set_title(plain(title))
+    ax.set_xlabel(plain(xlabel))
+    ax.set_ylabel(plain(ylabel))
+    ax.grid(alpha=0.3)
+    return fig, ax
+
+
+def plot_png(fig) -> bytes:
+    buffer = io.BytesIO()
+    fig.savefig(buffer, format="png", dpi=100)
+    return buffer.getvalue()
+
+
+def accuracy_plot(metrics: list[dict]) -> bytes:
+    """Test accuracy per round as a PNG line chart."""
+    from matplotlib.ticker import MaxNLocator
+
+    fig, ax = new_plot("Test accuracy per round", "round", "test accuracy (fraction of test images)")
+    ax.plot([m["round"] for m in metrics], [m["test_accuracy"] for m in metrics], marker="o")
+    ax.set_ylim(0, 1)
+    ax.xaxis.set_major_locator(MaxNLocator(integer=True))
+    return plot_png(fig)
+
+
+def plot_html(png: bytes, alt: str) -> str:
+    return f'<p><img class="plot" alt="{html.escape(alt)}" src="{_png_data_uri(png)}"></p>'
+
+
+def _html_table(rows: list[list[str]], classes: list[list[str]] | None = None) -> str:
+    """rows escaped; classes (same shape as rows[1:], chosen by the code, never from input) style the cells."""
     head = "".join(f"<th>{html.escape(c)}</th>" for c in rows[0])
-    body = "".join("<tr>" + "".join(f"<td>{html.escape(c)}</td>" for c in r) + "</tr>" for r in rows[1:])
+    body = ""
+    for i, row in enumerate(rows[1:]):
+        cells = [(f' class="{classes[i][j]}"' if classes and classes[i][j] else "", c) for j, c in enumerate(row)]
+        body += "<tr>" + "".join(f"<td{cls}>{html.escape(c)}</td>" for cls, c in cells) + "</tr>"
     return f"<table><thead><tr>{head}</tr></thead><tbody>{body}</tbody></table>"
 
 
 STYLE = ("body{font-family:sans-serif;max-width:1100px;margin:2em auto;color:#222}"
          "table{border-collapse:collapse;margin:0.5em 0}td,th{border:1px solid #ccc;padding:3px 8px;text-align:left}"
-         "th{background:#f3f3f3}img{image-rendering:pixelated;max-width:100%}code{background:#f3f3f3}")
+         "th{background:#f3f3f3}img{image-rendering:pixelated;max-width:100%}img.plot{image-rendering:auto}"
+         "code{background:#f3f3f3}summary{cursor:pointer;margin:0.5em 0}details details{margin-left:1.5em}"
+         "td.high{background:#f8d0cc}td.medium{background:#fbe7b5}td.low{background:#d6efd5}"
+         "td.none{background:#e4e4e4}td.failed{background:#f8d0cc}")
+
+
+def page_html(title: str, body: list[str]) -> str:
+    return (f"<!DOCTYPE html><html><head><meta charset=\"utf-8\"><title>{html.escape(title)}</title>"
+            f"<style>{STYLE}</style></head><body>{''.join(body)}</body></html>\n")
 
 
 def code_fence(text: str) -> str:
@@ -231,22 +287,95 @@ def code_fence(text: str) -> str:
     return "`" * max(3, max(map(len, re.findall("`+", text)), default=0) + 1)
 
 
+# --- the verdict ------------------------------------------------------------------------------------------
+
+LEVEL_CLASS = {verdict.LOW: "low", verdict.MEDIUM: "medium", verdict.HIGH: "high"}  # CSS class per level
+PSNR_LOW, PSNR_HIGH = verdict.PSNR_GAIN_DB
+L1_LOW, L1_HIGH = (round(100 * share) for share in verdict.LABEL_ERROR_REMOVED)
+THRESHOLDS = (f"Levels (docs/reports.md): images, PSNR above the mean-image baseline: under {PSNR_LOW:g} dB low, "
+              f"{PSNR_LOW:g}–{PSNR_HIGH:g} dB medium, over {PSNR_HIGH:g} dB high; labels, share of the prior's L1 "
+              f"error the attack removes: under {L1_LOW} % low, {L1_LOW}–{L1_HIGH} % medium, over {L1_HIGH} % high. "
+              "Not audited means no attack of that kind was run, not that the channel is safe.")
+
+
+def verdict_rows(verdicts: list[verdict.ChannelVerdict]) -> list[list[str]]:
+    return [["leakage channel", "strongest attack", "headline figure", "level"]] + [
+        [v.channel, v.attack or "–", v.summary, v.level] for v in verdicts]
+
+
+def verdict_html(verdicts: list[verdict.ChannelVerdict]) -> str:
+    classes = [["", "", "", LEVEL_CLASS.get(v.level, "none")] for v in verdicts]
+    return _html_table(verdict_rows(verdicts), classes) + f"<p>{html.escape(THRESHOLDS)}</p>"
+
+
+def verdict_json(verdicts: list[verdict.ChannelVerdict]) -> list[dict]:
+    return [{"channel": v.channel, "family": v.family, "level": v.level, "attack": v.attack, "figure": v.figure,
+             "value": v.value, "baseline": v.baseline, "summary": v.summary} for v in verdicts]
+
+
+# --- configuration ----------------------------------------------------------------------------------------
+
+def config_differences(config_toml: str) -> list[list[str]] | None:
+    """Rows of [option, value, default] for what the run set differently from TrainConfig's defaults (options
+    TrainConfig does not know are listed too); None when the text is not TOML."""
+    from eftguard.config import TrainConfig
+
+    try:
+        values = tomllib.loads(config_toml)
+    except tomllib.TOMLDecodeError:
+        return None
+    defaults = dataclasses.asdict(TrainConfig())
+    return [["option", "value", "default"]] + [
+        [key, json.dumps(value, default=str), json.dumps(defaults[key]) if key in defaults else "(unknown option)"]
+        for key, value in values.items() if key not in defaults or value != defaults[key]]
+
+
+def differences_summary(rows: list[list[str]] | None) -> str:
+    if rows is None:
+        return "the configuration is not valid TOML: shown as written"
+    return f"{len(rows) - 1} option(s) differ from the defaults"
+
+
+def config_html(config_toml: str) -> str:
+    rows = config_differences(config_toml)
+    table = _html_table(rows) if rows and len(rows) > 1 else ""
+    return (f"<details><summary>Configuration: {html.escape(differences_summary(rows))}</summary>{table}"
+            f"<details><summary>full configuration (config.toml)</summary>"
+            f"<pre><code>{html.escape(config_toml.strip())}</code></pre></details></details>")
+
+
+def config_markdown(config_toml: str) -> list[str]:
+    rows = config_differences(config_toml)
+    fence = code_fence(config_toml)
+    table = [markdown_table(rows), ""] if rows and len(rows) > 1 else []
+    return [f"## Configuration: {md(differences_summary(rows))}", "", *table, "Full configuration:", "",
+            fence + "toml", config_toml.strip(), fence, ""]
+
+
+# --- the run report ---------------------------------------------------------------------------------------
+
 def write_run_report(run_path: Path, config_toml: str, metrics: list[dict], reports_dir: Path) -> list[Path]:
-    """report.html (self-contained: images inlined), report.md and report.json in reports_dir."""
+    """report.html (self-contained: images inlined), report.md and report.json in reports_dir: the verdict
+    first, then accuracy, every attack report with its image grid, and the configuration."""
     problem = metrics_problem(metrics)
     if problem:
         raise RunError(f"{Path(run_path) / 'metrics.jsonl'} is damaged: {problem}: restore it from a backup")
     reports = collect_reports(reports_dir)
+    verdicts = verdict.verdict([r for r, _ in reports])
     accuracy_rows = [["round", "test accuracy", "epsilon (max over clients)"]] + [
         [str(m["round"]), f"{m['test_accuracy']:.3f}",
          f"{max(m['epsilon'].values()):.2f}" if m.get("epsilon") else "–"] for m in metrics]
-    fence = code_fence(config_toml)
-    lines = [f"# Privacy audit of {md(run_path)}", "", DP_SCOPE, "", "## Configuration", "", fence + "toml",
-             config_toml.strip(), fence, "", "## Accuracy per round", "", markdown_table(accuracy_rows), "",
-             "## Attacks", ""]
-    body = [f"<h1>Privacy audit of {html.escape(str(run_path))}</h1>", f"<p>{html.escape(DP_SCOPE)}</p>",
-            "<h2>Configuration</h2>", f"<pre><code>{html.escape(config_toml.strip())}</code></pre>",
-            "<h2>Accuracy per round</h2>", accuracy_svg(metrics), _html_table(accuracy_rows), "<h2>Attacks</h2>"]
+    final = (f"Test accuracy after round {metrics[-1]['round']}: {metrics[-1]['test_accuracy']:.3f}."
+             if metrics else "No completed rounds.")
+    lines = [f"# Privacy audit of {md(run_path)}", "", md(final), "", "## Verdict", "",
+             markdown_table(verdict_rows(verdicts)), "", md(THRESHOLDS), "", DP_SCOPE, "",
+             "## Accuracy per round", "", markdown_table(accuracy_rows), "", "## Attacks", ""]
+    body = [f"<h1>Privacy audit of {html.escape(str(run_path))}</h1>", f"<p>{html.escape(final)}</p>",
+            "<h2>Verdict</h2>", verdict_html(verdicts), f"<p>{html.escape(DP_SCOPE)}</p>",
+            "<h2>Accuracy per round</h2>"]
+    if metrics:
+        body.append(plot_html(accuracy_plot(metrics), "test accuracy per round"))
+    body += [_html_table(accuracy_rows), "<h2>Attacks</h2>"]
     if not reports:
         lines.append("No attack reports yet: run `eftguard attack ...` first.")
         body.append("<p>No attack reports yet: run <code>eftguard attack ...</code> first.</p>")
@@ -261,16 +390,242 @@ def write_run_report(run_path: Path, config_toml: str, metrics: list[dict], repo
                                          for k, v in details.items()) + "</ul>")
         grid = folder / "grid.png"
         if grid.exists():
-            lines += [f"![{md(report['attack'])}]({quote(grid.relative_to(reports_dir).as_posix())})", ""]
-            body.append(f'<p><img alt="{html.escape(report["attack"])}: original | sent | reconstruction" '
-                        f'src="{_png_data_uri(grid)}"></p>')
-    page = (f"<!DOCTYPE html><html><head><meta charset=\"utf-8\"><title>eftguard audit: {html.escape(str(run_path))}"
-            f"</title><style>{STYLE}</style></head><body>{''.join(body)}</body></html>\n")
+            lines += [f"![{md(report['attack'])}: original, what was sent, reconstruction, PSNR per row]"
+                      f"({quote(grid.relative_to(reports_dir).as_posix())})", ""]
+            body.append(f'<p><img alt="{html.escape(report["attack"])}: original | what was sent | reconstruction '
+                        f'| PSNR per row" src="{_png_data_uri(grid.read_bytes())}"></p>')
+    lines += config_markdown(config_toml)
+    body.append(config_html(config_toml))
     out = Path(reports_dir)
     out.mkdir(parents=True, exist_ok=True)
     files = [out / "report.html", out / "report.md", out / "report.json"]
-    files[0].write_text(page)
+    files[0].write_text(page_html(f"eftguard audit: {run_path}", body))
     files[1].write_text("\n".join(lines) + "\n")
-    files[2].write_text(json.dumps({"run": str(run_path), "metrics": metrics,
+    files[2].write_text(json.dumps({"run": str(run_path), "verdict": verdict_json(verdicts), "metrics": metrics,
                                     "attacks": [r for r, _ in reports]}, indent=2) + "\n")
+    return files
+
+
+# --- the audit report -------------------------------------------------------------------------------------
+
+KEPT, WHOLE = verdict.IMAGE_HEADLINES
+LABEL_ERROR = verdict.CHANNELS[2].headlines[0]
+NO_DP = "No configuration ran DP-SGD (no ε): no privacy-budget plot."
+LABEL_LIMIT = 40  # characters of a group name written next to its point in a plot
+
+
+def audit_problem(summary) -> str | None:
+    """What makes a parsed summary.json unusable (None: nothing); values inside are shown defensively."""
+    if not isinstance(summary, dict):
+        return "its top level is not a JSON object"
+    if not isinstance(summary.get("configurations"), list) or \
+            not all(isinstance(c, dict) for c in summary["configurations"]):
+        return '"configurations" is not a list of JSON objects'
+    if not isinstance(summary.get("gates", []), list) or not all(isinstance(g, dict) for g in summary.get("gates", [])):
+        return '"gates" is not a list of JSON objects'
+    return None
+
+
+def number_text(value, digits: int = 3, missing: str = "–") -> str:
+    return f"{value:.{digits}f}" if verdict.finite(value) else missing
+
+
+def attacks_of(configuration: dict) -> dict:
+    attacks = configuration.get("attacks")
+    return attacks if isinstance(attacks, dict) else {}
+
+
+def is_done(configuration: dict) -> bool:
+    return configuration.get("status") == "done"
+
+
+def configuration_rows(configurations: list[dict]) -> tuple[list[list[str]], list[list[str]]]:
+    """The verdict table of an audit (rows, header first) and the CSS class of each body cell."""
+    rows = [["configuration", "test accuracy", "ε", *(c.name for c in verdict.CHANNELS)]]
+    classes = []
+    for configuration in configurations:
+        name = str(configuration.get("id"))
+        if not is_done(configuration):
+            rows.append([name, "failed", "–", *("–" for _ in verdict.CHANNELS)])
+            classes.append(["", "failed", "", *("none" for _ in verdict.CHANNELS)])
+            continue
+        verdicts = verdict.verdict_of_attacks(attacks_of(configuration))
+        rows.append([name, number_text(configuration.get("accuracy")),
+                     number_text(configuration.get("epsilon"), 2, "off"),
+                     *(f"{v.short}, {v.attack}: {v.level}" if v.attack else v.level for v in verdicts)])
+        classes.append(["", "", "", *(LEVEL_CLASS.get(v.level, "none") for v in verdicts)])
+    return rows, classes
+
+
+def gate_rows(gates: list[dict]) -> tuple[list[list[str]], list[list[str]]]:
+    rows, classes = [["gate", "result", "configurations that cross it"]], []
+    for gate in gates:
+        failures = gate.get("failures") if isinstance(gate.get("failures"), list) else []
+        crossed = "; ".join(f"{f.get('configuration')}: {f.get('figure')} = {number_text(f.get('value'))}"
+                            for f in failures if isinstance(f, dict))
+        passed = gate.get("passed") is True
+        rows.append([str(gate.get("expression")), "passed" if passed else "FAILED", crossed or "–"])
+        classes.append(["", "low" if passed else "high", ""])
+    return rows, classes
+
+
+def failure_rows(configurations: list[dict]) -> list[list[str]]:
+    return [["configuration", "error"]] + [[str(c.get("id")), str(c.get("error"))]
+                                           for c in configurations if not is_done(c)]
+
+
+def spread(values: list[float]) -> tuple[float, float]:
+    """Mean and sample standard deviation (0 for a single value): error bars over seeds."""
+    return float(np.mean(values)), float(np.std(values, ddof=1)) if len(values) > 1 else 0.0
+
+
+def group_points(configurations: list[dict], x_of, y_of) -> list[tuple[str, float, float, float, float]]:
+    """(group, x mean, x std, y mean, y std) per configuration group, over the configurations (seeds) where
+    both x_of and y_of give a finite number, in the order groups first appear."""
+    pairs: dict[str, list[tuple[float, float]]] = {}
+    for configuration in filter(is_done, configurations):
+        x, y = x_of(configuration), y_of(configuration)
+        if verdict.finite(x) and verdict.finite(y):
+            pairs.setdefault(str(configuration.get("group", configuration.get("id"))), []).append((x, y))
+    return [(group, *spread([x for x, _ in xy]), *spread([y for _, y in xy])) for group, xy in pairs.items()]
+
+
+def headline_value(headline: verdict.Headline, family: str, baseline: bool = False):
+    """A function of a configuration: the strongest attack's figure (or its baseline) for the headline."""
+    def value(configuration: dict):
+        found = verdict.strongest(verdict.figures_of_family(attacks_of(configuration), family), headline)
+        return None if found is None else found[2 if baseline else 1]
+    return value
+
+
+def accuracy_of(configuration: dict):
+    return configuration.get("accuracy")
+
+
+def epsilon_of(configuration: dict):
+    return configuration.get("epsilon")
+
+
+def short_name(group: str) -> str:
+    return group if len(group) <= LABEL_LIMIT else group[:LABEL_LIMIT - 1] + "…"
+
+
+def point_labels(points) -> list[tuple[str, float, float]]:
+    """(text, x, y) naming the groups, one text for groups whose points lie closer than a short name's width
+    (8 % of the points' span across, 5 % up) to each other: their names would print over one another."""
+    xs, ys = [p[1] for p in points], [p[3] for p in points]
+    near_x, near_y = 0.08 * (max(xs) - min(xs) or 1.0), 0.05 * (max(ys) - min(ys) or 1.0)
+    labels: list[tuple[list[str], float, float]] = []
+    for group, x, _, y, _ in points:
+        close = next((label for label in labels if abs(label[1] - x) <= near_x and abs(label[2] - y) <= near_y), None)
+        if close:
+            close[0].append(short_name(group))
+        else:
+            labels.append(([short_name(group)], x, y))
+    return [(", ".join(names), x, y) for names, x, y in labels]
+
+
+def draw_series(ax, points, label: str, marker: str, annotate: bool = True) -> None:
+    """One marker per group with error bars; annotate names the groups (once per plot, so names do not pile up
+    on the other series' points of the same group)."""
+    if not points:
+        return
+    _, xs, xerr, ys, yerr = zip(*points)
+    ax.errorbar(xs, ys, xerr=xerr, yerr=yerr, fmt=marker, capsize=3, label=plain(label))
+    ax.margins(x=0.2, y=0.12)
+    for text, x, y in point_labels(points) if annotate else ():
+        ax.annotate(plain(text), (x, y), textcoords="offset points", xytext=(5, 4), fontsize=8)
+
+
+def draw_baseline(ax, configurations: list[dict], value_of, label: str) -> None:
+    values = [v for v in map(value_of, filter(is_done, configurations)) if verdict.finite(v)]
+    if values:
+        ax.axvline(float(np.mean(values)), color="gray", linestyle="--", label=plain(label))
+
+
+def privacy_utility_plots(configurations: list[dict]) -> list[tuple[str, bytes]]:
+    """(caption, PNG) per plot that has at least one point: one point per configuration group, error bars
+    over its seeds."""
+    plots = []
+    kept = group_points(configurations, headline_value(KEPT, "invert"), accuracy_of)
+    whole = group_points(configurations, headline_value(WHOLE, "invert"), accuracy_of)
+    if kept or whole:
+        fig, ax = new_plot("Accuracy vs feature inversion", "inversion PSNR (dB, higher = more leakage)",
+                           "test accuracy (fraction of test images)")
+        draw_series(ax, kept, "kept patches", "o")
+        draw_series(ax, whole, "whole image", "s", annotate=not kept)
+        draw_baseline(ax, configurations, headline_value(KEPT, "invert", baseline=True), "mean image (baseline)")
+        ax.legend(fontsize=8)
+        plots.append(("Test accuracy against the strongest feature inversion's PSNR, kept patches and whole image",
+                      plot_png(fig)))
+    labels = group_points(configurations, headline_value(LABEL_ERROR, "labels"), accuracy_of)
+    if labels:
+        fig, ax = new_plot("Accuracy vs label-histogram inference",
+                           "class-histogram L1 error (0–2, lower = more leakage)",
+                           "test accuracy (fraction of test images)")
+        draw_series(ax, labels, "strongest label attack", "o")
+        draw_baseline(ax, configurations, headline_value(LABEL_ERROR, "labels", baseline=True), "prior (baseline)")
+        ax.legend(fontsize=8)
+        plots.append(("Test accuracy against the strongest label attack's L1 error", plot_png(fig)))
+    series = [(group_points(configurations, epsilon_of, headline_value(h, family)), label, marker)
+              for h, family, label, marker in ((KEPT, "invert", "inversion, kept patches", "o"),
+                                               (WHOLE, "invert", "inversion, whole image", "s"),
+                                               (KEPT, "gradient", "gradient attack, kept patches", "^"))]
+    if any(points for points, _, _ in series):
+        fig, ax = new_plot("Privacy budget vs reconstruction", "DP-SGD ε (larger = weaker guarantee)",
+                           "PSNR (dB, higher = more leakage)")
+        for i, (points, label, marker) in enumerate(series):
+            draw_series(ax, points, label, marker, annotate=not any(p for p, _, _ in series[:i]))
+        ax.legend(fontsize=8)
+        plots.append(("Reconstruction PSNR against the DP-SGD budget ε (DP configurations only)", plot_png(fig)))
+    return plots
+
+
+def write_audit_report(summary: dict, out: Path) -> list[Path]:
+    """out/report.html (self-contained, plots inlined) and out/report.md for an audit's summary.json: the
+    verdict per configuration first, then the gates, privacy–utility plots, failures and the configurations."""
+    problem = audit_problem(summary)
+    if problem:
+        raise RunError(f"the audit summary is not usable: {problem}: rerun the audit to write it again")
+    configurations, gates = summary["configurations"], summary.get("gates", [])
+    title = f"Privacy audit: {summary.get('title') or summary.get('audit_file') or 'audit'}"
+    failed = [c for c in configurations if not is_done(c)]
+    overview = (f"{len(configurations)} configuration(s), {len(failed)} failed; "
+                f"{sum(g.get('passed') is not True for g in gates)} of {len(gates)} gate(s) failed.")
+    verdict_table, verdict_classes = configuration_rows(configurations)
+    gate_table, gate_classes = gate_rows(gates)
+    plots = privacy_utility_plots(configurations)
+    setup_rows = [["configuration", "group", "varied options", "run", "training seconds"]] + [
+        [str(c.get("id")), str(c.get("group")), json.dumps(c.get("varied")), str(c.get("run")),
+         number_text(c.get("train_seconds"), 1)] for c in configurations]
+    defaults = json.dumps(summary.get("defaults"), indent=2)
+
+    body = [f"<h1>{html.escape(title)}</h1>", f"<p>{html.escape(overview)}</p>",
+            "<h2>Verdict per configuration</h2>", _html_table(verdict_table, verdict_classes),
+            f"<p>{html.escape(THRESHOLDS)}</p>", f"<p>{html.escape(DP_SCOPE)}</p>", "<h2>Gates</h2>",
+            _html_table(gate_table, gate_classes) if gates else "<p>No gates were given (--gate).</p>",
+            "<h2>Privacy–utility</h2>"]
+    body += [plot_html(png, caption) + f"<p>{html.escape(caption)}</p>" for caption, png in plots] or \
+        ["<p>No configuration finished with both an accuracy and an attack figure.</p>"]
+    if not any(verdict.finite(c.get("epsilon")) for c in configurations):
+        body.append(f"<p>{html.escape(NO_DP)}</p>")
+    if failed:
+        body += ["<h2>Failed configurations</h2>", _html_table(failure_rows(configurations))]
+    body.append(f"<details><summary>Configurations ({len(configurations)})</summary>{_html_table(setup_rows)}"
+                f"<details><summary>training defaults of the audit</summary>"
+                f"<pre><code>{html.escape(defaults)}</code></pre></details></details>")
+
+    fence = code_fence(defaults)
+    lines = [f"# {md(title)}", "", md(overview), "", "## Verdict per configuration", "",
+             markdown_table(verdict_table), "", md(THRESHOLDS), "", DP_SCOPE, "", "## Gates", "",
+             markdown_table(gate_table) if gates else "No gates were given (--gate).", ""]
+    if failed:
+        lines += ["## Failed configurations", "", markdown_table(failure_rows(configurations)), ""]
+    lines += ["## Configurations", "", markdown_table(setup_rows), "", "Training defaults of the audit:", "",
+              fence + "json", defaults, fence, ""]
+    out = Path(out)
+    out.mkdir(parents=True, exist_ok=True)
+    files = [out / "report.html", out / "report.md"]
+    files[0].write_text(page_html(title, body))
+    files[1].write_text("\n".join(lines) + "\n")
     return files

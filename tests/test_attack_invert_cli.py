@@ -55,7 +55,7 @@ def test_invert_writes_the_report_and_the_run_report_gathers_it(feature_run, tmp
     parser = Resources()
     parser.feed(page)
     assert parser.external == []  # self-contained: every image is inlined
-    assert page.count("data:image/png;base64,") == 2
+    assert page.count("data:image/png;base64,") == 3  # two grids and the accuracy plot
     assert "invert-optimize" in (out / "report.md").read_text()
     assert [a["attack"] for a in json.loads((out / "report.json").read_text())["attacks"]] == \
         ["invert-decoder", "invert-optimize"]

@@ -1,0 +1,375 @@
+"""The verdict (eftguard/verdict.py), the run report and the audit report (eftguard/report.py), on report.json
+files and audit summaries written here: no training, no attack."""
+
+import json
+import math
+from html.parser import HTMLParser
+
+import numpy as np
+import pytest
+
+from eftguard import verdict
+from eftguard.report import image_grid, write_audit_report, write_run_report
+from eftguard.rundir import RunError
+
+HOSTILE = '"><script>alert(1)</script>'
+
+
+def stat(mean):
+    return {"mean": mean, "std": 0.5, "n": 4}
+
+
+def image_report(attack, psnr, baseline, psnr_kept=None, baseline_kept=None, family=None):
+    """A report.json as the image attacks write it (flat groups of {"mean", "std", "n"})."""
+    report = {"attack": attack, "run": "runs/r", "round": 1, "clients": [0, 1], "capabilities": {},
+              "details": {}, "metrics": {"psnr": stat(psnr)}, "baseline": {"psnr": stat(baseline)}}
+    if psnr_kept is not None:
+        report |= {"metrics_kept": {"psnr": stat(psnr_kept)}, "baseline_kept": {"psnr": stat(baseline_kept)}}
+    if family:
+        report["family"] = family
+    return report
+
+
+def label_report(attack, l1, baseline_l1):
+    return {"attack": attack, "run": "runs/r", "round": 1, "clients": [0], "capabilities": {}, "details": {},
+            "metrics": {"l1": stat(l1), "js": stat(l1 / 2)}, "baseline": {"l1": stat(baseline_l1)}}
+
+
+def by_channel(verdicts):
+    return {v.channel: v for v in verdicts}
+
+
+# --- verdict ----------------------------------------------------------------------------------------------
+
+@pytest.mark.parametrize("gain, level", [(-3.0, "low"), (1.99, "low"), (2.0, "medium"), (2.01, "medium"),
+                                         (6.0, "medium"), (6.01, "high"), (30.0, "high")])
+def test_image_levels_at_and_around_each_threshold(gain, level):
+    verdicts = by_channel(verdict.verdict([image_report("invert-decoder", 0, 0, 12.0 + gain, 12.0),
+                                           image_report("gradient-analytic", 12.0 + gain, 12.0)]))
+    assert verdicts["uploaded features"].level == level
+    assert verdicts["parameter updates"].level == level
+
+
+@pytest.mark.parametrize("l1, baseline, level", [
+    (1.25, 1.25, "low"), (1.01, 1.25, "low"), (1.0, 1.25, "medium"),  # 20 % of the prior's error removed
+    (0.51, 1.0, "medium"), (0.5, 1.0, "medium"), (0.49, 1.0, "high"), (0.0, 1.0, "high"),  # 50 %
+    (1.5, 1.0, "low"),  # worse than the prior
+    (0.0, 0.0, "low"),  # the prior is already exact: the attack adds nothing
+])
+def test_label_levels_relative_to_the_prior(l1, baseline, level):
+    assert by_channel(verdict.verdict([label_report("labels-head", l1, baseline)]))["labels"].level == level
+
+
+def test_a_channel_without_an_attack_is_not_audited_never_safe():
+    verdicts = verdict.verdict([label_report("labels-head", 0.1, 0.9)])
+    assert [v.channel for v in verdicts] == ["uploaded features", "parameter updates", "labels"]
+    for channel in ("uploaded features", "parameter updates"):
+        v = by_channel(verdicts)[channel]
+        assert v.level == "not audited" and v.attack is None
+        assert "safe" not in v.sentence and "not audited" in v.sentence
+    assert all(v.level == "not audited" for v in verdict.verdict([]))
+
+
+def test_nan_and_missing_figures_are_not_scored_not_graded():
+    reports = [image_report("invert-decoder", math.nan, 12.0, math.nan, 12.0), label_report("labels-head", 0.2, None)]
+    verdicts = by_channel(verdict.verdict(reports))
+    assert verdicts["uploaded features"].level == verdicts["labels"].level == "not scored"
+    assert verdicts["parameter updates"].level == "not audited"
+
+
+def test_the_strongest_attack_of_each_channel_leads():
+    reports = [image_report("invert-decoder", 20.0, 12.0, 25.8, 11.7),
+               image_report("invert-optimize", 19.0, 12.0, 40.6, 11.7),
+               label_report("labels-presence", 0.93, 0.93), label_report("labels-head", 0.42, 0.93),
+               label_report("labels-linkage", 0.65, 0.93)]
+    verdicts = by_channel(verdict.verdict(reports))
+    features, labels = verdicts["uploaded features"], verdicts["labels"]
+    assert (features.attack, features.figure, features.value, features.level) == \
+        ("invert-optimize", "psnr_kept", 40.6, "high")  # higher PSNR = stronger
+    assert (labels.attack, labels.value, labels.level) == ("labels-head", 0.42, "high")  # lower l1 = stronger
+    assert features.sentence == \
+        "uploaded features: kept patches recovered: 40.6 dB vs 11.7 dB for the mean image: high"
+    assert labels.summary == "class-histogram error (L1): 0.420 vs 0.930 for the prior"
+
+
+def test_parameter_updates_lead_with_the_kept_patches_too():
+    """The closed-form attack on a masked probe returns every sent patch exactly; the whole image, mostly never
+    sent, stays near the mean image. The verdict must not call that low."""
+    exact = image_report("gradient-analytic", 18.4, 16.9, 60.0, 16.1)
+    v = by_channel(verdict.verdict([exact, image_report("gradient-ig", 19.0, 16.9, 20.0, 16.1)]))["parameter updates"]
+    assert (v.attack, v.figure, v.level) == ("gradient-analytic", "psnr_kept", "high")
+
+
+def test_whole_image_figure_when_the_run_has_no_masking():
+    v = by_channel(verdict.verdict([image_report("invert-decoder", 29.8, 12.0)]))["uploaded features"]
+    assert (v.figure, v.value, v.baseline) == ("psnr", 29.8, 12.0)
+    assert v.summary.startswith("images recovered: 29.8 dB")
+
+
+def test_family_is_taken_from_the_report_or_the_attack_name():
+    # a report that names its family is filed under it whatever its name says
+    renamed = image_report("my-inverter", 30.0, 12.0, family="gradient")
+    verdicts = by_channel(verdict.verdict([renamed, image_report("invert-decoder", 14.0, 12.0)]))
+    assert verdicts["parameter updates"].attack == "my-inverter"
+    assert verdicts["uploaded features"].attack == "invert-decoder"
+
+
+def test_figures_follow_attack_report_names():
+    report = image_report("invert-decoder", 20.0, 12.0, 26.0, 11.0)
+    report["baseline_blur"] = {"psnr": stat(23.0)}
+    assert verdict.report_figures(report) == {"psnr": 20.0, "baseline.psnr": 12.0, "psnr_kept": 26.0,
+                                              "baseline_kept.psnr": 11.0, "baseline_blur.psnr": 23.0}
+
+
+# --- HTML helpers -----------------------------------------------------------------------------------------
+
+class Page(HTMLParser):
+    """Start tags with attributes, and the text of every table's cells."""
+
+    def __init__(self, text):
+        super().__init__()
+        self.tags, self.tables, self._cell = [], [], None
+        self.feed(text)
+
+    def handle_starttag(self, tag, attrs):
+        self.tags.append((tag, dict(attrs)))
+        if tag == "table":
+            self.tables.append([])
+        elif tag == "tr":
+            self.tables[-1].append([])
+        elif tag in ("td", "th"):
+            self._cell = ""
+
+    def handle_endtag(self, tag):
+        if tag in ("td", "th"):
+            self.tables[-1][-1].append(self._cell)
+            self._cell = None
+
+    def handle_data(self, data):
+        if self._cell is not None:
+            self._cell += data
+
+    def sources(self):
+        return [v for _, attrs in self.tags for k, v in attrs.items() if k in ("src", "href")]
+
+
+def markdown_tables(text):
+    """Every pipe table of a report.md, cells unescaped as a Markdown viewer shows them."""
+    import html
+
+    tables, current = [], None
+    for line in text.splitlines():
+        if line.startswith("|"):
+            if current is None:
+                current = []
+                tables.append(current)
+            if not set(line) <= set("|-"):
+                cells = [c.strip().replace("\\|", "|") for c in line.strip("|").split(" | ")]
+                current.append([html.unescape(c) for c in cells])
+        else:
+            current = None
+    return tables
+
+
+def rendered(md_file):
+    """report.md as a Markdown viewer turns it into HTML (raw HTML passes through)."""
+    from markdown_it import MarkdownIt
+
+    return MarkdownIt("commonmark").render(md_file.read_text())
+
+
+def assert_self_contained(page):
+    sources = page.sources()
+    assert sources and all(s.startswith("data:image/png;base64,") for s in sources)  # no URL, no file
+    assert "http://" not in page.rawdata.replace("http://www.w3.org", "") and "https://" not in page.rawdata
+
+
+# --- the run report ---------------------------------------------------------------------------------------
+
+def write_reports(folder, reports):
+    for report in reports:
+        (folder / report["attack"].replace("/", "")).mkdir(parents=True)
+        (folder / report["attack"].replace("/", "") / "report.json").write_text(json.dumps(report))
+
+
+METRICS = [{"round": 1, "test_accuracy": 0.31}, {"round": 2, "test_accuracy": 0.42}]
+
+
+def test_run_report_leads_with_the_verdict_and_collapses_what_matches_the_defaults(tmp_path):
+    from PIL import Image
+
+    reports = tmp_path / "reports"
+    write_reports(reports, [image_report("invert-decoder", 21.4, 11.1, 25.3, 11.1),
+                            label_report("labels-head", 0.6, 0.93)])
+    Image.new("RGB", (8, 8)).save(reports / "invert-decoder" / "grid.png")
+    config = 'dataset = "photos"\nmask_ratio = 0.5\nrounds = 5\nfuture_knob = 3\nwhen = 2026-11-30\n'
+    html_file, md_file, json_file = write_run_report(tmp_path / "run", config, METRICS, reports)
+
+    text = html_file.read_text()
+    page = Page(text)
+    assert_self_contained(page)
+    assert len(page.sources()) == 2  # the accuracy plot and the grid
+    assert text.index("<h2>Verdict</h2>") < text.index("<h2>Accuracy per round</h2>") < text.index("<h2>Attacks")
+    verdict_table = page.tables[0]
+    assert verdict_table[1] == ["uploaded features", "invert-decoder",
+                                "kept patches recovered: 25.3 dB vs 11.1 dB for the mean image", "high"]
+    assert verdict_table[2][3] == "not audited"
+    assert 'class="high"' in text and 'class="medium"' in text
+    # only what differs from TrainConfig's defaults is tabled; the full text sits in a nested, closed block
+    differences = page.tables[-1]
+    assert differences == [["option", "value", "default"], ["mask_ratio", "0.5", "0.75"],
+                           ["future_knob", "3", "(unknown option)"], ["when", '"2026-11-30"', "(unknown option)"]]
+    assert text.count("<details>") == 2 and "<details open" not in text
+    assert "rounds = 5" in text.split("full configuration")[1]
+    assert markdown_tables(md_file.read_text())[0] == verdict_table
+    assert json.loads(json_file.read_text())["verdict"][0]["level"] == "high"
+
+
+def test_run_report_escapes_hostile_attack_names_and_config(tmp_path):
+    reports = tmp_path / "reports"
+    write_reports(reports, [image_report(f"invert-{HOSTILE}", 30.0, 12.0, 30.0, 12.0)])
+    config = f'data_dir = "{HOSTILE.replace(chr(34), chr(39))}"\n'
+    html_file, md_file, _ = write_run_report(tmp_path / "run", config, METRICS, reports)
+    for text in (html_file.read_text(), rendered(md_file)):
+        assert "<script>" not in text and "&lt;script&gt;" in text
+    assert Page(html_file.read_text()).tables[0][1][1] == f"invert-{HOSTILE}"  # shown as text, in full
+
+
+def test_grid_has_a_heading_band_and_a_psnr_column():
+    rng = np.random.default_rng(0)
+    rows = [[rng.random((32, 32, 3)) for _ in range(3)] for _ in range(2)]
+    plain = np.asarray(image_grid(rows))
+    header = plain[:16]
+    psnr_column = plain[20:, -80:]
+    assert (header < 100).any() and (psnr_column < 100).any()  # text drawn in both; the images start below
+    assert plain.shape[0] > 2 * 128 + 16 and plain.shape[1] > 3 * 128 + 80  # 32 px images shown at 128 px
+
+
+# --- the audit report -------------------------------------------------------------------------------------
+
+def configuration(cid, group, accuracy, attacks, epsilon=None, status="done", error=None):
+    return {"id": cid, "group": group, "varied": {"mask_ratio": group}, "run": f"runs/{cid}", "status": status,
+            "error": error, "accuracy": accuracy, "epsilon": epsilon, "train_seconds": 80.0, "attacks": attacks}
+
+
+def invert(psnr_kept, psnr=20.0):
+    return {"invert-decoder": {"family": "invert", "report": "r.json",
+                               "figures": {"psnr": psnr, "baseline.psnr": 12.0, "psnr_kept": psnr_kept,
+                                           "baseline_kept.psnr": 12.0}}}
+
+
+def labels(l1):
+    return {"labels-head": {"family": "labels", "figures": {"l1": l1, "baseline.l1": 0.9}}}
+
+
+def summary():
+    """Two groups of two seeds, a DP group, a failure, a configuration with no label attack, NaN and None
+    figures, and script payloads in ids, groups and errors."""
+    return {"schema_version": 1, "audit_file": "experiments/mask_ratio.toml", "title": f"mask sweep {HOSTILE}",
+            "defaults": {"rounds": 5, "data_dir": HOSTILE},
+            "configurations": [
+                configuration("mask_ratio=0.5,seed=0", "mask_ratio=0.5", 0.41, invert(28.0) | labels(0.3)),
+                configuration("mask_ratio=0.5,seed=1", "mask_ratio=0.5", 0.39, invert(26.0) | labels(0.5)),
+                configuration("mask_ratio=0.9,seed=0", "mask_ratio=0.9", 0.35, invert(15.0)),  # no label attack
+                configuration("mask_ratio=0.9,seed=1", "mask_ratio=0.9", None, invert(math.nan) | labels(None)),
+                configuration("dp_eps=3,seed=0", "dp_eps=3", 0.30, invert(24.0) | labels(0.8), epsilon=3.0),
+                configuration(f"{HOSTILE},seed=0", HOSTILE, 0.2, invert(13.0) | labels(0.89)),
+                configuration("mask_ratio=0.1,seed=0", "mask_ratio=0.1", None, {}, status="failed",
+                              error=f"CUDA out of memory {HOSTILE}")],
+            "gates": [{"expression": "invert.psnr_kept < 18", "passed": False,
+                       "failures": [{"configuration": "mask_ratio=0.5,seed=0", "figure": "invert-decoder.psnr_kept",
+                                     "value": 28.0}]},
+                      {"expression": "labels.l1 > 0.1", "passed": True, "failures": []}]}
+
+
+def test_audit_report_tables_plots_and_failures(tmp_path):
+    html_file, md_file = write_audit_report(summary(), tmp_path / "audit")
+    text = html_file.read_text()
+    page = Page(text)
+    assert_self_contained(page)
+    assert len(page.sources()) == 3  # accuracy vs PSNR, accuracy vs label error, ε vs PSNR
+    for heading in ("Verdict per configuration", "Gates", "Privacy–utility", "Failed configurations"):
+        assert f"<h2>{heading}</h2>" in text
+    assert text.index("Verdict per configuration") < text.index("<h2>Gates") < text.index("Privacy–utility")
+
+    verdicts = {row[0]: row for row in page.tables[0][1:]}
+    assert page.tables[0][0] == ["configuration", "test accuracy", "ε", "uploaded features", "parameter updates",
+                                 "labels"]
+    assert verdicts["mask_ratio=0.5,seed=0"][1:] == [
+        "0.410", "off", "kept patches 28.0 dB vs 12.0 dB, invert-decoder: high", "not audited",
+        "L1 0.300 vs 0.900, labels-head: high"]
+    assert verdicts["mask_ratio=0.9,seed=0"][5] == "not audited"
+    assert verdicts["mask_ratio=0.9,seed=1"][1] == "–" and verdicts["mask_ratio=0.9,seed=1"][3].startswith(
+        "whole image 20.0 dB")  # NaN kept figure: the whole-image figure stands in
+    assert verdicts["mask_ratio=0.9,seed=1"][5] == "not scored"
+    assert verdicts["dp_eps=3,seed=0"][2] == "3.00"
+    assert verdicts["mask_ratio=0.1,seed=0"][1] == "failed"
+    gates = page.tables[1]
+    assert gates[1] == ["invert.psnr_kept < 18", "FAILED", "mask_ratio=0.5,seed=0: invert-decoder.psnr_kept = 28.000"]
+    assert gates[2][1] == "passed"
+    assert page.tables[2][1] == ["mask_ratio=0.1,seed=0", f"CUDA out of memory {HOSTILE}"]
+    assert "1 of 2 gate(s) failed" in text and "7 configuration(s), 1 failed" in text
+
+    tables = markdown_tables(md_file.read_text())
+    assert tables[0] == page.tables[0] and tables[1] == gates and tables[2] == page.tables[2]
+
+
+def test_audit_report_shows_hostile_strings_as_text(tmp_path):
+    html_file, md_file = write_audit_report(summary(), tmp_path / "audit")
+    for text in (html_file.read_text(), rendered(md_file)):
+        assert "<script>" not in text and text.count("&lt;script&gt;") >= 4  # title, id, error, defaults ...
+    tags = {tag for tag, _ in Page((tmp_path / "audit" / "report.html").read_text()).tags}
+    assert "script" not in tags
+
+
+def test_privacy_utility_points_are_group_means_with_spread_over_seeds():
+    from eftguard.report import KEPT, accuracy_of, group_points, headline_value
+
+    points = {p[0]: p[1:] for p in group_points(summary()["configurations"], headline_value(KEPT, "invert"),
+                                                accuracy_of)}
+    assert points["mask_ratio=0.5"] == pytest.approx((27.0, math.sqrt(2), 0.40, math.sqrt(2) * 0.01))
+    assert points["mask_ratio=0.9"] == (15.0, 0.0, 0.35, 0.0)  # the seed with no accuracy and a NaN figure is left out
+    assert "mask_ratio=0.1" not in points  # failed
+
+
+def test_audit_without_dp_or_attacks_says_so(tmp_path):
+    data = {"configurations": [configuration("a", "a", 0.4, {}), configuration("b", "b", 0.3, invert(20.0))]}
+    text = write_audit_report(data, tmp_path)[0].read_text()
+    assert len(Page(text).sources()) == 1  # accuracy vs PSNR only: no label attack, no DP configuration
+    assert "No gates were given" in text and "Failed configurations" not in text
+
+
+@pytest.mark.parametrize("broken, problem", [
+    ([], "its top level is not a JSON object"),
+    ({"configurations": {"a": 1}}, '"configurations" is not a list'),
+    ({"configurations": [], "gates": "x"}, '"gates" is not a list'),
+])
+def test_an_unusable_summary_is_one_clear_error_and_writes_nothing(tmp_path, broken, problem):
+    with pytest.raises(RunError, match=problem):
+        write_audit_report(broken, tmp_path / "out")
+    assert not (tmp_path / "out").exists()
+
+
+def test_garbage_inside_a_summary_is_shown_as_missing_not_a_crash(tmp_path):
+    """A hand-edited summary.json: wrong types everywhere below the top level."""
+    garbage = [{"id": ["x"], "status": "done", "accuracy": "high", "epsilon": True, "attacks": ["invert-decoder"]},
+               {"id": "y", "status": "done", "accuracy": math.inf, "group": None,
+                "attacks": {"invert-decoder": {"family": "invert", "figures": "28 dB"},
+                            "labels-head": {"family": "labels", "figures": {"l1": "0.1", "baseline.l1": 0.9}},
+                            "gradient-x": "not an object"}}]
+    gates = [{"expression": None, "passed": "yes", "failures": [None, {"value": "NaN"}]}]
+    html_file, _ = write_audit_report({"configurations": garbage, "gates": gates}, tmp_path)
+    page = Page(html_file.read_text())
+    assert [row[1:] for row in page.tables[0][1:]] == [["–", "off", "not audited", "not audited", "not audited"],
+                                                       ["–", "off", "not scored", "not audited", "not scored"]]
+    assert page.tables[1][1] == ["None", "FAILED", "None: None = –"]  # only a literal true passes a gate
+    assert len(page.sources()) == 0  # nothing finite to plot
+
+
+def test_groups_on_one_spot_share_one_label():
+    from eftguard.report import point_labels
+
+    points = [("dp_eps=1", 0.458, 0.0, 0.125, 0.0), ("dp_eps=8", 0.453, 0.0, 0.125, 0.0),
+              ("mask_ratio=0.5", 0.28, 0.1, 0.31, 0.1), ("mask_ratio=0.75", 0.3, 0.1, 0.21, 0.1)]
+    assert point_labels(points) == [("dp_eps=1, dp_eps=8", 0.458, 0.125), ("mask_ratio=0.5", 0.28, 0.31),
+                                    ("mask_ratio=0.75", 0.3, 0.21)]
