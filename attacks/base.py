@@ -5,7 +5,7 @@ An attack is a class with `name` (its method name within the family), `family`, 
 `reconstruct(observation, progress) -> result`, registered in its family's `Registry`. Its user-facing options
 are dataclass fields declared with `option(...)`: the CLI's flags and `--help`, and the keyword arguments of
 `eftguard.audit.run_attack`, are derived from them, so adding a method to a family is one class in one file
-(docs/attacks.md, "Add an attack"). Observations hold only what the server observed (uploads, the round's model
+(docs/add-an-attack.md). Observations hold only what the server observed (uploads, the round's model
 weights, public data); ground truth is joined later, by the auditor (`eftguard.audit.scoring`), never by an attack.
 """
 
@@ -161,7 +161,7 @@ def total_variation(images: torch.Tensor) -> torch.Tensor:
 
 @dataclass(frozen=True)
 class ThreatModel:
-    """What the attacker may use. Honest-but-curious server (DESIGN.md): sees every upload and the round's
+    """What the attacker may use. Honest-but-curious server (docs/threat-model.md): sees every upload and the round's
     weights, may hold auxiliary public data. positions_known grants the kept-token positions of each upload
     (a server that chose the masks); without it the attack has to infer them."""
 

@@ -3,7 +3,7 @@ constructed and how its result is scored into an AttackReport. Everything else (
 shared, in eftguard.audit.api.
 
 Adding a method to a family is one registered class in attacks/; adding a family is a registry there, an
-observation builder in eftguard.audit.observe and a Family here (docs/attacks.md, "Add an attack").
+observation builder in eftguard.audit.observe and a Family here (docs/add-an-attack.md).
 """
 
 from __future__ import annotations

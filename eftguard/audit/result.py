@@ -1,4 +1,4 @@
-"""AttackReport: one attack's scored result, the typed form of report.json (docs/attacks.md, "report.json schema").
+"""AttackReport: one attack's scored result, the typed form of report.json (docs/report-schema.md).
 
 report.json stays flat (score groups at the top level, as eftguard.report reads it) and carries schema_version,
 family, method and options; `from_json` refuses a report of another schema version instead of misreading it.
@@ -73,7 +73,7 @@ class AttackReport:
     @classmethod
     def from_json(cls, data: dict) -> "AttackReport":
         """The report of a parsed report.json; AttackError when it is not one of this schema version."""
-        from eftguard.report import report_problem
+        from eftguard.report import report_problem, stat_groups
 
         if not isinstance(data, dict):
             raise AttackError("it is not an attack report: its top level is not a JSON object")
@@ -88,7 +88,7 @@ class AttackReport:
                             if key not in data), None)
         if problem:
             raise AttackError(f"it is not an attack report: {problem}")
-        groups = {key: value for key, value in data.items() if key not in FIELDS}
+        groups = {key: data[key] for key in stat_groups(data) if key not in FIELDS}
         return cls(data["family"], data["method"], data["attack"], data["run"], data["round"], data["clients"],
                    data.get("capabilities", {}), data["options"], groups, data.get("per_client", {}),
                    data.get("details", {}), data.get("lpips_backend"), data.get("histograms"))

@@ -3,7 +3,7 @@ the only code that reads truth/ (RunDirectory.load_truth) and the original clien
 
 One scoring path for every image attack: `score_client` turns reconstructions plus originals into per-image
 scores for the attack and the baselines, `image_summary` pools them over clients into the score groups of
-report.json (docs/attacks.md, "report.json schema"). Label attacks likewise: `score_labels` (per client, next to
+report.json (docs/report-schema.md). Label attacks likewise: `score_labels` (per client, next to
 the prior-only baseline), then `label_summary`.
 """
 
