@@ -115,8 +115,8 @@ def options_of(cls: type) -> tuple[Option, ...]:
 # --- the attack contract ----------------------------------------------------------------------------------
 
 class Attack(Protocol):
-    """One attack method. Constructed with its options (and `threat_model` / `seed` where the class takes them);
-    reconstruct sees the observation only, never ground truth."""
+    """One attack method: a dataclass constructed with its options (and `threat_model` / `seed` where it has such
+    fields); reconstruct sees the observation only, never ground truth."""
 
     name: ClassVar[str]  # method name within the family: "decoder", "head", "analytic", ...
     family: ClassVar[str]  # "invert" | "labels" | "gradient"

@@ -14,7 +14,7 @@ from pathlib import Path
 
 from rich.console import Console
 
-from attacks.base import AttackError, Option, options_of, path_value, whole_number
+from attacks.base import AttackError, Option, options_of, path_value
 
 console = Console(stderr=True)
 
@@ -105,6 +105,7 @@ def method_option_help(entries: list[tuple[str, Option]]) -> str:
 
 
 def add_family_parser(kinds: argparse._SubParsersAction, family) -> argparse.ArgumentParser:
+    from eftguard.audit.api import ROUND, SEED
     from eftguard.metrics import LPIPS_BACKENDS
 
     methods = family.registry.classes
@@ -124,7 +125,7 @@ def add_family_parser(kinds: argparse._SubParsersAction, family) -> argparse.Arg
         add_option(parser, option, option.help + (f" (default: {option.default})" if option.default is not None else ""))
     for entries in method_options(family).values():
         add_option(parser, entries[0][1], method_option_help(entries))
-    parser.add_argument("--round", type=cli_type(whole_number(1)), default=None, dest="round_number",
+    parser.add_argument("--round", type=cli_type(ROUND), default=None, dest="round_number",
                         help="round whose uploads are attacked (default: the last completed round)")
     parser.add_argument("--out", type=path_arg, default=None,
                         help="folder for reports: <out>/<attack>/report.json, report.md, grid.png (default: RUN/reports)")
@@ -136,7 +137,7 @@ def add_family_parser(kinds: argparse._SubParsersAction, family) -> argparse.Arg
                                  "the torch hub cache or the network), stlpips-alex (shift-tolerant, weights shipped, "
                                  "offline); auto takes lpips-alex when it can (default: auto). Reports name it")
     if family.seeded:
-        parser.add_argument("--seed", type=cli_type(whole_number(0, 2 ** 32 - 1)), default=0,
+        parser.add_argument("--seed", type=cli_type(SEED), default=0,
                             help="seed of the attack's own randomness (default: 0)")
     return parser
 

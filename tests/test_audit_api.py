@@ -4,6 +4,7 @@ and every wrong name or value is one clear error that lists what is valid, befor
 import argparse
 import json
 from dataclasses import dataclass
+from pathlib import Path
 from typing import ClassVar
 
 import numpy as np
@@ -11,6 +12,7 @@ import pytest
 
 from attacks.base import AttackError, LabelEstimate, ThreatModel, finite_number, option
 from attacks.labels import LABELS
+from eftguard.attack_cli import the_run
 from eftguard.audit import SCHEMA_VERSION, AttackReport, attack_names, read_attack_report, run_attack
 from eftguard.audit.families import FAMILIES
 from eftguard.audit.result import FIGURE_DIRECTION, figure_direction
@@ -86,6 +88,9 @@ def test_a_report_of_another_schema_version_is_refused(tmp_path, version, messag
     ("invert", None, {"steps": 0}, "steps must be a whole number >= 1, got '0'"),
     ("invert", None, {"positions": "maybe"}, "positions must be one of known, unknown"),
     ("labels", "linkage", {"link_threshold": float("nan")}, "link_threshold must be a finite number in (0, 1]"),
+    ("gradient", None, {"seed": -1}, "seed must be a whole number in 0..4294967295, got '-1'"),
+    ("labels", None, {"round_number": 1.5}, "round_number must be a whole number >= 1, got '1.5'"),
+    ("gradient", None, {"lpips_backend": "vgg"}, "unknown LPIPS backend 'vgg': choose one of auto, lpips-alex"),
 ])
 def test_wrong_names_and_values_are_one_error_listing_the_valid_ones(feature_run, tmp_path, family, method, options,
                                                                      listed):
@@ -110,6 +115,14 @@ def subcommand(parser: argparse.ArgumentParser, name: str) -> argparse.ArgumentP
 def test_cli_method_choices_are_the_registry(family):
     method = next(a for a in subcommand(subcommand(build_parser(), "attack"), family)._actions if a.dest == "method")
     assert list(method.choices) == [*FAMILIES[family].registry.names(), "all"]
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+@pytest.mark.parametrize("run, clients", [(["runs/x"], ["--clients", "1"]), (["--features", "runs/x"], ["--client", "1"]),
+                                          (["--run", "runs/x"], ["--clients", "1"])])
+def test_every_attack_command_takes_the_run_and_clients_the_same_ways(family, run, clients):
+    args = build_parser().parse_args(["attack", family, *run, *clients])
+    assert the_run(args) == Path("runs/x") and args.clients == "1"
 
 
 @dataclass

@@ -23,6 +23,7 @@ from eftguard.audit.result import AttackReport
 from eftguard.rundir import RunDirectory, RunError, client_name, round_name
 
 SEED = whole_number(0, 2 ** 32 - 1)
+ROUND = whole_number(1)
 
 
 def attack_names(family: str | None = None) -> list[str]:
@@ -41,7 +42,8 @@ def run_attack(run: str | Path | RunDirectory, family: str, method: str | None =
     chosen = family_named(family)
     cls = chosen.registry.get(chosen.registry.default if method is None else method)
     family_options, method_options = resolve_options(chosen, cls, options)
-    seed = checked_seed(seed)
+    seed = checked("seed", SEED, seed)
+    round_number = None if round_number is None else checked("round_number", ROUND, round_number)
     if chosen.image_metrics:
         from eftguard.metrics import LPIPS_BACKENDS
         if lpips_backend not in LPIPS_BACKENDS:
@@ -74,11 +76,12 @@ def resolve_options(family: Family, cls: type, given: dict) -> tuple[dict, dict]
             {name: o.value(given[name]) if name in given else o.default for name, o in methods.items()})
 
 
-def checked_seed(seed: int) -> int:
+def checked(name: str, parse, value):
+    """A keyword argument of run_attack checked as its CLI flag is: AttackError("seed must be ...")."""
     try:
-        return SEED(str(seed))
+        return parse(str(value))
     except ValueError as exc:
-        raise AttackError(f"seed {exc}") from None
+        raise AttackError(f"{name} {exc}") from None
 
 
 # --- the checks before any work -----------------------------------------------------------------------------

@@ -63,9 +63,11 @@ class Family:
         return options_of(self.options_type)
 
     def pick_clients(self, clients: list[int], choice: str | list[int]) -> list[int]:
+        """The attacked clients among those chosen (--clients) with uploads in the round."""
         return clients
 
     def threat_model(self, job: Job, cls: type) -> ThreatModel:
+        """The attack class's own threat model, unless the family's options set it (invert: --positions, --aux)."""
         return cls.threat_model
 
     def attack(self, cls: type, job: Job, method_options: dict) -> Attack:
@@ -75,9 +77,11 @@ class Family:
         return cls(**method_options, **{k: v for k, v in extra.items() if k in takes})
 
     def observe(self, job: Job, attack: Attack) -> Observed:
+        """What the attacker holds in the job's round (the family's observation builder in eftguard.audit.observe)."""
         raise NotImplementedError
 
     def score(self, job: Job, attack: Attack, observed: Observed, result, seconds: float) -> AttackReport:
+        """The auditor's turn: join the result with ground truth (eftguard.audit.scoring) into the report."""
         raise NotImplementedError
 
     def report(self, job: Job, attack: Attack, summary: scoring.Summary, lpips_backend: str | None,
