@@ -40,7 +40,7 @@ RESERVED_ATTACK_KEYS = ("run", "key", "out", "progress")
 TABLE_FIGURES = ("psnr_kept", "psnr", "l1")
 SAFE_NAME = re.compile(r"[A-Za-z0-9._=,+-]{1,100}")
 
-console = Console(stderr=True)
+console = Console(stderr=True, soft_wrap=True, markup=False, highlight=False)  # ids and errors printed as they are
 
 
 # --- the audit file ---------------------------------------------------------------------------------------
@@ -451,7 +451,10 @@ def print_summary(summary: dict) -> None:
         cells = [attack_cell(c["attacks"].get(name)) for name in attacks]
         table.add_row(c["id"], c["status"], number_text(c["accuracy"]), number_text(c["epsilon"], 2),
                       number_text(c["train_seconds"], 0), *cells)
-    Console().print(table)
+    stdout = Console()
+    if not stdout.is_terminal:  # a log file or a CI job: whole ids and figures, not folded into 80 columns
+        stdout.width = 240
+    stdout.print(table)
     for gate in summary["gates"]:
         console.print(f"gate '{gate['expression']}': " + ("holds" if gate["passed"] else
                                                           f"crossed {len(gate['failures'])} times"))
