@@ -340,3 +340,16 @@ def test_the_demo_is_an_audit_of_both_methods(monkeypatch):
         ("invert-decoder", {"steps": 7, "max_images": 32, "lpips_backend": "stlpips-alex"}), ("labels-head", {})]
     no_inversion = cli.demo_audit(cli.build_parser().parse_args(["demo", "--attack-steps", "0"]))
     assert [a.name for a in no_inversion.attacks] == ["labels-head"]
+
+
+def test_every_experiment_file_is_a_valid_audit(tmp_path, monkeypatch):
+    experiments = Path(__file__).resolve().parent.parent / "experiments"
+    cpu_scale = sorted(experiments.glob("*.toml"))
+    for path in cpu_scale:
+        assert grid.read_audit(path).configurations[0].config.dataset == "photos", path
+    for folder in ("data/cifar10", "data/cifar100", "data/UCMerced_LandUse/Images"):  # the paper files' data
+        (tmp_path / folder).mkdir(parents=True)
+    monkeypatch.chdir(tmp_path)
+    paper_scale = sorted((experiments / "paper").glob("*.toml"))
+    assert {grid.read_audit(path).configurations[0].config.model for path in paper_scale} == {"vit-b16-224"}
+    assert len(cpu_scale) >= 7 and len(paper_scale) >= 5

@@ -29,6 +29,7 @@ from rich.console import Console
 
 from attacks.base import AttackError
 from eftguard.config import ConfigError, TrainConfig
+from eftguard.data import DataError
 from eftguard.rundir import RunDirectory, RunError, atomic_write
 
 SCHEMA_VERSION = 1
@@ -157,7 +158,7 @@ def expand_grid(grid, defaults: TrainConfig, source: str) -> list[Configuration]
             config_id = format_id(varied)
             try:
                 resolved = cfg.resolved()
-            except ConfigError as exc:
+            except (ConfigError, DataError) as exc:
                 raise ConfigError(f"{where}: configuration {config_id}: {exc}") from None
             configurations[config_id] = Configuration(config_id, varied, resolved)
     return [configurations[i] for i in sorted(configurations)]
