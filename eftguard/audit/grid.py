@@ -52,7 +52,7 @@ class AttackEntry:
 
     name: str
     family: str
-    method: str | None
+    method: str
     options: dict
 
 
@@ -179,7 +179,8 @@ def attack_entries(tables, source: str) -> list[AttackEntry]:
         methods = attack_names(family)
         if method is not None and method not in methods:
             raise ConfigError(f"{where}: {family} has no method {method!r}; methods: {', '.join(methods)}")
-        name = name if name is not None else f"{family}-{method or methods[0]}"
+        method = method or methods[0]
+        name = name if name is not None else f"{family}-{method}"
         if not isinstance(name, str) or not SAFE_NAME.fullmatch(name):
             raise ConfigError(f"{where}: name must be letters, digits and . _ = , + - (it names a folder), got {name!r}")
         if name in entries:
@@ -217,6 +218,13 @@ def code_version() -> str:
 def run_folder(out: Path, configuration: Configuration) -> Path:
     key = digest(configuration.config.to_toml() + code_version())[:10]
     return out / "runs" / f"{configuration.folder}-{key}"
+
+
+def reports_folder(out: Path, configuration: Configuration, attack: AttackEntry) -> Path:
+    """Where run_attack writes <attack>/report.json: one folder per configuration; an attack named in the file
+    gets its own, so two entries of one attack with other options keep both reports."""
+    folder = out / "reports" / configuration.folder
+    return folder if attack.name == f"{attack.family}-{attack.method}" else folder / attack.name
 
 
 def result_file(out: Path, configuration: Configuration) -> Path:
@@ -340,7 +348,7 @@ def audit_configuration(audit: Audit, configuration: Configuration, out: Path, k
     errors = []
     for attack in audit.attacks:
         try:
-            result = run_one_attack(run_dir, attack, out, out / "reports" / configuration.folder, run_key,
+            result = run_one_attack(run_dir, attack, out, reports_folder(out, configuration, attack), run_key,
                                     previous.get("attacks", {}).get(attack.name))
         except Exception as exc:  # noqa: BLE001
             result = {"family": attack.family, "status": "failed", "error": one_line(exc)}
