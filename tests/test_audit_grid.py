@@ -353,3 +353,55 @@ def test_every_experiment_file_is_a_valid_audit(tmp_path, monkeypatch):
     paper_scale = sorted((experiments / "paper").glob("*.toml"))
     assert {grid.read_audit(path).configurations[0].config.model for path in paper_scale} == {"vit-b16-224"}
     assert len(cpu_scale) >= 7 and len(paper_scale) >= 5
+
+
+@pytest.mark.slow
+def test_a_real_audit_trains_attacks_reuses_and_gates(tmp_path):
+    """The real thing, as a user runs it: tiny runs through Flower's simulation, the real attacks, a rerun that
+    reuses everything, and a gate that fails."""
+    import os
+    import subprocess
+    import sys
+
+    audit_file = tmp_path / "tiny.toml"
+    audit_file.write_text("""
+[train]
+rounds = 1
+clients = 2
+train_samples = 100
+test_samples = 40
+batch_size = 32
+
+[grid]
+method = ["eftvit", "fedavg"]
+
+[[attack]]
+family = "invert"
+steps = 3
+max_images = 4
+lpips_backend = "stlpips-alex"
+
+[[attack]]
+family = "labels"
+""")
+    env = {**os.environ, "HF_HUB_OFFLINE": "1", "FLWR_TELEMETRY_ENABLED": "0", "FLWR_DISABLE_UPDATE_CHECK": "1"}
+
+    def audit(*argv):
+        return subprocess.run([sys.executable, "-m", "eftguard.cli", "audit", str(audit_file), "--out",
+                               str(tmp_path / "out"), *argv], env=env, capture_output=True, text=True, timeout=400)
+
+    first = audit("--gate", "invert.psnr_kept < 100")
+    assert first.returncode == 0, first.stderr[-3000:]
+    summary = json.loads((tmp_path / "out" / "summary.json").read_text())
+    eftvit, fedavg = summary["configurations"]
+    assert eftvit["id"] == "method=eftvit" and eftvit["status"] == fedavg["status"] == "done"
+    report = tmp_path / "out" / eftvit["attacks"]["invert-decoder"]["report"]
+    assert json.loads(report.read_text())["attack"] == "invert-decoder"
+    assert eftvit["attacks"]["invert-decoder"]["figures"]["psnr_kept"] > 0
+    assert eftvit["attacks"]["labels-head"]["status"] == "done"
+    assert fedavg["attacks"]["invert-decoder"]["status"] == "not applicable"
+    assert summary["gates"][0]["passed"] is True
+    again = audit("--gate", "invert.psnr_kept < 1")
+    assert again.returncode == 1
+    assert "reusing the finished run" in again.stderr and "invert-decoder: reusing its report" in again.stderr
+    assert "gate 'invert.psnr_kept < 1' does not hold for method=eftvit: invert-decoder.psnr_kept" in again.stderr
