@@ -10,7 +10,7 @@ import torch
 
 from attacks.base import AttackError
 from eftguard import audit as audit_api, cli
-from eftguard.audit import grid
+from eftguard.audit import AttackReport, grid
 from eftguard.audit.grid import parse_audit
 from eftguard.config import ConfigError
 from eftguard.rundir import RunDirectory
@@ -41,16 +41,6 @@ SWEEP_IDS = ["mask_ratio=0.0,method=eftvit", "mask_ratio=0.5,method=eftvit", "ma
              "mask_ratio=0.75,method=fedavg", "mask_ratio=0.9,method=eftvit"]
 
 
-class FakeReport:
-    """What the audit reads of an AttackReport: its name, family, method and figures."""
-
-    def __init__(self, family, method, figures):
-        self.family, self.method, self.attack, self._figures = family, method, f"{family}-{method}", figures
-
-    def figures(self):
-        return dict(self._figures)
-
-
 class Fakes:
     """Stand-ins for training and run_attack that record what they were asked to do.
 
@@ -78,19 +68,23 @@ class Fakes:
             if self.calls == self.interrupt_at:
                 raise KeyboardInterrupt
 
-    def attack(self, run, family, method=None, *, key=None, out=None, **options):
+    def attack(self, run, family, method=None, *, key=None, out=None, progress=None, **options):
         cfg = RunDirectory.open(run).config()
         self.attacked.append((cfg.method, cfg.mask_ratio, family))
         if family == "invert" and cfg.method == "fedavg":
             raise AttackError(f"{run} is a fedavg run: it uploads no patch features")
         method = method or {"invert": "decoder", "labels": "head"}[family]
-        figures = ({"psnr": 15.0, "psnr_kept": 30 - 10 * cfg.mask_ratio, "baseline_kept.psnr": 12.0}
-                   if family == "invert" else {"l1": 0.2 + cfg.mask_ratio / 10, "baseline.l1": 0.9})
-        report = FakeReport(family, method, figures)
-        folder = Path(out) / report.attack
-        folder.mkdir(parents=True, exist_ok=True)
-        (folder / "report.json").write_text(json.dumps({"attack": report.attack, **figures}))
+        groups = ({"metrics": stats(psnr=15.0), "metrics_kept": stats(psnr=30 - 10 * cfg.mask_ratio),
+                   "baseline_kept": stats(psnr=12.0)} if family == "invert" else
+                  {"metrics": stats(l1=0.2 + cfg.mask_ratio / 10), "baseline": stats(l1=0.9)})
+        report = AttackReport(family, method, f"{family}-{method}", str(run), cfg.rounds, [0, 1], {}, options, groups,
+                              {}, {})
+        report.save(Path(out))
         return report
+
+
+def stats(**means):
+    return {metric: {"mean": mean, "std": 0.0, "n": 4} for metric, mean in means.items()}
 
 
 def audit_cli(capsys, tmp_path, *argv, text=SWEEP):
@@ -155,6 +149,13 @@ def test_no_grid_is_one_configuration_of_the_defaults():
     ("[[attack]]\nfamily = \"labels\"\n[[attack]]\nfamily = \"labels\"\nmethod = \"head\"\n",
      "sweep.toml [[attack]] #2: a second attack named 'labels-head'"),
     ("[[attack]]\nfamily = \"labels\"\nout = \"x\"\n", "sweep.toml [[attack]] #1: 'out' is set by eftguard audit"),
+    ("[[attack]]\nfamily = \"invert\"\nstep = 600\n",
+     "sweep.toml [[attack]] #1: invert attack 'decoder' has no option 'step': its options are positions, aux"),
+    ("[[attack]]\nfamily = \"invert\"\nsteps = 0\n", "sweep.toml [[attack]] #1: steps must be a whole number"),
+    ("[[attack]]\nfamily = \"gradient\"\nobserve = \"sniff\"\n",
+     "sweep.toml [[attack]] #1: observe must be one of upload, probe, got 'sniff'"),
+    ("[[attack]]\nfamily = \"invert\"\nlpips_backend = \"alex\"\n", "sweep.toml [[attack]] #1: lpips_backend must be one of"),
+    ("[[attack]]\nfamily = \"labels\"\nround = 0\n", "sweep.toml [[attack]] #1: round must be a whole number >= 1"),
     ("gird = 1\n", "sweep.toml: unknown key 'gird'"),
     ("[train\n", "audit file"),
 ])
@@ -253,11 +254,15 @@ def test_gates_pass_and_fail_as_written(capsys, tmp_path, monkeypatch):
 
 
 def test_a_gate_with_an_unknown_figure_lists_the_figures_that_exist(capsys, tmp_path, monkeypatch):
-    Fakes(monkeypatch)
-    code, _, err, summary = audit_cli(capsys, tmp_path, "--gate", "invert.psnr_kep < 18")
-    assert code == 2
-    assert err.strip().splitlines()[-1] == ("eftguard: error: --gate 'invert.psnr_kep < 18': invert reports no figure "
-                                            "'psnr_kep'; its figures: baseline_kept.psnr, psnr, psnr_kept")
+    fakes = Fakes(monkeypatch)
+    code, _, err, _ = audit_cli(capsys, tmp_path, "--gate", "invert.psnr_kep < 18")  # no attack has it: before training
+    assert code == 2 and fakes.trained == []
+    assert "eftguard: error: --gate 'invert.psnr_kep < 18': no attack reports a figure 'psnr_kep'; figures: psnr, " in err
+    code, _, err, summary = audit_cli(capsys, tmp_path, "--gate", "labels.psnr < 18")  # label attacks do not: after
+    assert code == 2 and len(fakes.trained) == 10
+    assert err.strip().splitlines()[-1] == ("eftguard: error: --gate 'labels.psnr < 18': labels reports no figure "
+                                            "'psnr'; its figures: baseline.l1, l1")
+    assert summary["gates"] == [] and len(summary["configurations"]) == 5  # the results are kept all the same
 
 
 @pytest.mark.parametrize("gate, expected", [

@@ -12,6 +12,7 @@ import operator
 import re
 from dataclasses import dataclass
 
+from eftguard.audit.result import FIGURE_DIRECTION
 from eftguard.config import ConfigError
 
 OPERATORS = {"<": operator.lt, "<=": operator.le, ">": operator.gt, ">=": operator.ge}
@@ -47,12 +48,16 @@ def _number(text: str) -> float:
         return math.nan
 
 
-def check_subjects(gates: list[Gate], families: set[str], attack_names: set[str]) -> None:
-    """Before any training: every gate names a family or an attack of the audit."""
+def check_before_training(gates: list[Gate], families: set[str], attack_names: set[str]) -> None:
+    """Every gate names a family or an attack of the audit, and a figure some attack could report (which
+    attacks report which figures is known only once they ran: check_figures)."""
     for gate in gates:
         if gate.subject not in families | attack_names:
             raise ConfigError(f"--gate '{gate.expression}': '{gate.subject}' is neither an attack family nor an "
                               f"attack of this audit; choose from {', '.join(sorted(families | attack_names))}")
+        if gate.figure.rsplit(".", 1)[-1] not in FIGURE_DIRECTION:
+            raise ConfigError(f"--gate '{gate.expression}': no attack reports a figure '{gate.figure}'; figures: "
+                              f"{', '.join(FIGURE_DIRECTION)}, and baselines as baseline.psnr, baseline_kept.psnr")
 
 
 def matching_attacks(gate: Gate, attacks: dict) -> dict:

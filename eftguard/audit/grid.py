@@ -28,15 +28,18 @@ from pathlib import Path
 from rich.console import Console
 
 from attacks.base import AttackError
+from eftguard.attack_cli import stage_progress
+from eftguard.audit.families import FAMILIES
 from eftguard.config import ConfigError, TrainConfig
 from eftguard.data import DataError
 from eftguard.rundir import RunDirectory, RunError, atomic_write
 
 SCHEMA_VERSION = 1
-FAMILIES = ("invert", "labels", "gradient")
 AUDIT_KEYS = ("title", "train", "grid", "attack")
 # run_attack arguments the audit sets itself, not an [[attack]] table
 RESERVED_ATTACK_KEYS = ("run", "key", "out", "progress")
+# run_attack arguments every family takes; any other key of an [[attack]] table is a family or method option
+COMMON_ATTACK_KEYS = ("round_number", "clients", "seed", "lpips_backend")
 # first figure of these an attack reports is its column in the final table (the families' headline figures)
 TABLE_FIGURES = ("psnr_kept", "psnr", "l1")
 SAFE_NAME = re.compile(r"[A-Za-z0-9._=,+-]{1,100}")
@@ -165,21 +168,19 @@ def expand_grid(grid, defaults: TrainConfig, source: str) -> list[Configuration]
 
 
 def attack_entries(tables, source: str) -> list[AttackEntry]:
-    from eftguard.audit.api import attack_names
-
     if not isinstance(tables, list) or not all(isinstance(t, dict) for t in tables):
-        raise ConfigError(f"{source}: attacks are [[attack]] tables, each with family = "
-                          f"{' | '.join(repr(f) for f in FAMILIES)}".replace("'", '"'))
+        raise ConfigError(f"{source}: attacks are [[attack]] tables, each with family = " + " | ".join(
+            f'"{name}"' for name in FAMILIES))
     entries = {}
     for index, table in enumerate(tables, start=1):
         where = f"{source} [[attack]] #{index}"
         family, method, name = table.get("family"), table.get("method"), table.get("name")
         if family not in FAMILIES:
             raise ConfigError(f"{where}: family must be one of {', '.join(FAMILIES)}, got {family!r}")
-        methods = attack_names(family)
+        methods = FAMILIES[family].registry.names()
         if method is not None and method not in methods:
             raise ConfigError(f"{where}: {family} has no method {method!r}; methods: {', '.join(methods)}")
-        method = method or methods[0]
+        method = method or FAMILIES[family].registry.default
         name = name if name is not None else f"{family}-{method}"
         if not isinstance(name, str) or not SAFE_NAME.fullmatch(name):
             raise ConfigError(f"{where}: name must be letters, digits and . _ = , + - (it names a folder), got {name!r}")
@@ -192,8 +193,28 @@ def attack_entries(tables, source: str) -> list[AttackEntry]:
         if reserved:
             raise ConfigError(f"{where}: '{reserved[0]}' is set by eftguard audit (the run it trains, --out, --key): "
                               "remove it")
+        check_attack_options(family, method, options, where)
         entries[name] = AttackEntry(name, family, method, options)
     return list(entries.values())
+
+
+def check_attack_options(family: str, method: str, options: dict, where: str) -> None:
+    """Every option checked as run_attack checks it, before any training: at run time an AttackError means
+    "does not apply to this run", so a typo must not get that far."""
+    from eftguard.audit.api import ROUND, SEED, checked, resolve_options
+    from eftguard.metrics import LPIPS_BACKENDS
+
+    try:
+        chosen = FAMILIES[family]
+        resolve_options(chosen, chosen.registry.get(method),
+                        {k: v for k, v in options.items() if k not in COMMON_ATTACK_KEYS})
+        checked("seed", SEED, options.get("seed", 0))
+        checked("round", ROUND, options.get("round_number", 1))
+    except AttackError as exc:
+        raise ConfigError(f"{where}: {exc}") from None
+    if options.get("lpips_backend", "auto") not in LPIPS_BACKENDS:
+        raise ConfigError(f"{where}: lpips_backend must be one of {', '.join(LPIPS_BACKENDS)}, "
+                          f"got {options['lpips_backend']!r}")
 
 
 # --- code version and reuse -------------------------------------------------------------------------------
@@ -298,14 +319,14 @@ def run_one_attack(run_dir: Path, attack: AttackEntry, out: Path, reports: Path,
     from eftguard import audit as api
 
     fingerprint = attack_fingerprint(RunDirectory.open(run_dir, key), attack, key)
-    if previous and previous.get("fingerprint") == fingerprint and (
-            previous.get("status") == "not applicable"
-            or previous.get("status") == "done" and (out / previous.get("report", "")).is_file()):
+    if previous and previous.get("fingerprint") == fingerprint and reusable(previous, out):
         console.print(f"  {attack.name}: reusing its report")
         return previous
     start = time.perf_counter()
     try:
-        report = api.run_attack(run_dir, attack.family, attack.method, key=key, out=reports, **attack.options)
+        with stage_progress() as progress:
+            report = api.run_attack(run_dir, attack.family, attack.method, key=key, out=reports, progress=progress,
+                                    **attack.options)
     except (AttackError, RunError) as exc:
         console.print(f"  {attack.name}: not applicable: {one_line(exc)}")
         return {"family": attack.family, "status": "not applicable", "reason": one_line(exc), "fingerprint": fingerprint}
@@ -314,6 +335,19 @@ def run_one_attack(run_dir: Path, attack: AttackEntry, out: Path, reports: Path,
     report_path = reports / report.attack / "report.json"
     return {"family": report.family, "method": report.method, "status": "done",
             "report": os.path.relpath(report_path, out), "figures": figures, "fingerprint": fingerprint}
+
+
+def reusable(previous: dict, out: Path) -> bool:
+    """A recorded "not applicable", or a report that still reads back with the figures recorded from it."""
+    from eftguard import audit as api
+
+    if previous.get("status") == "not applicable":
+        return True
+    try:
+        return previous.get("status") == "done" and api.read_attack_report(out / previous["report"]).figures() == \
+            previous["figures"]
+    except (RunError, KeyError, TypeError):
+        return False
 
 
 def headline_text(figures: dict) -> str:
@@ -397,7 +431,7 @@ def run_audit(audit: Audit, out: Path, gates: list | None = None, shard: tuple[i
     from eftguard.audit import gate as gates_module
 
     gates = gates or []
-    gates_module.check_subjects(gates, set(FAMILIES), {a.name for a in audit.attacks})
+    gates_module.check_before_training(gates, set(FAMILIES), {a.name for a in audit.attacks})
     chosen = select_shard(audit.configurations, shard)
     where = f", shard {shard[0]}/{shard[1]}" if shard else ""
     console.print(f"{audit.title}: {len(chosen)} of {len(audit.configurations)} configurations{where}, "
