@@ -12,7 +12,6 @@ from attacks.base import AttackError
 from eftguard import audit as audit_api, cli
 from eftguard.audit import AttackReport, grid
 from eftguard.audit.grid import parse_audit
-from eftguard.config import ConfigError
 from eftguard.rundir import RunDirectory
 
 SWEEP = """
@@ -163,7 +162,7 @@ def test_a_bad_audit_file_is_one_line_before_any_training(capsys, tmp_path, monk
     fakes = Fakes(monkeypatch)
     code, _, err, summary = audit_cli(capsys, tmp_path, text=text)
     assert code == 2, err
-    assert err.startswith(f"eftguard: error: ") and expected in err and err.count("\n") == 1, err
+    assert err.startswith("eftguard: error: ") and expected in err and err.count("\n") == 1, err
     assert fakes.trained == [] and not (tmp_path / "out").exists() and summary is None
 
 
