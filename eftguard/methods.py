@@ -12,7 +12,7 @@ if TYPE_CHECKING:  # config imports this module: keep torch out of its import
 
 @dataclass(frozen=True)
 class MethodSpec:
-    """What a method's clients and server do. docs/training.md ("Add a training method") explains each field."""
+    """What a method's clients and server do. docs/add-a-method.md explains each field."""
 
     name: str
     description: str  # one line, for --help and the docs

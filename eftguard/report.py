@@ -3,7 +3,7 @@ report.json gathering every attack report of a run with its configuration and ac
 report (report.html, report.md over the configurations of an `eftguard audit`). Both lead with the verdict
 (eftguard/verdict.py); docs/reports.md says how to read them.
 
-report.json (docs/attacks.md): "metrics", "baseline" and (image attacks) "metrics_kept" hold
+report.json (docs/report-schema.md): "metrics", "baseline" and (image attacks) "metrics_kept" hold
 {"mean", "std", "n"} per metric; every other group of that shape is shown beside them.
 
 A report folder may hold files anyone could have edited, so every report.json is checked before use (a malformed

@@ -1,10 +1,9 @@
 """The docs that ship with the repository stay true to it: every relative link reaches a file (and a heading, when
-it names one), the README's quickstart commands parse with the current CLI, and every measured table in
-docs/results.md comes with the command that produced it."""
+it names one), every docs/ page the code cites exists, the README's quickstart commands parse with the current
+CLI, and every measured table in docs/results.md comes with the command that produced it."""
 
 from __future__ import annotations
 
-import argparse
 import re
 import shlex
 from pathlib import Path
@@ -17,12 +16,6 @@ from eftguard.cli import build_parser
 
 ROOT = Path(__file__).resolve().parent.parent
 PAGES = [ROOT / "README.md", ROOT / "experiments" / "README.md", *sorted((ROOT / "docs").glob("*.md"))]
-
-# What the docs already describe but other branches of issue 10 add: skipped, by name, until they are merged.
-ARRIVING_PAGES = {"docs/audit.md": "written with `eftguard audit` (issue 10 §2)",
-                  "docs/reports.md": "written with the report verdict (issue 10 §3)"}
-ARRIVING_COMMANDS = {"audit": "`eftguard audit` (issue 10 §2)"}
-ARRIVING_POSITIONAL_RUN = {("attack", "invert"), ("attack", "labels"), ("attack", "gradient")}  # issue 10 §1
 
 MARKDOWN = MarkdownIt("commonmark").enable("table")
 
@@ -77,11 +70,26 @@ def test_relative_link_resolves(name, page, target):
     path_part, _, anchor = target.partition("#")
     file = (page.parent / path_part).resolve() if path_part else page
     rel = file.relative_to(ROOT).as_posix() if file.is_relative_to(ROOT) else str(file)
-    if not file.exists() and rel in ARRIVING_PAGES:
-        pytest.skip(f"{rel} is not in this branch yet: {ARRIVING_PAGES[rel]}")
     assert file.exists(), f"{name}: link to {target}: {rel} does not exist"
     if anchor and file.suffix == ".md":
         assert anchor in anchors(file), f"{name}: link to {target}: {rel} has no heading with anchor #{anchor}"
+
+
+def cited_pages() -> list[tuple[str, str]]:
+    """(source file, page) for every page under docs/ that a docstring, comment or message of the code names."""
+    sources = [file for folder in ("eftguard", "attacks", "defenses", "experiments", "tests")
+               for file in (ROOT / folder).rglob("*.py")]
+    return sorted({(file.relative_to(ROOT).as_posix(), page) for file in sources
+                   for page in re.findall(r"\bdocs/[\w-]+\.md\b", file.read_text())})
+
+
+def test_the_code_cites_pages():
+    assert any(page == "docs/run-directory.md" for _, page in cited_pages())  # eftguard/rundir.py's docstring
+
+
+@pytest.mark.parametrize("source, page", cited_pages())
+def test_a_page_the_code_cites_exists(source, page):
+    assert (ROOT / page).is_file(), f"{source} cites {page}, which does not exist"
 
 
 def quickstart_commands() -> list[str]:
@@ -101,36 +109,9 @@ def test_the_quickstart_shows_train_attack_report_and_audit():
     assert {"train", "attack", "report", "audit"} <= subcommands
 
 
-def subparsers_of(parser: argparse.ArgumentParser) -> dict[str, argparse.ArgumentParser]:
-    return next((a.choices for a in parser._actions if isinstance(a, argparse._SubParsersAction)), {})
-
-
-def takes_positional(parser: argparse.ArgumentParser) -> bool:
-    return any(not a.option_strings and not isinstance(a, argparse._SubParsersAction) for a in parser._actions)
-
-
-def skip_if_arriving(argv: list[str]) -> None:
-    """Skip, naming it, a subcommand or positional RUN that issue 10's other branches add; anything else the
-    current CLI lacks is left to fail."""
-    parser, path = build_parser(), []
-    for word in argv:
-        choices = subparsers_of(parser)
-        if not choices:
-            break
-        if word not in choices:
-            if not path and word in ARRIVING_COMMANDS:
-                pytest.skip(f"this CLI has no `eftguard {word}` subcommand yet: {ARRIVING_COMMANDS[word]}")
-            return
-        parser, path = choices[word], path + [word]
-    rest = argv[len(path):]
-    if tuple(path) in ARRIVING_POSITIONAL_RUN and rest and not rest[0].startswith("-") and not takes_positional(parser):
-        pytest.skip(f"`eftguard {' '.join(path)}` takes no positional RUN yet (issue 10 §1)")
-
-
 @pytest.mark.parametrize("line", quickstart_commands())
 def test_quickstart_command_parses(line, capsys):
     argv = shlex.split(line, comments=True)[1:]
-    skip_if_arriving(argv)
     try:
         args = build_parser().parse_args(argv)
     except SystemExit:
@@ -141,11 +122,10 @@ def test_quickstart_command_parses(line, capsys):
 def results_sections() -> list[tuple[str, list]]:
     """docs/results.md split at its level-2 headings: (heading, tokens)."""
     tokens = tokens_of(ROOT / "docs" / "results.md")
-    sections, heading = [], None
+    sections = []
     for opening, inline in zip(tokens, tokens[1:]):
         if opening.type == "heading_open" and opening.tag == "h2":
-            heading = inline.content
-            sections.append((heading, []))
+            sections.append((inline.content, []))
         elif sections:
             sections[-1][1].append(opening)
     return sections
