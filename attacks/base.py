@@ -1,20 +1,154 @@
-"""What every attack shares: the threat model it runs under and the shape of its result.
+"""What every attack shares: the contract (`Attack`), its options, the registry of each family, the threat
+model it runs under and the shape of its result.
 
-An attack is an object with `name`, `threat_model` and `reconstruct(observation) -> result`. Observations
-hold only what the server observed (uploads, the round's model weights, public data); ground truth is joined
-later, by the auditor (`eftguard.audit`), never by an attack.
+An attack is a class with `name` (its method name within the family), `family`, `threat_model` and
+`reconstruct(observation, progress) -> result`, registered in its family's `Registry`. Its user-facing options
+are dataclass fields declared with `option(...)`: the CLI's flags and `--help`, and the keyword arguments of
+`eftguard.audit.run_attack`, are derived from them, so adding a method to a family is one class in one file
+(docs/add-an-attack.md). Observations hold only what the server observed (uploads, the round's model
+weights, public data); ground truth is joined later, by the auditor (`eftguard.audit.scoring`), never by an attack.
 """
 
 from __future__ import annotations
 
-from dataclasses import asdict, dataclass, field
+import math
+from dataclasses import MISSING, asdict, dataclass, field, fields
+from pathlib import Path
+from typing import Any, Callable, ClassVar, Protocol
 
 import numpy as np
 import torch
 
+Progress = Callable[[str, int, int], None]
+"""(stage, done, total): how every attack reports its long loops."""
+
 
 class AttackError(ValueError):
     """An attack cannot run as asked (bad option or an observation it cannot use); the message says why."""
+
+
+# --- options ----------------------------------------------------------------------------------------------
+# A parser turns the text of an option into its value or raises ValueError("must be ..., got '...'"); the CLI
+# and run_attack (which parses str(value)) share it, so both refuse the same values with the same words.
+
+def whole_number(minimum: int, maximum: int | None = None) -> Callable[[str], int]:
+    """An integer in [minimum, maximum]."""
+    bounds = f">= {minimum}" if maximum is None else f"in {minimum}..{maximum}"
+
+    def parse(text: str) -> int:
+        try:
+            value = int(text)
+        except ValueError:
+            value = None
+        if value is None or value < minimum or (maximum is not None and value > maximum):
+            raise ValueError(f"must be a whole number {bounds}, got '{text}'")
+        return value
+    return parse
+
+
+def finite_number(above: float, at_most: float = math.inf) -> Callable[[str], float]:
+    """A finite float in (above, at_most]; NaN and infinities are refused."""
+    bounds = f"> {above}" if at_most == math.inf else f"in ({above}, {at_most}]"
+
+    def parse(text: str) -> float:
+        try:
+            value = float(text)
+        except ValueError:
+            value = math.nan
+        if not (math.isfinite(value) and above < value <= at_most):
+            raise ValueError(f"must be a finite number {bounds}, got '{text}'")
+        return value
+    return parse
+
+
+def path_value(text: str) -> Path:
+    """A path; an empty one (an unset shell variable) would silently mean the current folder."""
+    if not text.strip():
+        raise ValueError("must be a path, got an empty string")
+    return Path(text)
+
+
+def name_value(text: str) -> str:
+    if not text.strip():
+        raise ValueError("must be a name, got an empty string")
+    return text
+
+
+def option(default: Any, help: str, parse: Callable[[str], Any], choices: tuple[str, ...] | None = None) -> Any:
+    """A dataclass field that is also a user-facing option: `--name-with-dashes` on the CLI, `name=` in run_attack."""
+    return field(default=default, metadata={"option": (help, parse, choices)})
+
+
+@dataclass(frozen=True)
+class Option:
+    """One user-facing option: name (a Python identifier), its default (None: not set), help text, parser and,
+    for a fixed set of values, the choices."""
+
+    name: str
+    default: Any
+    help: str
+    parse: Callable[[str], Any]
+    choices: tuple[str, ...] | None = None
+
+    @property
+    def flag(self) -> str:
+        return "--" + self.name.replace("_", "-")
+
+    def value(self, given: Any) -> Any:
+        """A value given to run_attack, checked as the CLI checks its text; AttackError names the option."""
+        if given is None and self.default is None:
+            return None
+        if self.choices is not None and given not in self.choices:
+            raise AttackError(f"{self.name} must be one of {', '.join(self.choices)}, got {given!r}")
+        try:
+            return self.parse(str(given))
+        except ValueError as exc:
+            raise AttackError(f"{self.name} {exc}") from None
+
+
+def options_of(cls: type) -> tuple[Option, ...]:
+    """The options an attack class (or a family's options dataclass) declares with `option(...)`."""
+    return tuple(Option(f.name, None if f.default is MISSING else f.default, *f.metadata["option"])
+                 for f in fields(cls) if "option" in f.metadata)
+
+
+# --- the attack contract ----------------------------------------------------------------------------------
+
+class Attack(Protocol):
+    """One attack method: a dataclass constructed with its options (and `threat_model` / `seed` where it has such
+    fields); reconstruct sees the observation only, never ground truth."""
+
+    name: ClassVar[str]  # method name within the family: "decoder", "head", "analytic", ...
+    family: ClassVar[str]  # "invert" | "labels" | "gradient"
+    summary: ClassVar[str]  # one line for --help and reports
+    threat_model: ThreatModel
+
+    def reconstruct(self, observation: Any, progress: Progress | None = None) -> Any: ...
+
+
+class Registry:
+    """The attack classes of one family by method name; each attack module registers its classes with
+    `@REGISTRY.register`. The CLI's --method choices, per-method flags and --help are read from here."""
+
+    def __init__(self, family: str, default: str):
+        self.family = family
+        self.default = default
+        self.classes: dict[str, type] = {}
+
+    def register(self, cls: type) -> type:
+        if cls.name in self.classes:
+            raise ValueError(f"{self.family} attack '{cls.name}' is registered twice")
+        cls.family = self.family
+        self.classes[cls.name] = cls
+        return cls
+
+    def names(self) -> tuple[str, ...]:
+        return tuple(self.classes)
+
+    def get(self, name: str) -> type:
+        if name not in self.classes:
+            raise AttackError(f"unknown {self.family} method '{name}': choose one of {', '.join(self.classes)}")
+        return self.classes[name]
 
 
 def total_variation(images: torch.Tensor) -> torch.Tensor:
@@ -27,7 +161,7 @@ def total_variation(images: torch.Tensor) -> torch.Tensor:
 
 @dataclass(frozen=True)
 class ThreatModel:
-    """What the attacker may use. Honest-but-curious server (DESIGN.md): sees every upload and the round's
+    """What the attacker may use. Honest-but-curious server (docs/threat-model.md): sees every upload and the round's
     weights, may hold auxiliary public data. positions_known grants the kept-token positions of each upload
     (a server that chose the masks); without it the attack has to infer them."""
 

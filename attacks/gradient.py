@@ -1,7 +1,8 @@
 """Gradient leakage: reconstruct a client's images from a gradient (or a parameter update) and the model.
 
 Every attack is pure: a `GradientObservation` (the model the client started from, the observed gradients,
-how many images were in the batch) goes in, an `ImageReconstruction` comes out. Four methods:
+how many images were in the batch) goes in, an `ImageReconstruction` comes out. Four methods of the `gradient`
+family (registry GRADIENT):
 
     analytic  APRIL-style closed form for ViTs: a patch token is e_t = W x_t + b + pos_t, so the gradient of the
               positional embedding is each position's upstream gradient g_t and the patch-embedding weight
@@ -19,22 +20,22 @@ lr * steps); that is exact for one SGD step and an approximation otherwise (Adam
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass, field
-from typing import Callable
+from dataclasses import dataclass
+from typing import ClassVar
 
 import numpy as np
 import torch
 from torch import nn
 
-from attacks.base import ImageReconstruction, ThreatModel, total_variation
+from attacks.base import ImageReconstruction, Progress, Registry, ThreatModel, option, total_variation, whole_number
 
 EFTVIT_POS_EMBED = "local_module.token_embedding.pos_embed"
 EFTVIT_PATCH_WEIGHT = "local_module.patch_embed.proj.weight"
 HEAD_BIAS = "head.bias"
-METHODS = ("analytic", "dlg", "idlg", "ig")
 LBFGS_ITERATIONS_PER_STEP = 20  # the DLG reference's L-BFGS max_iter
 
-Progress = Callable[[int, int], None]  # (done, total) -> None
+GRADIENT = Registry("gradient", default="analytic")
+STEPS_HELP = "optimisation steps per restart (gradient evaluations for dlg/idlg)"
 
 
 @dataclass
@@ -145,6 +146,8 @@ def _random_pixels(obs: GradientObservation, count: int, generator: torch.Genera
     return torch.rand(count, 3, obs.image_size, obs.image_size, generator=generator)
 
 
+@GRADIENT.register
+@dataclass
 class AnalyticAttack:
     """Closed-form recovery of the sent patches from the positional- and patch-embedding gradients.
 
@@ -156,7 +159,10 @@ class AnalyticAttack:
     It needs the true gradient's structure: a multi-step Adam update or DP noise breaks it."""
 
     name = "analytic"
-    threat_model = ThreatModel()
+    summary = ("closed form from the positional- and patch-embedding gradients; exact at batch 1; above it one "
+               "composite offered for every image of the batch (without masking it matches none of them); fails "
+               "on multi-step AdamW updates and under DP noise")
+    threat_model: ClassVar[ThreatModel] = ThreatModel()
 
     def reconstruct(self, obs: GradientObservation, progress: Progress | None = None) -> ImageReconstruction:
         pos = obs.gradients[obs.pos_embed][0, 1:].double()  # [L, D]: upstream gradient per position
@@ -179,7 +185,7 @@ class AnalyticAttack:
         fill = obs.prior if obs.prior is not None else np.full_like(pixels, 0.5)
         pixels = np.where(revealed[..., None], pixels, fill)
         if progress:
-            progress(1, 1)
+            progress("closed form", 1, 1)
         count = obs.batch_size
         return ImageReconstruction(np.repeat(pixels[None].astype(np.float32), count, 0), rows=None,
                                    kept_ids=np.repeat(active[None], count, 0),
@@ -188,20 +194,19 @@ class AnalyticAttack:
                                             "labels": recover_labels(obs).tolist()})
 
 
+@GRADIENT.register
 @dataclass
 class DLGAttack:
-    """DLG (joint image + soft-label optimisation) or, with recover_label, iDLG: L2 gradient distance,
+    """DLG (joint image + soft-label optimisation; iDLG, below, reads the label first): L2 gradient distance,
     L-BFGS (lr 1, no line search, as in the reference implementation) from a uniform-noise start.
-    `iterations` counts gradient-distance evaluations; the best image seen is returned."""
+    `steps` counts gradient-distance evaluations; the best image seen is returned."""
 
-    iterations: int = 200
-    recover_label: bool = False
+    name = "dlg"
+    summary = "images and soft labels optimised jointly (L-BFGS, L2 gradient distance)"
+    recover_label: ClassVar[bool] = False
+    threat_model: ClassVar[ThreatModel] = ThreatModel()
+    steps: int = option(200, STEPS_HELP, whole_number(1))
     seed: int = 0
-    threat_model: ThreatModel = field(default_factory=ThreatModel)
-
-    @property
-    def name(self) -> str:
-        return "idlg" if self.recover_label else "dlg"
 
     def reconstruct(self, obs: GradientObservation, progress: Progress | None = None) -> ImageReconstruction:
         prepare_numerics(obs.model)
@@ -230,13 +235,13 @@ class DLGAttack:
             loss.backward()
             return loss
 
-        while best["evaluations"] < self.iterations:
-            budget = min(LBFGS_ITERATIONS_PER_STEP, self.iterations - best["evaluations"])
+        while best["evaluations"] < self.steps:
+            budget = min(LBFGS_ITERATIONS_PER_STEP, self.steps - best["evaluations"])
             optimizer.param_groups[0].update(max_iter=budget, max_eval=budget)
             before = best["evaluations"]
             optimizer.step(closure)
             if progress:
-                progress(min(best["evaluations"], self.iterations), self.iterations)
+                progress(self.name, min(best["evaluations"], self.steps), self.steps)
             if best["evaluations"] - before <= 1 or not all(torch.isfinite(v).all() for v in variables):
                 break  # converged (L-BFGS stops without evaluating) or diverged: keep the best image seen
         predicted = labels.numpy() if self.recover_label else label_logits.detach().argmax(dim=1).numpy()
@@ -244,19 +249,32 @@ class DLGAttack:
                                    details={"gradient_distance": best["loss"], "labels": predicted.tolist()})
 
 
+@GRADIENT.register
+@dataclass
+class IDLGAttack(DLGAttack):
+    """iDLG: DLG with the label read off the head-bias gradient first."""
+
+    name = "idlg"
+    summary = "label from the head-bias gradient, then DLG on the images"
+    recover_label: ClassVar[bool] = True
+
+
+@GRADIENT.register
 @dataclass
 class InvertingGradients:
     """Inverting Gradients (Geiping et al. 2020): labels first, then 1 - cosine of all observed gradients
     (joint) + total variation, signed Adam with step decay, pixels boxed to [0, 1]; the best of `restarts`.
     Weak on ViTs: gradients match closely while the image stays blurry."""
 
-    iterations: int = 200
-    restarts: int = 1
+    name = "ig"
+    summary = ("labels from the head-bias gradient, then cosine distance + total variation (signed Adam, restarts); "
+               "weak on ViTs: gradients match closely while images stay blurry")
+    threat_model: ClassVar[ThreatModel] = ThreatModel()
+    steps: int = option(200, STEPS_HELP, whole_number(1))
+    restarts: int = option(1, "independent random starts, the best gradient match wins", whole_number(1))
     lr: float = 0.1
     tv: float = 1e-4
     seed: int = 0
-    name: str = "ig"
-    threat_model: ThreatModel = field(default_factory=ThreatModel)
 
     def reconstruct(self, obs: GradientObservation, progress: Progress | None = None) -> ImageReconstruction:
         prepare_numerics(obs.model)
@@ -266,14 +284,14 @@ class InvertingGradients:
         keep, kept_ids = _keep_ids_for(obs, obs.batch_size)
         generator = torch.Generator().manual_seed(self.seed)
         best, best_loss = None, math.inf
-        total = self.iterations * self.restarts
+        total = self.steps * self.restarts
         for restart in range(self.restarts):
             images = obs.to_input(_random_pixels(obs, obs.batch_size, generator)).requires_grad_(True)
             optimizer = torch.optim.Adam([images], lr=self.lr)
-            milestones = [int(self.iterations * f) for f in (3 / 8, 5 / 8, 7 / 8)]
+            milestones = [int(self.steps * f) for f in (3 / 8, 5 / 8, 7 / 8)]
             schedule = torch.optim.lr_scheduler.MultiStepLR(optimizer, milestones=milestones, gamma=0.1)
             low, high = obs.to_input(torch.zeros(1, 3, 1, 1)), obs.to_input(torch.ones(1, 3, 1, 1))
-            for step in range(self.iterations):
+            for step in range(self.steps):
                 optimizer.zero_grad()
                 grads = _gradients(obs, params, images, labels, keep)
                 loss = cosine_distance(grads, target, target_norm) + self.tv * total_variation(images).mean()
@@ -284,7 +302,7 @@ class InvertingGradients:
                 with torch.no_grad():
                     images.copy_(torch.maximum(torch.minimum(images, high), low))
                 if progress:
-                    progress(restart * self.iterations + step + 1, total)
+                    progress(self.name, restart * self.steps + step + 1, total)
             final = float(cosine_distance(_gradients(obs, params, images, labels, keep), target, target_norm).detach())
             if best is None or final < best_loss:  # (a diverged restart reads NaN and never wins over another)
                 best, best_loss = images.detach().clone(), final
@@ -307,15 +325,3 @@ def cosine_distance(grads, target, target_norm: torch.Tensor | None = None) -> t
     """1 - cosine between two gradients given as matching lists of tensors (treated as one vector)."""
     dot = sum((g * t).sum() for g, t in zip(grads, target))
     return 1 - dot / (_norm(grads) * (target_norm if target_norm is not None else _norm(target))).clamp_min(1e-30)
-
-
-def make_attack(method: str, iterations: int | None = None, restarts: int = 1, seed: int = 0):
-    """The attack for a method name; iterations None keeps the method's default."""
-    if method not in METHODS:
-        raise ValueError(f"unknown gradient attack '{method}': choose {', '.join(METHODS)}")
-    if method == "analytic":
-        return AnalyticAttack()
-    steps = {} if iterations is None else {"iterations": iterations}
-    if method == "ig":
-        return InvertingGradients(restarts=restarts, seed=seed, **steps)
-    return DLGAttack(recover_label=method == "idlg", seed=seed, **steps)

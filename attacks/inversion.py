@@ -1,13 +1,14 @@
 """Feature inversion: reconstruct client images from the patch features an EFTViT server receives.
 
-Threat model (DESIGN.md): an honest-but-curious server that holds each client's uploaded local module phi_k
+Threat model (docs/threat-model.md): an honest-but-curious server that holds each client's uploaded local module phi_k
 (it receives it in the same round), the public architecture and masking code, the run configuration
 (mask ratio, feature-release defense) and auxiliary public images. Kept-token positions are not uploaded:
 with positions_known the auditor grants them, otherwise the attack infers them from the features
 (a position probe trained on auxiliary features, then a monotone assignment: the masking code keeps the
 tokens of an upload in increasing position order).
 
-Two attacks behind one interface, `reconstruct(RoundFeatures) -> {partition: ImageReconstruction}`:
+Two attacks of the `invert` family (registry INVERT), `reconstruct(RoundFeatures, progress) ->
+{partition: ImageReconstruction}`:
 - DecoderInversion (learned inverse network, He et al. 2019): an MAE-style transformer decoder trained on
   auxiliary images pushed through the clients' phi_k with the same masking (and the same feature-release
   clipping and noise); kept tokens go to their positions, learned mask tokens fill the rest, a linear layer
@@ -21,18 +22,18 @@ from __future__ import annotations
 import copy
 import math
 from dataclasses import dataclass, field
-from typing import Callable
 
 import numpy as np
 import torch
 from torch import nn
 
-from attacks.base import ImageReconstruction, ThreatModel, total_variation
+from attacks.base import (ImageReconstruction, Progress, Registry, ThreatModel, option, total_variation,
+                          whole_number)
 from defenses.feature_noise import release_features
 from eftguard.masking import random_keep_ids
 from eftguard.model import EFTViT, LocalModule
 
-Progress = Callable[[str, int, int], None]  # (stage, done, total)
+INVERT = Registry("invert", default="decoder")
 
 
 @dataclass
@@ -217,29 +218,32 @@ def _positions(client: ClientFeatures, probe: PositionProbe | None) -> torch.Ten
     return client.kept_ids if probe is None else probe.infer(client.features)
 
 
+@INVERT.register
 @dataclass
 class DecoderInversion:
     """Learned inverse network; one decoder per round, trained across the attacked clients' phi_k."""
 
-    threat_model: ThreatModel
-    steps: int = 1000
+    name = "decoder"
+    summary = ("train an inverse network on auxiliary images pushed through each client's uploaded local module "
+               "with the same masking, then apply it to the uploads")
+    threat_model: ThreatModel = field(default_factory=ThreatModel)
+    steps: int = option(1000, "decoder training steps", whole_number(1))
     batch_size: int = 32
     lr: float = 1e-3
     width: int = 128
     depth: int = 2
     probe_steps: int = 300
     seed: int = 0
-    progress: Progress | None = None
-    name: str = field(default="invert-decoder", init=False)
 
-    def reconstruct(self, observation: RoundFeatures) -> dict[int, ImageReconstruction]:
+    def reconstruct(self, observation: RoundFeatures, progress: Progress | None = None
+                    ) -> dict[int, ImageReconstruction]:
         generator = torch.Generator().manual_seed(self.seed)
         locals_ = [client_local_module(observation.model, c.local_state) for c in observation.clients]
         aux = AuxFeatures(observation, locals_, generator)
         local = locals_[0]
         width, num_patches, patch = observation.clients[0].features.shape[-1], local.num_patches, patch_size_of(local)
         probe = None if self.threat_model.positions_known else train_position_probe(
-            aux, width, num_patches, self.probe_steps, self.batch_size, self.seed, self.progress)
+            aux, width, num_patches, self.probe_steps, self.batch_size, self.seed, progress)
         with torch.random.fork_rng(devices=[]):
             torch.manual_seed(self.seed)
             decoder = InversionDecoder(width, num_patches, patch, self.width, self.depth)
@@ -255,8 +259,8 @@ class DecoderInversion:
             loss.backward()
             optimizer.step()
             final_loss = float(loss.detach())
-            if self.progress:
-                self.progress("decoder", step + 1, self.steps)
+            if progress:
+                progress("decoder", step + 1, self.steps)
         decoder.eval()
         results = {}
         with torch.no_grad():
@@ -269,20 +273,21 @@ class DecoderInversion:
         return results
 
 
+@INVERT.register
 @dataclass
 class OptimizationInversion:
     """White-box rMLE: images whose features under phi_k match the upload, with a TV prior."""
 
-    threat_model: ThreatModel
-    steps: int = 300
-    restarts: int = 2
+    name = "optimize"
+    summary = "find images whose features match the uploads (total-variation prior, Adam, restarts)"
+    threat_model: ThreatModel = field(default_factory=ThreatModel)
+    steps: int = option(300, "optimisation steps per restart", whole_number(1))
+    restarts: int = option(2, "random restarts per image, the best feature match wins", whole_number(1))
     lr: float = 0.1
     tv_weight: float = 0.05
     probe_steps: int = 300
     batch_size: int = 64
     seed: int = 0
-    progress: Progress | None = None
-    name: str = field(default="invert-optimize", init=False)
 
     def feature_distance(self, local: LocalModule, model: EFTViT, images01: torch.Tensor, keep: torch.Tensor,
                          target: torch.Tensor, clip: float) -> torch.Tensor:
@@ -292,14 +297,15 @@ class OptimizationInversion:
             features = release_features(features, clip, 0.0, None)
         return ((features - target) ** 2).sum(dim=(1, 2)) / (target ** 2).sum(dim=(1, 2)).clamp_min(1e-12)
 
-    def reconstruct(self, observation: RoundFeatures) -> dict[int, ImageReconstruction]:
+    def reconstruct(self, observation: RoundFeatures, progress: Progress | None = None
+                    ) -> dict[int, ImageReconstruction]:
         generator = torch.Generator().manual_seed(self.seed)
         locals_ = [client_local_module(observation.model, c.local_state) for c in observation.clients]
         probe = None
         if not self.threat_model.positions_known:
             aux = AuxFeatures(observation, locals_, generator)
             probe = train_position_probe(aux, observation.clients[0].features.shape[-1], locals_[0].num_patches,
-                                         self.probe_steps, self.batch_size, self.seed, self.progress)
+                                         self.probe_steps, self.batch_size, self.seed, progress)
         mean_image = torch.from_numpy(observation.aux_images).float().div(255.0).mean(0).clamp(0.02, 0.98)
         total = len(observation.clients) * self.restarts * self.steps
         done = 0
@@ -324,8 +330,8 @@ class OptimizationInversion:
                     loss.backward()
                     optimizer.step()
                     done += 1
-                    if self.progress:
-                        self.progress("optimisation", done, total)
+                    if progress:
+                        progress("optimisation", done, total)
                 with torch.no_grad():
                     images = torch.sigmoid(logits)
                     distance = self.feature_distance(local, observation.model, images, keep, target,

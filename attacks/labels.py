@@ -1,6 +1,7 @@
 """Label-distribution inference: estimate each client's class histogram from what the server observed.
 
-Three attacks behind one interface (`reconstruct(observation) -> {partition: LabelEstimate}`):
+Three attacks of the `labels` family (registry LABELS), `reconstruct(observation, progress) ->
+{partition: LabelEstimate}`:
 
 - `PresenceAttack`: the labels that travel with the uploaded features. Median sampling uploads T rows for
   every present class and none for absent ones, so the classes are exact and the counts uniform; with
@@ -16,18 +17,21 @@ Three attacks behind one interface (`reconstruct(observation) -> {partition: Lab
   proportions times an unknown scale.
 
 Every attack reads only observations (uploads, n_k, the round's public start model); ground truth is joined by
-the auditor (`eftguard.audit`).
+the auditor (`eftguard.audit.scoring`).
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import ClassVar
 
 import numpy as np
 import torch
 from scipy.optimize import nnls
 
-from attacks.base import AttackError, LabelEstimate, ThreatModel
+from attacks.base import AttackError, LabelEstimate, Progress, Registry, ThreatModel, finite_number, option
+
+LABELS = Registry("labels", default="head")
 
 
 @dataclass
@@ -55,13 +59,17 @@ class LabelObservation:
     start_model: torch.nn.Module | None = None  # an EFTViT holding checkpoint t-1; needed by the head attack
 
 
+@LABELS.register
+@dataclass
 class PresenceAttack:
     """Classes from the uploaded labels; counts: the label histogram scaled to n_k."""
 
-    name = "labels-presence"
-    threat_model = ThreatModel(knows_weights=False, aux_data=None)
+    name = "presence"
+    summary = "the labels sent with the features"
+    threat_model: ClassVar[ThreatModel] = ThreatModel(knows_weights=False, aux_data=None)
 
-    def reconstruct(self, observation: LabelObservation) -> dict[int, LabelEstimate]:
+    def reconstruct(self, observation: LabelObservation, progress: Progress | None = None
+                    ) -> dict[int, LabelEstimate]:
         estimates = {}
         for client in observation.clients:
             rows = np.bincount(client.labels, minlength=observation.num_classes).astype(np.float64)
@@ -70,6 +78,8 @@ class PresenceAttack:
         return estimates
 
 
+@LABELS.register
+@dataclass
 class LinkageAttack:
     """Count distinct source images per class by linking uploads that share a near-identical, distinctive token.
 
@@ -84,12 +94,14 @@ class LinkageAttack:
     links merge sources and lower the counts.
     """
 
-    name = "labels-linkage"
-    threat_model = ThreatModel(knows_weights=False, aux_data=None)
-
-    def __init__(self, threshold: float = 0.99, ratio: float = 0.2):
-        self.threshold = threshold
-        self.ratio = ratio
+    name = "linkage"
+    summary = ("count distinct source images per class by linking uploads that share near-identical tokens "
+               "(median sampling re-uploads images of small classes under fresh masks)")
+    threat_model: ClassVar[ThreatModel] = ThreatModel(knows_weights=False, aux_data=None)
+    link_threshold: float = option(0.99, "cosine similarity two tokens need to count as the same patch",
+                                   finite_number(0, 1))
+    link_ratio: float = option(0.2, "a match must be this much closer than the next-best token of the other "
+                                    "upload, 1 - best <= ratio * (1 - second)", finite_number(0))
 
     def links(self, tokens: torch.Tensor) -> np.ndarray:
         """bool [m, m]: which rows of one class share a distinctive token; tokens [m, K, D] unit vectors."""
@@ -98,7 +110,7 @@ class LinkageAttack:
             similarity = torch.einsum("kd,bld->bkl", tokens[i], tokens)  # token k of row i vs token l of row b
             top = similarity.topk(min(2, tokens.shape[1]), dim=2).values
             best, second = top[..., 0], top[..., -1]
-            distinctive = (best >= self.threshold) & (1 - best <= self.ratio * (1 - second))
+            distinctive = (best >= self.link_threshold) & (1 - best <= self.link_ratio * (1 - second))
             linked[i] = distinctive.any(dim=1).numpy()
         np.fill_diagonal(linked, False)
         return linked | linked.T
@@ -117,7 +129,8 @@ class LinkageAttack:
             parent[root(int(j))] = root(int(i))
         return len({root(i) for i in range(len(tokens))})
 
-    def reconstruct(self, observation: LabelObservation) -> dict[int, LabelEstimate]:
+    def reconstruct(self, observation: LabelObservation, progress: Progress | None = None
+                    ) -> dict[int, LabelEstimate]:
         estimates = {}
         for client in observation.clients:
             rows = np.bincount(client.labels, minlength=observation.num_classes)
@@ -168,6 +181,8 @@ def at_least_one(counts: np.ndarray) -> np.ndarray:
     return out
 
 
+@LABELS.register
+@dataclass
 class HeadGradientAttack:
     """Fit per-class template gradients of the head to the head update (iLRG / LLG style).
 
@@ -181,8 +196,9 @@ class HeadGradientAttack:
     training features.
     """
 
-    name = "labels-head"
-    threat_model = ThreatModel(knows_weights=True, aux_data=None)
+    name = "head"
+    summary = "fit per-class cross-entropy gradients of the head to the client's head update"
+    threat_model: ClassVar[ThreatModel] = ThreatModel(knows_weights=True, aux_data=None)
 
     def templates(self, model: torch.nn.Module, client: ClientUploads, classes: np.ndarray) -> np.ndarray:
         """[len(classes), C * (D + 1)]: the mean gradient of the head's [W | b] for rows of each class."""
@@ -198,7 +214,8 @@ class HeadGradientAttack:
             rows.append((error.T @ inputs[members] / members.sum()).flatten().double().numpy())
         return np.stack(rows)
 
-    def reconstruct(self, observation: LabelObservation) -> dict[int, LabelEstimate]:
+    def reconstruct(self, observation: LabelObservation, progress: Progress | None = None
+                    ) -> dict[int, LabelEstimate]:
         if observation.start_model is None:
             raise AttackError("the head attack needs the round's start model (checkpoint t-1)")
         model = observation.start_model

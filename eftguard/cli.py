@@ -390,11 +390,15 @@ def cmd_demo(args: argparse.Namespace) -> None:
     table.add_row("client s/epoch", *[f"{_mean_epoch_seconds(results[m]):.2f}" for m in METHODS])
     Console().print(table)
     if args.attack_steps > 0:  # audit the EFTViT run: what do its uploaded features give away?
-        eftvit_run = str(out / "eftvit")
-        parser = build_parser()
-        cmd_attack(parser.parse_args(["attack", "invert", "--features", eftvit_run, "--steps", str(args.attack_steps),
-                                      "--max-images", "32", "--lpips-backend", args.lpips_backend]))
-        cmd_report(parser.parse_args(["report", eftvit_run]))
+        from eftguard.attack_cli import print_summary, stage_progress
+        from eftguard.audit import run_attack
+
+        eftvit_run = out / "eftvit"
+        with stage_progress() as progress:
+            report = run_attack(eftvit_run, "invert", steps=args.attack_steps, max_images=32,
+                                lpips_backend=args.lpips_backend, out=eftvit_run / "reports", progress=progress)
+        print_summary(report.to_json(), eftvit_run / "reports" / report.attack)
+        cmd_report(build_parser().parse_args(["report", str(eftvit_run)]))
 
 
 def _mean_epoch_seconds(records: list[dict]) -> float:

@@ -1,48 +1,53 @@
-"""Gradient-leakage table: `eftguard attack gradient` over methods, batch sizes and observations on three runs
-(Fed-Full, EFTViT, EFTViT with DP-SGD), one command per row, results as a markdown table.
+"""Gradient-leakage table: the gradient attacks over methods, batch sizes and observations on three runs
+(Fed-Full, EFTViT, EFTViT with DP-SGD), one `eftguard.audit.run_attack(run, "gradient", ...)` per row and seed,
+results as a markdown table.
 
-    python experiments/gradient_leakage.py --fedavg RUN --eftvit RUN --dp RUN [--out DIR] [--iterations 200]
+    python experiments/gradient_leakage.py --fedavg RUN --eftvit RUN --dp RUN [--out DIR] [--steps 200]
                                            [--seeds 3] [--quick]
 
-Each row runs `eftguard attack gradient --run RUN ... --seed S --out DIR/ROW/seed-S` for every seed (another probe
-batch and start each time) and averages the report.json means over seeds.
+Each row runs its attack for every seed (another probe batch and start each time), writes the reports to
+DIR/ROW/seed-S/ and averages the report means over seeds. The command column gives the equivalent
+`eftguard attack gradient` call.
 """
 
 from __future__ import annotations
 
 import argparse
-import json
-import shlex
-import subprocess
-import sys
 from pathlib import Path
 
+from eftguard.audit import run_attack
 
-def rows(args: argparse.Namespace) -> list[tuple[str, str, list[str]]]:
-    """(row id, run, attack options)."""
-    it = ["--iterations", str(args.iterations)]
+
+def rows(args: argparse.Namespace) -> list[tuple[str, str, str, dict]]:
+    """(row id, run, method, attack options)."""
+    steps = {"steps": args.steps}
     table = [
-        ("fedavg-analytic-probe-b1", args.fedavg, ["--method", "analytic", "--steps", "1", "--batch", "1"]),
-        ("fedavg-analytic-probe-b2", args.fedavg, ["--method", "analytic", "--steps", "1", "--batch", "2"]),
-        ("fedavg-analytic-probe-b8", args.fedavg, ["--method", "analytic", "--steps", "1", "--batch", "8"]),
-        ("fedavg-analytic-upload", args.fedavg, ["--method", "analytic", "--steps", "local"]),
-        ("eftvit-analytic-probe-b1", args.eftvit, ["--method", "analytic", "--steps", "1", "--batch", "1"]),
-        ("eftvit-analytic-probe-b2", args.eftvit, ["--method", "analytic", "--steps", "1", "--batch", "2"]),
-        ("eftvit-analytic-probe-b8", args.eftvit, ["--method", "analytic", "--steps", "1", "--batch", "8"]),
-        ("eftvit-analytic-upload", args.eftvit, ["--method", "analytic", "--steps", "local"]),
-        ("dp1-analytic-probe-b1", args.dp, ["--method", "analytic", "--steps", "1", "--batch", "1"]),
-        ("fedavg-idlg-probe-b1", args.fedavg, ["--method", "idlg", "--steps", "1", "--batch", "1", *it]),
-        ("fedavg-dlg-probe-b1", args.fedavg, ["--method", "dlg", "--steps", "1", "--batch", "1", *it]),
-        ("fedavg-ig-probe-b1", args.fedavg, ["--method", "ig", "--steps", "1", "--batch", "1", *it]),
-        ("eftvit-ig-probe-b1", args.eftvit, ["--method", "ig", "--steps", "1", "--batch", "1", *it]),
-        ("dp1-ig-probe-b1", args.dp, ["--method", "ig", "--steps", "1", "--batch", "1", *it]),
+        ("fedavg-analytic-probe-b1", args.fedavg, "analytic", {"observe": "probe", "batch": 1}),
+        ("fedavg-analytic-probe-b2", args.fedavg, "analytic", {"observe": "probe", "batch": 2}),
+        ("fedavg-analytic-probe-b8", args.fedavg, "analytic", {"observe": "probe", "batch": 8}),
+        ("fedavg-analytic-upload", args.fedavg, "analytic", {"observe": "upload"}),
+        ("eftvit-analytic-probe-b1", args.eftvit, "analytic", {"observe": "probe", "batch": 1}),
+        ("eftvit-analytic-probe-b2", args.eftvit, "analytic", {"observe": "probe", "batch": 2}),
+        ("eftvit-analytic-probe-b8", args.eftvit, "analytic", {"observe": "probe", "batch": 8}),
+        ("eftvit-analytic-upload", args.eftvit, "analytic", {"observe": "upload"}),
+        ("dp1-analytic-probe-b1", args.dp, "analytic", {"observe": "probe", "batch": 1}),
+        ("fedavg-idlg-probe-b1", args.fedavg, "idlg", {"observe": "probe", "batch": 1, **steps}),
+        ("fedavg-dlg-probe-b1", args.fedavg, "dlg", {"observe": "probe", "batch": 1, **steps}),
+        ("fedavg-ig-probe-b1", args.fedavg, "ig", {"observe": "probe", "batch": 1, **steps}),
+        ("eftvit-ig-probe-b1", args.eftvit, "ig", {"observe": "probe", "batch": 1, **steps}),
+        ("dp1-ig-probe-b1", args.dp, "ig", {"observe": "probe", "batch": 1, **steps}),
     ]
-    return [r for r in table if not args.quick or "analytic" in r[0]]
+    return [r for r in table if not args.quick or r[2] == "analytic"]
 
 
-def mean(reports: list[dict], group: str, metric: str) -> str:
-    values = [r[group][metric]["mean"] for r in reports if r.get(group, {}).get(metric, {}).get("mean") is not None]
+def mean(figures: list[dict], name: str) -> str:
+    values = [f[name] for f in figures if name in f]
     return f"{sum(values) / len(values):.2f}" if values else "–"
+
+
+def command(method: str, options: dict) -> str:
+    flags = " ".join(f"--{name.replace('_', '-')} {value}" for name, value in options.items())
+    return f"eftguard attack gradient RUN --method {method} {flags}"
 
 
 def main() -> None:
@@ -52,31 +57,24 @@ def main() -> None:
     parser.add_argument("--dp", required=True, help="an eftvit run trained with --dp-eps 1")
     parser.add_argument("--out", type=Path, default=Path("runs/gradient-leakage"),
                         help="reports (default: %(default)s)")
-    parser.add_argument("--iterations", type=int, default=200, help="dlg/idlg/ig iterations (default: %(default)s)")
+    parser.add_argument("--steps", type=int, default=200, help="dlg/idlg/ig optimisation steps (default: %(default)s)")
     parser.add_argument("--seeds", type=int, default=3,
-                        help="repeat every row with --seed 0..N-1 (other probe images and starts) and average "
+                        help="repeat every row with seed 0..N-1 (other probe images and starts) and average "
                              "(default: %(default)s)")
     parser.add_argument("--quick", action="store_true", help="analytic rows only")
     args = parser.parse_args()
-    print(f"Means over --seed 0..{args.seeds - 1}.\n")
+    print(f"Means over seed 0..{args.seeds - 1}.\n")
     print("| row | command | PSNR | PSNR kept | mean-image PSNR | mean-image PSNR kept | LPIPS (stlpips-alex) "
           "| label acc. | attack s |")
     print("|---|---|---|---|---|---|---|---|---|")
-    for row, run, options in rows(args):
-        method = options[options.index("--method") + 1]
-        reports = []
-        for seed in range(args.seeds):
-            out = args.out / row / f"seed-{seed}"
-            command = [sys.executable, "-m", "eftguard.cli", "attack", "gradient", "--run", run, *options,
-                       "--seed", str(seed), "--lpips-backend", "stlpips-alex", "--out", str(out)]
-            subprocess.run(command, check=True, stdout=subprocess.DEVNULL)
-            reports.append(json.loads((out / f"gradient-{method}" / "report.json").read_text()))
-        labels = [r["details"]["label_accuracy"]["mean"] for r in reports if "label_accuracy" in r["details"]]
-        seconds = sum(r["details"]["attack_seconds"] for r in reports) / len(reports)
-        shown = "eftguard attack gradient --run RUN " + " ".join(shlex.quote(o) for o in options)
-        print(f"| {row} | `{shown}` | {mean(reports, 'metrics', 'psnr')} | {mean(reports, 'metrics_kept', 'psnr')} | "
-              f"{mean(reports, 'baseline', 'psnr')} | {mean(reports, 'baseline_kept', 'psnr')} | "
-              f"{mean(reports, 'metrics', 'lpips')} | {sum(labels) / len(labels):.2f} | {seconds:.0f} |", flush=True)
+    for row, run, method, options in rows(args):
+        reports = [run_attack(run, "gradient", method, seed=seed, lpips_backend="stlpips-alex",
+                              out=args.out / row / f"seed-{seed}", **options) for seed in range(args.seeds)]
+        figures = [r.figures() for r in reports]
+        seconds = sum(r.details["attack_seconds"] for r in reports) / len(reports)
+        print(f"| {row} | `{command(method, options)}` | {mean(figures, 'psnr')} | {mean(figures, 'psnr_kept')} | "
+              f"{mean(figures, 'baseline.psnr')} | {mean(figures, 'baseline_kept.psnr')} | {mean(figures, 'lpips')} | "
+              f"{mean(figures, 'label_accuracy')} | {seconds:.0f} |", flush=True)
 
 
 if __name__ == "__main__":

@@ -10,14 +10,15 @@ Runs that already exist (two completed rounds) are reused; the attacks rerun and
 from __future__ import annotations
 
 import argparse
-import json
 import subprocess
 import sys
 from pathlib import Path
 
+from attacks.labels import LABELS
+from eftguard.audit import run_attack
+
 COMMON = ["--dataset", "photos", "--beta", "0.1", "--rounds", "2", "--train-samples", "1000", "--test-samples", "200",
           "--clients", "4", "--local-epochs", "1", "--server-epochs", "1"]
-METHODS = ("presence", "linkage", "head")
 COLUMNS = ("l1", "js", "exact_count_accuracy", "presence_f1")
 
 
@@ -56,11 +57,11 @@ def main() -> None:
             if run.exists():
                 sys.exit(f"{run} exists but is incomplete: continue it with eftguard train --resume {run}, or remove it")
             eftguard("train", "--out", str(run), *COMMON, "--seed", str(args.seed), *flags)
-        eftguard("attack", "labels", "--run", str(run), "--method", "all")
-        for method in METHODS:
-            report = json.loads((run / "reports" / f"labels-{method}" / "report.json").read_text())
-            rows.append([name, method, *(cell(report["metrics"][c]) for c in COLUMNS)])
-        rows.append([name, "baseline (uniform over present classes)", *(cell(report["baseline"][c]) for c in COLUMNS)])
+        for method in LABELS.names():
+            report = run_attack(run, "labels", method, out=run / "reports")
+            rows.append([name, method, *(cell(report.groups["metrics"][c]) for c in COLUMNS)])
+        rows.append([name, "baseline (uniform over present classes)",
+                     *(cell(report.groups["baseline"][c]) for c in COLUMNS)])
     print("\n".join("| " + " | ".join(r) + " |" for r in rows))
 
 

@@ -81,12 +81,13 @@ def _restore_torch_global_state():
 @contextmanager
 def truth_out_of_reach(run_path):
     """While the block runs, every way to ground truth raises: RunDirectory's and the auditor's truth accessors, the
-    client's images (audit.client_training_set), and open() or any safetensors loader on a file under RUN/truth/."""
+    client's images (scoring.client_training_set), and open() or any safetensors loader on a file under RUN/truth/."""
     import safetensors
     import safetensors.numpy
     import safetensors.torch
 
-    from eftguard import audit, rundir
+    from eftguard import rundir
+    from eftguard.audit import scoring
 
     truth = (Path(run_path) / "truth").resolve()
 
@@ -108,7 +109,7 @@ def truth_out_of_reach(run_path):
             for name in names:
                 patch.setattr(module, name, guarded(getattr(module, name)))
         for owner, name in ((rundir.RunDirectory, "truth_path"), (rundir.RunDirectory, "load_truth"),
-                            (audit, "load_truth"), (audit, "client_training_set")):
+                            (scoring, "client_training_set")):
             if hasattr(owner, name):
                 patch.setattr(owner, name, refuse)
         yield

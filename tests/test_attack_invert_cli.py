@@ -8,7 +8,7 @@ import pytest
 from attacks.base import ThreatModel
 from attacks.inversion import DecoderInversion
 from conftest import train_in_process
-from eftguard.attack_cli import observe_round
+from eftguard.audit.observe import observe_features
 from eftguard.cli import main
 from eftguard.rundir import RunDirectory
 
@@ -67,7 +67,7 @@ def test_the_attack_never_reads_ground_truth(feature_run, monkeypatch, tmp_path)
 
     monkeypatch.setattr(RunDirectory, "truth_path", forbidden)
     run = RunDirectory.open(feature_run)
-    observation, _ = observe_round(run, 1, [0, 1], max_images=4, seed=0, positions_known=False,
+    observation, _ = observe_features(run, 1, [0, 1], max_images=4, seed=0, positions_known=False,
                                    aux=run_dataset_public(run))
     recon = DecoderInversion(ThreatModel(positions_known=False), steps=2, probe_steps=2, width=32, depth=1)
     assert set(recon.reconstruct(observation)) == {0, 1}

@@ -13,7 +13,7 @@ import psutil
 import pytest
 
 from conftest import train_in_process
-from eftguard.attack_cli import round_clients
+from eftguard.audit.api import round_clients
 from eftguard.cli import main
 from eftguard.config import TrainConfig
 from eftguard.federation.errors import FederationError, Interrupted

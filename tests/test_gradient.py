@@ -8,7 +8,8 @@ import pytest
 import torch
 from torch import nn
 
-from attacks.gradient import (AnalyticAttack, DLGAttack, GradientObservation, InvertingGradients, kept_positions,
+from attacks.gradient import (AnalyticAttack, DLGAttack, GradientObservation, IDLGAttack, InvertingGradients,
+                              kept_positions,
                               prepare_numerics, recover_labels)
 from attacks.base import ThreatModel
 from defenses.dp import DPSGD, client_budget, make_private
@@ -18,7 +19,7 @@ from eftguard.config import TrainConfig
 from eftguard.data import load_dataset
 from eftguard.federation.client import client_round
 from eftguard.federation.records import ClientSettings
-from eftguard.gradient_audit import DPNoise, probe_gradient, trained_names
+from eftguard.audit.observe import DPNoise, probe_gradient, trained_names
 from eftguard.masking import random_keep_ids
 from eftguard.model import EFTViT, build_model
 from eftguard.rundir import RunDirectory
@@ -166,7 +167,7 @@ def flat(gradients, names):
 
 
 def test_probe_dp_step_is_opacus_step_at_zero_noise_and_has_its_noise_scale(photos):
-    """The DP probe (gradient_audit.probe_gradient) stands in for the client's DP-SGD step in every DP audit:
+    """The DP probe (eftguard.audit.observe.probe_gradient) stands in for the client's DP-SGD step in every DP audit:
     at zero noise it must give Opacus' clipped mean, and its noise must have Opacus' scale, sigma * C / B."""
     model = build_model("vit-tiny-32", 10, 2, seed=0)
     indices = [0, 40, 80, 120]
@@ -244,7 +245,7 @@ def test_a_one_step_upload_is_adamw_applied_to_the_probe_gradient(monkeypatch):
     """A client whose whole partition is one batch uploads after exactly one AdamW step: phi_k - phi equals
     -lr * (weight_decay * phi + g / (|g| + eps)) with g the probe gradient of its batch. So an upload keeps only
     the sign of each coordinate of the gradient (|g| >> eps), which is why the closed-form attack needs the probe
-    (--steps 1) and treats --steps local as an estimate."""
+    (--observe probe) and treats --observe upload as an estimate."""
     cfg = TrainConfig(clients=2, rounds=1, train_samples=60, test_samples=20, batch_size=64, local_epochs=1).resolved()
     start, names, images, keep, labels, applied, upload = first_client_step(monkeypatch, cfg)
     assert len(labels) == upload.num_examples  # one batch: the upload is one step
@@ -303,7 +304,7 @@ def test_dlg_on_the_vit_beats_the_mean_image_at_batch_1_unless_dp_sgd(photos, dp
     (iDLG), 20 gradient evaluations: measured 18.9 dB on the kept patches against 12.9 for the mean image (soft-label
     DLG needs 40 for 20.9, 2-3 times as long); on the DP-SGD step (epsilon 1) the same attack gets nothing."""
     obs, original, keep = vit_probe(photos, [5], masked=True, dp=dp_noise_for_epsilon_1() if dp else None)
-    result = DLGAttack(iterations=20, recover_label=True).reconstruct(obs)
+    result = IDLGAttack(steps=20).reconstruct(obs)
     attacked, baseline = kept_psnr_and_baseline(photos, result, original, keep)
     assert_calibrated(photos, result, keep, attacked, baseline, dp, margin=4)
 
@@ -313,7 +314,7 @@ def test_inverting_gradients_on_the_vit_beats_the_mean_image_at_batch_1_unless_d
     """Inverting Gradients on the masked vit-tiny-32 probe, 30 signed-Adam steps of 0.3: measured 16.3 dB on the
     kept patches against 12.9 for the mean image; on the DP-SGD step (epsilon 1) it falls below the mean image."""
     obs, original, keep = vit_probe(photos, [5], masked=True, dp=dp_noise_for_epsilon_1() if dp else None)
-    result = InvertingGradients(iterations=30, lr=0.3).reconstruct(obs)
+    result = InvertingGradients(steps=30, lr=0.3).reconstruct(obs)
     attacked, baseline = kept_psnr_and_baseline(photos, result, original, keep)
     assert_calibrated(photos, result, keep, attacked, baseline, dp, margin=2)
 
@@ -331,14 +332,14 @@ def test_attack_numerics_do_not_outlive_the_test():
 @pytest.mark.slow  # 7-30 s with the machine idle or loaded: 900 double-backward evaluations
 def test_dlg_recovers_one_image_from_a_lenet_gradient(photos):
     obs, original = lenet_observation(photos, 74)
-    result = DLGAttack(iterations=900).reconstruct(obs)
+    result = DLGAttack(steps=900).reconstruct(obs)
     assert metrics.psnr(result.images, original)[0] > 30
     assert result.details["labels"] == photos.train.labels[[74]].tolist()
 
 
 def test_dlg_falls_to_baseline_under_dp_sgd_at_epsilon_1(photos):
     obs, original = lenet_observation(photos, 74, dp=dp_noise_for_epsilon_1())
-    result = DLGAttack(iterations=200).reconstruct(obs)
+    result = DLGAttack(steps=200).reconstruct(obs)
     baseline = metrics.mean_image_baseline(floats(photos.public.images), 1)
     assert metrics.psnr(result.images, original)[0] < metrics.psnr(baseline, original)[0] + 2
     assert not singles_out(photos, result.images, 74)
@@ -347,7 +348,7 @@ def test_dlg_falls_to_baseline_under_dp_sgd_at_epsilon_1(photos):
 @pytest.mark.slow  # 8-30 s with the machine idle or loaded: 40 double-backward iterations through vit-tiny-32
 def test_inverting_gradients_beats_the_mean_image_on_the_fedfull_probe(photos):
     obs, original, _ = vit_probe(photos, [0], masked=False)
-    result = InvertingGradients(iterations=40).reconstruct(obs)
+    result = InvertingGradients(steps=40).reconstruct(obs)
     baseline = metrics.mean_image_baseline(floats(photos.public.images), 1)
     assert metrics.psnr(result.images, floats(original))[0] > metrics.psnr(baseline, floats(original))[0] + 2
 
@@ -379,7 +380,7 @@ def run_cli(capsys, *argv):
 
 
 def test_cli_probe_writes_report_and_grid_that_the_run_report_picks_up(capsys, eftvit_run, tmp_path):
-    code, err = run_cli(capsys, "attack", "gradient", "--run", eftvit_run.path, "--steps", "1",
+    code, err = run_cli(capsys, "attack", "gradient", eftvit_run.path, "--observe", "probe",
                         "--lpips-backend", "stlpips-alex", "--out", tmp_path)
     assert code == 0, err
     folder = tmp_path / "gradient-analytic"
@@ -400,7 +401,7 @@ def test_cli_probe_of_a_dp_run_falls_to_the_baseline(capsys, tmp_path):
     """The probe takes the client's DP-SGD step (clipping, its calibrated noise for epsilon 1): the analytic
     attack then recovers neither the kept patches nor their positions."""
     run = recorded_run(tmp_path / "dp", dp_eps=1.0, accountant="rdp")
-    code, err = run_cli(capsys, "attack", "gradient", "--run", run.path, "--steps", "1", "--lpips-backend",
+    code, err = run_cli(capsys, "attack", "gradient", run.path, "--observe", "probe", "--lpips-backend",
                         "stlpips-alex", "--out", tmp_path)
     assert code == 0, err
     report = json.loads((tmp_path / "gradient-analytic" / "report.json").read_text())
@@ -411,8 +412,8 @@ def test_cli_probe_of_a_dp_run_falls_to_the_baseline(capsys, tmp_path):
 
 
 def test_cli_attacks_an_uploaded_fedavg_update(capsys, fedavg_run, tmp_path):
-    code, err = run_cli(capsys, "attack", "gradient", "--run", fedavg_run.path, "--method", "idlg", "--steps", "local",
-                        "--batch", "2", "--iterations", "3", "--lpips-backend", "stlpips-alex", "--out", tmp_path)
+    code, err = run_cli(capsys, "attack", "gradient", "--run", fedavg_run.path, "--method", "idlg", "--observe",
+                        "upload", "--batch", "2", "--steps", "3", "--lpips-backend", "stlpips-alex", "--out", tmp_path)
     assert code == 0, err
     report = json.loads((tmp_path / "gradient-idlg" / "report.json").read_text())
     assert report["metrics"]["psnr"]["n"] == 2 and "metrics_kept" not in report
@@ -422,13 +423,14 @@ def test_cli_attacks_an_uploaded_fedavg_update(capsys, fedavg_run, tmp_path):
 def test_attacks_never_read_ground_truth(monkeypatch, capsys, eftvit_run, tmp_path):
     """While an attack reconstructs, truth/ and the client's images are out of reach; only scoring reads them."""
     calls = attacks_guarded(monkeypatch, eftvit_run.path, AnalyticAttack, DLGAttack, InvertingGradients)
-    for method, steps in (("analytic", "1"), ("analytic", "local"), ("idlg", "1"), ("ig", "local")):
-        code, err = run_cli(capsys, "attack", "gradient", "--run", eftvit_run.path, "--method", method, "--steps", steps,
-                            "--iterations", "1", "--lpips-backend", "stlpips-alex", "--out", tmp_path)
+    for method, observe in (("analytic", "probe"), ("analytic", "upload"), ("idlg", "probe"), ("ig", "upload")):
+        steps = [] if method == "analytic" else ["--steps", "1"]
+        code, err = run_cli(capsys, "attack", "gradient", eftvit_run.path, "--method", method, "--observe", observe,
+                            *steps, "--lpips-backend", "stlpips-alex", "--out", tmp_path)
         assert code == 0, err
         report = json.loads((tmp_path / f"gradient-{method}" / "report.json").read_text())
         assert report["metrics"]["psnr"]["n"] == 1  # scored afterwards, by the auditor
-    assert calls == ["AnalyticAttack", "AnalyticAttack", "DLGAttack", "InvertingGradients"]
+    assert calls == ["AnalyticAttack", "AnalyticAttack", "IDLGAttack", "InvertingGradients"]  # iDLG is a DLGAttack
 
 
 def test_encrypted_run_needs_its_key(capsys, tmp_path):
@@ -448,11 +450,15 @@ def test_encrypted_run_needs_its_key(capsys, tmp_path):
 @pytest.mark.parametrize("argv, message", [
     (["--client", "7"], "no uploads of client(s) [7]"),
     (["--round", "2"], "--round 2 is not a completed round"),
-    (["--steps", "1", "--batch", "1000"], "--batch 1000 is larger than client 0's"),
-    (["--steps", "local", "--batch", "1000"], "--batch 1000 is larger than client 0's"),
+    (["--observe", "probe", "--batch", "1000"], "--batch 1000 is larger than client 0's"),
+    (["--observe", "upload", "--batch", "1000"], "--batch 1000 is larger than client 0's"),
+    (["--clients", "0,1"], "the gradient attack reconstructs one client's images: give one partition id"),
+    (["--method", "analytic", "--steps", "5"], "--steps does not apply to --method analytic: it is an option of "
+                                               "--method dlg, idlg, ig"),
     (["--batch", "0"], "argument --batch: must be a whole number >= 1"),
     (["--method", "ig", "--restarts", "0"], "argument --restarts: must be a whole number >= 1"),
-    (["--method", "dlg", "--iterations", "0"], "argument --iterations: must be a whole number >= 1"),
+    (["--method", "dlg", "--steps", "0"], "argument --steps: must be a whole number >= 1"),
+    (["--observe", "1"], "argument --observe: invalid choice: '1'"),
 ])
 def test_bad_input_is_one_clear_error(capsys, eftvit_run, argv, message):
     code, err = run_cli(capsys, "attack", "gradient", "--run", eftvit_run.path, *argv)

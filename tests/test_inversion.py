@@ -15,8 +15,9 @@ from attacks.inversion import (ClientFeatures, DecoderInversion, OptimizationInv
 from eftguard.data.registry import load_dataset
 from eftguard.masking import random_keep_ids
 from defenses.feature_noise import release_features
-from eftguard import audit, metrics
-from eftguard.attack_cli import observe_round
+from eftguard import metrics
+from eftguard.audit import scoring
+from eftguard.audit.observe import observe_features
 from eftguard.cli import main
 from eftguard.federation.client import client_round, run_dataset
 from eftguard.federation.records import ClientSettings
@@ -149,16 +150,16 @@ def test_the_truth_guard_blocks_every_way_to_ground_truth(feature_run):
     view stays readable, and truth is readable again afterwards."""
     run = RunDirectory.open(feature_run)
     path = run.truth_path(1, 0)
-    readers = [lambda: audit.true_class_counts(run, 1, 0), lambda: run.load_arrays(path), lambda: open(path, "rb"),
+    readers = [lambda: scoring.true_class_counts(run, 1, 0), lambda: run.load_arrays(path), lambda: open(path, "rb"),
                lambda: path.read_bytes(), lambda: safetensors.numpy.load_file(path),
                lambda: safetensors.torch.load_file(str(path)), lambda: safetensors.safe_open(str(path), "np"),
-               lambda: audit.client_training_set(run, 0)]
+               lambda: scoring.client_training_set(run, 0)]
     with truth_out_of_reach(feature_run):
         for read in readers:
             with pytest.raises(AssertionError, match="ground truth was read"):
                 read()
         assert len(run.load_upload(1, 0, "features")["labels"]) > 0
-    assert audit.true_class_counts(run, 1, 0).sum() > 0
+    assert scoring.true_class_counts(run, 1, 0).sum() > 0
 
 
 def test_the_decoder_never_reads_ground_truth(feature_run, tmp_path, monkeypatch):
@@ -174,7 +175,7 @@ def test_optimisation_with_unknown_positions_never_reads_ground_truth(feature_ru
     may touch truth/."""
     run = RunDirectory.open(feature_run)
     with truth_out_of_reach(feature_run):
-        observation, rows = observe_round(run, 1, [0, 1], 3, 0, False, run_dataset("photos", "", "vit-tiny-32", 0, 0,
+        observation, rows = observe_features(run, 1, [0, 1], 3, 0, False, run_dataset("photos", "", "vit-tiny-32", 0, 0,
                                                                                    0).public.images)
         attack = OptimizationInversion(ThreatModel(positions_known=False), steps=2, restarts=1, probe_steps=3)
         results = attack.reconstruct(observation)
@@ -196,7 +197,7 @@ def test_an_oracle_reconstruction_scores_the_psnr_cap_on_every_row(feature_run, 
     assert np.allclose(again.features["features"], stored["features"], atol=1e-3)
     originals = train_images[again.truth["sample_ids"]].astype(np.float32) / 255
 
-    def oracle(self, observation):
+    def oracle(self, observation, progress=None):
         (client,) = observation.clients
         return {client.partition: ImageReconstruction(originals, rows=np.arange(len(client.features)))}
 

@@ -8,8 +8,8 @@ import torch
 
 from attacks.base import LabelEstimate
 from attacks.labels import ClientUploads, HeadGradientAttack, LabelObservation, LinkageAttack, PresenceAttack
-from eftguard import audit
-from eftguard.attack_cli import observe_labels
+from eftguard.audit import scoring
+from eftguard.audit.observe import observe_labels
 from eftguard.cli import main
 from eftguard.rundir import RunDirectory
 from eftguard.sampling import balanced_indices, class_target
@@ -88,16 +88,16 @@ def test_at_least_one_keeps_the_total():
 
 def test_scores_and_prior_baseline():
     truth = np.array([8, 0, 2, 0])
-    perfect = audit.label_scores(LabelEstimate(truth.astype(float), truth > 0), truth)
+    perfect = scoring.label_scores(LabelEstimate(truth.astype(float), truth > 0), truth)
     assert perfect["l1"][0] == 0 and perfect["js"][0] == 0 and perfect["exact_count_accuracy"].tolist() == [1, 1]
-    baseline = audit.prior_baseline(truth)
+    baseline = scoring.prior_baseline(truth)
     assert baseline.counts.tolist() == [5, 0, 5, 0]
-    scores = audit.label_scores(baseline, truth)
+    scores = scoring.label_scores(baseline, truth)
     p, q, m = np.array([0.8, 0.2]), np.array([0.5, 0.5]), np.array([0.65, 0.35])  # the present classes
     js_by_hand = np.sqrt(0.5 * (p * np.log2(p / m)).sum() + 0.5 * (q * np.log2(q / m)).sum())
     assert scores["l1"][0] == pytest.approx(0.6) and scores["js"][0] == pytest.approx(js_by_hand)
     assert scores["exact_count_accuracy"].tolist() == [0, 0] and scores["presence_f1"][0] == 1
-    wrong = audit.label_scores(LabelEstimate(np.array([0, 10.0, 0, 0]), np.array([0, 1, 0, 0], bool)), truth)
+    wrong = scoring.label_scores(LabelEstimate(np.array([0, 10.0, 0, 0]), np.array([0, 1, 0, 0], bool)), truth)
     assert wrong["presence_precision"][0] == 0 and wrong["presence_f1"][0] == 0 and wrong["js"][0] == pytest.approx(1)
 
 
@@ -112,14 +112,14 @@ def test_attacks_on_a_real_round_beat_the_prior_and_never_read_truth(tiny_run):
     counts 5 of the 8 classes below T exactly (the prior none)."""
     with truth_out_of_reach(tiny_run.path):
         observation = observe_labels(tiny_run, 1, [0, 1], with_model=True)
-        estimates = {a.name: a.reconstruct(observation) for a in (PresenceAttack(), LinkageAttack(), HeadGradientAttack())}
+        estimates = {f"labels-{a.name}": a.reconstruct(observation) for a in (PresenceAttack(), LinkageAttack(), HeadGradientAttack())}
     exact_below_t = []
     for client in (0, 1):
-        truth = audit.true_class_counts(tiny_run, 1, client)
+        truth = scoring.true_class_counts(tiny_run, 1, client)
         assert np.array_equal(estimates["labels-presence"][client].present, truth > 0)
-        prior = audit.label_scores(audit.prior_baseline(truth), truth)["l1"][0]
+        prior = scoring.label_scores(scoring.prior_baseline(truth), truth)["l1"][0]
         for name in ("labels-linkage", "labels-head"):
-            l1 = audit.label_scores(estimates[name][client], truth)["l1"][0]
+            l1 = scoring.label_scores(estimates[name][client], truth)["l1"][0]
             assert l1 < 0.8 * prior, (name, client, l1, prior)
         linkage = estimates["labels-linkage"][client]
         below = (truth > 0) & (truth < linkage.details["T"])
@@ -137,13 +137,14 @@ def run_cli(capsys, *argv):
 def test_cli_writes_one_report_per_method(tiny_run, tmp_path):
     main(["attack", "labels", "--run", str(tiny_run.path), "--out", str(tmp_path)])
     observation = observe_labels(tiny_run, 1, [0, 1], with_model=True)
-    truths = [audit.true_class_counts(tiny_run, 1, k) for k in (0, 1)]
-    prior = [audit.label_scores(audit.prior_baseline(t), t) for t in truths]
+    truths = [scoring.true_class_counts(tiny_run, 1, k) for k in (0, 1)]
+    prior = [scoring.label_scores(scoring.prior_baseline(t), t) for t in truths]
     for attack in (PresenceAttack(), LinkageAttack(), HeadGradientAttack()):
-        report = json.loads((tmp_path / attack.name / "report.json").read_text())
-        assert report["attack"] == attack.name and report["round"] == 1 and report["clients"] == [0, 1]
+        folder = tmp_path / f"labels-{attack.name}"
+        report = json.loads((folder / "report.json").read_text())
+        assert report["attack"] == folder.name and report["round"] == 1 and report["clients"] == [0, 1]
         estimates = attack.reconstruct(observation)
-        scores = [audit.label_scores(estimates[k], t) for k, t in zip((0, 1), truths)]
+        scores = [scoring.label_scores(estimates[k], t) for k, t in zip((0, 1), truths)]
         for metric in ("l1", "js", "presence_f1"):  # the report pools exactly these per-client scores
             assert report["metrics"][metric]["mean"] == pytest.approx(np.mean([s[metric][0] for s in scores]))
             assert report["baseline"][metric]["mean"] == pytest.approx(np.mean([s[metric][0] for s in prior]))
@@ -152,7 +153,7 @@ def test_cli_writes_one_report_per_method(tiny_run, tmp_path):
         assert report["metrics"]["exact_count_accuracy"] == pytest.approx(
             {"mean": exact.mean(), "std": exact.std(), "median": np.median(exact), "n": len(exact)})
         assert [report["histograms"][k]["true"] for k in ("0", "1")] == [t.tolist() for t in truths]
-        assert (tmp_path / attack.name / "report.md").exists()
+        assert (folder / "report.md").exists()
     presence = json.loads((tmp_path / "labels-presence" / "report.json").read_text())
     assert presence["metrics"]["presence_f1"]["mean"] == 1.0
 

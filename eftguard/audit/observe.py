@@ -1,34 +1,83 @@
-"""Gradient-leakage audit: build what the attack observes, run it, have the auditor score it.
+"""What the attacker holds: one builder per family, from the run directory's observed view (observed/, the
+round's public weights, public data, n_k as reported) and never from truth/.
 
-Two observations of one client in one round t, both starting from checkpoints/round-(t-1):
-- the **upload** (`--steps local`): the parameters the client sent (whole ViT for fedavg, phi and h for
-  eftvit), turned into a gradient estimate (-update / (lr * steps), AdamW's decoupled weight decay taken out);
-- the **FedSGD probe** (`--steps 1`): the auditor simulates the client for one step, the gradient of one batch
-  of B of its images (masked as the client would, with DP-SGD's clipping and noise if the run used DP), the
-  usual worst case for calibration and the DP comparison.
-
-The attack sees the observation only. Its reconstructions are then matched to the client's images and scored
-by eftguard.audit, the one scoring path for every image attack.
+The one exception is the gradient family's FedSGD probe: the auditor simulates the client's step on its own
+images (read through eftguard.audit.scoring, the only reader of client data) and hands the attack the gradient
+only. The batch it used is kept for scoring, out of the attack's reach.
 """
 
 from __future__ import annotations
 
 import math
-import time
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
 
 import numpy as np
 import torch
 from torch import nn
 
-from attacks.gradient import GradientObservation, make_attack, prepare_numerics
-from eftguard import audit, metrics
+from attacks.gradient import GradientObservation, prepare_numerics
+from attacks.inversion import ClientFeatures, RoundFeatures
+from attacks.labels import ClientUploads, LabelObservation
+from eftguard.audit import scoring
 from eftguard.masking import random_keep_ids
 from eftguard.model import EFTViT
 from eftguard.rundir import RunDirectory, RunError
 
-STEPS = ("1", "local")
+# --- invert: uploaded patch features ------------------------------------------------------------------------
 
+def aux_images(choice: str, data_dir, run_dataset, image_size: int) -> np.ndarray:
+    """The attacker's auxiliary images: the run dataset's public split, or another dataset's training split."""
+    from eftguard.data.registry import check_dataset_name, load_dataset
+
+    if choice == "public":
+        return run_dataset.public.images
+    check_dataset_name(choice)
+    return load_dataset(choice, str(data_dir) if data_dir else None, image_size).train.images
+
+
+def observe_features(run: RunDirectory, round_number: int, clients: list[int], max_images: int, seed: int,
+                     positions_known: bool, aux: np.ndarray) -> tuple[RoundFeatures, dict[int, np.ndarray]]:
+    """The round's feature uploads as the attacker holds them, plus the rows attacked per client. Kept positions,
+    when granted, come from the auditor."""
+    cfg = run.config()
+    if cfg.method != "eftvit":
+        raise RunError(f"{run.path} is a {cfg.method} run: it uploads no patch features. Use eftguard attack gradient")
+    model = run.start_model(round_number)
+    rng = np.random.default_rng(seed)
+    observed, rows_of = [], {}
+    for partition in clients:
+        upload = run.load_upload(round_number, partition, "features")
+        n = len(upload["labels"])
+        rows = np.arange(n) if max_images <= 0 or n <= max_images else np.sort(rng.choice(n, max_images, replace=False))
+        rows_of[partition] = rows
+        state = {k: torch.from_numpy(v) for k, v in run.load_upload(round_number, partition, "update").items()}
+        kept = scoring.granted_positions(run, round_number, partition)[rows] if positions_known else None
+        observed.append(ClientFeatures(partition, torch.from_numpy(upload["features"][rows]),
+                                       torch.from_numpy(upload["labels"][rows]), state,
+                                       torch.from_numpy(kept) if kept is not None else None))
+    return RoundFeatures(round_number, observed, model, cfg.mask_ratio, aux, cfg.feature_clip, cfg.feature_noise), rows_of
+
+
+# --- labels: uploads, n_k and (when the threat model grants it) the start model -----------------------------
+
+def observe_labels(run: RunDirectory, round_number: int, clients: list[int], with_model: bool) -> LabelObservation:
+    """The round as the attacker holds it: uploads, n_k as reported, and (with_model) the start model."""
+    cfg = run.config()
+    if cfg.method != "eftvit":
+        raise RunError(f"{run.path} is a {cfg.method} run: it uploads no features or labels to attack")
+    reported = run.metrics()[round_number - 1]["num_examples"]  # checked before any work (api.check_round_record)
+    num_classes = run.load_checkpoint(round_number - 1)["head.weight"].shape[0]
+    observed = []
+    for partition in clients:
+        features = run.load_upload(round_number, partition, "features")
+        update = run.load_upload(round_number, partition, "update")
+        observed.append(ClientUploads(partition, reported[str(partition)], features["labels"],
+                                      features["features"], update["head.weight"], update["head.bias"]))
+    model = run.start_model(round_number) if with_model else None
+    return LabelObservation(round_number, num_classes, observed, cfg.balance, model)
+
+
+# --- gradient: the uploaded update, or the auditor's FedSGD probe -------------------------------------------
 
 @dataclass
 class ProbeBatch:
@@ -48,7 +97,7 @@ class DPNoise:
     max_grad_norm: float
 
 
-def start_model(run: RunDirectory, round_number: int) -> EFTViT:
+def attack_model(run: RunDirectory, round_number: int) -> EFTViT:
     """The model a client of round t started from, ready for double backward."""
     model = run.start_model(round_number)
     prepare_numerics(model)
@@ -59,6 +108,10 @@ def trained_names(model: EFTViT, method: str) -> list[str]:
     """Parameters a client trains (and uploads): all for fedavg, phi and h for eftvit."""
     names = [name for name, _ in model.named_parameters()]
     return names if method == "fedavg" else [n for n in names if n.startswith(("local_module.", "head."))]
+
+
+def model_image_size(model: EFTViT) -> int:
+    return int(model.local_module.patch_embed.img_size[0])
 
 
 def probe_gradient(model: EFTViT, names: list[str], images: torch.Tensor, labels: torch.Tensor,
@@ -89,12 +142,13 @@ def probe_gradient(model: EFTViT, names: list[str], images: torch.Tensor, labels
 
 def probe_observation(run: RunDirectory, round_number: int, partition: int, batch: int, seed: int,
                       prior: np.ndarray | None) -> tuple[GradientObservation, ProbeBatch, dict]:
-    """The FedSGD probe: one gradient of `batch` of the client's images at the start of the round."""
+    """The FedSGD probe: one gradient of `batch` of the client's images at the start of the round, masked as the
+    client would and with the run's DP-SGD clipping and noise."""
     cfg = run.config()
-    data = audit.client_training_set(run, partition)
+    data = scoring.client_training_set(run, partition)
     if batch > len(data):
         raise RunError(f"--batch {batch} is larger than client {partition}'s {len(data)} training images")
-    model = start_model(run, round_number)
+    model = attack_model(run, round_number)
     rng = np.random.default_rng([seed, round_number, partition])
     chosen = np.sort(rng.choice(len(data), size=batch, replace=False))
     generator = torch.Generator().manual_seed(int(rng.integers(2 ** 62)))
@@ -121,7 +175,7 @@ def upload_observation(run: RunDirectory, round_number: int, partition: int, bat
     """The client's uploaded update as one scaled gradient. The server knows lr, weight decay, epochs and
     batch size from the configuration and the client's sample count n_k (FedAvg's weight)."""
     cfg = run.config()
-    model = start_model(run, round_number)
+    model = attack_model(run, round_number)
     uploaded = run.load_upload(round_number, partition, "update")
     num_examples = run.metrics()[round_number - 1]["num_examples"][str(partition)]
     if batch > num_examples:
@@ -137,69 +191,3 @@ def upload_observation(run: RunDirectory, round_number: int, partition: int, bat
                               masked=cfg.method == "eftvit", prior=prior)
     return obs, {"observation": (f"uploaded update after {steps} AdamW step(s) on {num_examples} images, treated "
                                  f"as one gradient: -(update) / (lr * steps) - weight_decay * weights")}
-
-
-def model_image_size(model: EFTViT) -> int:
-    return int(model.local_module.patch_embed.img_size[0])
-
-
-METHOD_NOTES = {
-    "analytic": "closed form from the positional- and patch-embedding gradients; exact at batch 1; above it one "
-                "composite offered for every image of the batch (without masking it matches none of them); fails "
-                "on multi-step AdamW updates and under DP noise",
-    "dlg": "images and soft labels optimised jointly (L-BFGS, L2 gradient distance)",
-    "idlg": "label from the head-bias gradient, then DLG on the images",
-    "ig": "labels from the head-bias gradient, then cosine distance + total variation (signed Adam, restarts); "
-          "weak on ViTs: gradients match closely while images stay blurry",
-}
-
-
-ORIGINALS = {
-    "1": "the probe's batch; reconstructions matched to it one-to-one (Hungarian, MSE)",
-    "local": "each reconstruction scored against the client training image it matches best (one-to-one, MSE): "
-             "with a whole client set to choose from this flatters the attack, the baseline gets no such choice",
-}
-
-
-def run_gradient_audit(run: RunDirectory, round_number: int, partition: int, method: str, steps: str, batch: int,
-                       iterations: int | None, restarts: int, seed: int, lpips_backend: str, progress=None
-                       ) -> tuple[dict, list[list[np.ndarray]]]:
-    """Observe, attack, score: the report dict (DESIGN.md's schema) and the image-grid rows."""
-    cfg = run.config()
-    from eftguard.federation.client import run_dataset
-
-    public = run_dataset(cfg.dataset, cfg.data_dir, cfg.model, cfg.train_samples, 0, cfg.seed).public
-    public_images = audit.as_float_images(public.images)
-    prior = public_images.mean(axis=0)
-    if steps == "1":
-        obs, probe, details = probe_observation(run, round_number, partition, batch, seed, prior)
-    else:
-        obs, details = upload_observation(run, round_number, partition, batch, prior)
-    attack = make_attack(method, iterations, restarts, seed)
-
-    start = time.perf_counter()
-    recon = attack.reconstruct(obs, progress)  # the attack phase: the observation only
-    seconds = time.perf_counter() - start
-
-    if steps == "1":  # the auditor: originals are the probe's batch, or the client's whole training set
-        pool, pool_labels, pool_keep = audit.as_float_images(probe.images), probe.labels, probe.keep_ids
-    else:
-        data = audit.client_training_set(run, partition)
-        pool, pool_labels, pool_keep = audit.as_float_images(data.images), data.labels, None
-    rows = metrics.match_to_pool(recon.images, pool)
-    patch = int(obs.model.local_module.patch_embed.patch_size[0])
-    kept = metrics.kept_pixels(pool_keep[rows], obs.image_size, patch) if pool_keep is not None else None
-    labels = (np.asarray(recon.details["labels"]), pool_labels)
-    lpips = metrics.load_lpips(lpips_backend)
-    scores = audit.score_client(partition, replace(recon, rows=rows), pool[rows], kept, public_images, lpips, patch,
-                                pool_keep[rows] if pool_keep is not None else None, labels)
-    details.update({"method": METHOD_NOTES[method], "steps": steps, "batch": batch, "originals": ORIGINALS[steps],
-                    "reconstructed_images": len(recon.images), "attack_seconds": round(seconds, 2),
-                    **{k: v for k, v in recon.details.items() if k != "labels"},
-                    "positions": "kept positions read off the positional-embedding gradient" if obs.masked else
-                                 "no masking"})
-    if method != "analytic":
-        details["iterations"] = attack.iterations
-    report = audit.image_report(f"gradient-{method}", run, round_number, attack.threat_model, lpips.name, [scores],
-                                details)
-    return report, scores.grid_rows

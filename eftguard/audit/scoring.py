@@ -2,8 +2,9 @@
 the only code that reads truth/ (RunDirectory.load_truth) and the original client images.
 
 One scoring path for every image attack: `score_client` turns reconstructions plus originals into per-image
-scores for the attack and the baselines, `image_report` sums them up in DESIGN.md's report.json shape.
-Label attacks likewise: `score_labels` (per client, next to the prior-only baseline), then `label_report`.
+scores for the attack and the baselines, `image_summary` pools them over clients into the score groups of
+report.json (docs/report-schema.md). Label attacks likewise: `score_labels` (per client, next to
+the prior-only baseline), then `label_summary`.
 """
 
 from __future__ import annotations
@@ -13,7 +14,7 @@ from dataclasses import dataclass, field
 import numpy as np
 from scipy.spatial.distance import jensenshannon
 
-from attacks.base import ImageReconstruction, LabelEstimate, ThreatModel
+from attacks.base import ImageReconstruction, LabelEstimate
 from eftguard import metrics
 from eftguard.data import ImageSet
 from eftguard.rundir import RunDirectory, RunError
@@ -80,29 +81,35 @@ def score_client(partition: int, recon: ImageReconstruction, originals: np.ndarr
     return ClientScores(partition, groups, grid_rows, position_accuracy, label_accuracy)
 
 
-def pooled(clients: list[ClientScores]) -> dict:
+@dataclass
+class Summary:
+    """Scores pooled over clients: score group -> metric -> {"mean", "std", "median", "n"}, per-client means of
+    the attack's metrics, details (the attack's own accuracies added) and, for label attacks, the histograms."""
+
+    groups: dict
+    per_client: dict
+    details: dict
+    histograms: dict | None = None
+
+
+def pooled(clients: list[ClientScores]) -> tuple[dict, dict]:
     """Every score group pooled over clients as {"metric": {"mean", "std", "n"}}, and per-client means."""
-    out = {group: {m: metrics.summarize(np.concatenate([c.groups[group][m] for c in clients]))
-                   for m in clients[0].groups[group]} for group in clients[0].groups}
-    out["per_client"] = {str(c.partition): {m: float(np.mean(v)) if len(v) else None
-                                            for m, v in c.groups["metrics"].items()} for c in clients}
-    return out
+    groups = {group: {m: metrics.summarize(np.concatenate([c.groups[group][m] for c in clients]))
+                      for m in clients[0].groups[group]} for group in clients[0].groups}
+    per_client = {str(c.partition): {m: float(np.mean(v)) if len(v) else None
+                                     for m, v in c.groups["metrics"].items()} for c in clients}
+    return groups, per_client
 
 
-def image_report(attack: str, run: RunDirectory, round_number: int, threat: ThreatModel, lpips_backend: str,
-                 clients: list[ClientScores], details: dict) -> dict:
-    """DESIGN.md's report.json for an image attack, pooled over clients, with per-client means."""
-    report = {"attack": attack, "run": str(run.path), "round": round_number, "clients": [c.partition for c in clients],
-              "capabilities": threat.capabilities(), "lpips_backend": lpips_backend}
-    report.update(pooled(clients))
+def image_summary(clients: list[ClientScores], details: dict) -> Summary:
+    """An image attack's scores pooled over clients, with the position and label accuracy of its guesses."""
     accuracies = [c.position_accuracy for c in clients if c.position_accuracy is not None]
     if accuracies:
         details = {**details, "position_accuracy": metrics.summarize(np.concatenate(accuracies))}
     label_accuracies = [c.label_accuracy for c in clients if c.label_accuracy is not None]
     if label_accuracies:
         details = {**details, "label_accuracy": metrics.summarize(np.concatenate(label_accuracies))}
-    report["details"] = details
-    return report
+    return Summary(*pooled(clients), details)
 
 
 def granted_positions(run: RunDirectory, round_number: int, partition: int) -> np.ndarray:
@@ -171,15 +178,12 @@ def score_labels(run: RunDirectory, round_number: int, partition: int, estimate:
                                     "baseline": label_scores(prior_baseline(truth), truth)}, histograms=histograms)
 
 
-def label_report(attack: str, run: RunDirectory, round_number: int, threat: ThreatModel, clients: list[ClientScores],
-                 details: dict) -> dict:
-    """DESIGN.md's report.json for a label attack: l1, js, exact_count_accuracy and presence scores pooled over
-    clients (n: clients, or present (client, class) pairs for exact_count_accuracy), per-client means and the
-    true and estimated histograms."""
+def label_summary(clients: list[ClientScores], details: dict) -> Summary:
+    """A label attack's l1, js, exact_count_accuracy and presence scores pooled over clients (n: clients, or
+    present (client, class) pairs for exact_count_accuracy), per-client means and the true and estimated
+    histograms."""
     shown = {f"client {c.partition} (true / estimated)":
              f"{c.histograms['true']} / {[round(x, 1) for x in c.histograms['estimated']]}"
              + (f", lower bounds only: classes {c.histograms['lower_bound_only']}"
                 if c.histograms.get("lower_bound_only") else "") for c in clients}
-    return {"attack": attack, "run": str(run.path), "round": round_number, "clients": [c.partition for c in clients],
-            "capabilities": threat.capabilities(), **pooled(clients),
-            "histograms": {str(c.partition): c.histograms for c in clients}, "details": {**details, **shown}}
+    return Summary(*pooled(clients), {**details, **shown}, {str(c.partition): c.histograms for c in clients})

@@ -1,0 +1,201 @@
+"""The one audit pipeline: run -> checks -> observation -> attack -> scoring -> AttackReport.
+
+`run_attack` is what the CLI (`eftguard attack ...`), `eftguard demo`, the experiments and notebooks call:
+
+    from eftguard.audit import run_attack
+    report = run_attack("runs/eftvit", "invert", method="decoder", steps=600)
+    report.figures()["psnr_kept"]
+
+Every check runs before any work, so bad input is one clear error (AttackError or RunError) and leaves nothing
+behind. Family-specific steps (observation, scoring) live in eftguard.audit.families.
+"""
+
+from __future__ import annotations
+
+import math
+import os
+import time
+from pathlib import Path
+
+from attacks.base import AttackError, Progress, options_of, whole_number
+from eftguard.audit.families import FAMILIES, Family, Job, family_named
+from eftguard.audit.result import AttackReport
+from eftguard.rundir import RunDirectory, RunError, client_name, round_name
+
+SEED = whole_number(0, 2 ** 32 - 1)
+ROUND = whole_number(1)
+
+
+def attack_names(family: str | None = None) -> list[str]:
+    """Report names of every registered attack ("invert-decoder", ...), of one family or of all."""
+    families = [family_named(family)] if family is not None else list(FAMILIES.values())
+    return [f"{f.name}-{method}" for f in families for method in f.registry.names()]
+
+
+def run_attack(run: str | Path | RunDirectory, family: str, method: str | None = None, *,
+               round_number: int | None = None, clients: str | list[int] = "all", key: Path | None = None,
+               seed: int = 0, lpips_backend: str = "auto", out: Path | None = None,
+               progress: Progress | None = None, **options) -> AttackReport:
+    """Attack one round of a run and score the result. family: invert | labels | gradient; method None: the
+    family's default; options: the family's and the method's options by name (steps=600, positions="known",
+    ...). out: also write out/<attack>/ (report.json, report.md, grid.png)."""
+    chosen = family_named(family)
+    cls = chosen.registry.get(chosen.registry.default if method is None else method)
+    family_options, method_options = resolve_options(chosen, cls, options)
+    seed = checked("seed", SEED, seed)
+    round_number = None if round_number is None else checked("round_number", ROUND, round_number)
+    run_dir, round_number, picked = open_round(run, key, round_number, clients, chosen,
+                                               lpips_backend if chosen.image_metrics else None)
+    folder = out_root(run_dir, out) if out is not None else None
+    ran_with = {**family_options, **method_options, **({"seed": seed} if chosen.seeded else {})}
+    job = Job(run_dir, round_number, picked, seed, lpips_backend if chosen.image_metrics else None, family_options,
+              ran_with)
+    attack = chosen.attack(cls, job, method_options)
+    observed = chosen.observe(job, attack)
+    start = time.perf_counter()
+    result = attack.reconstruct(observed.observation, progress)  # the attack phase: the observation only
+    report = chosen.score(job, attack, observed, result, time.perf_counter() - start)
+    if folder is not None:
+        report.save(folder)
+    return report
+
+
+def resolve_options(family: Family, cls: type, given: dict) -> tuple[dict, dict]:
+    """The family's and the method's options, given values checked and defaults filled in; an option neither
+    takes is an AttackError listing the valid ones."""
+    own, methods = {o.name: o for o in family.options}, {o.name: o for o in options_of(cls)}
+    unknown = [name for name in given if name not in own and name not in methods]
+    if unknown:
+        valid = ", ".join([*own, *methods]) or "none"
+        raise AttackError(f"{family.name} attack '{cls.name}' has no option '{unknown[0]}': its options are {valid}")
+    return ({name: o.value(given[name]) if name in given else o.default for name, o in own.items()},
+            {name: o.value(given[name]) if name in given else o.default for name, o in methods.items()})
+
+
+def checked(name: str, parse, value):
+    """A keyword argument of run_attack checked as its CLI flag is: AttackError("seed must be ...")."""
+    try:
+        return parse(str(value))
+    except ValueError as exc:
+        raise AttackError(f"{name} {exc}") from None
+
+
+# --- the checks before any work -----------------------------------------------------------------------------
+
+def open_run(path: str | Path | RunDirectory, key: Path | None) -> RunDirectory:
+    """Open a run for auditing; an encrypted run needs its key (refused clearly without it)."""
+    if isinstance(path, RunDirectory):
+        run = path
+    else:
+        path = Path(path)
+        if path.is_file():
+            raise RunError(f"{path} is a file, not a run directory: give the run's folder (e.g. runs/NAME)")
+        run = RunDirectory.open(path, key)
+    if run.encrypted and run.key is None:
+        raise RunError(f"{run.path} stores its uploads encrypted at rest: pass --key KEYFILE "
+                       "(the file given to eftguard train --encrypt-at-rest)")
+    return run
+
+
+def resolve_round(run: RunDirectory, round_number: int | None) -> int:
+    completed = run.completed_rounds()
+    if completed == 0:
+        raise RunError(f"{run.path} has no completed round to attack: train it first (or --resume it)")
+    if round_number is None:
+        return completed
+    if not 1 <= round_number <= completed:
+        raise RunError(f"--round {round_number} is not a completed round of {run.path} (choose 1..{completed})")
+    return round_number
+
+
+def round_clients(run: RunDirectory, round_number: int, choice: str | list[int] = "all") -> list[int]:
+    """Partitions with uploads in the round: all, or a list of partition ids (comma-separated text or ints)."""
+    present = run.uploaded_partitions(round_number)
+    if not present:
+        raise RunError(f"{run.upload_dir(round_number, 0).parent} holds no uploads")
+    if choice == "all":
+        return present
+    try:
+        ids = choice.split(",") if isinstance(choice, str) else [str(c) for c in choice]
+        wanted = sorted({int(c) for c in ids})
+    except (ValueError, TypeError):
+        raise RunError(f"--clients must be 'all' or comma-separated partition ids, got '{choice}'") from None
+    missing = [c for c in wanted if c not in present]
+    if missing or not wanted:
+        raise RunError(f"no uploads of client(s) {missing} in round {round_number}; clients with uploads: {present}")
+    return wanted
+
+
+def out_root(run: RunDirectory, out: Path | None, flag: str = "--out") -> Path:
+    """The reports folder (default RUN/reports), refused before any work when a file is in its way."""
+    folder = Path(out) if out is not None else run.path / "reports"
+    existing = next(p for p in (folder.absolute(), *folder.absolute().parents) if p.exists())
+    if not existing.is_dir():
+        where = "exists and is not a folder" if existing == folder.absolute() else f"lies under {existing}, a file"
+        raise RunError(f"{folder} {where}: pass {flag} with a folder for the reports")
+    if not os.access(existing, os.W_OK):
+        raise RunError(f"cannot write reports to {folder} ({existing} is not writable): pass {flag} with another folder")
+    return folder
+
+
+def check_intact(run: RunDirectory, round_number: int, clients: list[int]) -> None:
+    """Before any work: config.toml and every file the attack and its scoring read (start checkpoint, the
+    clients' uploads and truth) must exist and still hash to what manifest.json recorded when they were
+    written; a missing, truncated or altered file is named instead of failing deep inside a loader."""
+    start = run.checkpoint_path(round_number - 1)
+    if not start.is_file():
+        raise RunError(f"{start} is missing: it holds the weights round {round_number} started from. Restore it from "
+                       "a backup, or attack another --round")
+    run.check_config()
+    read = (f"checkpoints/{round_name(round_number - 1)}.",
+            *(f"{folder}/{round_name(round_number)}/{client_name(k)}{end}"
+              for k in clients for folder, end in (("observed", "/"), ("truth", "."))))
+    for name in run.verify(read):
+        file = run.path / name
+        if not file.is_file():
+            raise RunError(f"{file} is missing (manifest.json lists it): restore it from a backup, or attack another "
+                           "--round")
+        raise RunError(f"{file} is damaged: it no longer matches the sha256 manifest.json recorded when it was "
+                       "written (truncated or altered). Restore it from a backup, or attack another --round")
+
+
+def check_round_record(run: RunDirectory, round_number: int, clients: list[int]) -> None:
+    """metrics.jsonl grows every round, so the manifest cannot vouch for it: the round's record must hold what the
+    attacks read per client, n_k as a positive count and, for DP runs, a finite noise multiplier."""
+    record = run.metrics()[round_number - 1]
+    checks = {"num_examples": lambda v: isinstance(v, int) and not isinstance(v, bool) and v > 0}
+    if run.config().dp_eps > 0:
+        checks["noise_multiplier"] = lambda v: isinstance(v, (int, float)) and math.isfinite(v) and v >= 0
+    for key, valid in checks.items():
+        values = record.get(key) if isinstance(record.get(key), dict) else {}
+        for partition in clients:
+            if not valid(values.get(str(partition))):
+                raise RunError(f"{run.path / 'metrics.jsonl'} has no valid {key} of client {partition} in round "
+                               f"{round_number} (got {values.get(str(partition))!r}): restore the file the run wrote")
+
+
+def check_model_loads(run: RunDirectory, round_number: int) -> None:
+    """config.toml must still describe the checkpoints (a changed model, split or class count is one line)."""
+    try:
+        run.start_model(round_number)
+    except RuntimeError as exc:  # load_state_dict: missing, unexpected or differently shaped weights
+        first = next((line.strip() for line in str(exc).splitlines()[1:] if line.strip()), str(exc))
+        raise RunError(f"{run.path}/config.toml does not match {run.checkpoint_path(round_number - 1).name} "
+                       f"({first[:160]}): restore the config.toml the run was trained with") from None
+
+
+def open_round(path: str | Path | RunDirectory, key: Path | None, round_number: int | None,
+               choice: str | list[int], family: Family, lpips_backend: str | None = None
+               ) -> tuple[RunDirectory, int, list[int]]:
+    """Every check an attack needs before it starts: the run, its round, the chosen clients with uploads,
+    intact files, weights that load, and the LPIPS backend of image attacks."""
+    run = open_run(path, key)
+    round_number = resolve_round(run, round_number)
+    clients = family.pick_clients(round_clients(run, round_number, choice), choice)
+    check_intact(run, round_number, clients)
+    check_round_record(run, round_number, clients)
+    check_model_loads(run, round_number)
+    if lpips_backend is not None:
+        from eftguard.metrics import load_lpips
+        load_lpips(lpips_backend)  # cached: the scoring later reuses it
+    return run, round_number, clients

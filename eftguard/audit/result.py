@@ -1,0 +1,138 @@
+"""AttackReport: one attack's scored result, the typed form of report.json (docs/report-schema.md).
+
+report.json stays flat (score groups at the top level, as eftguard.report reads it) and carries schema_version,
+family, method and options; `from_json` refuses a report of another schema version instead of misreading it.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import numpy as np
+
+from attacks.base import AttackError
+from eftguard.rundir import RunError
+
+SCHEMA_VERSION = 1
+
+# +1: a higher value means more leakage; -1: a lower value does. Baseline figures ("baseline.psnr") and
+# kept-patch figures ("psnr_kept") go the way of their metric (see figure_direction).
+FIGURE_DIRECTION: dict[str, int] = {
+    "psnr": 1, "ssim": 1, "lpips": -1, "psnr_kept": 1, "ssim_kept": 1, "lpips_kept": -1,
+    "position_accuracy": 1, "label_accuracy": 1,
+    "l1": -1, "js": -1, "exact_count_accuracy": 1, "presence_precision": 1, "presence_recall": 1, "presence_f1": 1,
+}
+
+# Keys of report.json that are not score groups; every other {"metric": {"mean", "std", "n"}} table is one.
+FIELDS = ("schema_version", "family", "method", "attack", "run", "round", "clients", "capabilities", "options",
+          "lpips_backend", "per_client", "histograms", "details")
+DETAIL_FIGURES = ("position_accuracy", "label_accuracy")
+
+
+def figure_direction(figure: str) -> int:
+    """FIGURE_DIRECTION of a figure name, also for baseline figures: "baseline_kept.psnr" goes the way of psnr."""
+    return FIGURE_DIRECTION[figure.rsplit(".", 1)[-1]]
+
+
+@dataclass
+class AttackReport:
+    """What one attack recovered in one round, scored against ground truth beside its baselines."""
+
+    family: str
+    method: str
+    attack: str
+    run: str
+    round: int
+    clients: list[int]
+    capabilities: dict
+    options: dict
+    groups: dict  # score group -> metric -> {"mean", "std", "median", "n"}
+    per_client: dict  # str(partition) -> metric -> mean
+    details: dict
+    lpips_backend: str | None = None
+    histograms: dict | None = None
+    grid: list | None = field(default=None, repr=False)  # image-grid rows, written as grid.png, not in report.json
+    schema_version: int = SCHEMA_VERSION
+
+    def to_json(self) -> dict:
+        """report.json: flat, the score groups at the top level."""
+        data = {"schema_version": self.schema_version, "family": self.family, "method": self.method,
+                "attack": self.attack, "run": self.run, "round": self.round, "clients": self.clients,
+                "capabilities": self.capabilities, "options": self.options}
+        if self.lpips_backend is not None:
+            data["lpips_backend"] = self.lpips_backend
+        data.update(self.groups)
+        data["per_client"] = self.per_client
+        if self.histograms is not None:
+            data["histograms"] = self.histograms
+        data["details"] = self.details
+        return data
+
+    @classmethod
+    def from_json(cls, data: dict) -> "AttackReport":
+        """The report of a parsed report.json; AttackError when it is not one of this schema version."""
+        from eftguard.report import report_problem, stat_groups
+
+        if not isinstance(data, dict):
+            raise AttackError("it is not an attack report: its top level is not a JSON object")
+        version = data.get("schema_version")
+        if version != SCHEMA_VERSION:
+            written = "has no schema_version (written by an older eftguard)" if version is None else \
+                f"has schema_version {version!r}"
+            raise AttackError(f"it {written}; this eftguard reads schema_version {SCHEMA_VERSION}: rerun the attack")
+        problem = report_problem(data)
+        if problem is None:
+            problem = next((f'"{key}" is missing' for key in ("family", "method", "run", "clients", "options")
+                            if key not in data), None)
+        if problem:
+            raise AttackError(f"it is not an attack report: {problem}")
+        groups = {key: data[key] for key in stat_groups(data) if key not in FIELDS}
+        return cls(data["family"], data["method"], data["attack"], data["run"], data["round"], data["clients"],
+                   data.get("capabilities", {}), data["options"], groups, data.get("per_client", {}),
+                   data.get("details", {}), data.get("lpips_backend"), data.get("histograms"))
+
+    def save(self, out_root: Path) -> Path:
+        """out_root/<attack>/report.json, report.md and (image attacks) grid.png; returns the folder."""
+        from eftguard.report import image_grid, write_attack_report
+
+        return write_attack_report(out_root, self.to_json(), image_grid(self.grid) if self.grid else None)
+
+    def figures(self) -> dict[str, float]:
+        """Flat means for gates and plots: "psnr" (group metrics), "psnr_kept" (metrics_kept), "baseline.psnr"
+        (any other group), and the attack's own accuracies in details ("position_accuracy", "label_accuracy")."""
+        out = {}
+        for group, table in self.groups.items():
+            for metric, stat in table.items():
+                name = {"metrics": metric, "metrics_kept": f"{metric}_kept"}.get(group, f"{group}.{metric}")
+                if stat.get("mean") is not None:
+                    out[name] = float(stat["mean"])
+        for name in DETAIL_FIGURES:
+            stat = self.details.get(name)
+            if isinstance(stat, dict) and stat.get("mean") is not None:
+                out[name] = float(stat["mean"])
+        return out
+
+
+def read_attack_report(folder_or_file: Path) -> AttackReport:
+    """An attack report from its folder or its report.json; a damaged or foreign one is one RunError naming it."""
+    path = Path(folder_or_file)
+    file = path / "report.json" if path.is_dir() else path
+    try:
+        data = json.loads(file.read_text())
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError, RecursionError) as exc:
+        raise RunError(f"{file} is not readable JSON ({exc}): rerun the attack, or remove its folder") from None
+    try:
+        return AttackReport.from_json(data)
+    except AttackError as exc:
+        raise RunError(f"{file}: {exc}") from None
+
+
+def json_ready(value):
+    """Option values as report.json holds them: paths as text, numpy scalars as numbers."""
+    if isinstance(value, Path):
+        return str(value)
+    if isinstance(value, np.generic):
+        return value.item()
+    return value
