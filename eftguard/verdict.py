@@ -10,6 +10,8 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 
+from eftguard.figures import figure_direction, figures_of
+
 LOW, MEDIUM, HIGH = "low", "medium", "high"
 NOT_AUDITED = "not audited"
 NOT_SCORED = "not scored"  # attacks of the channel ran, but none left a finite headline figure and baseline
@@ -28,9 +30,12 @@ class Headline:
     short: str              # the same in a table cell: "kept patches"
     baseline_name: str      # "the mean image"
     unit: str               # " dB" or ""
-    higher_leaks: bool      # FIGURE_DIRECTION of the figure: +1 (True) for PSNR, -1 (False) for errors
     medium_from: float      # gain at which the level becomes medium ...
     high_above: float       # ... and above which it is high
+
+    @property
+    def higher_leaks(self) -> bool:
+        return figure_direction(self.figure) > 0
 
     def gain(self, value: float, baseline: float) -> float:
         if self.higher_leaks:
@@ -63,14 +68,14 @@ class Channel:
 # whole-image PSNR (mostly inpainting) would call an exact recovery of everything sent "low".
 IMAGE_HEADLINES = (
     Headline("psnr_kept", "baseline_kept.psnr", "kept patches recovered", "kept patches", "the mean image", " dB",
-             True, *PSNR_GAIN_DB),
-    Headline("psnr", "baseline.psnr", "images recovered", "whole image", "the mean image", " dB", True,
+             *PSNR_GAIN_DB),
+    Headline("psnr", "baseline.psnr", "images recovered", "whole image", "the mean image", " dB",
              *PSNR_GAIN_DB))
 CHANNELS = (
     Channel("uploaded features", "invert", IMAGE_HEADLINES),
     Channel("parameter updates", "gradient", IMAGE_HEADLINES),
     Channel("labels", "labels", (
-        Headline("l1", "baseline.l1", "class-histogram error (L1)", "L1", "the prior", "", False,
+        Headline("l1", "baseline.l1", "class-histogram error (L1)", "L1", "the prior", "",
                  *LABEL_ERROR_REMOVED),)),
 )
 
@@ -122,18 +127,11 @@ def family_of(report: dict) -> str:
 
 
 def report_figures(report: dict) -> dict:
-    """Flat figures of a report.json, named as AttackReport.figures() names them: "metrics" -> "psnr",
-    "metrics_kept" -> "psnr_kept", any other group -> "<group>.<metric>"."""
-    figures = {}
-    for group, table in report.items():
-        if not isinstance(table, dict) or not table or not all(isinstance(s, dict) for s in table.values()):
-            continue
-        for metric, stat in table.items():
-            if "mean" not in stat:
-                continue
-            names = {"metrics": metric, "metrics_kept": f"{metric}_kept"}
-            figures[names.get(group, f"{group}.{metric}")] = stat["mean"]
-    return figures
+    """Flat figures of a report.json dict, named as AttackReport.figures() names them (eftguard.figures)."""
+    groups = {group: table for group, table in report.items()
+              if isinstance(table, dict) and table and all(isinstance(s, dict) and "mean" in s for s in table.values())}
+    details = report.get("details")
+    return figures_of(groups, details if isinstance(details, dict) else {})
 
 
 def as_attack(report) -> tuple[str, str, dict]:

@@ -20,6 +20,7 @@ from attacks.inversion import ClientFeatures, RoundFeatures
 from attacks.labels import ClientUploads, LabelObservation
 from eftguard.audit import scoring
 from eftguard.masking import random_keep_ids
+from eftguard.methods import method_spec
 from eftguard.model import EFTViT
 from eftguard.rundir import RunDirectory, RunError
 
@@ -40,7 +41,7 @@ def observe_features(run: RunDirectory, round_number: int, clients: list[int], m
     """The round's feature uploads as the attacker holds them, plus the rows attacked per client. Kept positions,
     when granted, come from the auditor."""
     cfg = run.config()
-    if cfg.method != "eftvit":
+    if not method_spec(cfg.method).uploads_features:
         raise RunError(f"{run.path} is a {cfg.method} run: it uploads no patch features. Use eftguard attack gradient")
     model = run.start_model(round_number)
     rng = np.random.default_rng(seed)
@@ -63,7 +64,7 @@ def observe_features(run: RunDirectory, round_number: int, clients: list[int], m
 def observe_labels(run: RunDirectory, round_number: int, clients: list[int], with_model: bool) -> LabelObservation:
     """The round as the attacker holds it: uploads, n_k as reported, and (with_model) the start model."""
     cfg = run.config()
-    if cfg.method != "eftvit":
+    if not method_spec(cfg.method).uploads_features:
         raise RunError(f"{run.path} is a {cfg.method} run: it uploads no features or labels to attack")
     reported = run.metrics()[round_number - 1]["num_examples"]  # checked before any work (api.check_round_record)
     num_classes = run.load_checkpoint(round_number - 1)["head.weight"].shape[0]
@@ -105,9 +106,9 @@ def attack_model(run: RunDirectory, round_number: int) -> EFTViT:
 
 
 def trained_names(model: EFTViT, method: str) -> list[str]:
-    """Parameters a client trains (and uploads): all for fedavg, phi and h for eftvit."""
-    names = [name for name, _ in model.named_parameters()]
-    return names if method == "fedavg" else [n for n in names if n.startswith(("local_module.", "head."))]
+    """Parameters a client trains (and uploads), as the method table says."""
+    spec = method_spec(method)
+    return [name for name, _ in model.named_parameters() if spec.trains_parameter(name)]
 
 
 def model_image_size(model: EFTViT) -> int:
@@ -154,7 +155,7 @@ def probe_observation(run: RunDirectory, round_number: int, partition: int, batc
     generator = torch.Generator().manual_seed(int(rng.integers(2 ** 62)))
     images = torch.from_numpy(data.images[chosen])
     labels = torch.from_numpy(data.labels[chosen])
-    masked = cfg.method == "eftvit"
+    masked = method_spec(cfg.method).masked
     keep = random_keep_ids(batch, model.local_module.num_patches, cfg.mask_ratio, generator) if masked else None
     dp, details = None, {"observation": f"FedSGD probe: one gradient of {batch} client image(s)"}
     if cfg.dp_eps > 0:
@@ -188,6 +189,6 @@ def upload_observation(run: RunDirectory, round_number: int, partition: int, bat
         after = torch.from_numpy(uploaded[name]).to(before.dtype)
         gradients[name] = (before - after) / (cfg.lr * steps) - cfg.weight_decay * before
     obs = GradientObservation(model, gradients, batch, model_image_size(model), model.mean, model.std,
-                              masked=cfg.method == "eftvit", prior=prior)
+                              masked=method_spec(cfg.method).masked, prior=prior)
     return obs, {"observation": (f"uploaded update after {steps} AdamW step(s) on {num_examples} images, treated "
                                  f"as one gradient: -(update) / (lr * steps) - weight_decay * weights")}

@@ -13,27 +13,15 @@ from pathlib import Path
 import numpy as np
 
 from attacks.base import AttackError
+from eftguard.figures import FIGURE_DIRECTION, figure_direction, figures_of
 from eftguard.rundir import RunError
 
 SCHEMA_VERSION = 1
-
-# +1: a higher value means more leakage; -1: a lower value does. Baseline figures ("baseline.psnr") and
-# kept-patch figures ("psnr_kept") go the way of their metric (see figure_direction).
-FIGURE_DIRECTION: dict[str, int] = {
-    "psnr": 1, "ssim": 1, "lpips": -1, "psnr_kept": 1, "ssim_kept": 1, "lpips_kept": -1,
-    "position_accuracy": 1, "label_accuracy": 1,
-    "l1": -1, "js": -1, "exact_count_accuracy": 1, "presence_precision": 1, "presence_recall": 1, "presence_f1": 1,
-}
+__all__ = ["AttackReport", "FIGURE_DIRECTION", "SCHEMA_VERSION", "figure_direction", "read_attack_report"]
 
 # Keys of report.json that are not score groups; every other {"metric": {"mean", "std", "n"}} table is one.
 FIELDS = ("schema_version", "family", "method", "attack", "run", "round", "clients", "capabilities", "options",
           "lpips_backend", "per_client", "histograms", "details")
-DETAIL_FIGURES = ("position_accuracy", "label_accuracy")
-
-
-def figure_direction(figure: str) -> int:
-    """FIGURE_DIRECTION of a figure name, also for baseline figures: "baseline_kept.psnr" goes the way of psnr."""
-    return FIGURE_DIRECTION[figure.rsplit(".", 1)[-1]]
 
 
 @dataclass
@@ -102,17 +90,7 @@ class AttackReport:
     def figures(self) -> dict[str, float]:
         """Flat means for gates and plots: "psnr" (group metrics), "psnr_kept" (metrics_kept), "baseline.psnr"
         (any other group), and the attack's own accuracies in details ("position_accuracy", "label_accuracy")."""
-        out = {}
-        for group, table in self.groups.items():
-            for metric, stat in table.items():
-                name = {"metrics": metric, "metrics_kept": f"{metric}_kept"}.get(group, f"{group}.{metric}")
-                if stat.get("mean") is not None:
-                    out[name] = float(stat["mean"])
-        for name in DETAIL_FIGURES:
-            stat = self.details.get(name)
-            if isinstance(stat, dict) and stat.get("mean") is not None:
-                out[name] = float(stat["mean"])
-        return out
+        return figures_of(self.groups, self.details)
 
 
 def read_attack_report(folder_or_file: Path) -> AttackReport:
