@@ -409,3 +409,9 @@ family = "labels"
     assert again.returncode == 1
     assert "reusing the finished run" in again.stderr and "invert-decoder: reusing its report" in again.stderr
     assert "gate 'invert.psnr_kept < 1' does not hold for method=eftvit: invert-decoder.psnr_kept" in again.stderr
+
+
+def test_the_epsilon_of_a_configuration_is_its_weakest_clients():
+    records = [{"round": 1, "epsilon": {"0": 0.5, "1": 0.7}}, {"round": 2, "epsilon": {"0": 0.98}}]
+    assert grid.spent_epsilon(records) == 0.98
+    assert grid.spent_epsilon([{"round": 1, "epsilon": None}]) is None

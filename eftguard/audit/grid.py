@@ -374,8 +374,8 @@ def audit_configuration(audit: Audit, configuration: Configuration, out: Path, k
         entry.update(status="failed", error=f"training: {one_line(exc)}")
         write_json(file, entry)
         return entry
-    last = RunDirectory.open(run_dir).metrics()[-1]
-    entry.update(accuracy=last.get("test_accuracy"), epsilon=last.get("epsilon"))
+    records = RunDirectory.open(run_dir).metrics()
+    entry.update(accuracy=records[-1].get("test_accuracy"), epsilon=spent_epsilon(records))
     write_json(file, entry)
     cfg = configuration.config
     run_key = key or (Path(cfg.encrypt_at_rest) if cfg.encrypt_at_rest else None)
@@ -393,6 +393,13 @@ def audit_configuration(audit: Audit, configuration: Configuration, out: Path, k
     entry.update(status="failed" if errors else "done", error="; ".join(errors) or None)
     write_json(file, entry)
     return entry
+
+
+def spent_epsilon(records: list[dict]) -> float | None:
+    """The largest ε any client reported spent (metrics.jsonl: per round, {client: ε} or null): the guarantee
+    of the run is that of its weakest client."""
+    spent = [value for record in records for value in (record.get("epsilon") or {}).values()]
+    return max(spent) if spent else None
 
 
 def select_shard(configurations: list, shard: tuple[int, int] | None) -> list:
