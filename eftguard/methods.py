@@ -93,12 +93,11 @@ METHODS: dict[str, MethodSpec] = {spec.name: spec for spec in (
     MethodSpec("fed-bias", "BitFit: only the bias terms and the head trained and uploaded",
                trains=("head.",), trains_suffixes=(".bias",), masked=False, uploads_features=False, dp_sgd=False,
                server_trains=False),
-    MethodSpec("fed-prompt", "visual prompt tuning: --prompt-tokens learned tokens after the cls token, and the "
-                             "head",
+    MethodSpec("fed-prompt", "visual prompt tuning: learned prompt tokens after the cls token, and the head",
                trains=("head.", "local_module.prompt_tokens."), masked=False, uploads_features=False, dp_sgd=False,
                server_trains=False, adapt=add_prompts),
-    MethodSpec("fed-lora", "LoRA of rank --lora-rank on every block's attention projections (qkv, proj) and the "
-                           "head; FedAvg of the factors A and B",
+    MethodSpec("fed-lora", "LoRA factors on every block's attention projections (qkv, proj) and the head; "
+                           "FedAvg of the factors",
                trains=("head.",), trains_suffixes=(".lora_a", ".lora_b"), masked=False, uploads_features=False,
                dp_sgd=False, server_trains=False, adapt=add_lora),
 )}
