@@ -1,0 +1,177 @@
+"""The federated PEFT baselines (fed-head, fed-bias, fed-prompt, fed-lora): each trains through the real client and
+server from one pretrained checkpoint, changes and uploads only its own parameters, and starts as the
+checkpoint's model; the LoRA and prompt modules compute what they claim; the CLI and the gradient attack take
+their runs."""
+
+import json
+import types
+
+import numpy as np
+import pytest
+import torch
+from safetensors.torch import save_file
+
+from eftguard.cli import main
+from eftguard.federation.aggregate import fedavg
+from eftguard.federation.server import run_server
+from eftguard.methods import METHODS, method_spec
+from eftguard.model import build_model
+from eftguard.peft import LoRALinear, lora_averaging_gap
+from eftguard.rundir import RunDirectory
+from conftest import train_in_process
+from fakegrid import FakeGrid, task_identity
+
+PEFT = ("fed-head", "fed-bias", "fed-prompt", "fed-lora")
+OPTIONS = types.SimpleNamespace(lora_rank=4, prompt_tokens=3)
+TINY = dict(train_samples=48, test_samples=8, batch_size=16, rounds=2, lora_rank=4, prompt_tokens=3)
+
+
+def own_parameter(method: str, name: str) -> bool:
+    """What each method trains, written out independently of the method table."""
+    return name.startswith("head.") or {
+        "fed-head": False,
+        "fed-bias": name.endswith(".bias"),
+        "fed-prompt": name == "local_module.prompt_tokens.tokens",
+        "fed-lora": name.endswith((".attn.qkv.lora_a", ".attn.qkv.lora_b", ".attn.proj.lora_a", ".attn.proj.lora_b")),
+    }[method]
+
+
+@pytest.fixture(scope="module")
+def pretrained(tmp_path_factory):
+    """A 'pretrained' base model (another seed than any run's) saved as a checkpoint, and its path."""
+    model = build_model("vit-tiny-32", 10, 2, seed=7).eval()
+    path = tmp_path_factory.mktemp("pretrained") / "ckpt.safetensors"
+    save_file({k: v.contiguous() for k, v in model.state_dict().items()}, str(path))
+    return model, path
+
+
+def images(count: int = 4) -> torch.Tensor:
+    return torch.randn(count, 3, 32, 32, generator=torch.Generator().manual_seed(1))
+
+
+@pytest.mark.parametrize("method", PEFT)
+def test_each_method_trains_two_rounds_from_the_checkpoint_changing_and_uploading_only_its_own_parameters(
+        tmp_path, pretrained, method):
+    base, path = pretrained
+    run = RunDirectory.open(train_in_process(tmp_path / method, method=method, checkpoint=str(path), **TINY))
+    start, end = run.load_checkpoint(0), run.load_checkpoint(2)
+    assert all(torch.equal(start[k], v) for k, v in base.state_dict().items())  # the pretrained start
+    own = {k for k in start if own_parameter(method, k)}
+    assert own and own == set(method_spec(method).uploaded_state(run.start_model(1)))
+    assert {k for k in start if not torch.equal(start[k], end[k])} == own
+    record = run.metrics()[1]
+    uploads = [run.load_upload(2, k, "update") for k in range(2)]
+    assert all(set(u) == own for u in uploads)
+    assert record["feature_sets"] == {} and record["server_loss"] is None
+    assert record["upload_bytes"]["0"] == sum(a.nbytes for a in uploads[0].values())
+    averaged = fedavg(uploads, [record["num_examples"][str(k)] for k in range(2)])
+    assert all(torch.equal(end[k], torch.from_numpy(v)) for k, v in averaged.items())
+
+
+@pytest.mark.parametrize("method", PEFT)
+def test_the_pretrained_checkpoint_loads_into_every_method_and_gives_its_forward(pretrained, method):
+    """Before training, phi -> theta -> h of every method is the checkpoint's model (fed-prompt: once its prompt
+    tokens are taken out, since prompts change the output by design)."""
+    base, path = pretrained
+    model = build_model("vit-tiny-32", 10, 2, checkpoint=path, seed=0,
+                        adapt=method_spec(method).model_adapter(OPTIONS)).eval()
+    state = model.state_dict()
+    assert all(torch.equal(state[k], v) for k, v in base.state_dict().items())
+    model.local_module.prompt_tokens = None
+    with torch.no_grad():
+        assert torch.equal(model(images()), base(images()))
+
+
+def test_lora_with_zero_b_is_the_base_layer_and_with_trained_factors_the_merged_weight(pretrained):
+    base, _ = pretrained
+    model = build_model("vit-tiny-32", 10, 2, seed=7, adapt=METHODS["fed-lora"].model_adapter(OPTIONS)).eval()
+    layers = [m for m in model.modules() if isinstance(m, LoRALinear)]
+    assert len(layers) == 2 * 12 and all(layer.rank == 4 for layer in layers)
+    with torch.no_grad():
+        assert torch.equal(model(images()), base(images()))
+        merged = build_model("vit-tiny-32", 10, 2, seed=7).eval()
+        merged_layers = dict(merged.named_modules())
+        for name, layer in model.named_modules():
+            if isinstance(layer, LoRALinear):
+                layer.lora_b.normal_(0, 0.05)
+                merged_layers[name].weight += layer.lora_b @ layer.lora_a
+        adapted = model(images())
+        assert not torch.allclose(adapted, base(images()), atol=1e-3)
+        torch.testing.assert_close(adapted, merged(images()), rtol=1e-4, atol=1e-5)
+
+
+def test_prompt_tokens_change_the_output_only_through_the_added_tokens(pretrained):
+    base, _ = pretrained
+    model = build_model("vit-tiny-32", 10, 2, seed=7, adapt=METHODS["fed-prompt"].model_adapter(OPTIONS)).eval()
+    tokens = model.local_module.prompt_tokens.tokens
+    assert tokens.shape == (1, 3, 192)
+    assert set(model.state_dict()) - set(base.state_dict()) == {"local_module.prompt_tokens.tokens"}
+    x = images()
+    prompted = model(x)
+    assert not torch.allclose(prompted, base(x), atol=1e-3)
+    assert model.local_module(x).shape[1] == 1 + 3 + 64  # cls, prompts, every patch
+    (gradient,) = torch.autograd.grad(prompted.sum(), tokens)
+    assert gradient.abs().sum() > 0
+    with torch.no_grad():
+        tokens.zero_()
+        assert not torch.allclose(model(x), prompted, atol=1e-4)  # the tokens' values matter
+        model.local_module.prompt_tokens = None
+        assert torch.equal(model(x), base(x))
+
+
+def test_averaging_lora_factors_misses_their_covariance():
+    """Two clients, rank-1 scalar factors (A, B) = (1, 1) and (3, 3), equal weights: the average of the products
+    is 5, the product of the averages 4; the gap is the covariance sum_k w_k (B_k - B)(A_k - A) = 1, i.e. 1/5."""
+    uploads = [{"x.lora_a": np.array([[a]]), "x.lora_b": np.array([[a]])} for a in (1.0, 3.0)]
+    assert lora_averaging_gap(uploads, [10, 10]) == {"x": pytest.approx(0.2)}
+    same_b = [{"x.lora_a": np.array([[a, 2 * a]]), "x.lora_b": np.array([[1.0], [2.0]])} for a in (1.0, 3.0)]
+    assert lora_averaging_gap(same_b, [1, 3]) == {"x": pytest.approx(0.0, abs=1e-12)}  # shared B: averaging is exact
+
+
+@pytest.mark.parametrize("option", ["--lora-rank", "--prompt-tokens"])
+def test_non_positive_peft_sizes_are_refused_in_one_line(capsys, tmp_path, option):
+    with pytest.raises(SystemExit) as exit_info:
+        main(["train", "--out", str(tmp_path / "run"), "--method", "fed-lora", option, "0"])
+    err = capsys.readouterr().err
+    assert exit_info.value.code == 2 and not (tmp_path / "run").exists()
+    assert err.strip().splitlines()[-1] == f"eftguard: error: {option} must be > 0, got 0"
+
+
+def cli(capsys, *argv) -> tuple[int, str]:
+    try:
+        main([str(a) for a in argv])
+        code = 0
+    except SystemExit as exit_info:
+        code = exit_info.code
+    return code, capsys.readouterr().err
+
+
+@pytest.fixture
+def in_process_simulation(monkeypatch):
+    """`eftguard train` with the in-process grid instead of Ray: the CLI's parsing, checks and run directory, and
+    the real server and client code."""
+    def simulate(run_dir, cfg, verbose):
+        with task_identity():
+            run_server(FakeGrid(cfg.clients), run_dir)
+    monkeypatch.setattr("eftguard.federation.simulation.run_simulated", simulate)
+
+
+def test_cli_trains_fed_lora_at_rank_4_and_the_gradient_attack_reads_its_upload(capsys, tmp_path,
+                                                                                  in_process_simulation):
+    run_path = tmp_path / "run"
+    code, err = cli(capsys, "train", "--out", run_path, "--method", "fed-lora", "--lora-rank", "4", "--rounds", 1,
+                    "--clients", 2, "--train-samples", 40, "--test-samples", 8, "--batch-size", 16)
+    assert code == 0, err
+    run = RunDirectory.open(run_path)
+    upload = run.load_upload(1, 0, "update")
+    assert upload["local_module.blocks.0.attn.qkv.lora_a"].shape == (4, 192)
+    assert upload["global_module.blocks.9.attn.proj.lora_b"].shape == (192, 4)
+    code, err = cli(capsys, "attack", "gradient", run_path, "--observe", "upload", "--method", "idlg", "--steps", 2,
+                    "--lpips-backend", "stlpips-alex", "--out", tmp_path / "reports")
+    assert code == 0, err
+    report = json.loads((tmp_path / "reports" / "gradient-idlg" / "report.json").read_text())
+    assert report["metrics"]["psnr"]["n"] == 1 and "treated as one gradient" in report["details"]["observation"]
+    code, err = cli(capsys, "attack", "gradient", run_path, "--observe", "upload", "--method", "analytic",
+                    "--lpips-backend", "stlpips-alex", "--out", tmp_path / "reports")
+    assert code == 2 and err.strip().splitlines()[-1].startswith("eftguard: error: ")
+    assert "fed-lora" in err and "positional" in err and "Traceback" not in err
