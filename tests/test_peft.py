@@ -171,7 +171,10 @@ def test_cli_trains_fed_lora_at_rank_4_and_the_gradient_attack_reads_its_upload(
     assert code == 0, err
     report = json.loads((tmp_path / "reports" / "gradient-idlg" / "report.json").read_text())
     assert report["metrics"]["psnr"]["n"] == 1 and "treated as one gradient" in report["details"]["observation"]
-    code, err = cli(capsys, "attack", "gradient", run_path, "--observe", "upload", "--method", "analytic",
-                    "--lpips-backend", "stlpips-alex", "--out", tmp_path / "reports")
-    assert code == 2 and err.strip().splitlines()[-1].startswith("eftguard: error: ")
-    assert "fed-lora" in err and "positional" in err and "Traceback" not in err
+    code, err = cli(capsys, "attack", "gradient", run_path, "--observe", "upload", "--lpips-backend", "stlpips-alex",
+                    "--out", tmp_path / "refused")  # the default --method: analytic
+    assert code == 2 and not (tmp_path / "refused").exists()
+    assert err.strip().splitlines()[-1] == (
+        "eftguard: error: the analytic attack reads the gradient of local_module.token_embedding.pos_embed, "
+        "local_module.patch_embed.proj.weight, which a fed-lora client neither trains nor uploads: use --method "
+        "dlg or idlg or ig")
