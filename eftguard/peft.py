@@ -76,20 +76,26 @@ def lora_pairs(state: dict[str, np.ndarray]) -> dict[str, tuple[np.ndarray, np.n
             for key, value in state.items() if key.endswith(".lora_a")}
 
 
-def lora_averaging_gap(updates: list[dict[str, np.ndarray]], weights: list[float]) -> dict[str, float]:
-    """Per layer, how far FedAvg of the factors is from FedAvg of the weight updates:
-    || avg(B) avg(A) - avg(B A) || / || avg(B A) || (Frobenius; weights normalised to sum 1).
+def lora_averaging_gap(updates: list[dict[str, np.ndarray]], weights: list[float],
+                       start: dict[str, np.ndarray] | None = None) -> dict[str, float]:
+    """Per layer, how far FedAvg of the factors is from FedAvg of the products B A (weights normalised to sum 1):
+    || avg(B) avg(A) - avg(B A) ||, relative to || avg(B A) ||, or with `start` (the round's global factors) to
+    the round's averaged weight update || avg(B A) - B_start A_start || (Frobenius norms).
 
     The difference is minus the weighted covariance of the factors, sum_k w_k (B_k - avg B)(A_k - avg A): zero
     when the clients' B (or A) agree, and growing as they drift apart during local training."""
     w = np.asarray(weights, dtype=np.float64) / float(np.sum(weights))
     pairs = [lora_pairs(u) for u in updates]
+    before = lora_pairs(start) if start is not None else {}
     gaps = {}
     for layer in pairs[0]:
         a = [p[layer][0].astype(np.float64) for p in pairs]
         b = [p[layer][1].astype(np.float64) for p in pairs]
         of_products = sum(wk * bk @ ak for wk, ak, bk in zip(w, a, b))
         of_averages = sum(wk * bk for wk, bk in zip(w, b)) @ sum(wk * ak for wk, ak in zip(w, a))
-        norm = np.linalg.norm(of_products)
+        reference = of_products
+        if layer in before:
+            reference = of_products - before[layer][1].astype(np.float64) @ before[layer][0].astype(np.float64)
+        norm = np.linalg.norm(reference)
         gaps[layer] = float(np.linalg.norm(of_averages - of_products) / norm) if norm > 0 else 0.0
     return gaps

@@ -3,6 +3,7 @@ server from one pretrained checkpoint, changes and uploads only its own paramete
 checkpoint's model; the LoRA and prompt modules compute what they claim; the CLI and the gradient attack take
 their runs."""
 
+import copy
 import json
 import types
 
@@ -14,6 +15,8 @@ from safetensors.torch import save_file
 from eftguard.cli import main
 from eftguard.federation.aggregate import fedavg
 from eftguard.federation.server import run_server
+from eftguard.headprune import (head_importance, importance_weighted_average, kept_heads, loss_gap_selection,
+                                model_head_importance)
 from eftguard.methods import METHODS, method_spec
 from eftguard.model import build_model
 from eftguard.peft import LoRALinear, lora_averaging_gap
@@ -124,6 +127,8 @@ def test_averaging_lora_factors_misses_their_covariance():
     is 5, the product of the averages 4; the gap is the covariance sum_k w_k (B_k - B)(A_k - A) = 1, i.e. 1/5."""
     uploads = [{"x.lora_a": np.array([[a]]), "x.lora_b": np.array([[a]])} for a in (1.0, 3.0)]
     assert lora_averaging_gap(uploads, [10, 10]) == {"x": pytest.approx(0.2)}
+    start = {"x.lora_a": np.array([[2.0]]), "x.lora_b": np.array([[2.0]])}  # the round's update: 5 - 4 = 1
+    assert lora_averaging_gap(uploads, [10, 10], start) == {"x": pytest.approx(1.0)}
     same_b = [{"x.lora_a": np.array([[a, 2 * a]]), "x.lora_b": np.array([[1.0], [2.0]])} for a in (1.0, 3.0)]
     assert lora_averaging_gap(same_b, [1, 3]) == {"x": pytest.approx(0.0, abs=1e-12)}  # shared B: averaging is exact
 
@@ -178,3 +183,60 @@ def test_cli_trains_fed_lora_at_rank_4_and_the_gradient_attack_reads_its_upload(
         "eftguard: error: the analytic attack reads the gradient of local_module.token_embedding.pos_embed, "
         "local_module.patch_embed.proj.weight, which a fed-lora client neither trains nor uploads: use --method "
         "dlg or idlg or ig")
+
+
+# --- headprune-lora's pure parts (not wired into client and server yet) ------------------------------------------
+
+def test_head_importance_is_the_sample_mean_of_the_largest_scaled_query_key_product():
+    """Two samples, two heads, two tokens, d_h = 4 (scale 1/2). Head 0: the largest q.k is 2 in sample 0 and 3 in
+    sample 1, so alpha = (1 + 1.5) / 2; head 1: every product is <= 0, the largest 0 (the zero query)."""
+    queries, keys = torch.zeros(2, 2, 2, 4), torch.zeros(2, 2, 2, 4)
+    queries[0, 0, 0, 0], keys[0, 0, 1, 0] = 1.0, 2.0
+    queries[1, 0, 1, 1], keys[1, 0, 0, 1], keys[1, 0, 1, 1] = 3.0, 1.0, -1.0
+    queries[:, 1, 0, 2], keys[:, 1, :, 2] = 1.0, -5.0
+    assert head_importance(queries, keys).tolist() == [1.25, 0.0]
+
+
+def test_model_head_importance_reads_q_and_k_of_every_block_averaged_over_all_images(tiny_model):
+    x = images(5)
+    model = copy.deepcopy(tiny_model)
+    alpha = model_head_importance(model, x, batch_size=3)  # batches of 3 and 2, weighted by their size
+    assert alpha.shape == (12, 3)
+    block = model.global_module.blocks[0]  # block 2 of the ViT
+    seen = {}
+    hook = block.norm1.register_forward_hook(lambda module, inputs, output: seen.setdefault("x", output))
+    with torch.no_grad():
+        model(x)
+    hook.remove()
+    qkv = block.attn.qkv(seen["x"]).reshape(5, 65, 3, 3, 64).permute(2, 0, 3, 1, 4)
+    torch.testing.assert_close(alpha[2], head_importance(qkv[0], qkv[1]))
+
+
+def test_each_client_keeps_the_top_fraction_of_heads_per_layer_and_at_least_one():
+    scores = torch.tensor([[0.1, 0.5, 0.3], [3.0, 2.0, 1.0]])
+    assert kept_heads(scores, 0.9).tolist() == [[False, True, False], [True, False, False]]
+    assert kept_heads(scores, 0.5).tolist() == [[False, True, True], [True, True, False]]
+    with pytest.raises(ValueError, match=r"head sparsity must be in \[0, 1\), got 1.0"):
+        kept_heads(scores, 1.0)
+
+
+def test_importance_weighted_aggregation_averages_each_head_over_the_clients_that_kept_it():
+    updates = torch.tensor([[1.0, 10.0], [3.0, 20.0], [5.0, 30.0]])  # [clients, heads]
+    importance = torch.tensor([[1.0, 1.0], [3.0, 2.0], [0.5, 4.0]])
+    current = torch.tensor([7.0, 99.0])
+    kept = torch.tensor([[True, False], [True, False], [False, False]])
+    torch.testing.assert_close(importance_weighted_average(updates, importance, kept, current),
+                               torch.tensor([(1 * 1 + 3 * 3) / 4, 99.0]))  # head 1: nobody kept it
+    kept = torch.tensor([[True, True], [True, False], [False, True]])
+    torch.testing.assert_close(importance_weighted_average(updates, importance, kept, current),
+                               torch.tensor([2.5, (1 * 10 + 4 * 30) / 5]))
+    matrices = updates[:, :, None, None].expand(3, 2, 2, 2)  # a head's LoRA rows: the same weights apply to each
+    assert importance_weighted_average(matrices, importance, kept, current[:, None, None].expand(2, 2, 2)).shape \
+        == (2, 2, 2)
+
+
+def test_loss_gap_selection_picks_the_clients_whose_local_loss_most_exceeds_the_global_models():
+    local = {0: 2.0, 1: 1.0, 2: 3.0, 3: 0.5}
+    global_ = {0: 1.0, 1: 1.5, 2: 2.9, 3: 0.1}  # gaps 1.0, -0.5, 0.1, 0.4
+    assert loss_gap_selection(local, global_, 2) == [0, 3]
+    assert loss_gap_selection(local, global_, 3) == [0, 2, 3]
