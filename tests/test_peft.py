@@ -26,7 +26,7 @@ from fakegrid import FakeGrid, task_identity
 
 PEFT = ("fed-head", "fed-bias", "fed-prompt", "fed-lora")
 OPTIONS = types.SimpleNamespace(lora_rank=4, prompt_tokens=3)
-TINY = dict(train_samples=48, test_samples=8, batch_size=16, rounds=2, lora_rank=4, prompt_tokens=3)
+TINY = dict(train_samples=32, test_samples=8, batch_size=16, rounds=2, lora_rank=4, prompt_tokens=3)
 
 
 def own_parameter(method: str, name: str) -> bool:
@@ -71,7 +71,7 @@ def test_each_method_trains_two_rounds_from_the_checkpoint_changing_and_uploadin
     assert all(torch.equal(end[k], torch.from_numpy(v)) for k, v in averaged.items())
 
 
-@pytest.mark.parametrize("method", PEFT)
+@pytest.mark.parametrize("method", METHODS)
 def test_the_pretrained_checkpoint_loads_into_every_method_and_gives_its_forward(pretrained, method):
     """Before training, phi -> theta -> h of every method is the checkpoint's model (fed-prompt: once its prompt
     tokens are taken out, since prompts change the output by design)."""
