@@ -20,16 +20,18 @@ class AdapterOptions(Protocol):
     prompt_tokens: int
 
 
-def add_lora(model: EFTViT, options: AdapterOptions) -> None:
-    from eftguard.peft import add_lora
+def lora_hook(model: EFTViT, options: AdapterOptions) -> None:
+    """fed-lora's model hook (eftguard.peft imports torch: imported here, not at the top)."""
+    from eftguard import peft
 
-    add_lora(model, options.lora_rank)
+    peft.add_lora(model, options.lora_rank)
 
 
-def add_prompts(model: EFTViT, options: AdapterOptions) -> None:
-    from eftguard.peft import add_prompts
+def prompt_hook(model: EFTViT, options: AdapterOptions) -> None:
+    """fed-prompt's model hook."""
+    from eftguard import peft
 
-    add_prompts(model, options.prompt_tokens)
+    peft.add_prompts(model, options.prompt_tokens)
 
 
 @dataclass(frozen=True)
@@ -95,11 +97,11 @@ METHODS: dict[str, MethodSpec] = {spec.name: spec for spec in (
                server_trains=False),
     MethodSpec("fed-prompt", "visual prompt tuning: learned prompt tokens after the cls token, and the head",
                trains=("head.", "local_module.prompt_tokens."), masked=False, uploads_features=False, dp_sgd=False,
-               server_trains=False, adapt=add_prompts),
+               server_trains=False, adapt=prompt_hook),
     MethodSpec("fed-lora", "LoRA factors on every block's attention projections (qkv, proj) and the head; "
                            "FedAvg of the factors",
                trains=("head.",), trains_suffixes=(".lora_a", ".lora_b"), masked=False, uploads_features=False,
-               dp_sgd=False, server_trains=False, adapt=add_lora),
+               dp_sgd=False, server_trains=False, adapt=lora_hook),
 )}
 
 
