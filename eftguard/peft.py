@@ -11,7 +11,7 @@ import numpy as np
 import torch
 from torch import nn
 
-from eftguard.model import EFTViT
+from eftguard.model import EFTViT, ModelError
 
 LORA_TARGETS = ("attn.qkv", "attn.proj")  # the attention projections of every block
 
@@ -38,9 +38,11 @@ class LoRALinear(nn.Linear):
 
 
 def add_lora(model: EFTViT, rank: int) -> None:
-    """Wrap the attention projections of every block (phi's and theta's) in LoRALinear."""
-    if rank < 1:
-        raise ValueError(f"LoRA rank must be >= 1, got {rank}")
+    """Wrap the attention projections of every block (phi's and theta's) in LoRALinear. A rank above the
+    projections' width adds parameters without adding expressiveness: refused."""
+    width = model.local_module.token_embedding.pos_embed.shape[-1]
+    if not 1 <= rank <= width:
+        raise ModelError(f"--lora-rank must be between 1 and the model's width {width}, got {rank}")
     for blocks in (model.local_module.blocks, model.global_module.blocks):
         for block in blocks:
             for target in LORA_TARGETS:
@@ -65,7 +67,7 @@ class PromptTokens(nn.Module):
 
 def add_prompts(model: EFTViT, count: int) -> None:
     if count < 1:
-        raise ValueError(f"prompt token count must be >= 1, got {count}")
+        raise ModelError(f"--prompt-tokens must be >= 1, got {count}")
     width = model.local_module.token_embedding.pos_embed.shape[-1]
     model.local_module.prompt_tokens = PromptTokens(count, width)
 

@@ -133,13 +133,17 @@ def test_averaging_lora_factors_misses_their_covariance():
     assert lora_averaging_gap(same_b, [1, 3]) == {"x": pytest.approx(0.0, abs=1e-12)}  # shared B: averaging is exact
 
 
-@pytest.mark.parametrize("option", ["--lora-rank", "--prompt-tokens"])
-def test_non_positive_peft_sizes_are_refused_in_one_line(capsys, tmp_path, option):
+@pytest.mark.parametrize("argv, message", [
+    (["--lora-rank", "0"], "--lora-rank must be > 0, got 0"),
+    (["--prompt-tokens", "0"], "--prompt-tokens must be > 0, got 0"),
+    (["--lora-rank", "193"], "--lora-rank must be between 1 and the model's width 192, got 193"),
+])
+def test_peft_sizes_that_cannot_work_are_refused_in_one_line(capsys, tmp_path, argv, message):
     with pytest.raises(SystemExit) as exit_info:
-        main(["train", "--out", str(tmp_path / "run"), "--method", "fed-lora", option, "0"])
+        main(["train", "--out", str(tmp_path / "run"), "--method", "fed-lora", *argv])
     err = capsys.readouterr().err
     assert exit_info.value.code == 2 and not (tmp_path / "run").exists()
-    assert err.strip().splitlines()[-1] == f"eftguard: error: {option} must be > 0, got 0"
+    assert err.strip().splitlines()[-1] == f"eftguard: error: {message}"
 
 
 def cli(capsys, *argv) -> tuple[int, str]:
