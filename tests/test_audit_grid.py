@@ -12,6 +12,7 @@ from attacks.base import AttackError
 from eftguard import audit as audit_api, cli
 from eftguard.audit import AttackReport, grid
 from eftguard.audit.grid import parse_audit
+from eftguard.config import ConfigError
 from eftguard.rundir import RunDirectory
 
 SWEEP = """
@@ -167,6 +168,19 @@ def test_a_bad_audit_file_is_one_line_before_any_training(capsys, tmp_path, monk
 
 
 # --- running, interrupting, failing ---------------------------------------------------------------------------
+
+def test_a_configuration_that_cannot_train_is_refused_before_any_training(capsys, tmp_path, monkeypatch):
+    fakes = Fakes(monkeypatch)
+
+    def prepare(cfg):  # what eftguard train's check says of a DP budget the data cannot meet, here for r_m 0.9
+        if cfg.mask_ratio == 0.9:
+            raise ConfigError("client 0 (12 samples, 2 rounds): epsilon 0.01 is out of reach")
+    monkeypatch.setattr(cli, "prepare", prepare)
+    code, _, err, summary = audit_cli(capsys, tmp_path)
+    assert code == 2 and fakes.trained == [] and summary is None
+    assert err == ("eftguard: error: " + str(tmp_path / "sweep.toml") + ": configuration mask_ratio=0.9,method=eftvit: "
+                   "client 0 (12 samples, 2 rounds): epsilon 0.01 is out of reach\n")
+
 
 def test_an_audit_trains_attacks_and_records_an_attack_that_does_not_apply(capsys, tmp_path, monkeypatch):
     fakes = Fakes(monkeypatch)

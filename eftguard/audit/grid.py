@@ -32,6 +32,7 @@ from eftguard.attack_cli import stage_progress
 from eftguard.audit.families import FAMILIES
 from eftguard.config import ConfigError, TrainConfig
 from eftguard.data import DataError
+from eftguard.model import ModelError
 from eftguard.rundir import RunDirectory, RunError, atomic_write
 
 SCHEMA_VERSION = 1
@@ -431,6 +432,20 @@ def collect(audit: Audit, out: Path) -> tuple[list[dict], list[str]]:
     return results, pending
 
 
+def check_data_and_model(audit: Audit, configurations: list[Configuration], out: Path) -> None:
+    """Before any training, what `eftguard train` checks before its first round (the data loads, the model and
+    checkpoint fit, DP-SGD is feasible) for every configuration that has no run yet: a grid cell that can never
+    train is a bad audit file, not a failure found hours later."""
+    from eftguard import cli
+
+    for configuration in configurations:
+        if not (run_folder(out, configuration) / "manifest.json").exists():
+            try:
+                cli.prepare(configuration.config)
+            except (ConfigError, DataError, ModelError) as exc:
+                raise ConfigError(f"{audit.source}: configuration {configuration.id}: {exc}") from None
+
+
 def run_audit(audit: Audit, out: Path, gates: list | None = None, shard: tuple[int, int] | None = None,
               key: Path | None = None, verbose: bool = False) -> dict:
     """Run (or continue) an audit into out and write summary.json and the report; returns the summary.
@@ -440,6 +455,7 @@ def run_audit(audit: Audit, out: Path, gates: list | None = None, shard: tuple[i
     gates = gates or []
     gates_module.check_before_training(gates, set(FAMILIES), {a.name for a in audit.attacks})
     chosen = select_shard(audit.configurations, shard)
+    check_data_and_model(audit, chosen, out)
     where = f", shard {shard[0]}/{shard[1]}" if shard else ""
     console.print(f"{audit.title}: {len(chosen)} of {len(audit.configurations)} configurations{where}, "
                   f"{len(audit.attacks)} attacks each -> {out}")
