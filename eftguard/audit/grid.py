@@ -3,7 +3,7 @@ and sum the results up in summary.json (rendered as report.html and report.md). 
 
 Everything is kept so that an interrupted audit continues where it stopped and shards merge:
 
-    OUT/summary.json, report.html, report.md
+    OUT/summary.json, report.html, report.md    (a --shard I/N run: OUT/shards/I-of-N/summary.json, ...)
     OUT/runs/<id>-<digest>/          the run of a configuration; digest of its resolved config and the code version,
     OUT/runs/<id>-<digest>.json      so a changed config or code trains anew; beside it: code version, train seconds
     OUT/reports/<id>/<attack>/...    attack reports, as run_attack(out=...) writes them
@@ -448,7 +448,8 @@ def check_data_and_model(audit: Audit, configurations: list[Configuration], out:
 
 def run_audit(audit: Audit, out: Path, gates: list | None = None, shard: tuple[int, int] | None = None,
               key: Path | None = None, verbose: bool = False) -> dict:
-    """Run (or continue) an audit into out and write summary.json and the report; returns the summary.
+    """Run (or continue) an audit into out and write summary.json and the report (a shard: in
+    out/shards/I-of-N/, so that shards finishing together do not write one file); returns the summary.
     A gate naming a figure no attack reports raises ConfigError after the summary is written."""
     from eftguard.audit import gate as gates_module
 
@@ -479,8 +480,9 @@ def run_audit(audit: Audit, out: Path, gates: list | None = None, shard: tuple[i
         summary["gates"] = gates_module.evaluate(gates, [r for r in results if r["status"] == "done"])
     except ConfigError as exc:
         gate_error = exc
-    write_json(out / "summary.json", summary)
-    write_report(summary, out)
+    folder = out if shard is None else out / "shards" / f"{shard[0]}-of-{shard[1]}"  # shards finish at once
+    write_json(folder / "summary.json", summary)
+    write_report(summary, folder)
     if gate_error:
         raise gate_error
     return summary
