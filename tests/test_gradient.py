@@ -245,7 +245,7 @@ def test_a_one_step_upload_is_adamw_applied_to_the_probe_gradient(monkeypatch):
     """A client whose whole partition is one batch uploads after exactly one AdamW step: phi_k - phi equals
     -lr * (weight_decay * phi + g / (|g| + eps)) with g the probe gradient of its batch. So an upload keeps only
     the sign of each coordinate of the gradient (|g| >> eps), which is why the closed-form attack needs the probe
-    (--steps 1) and treats --steps local as an estimate."""
+    (--observe probe) and treats --observe upload as an estimate."""
     cfg = TrainConfig(clients=2, rounds=1, train_samples=60, test_samples=20, batch_size=64, local_epochs=1).resolved()
     start, names, images, keep, labels, applied, upload = first_client_step(monkeypatch, cfg)
     assert len(labels) == upload.num_examples  # one batch: the upload is one step

@@ -44,10 +44,6 @@ def run_attack(run: str | Path | RunDirectory, family: str, method: str | None =
     family_options, method_options = resolve_options(chosen, cls, options)
     seed = checked("seed", SEED, seed)
     round_number = None if round_number is None else checked("round_number", ROUND, round_number)
-    if chosen.image_metrics:
-        from eftguard.metrics import LPIPS_BACKENDS
-        if lpips_backend not in LPIPS_BACKENDS:
-            raise AttackError(f"unknown LPIPS backend '{lpips_backend}': choose one of {', '.join(LPIPS_BACKENDS)}")
     run_dir, round_number, picked = open_round(run, key, round_number, clients, chosen,
                                                lpips_backend if chosen.image_metrics else None)
     folder = out_root(run_dir, out) if out is not None else None
