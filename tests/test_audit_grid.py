@@ -263,7 +263,7 @@ def test_gates_pass_and_fail_as_written(capsys, tmp_path, monkeypatch):
                          ("mask_ratio=0.5,method=eftvit", "invert-decoder.psnr_kept", 25.0),
                          ("mask_ratio=0.0,method=eftvit", "labels-head.l1", 0.2)]
     assert ("eftguard: gate 'invert.psnr_kept < 25' does not hold for mask_ratio=0.5,method=eftvit: "
-            "invert-decoder.psnr_kept = 25.0") in err
+            "invert-decoder.psnr_kept = 25.000") in err
 
 
 def test_a_gate_with_an_unknown_figure_lists_the_figures_that_exist(capsys, tmp_path, monkeypatch):

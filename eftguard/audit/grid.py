@@ -501,8 +501,8 @@ def problems(summary: dict) -> list[str]:
     """One line per failed configuration and per gate crossing, for the exit status of an audit."""
     lines = [f"configuration {c['id']} failed: {c['error']}" for c in summary["configurations"] if c["status"] == "failed"]
     for gate in summary["gates"]:
-        lines += [f"gate '{gate['expression']}' does not hold for {f['configuration']}: {f['figure']} = {f['value']}"
-                  for f in gate["failures"]]
+        lines += [f"gate '{gate['expression']}' does not hold for {f['configuration']}: {f['figure']} = "
+                  + (f"{f['value']:.3f}" if f["value"] is not None else "NaN") for f in gate["failures"]]
     return lines
 
 
