@@ -12,6 +12,7 @@ from attacks.base import AttackError
 from eftguard import audit as audit_api, cli
 from eftguard.audit import AttackReport, grid
 from eftguard.audit.grid import parse_audit
+from eftguard.config import ConfigError
 from eftguard.rundir import RunDirectory
 
 SWEEP = """
@@ -168,6 +169,19 @@ def test_a_bad_audit_file_is_one_line_before_any_training(capsys, tmp_path, monk
 
 # --- running, interrupting, failing ---------------------------------------------------------------------------
 
+def test_a_configuration_that_cannot_train_is_refused_before_any_training(capsys, tmp_path, monkeypatch):
+    fakes = Fakes(monkeypatch)
+
+    def prepare(cfg):  # what eftguard train's check says of a DP budget the data cannot meet, here for r_m 0.9
+        if cfg.mask_ratio == 0.9:
+            raise ConfigError("client 0 (12 samples, 2 rounds): epsilon 0.01 is out of reach")
+    monkeypatch.setattr(cli, "prepare", prepare)
+    code, _, err, summary = audit_cli(capsys, tmp_path)
+    assert code == 2 and fakes.trained == [] and summary is None
+    assert err == ("eftguard: error: " + str(tmp_path / "sweep.toml") + ": configuration mask_ratio=0.9,method=eftvit: "
+                   "client 0 (12 samples, 2 rounds): epsilon 0.01 is out of reach\n")
+
+
 def test_an_audit_trains_attacks_and_records_an_attack_that_does_not_apply(capsys, tmp_path, monkeypatch):
     fakes = Fakes(monkeypatch)
     code, out, err, summary = audit_cli(capsys, tmp_path)
@@ -249,7 +263,7 @@ def test_gates_pass_and_fail_as_written(capsys, tmp_path, monkeypatch):
                          ("mask_ratio=0.5,method=eftvit", "invert-decoder.psnr_kept", 25.0),
                          ("mask_ratio=0.0,method=eftvit", "labels-head.l1", 0.2)]
     assert ("eftguard: gate 'invert.psnr_kept < 25' does not hold for mask_ratio=0.5,method=eftvit: "
-            "invert-decoder.psnr_kept = 25.0") in err
+            "invert-decoder.psnr_kept = 25.000") in err
 
 
 def test_a_gate_with_an_unknown_figure_lists_the_figures_that_exist(capsys, tmp_path, monkeypatch):
@@ -284,9 +298,10 @@ def test_shards_are_disjoint_cover_the_grid_and_merge(capsys, tmp_path, monkeypa
     for shard in ("1/3", "2/3"):
         fakes = Fakes(monkeypatch)
         code, _, err, summary = audit_cli(capsys, tmp_path, "--shard", shard)
-        assert code == 0, err
+        assert code == 0 and summary is None, err  # each shard writes its own summary
         trained_by_shard.append({(m, r) for m, r, _ in fakes.trained})
     assert trained_by_shard == [{("eftvit", 0.0), ("fedavg", 0.75)}, {("eftvit", 0.5), ("eftvit", 0.9)}]
+    summary = json.loads((tmp_path / "out" / "shards" / "2-of-3" / "summary.json").read_text())
     assert summary["pending"] == ["mask_ratio=0.75,method=eftvit"] and len(summary["configurations"]) == 4
     merge = Fakes(monkeypatch)  # no --shard: the third shard's part is all that is left
     code, _, err, summary = audit_cli(capsys, tmp_path)

@@ -3,7 +3,7 @@ and sum the results up in summary.json (rendered as report.html and report.md). 
 
 Everything is kept so that an interrupted audit continues where it stopped and shards merge:
 
-    OUT/summary.json, report.html, report.md
+    OUT/summary.json, report.html, report.md    (a --shard I/N run: OUT/shards/I-of-N/summary.json, ...)
     OUT/runs/<id>-<digest>/          the run of a configuration; digest of its resolved config and the code version,
     OUT/runs/<id>-<digest>.json      so a changed config or code trains anew; beside it: code version, train seconds
     OUT/reports/<id>/<attack>/...    attack reports, as run_attack(out=...) writes them
@@ -32,6 +32,7 @@ from eftguard.attack_cli import stage_progress
 from eftguard.audit.families import FAMILIES
 from eftguard.config import ConfigError, TrainConfig
 from eftguard.data import DataError
+from eftguard.model import ModelError
 from eftguard.rundir import RunDirectory, RunError, atomic_write
 
 SCHEMA_VERSION = 1
@@ -431,15 +432,31 @@ def collect(audit: Audit, out: Path) -> tuple[list[dict], list[str]]:
     return results, pending
 
 
+def check_data_and_model(audit: Audit, configurations: list[Configuration], out: Path) -> None:
+    """Before any training, what `eftguard train` checks before its first round (the data loads, the model and
+    checkpoint fit, DP-SGD is feasible) for every configuration that has no run yet: a grid cell that can never
+    train is a bad audit file, not a failure found hours later."""
+    from eftguard import cli
+
+    for configuration in configurations:
+        if not (run_folder(out, configuration) / "manifest.json").exists():
+            try:
+                cli.prepare(configuration.config)
+            except (ConfigError, DataError, ModelError) as exc:
+                raise ConfigError(f"{audit.source}: configuration {configuration.id}: {exc}") from None
+
+
 def run_audit(audit: Audit, out: Path, gates: list | None = None, shard: tuple[int, int] | None = None,
               key: Path | None = None, verbose: bool = False) -> dict:
-    """Run (or continue) an audit into out and write summary.json and the report; returns the summary.
+    """Run (or continue) an audit into out and write summary.json and the report (a shard: in
+    out/shards/I-of-N/, so that shards finishing together do not write one file); returns the summary.
     A gate naming a figure no attack reports raises ConfigError after the summary is written."""
     from eftguard.audit import gate as gates_module
 
     gates = gates or []
     gates_module.check_before_training(gates, set(FAMILIES), {a.name for a in audit.attacks})
     chosen = select_shard(audit.configurations, shard)
+    check_data_and_model(audit, chosen, out)
     where = f", shard {shard[0]}/{shard[1]}" if shard else ""
     console.print(f"{audit.title}: {len(chosen)} of {len(audit.configurations)} configurations{where}, "
                   f"{len(audit.attacks)} attacks each -> {out}")
@@ -463,8 +480,9 @@ def run_audit(audit: Audit, out: Path, gates: list | None = None, shard: tuple[i
         summary["gates"] = gates_module.evaluate(gates, [r for r in results if r["status"] == "done"])
     except ConfigError as exc:
         gate_error = exc
-    write_json(out / "summary.json", summary)
-    write_report(summary, out)
+    folder = out if shard is None else out / "shards" / f"{shard[0]}-of-{shard[1]}"  # shards finish at once
+    write_json(folder / "summary.json", summary)
+    write_report(summary, folder)
     if gate_error:
         raise gate_error
     return summary
@@ -483,8 +501,8 @@ def problems(summary: dict) -> list[str]:
     """One line per failed configuration and per gate crossing, for the exit status of an audit."""
     lines = [f"configuration {c['id']} failed: {c['error']}" for c in summary["configurations"] if c["status"] == "failed"]
     for gate in summary["gates"]:
-        lines += [f"gate '{gate['expression']}' does not hold for {f['configuration']}: {f['figure']} = {f['value']}"
-                  for f in gate["failures"]]
+        lines += [f"gate '{gate['expression']}' does not hold for {f['configuration']}: {f['figure']} = "
+                  + (f"{f['value']:.3f}" if f["value"] is not None else "NaN") for f in gate["failures"]]
     return lines
 
 
