@@ -388,8 +388,12 @@ def summarize(run_dir: Path) -> list[dict]:
     return records
 
 
+DEMO_METHODS = {"eftvit": "r_m {mask_ratio}, M {local_layers}", "fedavg": "Fed-Full"}  # method -> column note
+
+
 def demo_audit(args: argparse.Namespace):
-    """The demo as an audit: both methods on photos at the demo's sizes, the inversion and label attacks."""
+    """The demo as an audit: EFTViT against the Fed-Full reference on photos at the demo's sizes, the inversion
+    and label attacks."""
     from eftguard.audit.grid import parse_audit
 
     attacks = [{"family": "labels"}]
@@ -399,7 +403,7 @@ def demo_audit(args: argparse.Namespace):
     return parse_audit({"title": "demo: EFTViT vs Fed-Full on the bundled photos",
                         "train": {"rounds": args.rounds, "train_samples": args.train_samples,
                                   "test_samples": args.test_samples},
-                        "grid": {"method": list(METHODS)}, "attack": attacks}, "eftguard demo")
+                        "grid": {"method": list(DEMO_METHODS)}, "attack": attacks}, "eftguard demo")
 
 
 def cmd_demo(args: argparse.Namespace) -> None:
@@ -418,8 +422,7 @@ def cmd_demo(args: argparse.Namespace) -> None:
                         f"images: test accuracy per round ({out})")
     table.add_column("round")
     for method in results:
-        table.add_column(f"{method}" + (f" (r_m {cfg.mask_ratio}, M {cfg.local_layers})" if method == "eftvit"
-                                        else " (Fed-Full)"))
+        table.add_column(f"{method} ({DEMO_METHODS[method].format(**dataclasses.asdict(cfg))})")
     for index in range(args.rounds):
         table.add_row(str(index + 1), *[f"{records[index]['test_accuracy']:.3f}" for records in results.values()])
     table.add_row("wall s", *[f"{trained[m]['train_seconds']:.0f}" for m in results])

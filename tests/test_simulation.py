@@ -164,3 +164,5 @@ def test_demo_compares_both_methods(tmp_path):
     for method in ("eftvit", "fedavg"):
         run = tmp_path / "demo" / configurations[f"method={method}"]["run"]
         assert json.loads((run / "metrics.jsonl").read_text().splitlines()[0])["method"] == method
+    page = (tmp_path / "demo" / "report.html").read_text()
+    assert "uploaded features" in page and "not applicable" in page  # the verdict, per configuration

@@ -489,10 +489,8 @@ def run_audit(audit: Audit, out: Path, gates: list | None = None, shard: tuple[i
 
 
 def write_report(summary: dict, out: Path) -> None:
-    try:
-        from eftguard.report import write_audit_report
-    except ImportError:  # the report writer lands on another branch; summary.json is complete without it
-        return
+    from eftguard.report import write_audit_report
+
     for file in write_audit_report(summary, out):
         console.print(f"wrote {file}")
 
