@@ -58,6 +58,7 @@ class TrainConfig:
     dp_delta: float = 0.0  # 0: 1 / (10 n_k) per client
     max_grad_norm: float = 1.0
     accountant: str = "prv"
+    dp_feature_share: float = 0.5  # fraction of dp_eps for the feature channel (methods that upload features)
     feature_noise: float = 0.0
     feature_clip: float = 0.0  # 0: uploaded features are neither clipped nor noised
 
@@ -96,6 +97,13 @@ class TrainConfig:
         if self.dp_eps > 0 and not method.dp_sgd:
             private = ", ".join(m.name for m in methods_with("dp_sgd"))
             raise ConfigError(f"--dp-eps: --method {method.name} has no DP-SGD (methods with DP-SGD: {private})")
+        if self.dp_eps > 0 and method.uploads_features:
+            if not 0 < self.dp_feature_share < 1:
+                raise ConfigError(f"--dp-feature-share must be in (0, 1) (the feature channel's fraction of "
+                                  f"--dp-eps), got {self.dp_feature_share}")
+            if self.feature_noise > 0:
+                raise ConfigError("--feature-noise: with --dp-eps the feature noise is calibrated to the budget; "
+                                  "drop --feature-noise (--feature-clip sets the clipping norm)")
         if self.feature_noise < 0 or self.feature_clip < 0:
             raise ConfigError("--feature-noise and --feature-clip must be >= 0")
         if self.feature_noise > 0 and self.feature_clip == 0:
