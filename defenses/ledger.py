@@ -198,16 +198,13 @@ class PrivacyLedger:
         return terms
 
     def record(self, run_id: str, terms: Terms, applied: list[Spend]) -> dict[str, float]:
-        """Record a trained round (before its upload leaves the node); returns the run's epsilon spent per
-        channel and in total."""
+        """Record a trained round, every channel's spend (before its upload leaves the node); each entry notes
+        the run's total epsilon after the round. Returns the epsilon spent per channel and in total."""
         _, entries = self._load(run_id)
-        spends = [Spend(**entry["spend"]) for entry in entries]
-        for spend in applied:
-            spends.append(spend)
-            entries.append({"spend": asdict(spend), "delta": terms.delta,
-                            "epsilon_after": compose(spends, terms.delta, terms.accountant)})
+        spent = spent_per_channel([Spend(**entry["spend"]) for entry in entries] + applied, terms)
+        entries += [{"spend": asdict(spend), "delta": terms.delta, "epsilon_after": spent["total"]} for spend in applied]
         self._write(run_id, terms, entries)
-        return spent_per_channel(spends, terms)
+        return spent
 
     def times_spent(self, run_id: str, round_number: int) -> int:
         """How often this round was already spent (a server re-sending it gets fresh noise from this)."""
