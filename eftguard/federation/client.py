@@ -33,7 +33,7 @@ class ClientUpload:
     features: dict[str, np.ndarray] | None  # {"features": Z_k, "labels": y_k}; None: the method uploads none
     truth: dict[str, np.ndarray]  # auditor-only ground truth
     num_examples: int
-    loss: float
+    loss: float  # the mean training loss; 0.0 under --dp-eps (a function of the private data, not noised)
     epoch_seconds: list[float]
     feature_seconds: float
     dp_report: dict[str, float | int] | None = None  # what DP-SGD applied and the ledger's spend; None without DP
@@ -195,8 +195,8 @@ def client_round(settings: ClientSettings, state: dict[str, np.ndarray], partiti
             dp_applied = dp_report(applied, ledger.record(s.run_id, terms, applied))
             log.info("round %d, client %d: epsilon spent in this run %.3f", s.round, partition_id,
                      dp_applied["dp-epsilon-spent"])
-    return ClientUpload(update, uploaded, truth, len(data), result.loss, result.epoch_seconds, feature_seconds,
-                        dp_applied)
+    loss = 0.0 if terms else result.loss  # a DP client reports nothing the mechanisms do not cover
+    return ClientUpload(update, uploaded, truth, len(data), loss, result.epoch_seconds, feature_seconds, dp_applied)
 
 
 def median_sampled_features(s: ClientSettings, model, data, num_classes: int, partition_id: int,

@@ -351,7 +351,7 @@ def run_round(grid: Grid, run: RunDirectory, cfg: TrainConfig, model: EFTViT, sp
         "round": round_number,
         "method": cfg.method,
         "test_accuracy": accuracy,
-        "client_loss": sum(u.loss * u.num_examples for u in accepted) / weights if accepted else None,
+        "client_loss": sum(u.loss * u.num_examples for u in accepted) / weights if accepted and not budgets else None,
         "server_loss": server_loss,
         "client_seconds": {str(u.partition): round(sum(u.epoch_seconds), 4) for u in accepted},
         "client_epoch_seconds": {str(u.partition): round(sum(u.epoch_seconds) / max(len(u.epoch_seconds), 1), 4)
