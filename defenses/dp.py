@@ -46,7 +46,7 @@ def default_delta(num_examples: int) -> float:
 
 def composed_epsilon(history: list[tuple[float, float, int]], delta: float, accountant: str) -> float:
     """epsilon of Poisson-sampled Gaussian mechanisms composed, each entry (noise multiplier, sample rate, steps);
-    a sample rate of 1 is a plain Gaussian mechanism (opacus' PRV warns about log(0) there, harmlessly)."""
+    a sample rate of 1 is a plain Gaussian mechanism."""
     return _composed_epsilon(tuple(entry for entry in history if entry[2] > 0), delta, accountant)
 
 
@@ -58,7 +58,7 @@ def _composed_epsilon(history: tuple[tuple[float, float, int], ...], delta: floa
     acc = create_accountant(mechanism=accountant)
     acc.history = list(history)
     with warnings.catch_warnings():
-        warnings.simplefilter("ignore", RuntimeWarning)
+        warnings.simplefilter("ignore")  # opacus notes on log(0) at rate 1, RDP orders
         epsilon = float(acc.get_epsilon(delta=delta))
         if accountant == "prv" and epsilon < PRV_EPS_ERROR / PRV_RELATIVE_ERROR:  # refine: a 0.01 error is 1% at 1
             epsilon = float(acc.get_epsilon(delta=delta, eps_error=max(epsilon, 0.1) * PRV_RELATIVE_ERROR))
@@ -88,7 +88,7 @@ def calibrate(epsilon: float, delta: float, sample_rate: float, steps: int, acco
     (epsilon, delta). Slow (seconds), hence cached."""
     try:
         with warnings.catch_warnings():
-            warnings.simplefilter("ignore", RuntimeWarning)
+            warnings.simplefilter("ignore")  # opacus notes on log(0) at rate 1, RDP orders
             return float(get_noise_multiplier(target_epsilon=epsilon, target_delta=delta, sample_rate=sample_rate,
                                               steps=steps, accountant=accountant))
     except ValueError as exc:
