@@ -16,6 +16,7 @@ from flwr.app import ConfigRecord, Message, MessageType, RecordDict
 from flwr.serverapp import Grid
 from rich.console import Console
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
+from rich.table import Table
 
 from defenses.dp import ClientBudget, channel_epsilons
 from eftguard.config import TrainConfig
@@ -241,21 +242,24 @@ def dp_budgets(cfg: TrainConfig) -> dict[int, ClientBudget]:
     return budgets
 
 
-def budget_table(budgets: dict[int, ClientBudget], cfg: TrainConfig) -> str:
+def budget_table(budgets: dict[int, ClientBudget], cfg: TrainConfig) -> Table:
     """The per-channel budget each client is calibrated to, printed before round 1."""
     shares = channel_epsilons(cfg.dp_eps, next(iter(budgets.values())).feature_share)
-    lines = [f"privacy budget per client: epsilon {cfg.dp_eps:g} in total = "
-             + " + ".join(f"{eps:g} {channel}" for channel, eps in shares.items())
-             + " (each channel at delta / 2; total by one accountant at delta)"]
+    table = Table(title=f"privacy budget per client: epsilon {cfg.dp_eps:g} = "
+                        + " + ".join(f"{eps:g} {channel}" for channel, eps in shares.items())
+                        + " (each channel at delta/2, total composed at delta)")
+    columns = ["client", "rounds", "delta", "DP-SGD sigma", "eps parameters"]
+    columns += ["feature sigma", "eps features"] if "features" in shares else []
+    for column in columns + ["eps total"]:
+        table.add_column(column, justify="right")
     for k, budget in budgets.items():
         last = max(budget.rounds)
         spent = budget.channel_epsilons_after(last)
-        feature = (f", features sigma {budget.feature_noise_multiplier:.3f} -> eps {spent['features']:.3f}"
-                   if budget.feature_share else "")
-        lines.append(f"  client {k}: {len(budget.rounds)} rounds, delta {budget.delta:.2g}, DP-SGD sigma "
-                     f"{budget.noise_multiplier:.3f} -> eps {spent['parameters']:.3f}{feature}, total eps "
-                     f"{budget.epsilon_after(last):.3f}")
-    return "\n".join(lines)
+        row = [str(k), str(len(budget.rounds)), f"{budget.delta:.2g}", f"{budget.noise_multiplier:.3f}",
+               f"{spent['parameters']:.3f}"]
+        row += [f"{budget.feature_noise_multiplier:.3f}", f"{spent['features']:.3f}"] if "features" in spent else []
+        table.add_row(*row, f"{budget.epsilon_after(last):.3f}")
+    return table
 
 
 def privacy_metrics(budgets: dict[int, ClientBudget], selected: list[int], round_number: int,
