@@ -168,7 +168,7 @@ def test_dp_run_records_epsilon_per_channel_and_uploads_one_row_per_image(tmp_pa
     path = train_in_process(tmp_path / "run", dp_eps=3.0, accountant="rdp", train_samples=64, batch_size=16)
     printed = capsys.readouterr().err
     assert "privacy budget per client: epsilon 3 = 1.5 parameters + 1.5 features" in " ".join(printed.split())
-    assert printed.index("eps features") < printed.index("round 1/1")
+    assert printed.index("ε features") < printed.index("round 1/1")
     run = RunDirectory.open(path)
     (metrics,) = run.metrics()
     sizes = [len(p) for p in client_partition("photos", "", "vit-tiny-32", 64, 0, 2, 0.1)]

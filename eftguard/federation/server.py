@@ -245,12 +245,12 @@ def dp_budgets(cfg: TrainConfig) -> dict[int, ClientBudget]:
 def budget_table(budgets: dict[int, ClientBudget], cfg: TrainConfig) -> Table:
     """The per-channel budget each client is calibrated to, printed before round 1."""
     shares = channel_epsilons(cfg.dp_eps, next(iter(budgets.values())).feature_share)
-    table = Table(title=f"privacy budget per client: epsilon {cfg.dp_eps:g} = "
+    table = Table(box=None, pad_edge=False, title=f"privacy budget per client: epsilon {cfg.dp_eps:g} = "
                         + " + ".join(f"{eps:g} {channel}" for channel, eps in shares.items())
                         + " (each channel at delta/2, total composed at delta)")
-    columns = ["client", "rounds", "delta", "DP-SGD sigma", "eps parameters"]
-    columns += ["feature sigma", "eps features"] if "features" in shares else []
-    for column in columns + ["eps total"]:
+    columns = ["client", "rounds", "delta", "DP-SGD σ", "ε params"]
+    columns += ["feature σ", "ε features"] if "features" in shares else []
+    for column in columns + ["ε total"]:
         table.add_column(column, justify="right")
     for k, budget in budgets.items():
         last = max(budget.rounds)
