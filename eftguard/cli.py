@@ -37,7 +37,7 @@ TRAIN_HELP = {
     "clients_per_round": "clients taking part in each round (0: all)",
     "rounds": "federated rounds",
     "local_epochs": "client epochs per round (E)",
-    "server_epochs": "server epochs on the uploaded features per round (S)",
+    "server_epochs": "server epochs on the uploaded features per round (S; 0: theta is never trained on them)",
     "batch_size": "batch size, clients and server",
     "lr": "client learning rate (AdamW)",
     "server_lr": "server learning rate for the global module (AdamW)",

@@ -39,7 +39,7 @@ class TrainConfig:
     clients_per_round: int = 0  # 0: all clients
     rounds: int = 5
     local_epochs: int = 1
-    server_epochs: int = 1
+    server_epochs: int = 1  # 0: theta is never trained on the uploaded features (a baseline)
     batch_size: int = 64
     lr: float = 1e-3
     server_lr: float = 1e-3
@@ -113,13 +113,13 @@ class TrainConfig:
             raise ConfigError(f"--feature-clip/--feature-noise apply to uploaded features; --method {method.name} "
                               f"uploads none (methods that do: {uploading})")
         positive = {"clients": self.clients, "rounds": self.rounds, "local_epochs": self.local_epochs,
-                    "server_epochs": self.server_epochs, "batch_size": self.batch_size, "lr": self.lr,
+                    "batch_size": self.batch_size, "lr": self.lr,
                     "server_lr": self.server_lr, "beta": self.beta, "cpus_per_client": self.cpus_per_client,
                     "round_timeout": self.round_timeout, "max_grad_norm": self.max_grad_norm}
         for name, value in positive.items():
             if value <= 0:
                 raise ConfigError(f"--{name.replace('_', '-')} must be > 0, got {value}")
-        for name in ("train_samples", "test_samples", "weight_decay", "seed"):
+        for name in ("train_samples", "test_samples", "weight_decay", "seed", "server_epochs"):
             if getattr(self, name) < 0:
                 raise ConfigError(f"--{name.replace('_', '-')} must be >= 0, got {getattr(self, name)}")
         if not 1 <= self.clients_per_round <= self.clients:

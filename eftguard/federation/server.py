@@ -333,7 +333,7 @@ def run_round(grid: Grid, run: RunDirectory, cfg: TrainConfig, model: EFTViT, sp
     server_loss, server_seconds = None, 0.0
     if accepted:
         load_average(model, fedavg([u.update for u in accepted], [u.num_examples for u in accepted]))
-        if method_spec(cfg.method).server_trains:
+        if method_spec(cfg.method).server_trains and cfg.server_epochs:
             features = torch.from_numpy(np.concatenate([u.features["features"] for u in accepted]))
             labels = torch.from_numpy(np.concatenate([u.features["labels"] for u in accepted]))
             task = progress.add_task(f"round {round_number}: server training", total=cfg.server_epochs)
