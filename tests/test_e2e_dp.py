@@ -208,3 +208,18 @@ def test_decoder_inversion_of_kept_patches_falls_to_the_mean_image_under_the_fea
     attacked = kept_patch_psnr(attack.reconstruct(observation)[0].images, truth, keep).mean()
     baseline = mean_image_kept_psnr(photos, truth, keep).mean()
     assert abs(attacked - baseline) < 1.5, (attacked, baseline)
+
+
+def test_server_epochs_zero_leaves_theta_as_initialised(tmp_path):
+    """The baseline of the privacy-utility table: with --server-epochs 0 the global module never learns from the
+    uploaded features (the clients' averaged local modules and heads still change)."""
+    from conftest import train_in_process
+    from eftguard.rundir import RunDirectory
+
+    run = RunDirectory.open(train_in_process(tmp_path / "run", server_epochs=0, train_samples=64))
+    start, after = run.load_checkpoint(0), run.load_checkpoint(1)
+    changed = {k for k in start if not torch.equal(start[k], after[k])}
+    assert changed and not any(k.startswith("global_module.") for k in changed)
+    assert any(k.startswith("local_module.") for k in changed)
+    (metrics,) = run.metrics()
+    assert metrics["server_loss"] is None
