@@ -40,7 +40,7 @@ def pld_epsilon(history: list[tuple[float, float, int]], delta: float) -> float:
     return accountant.get_epsilon(delta)
 
 
-@pytest.mark.parametrize("epsilon", [1.0, 8.0])
+@pytest.mark.parametrize("epsilon", [1.0, pytest.param(8.0, marks=pytest.mark.slow)])  # 8: two PRV calibrations
 def test_composed_epsilon_of_both_channels_matches_dp_accountings_pld_within_1_percent(epsilon):
     """The one accountant (opacus PRV) composing DP-SGD steps and feature releases over all scheduled rounds,
     as the server calibrates it and as the client's ledger recomposes it, against an independent implementation;
