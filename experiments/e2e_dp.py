@@ -52,20 +52,21 @@ def row(name: str, path: Path, seconds: float) -> str:
 
 
 # The strongest attack of each family and the metric it is scored by (`eftguard attack ...` writes the reports).
-ATTACK_METRICS = [("invert-decoder", "psnr"), ("invert-decoder", "psnr_kept"), ("labels-presence", "l1"),
-                  ("labels-linkage", "l1"), ("labels-head", "l1"), ("gradient-analytic", "psnr")]
+# (report folder, metric, group suffix: "" whole image, "_kept" the kept patches only)
+ATTACK_METRICS = [("invert-decoder", "psnr", ""), ("invert-decoder", "psnr", "_kept"), ("labels-presence", "l1", ""),
+                  ("labels-linkage", "l1", ""), ("labels-head", "l1", ""), ("gradient-analytic", "psnr", "")]
 
 
 def attack_row(name: str, path: Path) -> str:
     """attack / baseline for each ATTACK_METRICS entry whose report exists."""
     cells = []
-    for attack, metric in ATTACK_METRICS:
+    for attack, metric, part in ATTACK_METRICS:
         report = path / "reports" / attack / "report.json"
         if not report.exists():
             cells.append("–")
             continue
         data = json.loads(report.read_text())
-        value, baseline = (data[group].get(metric, {}).get("mean") for group in ("metrics", "baseline"))
+        value, baseline = (data.get(group + part, {}).get(metric, {}).get("mean") for group in ("metrics", "baseline"))
         cells.append(f"{value:.2f} / {baseline:.2f}" if value is not None and baseline is not None else "–")
     return f"| {name} | " + " | ".join(cells) + " |"
 
@@ -94,7 +95,7 @@ def main() -> None:
         lines.append(row(name, args.out / name, seconds))
         print(lines[-1], flush=True)
     print("\n".join(lines))
-    print("\n| run | " + " | ".join(f"{a} {m} (attack / baseline)" for a, m in ATTACK_METRICS) + " |")
+    print("\n| run | " + " | ".join(f"{a} {m}{p} (attack / baseline)" for a, m, p in ATTACK_METRICS) + " |")
     print("|" + "---|" * (len(ATTACK_METRICS) + 1))
     for folder in sorted(p for p in args.out.iterdir() if p.is_dir()):
         print(attack_row(folder.name, folder))
