@@ -223,3 +223,16 @@ def test_server_epochs_zero_leaves_theta_as_initialised(tmp_path):
     assert any(k.startswith("local_module.") for k in changed)
     (metrics,) = run.metrics()
     assert metrics["server_loss"] is None
+
+
+@pytest.mark.parametrize("changes, message", [
+    ({"dp_feature_share": 1.0}, r"--dp-feature-share must be in \(0, 1\)"),
+    ({"dp_feature_share": 0.0}, r"--dp-feature-share must be in \(0, 1\)"),
+    ({"feature_clip": 2.0, "feature_noise": 0.5}, "with --dp-eps the feature noise is calibrated to the budget"),
+])
+def test_dp_options_that_would_leave_the_feature_channel_unaccounted_are_config_errors(changes, message):
+    from eftguard.config import ConfigError
+
+    with pytest.raises(ConfigError, match=message):
+        TrainConfig(**{**CFG.__dict__, **changes}).resolved()
+    TrainConfig(**{**CFG.__dict__, **changes, "dp_eps": 0.0}).resolved()  # without --dp-eps they are allowed
