@@ -175,13 +175,10 @@ def client_round(settings: ClientSettings, state: dict[str, np.ndarray], partiti
         truth = {"sample_ids": data.ids.astype(np.int64), "class_counts": class_counts}
         start = time.perf_counter()
         uploaded = None
-        if method.uploads_features and terms:  # the feature channel of --dp-eps: every image, once, noised
-            features, keep_ids = extract_features(model, images, method.mask_ratio(s.mask_ratio), generator)
+        if method.uploads_features and terms:
             noise = torch.Generator().manual_seed(seeded(s.seed, s.round, partition_id, 7, respent, *private))
-            features, released_labels = release_rows(features, labels, dataset.num_classes, row_clip(s.feature_clip),
-                                                     s.feature_noise_multiplier, noise)
-            uploaded = {"features": features.numpy(), "labels": released_labels.numpy()}
-            truth["kept_ids"] = keep_ids.numpy().astype(np.int64)
+            uploaded, truth["kept_ids"] = dp_released_features(s, model, images, labels, dataset.num_classes,
+                                                               generator, noise)
         elif method.uploads_features:
             uploaded, sampled = median_sampled_features(s, model, data, dataset.num_classes, partition_id, generator,
                                                         private)
@@ -197,6 +194,18 @@ def client_round(settings: ClientSettings, state: dict[str, np.ndarray], partiti
                      dp_applied["dp-epsilon-spent"])
     loss = 0.0 if terms else result.loss  # a DP client reports nothing the mechanisms do not cover
     return ClientUpload(update, uploaded, truth, len(data), loss, result.epoch_seconds, feature_seconds, dp_applied)
+
+
+def dp_released_features(s: ClientSettings, model, images: torch.Tensor, labels: torch.Tensor, num_classes: int,
+                         generator: torch.Generator, noise: torch.Generator
+                         ) -> tuple[dict[str, np.ndarray], np.ndarray]:
+    """The feature upload under --dp-eps (defenses.feature_dp): every image once, clipped and noised, with the
+    labels decoded from the noisy one-hot; and the kept patch ids for the truth."""
+    features, keep_ids = extract_features(model, images, method_spec(s.method).mask_ratio(s.mask_ratio), generator)
+    features, released_labels = release_rows(features, labels, num_classes, row_clip(s.feature_clip),
+                                             s.feature_noise_multiplier, noise)
+    return ({"features": features.numpy(), "labels": released_labels.numpy()},
+            keep_ids.numpy().astype(np.int64))
 
 
 def median_sampled_features(s: ClientSettings, model, data, num_classes: int, partition_id: int,
