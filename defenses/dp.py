@@ -26,8 +26,6 @@ from opacus.optimizers import DPOptimizerFastGradientClipping
 from opacus.utils.fast_gradient_clipping_utils import DPLossFastGradientClipping
 from torch import nn
 
-
-
 # opacus' PRV accountant bounds epsilon within an absolute eps_error (default 0.01); below epsilon 5 it is
 # recomputed within 0.2% of epsilon, so a reported epsilon stays within 1% of an exact accountant's. The
 # refined figure is the smaller, so noise calibrated at the default error still meets its target.
