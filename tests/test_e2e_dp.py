@@ -117,8 +117,7 @@ def test_released_row_counts_do_not_depend_on_the_clients_labels(start_state, tm
     n = len(client_partition("photos", "", CFG.model, CFG.train_samples, CFG.seed, CFG.clients, CFG.beta)[0])
     plain = dataclasses.replace(CFG, dp_eps=0.0)
     rows = {}
-    for name, relabel in [("own", lambda y: y), ("one class", lambda y: np.where(np.arange(len(y)) < 5, 1, 0)),
-                          ("shuffled", lambda y: np.random.default_rng(1).permutation(y))]:
+    for name, relabel in [("own", lambda y: y), ("one class", lambda y: np.where(np.arange(len(y)) < 5, 1, 0))]:
         with_labels(monkeypatch, relabel)
         ledger = PrivacyLedger(tmp_path / name.replace(" ", "-"), 0)
         private = client_round(dp_settings(CFG), start_state, 0, 2, ledger=ledger)
