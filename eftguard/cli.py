@@ -39,7 +39,7 @@ TRAIN_HELP = {
     "clients_per_round": "clients taking part in each round (0: all)",
     "rounds": "federated rounds",
     "local_epochs": "client epochs per round (E)",
-    "server_epochs": "server epochs on the uploaded features per round (S)",
+    "server_epochs": "server epochs on the uploaded features per round (S; 0: theta is never trained on them)",
     "batch_size": "batch size, clients and server",
     "lr": "client learning rate (AdamW)",
     "server_lr": "server learning rate for the global module (AdamW)",
@@ -59,15 +59,20 @@ TRAIN_HELP = {
                     "your auditor: the truth reveals each client's class histogram",
     "encrypt_at_rest": "KEYFILE: store uploads in observed/ encrypted (AES-256-GCM); a missing file gets a new "
                        "random key (mode 0600). Attacks and reports then need the key",
-    "dp_eps": "DP-SGD (Opacus) on each client's local module and head: total epsilon per client over all the "
-              "rounds it takes part in (0: off). Covers the uploaded parameters only, NOT the uploaded patch "
-              "features, which are a direct function of the private images (see --feature-noise)",
-    "dp_delta": "DP-SGD delta per client (0: 1 / (10 n_k), n_k the client's sample count)",
+    "dp_eps": "end-to-end differential privacy: total epsilon per client over all the rounds it takes part in, "
+              "for everything it uploads (0: off): DP-SGD (Opacus) on its local module and head, and its patch "
+              "features and labels as a Gaussian release of every image per round, clipped to --feature-clip "
+              "(docs/dp.md)",
+    "dp_delta": "delta per client (0: 1 / (10 n_k), n_k the client's sample count)",
+    "dp_feature_share": "fraction of --dp-eps for the feature channel (features, labels, row counts); the rest "
+                        "goes to DP-SGD on the parameters",
     "max_grad_norm": "DP-SGD per-sample gradient clipping norm",
     "accountant": "privacy accountant that calibrates the DP-SGD noise and reports epsilon: prv or rdp",
-    "feature_noise": "feature-release defense: Gaussian noise of std SIGMA * C added to every uploaded token "
-                     "feature after clipping (needs --feature-clip C; 0: clipping only)",
-    "feature_clip": "feature-release defense: clip every uploaded token feature to L2 norm C (0: off)",
+    "feature_noise": "feature-release defense without --dp-eps (no epsilon claimed): Gaussian noise of std "
+                     "SIGMA * C added to every uploaded token feature after clipping (needs --feature-clip C; 0: "
+                     "clipping only)",
+    "feature_clip": "without --dp-eps: clip every uploaded token feature to L2 norm C (0: off); with --dp-eps: "
+                    "the norm C each image's whole feature row is clipped to (0: 20)",
 }
 CHOICES = {"method": METHODS, "balance": BALANCE_MODES, "federation": FEDERATIONS, "model": tuple(PRESETS),
            "accountant": ACCOUNTANTS}
@@ -241,7 +246,7 @@ def config_from_args(args: argparse.Namespace) -> TrainConfig:
 
 def prepare(cfg: TrainConfig) -> None:
     """Fail fast, before any process starts: the data loads and the model (and checkpoint) fits."""
-    from eftguard.federation.client import client_partition, participation, run_dataset
+    from eftguard.federation.client import client_partition, feature_share, participation, run_dataset
     from eftguard.model import build_model
 
     dataset = run_dataset(cfg.dataset, cfg.data_dir, cfg.model, cfg.train_samples, cfg.test_samples, cfg.seed)
@@ -258,7 +263,8 @@ def prepare(cfg: TrainConfig) -> None:
             try:
                 if rounds:
                     check_feasible(cfg.dp_eps, cfg.dp_delta, cfg.accountant, len(part), cfg.batch_size,
-                                   cfg.local_epochs, rounds)
+                                   cfg.local_epochs, rounds,
+                                   feature_share(cfg))
             except PrivacyBudgetError as exc:
                 raise ConfigError(f"client {k} ({len(part)} samples, {len(rounds)} rounds): {exc}") from None
     build_model(cfg.model, dataset.num_classes, cfg.local_layers, cfg.pretrained, cfg.checkpoint or None, cfg.seed,
