@@ -15,7 +15,7 @@ cd "$(git rev-parse --show-toplevel)"
 export OMP_NUM_THREADS=1 HF_HUB_OFFLINE=1 FLWR_TELEMETRY_ENABLED=0 FLWR_DISABLE_UPDATE_CHECK=1
 unset PYTHONPATH  # mutmut puts its mutated copy first on sys.path; nothing may shadow it
 
-# name | file to mutate | its own fast tests (pytest arguments, -m "not slow" is always added)
+# name | file to mutate | its own fast tests (pytest arguments or node ids, -m "not slow" is always added)
 MODULES=(
   "sampling|eftguard/sampling.py|tests/test_sampling.py tests/test_core_pins.py"
   "masking|eftguard/masking.py|tests/test_masking.py tests/test_core_pins.py"
@@ -25,6 +25,7 @@ MODULES=(
   "training|eftguard/training.py|tests/test_core_pins.py tests/test_model.py tests/test_dp.py tests/test_sampling.py --deselect=tests/test_model.py::test_paper_preset_splits_like_timm"
   "validation|eftguard/federation/validation.py|tests/test_validation.py tests/test_core_pins.py"
   "dp|defenses/dp.py|tests/test_dp.py tests/test_core_pins.py"
+  "ledger|defenses/ledger.py|tests/test_ledger_pins.py tests/test_ledger.py::test_ledger_of_another_run_or_partition_is_not_accepted tests/test_ledger.py::test_composition_of_equal_rounds_equals_one_long_run"
 )
 
 command -v mutmut >/dev/null || { echo "mutation.sh: error: mutmut is not installed: pip install 'mutmut>=3.8,<4'" >&2; exit 2; }
@@ -39,7 +40,7 @@ for entry in "${MODULES[@]}"; do
     printf '[mutmut]\nsource_paths =\n    eftguard\n    defenses\n    attacks\nonly_mutate = %s\n' "$file"
     printf 'pytest_add_cli_args =\n    -q\n    -p\n    no:cacheprovider\n    -m\n    not slow\n'
     printf 'pytest_add_cli_args_test_selection =\n'
-    for t in $tests; do [[ -e $t || $t == -* ]] && printf "    %s\n" "$t"; done
+    for t in $tests; do [[ -e ${t%%::*} || $t == -* ]] && printf "    %s\n" "$t"; done
   } >"$work/setup.cfg"
   start=$SECONDS
   (cd "$work" && mutmut run --max-children 1 >run.log 2>&1) || { echo "$name: mutmut failed, see $work/run.log" >&2; continue; }
