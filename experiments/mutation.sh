@@ -26,6 +26,9 @@ MODULES=(
   "validation|eftguard/federation/validation.py|tests/test_validation.py tests/test_core_pins.py"
   "dp|defenses/dp.py|tests/test_dp.py tests/test_core_pins.py"
   "ledger|defenses/ledger.py|tests/test_ledger_pins.py tests/test_ledger.py::test_ledger_of_another_run_or_partition_is_not_accepted tests/test_ledger.py::test_composition_of_equal_rounds_equals_one_long_run"
+  "at_rest|defenses/at_rest.py|tests/test_security_pins.py"
+  "node_auth|defenses/node_auth.py|tests/test_security_pins.py"
+  "tls|defenses/tls.py|tests/test_security_pins.py"
 )
 
 command -v mutmut >/dev/null || { echo "mutation.sh: error: mutmut is not installed: pip install 'mutmut>=3.8,<4'" >&2; exit 2; }
