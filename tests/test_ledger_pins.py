@@ -139,6 +139,27 @@ def test_hand_edited_ledger_is_refused_naming_the_file(tmp_path, changes):
         ledger.record(RUN_ID, TERMS, [QUIET])
 
 
+def test_damage_names_the_bad_terms_or_entry(tmp_path):
+    ledger = PrivacyLedger(tmp_path, 0)
+    write_ledger(ledger, terms={"declared_epsilon": 0.0, "delta": 1e-3, "accountant": "rdp"})
+    with pytest.raises(LedgerError, match=r"is damaged \(terms \{'declared_epsilon': 0.0, 'delta': 0.001, "
+                                          r"'accountant': 'rdp'\} are not DP-SGD terms\)"):
+        ledger.read(RUN_ID)
+    ledger = PrivacyLedger(tmp_path / "other", 0)
+    write_ledger(ledger, entries=[{"spend": {"round": 1, "noise_multiplier": 2.0, "sample_rate": 0.0, "steps": 4}}])
+    with pytest.raises(LedgerError, match=r"is damaged \(entry \{'round': 1, 'noise_multiplier': 2.0, "
+                                          r"'sample_rate': 0.0, 'steps': 4\} is not a DP-SGD spend\)"):
+        ledger.read(RUN_ID)
+
+
+def test_ledger_of_a_strict_prv_run_reads_back(tmp_path):
+    """A budget below 1 and the PRV accountant are valid terms, not damage."""
+    ledger = PrivacyLedger(tmp_path, 0)
+    strict = Terms(0.5, 1e-5, "prv")
+    ledger.record(RUN_ID, strict, [Spend(1, 8.0, 0.25, 1)])
+    assert ledger.read(RUN_ID) == (strict, [Spend(1, 8.0, 0.25, 1)])
+
+
 @pytest.mark.parametrize("content", [b"", b"[1, 2]", b'{"format": "eftguard-privacy-ledger"', b"\xff"])
 def test_torn_or_foreign_ledger_bytes_are_refused(tmp_path, content):
     ledger = PrivacyLedger(tmp_path, 0)
