@@ -140,6 +140,10 @@ def test_hand_edited_ledger_is_refused_naming_the_file(tmp_path, changes):
 
 
 def test_damage_names_the_bad_terms_or_entry(tmp_path):
+    ledger = PrivacyLedger(tmp_path / "foreign", 0)
+    write_ledger(ledger, partition=1)
+    with pytest.raises(LedgerError, match=r"is damaged \(not this node's ledger of this run\): restore"):
+        ledger.read(RUN_ID)
     ledger = PrivacyLedger(tmp_path, 0)
     write_ledger(ledger, terms={"declared_epsilon": 0.0, "delta": 1e-3, "accountant": "rdp"})
     with pytest.raises(LedgerError, match=r"is damaged \(terms \{'declared_epsilon': 0.0, 'delta': 0.001, "
