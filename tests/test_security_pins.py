@@ -104,8 +104,8 @@ def test_file_that_is_not_ours_is_named():
 # --- SuperNode keys ---------------------------------------------------------------------------------------------
 
 def test_node_key_is_a_p256_openssh_pair_in_a_new_folder(tmp_path):
-    private, public = write_node_key(tmp_path / "keys" / "node")
-    assert (private, public) == (tmp_path / "keys" / "node", tmp_path / "keys" / "node.pub")
+    private, public = write_node_key(tmp_path / "node-1" / "keys" / "node")
+    assert (private, public) == (tmp_path / "node-1" / "keys" / "node", tmp_path / "node-1" / "keys" / "node.pub")
     assert private.read_bytes().startswith(b"-----BEGIN OPENSSH PRIVATE KEY-----") and mode(private) == 0o600
     key = load_ssh_private_key(private.read_bytes(), None)
     assert isinstance(key.curve, ec.SECP256R1)
