@@ -7,6 +7,7 @@ import hashlib
 import ipaddress
 import os
 import stat
+import time
 
 import pytest
 from cryptography import x509
@@ -136,8 +137,9 @@ def test_forced_node_key_is_new_and_private_even_over_a_readable_file(tmp_path):
 NOW = dt.datetime(2026, 1, 2, 3, 4, 5, tzinfo=dt.timezone.utc)
 
 
-@pytest.fixture(scope="module")
+@pytest.fixture
 def issued():
+    """Function-scoped (milliseconds): the mutation check credits a module-scoped fixture to its first test only."""
     return issue_certificates(("fl.example.org", "10.0.0.5"), now=NOW)
 
 
@@ -198,6 +200,33 @@ def test_certificates_are_valid_from_now_by_default():
     assert before - dt.timedelta(minutes=5, seconds=1) <= ca.not_valid_before_utc <= before - dt.timedelta(minutes=4)
 
 
+@pytest.fixture
+def local_time_3_hours_ahead(monkeypatch):
+    monkeypatch.setenv("TZ", "Etc/GMT-3")
+    time.tzset()
+    yield
+    monkeypatch.undo()
+    time.tzset()
+
+
+def test_certificates_are_valid_now_on_a_machine_whose_clock_is_not_utc(local_time_3_hours_ahead):
+    """A naive local time would be read as UTC: valid only from three hours from now."""
+    _, ca, _, server = issue_certificates(("127.0.0.1",))
+    now = dt.datetime.now(dt.timezone.utc)
+    assert ca.not_valid_before_utc <= now and server.not_valid_before_utc <= now
+
+
+def test_key_files_are_private_from_the_moment_they_are_created(tmp_path, monkeypatch):
+    """Permissions are set when a file is created, not only afterwards by chmod (a reader could open it between)."""
+    monkeypatch.setattr(os, "chmod", lambda path, mode: None)
+    old_umask = os.umask(0o022)
+    try:
+        files = write_certificates(tmp_path)
+    finally:
+        os.umask(old_umask)
+    assert [mode(p) for p in files.all()] == [0o644, 0o600, 0o644, 0o600]
+
+
 @pytest.mark.parametrize("san, kind", [
     ("a" * 63 + ".example.org", x509.DNSName), (".".join(["a" * 61] * 4) + ".bcdef", x509.DNSName),
     ("node-1", x509.DNSName), ("1node", x509.DNSName), ("fe80::1", x509.IPAddress), ("10.0.0.5", x509.IPAddress),
@@ -209,9 +238,12 @@ def test_dns_names_of_rfc_1123_and_ip_addresses_are_accepted(san, kind):
 @pytest.mark.parametrize("san", ["a" * 64 + ".org", ".".join(["a" * 61] * 4) + ".bcdefg", "-node", "node-", "a..b",
                                  "fl.example.org:9092", "https://fl.example.org", "999.1.1.1", "node_1", ""])
 def test_san_that_is_no_address_is_refused_before_any_key_is_made(tmp_path, san):
-    with pytest.raises(CertificateError, match=f"^--san {san!r} is neither an IP address nor a DNS host name"):
+    message = (f"--san {san!r} is neither an IP address nor a DNS host name (dot-separated labels of letters, digits "
+               "and inner hyphens; no scheme, path or port): give the address SuperNodes use, e.g. --san "
+               "fl.example.org or --san 10.0.0.5")
+    with pytest.raises(CertificateError) as refused:
         write_certificates(tmp_path / "certs", ("127.0.0.1", san))
-    assert not (tmp_path / "certs").exists()
+    assert str(refused.value) == message and not (tmp_path / "certs").exists()
 
 
 def test_certificate_names_keep_order_drop_repeats_and_add_loopback():
