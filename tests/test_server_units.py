@@ -149,6 +149,12 @@ def test_fedavg_reply_needs_no_features_and_may_not_send_them(honest):
     assert accepted.upload_bytes == sum(a.nbytes for a in state.values())
     with pytest.raises(UploadError, match=r"unexpected \['features'\]"):
         parse_reply(reply_with(reply, encode({**content, "features": sent["features"]})), 1, spec, "fedavg")
+    # FedAvg truth: every sample of the client (no features, so no kept patch ids)
+    ids = dataset.train.ids[client_partition(cfg.dataset, cfg.data_dir, cfg.model, cfg.train_samples, cfg.seed,
+                                             cfg.clients, cfg.beta)[1]]
+    fedavg_truth = {"sample_ids": ids, "class_counts": sent["truth"]["class_counts"]}
+    _, truth = parse_reply(reply_with(reply, encode({**content, "truth": fedavg_truth})), 1, spec, "fedavg")
+    assert np.array_equal(truth["sample_ids"], ids)
 
 
 # --- what the server expects ------------------------------------------------------------------------------------
@@ -187,6 +193,8 @@ def test_round_summary_names_accuracy_losses_and_drops():
     assert round_summary(record, 5) == "round 2/5: test accuracy 0.412  client loss 1.500  dropped 2"
     record = {**record, "server_loss": 0.25, "client_loss": None, "dropped": {}}
     assert round_summary(record, 5) == "round 2/5: test accuracy 0.412  server loss 0.250"
+    record = {**record, "client_loss": 2.0}
+    assert round_summary(record, 5) == "round 2/5: test accuracy 0.412  client loss 2.000  server loss 0.250"
 
 
 # --- DP report --------------------------------------------------------------------------------------------------
@@ -210,7 +218,7 @@ def test_dp_report_at_the_limits_of_the_schedule_is_accepted(change):
                                  r"0.25$"),
     ({"dp-epsilon-spent": 3.0 * (1 + 1e-8)}, r"^the client reports epsilon 3.00000003 spent, outside \(0, --dp-eps "
                                              r"3.0\]$"),
-    ({"dp-epsilon-spent": -1.0}, "outside"), ({"dp-epsilon-spent": math.inf}, "outside"),
+    ({"dp-epsilon-spent": -1.0}, "outside"), ({"dp-epsilon-spent": 0.0}, "outside"), ({"dp-epsilon-spent": math.inf}, "outside"),
     ({"dp-sample-rate": "x"}, r"^the run uses DP-SGD but the reply does not report the DP-SGD it applied "
                               r"\(dp-noise-multiplier, dp-sample-rate, dp-steps, dp-epsilon-spent\)$"),
     ({"dp-epsilon-spent": [1.0]}, "does not report"), ({"dp-steps": None}, "does not report"),
@@ -251,8 +259,43 @@ class Silent(FakeGrid):
         return []
 
 
-def test_handshake_maps_each_partition_to_its_node():
-    assert discover_nodes(FakeGrid(3, partitions={105: 2, 101: 0, 103: 1}), 3, 5.0) == {0: 101, 1: 103, 2: 105}
+class Counting(FakeGrid):
+    """Counts the polls and remembers the handshake's timeout."""
+
+    def __init__(self, *args, **kwargs):
+        super().__init__(*args, **kwargs)
+        self.polls, self.pulls, self.timeouts = 0, 0, []
+
+    def get_node_ids(self):
+        self.polls += 1
+        return super().get_node_ids()
+
+    def pull_messages(self, ids):
+        self.pulls += 1
+        return super().pull_messages(ids)
+
+    def send_and_receive(self, messages, timeout=None):
+        self.timeouts.append(timeout)
+        return super().send_and_receive(messages, timeout)
+
+
+@pytest.fixture
+def sleeps(monkeypatch):
+    """The server's waits, recorded instead of slept."""
+    waited = []
+    monkeypatch.setattr(server.time, "sleep", waited.append)
+    return waited
+
+
+def test_handshake_maps_each_partition_to_its_node_without_waiting_once_all_are_there(sleeps):
+    grid = Counting(3, partitions={105: 2, 101: 0, 103: 1})
+    assert discover_nodes(grid, 3, 1.0) == {0: 101, 1: 103, 2: 105}
+    assert (grid.polls, sleeps, grid.timeouts) == (1, [], [1.0])  # the answers are awaited as long, not forever
+
+
+def test_handshake_with_no_time_left_is_the_clear_error_not_a_crash():
+    with pytest.raises(FederationError, match=r"^only 0 of 2 client nodes connected within 0 s"):
+        discover_nodes(FakeGrid(2), 2, 0.0)
 
 
 def failing_handshake(node, reply):
@@ -276,14 +319,15 @@ def quiet_progress():
     return Progress(console=Console(file=io.StringIO()))
 
 
-def test_exchange_returns_each_partitions_reply_and_counts_them():
-    grid = FakeGrid(2)
+def test_exchange_returns_each_partitions_reply_as_soon_as_all_are_in(sleeps):
+    grid = Counting(2)
     messages = {p: Message(RecordDict({}), 100 + p, "query") for p in (1, 0)}
     with quiet_progress() as progress:
         task = progress.add_task("clients", total=2)
-        replies = exchange(grid, messages, 5.0, progress, task)
+        replies = exchange(grid, messages, 1.0, progress, task)
         assert progress.tasks[0].completed == 2
     assert {p: r.metadata.src_node_id for p, r in replies.items()} == {0: 100, 1: 101}
+    assert (grid.pulls, sleeps) == (1, [])
 
 
 def test_exchange_gives_up_at_the_timeout_without_replies():
