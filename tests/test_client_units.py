@@ -35,6 +35,7 @@ def test_clients_of_each_round_are_drawn_without_repeats_and_stable_across_versi
     assert [select_clients(CFG, r) for r in (1, 2, 3, 4)] == [[4, 5, 9], [3, 4, 7], [1, 2, 6], [1, 6, 8]]
     assert participation(CFG, 2, 4) == (3,) and participation(CFG, 4, 4) == (1, 2) and participation(CFG, 4, 1) == (1,)
     assert participation(CFG, 0, 4) == ()
+    assert participation(CFG, 3, 4) == (2,) and 3 in select_clients(CFG, 0)  # there is no round 0 to take part in
     everyone = TrainConfig(**{**CFG.__dict__, "clients_per_round": 10})
     assert select_clients(everyone, 3) == list(range(10))
 
@@ -55,6 +56,14 @@ def test_dp_request_is_read_as_terms_and_the_spend_on_the_clients_own_data():
     assert requested_dp(settings(dp_eps=2, noise_multiplier=3, batch_size=1, local_epochs=1, dp_delta=0.5,
                                  max_grad_norm=1e-9, accountant="prv"), 4, 40) == (
         Terms(2, 0.5, "prv"), Spend(2, 3, 1 / 40, 40))
+
+
+def test_dp_request_is_read_not_recalibrated_whatever_its_size():
+    """The node reads the noise the server sent; whether it fits the budget is the ledger's decision (a strict
+    epsilon with noise the calibration could not reach, a weak noise multiplier below 1: both are requests)."""
+    assert requested_dp(settings(dp_eps=1e-3), 4, 40) == (Terms(1e-3, 1e-4, "rdp"), Spend(2, 1.5, 0.4, 6))
+    assert requested_dp(settings(dp_eps=0.5, noise_multiplier=0.8), 4, 40) == (
+        Terms(0.5, 1e-4, "rdp"), Spend(2, 0.8, 0.4, 6))
 
 
 def test_no_dp_is_only_dp_eps_zero():
