@@ -32,6 +32,7 @@ MODULES=(
   "records|eftguard/federation/records.py|tests/test_server_units.py tests/test_hostile_replies.py::test_every_hostile_reply_is_rejected_with_a_reason_and_the_honest_one_passes"
   "server|eftguard/federation/server.py|tests/test_server_units.py tests/test_hostile_replies.py::test_every_hostile_reply_is_rejected_with_a_reason_and_the_honest_one_passes tests/test_server.py::test_the_average_is_loaded_with_strict_keys"
   "client|eftguard/federation/client.py|tests/test_client_units.py"
+  "apps|eftguard/federation/apps.py|tests/test_apps_units.py"
 )
 
 command -v mutmut >/dev/null || { echo "mutation.sh: error: mutmut is not installed: pip install 'mutmut>=3.8,<4'" >&2; exit 2; }
