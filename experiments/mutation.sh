@@ -3,6 +3,7 @@
 #
 #   bash experiments/mutation.sh                # every core module, in the order below
 #   bash experiments/mutation.sh sampling dp    # only these
+#   MUTANTS="NAME ..." bash experiments/mutation.sh rounds   # only these mutants (mutmut's names) of a module
 #
 # Each module is mutated in a scratch copy of the working tree (mutation-work/NAME, git-ignored), so the
 # checkout is never touched and the per-module mutmut config lives only there. One worker, one thread:
@@ -33,6 +34,9 @@ MODULES=(
   "server|eftguard/federation/server.py|tests/test_server_units.py tests/test_hostile_replies.py::test_every_hostile_reply_is_rejected_with_a_reason_and_the_honest_one_passes tests/test_server.py::test_the_average_is_loaded_with_strict_keys"
   "client|eftguard/federation/client.py|tests/test_client_units.py"
   "apps|eftguard/federation/apps.py|tests/test_apps_units.py"
+  # server.py's rounds (run_round, serve_rounds) against whole one-round runs: 30-90 s per mutant under load, so run
+  # it on a sample: MUTANTS="eftguard.federation.server.x_run_round__mutmut_9 ..." bash experiments/mutation.sh rounds
+  "rounds|eftguard/federation/server.py|tests/test_server.py::test_fedavg_method_checkpoint_is_the_weighted_average_of_whole_models tests/test_server.py::test_checkpoint_holds_the_fedavg_of_the_uploads_and_a_trained_global_module tests/test_ledger.py::test_dp_run_records_the_clients_own_spend_and_drops_a_client_without_dp"
 )
 
 command -v mutmut >/dev/null || { echo "mutation.sh: error: mutmut is not installed: pip install 'mutmut>=3.8,<4'" >&2; exit 2; }
@@ -50,7 +54,7 @@ for entry in "${MODULES[@]}"; do
     for t in $tests; do [[ -e ${t%%::*} || $t == -* ]] && printf "    %s\n" "$t"; done
   } >"$work/setup.cfg"
   start=$SECONDS
-  (cd "$work" && mutmut run --max-children 1 >run.log 2>&1) || { echo "$name: mutmut failed, see $work/run.log" >&2; continue; }
+  (cd "$work" && mutmut run --max-children 1 ${MUTANTS:-} >run.log 2>&1) || { echo "$name: mutmut failed, see $work/run.log" >&2; continue; }
   (
     cd "$work"
     mutmut results >results.txt 2>&1
