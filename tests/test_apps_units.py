@@ -8,6 +8,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 from flwr.app import Context, Message, MessageType, RecordDict
+from flwr.common.constant import ErrorCode
 
 from eftguard.config import TrainConfig
 from eftguard.federation import apps
@@ -94,11 +95,15 @@ def test_node_config_wins_over_simulated_defaults(rounds, tmp_path):
     assert simulated["ledger"].max_epsilon == 0.0
 
 
-def test_deployed_node_without_a_secret_draws_a_fresh_nonzero_one_each_round(rounds):
+def test_deployed_node_without_a_secret_draws_a_fresh_nonzero_one_each_round(rounds, monkeypatch):
+    """0 would mean "no secret" (seeds the server can regenerate): the OS draw is shifted to 1 .. 2**62."""
     for _ in range(3):
         train({})
-    secrets = [call["secret"] for call in rounds]
-    assert len(set(secrets)) == 3 and all(0 < s <= 2 ** 62 for s in secrets)
+    assert len({call["secret"] for call in rounds}) == 3
+    for drawn, secret in ((0, 1), (2 ** 62 - 1, 2 ** 62)):
+        monkeypatch.setattr(apps.secrets, "randbelow", lambda bound, drawn=drawn: min(drawn, bound - 1))
+        train({})
+        assert rounds[-1]["secret"] == secret
 
 
 def test_ledger_defaults_to_eftguard_home_then_the_home_folder(monkeypatch, tmp_path, rounds):
@@ -115,7 +120,7 @@ def test_ledger_defaults_to_eftguard_home_then_the_home_folder(monkeypatch, tmp_
 
 def test_bad_node_ceiling_is_a_refusal_not_a_crash(rounds):
     reply = train({"max-epsilon": -1.0})
-    assert reply.has_error() and reply.error.reason == (
+    assert reply.has_error() and reply.error.code == ErrorCode.CLIENT_APP_RAISED_EXCEPTION and reply.error.reason == (
         "client refuses: max-epsilon must be a finite number >= 0 (0: no node ceiling), got -1.0")
     assert rounds == []
 
@@ -131,3 +136,30 @@ def test_handshake_names_the_nodes_partition():
     context = Context(run_id=1, node_id=100, state=RecordDict({}), run_config={},
                       node_config={"partition-id": "2", "num-partitions": 3})
     assert dict(apps.describe(msg, context).content["node"]) == {"partition-id": 2, "num-partitions": 3}
+
+
+def test_client_app_answers_the_handshake_and_trains_with_its_node_defaults(rounds, tmp_path):
+    """The app a simulation runs: its defaults (the run's ledger folder, secret 0) reach the round."""
+    app = apps.build_client_app({"noise-secret": 0, "ledger-dir": str(tmp_path)})
+    context = Context(run_id=1, node_id=100, state=RecordDict({}), run_config={},
+                      node_config={"partition-id": 2, "num-partitions": 3})
+    answer = app(Message(RecordDict({}), 100, MessageType.QUERY), context)
+    assert dict(answer.content["node"]) == {"partition-id": 2, "num-partitions": 3}
+    settings = ClientSettings.from_config(CFG, 1, 0.0, "ab" * 16).to_record()
+    app(Message(RecordDict({"model": to_record(UPDATE), "settings": settings}), 100, MessageType.TRAIN), context)
+    [call] = rounds
+    assert (call["secret"], call["ledger"].directory, call["partition"]) == (0, tmp_path, 2)
+
+
+@pytest.mark.parametrize("bound", [True, False])
+def test_server_app_runs_the_server_on_its_run_directory(monkeypatch, tmp_path, bound):
+    """Simulation binds the run directory; a deployment reads it from the run config."""
+    from eftguard.federation import server
+
+    served = []
+    monkeypatch.setattr(server, "run_server", lambda grid, run_dir: served.append((grid, run_dir)))
+    app = apps.build_server_app(tmp_path / "bound" if bound else None)
+    grid = object()
+    app(grid, Context(run_id=1, node_id=0, state=RecordDict({}), run_config={"run-dir": str(tmp_path / "config")},
+                      node_config={}))
+    assert served == [(grid, tmp_path / ("bound" if bound else "config"))]
