@@ -344,3 +344,30 @@ def test_stop_request_interrupts_the_exchange():
                      progress.add_task("clients", total=1))
     finally:
         server.STOP_REQUESTED.clear()
+
+
+# --- one whole round: what the round's record reports -----------------------------------------------------------
+
+def test_round_record_reports_the_clients_weighted_mean_loss_and_their_counts(tmp_path):
+    """One FedAvg round of two small clients (a few seconds): the record's client loss is the n_k-weighted mean of
+    what the clients reported, and the counts and bytes are theirs."""
+    from eftguard.federation.server import run_server
+    from eftguard.rundir import RunDirectory
+
+    reported = {}
+
+    def record_metrics(node, reply):
+        if reply.metadata.message_type == "train":
+            metrics = reply.content["metrics"]
+            reported[str(node - 100)] = (metrics["loss"], metrics["num-examples"])
+        return reply
+
+    cfg = TrainConfig(clients=2, rounds=1, train_samples=40, test_samples=10, batch_size=16, method="fedavg")
+    run = RunDirectory.create(tmp_path / "run", cfg.resolved())
+    run_server(FakeGrid(2, tamper=record_metrics), run.path)
+    [record] = run.metrics()
+    weights = sum(n for _, n in reported.values())
+    assert record["client_loss"] == pytest.approx(sum(loss * n for loss, n in reported.values()) / weights, rel=1e-12)
+    assert record["num_examples"] == {k: n for k, (_, n) in reported.items()} and weights == 40
+    assert record["upload_bytes"] == {k: sum(a.nbytes for a in run.load_upload(1, int(k), "update").values())
+                                      for k in reported}
