@@ -35,7 +35,7 @@ MODULES=(
   "client|eftguard/federation/client.py|tests/test_client_units.py"
   "apps|eftguard/federation/apps.py|tests/test_apps_units.py"
   "fleet_gateway|eftguard/federation/fleet_gateway.py|tests/test_gateway_units.py tests/test_deployment.py::test_fleet_gateway_forwards_only_fleet_calls"
-  "deployment|eftguard/federation/deployment.py|tests/test_deployment.py"
+  "deployment|eftguard/federation/deployment.py|tests/test_deployment_units.py tests/test_deployment.py"
   # server.py's rounds (run_round, serve_rounds) against whole one-round runs: 30-90 s per mutant under load, so run
   # it on a sample: MUTANTS="eftguard.federation.server.x_run_round__mutmut_9 ..." bash experiments/mutation.sh rounds
   "rounds|eftguard/federation/server.py|tests/test_server.py::test_fedavg_method_checkpoint_is_the_weighted_average_of_whole_models tests/test_server.py::test_checkpoint_holds_the_fedavg_of_the_uploads_and_a_trained_global_module tests/test_ledger.py::test_dp_run_records_the_clients_own_spend_and_drops_a_client_without_dp tests/test_server_units.py::test_round_record_reports_the_clients_weighted_mean_loss_and_their_counts"
