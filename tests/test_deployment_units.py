@@ -96,3 +96,17 @@ def test_flower_commands_come_from_this_environment_first(monkeypatch):
     monkeypatch.setenv("PATH", "/usr/bin")
     env = deployment.flower_env(EXTRA="1")
     assert env["PATH"] == f"{Path(sys.executable).parent}:/usr/bin" and env["EXTRA"] == "1"
+
+
+@pytest.mark.parametrize("host, loopback", [("127.0.0.1", True), ("127.8.0.1", True), ("[::1]", True),
+                                            ("localhost", True), ("10.0.0.5", False), ("[2001:db8::1]", False),
+                                            ("fl.example.org", False), ("localhost.example.org", False)])
+def test_loopback_is_recognised_in_every_spelling(host, loopback):
+    """Whether the Control API stays off the network is decided by this."""
+    assert deployment.is_loopback(host) is loopback
+
+
+def test_a_port_other_processes_must_be_told_cannot_be_left_to_chance():
+    with pytest.raises(ConfigError, match=r"^--port must be a fixed port \(1..65535\), not 0: other processes connect "
+                                          r"to it$"):
+        deployment.check_port_free("127.0.0.1", 0, "--port")
