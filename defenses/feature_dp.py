@@ -29,17 +29,22 @@ def sensitivity(clip: float) -> float:
     return clip * math.sqrt(1 + LABEL_WEIGHT ** 2)
 
 
+def clip_rows(features: torch.Tensor, clip: float) -> torch.Tensor:
+    """features [n, tokens, D] with each image's row (all its tokens, flattened) scaled to L2 norm at most clip."""
+    rows = features.reshape(len(features), -1)
+    norms = torch.linalg.vector_norm(rows, dim=1, keepdim=True)
+    return (rows * (clip / norms.clamp_min(1e-12)).clamp(max=1.0)).reshape(features.shape)
+
+
 def release_rows(features: torch.Tensor, labels: torch.Tensor, num_classes: int, clip: float,
                  noise_multiplier: float, generator: torch.Generator) -> tuple[torch.Tensor, torch.Tensor]:
     """features [n, tokens, D] and labels [n] -> noisy features [n, tokens, D] and decoded labels [n] (int64).
     With noise_multiplier 0 and a clip above every row's norm this is the identity."""
-    rows = features.reshape(len(features), -1)
-    norms = torch.linalg.vector_norm(rows, dim=1, keepdim=True)
-    clipped = rows * (clip / norms.clamp_min(1e-12)).clamp(max=1.0)
-    label_block = torch.nn.functional.one_hot(labels, num_classes).to(rows.dtype) * (clip * LABEL_WEIGHT)
+    clipped = clip_rows(features, clip).reshape(len(features), -1)
+    label_block = torch.nn.functional.one_hot(labels, num_classes).to(clipped.dtype) * (clip * LABEL_WEIGHT)
     released = torch.cat([clipped, label_block], dim=1)
     if noise_multiplier:
         released = released + torch.randn(released.shape, generator=generator, dtype=released.dtype) * (
             noise_multiplier * sensitivity(clip))
-    noisy_features, noisy_labels = released.split([rows.shape[1], num_classes], dim=1)
+    noisy_features, noisy_labels = released.split([clipped.shape[1], num_classes], dim=1)
     return noisy_features.reshape(features.shape).contiguous(), noisy_labels.argmax(dim=1)

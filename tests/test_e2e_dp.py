@@ -200,7 +200,8 @@ def test_decoder_inversion_of_kept_patches_falls_to_the_mean_image_under_the_fea
     client.features, _ = release_rows(client.features, client.labels, 10, DEFAULT_CLIP, sigma,
                                       torch.Generator().manual_seed(1))
     per_coordinate = sigma * sensitivity(DEFAULT_CLIP) / DEFAULT_CLIP
-    observation = RoundFeatures(1, [client], model, 0.75, photos.public.images, DEFAULT_CLIP, per_coordinate)
+    observation = RoundFeatures(1, [client], model, 0.75, photos.public.images, DEFAULT_CLIP, per_coordinate,
+                                clip_per_image=True)
     attack = DecoderInversion(ThreatModel(positions_known=True), steps=100, lr=1e-2, width=64, depth=1,
                               batch_size=16)
     truth = targets.astype(np.float32) / 255
@@ -235,3 +236,23 @@ def test_dp_options_that_would_leave_the_feature_channel_unaccounted_are_config_
     with pytest.raises(ConfigError, match=message):
         TrainConfig(**{**CFG.__dict__, **changes}).resolved()
     TrainConfig(**{**CFG.__dict__, **changes, "dp_eps": 0.0}).resolved()  # without --dp-eps they are allowed
+
+
+def test_the_attack_models_the_runs_feature_release_from_public_values():
+    """The inversion attacks noise and clip their auxiliary features as the uploads were: under --dp-eps per image
+    row at C with the clients' feature noise multiplier (metrics.jsonl), otherwise per token as --feature-clip /
+    --feature-noise say. An attack that trained on clean features would understate what a DP run leaks."""
+    from types import SimpleNamespace
+
+    from defenses.feature_dp import DEFAULT_CLIP
+    from eftguard.audit.observe import feature_release
+
+    def run(dp_eps, feature_clip=0.0, feature_noise=0.0, multipliers=None):
+        cfg = TrainConfig(dp_eps=dp_eps, feature_clip=feature_clip, feature_noise=feature_noise)
+        return SimpleNamespace(config=lambda: cfg, metrics=lambda: [{"feature_noise_multiplier": multipliers}])
+
+    clip, noise, per_image = feature_release(run(8.0, multipliers={"0": 1.0, "1": 3.0, "2": 2.0}), 1, [0, 1, 2])
+    assert (clip, per_image) == (DEFAULT_CLIP, True)
+    assert noise * clip == pytest.approx(2.0 * sensitivity(DEFAULT_CLIP))  # the median client's std per coordinate
+    assert feature_release(run(8.0, feature_clip=5.0, multipliers={"0": 1.0}), 1, [0])[0] == 5.0
+    assert feature_release(run(0.0, feature_clip=5.0, feature_noise=0.3), 1, [0]) == (5.0, 0.3, False)
