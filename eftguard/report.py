@@ -39,8 +39,9 @@ GROUP_TITLES = {
     "baseline_blur": "blurred kept patches",
 }
 LOWER_IS_BETTER = {"lpips", "l1", "js"}
-DP_SCOPE = ("DP-SGD, when on, covers the uploaded parameters (local module and head) only, not the uploaded "
-            "patch features, which are a direct function of the client's images.")
+DP_SCOPE = ("--dp-eps, when on, bounds everything a client uploads (parameters by DP-SGD; patch features, their "
+            "labels and row counts by a Gaussian release) by (epsilon, delta) per client over the run "
+            "(docs/dp.md); without it, the uploaded patch features are a direct function of the client's images.")
 
 
 def format_stat(stat: dict | None) -> str:
