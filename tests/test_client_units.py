@@ -17,7 +17,7 @@ CFG = TrainConfig(clients=10, clients_per_round=3, rounds=4, seed=5, train_sampl
 
 
 def settings(**changes) -> ClientSettings:
-    base = ClientSettings.from_config(CFG, 2, 1.5, "ab" * 16)
+    base = ClientSettings.from_config(CFG, 2, 1.5, "ab" * 16, 2.5)
     return ClientSettings(**{**base.__dict__, **changes})
 
 
@@ -41,29 +41,38 @@ def test_clients_of_each_round_are_drawn_without_repeats_and_stable_across_versi
 
 
 def test_dp_budget_covers_the_clients_own_rounds_with_its_own_data():
-    budget = dp_budget(CFG, 4, 40, 4, noise_multiplier=1.2)
+    budget = dp_budget(CFG, 4, 40, 4, noise_multiplier=1.2, feature_noise_multiplier=2.5)
     assert (budget.rounds, budget.sample_rate, budget.steps_per_round, budget.delta) == ((1, 2), 16 / 40, 6, 1e-4)
     assert (budget.epsilon, budget.accountant, budget.noise_multiplier) == (3.0, "rdp", 1.2)
+    assert (budget.feature_share, budget.feature_noise_multiplier) == (0.5, 2.5)  # eftvit uploads features
 
 
 # --- the server's DP request ------------------------------------------------------------------------------------
 
+def features(round_number=2, noise_multiplier=2.5):
+    """The feature channel's planned spend: one Gaussian release of every image (sample rate 1, one step)."""
+    return Spend(round_number, noise_multiplier, 1.0, 1, "features")
+
+
 def test_dp_request_is_read_as_terms_and_the_spend_on_the_clients_own_data():
-    assert requested_dp(settings(), 4, 40) == (Terms(3.0, 1e-4, "rdp"), Spend(2, 1.5, 0.4, 6))
+    assert requested_dp(settings(), 4, 40) == (Terms(3.0, 1e-4, "rdp", 0.5), [Spend(2, 1.5, 0.4, 6), features()])
     # delta 0 is the default 1 / (10 n) of the client's own n; batch larger than the data: every example, one step
     assert requested_dp(settings(dp_delta=0.0, batch_size=64, local_epochs=1), 4, 40) == (
-        Terms(3.0, 1 / 400, "rdp"), Spend(2, 1.5, 1.0, 1))
+        Terms(3.0, 1 / 400, "rdp", 0.5), [Spend(2, 1.5, 1.0, 1), features()])
     assert requested_dp(settings(dp_eps=2, noise_multiplier=3, batch_size=1, local_epochs=1, dp_delta=0.5,
-                                 max_grad_norm=1e-9, accountant="prv"), 4, 40) == (
-        Terms(2, 0.5, "prv"), Spend(2, 3, 1 / 40, 40))
+                                 max_grad_norm=1e-9, accountant="prv", dp_feature_share=0.25,
+                                 feature_noise_multiplier=1e-9, feature_clip=0.0), 4, 40) == (
+        Terms(2, 0.5, "prv", 0.25), [Spend(2, 3, 1 / 40, 40), features(noise_multiplier=1e-9)])
 
 
 def test_dp_request_is_read_not_recalibrated_whatever_its_size():
     """The node reads the noise the server sent; whether it fits the budget is the ledger's decision (a strict
     epsilon with noise the calibration could not reach, a weak noise multiplier below 1: both are requests)."""
-    assert requested_dp(settings(dp_eps=1e-3), 4, 40) == (Terms(1e-3, 1e-4, "rdp"), Spend(2, 1.5, 0.4, 6))
-    assert requested_dp(settings(dp_eps=0.5, noise_multiplier=0.8), 4, 40) == (
-        Terms(0.5, 1e-4, "rdp"), Spend(2, 0.8, 0.4, 6))
+    assert requested_dp(settings(dp_eps=1e-3), 4, 40) == (Terms(1e-3, 1e-4, "rdp", 0.5),
+                                                          [Spend(2, 1.5, 0.4, 6), features()])
+    assert requested_dp(settings(dp_eps=0.5, noise_multiplier=0.8, feature_noise_multiplier=0.3,
+                                 dp_feature_share=0.999), 4, 40) == (
+        Terms(0.5, 1e-4, "rdp", 0.999), [Spend(2, 0.8, 0.4, 6), features(noise_multiplier=0.3)])
 
 
 def test_no_dp_is_only_dp_eps_zero():
@@ -77,23 +86,34 @@ def test_no_dp_is_only_dp_eps_zero():
     {"noise_multiplier": math.nan}, {"dp_delta": -1e-9}, {"dp_delta": 1.0}, {"dp_delta": math.nan},
     {"max_grad_norm": 0.0}, {"max_grad_norm": -1.0}, {"max_grad_norm": math.inf}, {"max_grad_norm": math.nan},
     {"batch_size": 0}, {"batch_size": True}, {"batch_size": 0.5}, {"local_epochs": 0}, {"accountant": "gdp"},
-    {"method": "fedavg"},
+    {"method": "fedavg"}, {"dp_feature_share": 0.0}, {"dp_feature_share": 1.0}, {"dp_feature_share": math.nan},
+    {"dp_feature_share": "0.5"}, {"feature_noise_multiplier": 0.0}, {"feature_noise_multiplier": -1.0},
+    {"feature_noise_multiplier": math.inf}, {"feature_noise_multiplier": math.nan}, {"feature_clip": -1e-9},
+    {"feature_clip": math.inf}, {"feature_clip": math.nan},
 ])
 def test_dp_request_that_is_no_valid_dp_is_refused_naming_every_setting(changes):
     with pytest.raises(PrivacyBudgetError) as refused:
         requested_dp(settings(**changes), 4, 40)
     s = settings(**changes)
     assert str(refused.value) == (
-        f"the server asks for DP-SGD with dp_eps {s.dp_eps!r}, noise multiplier {s.noise_multiplier!r}, dp_delta "
+        f"the server asks for DP with dp_eps {s.dp_eps!r}, noise multiplier {s.noise_multiplier!r}, dp_delta "
         f"{s.dp_delta!r}, max_grad_norm {s.max_grad_norm!r}, batch size {s.batch_size!r}, local epochs "
-        f"{s.local_epochs!r}, accountant {s.accountant!r}, method {s.method!r}: refused")
+        f"{s.local_epochs!r}, accountant {s.accountant!r}, method {s.method!r}, feature share "
+        f"{s.dp_feature_share!r}, feature noise multiplier {s.feature_noise_multiplier!r}, feature clip "
+        f"{s.feature_clip!r}: refused")
 
 
 # --- the DP report ----------------------------------------------------------------------------------------------
 
 def test_dp_report_claims_the_least_noise_the_highest_rate_and_every_step():
-    applied = [Spend(2, 1.2, 0.25, 2), Spend(2, 1.0, 0.3, 3), Spend(2, 1.5, 0.2, 1)]
-    assert dp_report(applied, 2.5) == {"dp-noise-multiplier": 1.0, "dp-sample-rate": 0.3, "dp-steps": 6,
-                                       "dp-epsilon-spent": 2.5}
-    assert dp_report([], 0.0) == {"dp-noise-multiplier": 0.0, "dp-sample-rate": 0.0, "dp-steps": 0,
-                                  "dp-epsilon-spent": 0.0}
+    """Per channel: DP-SGD's figures come from the parameter spends alone, the feature noise from the release."""
+    applied = [Spend(2, 1.2, 0.25, 2), Spend(2, 1.0, 0.3, 3), features(noise_multiplier=0.9), Spend(2, 1.5, 0.2, 1),
+               features(noise_multiplier=0.7)]
+    spent = {"parameters": 1.5, "features": 1.25, "total": 2.5}
+    assert dp_report(applied, spent) == {"dp-noise-multiplier": 1.0, "dp-sample-rate": 0.3, "dp-steps": 6,
+                                         "dp-epsilon-spent": 2.5, "dp-epsilon-parameters": 1.5,
+                                         "dp-feature-noise-multiplier": 0.7, "dp-epsilon-features": 1.25}
+    # no feature release (parameters only): no feature keys, whatever the ledger returned
+    assert dp_report([], {"parameters": 0.0, "features": 0.0, "total": 0.0}) == {
+        "dp-noise-multiplier": 0.0, "dp-sample-rate": 0.0, "dp-steps": 0, "dp-epsilon-spent": 0.0,
+        "dp-epsilon-parameters": 0.0}

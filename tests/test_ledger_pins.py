@@ -5,6 +5,7 @@ defenses/ledger.py (docs/mutation.md); tests/test_ledger.py tries the same ledge
 import fcntl
 import json
 import math
+import re
 
 import pytest
 
@@ -15,6 +16,17 @@ RUN_ID = "feedfacecafebeef0123456789abcdef"
 TERMS = Terms(3.0, 1e-3, "rdp")
 ROUND_1 = Spend(1, 1.0, 0.25, 4)  # epsilon 3.17 at delta 1e-3 (rdp): over TERMS' budget on its own
 QUIET = Spend(1, 2.0, 0.25, 4)  # well within TERMS
+SPLIT = Terms(3.0, 1e-3, "rdp", 0.5)  # a run that uploads features: each channel gets half, at delta / 2
+RELEASE = Spend(1, 3.0, 1.0, 1, "features")  # one Gaussian release of every image
+
+
+def spent(spends, terms=TERMS):
+    """What record returns: each channel composed at its channel delta, the total at delta."""
+    if not terms.feature_share:
+        return {"parameters": compose(spends, terms.delta, terms.accountant),
+                "total": compose(spends, terms.delta, terms.accountant)}
+    return {channel: compose([s for s in spends if s.channel == channel], terms.delta / 2, terms.accountant)
+            for channel in ("parameters", "features")} | {"total": compose(spends, terms.delta, terms.accountant)}
 
 
 def ledger_json(ledger, run_id=RUN_ID):
@@ -47,31 +59,51 @@ def test_rounds_with_other_sample_rates_are_not_merged():
 def test_ledger_file_holds_the_terms_and_every_spend_with_its_running_epsilon(tmp_path):
     ledger = PrivacyLedger(tmp_path, 3)
     second = Spend(2, 2.0, 0.25, 3)
-    assert ledger.record(RUN_ID, TERMS, [QUIET, second]) == compose([QUIET, second], 1e-3, "rdp")
+    assert ledger.record(RUN_ID, TERMS, [QUIET]) == spent([QUIET])
+    assert ledger.record(RUN_ID, TERMS, [second]) == spent([QUIET, second])
     path = tmp_path / f"{RUN_ID}-client-03.json"
     assert ledger.path(RUN_ID) == path and path.read_text().endswith("}\n")
     assert json.loads(path.read_text()) == {
         "format": "eftguard-privacy-ledger", "format_version": 1, "run_id": RUN_ID, "partition": 3,
-        "terms": {"declared_epsilon": 3.0, "delta": 1e-3, "accountant": "rdp"},
+        "terms": {"declared_epsilon": 3.0, "delta": 1e-3, "accountant": "rdp", "feature_share": 0.0},
         "entries": [
-            {"spend": {"round": 1, "noise_multiplier": 2.0, "sample_rate": 0.25, "steps": 4}, "delta": 1e-3,
-             "epsilon_after": compose([QUIET], 1e-3, "rdp")},
-            {"spend": {"round": 2, "noise_multiplier": 2.0, "sample_rate": 0.25, "steps": 3}, "delta": 1e-3,
-             "epsilon_after": compose([QUIET, second], 1e-3, "rdp")}]}
+            {"spend": {"round": 1, "noise_multiplier": 2.0, "sample_rate": 0.25, "steps": 4, "channel": "parameters"},
+             "delta": 1e-3, "epsilon_after": compose([QUIET], 1e-3, "rdp")},
+            {"spend": {"round": 2, "noise_multiplier": 2.0, "sample_rate": 0.25, "steps": 3, "channel": "parameters"},
+             "delta": 1e-3, "epsilon_after": compose([QUIET, second], 1e-3, "rdp")}]}
     assert ledger.read(RUN_ID) == (TERMS, [QUIET, second])
     assert [p.name for p in tmp_path.iterdir()] == [path.name]  # no temp file left behind
+
+
+def test_a_round_of_a_split_run_records_every_channel_with_the_runs_total(tmp_path):
+    ledger = PrivacyLedger(tmp_path, 3)
+    total = compose([QUIET, RELEASE], 1e-3, "rdp")
+    assert ledger.record(RUN_ID, SPLIT, [QUIET, RELEASE]) == {
+        "parameters": compose([QUIET], 5e-4, "rdp"), "features": compose([RELEASE], 5e-4, "rdp"), "total": total}
+    data = ledger_json(ledger)
+    assert data["terms"] == {"declared_epsilon": 3.0, "delta": 1e-3, "accountant": "rdp", "feature_share": 0.5}
+    assert data["entries"] == [
+        {"spend": {"round": 1, "noise_multiplier": 2.0, "sample_rate": 0.25, "steps": 4, "channel": "parameters"},
+         "delta": 1e-3, "epsilon_after": total},
+        {"spend": {"round": 1, "noise_multiplier": 3.0, "sample_rate": 1.0, "steps": 1, "channel": "features"},
+         "delta": 1e-3, "epsilon_after": total}]
+    assert ledger.read(RUN_ID) == (SPLIT, [QUIET, RELEASE])
 
 
 def test_record_adds_to_what_is_there_and_returns_the_runs_total(tmp_path):
     ledger = PrivacyLedger(tmp_path, 0)
     ledger.record(RUN_ID, TERMS, [QUIET])
-    assert ledger.record(RUN_ID, TERMS, [QUIET]) == compose([QUIET, QUIET], 1e-3, "rdp")
-    assert ledger.record(RUN_ID, TERMS, []) == compose([QUIET, QUIET], 1e-3, "rdp")  # nothing new: the total
+    assert ledger.record(RUN_ID, TERMS, [QUIET]) == spent([QUIET, QUIET])
+    assert ledger.record(RUN_ID, TERMS, []) == spent([QUIET, QUIET])  # nothing new: the total
     assert [e["spend"]["round"] for e in ledger_json(ledger)["entries"]] == [1, 1]
+    split = PrivacyLedger(tmp_path / "split", 0)
+    split.record(RUN_ID, SPLIT, [QUIET, RELEASE])
+    assert split.record(RUN_ID, SPLIT, [RELEASE]) == spent([QUIET, RELEASE, RELEASE], SPLIT)
 
 
 def test_a_round_that_applied_no_step_spends_nothing(tmp_path):
-    assert PrivacyLedger(tmp_path, 0).record(RUN_ID, TERMS, []) == 0.0
+    assert PrivacyLedger(tmp_path, 0).record(RUN_ID, TERMS, []) == {"parameters": 0.0, "total": 0.0}
+    assert PrivacyLedger(tmp_path, 0).record(RUN_ID, SPLIT, []) == {"parameters": 0.0, "features": 0.0, "total": 0.0}
 
 
 def test_resent_rounds_are_counted_by_round(tmp_path):
@@ -79,6 +111,13 @@ def test_resent_rounds_are_counted_by_round(tmp_path):
     assert ledger.times_spent(RUN_ID, 1) == 0
     ledger.record(RUN_ID, TERMS, [QUIET, Spend(2, 2.0, 0.25, 4), QUIET])
     assert [ledger.times_spent(RUN_ID, r) for r in (1, 2, 3)] == [2, 1, 0]
+
+
+def test_a_round_is_spent_once_whatever_its_channels(tmp_path):
+    """The feature release of a round is not a re-sent round (which would draw other noise)."""
+    ledger = PrivacyLedger(tmp_path, 0)
+    ledger.record(RUN_ID, SPLIT, [QUIET, RELEASE])
+    assert ledger.times_spent(RUN_ID, 1) == 1
 
 
 def test_a_run_never_trained_with_dp_has_no_terms_and_no_spend(tmp_path):
@@ -121,6 +160,12 @@ def damaged(ledger):
     {"terms": {"declared_epsilon": 3.0, "delta": 1, "accountant": "rdp"}},
     {"terms": {"declared_epsilon": 3.0, "delta": 1e-3, "accountant": "gdp"}},
     {"terms": {"declared_epsilon": 3.0, "delta": 1e-3}},
+    {"terms": {"declared_epsilon": 3.0, "delta": 1e-3, "accountant": "rdp", "feature_share": 1.0}},
+    {"terms": {"declared_epsilon": 3.0, "delta": 1e-3, "accountant": "rdp", "feature_share": -0.1}},
+    {"terms": {"declared_epsilon": 3.0, "delta": 1e-3, "accountant": "rdp", "feature_share": 0}},
+    {"terms": {"declared_epsilon": 3.0, "delta": 1e-3, "accountant": "rdp", "feature_share": math.nan}},
+    {"entries": [{"spend": {"round": 1, "noise_multiplier": 2.0, "sample_rate": 0.25, "steps": 4,
+                            "channel": "labels"}}]},
     {"entries": [{"spend": {"round": 1, "noise_multiplier": 2.0, "sample_rate": 0.25, "steps": -1}}]},
     {"entries": [{"spend": {"round": 1, "noise_multiplier": 2.0, "sample_rate": 0.25, "steps": 4.0}}]},
     {"entries": [{"spend": {"round": 1.0, "noise_multiplier": 2.0, "sample_rate": 0.25, "steps": 4}}]},
@@ -147,12 +192,13 @@ def test_damage_names_the_bad_terms_or_entry(tmp_path):
     ledger = PrivacyLedger(tmp_path, 0)
     write_ledger(ledger, terms={"declared_epsilon": 0.0, "delta": 1e-3, "accountant": "rdp"})
     with pytest.raises(LedgerError, match=r"is damaged \(terms \{'declared_epsilon': 0.0, 'delta': 0.001, "
-                                          r"'accountant': 'rdp'\} are not DP-SGD terms\)"):
+                                          r"'accountant': 'rdp', 'feature_share': 0.0\} are not DP-SGD terms\)"):
         ledger.read(RUN_ID)
     ledger = PrivacyLedger(tmp_path / "other", 0)
     write_ledger(ledger, entries=[{"spend": {"round": 1, "noise_multiplier": 2.0, "sample_rate": 0.0, "steps": 4}}])
     with pytest.raises(LedgerError, match=r"is damaged \(entry \{'round': 1, 'noise_multiplier': 2.0, "
-                                          r"'sample_rate': 0.0, 'steps': 4\} is not a DP-SGD spend\)"):
+                                          r"'sample_rate': 0.0, 'steps': 4, 'channel': 'parameters'\} is not a "
+                                          r"DP-SGD spend\)"):
         ledger.read(RUN_ID)
 
 
@@ -173,13 +219,17 @@ def test_torn_or_foreign_ledger_bytes_are_refused(tmp_path, content):
 
 
 def test_limits_of_a_valid_spend_are_accepted(tmp_path):
-    """Zero steps, zero noise (spends infinity) and sampling everything are records, not damage."""
+    """Zero steps, zero noise (spends infinity), sampling everything and a file written before the feature channel
+    (no channel: parameters) are records, not damage."""
     ledger = PrivacyLedger(tmp_path, 0)
     edge = [Spend(1, 2.0, 1.0, 0), Spend(2, 0.0, 0.25, 4)]
     write_ledger(ledger, entries=[{"spend": {"round": s.round, "noise_multiplier": s.noise_multiplier,
                                              "sample_rate": s.sample_rate, "steps": s.steps}} for s in edge])
     assert ledger.read(RUN_ID) == (TERMS, edge)
-    assert ledger.record(RUN_ID, TERMS, [QUIET]) == math.inf
+    assert ledger.record(RUN_ID, TERMS, [QUIET]) == {"parameters": math.inf, "total": math.inf}
+    split = PrivacyLedger(tmp_path / "split", 0)
+    split.record(RUN_ID, SPLIT, [Spend(1, 2.0, 0.25, 4, "features"), Spend(1, 0.0, 1.0, 1, "features")])
+    assert split.record(RUN_ID, SPLIT, []) == {"parameters": 0.0, "features": math.inf, "total": math.inf}
 
 
 # --- authorising a round ----------------------------------------------------------------------------------------
@@ -202,49 +252,107 @@ def test_node_with_a_ceiling_refuses_every_round_without_dp(tmp_path):
         PrivacyLedger(tmp_path, 0, 5.0).authorize(RUN_ID, 1, None, None)
 
 
+def over_budget(round_number, planned, spent, budget, recorded, ledger, shares=None):
+    """The refusal: the total first, then every channel over its share (parameters-only: its share is the budget)."""
+    sigmas = ", ".join(f"{p.noise_multiplier:.4f} ({p.channel})" for p in planned)
+    over = [f"epsilon {spent['total']:.3f} > its budget {budget:g}"] if spent["total"] > budget else []
+    over += [f"{name} epsilon {spent[name]:.3f} > their share {limit:.3g} of its budget {budget:g}"
+             for name, limit in (shares or {"parameters": budget}).items() if spent[name] > limit]
+    return re.escape(f"round {round_number} with noise multiplier {sigmas} would bring this node's recorded spend "
+                     f"in run {RUN_ID} to {' and '.join(over)} ({recorded} rounds recorded in {ledger.path(RUN_ID)}"
+                     "): refused")
+
+
 def test_round_spending_exactly_the_budget_is_allowed_and_any_more_is_refused(tmp_path):
     exact = Terms(compose([QUIET, QUIET], 1e-3, "rdp"), 1e-3, "rdp")
     ledger = PrivacyLedger(tmp_path, 0)
-    assert ledger.authorize(RUN_ID, 1, exact, QUIET) == exact
+    assert ledger.authorize(RUN_ID, 1, exact, [QUIET]) == exact
     ledger.record(RUN_ID, exact, [QUIET])
-    assert ledger.authorize(RUN_ID, 2, exact, Spend(2, 2.0, 0.25, 4)) == exact
-    total = compose([QUIET, Spend(2, 2.0, 0.25, 5)], 1e-3, "rdp")
-    with pytest.raises(PrivacyBudgetError, match=rf"^round 2 with noise multiplier 2.0000 would bring this node's "
-                                                  rf"recorded spend in run {RUN_ID} to epsilon {total:.3f} > its "
-                                                  rf"budget {exact.declared_epsilon:g} \(1 rounds recorded in "
-                                                  rf"{ledger.path(RUN_ID)}\): refused$"):
-        ledger.authorize(RUN_ID, 2, exact, Spend(2, 2.0, 0.25, 5))
+    assert ledger.authorize(RUN_ID, 2, exact, [Spend(2, 2.0, 0.25, 4)]) == exact
+    more = [Spend(2, 2.0, 0.25, 5)]
+    refusal = over_budget(2, more, spent([QUIET] + more), exact.declared_epsilon, 1, ledger)
+    with pytest.raises(PrivacyBudgetError, match=rf"^{refusal}$"):
+        ledger.authorize(RUN_ID, 2, exact, more)
+
+
+LOUD = {"parameters": Spend(1, 2.0, 0.25, 4), "features": RELEASE}  # the channel brought to its share
+FAINT = {"parameters": Spend(1, 8.0, 0.25, 4), "features": Spend(1, 12.0, 1.0, 1, "features")}  # far from it
+OVER = {"parameters": Spend(2, 2.0, 0.25, 5), "features": Spend(2, 2.9, 1.0, 1, "features")}  # a little more
+
+
+@pytest.mark.parametrize("channel", ["parameters", "features"])
+def test_channel_spending_exactly_its_share_is_allowed_and_any_more_is_refused(tmp_path, channel):
+    """Each channel is held to its share at delta / 2, as calibrated, even while the total is well within
+    budget: a server that sends the calibrated noise on one channel and too little on the other is refused."""
+    other = "features" if channel == "parameters" else "parameters"
+
+    def round_of(number, spends):
+        return sorted((Spend(number, s.noise_multiplier, s.sample_rate, s.steps, s.channel) for s in spends),
+                      key=lambda s: s.channel != "parameters")
+
+    first = round_of(1, [LOUD[channel], FAINT[other]])
+    exact = Terms(2 * compose(round_of(1, [LOUD[channel]]) * 2, 5e-4, "rdp"), 1e-3, "rdp", 0.5)
+    ledger = PrivacyLedger(tmp_path, 0)
+    assert ledger.authorize(RUN_ID, 1, exact, first) == exact
+    ledger.record(RUN_ID, exact, first)
+    assert ledger.authorize(RUN_ID, 2, exact, round_of(2, [LOUD[channel], FAINT[other]])) == exact
+    more = round_of(2, [OVER[channel], FAINT[other]])
+    spent_then = spent(first + more, exact)
+    assert spent_then["total"] < exact.declared_epsilon  # only the share is exceeded
+    shares = {"parameters": exact.declared_epsilon / 2, "features": exact.declared_epsilon / 2}
+    refusal = over_budget(2, more, spent_then, exact.declared_epsilon, 1, ledger, shares)
+    with pytest.raises(PrivacyBudgetError, match=rf"^{refusal}$") as refused:
+        ledger.authorize(RUN_ID, 2, exact, more)
+    assert f"{channel} epsilon" in str(refused.value) and f"{other} epsilon" not in str(refused.value)
 
 
 def test_first_round_over_the_declared_budget_is_refused(tmp_path):
-    with pytest.raises(PrivacyBudgetError, match=r"epsilon 3.171 > its budget 3 \(0 rounds recorded"):
-        PrivacyLedger(tmp_path, 0).authorize(RUN_ID, 1, TERMS, ROUND_1)
+    with pytest.raises(PrivacyBudgetError, match=r"to epsilon 3.171 > its budget 3 and parameters epsilon 3.171 > "
+                                                 r"their share 3 of its budget 3 \(0 rounds recorded"):
+        PrivacyLedger(tmp_path, 0).authorize(RUN_ID, 1, TERMS, [ROUND_1])
 
 
 def test_the_first_rounds_terms_bind_the_run_whatever_the_server_asks_later(tmp_path):
-    """Raising dp_eps, a looser delta or another accountant later does not buy more rounds."""
+    """Raising dp_eps, a looser delta, another accountant or another feature share later does not buy more
+    rounds."""
     ledger = PrivacyLedger(tmp_path, 0)
     ledger.record(RUN_ID, TERMS, [QUIET])
-    later = Spend(2, 1.0, 0.25, 4)
+    later = [Spend(2, 1.0, 0.25, 4)]
     looser = [Terms(30.0, 1e-3, "rdp"), Terms(3.0, 0.2, "rdp"), Terms(3.0, 1e-3, "prv")]
-    assert [compose([QUIET, later], t.delta, t.accountant) < 3.0 for t in looser] == [False, True, True]
+    assert [compose([QUIET] + later, t.delta, t.accountant) < 3.0 for t in looser] == [False, True, True]
     for requested in looser:
-        with pytest.raises(PrivacyBudgetError, match=r"> its budget 3 \(1 rounds recorded"):
+        with pytest.raises(PrivacyBudgetError, match=r"> its budget 3 and parameters epsilon .* \(1 rounds recorded"):
             ledger.authorize(RUN_ID, 2, requested, later)
-    assert ledger.authorize(RUN_ID, 2, Terms(30.0, 0.2, "prv"), QUIET) == TERMS
+    with pytest.raises(PrivacyBudgetError, match=rf"^the server asks for feature share 0.5, but run {RUN_ID} began "
+                                                  rf"with 0.0: refused$"):
+        ledger.authorize(RUN_ID, 2, SPLIT, [Spend(2, 2.0, 0.25, 4), Spend(2, 3.0, 1.0, 1, "features")])
+    assert ledger.authorize(RUN_ID, 2, Terms(30.0, 0.2, "prv"), [QUIET]) == TERMS
 
 
 @pytest.mark.parametrize("ceiling, budget", [(1.0, "1"), (5.0, "3")])
 def test_budget_is_the_lower_of_the_nodes_ceiling_and_the_declared_epsilon(tmp_path, ceiling, budget):
     with pytest.raises(PrivacyBudgetError, match=rf"> its budget {budget} "):
-        PrivacyLedger(tmp_path, 0, ceiling).authorize(RUN_ID, 1, TERMS, ROUND_1)
-    assert PrivacyLedger(tmp_path, 0, 5.0).authorize(RUN_ID, 1, TERMS, QUIET) == TERMS
+        PrivacyLedger(tmp_path, 0, ceiling).authorize(RUN_ID, 1, TERMS, [ROUND_1])
+    assert PrivacyLedger(tmp_path, 0, 5.0).authorize(RUN_ID, 1, TERMS, [QUIET]) == TERMS
+
+
+@pytest.mark.parametrize("ceiling, share", [(1.0, "0.5"), (5.0, "1.5")])
+def test_each_channels_share_is_of_the_lower_budget(tmp_path, ceiling, share):
+    """A feature release at 0.6 < 1 < 1.5 (its share of 3): refused under a node ceiling of 1, allowed without."""
+    release = [Spend(1, 4.0, 1.0, 1, "features")]
+    assert 0.5 < compose(release, 5e-4, "rdp") < 1.5
+    ledger = PrivacyLedger(tmp_path, 0, ceiling)
+    if ceiling < 3:
+        with pytest.raises(PrivacyBudgetError, match=rf"features epsilon \S+ > their share {share} of its budget 1 "):
+            ledger.authorize(RUN_ID, 1, SPLIT, release)
+    else:
+        assert ledger.authorize(RUN_ID, 1, SPLIT, release) == SPLIT
 
 
 def test_refused_round_leaves_no_ledger_file(tmp_path):
     ledger = PrivacyLedger(tmp_path, 0)
     with pytest.raises(PrivacyBudgetError):
-        ledger.authorize(RUN_ID, 1, TERMS, ROUND_1)
+        ledger.authorize(RUN_ID, 1, TERMS, [ROUND_1])
     assert not ledger.path(RUN_ID).exists()
 
 
