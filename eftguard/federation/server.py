@@ -158,8 +158,12 @@ def check_dp_report(metrics: ConfigRecord, budget: ClientBudget, dp_eps: float) 
     if isinstance(steps, bool) or steps != budget.steps_per_round or not math.isclose(rate, budget.sample_rate):
         raise UploadError(f"the client reports {steps} DP-SGD steps at sample rate {rate}, its schedule is "
                           f"{budget.steps_per_round} at {budget.sample_rate:.4g}")
-    if not all(0 < value <= dp_eps * (1 + 1e-9) for value in spent.values()):
-        raise UploadError(f"the client reports epsilon {spent} spent, outside (0, --dp-eps {dp_eps}]")
+    limits = {"total": dp_eps, **channel_epsilons(dp_eps, budget.feature_share)}
+    for channel, value in spent.items():  # each channel is calibrated to, and held by the ledger to, its share
+        if not 0 < value <= limits[channel] * (1 + 1e-9):
+            raise UploadError(f"the client reports {channel} epsilon {value} spent, outside (0, {limits[channel]:.6g}]"
+                              f" (--dp-eps {dp_eps}" + (f", feature share {budget.feature_share})"
+                                                        if budget.feature_share else ")"))
     return spent
 
 
