@@ -23,8 +23,8 @@ from eftguard.pretrain import OBJECTIVES, PretrainConfig, PretrainError
 from eftguard.rundir import RunDirectory, RunError, check_new_run_path
 from eftguard.sampling import BALANCE_MODES
 
-USER_ERRORS = (AttackError, ConfigError, DataError, ModelError, RunError, FederationError, CertificateError, MetricError,
-               PretrainError)
+USER_ERRORS = (AttackError, ConfigError, DataError, ModelError, RunError, FederationError, CertificateError,
+               MetricError, PretrainError)
 
 TRAIN_HELP = {
     "dataset": f"dataset: {DATASET_HELP}",
@@ -481,8 +481,8 @@ def cmd_pretrain(args: argparse.Namespace) -> None:
         raise SystemExit(130) from None
     summary = f"wrote {args.out}: public-split loss {public_loss(model, dataset.public):.3f}"
     if cfg.uses_labels:
-        test = dataset.test
-        summary += f", test accuracy {evaluate(model, torch.from_numpy(test.images), torch.from_numpy(test.labels)):.3f}"
+        accuracy = evaluate(model, torch.from_numpy(dataset.test.images), torch.from_numpy(dataset.test.labels))
+        summary += f", test accuracy {accuracy:.3f}"
     print(summary + f". Start federated training from it: eftguard train --dataset {args.dataset} "
                     f"--model {args.model} --checkpoint {args.out}")
 

@@ -61,7 +61,8 @@ class PretrainConfig:
         if not (self.weight_decay >= 0 and math.isfinite(self.weight_decay)):
             raise ConfigError(f"--weight-decay must be >= 0, got {self.weight_decay}")
         if not 0 <= self.warmup_epochs < self.epochs:
-            raise ConfigError(f"--warmup-epochs must be in [0, --epochs) = [0, {self.epochs}), got {self.warmup_epochs}")
+            raise ConfigError(f"--warmup-epochs must be in [0, --epochs) = [0, {self.epochs}), "
+                              f"got {self.warmup_epochs}")
         if not 0 <= self.label_smoothing < 1:
             raise ConfigError(f"--label-smoothing must be in [0, 1), got {self.label_smoothing}")
         if not 0 < self.mask_ratio < 1:

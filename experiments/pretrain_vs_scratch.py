@@ -5,7 +5,7 @@ which fits a loaded 2-core machine; the computations are the seeded ones of `eft
 accuracy per round of every configuration and writes the run directories under --out.
 
     python experiments/pretrain_vs_scratch.py --checkpoint ckpt.safetensors --out /tmp/pvs \
-        [--methods eftvit,fedavg] [--rounds 5] [--train-samples 600] [--beta 0.1]
+        [--methods eftvit,fedavg] [--rounds 5] [--train-samples 600] [--beta 0.1] [--lr 1e-3 --server-lr 1e-3]
 """
 
 from __future__ import annotations
@@ -35,12 +35,15 @@ def main() -> None:
     parser.add_argument("--test-samples", type=int, default=500)
     parser.add_argument("--beta", type=float, default=0.1)
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--lr", type=float, default=TrainConfig.lr, help="client learning rate")
+    parser.add_argument("--server-lr", type=float, default=TrainConfig.server_lr, help="server learning rate")
     args = parser.parse_args()
     results = {}
     for method in args.methods.split(","):
         for start in args.starts.split(","):
             cfg = TrainConfig(method=method, rounds=args.rounds, train_samples=args.train_samples,
-                              test_samples=args.test_samples, beta=args.beta, seed=args.seed,
+                              test_samples=args.test_samples, beta=args.beta, seed=args.seed, lr=args.lr,
+                              server_lr=args.server_lr,
                               checkpoint=str(args.checkpoint.resolve()) if start == "pretrained" else "").resolved()
             run = RunDirectory.create(args.out / f"{method}-{start}", cfg)
             with task_identity():
