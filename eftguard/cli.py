@@ -483,8 +483,9 @@ def cmd_pretrain(args: argparse.Namespace) -> None:
     if cfg.uses_labels:
         accuracy = evaluate(model, torch.from_numpy(dataset.test.images), torch.from_numpy(dataset.test.labels))
         summary += f", test accuracy {accuracy:.3f}"
-    print(summary + f". Start federated training from it: eftguard train --dataset {args.dataset} "
-                    f"--model {args.model} --checkpoint {args.out}")
+    print(summary + f". Start federated training from it (a lower learning rate keeps more of what it learnt): "
+                    f"eftguard train --dataset {args.dataset} --model {args.model} --checkpoint {args.out} "
+                    "--lr 1e-4 --server-lr 1e-4")
 
 
 def cmd_certs(args: argparse.Namespace) -> None:

@@ -65,7 +65,7 @@ def test_pretraining_reads_only_the_public_split_of_an_imagefolder(tmp_path, mon
     assert out.is_file()
     assert "on the public split" in capsys.readouterr().err
     metadata = safetensors.safe_open(str(out), "pt").metadata()
-    assert metadata["classes"] == "beach,forest,river" and metadata["objective"] == "both"
+    assert metadata["classes"] == "beach,forest,river" and metadata["objective"] == "supervised"
 
 
 @pytest.mark.parametrize("objective", ["supervised", "both"])
@@ -145,7 +145,7 @@ def test_diverging_loss_stops_with_one_line_and_no_file(tmp_path, capsys):
 
 @pytest.mark.parametrize("flags, message", [
     (["--epochs", "0"], "--epochs must be at least 1"),
-    (["--warmup-epochs", "30"], "--warmup-epochs must be in"),
+    (["--warmup-epochs", "3", "--epochs", "3"], "--warmup-epochs must be in"),
     (["--mask-ratio", "1"], "--mask-ratio must be in (0, 1)"),
     (["--label-smoothing", "-0.1"], "--label-smoothing must be in [0, 1)"),
     (["--lr", "nan"], "--lr must be a positive number"),
