@@ -161,7 +161,7 @@ def pretrain(model: EFTViT, public: ImageSet, cfg: PretrainConfig, progress: Epo
              epoch_done: Callable[[int, float], None] | None = None) -> list[float]:
     """Train the whole model in place on the public split; returns the mean training loss of every epoch.
 
-    Stops with a PretrainError when the loss stops being a finite number (nothing is saved then)."""
+    Stops with a PretrainError when the loss, or the trained model's output, is not finite (nothing is saved)."""
     cfg.check()
     if len(public) == 0:
         raise PretrainError("the dataset's public split is empty: nothing to pretrain on")
