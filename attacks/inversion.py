@@ -29,6 +29,7 @@ from torch import nn
 
 from attacks.base import (ImageReconstruction, Progress, Registry, ThreatModel, option, total_variation,
                           whole_number)
+from defenses.feature_dp import clip_rows
 from defenses.feature_noise import release_features
 from eftguard.masking import random_keep_ids
 from eftguard.model import EFTViT, LocalModule
@@ -57,7 +58,24 @@ class RoundFeatures:
     mask_ratio: float
     aux_images: np.ndarray  # uint8 [N, H, W, 3], the attacker's auxiliary images
     feature_clip: float = 0.0  # the run's feature-release defense, public in config.toml
-    feature_noise: float = 0.0
+    feature_noise: float = 0.0  # noise std in units of feature_clip
+    clip_per_image: bool = False  # --dp-eps clips each image's row of tokens, --feature-clip each token
+
+    def clipped(self, features: torch.Tensor) -> torch.Tensor:
+        """The release's deterministic part: what an upload's features were clipped to."""
+        if self.feature_clip <= 0:
+            return features
+        if self.clip_per_image:
+            return clip_rows(features, self.feature_clip)
+        return release_features(features, self.feature_clip, 0.0, None)
+
+    def released(self, features: torch.Tensor, generator: torch.Generator) -> torch.Tensor:
+        """Features as the run's release would have sent them: clipped, plus its Gaussian noise."""
+        clipped = self.clipped(features)
+        if self.feature_clip <= 0 or self.feature_noise == 0:
+            return clipped
+        return clipped + torch.randn(clipped.shape, generator=generator, dtype=clipped.dtype) * (
+            self.feature_noise * self.feature_clip)
 
 
 def client_local_module(model: EFTViT, state: dict[str, torch.Tensor]) -> LocalModule:
@@ -114,9 +132,7 @@ class AuxFeatures:
         images = torch.where(flip.view(-1, 1, 1, 1), images.flip(2), images)
         keep = random_keep_ids(size, local.num_patches, self.rf.mask_ratio, self.generator)
         features = local(to_model_input(self.rf.model, images), keep)
-        if self.rf.feature_clip > 0:
-            features = release_features(features, self.rf.feature_clip, self.rf.feature_noise, self.generator)
-        return images, features, keep
+        return images, self.rf.released(features, self.generator), keep
 
 
 class PositionProbe(nn.Module):
@@ -289,12 +305,11 @@ class OptimizationInversion:
     batch_size: int = 64
     seed: int = 0
 
-    def feature_distance(self, local: LocalModule, model: EFTViT, images01: torch.Tensor, keep: torch.Tensor,
-                         target: torch.Tensor, clip: float) -> torch.Tensor:
-        """Per image: squared feature error relative to the target's energy."""
-        features = local(to_model_input(model, images01), keep)
-        if clip > 0:  # the clipping of the feature-release defense is deterministic: apply it too
-            features = release_features(features, clip, 0.0, None)
+    def feature_distance(self, local: LocalModule, observation: "RoundFeatures", images01: torch.Tensor,
+                         keep: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
+        """Per image: squared feature error relative to the target's energy. The release's clipping is
+        deterministic, so the candidate's features are clipped the same way."""
+        features = observation.clipped(local(to_model_input(observation.model, images01), keep))
         return ((features - target) ** 2).sum(dim=(1, 2)) / (target ** 2).sum(dim=(1, 2)).clamp_min(1e-12)
 
     def reconstruct(self, observation: RoundFeatures, progress: Progress | None = None
@@ -323,8 +338,7 @@ class OptimizationInversion:
                     for group in optimizer.param_groups:
                         group["lr"] = _cosine_lr(step, self.steps, self.lr, warmup=1)
                     images = torch.sigmoid(logits)
-                    distance = self.feature_distance(local, observation.model, images, keep, target,
-                                                     observation.feature_clip)
+                    distance = self.feature_distance(local, observation, images, keep, target)
                     loss = (distance + self.tv_weight * total_variation(images.permute(0, 3, 1, 2))).sum()
                     optimizer.zero_grad(set_to_none=True)
                     loss.backward()
@@ -334,8 +348,7 @@ class OptimizationInversion:
                         progress("optimisation", done, total)
                 with torch.no_grad():
                     images = torch.sigmoid(logits)
-                    distance = self.feature_distance(local, observation.model, images, keep, target,
-                                                     observation.feature_clip)
+                    distance = self.feature_distance(local, observation, images, keep, target)
                     better = distance < best_distance
                     best_images[better] = images[better]
                     best_distance[better] = distance[better]

@@ -1,8 +1,8 @@
 """Optional feature-release defense: clip every uploaded token feature to L2 norm C and add Gaussian noise
 of standard deviation sigma * C, on the client, before upload.
 
-DP-SGD does not cover the patch features a client uploads (they are a direct function of its images);
-this bounds each token's contribution and blurs it. It is a Gaussian mechanism per token, but no privacy
+Without --dp-eps the patch features a client uploads are a direct function of its images (--dp-eps releases them
+through defenses/feature_dp.py instead); this bounds each token's contribution and blurs it. It is a Gaussian mechanism per token, but no privacy
 accounting is done for it here: measure its effect with the attacks.
 """
 

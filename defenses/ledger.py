@@ -19,8 +19,11 @@ A torn or foreign ledger file is an error naming the file, never a fresh budget.
 Limits: the ledger is keyed by the run id the server sends. A server that invents a new run id gets a fresh
 per-run budget: --max-epsilon bounds each run, not the node's lifetime (there is no node-wide ceiling across
 runs). Deleting the ledger directory resets it. A node with noise-secret 0 (simulated nodes) seeds from the
-run's seed alone, which the server knows: reproducible, not private against its own server. The ledger bounds what the uploaded parameters (phi, h) reveal;
-the uploaded patch features are outside DP-SGD (see defenses.feature_noise).
+run's seed alone, which the server knows: reproducible, not private against its own server.
+
+Channels: a run that uploads features records one "features" spend per round (the Gaussian release of
+defenses.feature_dp, sample rate 1) beside the DP-SGD "parameters" spends. The total composes both at delta;
+each channel is also held to its share of the budget (terms.feature_share) at delta / 2, as calibrated.
 """
 
 from __future__ import annotations
@@ -35,13 +38,12 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Iterator
 
-from opacus.accountants import create_accountant
-
-from defenses.dp import PrivacyBudgetError
+from defenses.dp import PrivacyBudgetError, channel_delta, channel_epsilons, composed_epsilon
 from eftguard.rundir import atomic_write
 
 FORMAT = "eftguard-privacy-ledger"
-FORMAT_VERSION = 1
+FORMAT_VERSION = 1  # files without feature_share / channel (parameters only) read as before
+CHANNELS = ("parameters", "features")
 RUN_ID = re.compile(r"[0-9a-f]{32}")  # uuid4 hex: also keeps a hostile run id out of the file name
 
 
@@ -51,12 +53,14 @@ class LedgerError(ValueError):
 
 @dataclass(frozen=True)
 class Spend:
-    """One round's DP-SGD as applied: `steps` Poisson-sampled Gaussian steps."""
+    """One round's release on one channel as applied: `steps` Poisson-sampled Gaussian steps (DP-SGD), or one
+    Gaussian release of every image (features: sample rate 1, 1 step)."""
 
     round: int
     noise_multiplier: float
     sample_rate: float
     steps: int
+    channel: str = "parameters"
 
 
 @dataclass(frozen=True)
@@ -66,6 +70,7 @@ class Terms:
     declared_epsilon: float  # the dp_eps the server declared in the run's first DP round
     delta: float
     accountant: str
+    feature_share: float = 0.0  # the feature channel's fraction of epsilon; 0: no feature channel
 
 
 def compose(spends: list[Spend], delta: float, accountant: str) -> float:
@@ -76,24 +81,29 @@ def compose(spends: list[Spend], delta: float, accountant: str) -> float:
         if s.noise_multiplier <= 0:
             return math.inf
         merged[(s.noise_multiplier, s.sample_rate)] += s.steps
-    if not merged:
-        return 0.0
-    acc = create_accountant(mechanism=accountant)
-    acc.history = [(sigma, q, steps) for (sigma, q), steps in merged.items()]
-    return float(acc.get_epsilon(delta=delta))
+    return composed_epsilon([(sigma, q, steps) for (sigma, q), steps in merged.items()], delta, accountant)
+
+
+def spent_per_channel(spends: list[Spend], terms: Terms) -> dict[str, float]:
+    """epsilon per channel (at its channel delta) and in total (at delta), as the run's budget is split."""
+    per_channel = channel_delta(terms.delta, terms.feature_share)
+    spent = {channel: compose([s for s in spends if s.channel == channel], per_channel, terms.accountant)
+             for channel in channel_epsilons(1.0, terms.feature_share)}
+    return {**spent, "total": compose(spends, terms.delta, terms.accountant)}
 
 
 def _check_terms(terms: Terms) -> None:
     if not (isinstance(terms.declared_epsilon, float) and math.isfinite(terms.declared_epsilon)
             and terms.declared_epsilon > 0 and isinstance(terms.delta, float) and 0 < terms.delta < 1
-            and terms.accountant in ("prv", "rdp")):
+            and terms.accountant in ("prv", "rdp") and isinstance(terms.feature_share, float)
+            and 0 <= terms.feature_share < 1):
         raise ValueError(f"terms {asdict(terms)} are not DP-SGD terms")
 
 
 def _check_spend(spend: Spend) -> None:
     if not (isinstance(spend.round, int) and isinstance(spend.steps, int) and spend.steps >= 0
             and math.isfinite(spend.noise_multiplier) and spend.noise_multiplier >= 0
-            and 0 < spend.sample_rate <= 1):
+            and 0 < spend.sample_rate <= 1 and spend.channel in CHANNELS):
         raise ValueError(f"entry {asdict(spend)} is not a DP-SGD spend")
 
 
@@ -154,10 +164,11 @@ class PrivacyLedger:
     # --- the round -------------------------------------------------------------------------------------
 
     def authorize(self, run_id: str, round_number: int, requested: Terms | None,
-                  planned: Spend | None) -> Terms | None:
+                  planned: list[Spend] | None) -> Terms | None:
         """Check a round before training; returns the run's terms (None: a round without DP, allowed).
-        requested and planned: the server's terms and the spend the client computed from its own data for the
-        server's noise (both None: the server asks for no DP). Raises PrivacyBudgetError naming why."""
+        requested and planned: the server's terms and the spends (one per channel) the client computed from its
+        own data for the server's noise (both None: the server asks for no DP). Raises PrivacyBudgetError naming
+        why: the total or any channel's share would be exceeded."""
         terms, spends = self.read(run_id)
         if requested is None:
             if terms is not None:
@@ -169,27 +180,33 @@ class PrivacyLedger:
                                          f"is {self.max_epsilon}: refused")
             return None
         terms = terms or requested
+        if requested.feature_share != terms.feature_share:
+            raise PrivacyBudgetError(f"the server asks for feature share {requested.feature_share}, but run {run_id} "
+                                     f"began with {terms.feature_share}: refused")
         budget = min(terms.declared_epsilon, self.max_epsilon or math.inf)
-        total = compose(spends + [planned], terms.delta, terms.accountant)
-        if total > budget:
+        limits = {**channel_epsilons(budget, terms.feature_share), "total": budget}
+        spent = spent_per_channel(spends + planned, terms)
+        over = [f"epsilon {spent[name]:.3f} > its budget {budget:g}" if name == "total" else
+                f"{name} epsilon {spent[name]:.3f} > their share {limit:.3g} of its budget {budget:g}"
+                for name, limit in sorted(limits.items(), key=lambda item: item[0] != "total") if spent[name] > limit]
+        if over:
+            sigmas = ", ".join(f"{p.noise_multiplier:.4f} ({p.channel})" for p in planned)
             raise PrivacyBudgetError(
-                f"round {planned.round} with noise multiplier {planned.noise_multiplier:.4f} would bring this node's "
-                f"recorded spend in run {run_id} to epsilon {total:.3f} > its budget {budget:g} "
-                f"({len(spends)} rounds recorded in {self.path(run_id)}): refused")
+                f"round {round_number} with noise multiplier {sigmas} would bring this node's recorded spend in run "
+                f"{run_id} to {' and '.join(over)} ({len({s.round for s in spends})} rounds recorded in "
+                f"{self.path(run_id)}): refused")
         return terms
 
-    def record(self, run_id: str, terms: Terms, applied: list[Spend]) -> float:
-        """Record a trained round (before its upload leaves the node); returns the run's epsilon spent."""
+    def record(self, run_id: str, terms: Terms, applied: list[Spend]) -> dict[str, float]:
+        """Record a trained round, every channel's spend (before its upload leaves the node); each entry notes
+        the run's total epsilon after the round. Returns the epsilon spent per channel and in total."""
         _, entries = self._load(run_id)
-        spends = [Spend(**entry["spend"]) for entry in entries]
-        for spend in applied:
-            spends.append(spend)
-            entries.append({"spend": asdict(spend), "delta": terms.delta,
-                            "epsilon_after": compose(spends, terms.delta, terms.accountant)})
+        spent = spent_per_channel([Spend(**entry["spend"]) for entry in entries] + applied, terms)
+        entries += [{"spend": asdict(spend), "delta": terms.delta, "epsilon_after": spent["total"]} for spend in applied]
         self._write(run_id, terms, entries)
-        return entries[-1]["epsilon_after"] if entries else 0.0
+        return spent
 
     def times_spent(self, run_id: str, round_number: int) -> int:
         """How often this round was already spent (a server re-sending it gets fresh noise from this)."""
-        return sum(s.round == round_number for s in self.read(run_id)[1])
+        return sum(s.round == round_number and s.channel == "parameters" for s in self.read(run_id)[1])
 

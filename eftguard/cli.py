@@ -16,7 +16,7 @@ from eftguard.attack_cli import add_attack_parser, add_report_parser, cmd_attack
 from eftguard.config import ACCOUNTANTS, FEDERATIONS, METHODS, ConfigError, TrainConfig
 from eftguard.data import DATASET_HELP, DataError
 from eftguard.federation.errors import FederationError, Interrupted
-from eftguard.methods import METHODS as METHOD_SPECS
+from eftguard.methods import METHODS as METHOD_SPECS, method_spec
 from eftguard.metrics import LPIPS_BACKENDS, MetricError
 from eftguard.model import PRESETS, ModelError
 from eftguard.pretrain import OBJECTIVES, PretrainConfig, PretrainError
@@ -33,13 +33,15 @@ TRAIN_HELP = {
     "pretrained": "start from timm's pretrained hub weights (needs the network or the hub cache)",
     "checkpoint": "start from local weights (.safetensors, or a state dict .pt/.pth); timm or eftguard layout",
     "method": "training method: " + "; ".join(f"{name} ({spec.description})" for name, spec in METHOD_SPECS.items()),
-    "mask_ratio": "fraction of patch tokens each client drops per image, in [0, 1)",
+    "mask_ratio": "fraction of patch tokens each client drops per image, in [0, 1) (masked methods only)",
+    "prompt_tokens": "fed-prompt: learned prompt tokens inserted after the cls token",
+    "lora_rank": "fed-lora: rank r of the LoRA factors on each attention projection",
     "local_layers": "M: transformer blocks in the client's local module (1..depth-1); the rest stay on the server",
     "clients": "number of clients (data partitions)",
     "clients_per_round": "clients taking part in each round (0: all)",
     "rounds": "federated rounds",
     "local_epochs": "client epochs per round (E)",
-    "server_epochs": "server epochs on the uploaded features per round (S)",
+    "server_epochs": "server epochs on the uploaded features per round (S; 0: theta is never trained on them)",
     "batch_size": "batch size, clients and server",
     "lr": "client learning rate (AdamW)",
     "server_lr": "server learning rate for the global module (AdamW)",
@@ -59,15 +61,20 @@ TRAIN_HELP = {
                     "your auditor: the truth reveals each client's class histogram",
     "encrypt_at_rest": "KEYFILE: store uploads in observed/ encrypted (AES-256-GCM); a missing file gets a new "
                        "random key (mode 0600). Attacks and reports then need the key",
-    "dp_eps": "DP-SGD (Opacus) on each client's local module and head: total epsilon per client over all the "
-              "rounds it takes part in (0: off). Covers the uploaded parameters only, NOT the uploaded patch "
-              "features, which are a direct function of the private images (see --feature-noise)",
-    "dp_delta": "DP-SGD delta per client (0: 1 / (10 n_k), n_k the client's sample count)",
+    "dp_eps": "end-to-end differential privacy: total epsilon per client over all the rounds it takes part in, "
+              "for everything it uploads (0: off): DP-SGD (Opacus) on its local module and head, and its patch "
+              "features and labels as a Gaussian release of every image per round, clipped to --feature-clip "
+              "(docs/dp.md)",
+    "dp_delta": "delta per client (0: 1 / (10 n_k), n_k the client's sample count)",
+    "dp_feature_share": "fraction of --dp-eps for the feature channel (features, labels, row counts); the rest "
+                        "goes to DP-SGD on the parameters",
     "max_grad_norm": "DP-SGD per-sample gradient clipping norm",
     "accountant": "privacy accountant that calibrates the DP-SGD noise and reports epsilon: prv or rdp",
-    "feature_noise": "feature-release defense: Gaussian noise of std SIGMA * C added to every uploaded token "
-                     "feature after clipping (needs --feature-clip C; 0: clipping only)",
-    "feature_clip": "feature-release defense: clip every uploaded token feature to L2 norm C (0: off)",
+    "feature_noise": "feature-release defense without --dp-eps (no epsilon claimed): Gaussian noise of std "
+                     "SIGMA * C added to every uploaded token feature after clipping (needs --feature-clip C; 0: "
+                     "clipping only)",
+    "feature_clip": "without --dp-eps: clip every uploaded token feature to L2 norm C (0: off); with --dp-eps: "
+                    "the norm C each image's whole feature row is clipped to (0: 20)",
 }
 PRETRAIN_HELP = {
     "objective": "supervised (labels of the public split), mae (reconstruct the pixels of masked patches; no labels "
@@ -203,20 +210,40 @@ def build_parser() -> argparse.ArgumentParser:
                                 "default: the server's first --dp-eps")
 
     demo = sub.add_parser("demo", parents=[logs], help="a small EFTViT vs Fed-Full training on the bundled photos",
-                          description="Trains EFTViT and the Fed-Full reference on the bundled photos dataset with "
-                                      "the same small budget and prints test accuracy per round, then audits the "
-                                      "EFTViT run with the feature-inversion attack and writes its report.")
-    demo.add_argument("--out", type=Path, default=None, help="folder for the demo's runs (default: runs/demo-TIME)")
+                          description="An audit of both methods on the bundled photos dataset with the same small "
+                                      "budget: prints test accuracy per round, attacks each run (feature inversion, "
+                                      "label inference) and writes the audit's summary.json and report. Rerun with "
+                                      "the same --out to continue an interrupted demo.")
+    demo.add_argument("--out", type=Path, default=None, help="folder of the demo's audit (default: runs/demo-TIME)")
     demo.add_argument("--rounds", type=int, default=3, help="rounds per method (default: 3)")
     demo.add_argument("--train-samples", type=int, default=1500, help="training images used (default: 1500)")
     demo.add_argument("--test-samples", type=int, default=500, help="test images used (default: 500)")
     demo.add_argument("--attack-steps", type=int, default=1000,
-                      help="then attack the EFTViT run's uploaded features with the inversion decoder trained for "
-                           "this many steps and write its report.html (0: skip) (default: 1000)")
+                      help="attack the uploaded features with the inversion decoder trained for this many steps "
+                           "(0: skip the inversion attack) (default: 1000)")
     demo.add_argument("--lpips-backend", choices=LPIPS_BACKENDS, default="auto",
                       help="LPIPS network of the audit: lpips-alex (standard, needs the AlexNet weights), "
                            "stlpips-alex (shift-tolerant, ships its weights, works offline) or auto (the first "
                            "that loads) (default: auto)")
+
+    audit = sub.add_parser("audit", parents=[logs], help="train a grid of configurations, attack every run, compare",
+                           description="Trains every configuration of AUDIT.toml (reusing finished runs of the same "
+                                       "configuration and code), runs every attack of the file on each run and "
+                                       "writes OUT/summary.json, report.html and report.md. Interrupted, it "
+                                       "continues where it stopped when run again. Format: docs/audit.md.")
+    audit.add_argument("audit_file", type=Path, metavar="AUDIT.toml", help="the audit file (see experiments/*.toml)")
+    audit.add_argument("--out", type=Path, default=None,
+                       help="folder of the audit's runs, reports and summary (default: audits/<file name>)")
+    audit.add_argument("--gate", action="append", default=[], metavar="EXPR",
+                       help="privacy gate, e.g. 'invert.psnr_kept < 18' (FAMILY-or-ATTACK.FIGURE OP NUMBER, OP one "
+                            "of < <= > >=): exit 1 naming each configuration and figure where it does not hold; "
+                            "repeat for several")
+    audit.add_argument("--shard", metavar="I/N",
+                       help="train and attack only configurations I, I+N, I+2N, ... of the sorted ids (1 <= I <= N), "
+                            "to spread an audit over N machines; a later run without --shard over the same --out "
+                            "merges their results and runs what is missing")
+    audit.add_argument("--key", type=Path, metavar="KEYFILE",
+                       help="at-rest key for the attacks (default: the [train] encrypt_at_rest key file)")
 
     add_pretrain_parser(sub)
     add_attack_parser(sub)
@@ -260,7 +287,7 @@ def config_from_args(args: argparse.Namespace) -> TrainConfig:
 
 def prepare(cfg: TrainConfig) -> None:
     """Fail fast, before any process starts: the data loads and the model (and checkpoint) fits."""
-    from eftguard.federation.client import client_partition, participation, run_dataset
+    from eftguard.federation.client import client_partition, feature_share, participation, run_dataset
     from eftguard.model import build_model
 
     dataset = run_dataset(cfg.dataset, cfg.data_dir, cfg.model, cfg.train_samples, cfg.test_samples, cfg.seed)
@@ -277,10 +304,12 @@ def prepare(cfg: TrainConfig) -> None:
             try:
                 if rounds:
                     check_feasible(cfg.dp_eps, cfg.dp_delta, cfg.accountant, len(part), cfg.batch_size,
-                                   cfg.local_epochs, rounds)
+                                   cfg.local_epochs, rounds,
+                                   feature_share(cfg))
             except PrivacyBudgetError as exc:
                 raise ConfigError(f"client {k} ({len(part)} samples, {len(rounds)} rounds): {exc}") from None
-    build_model(cfg.model, dataset.num_classes, cfg.local_layers, cfg.pretrained, cfg.checkpoint or None, cfg.seed)
+    build_model(cfg.model, dataset.num_classes, cfg.local_layers, cfg.pretrained, cfg.checkpoint or None, cfg.seed,
+                method_spec(cfg.method).model_adapter(cfg))
 
 
 def undo_new_run(run_dir: Path):
@@ -347,6 +376,24 @@ def check_key_file(cfg: TrainConfig) -> None:
                           "new key can be created there: create the folder, or give an existing key file")
 
 
+def create_run(run_dir: Path, cfg: TrainConfig):
+    """Everything before a new run's first round (eftguard train and audit): refuse a used folder, check the
+    at-rest key, load the data and build the model, then create the run. Returns undo_new_run's undo."""
+    check_new_run_path(run_dir)
+    if cfg.encrypt_at_rest:
+        cfg.encrypt_at_rest = str(Path(cfg.encrypt_at_rest).resolve())
+        check_key_file(cfg)
+    prepare(cfg)
+    if cfg.encrypt_at_rest and not Path(cfg.encrypt_at_rest).exists():
+        from defenses.at_rest import create_key
+        create_key(Path(cfg.encrypt_at_rest))
+        print(f"created a new at-rest key in {cfg.encrypt_at_rest}: keep it, the uploads cannot be read "
+              "without it", file=sys.stderr)
+    undo = undo_new_run(run_dir)
+    RunDirectory.create(run_dir, cfg)
+    return undo
+
+
 def cmd_train(args: argparse.Namespace) -> None:
     if args.resume:
         run = RunDirectory.open(args.resume)
@@ -371,19 +418,8 @@ def cmd_train(args: argparse.Namespace) -> None:
     else:
         cfg = config_from_args(args)
         run_dir = args.out or Path("runs") / (args.name or f"{cfg.method}-{time.strftime('%Y%m%d-%H%M%S')}")
-        check_new_run_path(run_dir)
         check_train_flags(args, cfg)
-        if cfg.encrypt_at_rest:
-            cfg.encrypt_at_rest = str(Path(cfg.encrypt_at_rest).resolve())
-            check_key_file(cfg)
-        prepare(cfg)
-        if cfg.encrypt_at_rest and not Path(cfg.encrypt_at_rest).exists():
-            from defenses.at_rest import create_key
-            create_key(Path(cfg.encrypt_at_rest))
-            print(f"created a new at-rest key in {cfg.encrypt_at_rest}: keep it, the uploads cannot be read "
-                  "without it", file=sys.stderr)
-        undo = undo_new_run(run_dir)
-        RunDirectory.create(run_dir, cfg)
+        undo = create_run(run_dir, cfg)
     print(f"run directory: {run_dir}", file=sys.stderr)
     print(f"data: {cfg.dataset}, {cfg.train_samples or 'all'} training images over {cfg.clients} clients "
           f"(--train-samples), {cfg.test_samples or 'all'} test images (--test-samples)", file=sys.stderr)
@@ -399,47 +435,48 @@ def summarize(run_dir: Path) -> list[dict]:
     return records
 
 
+DEMO_METHODS = {"eftvit": "r_m {mask_ratio}, M {local_layers}", "fedavg": "Fed-Full"}  # method -> column note
+
+
+def demo_audit(args: argparse.Namespace):
+    """The demo as an audit: EFTViT against the Fed-Full reference on photos at the demo's sizes, the inversion
+    and label attacks."""
+    from eftguard.audit.grid import parse_audit
+
+    attacks = [{"family": "labels"}]
+    if args.attack_steps > 0:
+        attacks.insert(0, {"family": "invert", "method": "decoder", "steps": args.attack_steps, "max_images": 32,
+                           "lpips_backend": args.lpips_backend})
+    return parse_audit({"title": "demo: EFTViT vs Fed-Full on the bundled photos",
+                        "train": {"rounds": args.rounds, "train_samples": args.train_samples,
+                                  "test_samples": args.test_samples},
+                        "grid": {"method": list(DEMO_METHODS)}, "attack": attacks}, "eftguard demo")
+
+
 def cmd_demo(args: argparse.Namespace) -> None:
     from rich.console import Console
     from rich.table import Table
 
-    out = args.out or Path("runs") / f"demo-{time.strftime('%Y%m%d-%H%M%S')}"
-    for method in METHODS:
-        check_new_run_path(out / method)
-    results, seconds = {}, {}
-    for method in METHODS:
-        cfg = TrainConfig(method=method, rounds=args.rounds, train_samples=args.train_samples,
-                          test_samples=args.test_samples).resolved()
-        prepare(cfg)
-        run_dir = out / method
-        undo = undo_new_run(run_dir)
-        RunDirectory.create(run_dir, cfg)
-        print(f"{method}: training {cfg.rounds} rounds, {cfg.clients} clients, beta {cfg.beta} -> {run_dir}",
-              file=sys.stderr)
-        start = time.perf_counter()
-        train_run(run_dir, args.verbose, undo=undo)
-        seconds[method] = time.perf_counter() - start
-        results[method] = RunDirectory.open(run_dir).metrics()
-    table = Table(title=f"photos, 8 clients, beta 0.1, {args.train_samples or 'all'} training images: "
-                        f"test accuracy per round ({out})")
-    table.add_column("round")
-    for method in METHODS:
-        table.add_column(f"{method}" + (" (r_m 0.75, M 2)" if method == "eftvit" else " (Fed-Full)"))
-    for index in range(args.rounds):
-        table.add_row(str(index + 1), *[f"{results[m][index]['test_accuracy']:.3f}" for m in METHODS])
-    table.add_row("wall s", *[f"{seconds[m]:.0f}" for m in METHODS])
-    table.add_row("client s/epoch", *[f"{_mean_epoch_seconds(results[m]):.2f}" for m in METHODS])
-    Console().print(table)
-    if args.attack_steps > 0:  # audit the EFTViT run: what do its uploaded features give away?
-        from eftguard.attack_cli import print_summary, stage_progress
-        from eftguard.audit import run_attack
+    from eftguard.audit.grid import print_summary, run_audit
 
-        eftvit_run = out / "eftvit"
-        with stage_progress() as progress:
-            report = run_attack(eftvit_run, "invert", steps=args.attack_steps, max_images=32,
-                                lpips_backend=args.lpips_backend, out=eftvit_run / "reports", progress=progress)
-        print_summary(report.to_json(), eftvit_run / "reports" / report.attack)
-        cmd_report(build_parser().parse_args(["report", str(eftvit_run)]))
+    audit = demo_audit(args)
+    out = args.out or Path("runs") / f"demo-{time.strftime('%Y%m%d-%H%M%S')}"
+    summary = run_audit(audit, out, verbose=args.verbose)
+    trained = {c["varied"]["method"]: c for c in summary["configurations"] if c["train_seconds"] is not None}
+    results = {method: RunDirectory.open(out / c["run"]).metrics() for method, c in trained.items()}
+    cfg = audit.defaults
+    table = Table(title=f"photos, {cfg.clients} clients, beta {cfg.beta}, {args.train_samples or 'all'} training "
+                        f"images: test accuracy per round ({out})")
+    table.add_column("round")
+    for method in results:
+        table.add_column(f"{method} ({DEMO_METHODS[method].format(**dataclasses.asdict(cfg))})")
+    for index in range(args.rounds):
+        table.add_row(str(index + 1), *[f"{records[index]['test_accuracy']:.3f}" for records in results.values()])
+    table.add_row("wall s", *[f"{trained[m]['train_seconds']:.0f}" for m in results])
+    table.add_row("client s/epoch", *[f"{_mean_epoch_seconds(records):.2f}" for records in results.values()])
+    Console().print(table)
+    print_summary(summary)
+    exit_on_problems(summary)
 
 
 def _mean_epoch_seconds(records: list[dict]) -> float:
@@ -486,6 +523,35 @@ def cmd_pretrain(args: argparse.Namespace) -> None:
     print(summary + f". Start federated training from it (a lower learning rate keeps more of what it learnt): "
                     f"eftguard train --dataset {args.dataset} --model {args.model} --checkpoint {args.out} "
                     "--lr 1e-4 --server-lr 1e-4")
+
+
+def cmd_audit(args: argparse.Namespace) -> None:
+    from eftguard.audit.gate import parse_gate
+    from eftguard.audit.grid import parse_shard, print_summary, read_audit, run_audit
+
+    gates = [parse_gate(text) for text in args.gate]
+    shard = parse_shard(args.shard) if args.shard is not None else None
+    if args.key is not None and not args.key.is_file():
+        raise ConfigError(f"--key {args.key} is not a file: give the key file the runs were encrypted with")
+    audit = read_audit(args.audit_file)
+    out = args.out or Path("audits") / args.audit_file.stem
+    blocked = next((p for p in (out, *out.parents) if p.exists() and not p.is_dir()), None)
+    if blocked is not None:
+        raise ConfigError(f"--out {out}: {blocked} is a file: give a folder for the audit")
+    summary = run_audit(audit, out, gates, shard, args.key, args.verbose)
+    print_summary(summary)
+    exit_on_problems(summary)
+
+
+def exit_on_problems(summary: dict) -> None:
+    """Exit 1 naming every failed configuration and every gate crossing."""
+    from eftguard.audit.grid import problems
+
+    found = problems(summary)
+    for line in found:
+        print(f"eftguard: {line}", file=sys.stderr)
+    if found:
+        raise SystemExit(1)
 
 
 def cmd_certs(args: argparse.Namespace) -> None:
@@ -542,7 +608,7 @@ def main(argv: list[str] | None = None) -> None:
     try:
         commands = {"train": cmd_train, "demo": cmd_demo, "certs": cmd_certs, "superlink": cmd_superlink,
                     "supernode": cmd_supernode, "node-key": cmd_node_key, "register-node": cmd_register_node,
-                    "attack": cmd_attack, "report": cmd_report, "pretrain": cmd_pretrain}
+                    "attack": cmd_attack, "report": cmd_report, "audit": cmd_audit, "pretrain": cmd_pretrain}
         commands[args.command](args)
     except USER_ERRORS as exc:
         print(f"eftguard: error: {exc}", file=sys.stderr)

@@ -34,12 +34,14 @@ class TrainConfig:
     checkpoint: str = ""
     method: str = "eftvit"
     mask_ratio: float = 0.75
+    prompt_tokens: int = 10  # fed-prompt's learned tokens
+    lora_rank: int = 8  # fed-lora's rank r of the factors B (out x r) and A (r x in)
     local_layers: int = 2
     clients: int = 8
     clients_per_round: int = 0  # 0: all clients
     rounds: int = 5
     local_epochs: int = 1
-    server_epochs: int = 1
+    server_epochs: int = 1  # 0: theta is never trained on the uploaded features (a baseline)
     batch_size: int = 64
     lr: float = 1e-3
     server_lr: float = 1e-3
@@ -58,6 +60,7 @@ class TrainConfig:
     dp_delta: float = 0.0  # 0: 1 / (10 n_k) per client
     max_grad_norm: float = 1.0
     accountant: str = "prv"
+    dp_feature_share: float = 0.5  # fraction of dp_eps for the feature channel (methods that upload features)
     feature_noise: float = 0.0
     feature_clip: float = 0.0  # 0: uploaded features are neither clipped nor noised
 
@@ -96,6 +99,13 @@ class TrainConfig:
         if self.dp_eps > 0 and not method.dp_sgd:
             private = ", ".join(m.name for m in methods_with("dp_sgd"))
             raise ConfigError(f"--dp-eps: --method {method.name} has no DP-SGD (methods with DP-SGD: {private})")
+        if self.dp_eps > 0 and method.uploads_features:
+            if not 0 < self.dp_feature_share < 1:
+                raise ConfigError(f"--dp-feature-share must be in (0, 1) (the feature channel's fraction of "
+                                  f"--dp-eps), got {self.dp_feature_share}")
+            if self.feature_noise > 0:
+                raise ConfigError("--feature-noise: with --dp-eps the feature noise is calibrated to the budget; "
+                                  "drop --feature-noise (--feature-clip sets the clipping norm)")
         if self.feature_noise < 0 or self.feature_clip < 0:
             raise ConfigError("--feature-noise and --feature-clip must be >= 0")
         if self.feature_noise > 0 and self.feature_clip == 0:
@@ -105,13 +115,14 @@ class TrainConfig:
             raise ConfigError(f"--feature-clip/--feature-noise apply to uploaded features; --method {method.name} "
                               f"uploads none (methods that do: {uploading})")
         positive = {"clients": self.clients, "rounds": self.rounds, "local_epochs": self.local_epochs,
-                    "server_epochs": self.server_epochs, "batch_size": self.batch_size, "lr": self.lr,
+                    "batch_size": self.batch_size, "lr": self.lr,
                     "server_lr": self.server_lr, "beta": self.beta, "cpus_per_client": self.cpus_per_client,
-                    "round_timeout": self.round_timeout, "max_grad_norm": self.max_grad_norm}
+                    "round_timeout": self.round_timeout, "max_grad_norm": self.max_grad_norm,
+                    "prompt_tokens": self.prompt_tokens, "lora_rank": self.lora_rank}
         for name, value in positive.items():
             if value <= 0:
                 raise ConfigError(f"--{name.replace('_', '-')} must be > 0, got {value}")
-        for name in ("train_samples", "test_samples", "weight_decay", "seed"):
+        for name in ("train_samples", "test_samples", "weight_decay", "seed", "server_epochs"):
             if getattr(self, name) < 0:
                 raise ConfigError(f"--{name.replace('_', '-')} must be >= 0, got {getattr(self, name)}")
         if not 1 <= self.clients_per_round <= self.clients:

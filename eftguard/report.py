@@ -3,7 +3,7 @@ report.json gathering every attack report of a run with its configuration and ac
 report (report.html, report.md over the configurations of an `eftguard audit`). Both lead with the verdict
 (eftguard/verdict.py); docs/reports.md says how to read them.
 
-report.json (docs/attacks.md): "metrics", "baseline" and (image attacks) "metrics_kept" hold
+report.json (docs/report-schema.md): "metrics", "baseline" and (image attacks) "metrics_kept" hold
 {"mean", "std", "n"} per metric; every other group of that shape is shown beside them.
 
 A report folder may hold files anyone could have edited, so every report.json is checked before use (a malformed
@@ -39,8 +39,9 @@ GROUP_TITLES = {
     "baseline_blur": "blurred kept patches",
 }
 LOWER_IS_BETTER = {"lpips", "l1", "js"}
-DP_SCOPE = ("DP-SGD, when on, covers the uploaded parameters (local module and head) only, not the uploaded "
-            "patch features, which are a direct function of the client's images.")
+DP_SCOPE = ("--dp-eps, when on, bounds everything a client uploads (parameters by DP-SGD; patch features, their "
+            "labels and row counts by a Gaussian release) by (epsilon, delta) per client over the run "
+            "(docs/dp.md); without it, the uploaded patch features are a direct function of the client's images.")
 
 
 def format_stat(stat: dict | None) -> str:

@@ -1,4 +1,4 @@
-"""The run directory: the contract between training and the attacks (see DESIGN.md).
+"""The run directory: the contract between training and the attacks (docs/run-directory.md).
 
     config.toml, manifest.json, metrics.jsonl, checkpoints/round-NNNN.safetensors,
     observed/round-NNNN/client-KK/{update,features}.safetensors   what the server received
@@ -357,11 +357,13 @@ class RunDirectory:
     def start_model(self, round_number: int):
         """The model the clients of round t started from (checkpoints/round-(t-1)), in eval mode: the
         public weights every attack of that round works with."""
+        from eftguard.methods import method_spec
         from eftguard.model import build_model
 
         cfg = self.config()
         state = self.load_checkpoint(round_number - 1)
-        model = build_model(cfg.model, int(state["head.weight"].shape[0]), cfg.local_layers, seed=cfg.seed)
+        model = build_model(cfg.model, int(state["head.weight"].shape[0]), cfg.local_layers, seed=cfg.seed,
+                            adapt=method_spec(cfg.method).model_adapter(cfg))
         model.load_state_dict(state)
         return model.eval()
 

@@ -15,6 +15,7 @@ from eftguard.figures import figure_direction, figures_of
 LOW, MEDIUM, HIGH = "low", "medium", "high"
 NOT_AUDITED = "not audited"
 NOT_SCORED = "not scored"  # attacks of the channel ran, but none left a finite headline figure and baseline
+NOT_APPLICABLE = "not applicable"  # the run's method sends nothing on this channel (e.g. no features under fedavg)
 
 
 @dataclass(frozen=True)
@@ -84,7 +85,7 @@ CHANNELS = (
 class ChannelVerdict:
     channel: str                  # "uploaded features" | "parameter updates" | "labels"
     family: str                   # "invert" | "gradient" | "labels"
-    level: str                    # LOW | MEDIUM | HIGH | NOT_AUDITED | NOT_SCORED
+    level: str                    # LOW | MEDIUM | HIGH | NOT_AUDITED | NOT_SCORED | NOT_APPLICABLE
     attack: str | None = None     # the strongest attack of the family, None when not audited or not scored
     figure: str | None = None
     value: float | None = None
@@ -96,6 +97,8 @@ class ChannelVerdict:
         """The headline as a reader gets it: "kept patches recovered: 25.8 dB vs 11.7 dB for the mean image"."""
         if self.level == NOT_AUDITED:
             return f"no {self.family} attack was run"
+        if self.level == NOT_APPLICABLE:
+            return f"the run sends nothing that the {self.family} attacks read"
         if self.level == NOT_SCORED:
             return f"the {self.family} attacks left no finite figure and baseline"
         h, digits = self.headline, 1 if self.headline.unit else 3
@@ -151,15 +154,23 @@ def verdict(reports: list) -> list[ChannelVerdict]:
 
 
 def verdict_of_attacks(attacks: dict) -> list[ChannelVerdict]:
-    """One verdict per channel from {attack name: {"family", "figures"}}, the shape of a configuration's
-    "attacks" in an audit's summary.json."""
-    return [channel_verdict(channel, figures_of_family(attacks, channel.family)) for channel in CHANNELS]
+    """One verdict per channel from {attack name: {"family", "figures", "status"}}, the shape of a configuration's
+    "attacks" in an audit's summary.json (a missing status means done, as in a run's own reports)."""
+    verdicts = []
+    for channel in CHANNELS:
+        entries = {str(name): a for name, a in attacks.items() if isinstance(a, dict) and a.get("family") == channel.family}
+        if entries and all(a.get("status") == "not applicable" for a in entries.values()):
+            verdicts.append(ChannelVerdict(channel.name, channel.family, NOT_APPLICABLE))
+            continue
+        verdicts.append(channel_verdict(channel, figures_of_family(entries, channel.family), bool(entries)))
+    return verdicts
 
 
 def figures_of_family(attacks: dict, family: str) -> dict:
-    """{attack name: figures} of the attacks of one family in {attack name: {"family", "figures"}}."""
+    """{attack name: figures} of the finished attacks of one family in {attack name: {"family", "figures",
+    "status"}}."""
     return {str(name): a.get("figures") or {} for name, a in attacks.items()
-            if isinstance(a, dict) and a.get("family") == family}
+            if isinstance(a, dict) and a.get("family") == family and a.get("status", "done") == "done"}
 
 
 def strongest(figures_of: dict, headline: Headline) -> tuple[str, float, float] | None:
@@ -173,8 +184,9 @@ def strongest(figures_of: dict, headline: Headline) -> tuple[str, float, float] 
     return name, float(scored[name][headline.figure]), float(scored[name][headline.baseline])
 
 
-def channel_verdict(channel: Channel, figures_of: dict) -> ChannelVerdict:
-    if not figures_of:
+def channel_verdict(channel: Channel, figures_of: dict, attempted: bool) -> ChannelVerdict:
+    """figures_of: {attack name: figures} of the family's finished attacks; attempted: whether any was run."""
+    if not attempted:
         return ChannelVerdict(channel.name, channel.family, NOT_AUDITED)
     for headline in channel.headlines:
         found = strongest(figures_of, headline)

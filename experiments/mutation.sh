@@ -1,8 +1,9 @@
 #!/usr/bin/env bash
 # Mutation check of eftguard's core (issue 16): mutmut 3.x, one module at a time, each against its own fast tests.
 #
-#   bash experiments/mutation.sh                # every core module, in the order below
+#   bash experiments/mutation.sh                # every core module, in the order below (not "rounds")
 #   bash experiments/mutation.sh sampling dp    # only these
+#   MUTANTS="NAME ..." bash experiments/mutation.sh rounds   # only these mutants (mutmut's names) of a module
 #
 # Each module is mutated in a scratch copy of the working tree (mutation-work/NAME, git-ignored), so the
 # checkout is never touched and the per-module mutmut config lives only there. One worker, one thread:
@@ -15,7 +16,7 @@ cd "$(git rev-parse --show-toplevel)"
 export OMP_NUM_THREADS=1 HF_HUB_OFFLINE=1 FLWR_TELEMETRY_ENABLED=0 FLWR_DISABLE_UPDATE_CHECK=1
 unset PYTHONPATH  # mutmut puts its mutated copy first on sys.path; nothing may shadow it
 
-# name | file to mutate | its own fast tests (pytest arguments, -m "not slow" is always added)
+# name | file to mutate | its own fast tests (pytest arguments or node ids, -m "not slow" is always added)
 MODULES=(
   "sampling|eftguard/sampling.py|tests/test_sampling.py tests/test_core_pins.py"
   "masking|eftguard/masking.py|tests/test_masking.py tests/test_core_pins.py"
@@ -25,6 +26,19 @@ MODULES=(
   "training|eftguard/training.py|tests/test_core_pins.py tests/test_model.py tests/test_dp.py tests/test_sampling.py --deselect=tests/test_model.py::test_paper_preset_splits_like_timm"
   "validation|eftguard/federation/validation.py|tests/test_validation.py tests/test_core_pins.py"
   "dp|defenses/dp.py|tests/test_dp.py tests/test_core_pins.py"
+  "ledger|defenses/ledger.py|tests/test_ledger_pins.py tests/test_ledger.py::test_ledger_of_another_run_or_partition_is_not_accepted tests/test_ledger.py::test_composition_of_equal_rounds_equals_one_long_run"
+  "at_rest|defenses/at_rest.py|tests/test_security_pins.py"
+  "node_auth|defenses/node_auth.py|tests/test_security_pins.py"
+  "tls|defenses/tls.py|tests/test_security_pins.py"
+  "records|eftguard/federation/records.py|tests/test_server_units.py --deselect=tests/test_server_units.py::test_round_record_reports_the_clients_weighted_mean_loss_and_their_counts tests/test_hostile_replies.py::test_every_hostile_reply_is_rejected_with_a_reason_and_the_honest_one_passes"
+  "server|eftguard/federation/server.py|tests/test_server_units.py --deselect=tests/test_server_units.py::test_round_record_reports_the_clients_weighted_mean_loss_and_their_counts tests/test_hostile_replies.py::test_every_hostile_reply_is_rejected_with_a_reason_and_the_honest_one_passes tests/test_server.py::test_the_average_is_loaded_with_strict_keys"
+  "client|eftguard/federation/client.py|tests/test_client_units.py"
+  "apps|eftguard/federation/apps.py|tests/test_apps_units.py"
+  "fleet_gateway|eftguard/federation/fleet_gateway.py|tests/test_gateway_units.py tests/test_deployment.py::test_fleet_gateway_forwards_only_fleet_calls"
+  "deployment|eftguard/federation/deployment.py|tests/test_deployment_units.py tests/test_deployment.py"
+  # server.py's rounds (run_round, serve_rounds) against whole one-round runs: 30-90 s per mutant under load, so run
+  # it on a sample: MUTANTS="eftguard.federation.server.x_run_round__mutmut_9 ..." bash experiments/mutation.sh rounds
+  "rounds|eftguard/federation/server.py|tests/test_server.py::test_fedavg_method_checkpoint_is_the_weighted_average_of_whole_models tests/test_server.py::test_checkpoint_holds_the_fedavg_of_the_uploads_and_a_trained_global_module tests/test_ledger.py::test_dp_run_records_the_clients_own_spend_and_drops_a_client_without_dp tests/test_server_units.py::test_round_record_reports_the_clients_weighted_mean_loss_and_their_counts"
 )
 
 command -v mutmut >/dev/null || { echo "mutation.sh: error: mutmut is not installed: pip install 'mutmut>=3.8,<4'" >&2; exit 2; }
@@ -32,6 +46,7 @@ wanted=("$@")
 for entry in "${MODULES[@]}"; do
   IFS='|' read -r name file tests <<<"$entry"
   if ((${#wanted[@]})) && [[ " ${wanted[*]} " != *" $name "* ]]; then continue; fi
+  if ((${#wanted[@]} == 0)) && [[ $name == rounds ]]; then continue; fi  # hours: only when named
   work="mutation-work/$name"
   rm -rf "$work" && mkdir -p "$work"
   git ls-files -co --exclude-standard -z eftguard defenses attacks tests pyproject.toml | xargs -0 cp --parents -t "$work"
@@ -39,10 +54,10 @@ for entry in "${MODULES[@]}"; do
     printf '[mutmut]\nsource_paths =\n    eftguard\n    defenses\n    attacks\nonly_mutate = %s\n' "$file"
     printf 'pytest_add_cli_args =\n    -q\n    -p\n    no:cacheprovider\n    -m\n    not slow\n'
     printf 'pytest_add_cli_args_test_selection =\n'
-    for t in $tests; do [[ -e $t || $t == -* ]] && printf "    %s\n" "$t"; done
+    for t in $tests; do [[ -e ${t%%::*} || $t == -* ]] && printf "    %s\n" "$t"; done
   } >"$work/setup.cfg"
   start=$SECONDS
-  (cd "$work" && mutmut run --max-children 1 >run.log 2>&1) || { echo "$name: mutmut failed, see $work/run.log" >&2; continue; }
+  (cd "$work" && mutmut run --max-children 1 ${MUTANTS:-} >run.log 2>&1) || { echo "$name: mutmut failed, see $work/run.log" >&2; continue; }
   (
     cd "$work"
     mutmut results >results.txt 2>&1

@@ -12,8 +12,10 @@ from pathlib import Path
 
 
 def functions(path: Path) -> dict[str, str]:
+    """Each function's source by name (line slices: ast.get_source_segment re-splits the file on every call)."""
     source = path.read_text()
-    return {node.name: ast.get_source_segment(source, node) for node in ast.walk(ast.parse(source))
+    lines = source.splitlines()
+    return {node.name: "\n".join(lines[node.lineno - 1:node.end_lineno]) for node in ast.walk(ast.parse(source))
             if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef))}
 
 

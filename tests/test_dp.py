@@ -149,7 +149,7 @@ DP_CFG = TrainConfig(clients=2, rounds=1, train_samples=100, batch_size=16, dp_e
 
 @pytest.fixture(scope="module")
 def dp_round():
-    """(noise multiplier of client 0, initial state) for DP_CFG."""
+    """(DP-SGD noise multiplier of client 0, initial state) for DP_CFG."""
     n = len(client_partition("photos", "", DP_CFG.model, 100, 0, 2, DP_CFG.beta)[0])
     return (dp_budget(DP_CFG, 0, n, DP_CFG.rounds).noise_multiplier,
             {k: v.numpy() for k, v in build_model(DP_CFG.model, 10, 2).state_dict().items()})
@@ -159,7 +159,10 @@ RUN_ID = "0123456789abcdef0123456789abcdef"
 
 
 def dp_settings(sigma, round_number=1, cfg=DP_CFG):
-    return ClientSettings.from_config(cfg, round_number, sigma, RUN_ID)
+    """The settings of a DP round with DP-SGD noise sigma and the feature channel's calibrated noise."""
+    n = len(client_partition("photos", "", cfg.model, cfg.train_samples, cfg.seed, cfg.clients, cfg.beta)[0])
+    feature_sigma = dp_budget(cfg, 0, n, cfg.rounds, noise_multiplier=sigma).feature_noise_multiplier
+    return ClientSettings.from_config(cfg, round_number, sigma, RUN_ID, feature_sigma)
 
 
 def test_node_secret_changes_the_noise_reproducibly(dp_round, tmp_path):
@@ -173,12 +176,12 @@ def test_node_secret_changes_the_noise_reproducibly(dp_round, tmp_path):
 def test_client_refuses_a_round_past_its_budget(dp_round, tmp_path):
     sigma, state = dp_round
     ledger = PrivacyLedger(tmp_path, 0)
-    with pytest.raises(PrivacyBudgetError, match="round 1 with noise multiplier .* > its budget 3"):
+    with pytest.raises(PrivacyBudgetError, match="round 1 with noise multiplier .* its budget 3"):
         client_round(dp_settings(sigma / 2), state, 0, 2, ledger=ledger)  # a server sending too little noise
     client_round(dp_settings(sigma), state, 0, 2, ledger=ledger)
-    with pytest.raises(PrivacyBudgetError, match="round 2 .* > its budget 3"):
+    with pytest.raises(PrivacyBudgetError, match="round 2 .* its budget 3"):
         client_round(dp_settings(sigma, 2), state, 0, 2, ledger=ledger)  # one round more than planned
-    assert [s.round for s in ledger.read(RUN_ID)[1]] == [1]
+    assert [(s.round, s.channel) for s in ledger.read(RUN_ID)[1]] == [(1, "parameters"), (1, "features")]
 
 
 def test_dp_round_needs_the_ledger(dp_round):
@@ -206,7 +209,8 @@ def test_dp_client_really_trains_through_opacus_with_the_sent_noise(dp_round, tm
     report = private.dp_report
     assert (report["dp-noise-multiplier"], report["dp-steps"]) == (sigma, steps)
     assert report["dp-sample-rate"] == pytest.approx(DP_CFG.batch_size / n)
-    assert 2.5 < report["dp-epsilon-spent"] <= DP_CFG.dp_eps  # the whole budget of the run's one round
+    share = DP_CFG.dp_eps * (1 - DP_CFG.dp_feature_share)  # the parameter channel's whole budget in one round
+    assert 0.9 * share < report["dp-epsilon-parameters"] <= share < report["dp-epsilon-spent"] <= DP_CFG.dp_eps
 
     plain_cfg = TrainConfig(**{**DP_CFG.__dict__, "dp_eps": 0.0}).resolved()
     plain = client_round(ClientSettings.from_config(plain_cfg, 1, 0.0, RUN_ID), state, 0, 2)

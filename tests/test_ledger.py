@@ -1,6 +1,7 @@
 """The node's privacy ledger, tried as a curious or malicious server would: through the real ClientApp over the
 in-process grid, with settings the server chose. The node refuses, and its ledger file shows the true spend."""
 
+import functools
 import json
 import math
 
@@ -37,6 +38,16 @@ def honest():
     return n, dp_budget(CFG, 0, n, CFG.rounds).noise_multiplier, to_record(model.state_dict())
 
 
+@functools.lru_cache
+def honest_feature_noise(dp_eps: float) -> float:
+    """The feature channel's noise an honest server sends client 0 for CFG with dp_eps (0 without DP)."""
+    if not 0 < dp_eps < math.inf:
+        return 0.0
+    cfg = TrainConfig(**{**CFG.__dict__, "dp_eps": dp_eps})
+    n = len(client_partition("photos", "", cfg.model, cfg.train_samples, cfg.seed, cfg.clients, cfg.beta)[0])
+    return dp_budget(cfg, 0, n, cfg.rounds, noise_multiplier=1.0).feature_noise_multiplier
+
+
 class MaliciousServer:
     """Sends client 0 (node 100) whatever train settings it likes, for one run id."""
 
@@ -45,8 +56,10 @@ class MaliciousServer:
         self.grid = FakeGrid(2, node_config={"ledger-dir": str(ledger_dir), **node_config})
 
     def train(self, round_number, sigma, **changes):
+        """A round with DP-SGD noise sigma; the feature channel gets the noise calibrated for the settings."""
         cfg = TrainConfig(**{**CFG.__dict__, **changes})
-        settings = ClientSettings.from_config(cfg, round_number, sigma, self.run_id).to_record()
+        settings = ClientSettings.from_config(cfg, round_number, sigma, self.run_id,
+                                              honest_feature_noise(cfg.dp_eps)).to_record()
         msg = Message(RecordDict({"model": self.model_record, "settings": settings}), 100, MessageType.TRAIN)
         (reply,) = self.grid.send_and_receive([msg])
         return reply
@@ -54,6 +67,14 @@ class MaliciousServer:
 
 def ledger_file(ledger_dir, run_id=RUN_ID, partition=0):
     return json.loads((ledger_dir / f"{run_id}-client-{partition:02d}.json").read_text())
+
+
+def recorded_rounds(record):
+    """The rounds a ledger file records, once per round (each DP round records both channels)."""
+    rounds = [e["spend"]["round"] for e in record["entries"]]
+    assert rounds[::2] == rounds[1::2] and [e["spend"]["channel"] for e in record["entries"]] == [
+        "parameters", "features"] * (len(rounds) // 2)
+    return rounds[::2]
 
 
 def refused(reply, reason):
@@ -69,13 +90,18 @@ def test_resent_round_is_spent_again_with_fresh_noise(honest, tmp_path):
     assert not first.has_error() and not again.has_error()
     key = "head.weight"
     assert not np.array_equal(first.content["update"][key].numpy(), again.content["update"][key].numpy())
-    assert refused(server.train(2, sigma), "> its budget 3")  # the re-sent round used round 2's budget
+    assert refused(server.train(2, sigma), "its budget 3")  # the re-sent round used round 2's budget
     record = ledger_file(tmp_path)
     steps = math.ceil(n / CFG.batch_size)
     assert [e["spend"] for e in record["entries"]] == [
-        {"round": 1, "noise_multiplier": sigma, "sample_rate": pytest.approx(CFG.batch_size / n), "steps": steps}] * 2
+        {"round": 1, "noise_multiplier": sigma, "sample_rate": pytest.approx(CFG.batch_size / n), "steps": steps,
+         "channel": "parameters"},
+        {"round": 1, "noise_multiplier": honest_feature_noise(CFG.dp_eps), "sample_rate": 1.0, "steps": 1,
+         "channel": "features"}] * 2
     spent = record["entries"][-1]["epsilon_after"]
-    assert 2.9 < spent <= 3.0 and again.content["metrics"]["dp-epsilon-spent"] == spent
+    metrics = again.content["metrics"]
+    assert 1.4 < metrics["dp-epsilon-parameters"] <= 1.5 and 1.4 < metrics["dp-epsilon-features"] <= 1.5  # shares
+    assert metrics["dp-epsilon-spent"] == spent <= 3.0
 
 
 def test_raising_dp_eps_mid_run_is_refused(honest, tmp_path):
@@ -83,17 +109,17 @@ def test_raising_dp_eps_mid_run_is_refused(honest, tmp_path):
     server = MaliciousServer(model, tmp_path)
     assert not server.train(1, sigma).has_error()
     loose = TrainConfig(**{**CFG.__dict__, "dp_eps": 30.0})
-    assert refused(server.train(2, dp_budget(loose, 0, n, 2).noise_multiplier, dp_eps=30.0), "> its budget 3")
+    assert refused(server.train(2, dp_budget(loose, 0, n, 2).noise_multiplier, dp_eps=30.0), "its budget 3")
     record = ledger_file(tmp_path)
-    assert record["terms"]["declared_epsilon"] == 3.0 and len(record["entries"]) == 1
+    assert record["terms"]["declared_epsilon"] == 3.0 and recorded_rounds(record) == [1]
 
 
 def test_lowering_the_noise_is_refused(honest, tmp_path):
     _, sigma, model = honest
     server = MaliciousServer(model, tmp_path)
     assert not server.train(1, sigma).has_error()
-    assert refused(server.train(2, sigma / 3), "> its budget 3")
-    assert len(ledger_file(tmp_path)["entries"]) == 1
+    assert refused(server.train(2, sigma / 3), "its budget 3")
+    assert recorded_rounds(ledger_file(tmp_path)) == [1]
 
 
 def test_dp_eps_zero_for_a_dp_run_is_refused(honest, tmp_path):
@@ -114,7 +140,7 @@ def test_invalid_dp_request_is_refused_not_read_as_no_dp(honest, tmp_path, chang
 def test_node_ceiling_caps_the_run_and_refuses_rounds_without_dp(honest, tmp_path):
     _, sigma, model = honest
     server = MaliciousServer(model, tmp_path, **{"max-epsilon": 1.0})
-    assert refused(server.train(1, sigma), "> its budget 1")  # sigma spends about 2.1 of the server's 3
+    assert refused(server.train(1, sigma), "its budget 1")  # sigma spends about 2.1 of the server's 3
     assert refused(server.train(1, 0.0, dp_eps=0.0), "--max-epsilon is 1.0")
     assert not list(tmp_path.glob("*.json"))
 
@@ -224,8 +250,8 @@ def test_server_resuming_after_a_client_trained_resends_the_round_and_the_client
     run_server(FakeGrid(2, node_config=nodes), run.path)
     second = run.metrics()[1]
     assert "client refuses: round 2" in second["dropped"]["0"] and set(second["epsilon"]) == {"1"}
-    assert [e["spend"]["round"] for e in ledger_file(tmp_path / "nodes", run.run_id, 0)["entries"]] == [1, 2]
-    assert [e["spend"]["round"] for e in ledger_file(tmp_path / "nodes", run.run_id, 1)["entries"]] == [1, 2]
+    assert recorded_rounds(ledger_file(tmp_path / "nodes", run.run_id, 0)) == [1, 2]
+    assert recorded_rounds(ledger_file(tmp_path / "nodes", run.run_id, 1)) == [1, 2]
 
 
 def switch_off_dp(node, reply):
@@ -239,7 +265,7 @@ def switch_off_dp(node, reply):
 
 def test_dp_run_records_the_clients_own_spend_and_drops_a_client_without_dp(tmp_path):
     run, metrics = one_round(CFG, tmp_path, tamper=switch_off_dp, node_config={"ledger-dir": str(tmp_path / "nodes")})
-    assert "does not report the DP-SGD it applied" in metrics["dropped"]["0"] and not run.upload_dir(1, 0).exists()
+    assert "does not report what it applied" in metrics["dropped"]["0"] and not run.upload_dir(1, 0).exists()
     spent = ledger_file(tmp_path / "nodes", run.run_id, 1)["entries"][-1]["epsilon_after"]
     assert metrics["epsilon"] == {"1": spent} and 0 < spent < CFG.dp_eps  # one of two calibrated rounds
     assert metrics["epsilon_server"]["1"] == pytest.approx(spent, rel=1e-9)
@@ -251,6 +277,9 @@ def test_dp_run_records_the_clients_own_spend_and_drops_a_client_without_dp(tmp_
     ({"dp-epsilon-spent": math.nan}, "outside"), ({"dp-epsilon-spent": 0.0}, "outside"),
     ({"dp-epsilon-spent": 3.5}, "outside"), ({"dp-steps": "4"}, "DP-SGD steps"),
     ({"dp-noise-multiplier": "abc"}, "does not report"),
+    ({"dp-feature-noise-multiplier": 1.5}, "feature noise multiplier 1.5, below the 2.0000 sent"),
+    ({"dp-epsilon-features": 3.5}, "outside"), ({"dp-epsilon-parameters": math.nan}, "outside"),
+    ({"dp-epsilon-features": "1.3x"}, "does not report"),
 ])
 def test_dp_report_that_claims_less_than_the_run_is_dropped(lie, reason):
     from flwr.app import ConfigRecord
@@ -259,9 +288,12 @@ def test_dp_report_that_claims_less_than_the_run_is_dropped(lie, reason):
     from eftguard.federation.records import UploadError
     from eftguard.federation.server import check_dp_report
 
-    budget = client_budget(3.0, 1e-3, "rdp", 64, 16, 1, (1,), noise_multiplier=1.0)
-    honest_report = {"dp-noise-multiplier": 1.0, "dp-sample-rate": 0.25, "dp-steps": 4, "dp-epsilon-spent": 2.0}
-    assert check_dp_report(ConfigRecord(honest_report), budget, 3.0) == 2.0
+    budget = client_budget(3.0, 1e-3, "rdp", 64, 16, 1, (1,), noise_multiplier=1.0, feature_share=0.5,
+                           feature_noise_multiplier=2.0)
+    honest_report = {"dp-noise-multiplier": 1.0, "dp-sample-rate": 0.25, "dp-steps": 4, "dp-epsilon-spent": 2.0,
+                     "dp-epsilon-parameters": 1.4, "dp-feature-noise-multiplier": 2.0, "dp-epsilon-features": 1.3}
+    assert check_dp_report(ConfigRecord(honest_report), budget, 3.0) == {"total": 2.0, "parameters": 1.4,
+                                                                         "features": 1.3}
     with pytest.raises(UploadError, match=reason):
         check_dp_report(ConfigRecord({**honest_report, **lie}), budget, 3.0)
 

@@ -106,7 +106,9 @@ def test_the_cli_refuses_dp_for_a_method_without_it_in_one_line(capsys, tmp_path
 
 
 def test_an_unknown_method_is_refused_listing_the_table():
-    with pytest.raises(ConfigError, match=r"^--method: unknown method 'fedprox', choose eftvit, fedavg$"):
+    listed = ", ".join(METHODS)
+    assert listed.startswith("eftvit, fedavg, fed-head")
+    with pytest.raises(ConfigError, match=rf"^--method: unknown method 'fedprox', choose {re.escape(listed)}$"):
         methods.method_spec("fedprox")
 
 
@@ -122,12 +124,8 @@ def test_a_server_training_method_must_upload_features():
         dataclasses.replace(HEAD_ONLY, server_trains=True)
 
 
-# Functions still branching on method names (the demo, until it runs through `eftguard audit`).
-NOT_YET_SWITCHED_FUNCTIONS = {("eftguard/cli.py", "cmd_demo")}
-
-
 def method_name_comparisons(source: str, relative: str) -> list[str]:
-    """`x == "eftvit"`, `"fedavg" != y`, `m in ("eftvit", ...)`, `case "fedavg":` outside the excepted functions."""
+    """`x == "eftvit"`, `"fedavg" != y`, `m in ("eftvit", ...)`, `case "fedavg":`."""
     found = []
 
     def visit(node, function):
@@ -139,8 +137,7 @@ def method_name_comparisons(source: str, relative: str) -> list[str]:
             literals = [c for o in operands for c in ([o] if isinstance(o, ast.Constant) else getattr(o, "elts", []))]
         elif isinstance(node, ast.MatchValue):
             literals = [node.value]
-        if any(isinstance(c, ast.Constant) and c.value in METHODS for c in literals) \
-                and (relative, function) not in NOT_YET_SWITCHED_FUNCTIONS:
+        if any(isinstance(c, ast.Constant) and c.value in METHODS for c in literals):
             found.append(f"{relative}:{node.lineno} ({function})")
         for child in ast.iter_child_nodes(node):
             visit(child, function)
@@ -153,9 +150,10 @@ def test_the_comparison_finder_sees_each_form_of_branch():
     source = ('def f(m):\n    if m == "eftvit": pass\n    if "fedavg" != m: pass\n'
               '    if m in ("x", "fedavg"): pass\n    match m:\n        case "eftvit": pass\n'
               '    return m == "decoder"\n'
-              'def cmd_demo(m):\n    return m == "eftvit"\n')
+              'def g(m):\n    return m == "fed-lora"\n')
     assert method_name_comparisons(source, "eftguard/cli.py") == [
-        "eftguard/cli.py:2 (f)", "eftguard/cli.py:3 (f)", "eftguard/cli.py:4 (f)", "eftguard/cli.py:6 (f)"]
+        "eftguard/cli.py:2 (f)", "eftguard/cli.py:3 (f)", "eftguard/cli.py:4 (f)", "eftguard/cli.py:6 (f)",
+        "eftguard/cli.py:9 (g)"]
 
 
 def test_no_module_branches_on_a_method_name():

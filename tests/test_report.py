@@ -77,6 +77,20 @@ def test_nan_and_missing_figures_are_not_scored_not_graded():
     assert verdicts["parameter updates"].level == "not audited"
 
 
+def test_audit_attacks_that_did_not_finish_are_not_graded():
+    """summary.json attacks carry a status: a channel whose attacks did not apply to the method (fedavg sends no
+    features) says so, a failed attack's stale figures are not graded."""
+    attacks = {"invert-decoder": {"family": "invert", "status": "not applicable", "reason": "a fedavg run"},
+               "gradient-analytic": {"family": "gradient", "status": "failed", "figures": {"psnr": 60.0,
+                                                                                            "baseline.psnr": 12.0}},
+               "labels-head": {"family": "labels", "status": "done", "figures": {"l1": 0.1, "baseline.l1": 0.9}}}
+    verdicts = by_channel(verdict.verdict_of_attacks(attacks))
+    assert verdicts["uploaded features"].level == "not applicable"
+    assert "sends nothing" in verdicts["uploaded features"].sentence
+    assert verdicts["parameter updates"].level == "not scored"
+    assert verdicts["labels"].level == "high"
+
+
 def test_the_strongest_attack_of_each_channel_leads():
     reports = [image_report("invert-decoder", 20.0, 12.0, 25.8, 11.7),
                image_report("invert-optimize", 19.0, 12.0, 40.6, 11.7),

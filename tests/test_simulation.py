@@ -158,6 +158,11 @@ def test_demo_compares_both_methods(tmp_path):
     assert result.returncode == 0, result.stderr[-3000:]
     assert "eftvit" in result.stdout and "fedavg" in result.stdout and "client s/epoch" in result.stdout
     assert "invert-decoder" in result.stdout  # the audit's summary table
-    assert (tmp_path / "demo" / "eftvit" / "reports" / "report.html").exists()
+    configurations = {c["id"]: c for c in json.loads((tmp_path / "demo" / "summary.json").read_text())["configurations"]}
+    assert configurations["method=eftvit"]["attacks"]["invert-decoder"]["status"] == "done"
+    assert configurations["method=fedavg"]["attacks"]["invert-decoder"]["status"] == "not applicable"
     for method in ("eftvit", "fedavg"):
-        assert json.loads((tmp_path / "demo" / method / "metrics.jsonl").read_text())["method"] == method
+        run = tmp_path / "demo" / configurations[f"method={method}"]["run"]
+        assert json.loads((run / "metrics.jsonl").read_text().splitlines()[0])["method"] == method
+    page = (tmp_path / "demo" / "report.html").read_text()
+    assert "uploaded features" in page and "not applicable" in page  # the verdict, per configuration

@@ -20,6 +20,7 @@ from pathlib import Path
 from attacks.base import AttackError, Progress, options_of, whole_number
 from eftguard.audit.families import FAMILIES, Family, Job, family_named
 from eftguard.audit.result import AttackReport
+from eftguard.methods import method_spec
 from eftguard.rundir import RunDirectory, RunError, client_name, round_name
 
 SEED = whole_number(0, 2 ** 32 - 1)
@@ -161,11 +162,17 @@ def check_intact(run: RunDirectory, round_number: int, clients: list[int]) -> No
 
 def check_round_record(run: RunDirectory, round_number: int, clients: list[int]) -> None:
     """metrics.jsonl grows every round, so the manifest cannot vouch for it: the round's record must hold what the
-    attacks read per client, n_k as a positive count and, for DP runs, a finite noise multiplier."""
+    attacks read per client, n_k as a positive count and, for DP runs, finite noise multipliers (DP-SGD's and,
+    where features are uploaded, the feature release's)."""
     record = run.metrics()[round_number - 1]
     checks = {"num_examples": lambda v: isinstance(v, int) and not isinstance(v, bool) and v > 0}
-    if run.config().dp_eps > 0:
-        checks["noise_multiplier"] = lambda v: isinstance(v, (int, float)) and math.isfinite(v) and v >= 0
+    cfg = run.config()
+    if cfg.dp_eps > 0:
+        def noise(v) -> bool:
+            return isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v) and v >= 0
+        checks["noise_multiplier"] = noise
+        if method_spec(cfg.method).uploads_features:
+            checks["feature_noise_multiplier"] = noise
     for key, valid in checks.items():
         values = record.get(key) if isinstance(record.get(key), dict) else {}
         for partition in clients:

@@ -18,6 +18,7 @@ from torch import nn
 from attacks.gradient import GradientObservation, prepare_numerics
 from attacks.inversion import ClientFeatures, RoundFeatures
 from attacks.labels import ClientUploads, LabelObservation
+from defenses.feature_dp import row_clip, sensitivity
 from eftguard.audit import scoring
 from eftguard.masking import random_keep_ids
 from eftguard.methods import method_spec
@@ -56,7 +57,21 @@ def observe_features(run: RunDirectory, round_number: int, clients: list[int], m
         observed.append(ClientFeatures(partition, torch.from_numpy(upload["features"][rows]),
                                        torch.from_numpy(upload["labels"][rows]), state,
                                        torch.from_numpy(kept) if kept is not None else None))
-    return RoundFeatures(round_number, observed, model, cfg.mask_ratio, aux, cfg.feature_clip, cfg.feature_noise), rows_of
+    return RoundFeatures(round_number, observed, model, cfg.mask_ratio, aux,
+                         *feature_release(run, round_number, clients)), rows_of
+
+
+def feature_release(run: RunDirectory, round_number: int, clients: list[int]) -> tuple[float, float, bool]:
+    """(clip, noise std in units of clip, clipped per image) of the run's feature release, all public: config.toml
+    and, under --dp-eps, the feature noise multipliers the clients applied (metrics.jsonl; the median over the
+    attacked clients, so that the attack's auxiliary features are noised like the uploads)."""
+    cfg = run.config()
+    if cfg.dp_eps <= 0:
+        return cfg.feature_clip, cfg.feature_noise, False
+    multipliers = run.metrics()[round_number - 1]["feature_noise_multiplier"]  # checked by api.check_round_record
+    sigma = float(np.median([multipliers[str(k)] for k in clients]))
+    clip = row_clip(cfg.feature_clip)
+    return clip, sigma * sensitivity(clip) / clip, True
 
 
 # --- labels: uploads, n_k and (when the threat model grants it) the start model -----------------------------

@@ -13,6 +13,7 @@ import numpy as np
 import torch
 
 from defenses.dp import DPSGD, ClientBudget, PrivacyBudgetError, client_budget
+from defenses.feature_dp import release_rows, row_clip
 from defenses.feature_noise import release_features
 from defenses.ledger import PrivacyLedger, Spend, Terms
 from eftguard.config import ACCOUNTANTS
@@ -32,7 +33,7 @@ class ClientUpload:
     features: dict[str, np.ndarray] | None  # {"features": Z_k, "labels": y_k}; None: the method uploads none
     truth: dict[str, np.ndarray]  # auditor-only ground truth
     num_examples: int
-    loss: float
+    loss: float  # the mean training loss; 0.0 under --dp-eps (a function of the private data, not noised)
     epoch_seconds: list[float]
     feature_seconds: float
     dp_report: dict[str, float | int] | None = None  # what DP-SGD applied and the ledger's spend; None without DP
@@ -55,12 +56,19 @@ def participation(cfg, partition_id: int, last_round: int) -> tuple[int, ...]:
     return tuple(r for r in range(1, last_round + 1) if partition_id in select_clients(cfg, r))
 
 
-def dp_budget(cfg, partition_id: int, num_examples: int, last_round: int,
-              noise_multiplier: float | None = None) -> ClientBudget:
-    """A client's DP-SGD budget over its rounds up to last_round (calibrated unless noise_multiplier is given).
+def feature_share(cfg) -> float:
+    """The feature channel's fraction of --dp-eps; 0 for a method that uploads no features.
     cfg: a TrainConfig or ClientSettings."""
+    return cfg.dp_feature_share if method_spec(cfg.method).uploads_features else 0.0
+
+
+def dp_budget(cfg, partition_id: int, num_examples: int, last_round: int,
+              noise_multiplier: float | None = None, feature_noise_multiplier: float | None = None) -> ClientBudget:
+    """A client's budget over its rounds up to last_round, for every channel its method uploads (calibrated
+    unless the noise is given). cfg: a TrainConfig or ClientSettings."""
     return client_budget(cfg.dp_eps, cfg.dp_delta, cfg.accountant, num_examples, cfg.batch_size, cfg.local_epochs,
-                         participation(cfg, partition_id, last_round), noise_multiplier)
+                         participation(cfg, partition_id, last_round), noise_multiplier, feature_share(cfg),
+                         feature_noise_multiplier)
 
 
 def run_dataset(dataset: str, data_dir: str, model: str, train_samples: int, test_samples: int, seed: int) -> Dataset:
@@ -76,21 +84,34 @@ def client_partition(dataset: str, data_dir: str, model: str, train_samples: int
     return dirichlet_partition(train.labels, clients, beta, seed)
 
 
-def requested_dp(s: ClientSettings, partition_id: int, num_examples: int) -> tuple[Terms, Spend] | None:
-    """The server's DP request for this round, as terms and the spend it implies for this client's own data
-    (None: no DP requested). A request that is not a valid DP configuration is refused, never read as "no DP"."""
+def requested_dp(s: ClientSettings, partition_id: int, num_examples: int) -> tuple[Terms, list[Spend]] | None:
+    """The server's DP request for this round, as terms and the spends it implies for this client's own data,
+    one per channel (None: no DP requested). A request that is not a valid DP configuration is refused, never
+    read as "no DP", and so is one that leaves an uploaded channel without noise."""
     eps, sigma, delta, clip = (_number(v) for v in (s.dp_eps, s.noise_multiplier, s.dp_delta, s.max_grad_norm))
     if eps == 0:
         return None
+    method = method_spec(s.method)
+    features = method.uploads_features
+    share, feature_sigma, feature_clip = (_number(v) for v in (s.dp_feature_share, s.feature_noise_multiplier,
+                                                               s.feature_clip))
     if not (math.isfinite(eps) and eps > 0 and math.isfinite(sigma) and sigma > 0 and 0 <= delta < 1
             and math.isfinite(clip) and clip > 0 and _number(s.batch_size) >= 1 and _number(s.local_epochs) >= 1
-            and s.accountant in ACCOUNTANTS and method_spec(s.method).dp_sgd):
-        raise PrivacyBudgetError(f"the server asks for DP-SGD with dp_eps {s.dp_eps!r}, noise multiplier "
+            and s.accountant in ACCOUNTANTS and method.dp_sgd
+            and (not features or (0 < share < 1 and math.isfinite(feature_sigma) and feature_sigma > 0
+                                  and math.isfinite(feature_clip) and feature_clip >= 0))):
+        raise PrivacyBudgetError(f"the server asks for DP with dp_eps {s.dp_eps!r}, noise multiplier "
                                  f"{s.noise_multiplier!r}, dp_delta {s.dp_delta!r}, max_grad_norm {s.max_grad_norm!r}, "
                                  f"batch size {s.batch_size!r}, local epochs {s.local_epochs!r}, accountant "
-                                 f"{s.accountant!r}, method {s.method!r}: refused")
-    budget = client_budget(eps, delta, s.accountant, num_examples, s.batch_size, s.local_epochs, (s.round,), sigma)
-    return Terms(eps, budget.delta, s.accountant), Spend(s.round, sigma, budget.sample_rate, budget.steps_per_round)
+                                 f"{s.accountant!r}, method {s.method!r}, feature share {s.dp_feature_share!r}, "
+                                 f"feature noise multiplier {s.feature_noise_multiplier!r}, feature clip "
+                                 f"{s.feature_clip!r}: refused")
+    budget = client_budget(eps, delta, s.accountant, num_examples, s.batch_size, s.local_epochs, (s.round,), sigma,
+                           share if features else 0.0, feature_sigma if features else None)
+    planned = [Spend(s.round, sigma, budget.sample_rate, budget.steps_per_round)]
+    if features:
+        planned.append(Spend(s.round, feature_sigma, 1.0, 1, "features"))
+    return Terms(eps, budget.delta, s.accountant, budget.feature_share), planned
 
 
 def _number(value) -> float:
@@ -98,11 +119,18 @@ def _number(value) -> float:
     return float(value) if isinstance(value, (int, float)) and not isinstance(value, bool) else math.nan
 
 
-def dp_report(applied: list[Spend], spent: float) -> dict[str, float | int]:
-    """What the client tells the server it applied (read from the optimizer's accountant) and has spent."""
-    return {"dp-noise-multiplier": min((a.noise_multiplier for a in applied), default=0.0),
-            "dp-sample-rate": max((a.sample_rate for a in applied), default=0.0),
-            "dp-steps": sum(a.steps for a in applied), "dp-epsilon-spent": spent}
+def dp_report(applied: list[Spend], spent: dict[str, float]) -> dict[str, float | int]:
+    """What the client tells the server it applied (DP-SGD: read from the optimizer's accountant) and has spent
+    per channel and in total."""
+    sgd = [a for a in applied if a.channel == "parameters"]
+    released = [a.noise_multiplier for a in applied if a.channel == "features"]
+    report = {"dp-noise-multiplier": min((a.noise_multiplier for a in sgd), default=0.0),
+              "dp-sample-rate": max((a.sample_rate for a in sgd), default=0.0),
+              "dp-steps": sum(a.steps for a in sgd), "dp-epsilon-spent": spent["total"],
+              "dp-epsilon-parameters": spent["parameters"]}
+    if released:
+        report |= {"dp-feature-noise-multiplier": min(released), "dp-epsilon-features": spent["features"]}
+    return report
 
 
 def client_round(settings: ClientSettings, state: dict[str, np.ndarray], partition_id: int,
@@ -122,7 +150,7 @@ def client_round(settings: ClientSettings, state: dict[str, np.ndarray], partiti
     data = dataset.train.subset(mine)
     images, labels = torch.from_numpy(data.images), torch.from_numpy(data.labels)
 
-    model = build_model(s.model, dataset.num_classes, s.local_layers)
+    model = build_model(s.model, dataset.num_classes, s.local_layers, adapt=method.model_adapter(s))
     model.load_state_dict({k: torch.from_numpy(v) for k, v in state.items()})
     private = (secret,) if secret else ()
     generator = torch.Generator().manual_seed(seeded(s.seed, s.round, partition_id, 1, *private))
@@ -134,35 +162,63 @@ def client_round(settings: ClientSettings, state: dict[str, np.ndarray], partiti
     request = requested_dp(s, partition_id, len(data))
     if request and ledger is None:
         raise PrivacyBudgetError("a DP-SGD round needs the node's privacy ledger (--ledger-dir): refused")
+    class_counts = np.bincount(data.labels, minlength=dataset.num_classes).astype(np.int64)
     with ledger.locked(s.run_id) if ledger and request else contextlib.nullcontext():  # a DP round only writes
         terms = ledger.authorize(s.run_id, s.round, *(request or (None, None))) if ledger else None
         dp = None
         if terms:
             respent = ledger.times_spent(s.run_id, s.round)  # a re-sent round gets fresh noise
-            dp = DPSGD(request[1].noise_multiplier, s.max_grad_norm, request[1].sample_rate,
+            dp = DPSGD(request[1][0].noise_multiplier, s.max_grad_norm, request[1][0].sample_rate,
                        seeded(s.seed, s.round, partition_id, 6, respent, *private))
         result = train_local(model, images, labels, s.method, s.mask_ratio, optim, generator, report, dp)
+        update = {k: v.numpy().copy() for k, v in method.uploaded_state(model).items()}
+        truth = {"sample_ids": data.ids.astype(np.int64), "class_counts": class_counts}
+        start = time.perf_counter()
+        uploaded = None
+        if method.uploads_features and terms:
+            noise = torch.Generator().manual_seed(seeded(s.seed, s.round, partition_id, 7, respent, *private))
+            uploaded, truth["kept_ids"] = dp_released_features(s, model, images, labels, dataset.num_classes,
+                                                               generator, noise)
+        elif method.uploads_features:
+            uploaded, sampled = median_sampled_features(s, model, data, dataset.num_classes, partition_id, generator,
+                                                        private)
+            truth |= sampled
+        feature_seconds = time.perf_counter() - start
         dp_applied = None
         if terms:
             applied = [Spend(s.round, sigma, q, steps) for sigma, q, steps in result.dp_applied]
+            if uploaded is not None:
+                applied.append(Spend(s.round, s.feature_noise_multiplier, 1.0, 1, "features"))
             dp_applied = dp_report(applied, ledger.record(s.run_id, terms, applied))
             log.info("round %d, client %d: epsilon spent in this run %.3f", s.round, partition_id,
                      dp_applied["dp-epsilon-spent"])
-    class_counts = np.bincount(data.labels, minlength=dataset.num_classes).astype(np.int64)
+    loss = 0.0 if terms else result.loss  # a DP client reports nothing the mechanisms do not cover
+    return ClientUpload(update, uploaded, truth, len(data), loss, result.epoch_seconds, feature_seconds, dp_applied)
 
-    update = {k: v.numpy().copy() for k, v in method.uploaded_state(model).items()}
-    if not method.uploads_features:
-        return ClientUpload(update, None, {"sample_ids": data.ids.astype(np.int64), "class_counts": class_counts},
-                            len(data), result.loss, result.epoch_seconds, 0.0, dp_applied)
 
-    start = time.perf_counter()
-    chosen = balanced_indices(data.labels, dataset.num_classes, s.balance, np.random.default_rng(seeded(s.seed, s.round, partition_id, 2)))
-    features, keep_ids = extract_features(model, images[chosen], method.mask_ratio(s.mask_ratio), generator)
+def dp_released_features(s: ClientSettings, model, images: torch.Tensor, labels: torch.Tensor, num_classes: int,
+                         generator: torch.Generator, noise: torch.Generator
+                         ) -> tuple[dict[str, np.ndarray], np.ndarray]:
+    """The feature upload under --dp-eps (defenses.feature_dp): every image once, clipped and noised, with the
+    labels decoded from the noisy one-hot; and the kept patch ids for the truth."""
+    features, keep_ids = extract_features(model, images, method_spec(s.method).mask_ratio(s.mask_ratio), generator)
+    features, released_labels = release_rows(features, labels, num_classes, row_clip(s.feature_clip),
+                                             s.feature_noise_multiplier, noise)
+    return ({"features": features.numpy(), "labels": released_labels.numpy()},
+            keep_ids.numpy().astype(np.int64))
+
+
+def median_sampled_features(s: ClientSettings, model, data, num_classes: int, partition_id: int,
+                            generator: torch.Generator, private: tuple[int, ...]
+                            ) -> tuple[dict[str, np.ndarray], dict[str, np.ndarray]]:
+    """The feature upload without --dp-eps, and its truth: the median-sampled images' features (clipped and
+    noised with --feature-clip/--feature-noise, no epsilon claimed)."""
+    chosen = balanced_indices(data.labels, num_classes, s.balance,
+                              np.random.default_rng(seeded(s.seed, s.round, partition_id, 2)))
+    images = torch.from_numpy(data.images[chosen])
+    features, keep_ids = extract_features(model, images, method_spec(s.method).mask_ratio(s.mask_ratio), generator)
     if s.feature_clip > 0:
         noise = torch.Generator().manual_seed(seeded(s.seed, s.round, partition_id, 5, *private))
         features = release_features(features, s.feature_clip, s.feature_noise, noise)
-    feature_seconds = time.perf_counter() - start
-    truth = {"sample_ids": data.ids[chosen].astype(np.int64), "kept_ids": keep_ids.numpy().astype(np.int64),
-             "class_counts": class_counts}
-    return ClientUpload(update, {"features": features.numpy(), "labels": data.labels[chosen].astype(np.int64)},
-                        truth, len(data), result.loss, result.epoch_seconds, feature_seconds, dp_applied)
+    truth = {"sample_ids": data.ids[chosen].astype(np.int64), "kept_ids": keep_ids.numpy().astype(np.int64)}
+    return {"features": features.numpy(), "labels": data.labels[chosen].astype(np.int64)}, truth

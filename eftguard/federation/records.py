@@ -66,6 +66,8 @@ class ClientSettings:
     model: str
     local_layers: int
     mask_ratio: float
+    prompt_tokens: int
+    lora_rank: int
     clients: int
     beta: float
     balance: str
@@ -80,18 +82,20 @@ class ClientSettings:
     dp_delta: float
     max_grad_norm: float
     accountant: str
+    dp_feature_share: float
     feature_noise: float
     feature_clip: float
     record_truth: bool
     noise_multiplier: float  # this client's, calibrated by the server for all its rounds; 0.0 without DP
     run_id: str  # manifest.json's; the key of the client's privacy ledger
+    feature_noise_multiplier: float = 0.0  # this client's feature channel under --dp-eps; 0.0 without DP
 
     @classmethod
     def from_config(cls, cfg: TrainConfig, round_number: int, noise_multiplier: float = 0.0,
-                    run_id: str = "") -> "ClientSettings":
-        return cls(round=round_number, noise_multiplier=noise_multiplier, run_id=run_id,
-                   **{k: getattr(cfg, k) for k in cls.__dataclass_fields__
-                      if k not in ("round", "noise_multiplier", "run_id")})
+                    run_id: str = "", feature_noise_multiplier: float = 0.0) -> "ClientSettings":
+        given = {"round": round_number, "noise_multiplier": noise_multiplier, "run_id": run_id,
+                 "feature_noise_multiplier": feature_noise_multiplier}
+        return cls(**given, **{k: getattr(cfg, k) for k in cls.__dataclass_fields__ if k not in given})
 
     def to_record(self) -> ConfigRecord:
         return ConfigRecord(asdict(self))

@@ -16,8 +16,9 @@ from flwr.app import ConfigRecord, Message, MessageType, RecordDict
 from flwr.serverapp import Grid
 from rich.console import Console
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
+from rich.table import Table
 
-from defenses.dp import ClientBudget
+from defenses.dp import ClientBudget, channel_epsilons
 from eftguard.config import TrainConfig
 from eftguard.data import Dataset
 from eftguard.federation.aggregate import fedavg
@@ -132,22 +133,32 @@ def parse_reply(reply: Message, partition: int, spec: UploadSpec, method: str,
                           upload_bytes), truth
 
 
-def check_dp_report(metrics: ConfigRecord, budget: ClientBudget, dp_eps: float) -> float:
-    """A DP run's upload must report the DP-SGD its optimizer applied: the noise the server sent (or more),
-    the sample rate and steps of the client's schedule, and a finite spend within --dp-eps. An upload that
-    claims less (or no DP at all) is dropped. Returns the epsilon the client reports it has spent."""
+def check_dp_report(metrics: ConfigRecord, budget: ClientBudget, dp_eps: float) -> dict[str, float]:
+    """A DP run's upload must report what it applied on every channel: the noise the server sent (or more),
+    DP-SGD's sample rate and steps of the client's schedule, and a finite spend within --dp-eps. An upload that
+    claims less (or no DP at all) is dropped. Returns the epsilon the client reports it has spent, per channel
+    ("parameters", "features") and in total."""
+    channels = ["parameters"] + (["features"] if budget.feature_share else [])
     try:
         sigma, rate = float(metrics["dp-noise-multiplier"]), float(metrics["dp-sample-rate"])
-        steps, spent = metrics["dp-steps"], float(metrics["dp-epsilon-spent"])
+        steps = metrics["dp-steps"]
+        spent = {"total": float(metrics["dp-epsilon-spent"]),
+                 **{channel: float(metrics[f"dp-epsilon-{channel}"]) for channel in channels}}
+        feature_sigma = float(metrics["dp-feature-noise-multiplier"]) if budget.feature_share else math.inf
     except (KeyError, TypeError, ValueError):
-        raise UploadError("the run uses DP-SGD but the reply does not report the DP-SGD it applied "
-                          "(dp-noise-multiplier, dp-sample-rate, dp-steps, dp-epsilon-spent)") from None
+        raise UploadError("the run uses DP but the reply does not report what it applied (dp-noise-multiplier, "
+                          "dp-sample-rate, dp-steps, dp-epsilon-spent, dp-epsilon-parameters"
+                          + (", dp-feature-noise-multiplier, dp-epsilon-features)" if budget.feature_share else ")")
+                          ) from None
     if not sigma >= budget.noise_multiplier:  # also catches NaN
         raise UploadError(f"the client applied noise multiplier {sigma}, below the {budget.noise_multiplier:.4f} sent")
+    if not feature_sigma >= budget.feature_noise_multiplier:
+        raise UploadError(f"the client applied feature noise multiplier {feature_sigma}, below the "
+                          f"{budget.feature_noise_multiplier:.4f} sent")
     if isinstance(steps, bool) or steps != budget.steps_per_round or not math.isclose(rate, budget.sample_rate):
         raise UploadError(f"the client reports {steps} DP-SGD steps at sample rate {rate}, its schedule is "
                           f"{budget.steps_per_round} at {budget.sample_rate:.4g}")
-    if not 0 < spent <= dp_eps * (1 + 1e-9):
+    if not all(0 < value <= dp_eps * (1 + 1e-9) for value in spent.values()):
         raise UploadError(f"the client reports epsilon {spent} spent, outside (0, --dp-eps {dp_eps}]")
     return spent
 
@@ -182,12 +193,13 @@ def serve_rounds(grid: Grid, run: RunDirectory, cfg: TrainConfig) -> None:
     dataset = run_dataset(cfg.dataset, cfg.data_dir, cfg.model, cfg.train_samples, cfg.test_samples, cfg.seed)
     test_images, test_labels = torch.from_numpy(dataset.test.images), torch.from_numpy(dataset.test.labels)
     if done:
-        model = build_model(cfg.model, dataset.num_classes, cfg.local_layers)
+        model = build_model(cfg.model, dataset.num_classes, cfg.local_layers,
+                            adapt=method_spec(cfg.method).model_adapter(cfg))
         model.load_state_dict(run.load_checkpoint(done))
         console.print(f"resuming {run.path} after round {done} of {cfg.rounds}")
     else:
         model = build_model(cfg.model, dataset.num_classes, cfg.local_layers, cfg.pretrained,
-                            cfg.checkpoint or None, cfg.seed)
+                            cfg.checkpoint or None, cfg.seed, method_spec(cfg.method).model_adapter(cfg))
         run.save_checkpoint(0, model.state_dict())
     if done >= cfg.rounds:
         console.print(f"{run.path} already has all {cfg.rounds} rounds")
@@ -218,15 +230,57 @@ def round_summary(record: dict, rounds: int) -> str:
 
 
 def dp_budgets(cfg: TrainConfig) -> dict[int, ClientBudget]:
-    """Each client's DP-SGD budget over all its rounds of the run ({} without DP): fixed before round 1 and
-    recomputed identically on resume, since client selection and partition sizes are seeded."""
+    """Each client's budget over all its rounds of the run, every channel ({} without DP): fixed before round 1
+    (and printed) and recomputed identically on resume, since client selection and partition sizes are seeded."""
     if cfg.dp_eps == 0:
         return {}
     sizes = [len(p) for p in client_partition(cfg.dataset, cfg.data_dir, cfg.model, cfg.train_samples, cfg.seed,
                                               cfg.clients, cfg.beta)]
-    with console.status("calibrating DP-SGD noise per client"):
-        return {k: dp_budget(cfg, k, sizes[k], cfg.rounds) for k in range(cfg.clients)
-                if participation(cfg, k, cfg.rounds)}
+    with console.status("calibrating the DP noise per client and channel"):
+        budgets = {k: dp_budget(cfg, k, sizes[k], cfg.rounds) for k in range(cfg.clients)
+                   if participation(cfg, k, cfg.rounds)}
+    console.print(budget_table(budgets, cfg))
+    return budgets
+
+
+def budget_table(budgets: dict[int, ClientBudget], cfg: TrainConfig) -> Table:
+    """The per-channel budget each client is calibrated to, printed before round 1."""
+    shares = channel_epsilons(cfg.dp_eps, next(iter(budgets.values())).feature_share)
+    table = Table(box=None, pad_edge=False, title=f"privacy budget per client: epsilon {cfg.dp_eps:g} = "
+                        + " + ".join(f"{eps:g} {channel}" for channel, eps in shares.items())
+                        + " (each channel at delta/2, total composed at delta)")
+    columns = ["client", "rounds", "delta", "DP-SGD σ", "ε params"]
+    columns += ["feature σ", "ε features"] if "features" in shares else []
+    for column in columns + ["ε total"]:
+        table.add_column(column, justify="right")
+    for k, budget in budgets.items():
+        last = max(budget.rounds)
+        spent = budget.channel_epsilons_after(last)
+        row = [str(k), str(len(budget.rounds)), f"{budget.delta:.2g}", f"{budget.noise_multiplier:.3f}",
+               f"{spent['parameters']:.3f}"]
+        row += [f"{budget.feature_noise_multiplier:.3f}", f"{spent['features']:.3f}"] if "features" in spent else []
+        table.add_row(*row, f"{budget.epsilon_after(last):.3f}")
+    return table
+
+
+def privacy_metrics(budgets: dict[int, ClientBudget], selected: list[int], round_number: int,
+                    reported: dict[str, dict[str, float]]) -> dict:
+    """metrics.jsonl's privacy keys. epsilon: the total each accepted client reports (its ledger);
+    epsilon_parameters / epsilon_features: the same per channel; epsilon_server: the server's own total; the
+    noise multipliers sent per channel. All None without DP."""
+    if not budgets:
+        return dict.fromkeys(("epsilon", "epsilon_parameters", "epsilon_features", "epsilon_server",
+                              "noise_multiplier", "feature_noise_multiplier"))
+    features = any(b.feature_share for b in budgets.values())
+    return {
+        "epsilon": {p: spent["total"] for p, spent in reported.items()},
+        "epsilon_parameters": {p: spent["parameters"] for p, spent in reported.items()},
+        "epsilon_features": {p: spent["features"] for p, spent in reported.items()} if features else None,
+        "epsilon_server": {str(p): budgets[p].epsilon_after(round_number) for p in selected},
+        "noise_multiplier": {str(p): budgets[p].noise_multiplier for p in selected},
+        "feature_noise_multiplier": {str(p): budgets[p].feature_noise_multiplier for p in selected}
+        if features else None,
+    }
 
 
 def load_average(model: EFTViT, averaged: dict[str, np.ndarray]) -> None:
@@ -246,15 +300,16 @@ def run_round(grid: Grid, run: RunDirectory, cfg: TrainConfig, model: EFTViT, sp
     model_record = to_record(model.state_dict())
     messages = {}
     for p in selected:
-        sigma = budgets[p].noise_multiplier if budgets else 0.0
-        settings = ClientSettings.from_config(cfg, round_number, sigma, run.run_id).to_record()
+        sigma, feature_sigma = (budgets[p].noise_multiplier, budgets[p].feature_noise_multiplier) if budgets else (0, 0)
+        settings = ClientSettings.from_config(cfg, round_number, float(sigma), run.run_id,
+                                              float(feature_sigma)).to_record()
         messages[p] = Message(RecordDict({"model": model_record, "settings": settings}), nodes[p], MessageType.TRAIN)
     task = progress.add_task(f"round {round_number}: client training", total=len(selected))
     replies = exchange(grid, messages, cfg.round_timeout, progress, task)
     progress.remove_task(task)
 
     accepted: list[AcceptedUpload] = []
-    epsilon: dict[str, float] = {}  # what each accepted DP client reports it has spent (its ledger)
+    epsilon: dict[str, dict[str, float]] = {}  # what each accepted DP client reports it has spent (its ledger)
     dropped: dict[str, str] = {}
     for partition in selected:
         if partition not in replies:
@@ -279,7 +334,7 @@ def run_round(grid: Grid, run: RunDirectory, cfg: TrainConfig, model: EFTViT, sp
     server_loss, server_seconds = None, 0.0
     if accepted:
         load_average(model, fedavg([u.update for u in accepted], [u.num_examples for u in accepted]))
-        if method_spec(cfg.method).server_trains:
+        if method_spec(cfg.method).server_trains and cfg.server_epochs:
             features = torch.from_numpy(np.concatenate([u.features["features"] for u in accepted]))
             labels = torch.from_numpy(np.concatenate([u.features["labels"] for u in accepted]))
             task = progress.add_task(f"round {round_number}: server training", total=cfg.server_epochs)
@@ -301,7 +356,7 @@ def run_round(grid: Grid, run: RunDirectory, cfg: TrainConfig, model: EFTViT, sp
         "round": round_number,
         "method": cfg.method,
         "test_accuracy": accuracy,
-        "client_loss": sum(u.loss * u.num_examples for u in accepted) / weights if accepted else None,
+        "client_loss": sum(u.loss * u.num_examples for u in accepted) / weights if accepted and not budgets else None,
         "server_loss": server_loss,
         "client_seconds": {str(u.partition): round(sum(u.epoch_seconds), 4) for u in accepted},
         "client_epoch_seconds": {str(u.partition): round(sum(u.epoch_seconds) / max(len(u.epoch_seconds), 1), 4)
@@ -311,9 +366,7 @@ def run_round(grid: Grid, run: RunDirectory, cfg: TrainConfig, model: EFTViT, sp
         "upload_bytes": {str(u.partition): u.upload_bytes for u in accepted},
         "num_examples": {str(u.partition): u.num_examples for u in accepted},
         "feature_sets": {str(u.partition): len(u.features["labels"]) for u in accepted if u.features},
-        "epsilon": epsilon if budgets else None,
-        "epsilon_server": {str(p): budgets[p].epsilon_after(round_number) for p in selected} if budgets else None,
-        "noise_multiplier": {str(p): budgets[p].noise_multiplier for p in selected} if budgets else None,
+        **privacy_metrics(budgets, selected, round_number, epsilon),
         "clients": selected,
         "dropped": dropped,
     }

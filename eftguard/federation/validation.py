@@ -32,7 +32,8 @@ NPY_HEADER_BYTES = 1024
 METRIC_KEYS = frozenset({"partition-id", "num-examples", "loss", "epoch-seconds", "feature-seconds"})
 # What a DP client may add: the DP-SGD its optimizer applied and its ledger's spend. Only their types are checked
 # here; whether they meet the run's budget is the server's DP check.
-DP_REPORT_NUMBERS = frozenset({"dp-noise-multiplier", "dp-sample-rate", "dp-epsilon-spent"})
+DP_REPORT_NUMBERS = frozenset({"dp-noise-multiplier", "dp-sample-rate", "dp-epsilon-spent", "dp-epsilon-parameters",
+                               "dp-feature-noise-multiplier", "dp-epsilon-features"})
 DP_REPORT_INTEGERS = frozenset({"dp-steps"})
 
 Layout = dict[str, tuple[str, tuple[int, ...]]]  # array name -> (dtype name, shape)

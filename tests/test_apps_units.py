@@ -1,0 +1,165 @@
+"""The ClientApp's node-side decisions, with the client's round replaced by a recorder: which ledger, ceiling and
+secret a node trains with, what it sends back, and when it shares ground truth. What the node operator set
+(--node-config) always wins over the server and over simulated defaults. Fast enough for the mutation check of
+apps.py (docs/mutation.md); tests/test_ledger.py runs the same ClientApp with real rounds."""
+
+from pathlib import Path
+
+import numpy as np
+import pytest
+from flwr.app import Context, Message, MessageType, RecordDict
+from flwr.common.constant import ErrorCode
+
+from eftguard.config import TrainConfig
+from eftguard.federation import apps
+from eftguard.federation.client import ClientUpload
+from eftguard.federation.records import ClientSettings, from_record, to_record
+from fakegrid import task_identity
+
+CFG = TrainConfig(clients=3, rounds=1, train_samples=60).resolved()
+UPDATE = {"head.bias": np.arange(3, dtype=np.float32)}
+FEATURES = {"features": np.ones((2, 3, 4), np.float32), "labels": np.array([0, 1])}
+TRUTH = {"sample_ids": np.array([5, 9]), "class_counts": np.array([1, 1, 0])}
+
+
+@pytest.fixture(autouse=True)
+def _task_identity():
+    with task_identity():
+        yield
+
+
+@pytest.fixture
+def rounds(monkeypatch):
+    """Every call of client_round, answered with a fixed upload."""
+    calls = []
+
+    def client_round(settings, state, partition, partitions, secret, ledger):
+        calls.append({"settings": settings, "state": state, "partition": partition, "partitions": partitions,
+                      "secret": secret, "ledger": ledger})
+        report = {"dp-steps": 4} if settings.dp_eps else None
+        features = None if settings.method == "fedavg" else FEATURES
+        return ClientUpload(UPDATE, features, TRUTH, 60, 1.25, [0.5, 0.25], 0.125, report)
+
+    monkeypatch.setattr(apps, "client_round", client_round)
+    return calls
+
+
+def train(node_config, defaults=None, partition=1, **changes):
+    cfg = TrainConfig(**{**CFG.__dict__, **changes})
+    settings = ClientSettings.from_config(cfg, 1, 0.0, "ab" * 16)
+    msg = Message(RecordDict({"model": to_record(UPDATE), "settings": settings.to_record()}), 100, MessageType.TRAIN)
+    context = Context(run_id=1, node_id=100, state=RecordDict({}), run_config={},
+                      node_config={"partition-id": partition, "num-partitions": 3, **node_config})
+    return apps.train(msg, context, defaults)
+
+
+def test_reply_carries_the_upload_and_its_metrics(rounds):
+    reply = train({"noise-secret": 7})
+    [call] = rounds
+    assert (call["partition"], call["partitions"], call["settings"].round) == (1, 3, 1)
+    assert np.array_equal(call["state"]["head.bias"], UPDATE["head.bias"])
+    assert set(reply.content.keys()) == {"update", "metrics", "features"}  # no truth: the node did not share it
+    assert np.array_equal(from_record(reply.content["update"], "update")["head.bias"], UPDATE["head.bias"])
+    assert np.array_equal(from_record(reply.content["features"], "features")["labels"], FEATURES["labels"])
+    assert dict(reply.content["metrics"]) == {"partition-id": 1, "num-examples": 60, "loss": 1.25,
+                                              "epoch-seconds": [0.5, 0.25], "feature-seconds": 0.125}
+
+
+def test_dp_round_reports_what_dp_sgd_applied(rounds):
+    assert train({"noise-secret": 7}, dp_eps=3.0).content["metrics"]["dp-steps"] == 4
+
+
+def test_fedavg_reply_has_no_features(rounds):
+    assert set(train({"noise-secret": 7}, method="fedavg").content.keys()) == {"update", "metrics"}
+
+
+@pytest.mark.parametrize("share, record, sent", [(True, True, True), ("TRUE", True, True), ("false", True, False),
+                                                 (False, True, False), (True, False, False)])
+def test_truth_leaves_the_node_only_when_the_run_asks_and_the_node_agrees(rounds, share, record, sent):
+    reply = train({"share-truth": share}, record_truth=record)
+    assert ("truth" in reply.content) == sent
+    if sent:
+        assert np.array_equal(from_record(reply.content["truth"], "truth")["sample_ids"], TRUTH["sample_ids"])
+
+
+def test_node_config_wins_over_simulated_defaults(rounds, tmp_path):
+    defaults = {"share-truth": True, "noise-secret": 0, "ledger-dir": str(tmp_path / "default")}
+    train({}, defaults)
+    train({"share-truth": False, "noise-secret": 11, "ledger-dir": str(tmp_path / "own"), "max-epsilon": 2.5},
+          defaults, partition=2)
+    (simulated, own) = rounds
+    assert (simulated["secret"], simulated["ledger"].directory, simulated["ledger"].partition) == (
+        0, tmp_path / "default", 1)
+    assert (own["secret"], own["ledger"].directory, own["ledger"].partition, own["ledger"].max_epsilon) == (
+        11, tmp_path / "own", 2, 2.5)
+    assert simulated["ledger"].max_epsilon == 0.0
+
+
+def test_deployed_node_without_a_secret_draws_a_fresh_nonzero_one_each_round(rounds, monkeypatch):
+    """0 would mean "no secret" (seeds the server can regenerate): the OS draw is shifted to 1 .. 2**62."""
+    for _ in range(3):
+        train({})
+    assert len({call["secret"] for call in rounds}) == 3
+    for drawn, secret in ((0, 1), (2 ** 62 - 1, 2 ** 62)):
+        monkeypatch.setattr(apps.secrets, "randbelow", lambda bound, drawn=drawn: min(drawn, bound - 1))
+        train({})
+        assert rounds[-1]["secret"] == secret
+
+
+def test_ledger_defaults_to_eftguard_home_then_the_home_folder(monkeypatch, tmp_path, rounds):
+    monkeypatch.setenv("EFTGUARD_HOME", str(tmp_path / "home"))
+    assert apps.default_ledger_dir() == tmp_path / "home" / "ledger"
+    train({"ledger-dir": ""})
+    assert rounds[-1]["ledger"].directory == tmp_path / "home" / "ledger"
+    monkeypatch.setenv("EFTGUARD_HOME", "")
+    monkeypatch.setenv("HOME", str(tmp_path))
+    assert apps.default_ledger_dir() == tmp_path / ".eftguard" / "ledger"
+    monkeypatch.delenv("EFTGUARD_HOME")
+    assert apps.default_ledger_dir() == Path(tmp_path) / ".eftguard" / "ledger"
+
+
+def test_bad_node_ceiling_is_a_refusal_not_a_crash(rounds):
+    reply = train({"max-epsilon": -1.0})
+    assert reply.has_error() and reply.error.code == ErrorCode.CLIENT_APP_RAISED_EXCEPTION and reply.error.reason == (
+        "client refuses: max-epsilon must be a finite number >= 0 (0: no node ceiling), got -1.0")
+    assert rounds == []
+
+
+@pytest.mark.parametrize("value", ["yes", 1, None])
+def test_share_truth_must_be_a_boolean(value):
+    with pytest.raises(ValueError, match=f"^share-truth must be true or false, got {value!r}$"):
+        apps._node_flag(value)
+
+
+def test_handshake_names_the_nodes_partition():
+    msg = Message(RecordDict({}), 100, MessageType.QUERY)
+    context = Context(run_id=1, node_id=100, state=RecordDict({}), run_config={},
+                      node_config={"partition-id": "2", "num-partitions": 3})
+    assert dict(apps.describe(msg, context).content["node"]) == {"partition-id": 2, "num-partitions": 3}
+
+
+def test_client_app_answers_the_handshake_and_trains_with_its_node_defaults(rounds, tmp_path):
+    """The app a simulation runs: its defaults (the run's ledger folder, secret 0) reach the round."""
+    app = apps.build_client_app({"noise-secret": 0, "ledger-dir": str(tmp_path)})
+    context = Context(run_id=1, node_id=100, state=RecordDict({}), run_config={},
+                      node_config={"partition-id": 2, "num-partitions": 3})
+    answer = app(Message(RecordDict({}), 100, MessageType.QUERY), context)
+    assert dict(answer.content["node"]) == {"partition-id": 2, "num-partitions": 3}
+    settings = ClientSettings.from_config(CFG, 1, 0.0, "ab" * 16).to_record()
+    app(Message(RecordDict({"model": to_record(UPDATE), "settings": settings}), 100, MessageType.TRAIN), context)
+    [call] = rounds
+    assert (call["secret"], call["ledger"].directory, call["partition"]) == (0, tmp_path, 2)
+
+
+@pytest.mark.parametrize("bound", [True, False])
+def test_server_app_runs_the_server_on_its_run_directory(monkeypatch, tmp_path, bound):
+    """Simulation binds the run directory; a deployment reads it from the run config."""
+    from eftguard.federation import server
+
+    served = []
+    monkeypatch.setattr(server, "run_server", lambda grid, run_dir: served.append((grid, run_dir)))
+    app = apps.build_server_app(tmp_path / "bound" if bound else None)
+    grid = object()
+    app(grid, Context(run_id=1, node_id=0, state=RecordDict({}), run_config={"run-dir": str(tmp_path / "config")},
+                      node_config={}))
+    assert served == [(grid, tmp_path / ("bound" if bound else "config"))]

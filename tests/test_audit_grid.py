@@ -1,0 +1,432 @@
+"""eftguard audit: grid expansion, resume after an interrupt, failures that do not stop the rest, gates, shards
+and reuse. Training and the attacks are replaced by fakes that write minimal runs and reports, so every test
+takes about a second; one slow test runs the real thing."""
+
+import json
+from pathlib import Path
+
+import pytest
+import torch
+
+from attacks.base import AttackError
+from eftguard import audit as audit_api, cli
+from eftguard.audit import AttackReport, grid
+from eftguard.audit.grid import parse_audit
+from eftguard.config import ConfigError
+from eftguard.rundir import RunDirectory
+
+SWEEP = """
+title = "mask sweep"
+[train]
+rounds = 2
+clients = 2
+train_samples = 40
+test_samples = 20
+
+[[grid]]
+method = ["eftvit"]
+mask_ratio = [0.0, 0.5, 0.75, 0.9]
+
+[[grid]]
+method = ["fedavg"]
+
+[[attack]]
+family = "invert"
+steps = 5
+
+[[attack]]
+family = "labels"
+"""
+SWEEP_IDS = ["mask_ratio=0.0,method=eftvit", "mask_ratio=0.5,method=eftvit", "mask_ratio=0.75,method=eftvit",
+             "mask_ratio=0.75,method=fedavg", "mask_ratio=0.9,method=eftvit"]
+
+
+class Fakes:
+    """Stand-ins for training and run_attack that record what they were asked to do.
+
+    Training writes real run directories (checkpoint + metrics line per round); attacks write report.json.
+    interrupt_at / fail_at: the (1-based) training call that raises KeyboardInterrupt after one round, or fails."""
+
+    def __init__(self, monkeypatch, interrupt_at=None, fail_at=None):
+        self.trained, self.attacked, self.calls = [], [], 0
+        self.interrupt_at, self.fail_at = interrupt_at, fail_at
+        monkeypatch.setattr(cli, "prepare", lambda cfg: None)
+        monkeypatch.setattr(cli, "train_run", self.train)
+        monkeypatch.setattr(audit_api, "run_attack", self.attack)
+
+    def train(self, run_dir, verbose, args=None, undo=None):
+        run = RunDirectory.open(run_dir)
+        cfg = run.config()
+        self.calls += 1
+        for round_number in range(run.completed_rounds() + 1, cfg.rounds + 1):
+            self.trained.append((cfg.method, cfg.mask_ratio, round_number))
+            if self.calls == self.fail_at:
+                raise RuntimeError("CUDA out of memory")
+            run.save_checkpoint(round_number, {"w": torch.zeros(1)})
+            run.append_metrics({"round": round_number, "method": cfg.method, "test_accuracy": 0.5 - cfg.mask_ratio / 10,
+                                "epsilon": None, "client_epoch_seconds": {"0": 0.1}})
+            if self.calls == self.interrupt_at:
+                raise KeyboardInterrupt
+
+    def attack(self, run, family, method=None, *, key=None, out=None, progress=None, **options):
+        cfg = RunDirectory.open(run).config()
+        self.attacked.append((cfg.method, cfg.mask_ratio, family))
+        if family == "invert" and cfg.method == "fedavg":
+            raise AttackError(f"{run} is a fedavg run: it uploads no patch features")
+        method = method or {"invert": "decoder", "labels": "head"}[family]
+        groups = ({"metrics": stats(psnr=15.0), "metrics_kept": stats(psnr=30 - 10 * cfg.mask_ratio),
+                   "baseline_kept": stats(psnr=12.0)} if family == "invert" else
+                  {"metrics": stats(l1=0.2 + cfg.mask_ratio / 10), "baseline": stats(l1=0.9)})
+        report = AttackReport(family, method, f"{family}-{method}", str(run), cfg.rounds, [0, 1], {}, options, groups,
+                              {}, {})
+        report.save(Path(out))
+        return report
+
+
+def stats(**means):
+    return {metric: {"mean": mean, "std": 0.0, "n": 4} for metric, mean in means.items()}
+
+
+def audit_cli(capsys, tmp_path, *argv, text=SWEEP):
+    """Run `eftguard audit` in-process on text; (exit code, stdout, stderr, summary or None)."""
+    audit_file = tmp_path / "sweep.toml"
+    audit_file.write_text(text)
+    out = tmp_path / "out"
+    try:
+        cli.main(["audit", str(audit_file), "--out", str(out), *argv])
+        code = 0
+    except SystemExit as exit_info:
+        code = exit_info.code
+    captured = capsys.readouterr()
+    summary_file = out / "summary.json"
+    summary = json.loads(summary_file.read_text()) if summary_file.exists() else None
+    return code, captured.out, captured.err, summary
+
+
+def statuses(summary):
+    return {c["id"]: c["status"] for c in summary["configurations"]}
+
+
+# --- the audit file -----------------------------------------------------------------------------------------
+
+def test_grids_unite_their_products_and_ids_name_every_varied_option():
+    audit = parse_audit({"train": {"rounds": 1}, "grid": [
+        {"method": ["eftvit", "fedavg"]},
+        {"method": ["eftvit"], "dp_eps": [1, 3, 8]},  # DP only where it exists
+        {"method": ["eftvit"], "dp_eps": [0]},        # the same configuration as the first grid's eftvit
+    ], "attack": [{"family": "invert"}]}, "dp.toml")
+    assert [c.id for c in audit.configurations] == [
+        "dp_eps=0.0,method=eftvit", "dp_eps=0.0,method=fedavg", "dp_eps=1.0,method=eftvit",
+        "dp_eps=3.0,method=eftvit", "dp_eps=8.0,method=eftvit"]
+    by_id = {c.id: c for c in audit.configurations}
+    assert by_id["dp_eps=3.0,method=eftvit"].config.dp_eps == 3.0
+    assert by_id["dp_eps=3.0,method=eftvit"].config.rounds == 1  # [train] applies under every grid
+    assert by_id["dp_eps=0.0,method=fedavg"].varied == {"dp_eps": 0.0, "method": "fedavg"}
+
+
+def test_group_leaves_out_the_seed_and_odd_ids_get_safe_folder_names():
+    audit = parse_audit({"grid": {"mask_ratio": [0.5], "seed": [0, 1], "data_dir": ["/tmp"]}}, "s.toml")
+    first, second = audit.configurations
+    assert first.id == "data_dir=/tmp,mask_ratio=0.5,seed=0"
+    assert first.group == second.group == "data_dir=/tmp,mask_ratio=0.5"
+    assert "/" not in first.folder and first.folder != second.folder
+
+
+def test_no_grid_is_one_configuration_of_the_defaults():
+    audit = parse_audit({"train": {"mask_ratio": 0.5}}, "one.toml")
+    assert [(c.id, c.config.mask_ratio) for c in audit.configurations] == [("default", 0.5)]
+
+
+@pytest.mark.parametrize("text, expected", [
+    ("[train]\nmask_ratoi = 0.5\n", "sweep.toml [train]: unknown option 'mask_ratoi'"),
+    ("[grid]\nmask_ratio = 0.5\n", "sweep.toml [grid]: mask_ratio must be a non-empty list of values, e.g. mask_ratio = [0.75]"),
+    ("[grid]\nmask_ratio = [0.5, 1.0]\n", "sweep.toml [grid]: configuration mask_ratio=1.0: --mask-ratio must be in [0, 1)"),
+    ("[grid]\nmask_ratio = [\"half\"]\n", "sweep.toml [grid]: mask_ratio must be a float, got 'half'"),
+    ("[[grid]]\nmethod = [\"fedavg\"]\n[[grid]]\nmethod = [\"eftvit\"]\nrounds = [0]\n",
+     "sweep.toml [[grid]] #2: configuration method=eftvit,rounds=0: --rounds must be > 0"),
+    ("[[attack]]\nfamily = \"invrt\"\n", "sweep.toml [[attack]] #1: family must be one of invert, labels, gradient, got 'invrt'"),
+    ("[[attack]]\nfamily = \"invert\"\nmethod = \"magic\"\n", "sweep.toml [[attack]] #1: invert has no method 'magic'"),
+    ("[[attack]]\nfamily = \"labels\"\n[[attack]]\nfamily = \"labels\"\nmethod = \"head\"\n",
+     "sweep.toml [[attack]] #2: a second attack named 'labels-head'"),
+    ("[[attack]]\nfamily = \"labels\"\nout = \"x\"\n", "sweep.toml [[attack]] #1: 'out' is set by eftguard audit"),
+    ("[[attack]]\nfamily = \"invert\"\nstep = 600\n",
+     "sweep.toml [[attack]] #1: invert attack 'decoder' has no option 'step': its options are positions, aux"),
+    ("[[attack]]\nfamily = \"invert\"\nsteps = 0\n", "sweep.toml [[attack]] #1: steps must be a whole number"),
+    ("[[attack]]\nfamily = \"gradient\"\nobserve = \"sniff\"\n",
+     "sweep.toml [[attack]] #1: observe must be one of upload, probe, got 'sniff'"),
+    ("[[attack]]\nfamily = \"invert\"\nlpips_backend = \"alex\"\n", "sweep.toml [[attack]] #1: lpips_backend must be one of"),
+    ("[[attack]]\nfamily = \"labels\"\nround = 0\n", "sweep.toml [[attack]] #1: round must be a whole number >= 1"),
+    ("gird = 1\n", "sweep.toml: unknown key 'gird'"),
+    ("[train\n", "audit file"),
+])
+def test_a_bad_audit_file_is_one_line_before_any_training(capsys, tmp_path, monkeypatch, text, expected):
+    fakes = Fakes(monkeypatch)
+    code, _, err, summary = audit_cli(capsys, tmp_path, text=text)
+    assert code == 2, err
+    assert err.startswith("eftguard: error: ") and expected in err and err.count("\n") == 1, err
+    assert fakes.trained == [] and not (tmp_path / "out").exists() and summary is None
+
+
+# --- running, interrupting, failing ---------------------------------------------------------------------------
+
+def test_a_configuration_that_cannot_train_is_refused_before_any_training(capsys, tmp_path, monkeypatch):
+    fakes = Fakes(monkeypatch)
+
+    def prepare(cfg):  # what eftguard train's check says of a DP budget the data cannot meet, here for r_m 0.9
+        if cfg.mask_ratio == 0.9:
+            raise ConfigError("client 0 (12 samples, 2 rounds): epsilon 0.01 is out of reach")
+    monkeypatch.setattr(cli, "prepare", prepare)
+    code, _, err, summary = audit_cli(capsys, tmp_path)
+    assert code == 2 and fakes.trained == [] and summary is None
+    assert err == ("eftguard: error: " + str(tmp_path / "sweep.toml") + ": configuration mask_ratio=0.9,method=eftvit: "
+                   "client 0 (12 samples, 2 rounds): epsilon 0.01 is out of reach\n")
+
+
+def test_an_audit_trains_attacks_and_records_an_attack_that_does_not_apply(capsys, tmp_path, monkeypatch):
+    fakes = Fakes(monkeypatch)
+    code, out, err, summary = audit_cli(capsys, tmp_path)
+    assert code == 0, err
+    assert [c["id"] for c in summary["configurations"]] == SWEEP_IDS and summary["pending"] == []
+    assert set(statuses(summary).values()) == {"done"}
+    fedavg = summary["configurations"][3]
+    assert fedavg["attacks"]["invert-decoder"]["status"] == "not applicable"
+    assert "uploads no patch features" in fedavg["attacks"]["invert-decoder"]["reason"]
+    half = summary["configurations"][1]
+    assert half["group"] == half["id"] and half["accuracy"] == pytest.approx(0.45)
+    assert half["attacks"]["invert-decoder"]["figures"]["psnr_kept"] == 25.0
+    assert (tmp_path / "out" / half["attacks"]["invert-decoder"]["report"]).is_file()
+    assert RunDirectory.open(tmp_path / "out" / half["run"]).config().mask_ratio == 0.5
+    assert "invert-decoder" in out and "not applicable" in out  # the final table
+    assert len(fakes.trained) == 5 * 2 and len(fakes.attacked) == 5 * 2
+
+
+def test_an_interrupted_audit_continues_where_it_stopped(capsys, tmp_path, monkeypatch):
+    first = Fakes(monkeypatch, interrupt_at=3)  # Ctrl-C after round 1 of the third configuration
+    code, _, err, _ = audit_cli(capsys, tmp_path)
+    assert code == 130 and "run the same eftguard audit command again" in err
+    assert first.trained[-1] == ("eftvit", 0.75, 1)
+    rerun = Fakes(monkeypatch)
+    code, _, err, summary = audit_cli(capsys, tmp_path)
+    assert code == 0, err
+    # the third configuration resumes at round 2; the first two are neither trained nor attacked again
+    assert rerun.trained == [("eftvit", 0.75, 2), ("fedavg", 0.75, 1), ("fedavg", 0.75, 2), ("eftvit", 0.9, 1),
+                             ("eftvit", 0.9, 2)]
+    assert {(method, ratio) for method, ratio, _ in rerun.attacked} == {("eftvit", 0.75), ("fedavg", 0.75),
+                                                                       ("eftvit", 0.9)}
+    assert set(statuses(summary).values()) == {"done"}
+
+
+def test_a_failing_configuration_does_not_stop_the_others(capsys, tmp_path, monkeypatch):
+    fakes = Fakes(monkeypatch, fail_at=2)
+    code, _, err, summary = audit_cli(capsys, tmp_path)
+    assert code == 1
+    assert statuses(summary) == {**dict.fromkeys(SWEEP_IDS, "done"), "mask_ratio=0.5,method=eftvit": "failed"}
+    failed = summary["configurations"][1]
+    assert failed["error"] == "training: RuntimeError: CUDA out of memory"
+    assert "eftguard: configuration mask_ratio=0.5,method=eftvit failed: training: RuntimeError: CUDA out of memory" in err
+    assert len(fakes.trained) == 4 * 2 + 1
+    again = Fakes(monkeypatch)  # a rerun retries the failed one only
+    code, _, err, summary = audit_cli(capsys, tmp_path)
+    assert code == 0, err
+    assert again.trained == [("eftvit", 0.5, 1), ("eftvit", 0.5, 2)]
+
+
+def test_an_attack_that_crashes_fails_its_configuration_and_the_next_attacks_still_run(capsys, tmp_path,
+                                                                                        monkeypatch):
+    fakes = Fakes(monkeypatch)
+    real_attack = fakes.attack
+
+    def crash_on_invert(run, family, *args, **kwargs):
+        if family == "invert":
+            raise ValueError("decoder diverged: NaN loss")
+        return real_attack(run, family, *args, **kwargs)
+    monkeypatch.setattr(audit_api, "run_attack", crash_on_invert)
+    code, _, err, summary = audit_cli(capsys, tmp_path)
+    assert code == 1
+    half = summary["configurations"][1]
+    assert half["status"] == "failed" and half["error"] == "invert-decoder: ValueError: decoder diverged: NaN loss"
+    assert half["attacks"]["labels-head"]["status"] == "done"
+
+
+# --- gates --------------------------------------------------------------------------------------------------------
+
+def test_gates_pass_and_fail_as_written(capsys, tmp_path, monkeypatch):
+    Fakes(monkeypatch)
+    code, _, err, summary = audit_cli(capsys, tmp_path, "--gate", "invert.psnr_kept < 30.5", "--gate", "labels.l1 > 0.1")
+    assert code == 0, err
+    assert [g["passed"] for g in summary["gates"]] == [True, True]
+    code, _, err, summary = audit_cli(capsys, tmp_path, "--gate", "invert.psnr_kept < 25",
+                                      "--gate", "labels-head.l1 >= 0.25")
+    assert code == 1
+    crossings = [(f["configuration"], f["figure"], f["value"]) for g in summary["gates"] for f in g["failures"]]
+    assert crossings == [("mask_ratio=0.0,method=eftvit", "invert-decoder.psnr_kept", 30.0),
+                         ("mask_ratio=0.5,method=eftvit", "invert-decoder.psnr_kept", 25.0),
+                         ("mask_ratio=0.0,method=eftvit", "labels-head.l1", 0.2)]
+    assert ("eftguard: gate 'invert.psnr_kept < 25' does not hold for mask_ratio=0.5,method=eftvit: "
+            "invert-decoder.psnr_kept = 25.000") in err
+
+
+def test_a_gate_with_an_unknown_figure_lists_the_figures_that_exist(capsys, tmp_path, monkeypatch):
+    fakes = Fakes(monkeypatch)
+    code, _, err, _ = audit_cli(capsys, tmp_path, "--gate", "invert.psnr_kep < 18")  # no attack has it: before training
+    assert code == 2 and fakes.trained == []
+    assert "eftguard: error: --gate 'invert.psnr_kep < 18': no attack reports a figure 'psnr_kep'; figures: psnr, " in err
+    code, _, err, summary = audit_cli(capsys, tmp_path, "--gate", "labels.psnr < 18")  # label attacks do not: after
+    assert code == 2 and len(fakes.trained) == 10
+    assert err.strip().splitlines()[-1] == ("eftguard: error: --gate 'labels.psnr < 18': labels reports no figure "
+                                            "'psnr'; its figures: baseline.l1, l1")
+    assert summary["gates"] == [] and len(summary["configurations"]) == 5  # the results are kept all the same
+
+
+@pytest.mark.parametrize("gate, expected", [
+    ("inverse.psnr < 18", "'inverse' is neither an attack family nor an attack of this audit; choose from "
+                          "gradient, invert, invert-decoder, labels, labels-head"),
+    ("invert.psnr << 18", "write ATTACK.FIGURE OP NUMBER"),
+    ("invert.psnr < nan", "write ATTACK.FIGURE OP NUMBER"),
+])
+def test_a_malformed_gate_is_refused_before_training(capsys, tmp_path, monkeypatch, gate, expected):
+    fakes = Fakes(monkeypatch)
+    code, _, err, _ = audit_cli(capsys, tmp_path, "--gate", gate)
+    assert code == 2 and expected in err and err.count("\n") == 1, err
+    assert fakes.trained == []
+
+
+# --- shards and reuse -----------------------------------------------------------------------------------------------
+
+def test_shards_are_disjoint_cover_the_grid_and_merge(capsys, tmp_path, monkeypatch):
+    trained_by_shard = []
+    for shard in ("1/3", "2/3"):
+        fakes = Fakes(monkeypatch)
+        code, _, err, summary = audit_cli(capsys, tmp_path, "--shard", shard)
+        assert code == 0 and summary is None, err  # each shard writes its own summary
+        trained_by_shard.append({(m, r) for m, r, _ in fakes.trained})
+    assert trained_by_shard == [{("eftvit", 0.0), ("fedavg", 0.75)}, {("eftvit", 0.5), ("eftvit", 0.9)}]
+    summary = json.loads((tmp_path / "out" / "shards" / "2-of-3" / "summary.json").read_text())
+    assert summary["pending"] == ["mask_ratio=0.75,method=eftvit"] and len(summary["configurations"]) == 4
+    merge = Fakes(monkeypatch)  # no --shard: the third shard's part is all that is left
+    code, _, err, summary = audit_cli(capsys, tmp_path)
+    assert code == 0, err
+    assert {(m, r) for m, r, _ in merge.trained} == {("eftvit", 0.75)}
+    assert [c["id"] for c in summary["configurations"]] == SWEEP_IDS and summary["pending"] == []
+
+
+def test_a_bad_shard_is_refused(capsys, tmp_path, monkeypatch):
+    Fakes(monkeypatch)
+    code, _, err, _ = audit_cli(capsys, tmp_path, "--shard", "0/3")
+    assert code == 2 and "--shard must be I/N with 1 <= I <= N" in err
+
+
+def test_reuse_is_refused_when_the_config_or_the_code_version_changed(capsys, tmp_path, monkeypatch):
+    Fakes(monkeypatch)
+    assert audit_cli(capsys, tmp_path)[0] == 0
+    same = Fakes(monkeypatch)
+    assert audit_cli(capsys, tmp_path)[0] == 0
+    assert same.trained == [] and same.attacked == []  # runs and reports reused
+    changed = Fakes(monkeypatch)
+    assert audit_cli(capsys, tmp_path, text=SWEEP.replace("rounds = 2", "rounds = 1"))[0] == 0
+    assert len(changed.trained) == 5 and len(changed.attacked) == 10
+    monkeypatch.setattr(grid, "code_version", lambda: "0.1.0+edited")
+    new_code = Fakes(monkeypatch)
+    code, _, _, summary = audit_cli(capsys, tmp_path, text=SWEEP.replace("rounds = 2", "rounds = 1"))
+    assert code == 0 and len(new_code.trained) == 5
+    assert {c["code_version"] for c in summary["configurations"]} == {"0.1.0+edited"}
+
+
+def test_a_changed_attack_option_reruns_that_attack_only(capsys, tmp_path, monkeypatch):
+    Fakes(monkeypatch)
+    assert audit_cli(capsys, tmp_path)[0] == 0
+    rerun = Fakes(monkeypatch)
+    assert audit_cli(capsys, tmp_path, text=SWEEP.replace("steps = 5", "steps = 6"))[0] == 0
+    assert rerun.trained == [] and {family for _, _, family in rerun.attacked} == {"invert"}
+
+
+def test_a_changed_config_under_the_same_id_is_not_taken_from_the_old_results(tmp_path, monkeypatch):
+    Fakes(monkeypatch)
+    audit = parse_audit({"train": {"rounds": 1}, "grid": {"method": ["eftvit"]}}, "a.toml")
+    grid.run_audit(audit, tmp_path)
+    other = parse_audit({"train": {"rounds": 1, "lr": 0.01}, "grid": {"method": ["eftvit"]}}, "a.toml")
+    assert grid.collect(other, tmp_path) == ([], ["method=eftvit"])
+
+
+def test_the_demo_is_an_audit_of_both_methods(monkeypatch):
+    args = cli.build_parser().parse_args(["demo", "--rounds", "2", "--attack-steps", "7", "--lpips-backend",
+                                          "stlpips-alex"])
+    audit = cli.demo_audit(args)
+    assert [c.id for c in audit.configurations] == ["method=eftvit", "method=fedavg"]
+    assert {(c.config.rounds, c.config.train_samples, c.config.test_samples) for c in audit.configurations} == {
+        (2, 1500, 500)}
+    assert [(a.name, a.options) for a in audit.attacks] == [
+        ("invert-decoder", {"steps": 7, "max_images": 32, "lpips_backend": "stlpips-alex"}), ("labels-head", {})]
+    no_inversion = cli.demo_audit(cli.build_parser().parse_args(["demo", "--attack-steps", "0"]))
+    assert [a.name for a in no_inversion.attacks] == ["labels-head"]
+
+
+def test_every_experiment_file_is_a_valid_audit(tmp_path, monkeypatch):
+    experiments = Path(__file__).resolve().parent.parent / "experiments"
+    cpu_scale = sorted(experiments.glob("*.toml"))
+    for path in cpu_scale:
+        assert grid.read_audit(path).configurations[0].config.dataset == "photos", path
+    for folder in ("data/cifar10", "data/cifar100", "data/UCMerced_LandUse/Images"):  # the paper files' data
+        (tmp_path / folder).mkdir(parents=True)
+    monkeypatch.chdir(tmp_path)
+    paper_scale = sorted((experiments / "paper").glob("*.toml"))
+    assert {grid.read_audit(path).configurations[0].config.model for path in paper_scale} == {"vit-b16-224"}
+    assert len(cpu_scale) >= 7 and len(paper_scale) >= 5
+
+
+@pytest.mark.slow
+def test_a_real_audit_trains_attacks_reuses_and_gates(tmp_path):
+    """The real thing, as a user runs it: tiny runs through Flower's simulation, the real attacks, a rerun that
+    reuses everything, and a gate that fails."""
+    import os
+    import subprocess
+    import sys
+
+    audit_file = tmp_path / "tiny.toml"
+    audit_file.write_text("""
+[train]
+rounds = 1
+clients = 2
+train_samples = 100
+test_samples = 40
+batch_size = 32
+
+[grid]
+method = ["eftvit", "fedavg"]
+
+[[attack]]
+family = "invert"
+steps = 3
+max_images = 4
+lpips_backend = "stlpips-alex"
+
+[[attack]]
+family = "labels"
+""")
+    env = {**os.environ, "HF_HUB_OFFLINE": "1", "FLWR_TELEMETRY_ENABLED": "0", "FLWR_DISABLE_UPDATE_CHECK": "1"}
+
+    def audit(*argv):
+        return subprocess.run([sys.executable, "-m", "eftguard.cli", "audit", str(audit_file), "--out",
+                               str(tmp_path / "out"), *argv], env=env, capture_output=True, text=True, timeout=400)
+
+    first = audit("--gate", "invert.psnr_kept < 100")
+    assert first.returncode == 0, first.stderr[-3000:]
+    summary = json.loads((tmp_path / "out" / "summary.json").read_text())
+    eftvit, fedavg = summary["configurations"]
+    assert eftvit["id"] == "method=eftvit" and eftvit["status"] == fedavg["status"] == "done"
+    report = tmp_path / "out" / eftvit["attacks"]["invert-decoder"]["report"]
+    assert json.loads(report.read_text())["attack"] == "invert-decoder"
+    assert eftvit["attacks"]["invert-decoder"]["figures"]["psnr_kept"] > 0
+    assert eftvit["attacks"]["labels-head"]["status"] == "done"
+    assert fedavg["attacks"]["invert-decoder"]["status"] == "not applicable"
+    assert summary["gates"][0]["passed"] is True
+    again = audit("--gate", "invert.psnr_kept < 1")
+    assert again.returncode == 1
+    assert "reusing the finished run" in again.stderr and "invert-decoder: reusing its report" in again.stderr
+    assert "gate 'invert.psnr_kept < 1' does not hold for method=eftvit: invert-decoder.psnr_kept" in again.stderr
+
+
+def test_the_epsilon_of_a_configuration_is_its_weakest_clients():
+    records = [{"round": 1, "epsilon": {"0": 0.5, "1": 0.7}}, {"round": 2, "epsilon": {"0": 0.98}}]
+    assert grid.spent_epsilon(records) == 0.98
+    assert grid.spent_epsilon([{"round": 1, "epsilon": None}]) is None

@@ -1,0 +1,141 @@
+"""The docs that ship with the repository stay true to it: every relative link reaches a file (and a heading, when
+it names one), every docs/ page the code cites exists, the README's quickstart commands parse with the current
+CLI, and every measured table in docs/results.md comes with the command that produced it."""
+
+from __future__ import annotations
+
+import re
+import shlex
+from pathlib import Path
+from urllib.parse import unquote
+
+import pytest
+from markdown_it import MarkdownIt
+
+from eftguard.cli import build_parser
+
+ROOT = Path(__file__).resolve().parent.parent
+PAGES = [ROOT / "README.md", ROOT / "experiments" / "README.md", *sorted((ROOT / "docs").glob("*.md"))]
+
+MARKDOWN = MarkdownIt("commonmark").enable("table")
+
+
+def tokens_of(page: Path) -> list:
+    """Block tokens with their inline children flattened in, so links inside tables and lists are seen too."""
+    flat = []
+    for token in MARKDOWN.parse(page.read_text()):
+        flat.append(token)
+        flat.extend(token.children or ())
+    return flat
+
+
+def slug(heading: str) -> str:
+    """GitHub's anchor for a heading: lower case, punctuation dropped (letters of any script, digits, '_' and '-'
+    kept), spaces to hyphens."""
+    return re.sub(r"[^\w\- ]", "", heading.lower()).replace(" ", "-")
+
+
+def anchors(page: Path) -> set[str]:
+    found, seen = set(), {}
+    tokens = MARKDOWN.parse(page.read_text())
+    for opening, inline in zip(tokens, tokens[1:]):
+        if opening.type == "heading_open":
+            base = slug("".join(child.content for child in inline.children))
+            count = seen.get(base, 0)
+            seen[base] = count + 1
+            found.add(base if count == 0 else f"{base}-{count}")
+    return found
+
+
+def relative_links() -> list[tuple[str, Path, str]]:
+    """(page, page path, target) for every link and image whose target is not a URL."""
+    links = []
+    for page in PAGES:
+        for token in tokens_of(page):
+            target = token.attrGet("href") if token.type == "link_open" else (
+                token.attrGet("src") if token.type == "image" else None)
+            if target and not re.match(r"[a-z][a-z0-9+.-]*:", target):
+                links.append((page.relative_to(ROOT).as_posix(), page, unquote(target)))  # markdown-it %-encodes
+    return links
+
+
+def test_the_pages_have_links_to_check():
+    """Guards the link test below against a parser change that would find no links and check nothing."""
+    pages_with_links = {name for name, _, _ in relative_links()}
+    assert {"README.md", "docs/results.md", "docs/architecture.md"} <= pages_with_links
+
+
+@pytest.mark.parametrize("name, page, target", relative_links(), ids=lambda v: v if isinstance(v, str) else "")
+def test_relative_link_resolves(name, page, target):
+    path_part, _, anchor = target.partition("#")
+    file = (page.parent / path_part).resolve() if path_part else page
+    rel = file.relative_to(ROOT).as_posix() if file.is_relative_to(ROOT) else str(file)
+    assert file.exists(), f"{name}: link to {target}: {rel} does not exist"
+    if anchor and file.suffix == ".md":
+        assert anchor in anchors(file), f"{name}: link to {target}: {rel} has no heading with anchor #{anchor}"
+
+
+def cited_pages() -> list[tuple[str, str]]:
+    """(source file, page) for every page under docs/ that a docstring, comment or message of the code names."""
+    sources = [file for folder in ("eftguard", "attacks", "defenses", "experiments", "tests")
+               for file in (ROOT / folder).rglob("*.py")]
+    return sorted({(file.relative_to(ROOT).as_posix(), page) for file in sources
+                   for page in re.findall(r"\bdocs/[\w-]+\.md\b", file.read_text())})
+
+
+def test_the_code_cites_pages():
+    assert any(page == "docs/run-directory.md" for _, page in cited_pages())  # eftguard/rundir.py's docstring
+
+
+@pytest.mark.parametrize("source, page", cited_pages())
+def test_a_page_the_code_cites_exists(source, page):
+    assert (ROOT / page).is_file(), f"{source} cites {page}, which does not exist"
+
+
+def quickstart_commands() -> list[str]:
+    """The `eftguard ...` lines of the code blocks in README.md's Quickstart section."""
+    tokens = MARKDOWN.parse((ROOT / "README.md").read_text())
+    commands, inside = [], False
+    for opening, inline in zip(tokens, tokens[1:]):
+        if opening.type == "heading_open" and opening.tag == "h2":
+            inside = inline.content.strip() == "Quickstart"
+        elif inside and opening.type in ("code_block", "fence"):
+            commands += [line.strip() for line in opening.content.splitlines() if line.strip().startswith("eftguard ")]
+    return commands
+
+
+def test_the_quickstart_shows_train_attack_report_and_audit():
+    subcommands = {shlex.split(line, comments=True)[1] for line in quickstart_commands()}
+    assert {"train", "attack", "report", "audit"} <= subcommands
+
+
+@pytest.mark.parametrize("line", quickstart_commands())
+def test_quickstart_command_parses(line, capsys):
+    argv = shlex.split(line, comments=True)[1:]
+    try:
+        args = build_parser().parse_args(argv)
+    except SystemExit:
+        pytest.fail(f"README quickstart: `{line}` does not parse: {capsys.readouterr().err.strip().splitlines()[-1]}")
+    assert args.command == argv[0]
+
+
+def results_sections() -> list[tuple[str, list]]:
+    """docs/results.md split at its level-2 headings: (heading, tokens)."""
+    tokens = tokens_of(ROOT / "docs" / "results.md")
+    sections = []
+    for opening, inline in zip(tokens, tokens[1:]):
+        if opening.type == "heading_open" and opening.tag == "h2":
+            sections.append((inline.content, []))
+        elif sections:
+            sections[-1][1].append(opening)
+    return sections
+
+
+def test_every_measured_table_comes_with_its_command():
+    sections = results_sections()
+    with_tables = [(heading, body) for heading, body in sections if any(t.type == "table_open" for t in body)]
+    assert len(with_tables) >= 6  # training, round time, DP (2), inversion (2), gradient, labels
+    command = re.compile(r"^\s*(\S+=\S+ )*(time )?(eftguard|python|pytest|bash) ", re.MULTILINE)
+    for heading, body in with_tables:
+        code = "\n".join(t.content for t in body if t.type in ("code_block", "fence", "code_inline"))
+        assert command.search(code), f"docs/results.md, section '{heading}': a table without the command behind it"

@@ -1,0 +1,321 @@
+"""The deployment's key material, called directly: encryption at rest, SuperNode keys and TLS certificates.
+Each test is an accident or an attack on a file (a moved ciphertext, a key readable by others, a certificate a
+client should not trust). Fast enough for the mutation check of defenses/ (docs/mutation.md)."""
+
+import datetime as dt
+import hashlib
+import ipaddress
+import os
+import stat
+import time
+
+import pytest
+from cryptography import x509
+from cryptography.hazmat.primitives import hashes
+from cryptography.hazmat.primitives.asymmetric import ec
+from cryptography.hazmat.primitives.ciphers.aead import AESGCM
+from cryptography.hazmat.primitives.serialization import (Encoding, load_pem_private_key, load_ssh_private_key,
+                                                          load_ssh_public_key)
+from cryptography.x509.oid import ExtendedKeyUsageOID, NameOID
+
+from defenses import at_rest, tls
+from defenses.at_rest import AtRestError, create_key, decrypt, encrypt, fingerprint, read_key
+from defenses.node_auth import write_node_key
+from defenses.tls import CertificateError, issue_certificates, read_ca_certificates, write_certificates
+
+
+def mode(path):
+    return stat.S_IMODE(path.stat().st_mode)
+
+
+# --- encryption at rest -----------------------------------------------------------------------------------------
+
+def test_new_key_is_32_random_bytes_in_a_file_only_its_owner_reads(tmp_path):
+    key = create_key(tmp_path / "key")
+    assert (tmp_path / "key").read_text() == key.hex() + "\n" and len(key) == 32 and mode(tmp_path / "key") == 0o600
+    assert read_key(tmp_path / "key") == key != create_key(tmp_path / "other")
+
+
+def test_creating_a_key_never_overwrites_one(tmp_path):
+    key = create_key(tmp_path / "key")
+    with pytest.raises(FileExistsError):
+        create_key(tmp_path / "key")
+    assert read_key(tmp_path / "key") == key
+
+
+def test_key_file_with_surrounding_whitespace_reads(tmp_path):
+    (tmp_path / "key").write_text("\n  " + "ab" * 32 + "  \n\n")
+    assert read_key(tmp_path / "key") == bytes([0xAB]) * 32
+
+
+@pytest.mark.parametrize("content, message", [
+    (None, "key file {path} does not exist$"),
+    ("folder", r"key file {path} cannot be read \(Is a directory\): give the key file itself$"),
+    ("zz-not-hex\n", "key file {path} is not a hex-encoded key$"),
+    ("ab" * 16, "key file {path} holds 16 bytes, expected 32$"),
+    ("ab" * 33, "key file {path} holds 33 bytes, expected 32$"),
+])
+def test_unusable_key_file_is_named_with_the_problem(tmp_path, content, message):
+    path = tmp_path / "key"
+    if content == "folder":
+        path.mkdir()
+    elif content is not None:
+        path.write_text(content)
+    with pytest.raises(AtRestError, match="^" + message.format(path=path)):
+        read_key(path)
+
+
+def test_fingerprint_is_stable_and_reveals_nothing_of_the_key():
+    """Manifests written earlier name their key by this value: it must not change between versions."""
+    key = bytes(range(32))
+    assert fingerprint(key) == "b5fbca4cc244da24"
+    assert fingerprint(key) not in (key.hex(), hashlib.sha256(key).hexdigest()[:16])
+    assert fingerprint(bytes(32)) != fingerprint(key)
+
+
+def test_ciphertext_is_aes_gcm_with_a_fresh_nonce_bound_to_the_files_place():
+    key, plaintext = bytes(range(32)), b"client 0's uploaded features"
+    first, second = encrypt(key, plaintext, "round-1/client-0"), encrypt(key, plaintext, "round-1/client-0")
+    header = len(at_rest.MAGIC)
+    assert first[:header] == second[:header] == b"EFTG-AESGCM-1\n" and first[header:header + 12] != second[header:header + 12]
+    assert AESGCM(key).decrypt(first[header:header + 12], first[header + 12:], b"round-1/client-0") == plaintext
+    assert decrypt(key, first, "round-1/client-0") == decrypt(key, second, "round-1/client-0") == plaintext
+
+
+@pytest.mark.parametrize("attack", ["moved", "wrong key", "altered", "nonce altered"])
+def test_moved_altered_or_foreign_ciphertext_does_not_decrypt(attack):
+    key = bytes(range(32))
+    blob = bytearray(encrypt(key, b"truth", "round-1/client-0"))
+    context = "round-1/client-1" if attack == "moved" else "round-1/client-0"
+    if attack == "wrong key":
+        key = bytes(32)
+    if attack == "altered":
+        blob[-1] ^= 1
+    if attack == "nonce altered":
+        blob[len(at_rest.MAGIC)] ^= 1
+    with pytest.raises(AtRestError, match=f"^{context} does not decrypt: wrong key, or the file was altered or moved$"):
+        decrypt(key, bytes(blob), context)
+
+
+def test_file_that_is_not_ours_is_named():
+    with pytest.raises(AtRestError, match="^round-1/client-0 is not an eftguard encrypted file$"):
+        decrypt(bytes(32), b"EFTG-AESGCM-0\n" + bytes(40), "round-1/client-0")
+
+
+# --- SuperNode keys ---------------------------------------------------------------------------------------------
+
+def test_node_key_is_a_p256_openssh_pair_in_a_new_folder(tmp_path):
+    private, public = write_node_key(tmp_path / "node-1" / "keys" / "node")
+    assert (private, public) == (tmp_path / "node-1" / "keys" / "node", tmp_path / "node-1" / "keys" / "node.pub")
+    assert private.read_bytes().startswith(b"-----BEGIN OPENSSH PRIVATE KEY-----") and mode(private) == 0o600
+    key = load_ssh_private_key(private.read_bytes(), None)
+    assert isinstance(key.curve, ec.SECP256R1)
+    assert public.read_bytes().startswith(b"ecdsa-sha2-nistp256 ") and public.read_bytes().endswith(b"\n")
+    assert load_ssh_public_key(public.read_bytes()) == key.public_key()
+
+
+@pytest.mark.parametrize("existing", ["node", "node.pub"])
+def test_node_key_refuses_to_replace_either_file_without_force(tmp_path, existing):
+    (tmp_path / existing).write_bytes(b"registered\n")
+    with pytest.raises(CertificateError, match=f"^{tmp_path / existing} already exists: pass --force to replace it "
+                                               r"\(then register the new key\)$"):
+        write_node_key(tmp_path / "node")
+    assert [p.name for p in tmp_path.iterdir()] == [existing]
+
+
+def test_forced_node_key_is_new_and_private_even_over_a_readable_file(tmp_path):
+    private, public = write_node_key(tmp_path / "node")
+    old = private.read_bytes()
+    os.chmod(private, 0o644)
+    write_node_key(tmp_path / "node", force=True)
+    assert private.read_bytes() != old and mode(private) == 0o600
+    assert load_ssh_public_key(public.read_bytes()) == load_ssh_private_key(private.read_bytes(), None).public_key()
+
+
+# --- TLS certificates -------------------------------------------------------------------------------------------
+
+NOW = dt.datetime(2026, 1, 2, 3, 4, 5, tzinfo=dt.timezone.utc)
+
+
+@pytest.fixture
+def issued():
+    """Function-scoped (milliseconds): the mutation check credits a module-scoped fixture to its first test only."""
+    return issue_certificates(("fl.example.org", "10.0.0.5"), now=NOW)
+
+
+def extension(certificate, kind):
+    found = certificate.extensions.get_extension_for_class(kind)
+    return found.value, found.critical
+
+
+def names(certificate):
+    return {(a.oid, a.value) for a in certificate.subject}
+
+
+def test_ca_may_sign_certificates_and_nothing_else_for_ten_years(issued):
+    ca_key, ca, _, _ = issued
+    assert isinstance(ca_key.curve, ec.SECP256R1) and isinstance(ca.signature_hash_algorithm, hashes.SHA256)
+    assert names(ca) == {(NameOID.ORGANIZATION_NAME, "eftguard"), (NameOID.COMMON_NAME, "eftguard CA")}
+    assert ca.issuer == ca.subject and ca.public_key() == ca_key.public_key()
+    assert (ca.not_valid_before_utc, ca.not_valid_after_utc) == (NOW - dt.timedelta(minutes=5),
+                                                                 NOW + dt.timedelta(days=3650))
+    assert extension(ca, x509.BasicConstraints) == (x509.BasicConstraints(ca=True, path_length=0), True)
+    assert extension(ca, x509.KeyUsage) == (x509.KeyUsage(
+        digital_signature=False, content_commitment=False, key_encipherment=False, data_encipherment=False,
+        key_agreement=False, key_cert_sign=True, crl_sign=True, encipher_only=False, decipher_only=False), True)
+    assert extension(ca, x509.SubjectKeyIdentifier) == (
+        x509.SubjectKeyIdentifier.from_public_key(ca_key.public_key()), False)
+    ca.verify_directly_issued_by(ca)
+
+
+def test_server_certificate_is_a_signed_end_entity_for_the_given_names(issued):
+    ca_key, ca, server_key, server = issued
+    assert isinstance(server_key.curve, ec.SECP256R1) and isinstance(server.signature_hash_algorithm, hashes.SHA256)
+    assert names(server) == {(NameOID.ORGANIZATION_NAME, "eftguard"), (NameOID.COMMON_NAME, "fl.example.org")}
+    assert server.issuer == ca.subject and server.public_key() == server_key.public_key()
+    assert server.serial_number != ca.serial_number
+    assert (server.not_valid_before_utc, server.not_valid_after_utc) == (NOW - dt.timedelta(minutes=5),
+                                                                         NOW + dt.timedelta(days=825))
+    assert extension(server, x509.BasicConstraints) == (x509.BasicConstraints(ca=False, path_length=None), True)
+    assert extension(server, x509.KeyUsage) == (x509.KeyUsage(
+        digital_signature=True, content_commitment=False, key_encipherment=False, data_encipherment=False,
+        key_agreement=True, key_cert_sign=False, crl_sign=False, encipher_only=False, decipher_only=False), True)
+    assert extension(server, x509.ExtendedKeyUsage) == (x509.ExtendedKeyUsage([ExtendedKeyUsageOID.SERVER_AUTH]), False)
+    assert extension(server, x509.SubjectAlternativeName) == (x509.SubjectAlternativeName(
+        [x509.DNSName("fl.example.org"), x509.IPAddress(ipaddress.ip_address("10.0.0.5"))]), False)
+    assert extension(server, x509.AuthorityKeyIdentifier) == (
+        x509.AuthorityKeyIdentifier.from_issuer_public_key(ca_key.public_key()), False)
+    server.verify_directly_issued_by(ca)
+
+
+def test_server_common_name_is_cut_to_the_64_characters_x509_allows():
+    long_name = ".".join(["a" * 63, "b" * 63])
+    _, _, _, server = issue_certificates((long_name,), now=NOW)
+    assert server.subject.get_attributes_for_oid(NameOID.COMMON_NAME)[0].value == long_name[:64]
+
+
+def test_certificates_are_valid_from_now_by_default():
+    before = dt.datetime.now(dt.timezone.utc).replace(microsecond=0)
+    _, ca, _, _ = issue_certificates(("127.0.0.1",))
+    after = dt.datetime.now(dt.timezone.utc)
+    assert before - dt.timedelta(minutes=5) <= ca.not_valid_before_utc <= after - dt.timedelta(minutes=5)
+
+
+@pytest.fixture
+def local_time_3_hours_ahead(monkeypatch):
+    monkeypatch.setenv("TZ", "Etc/GMT-3")
+    time.tzset()
+    yield
+    monkeypatch.undo()
+    time.tzset()
+
+
+def test_certificates_are_valid_now_on_a_machine_whose_clock_is_not_utc(local_time_3_hours_ahead):
+    """A naive local time would be read as UTC: valid only from three hours from now."""
+    _, ca, _, server = issue_certificates(("127.0.0.1",))
+    now = dt.datetime.now(dt.timezone.utc)
+    assert ca.not_valid_before_utc <= now and server.not_valid_before_utc <= now
+
+
+def test_key_files_are_private_from_the_moment_they_are_created(tmp_path, monkeypatch):
+    """Permissions are set when a file is created, not only afterwards by chmod (a reader could open it between)."""
+    monkeypatch.setattr(os, "chmod", lambda path, mode: None)
+    old_umask = os.umask(0o022)
+    try:
+        files = write_certificates(tmp_path)
+    finally:
+        os.umask(old_umask)
+    assert [mode(p) for p in files.all()] == [0o644, 0o600, 0o644, 0o600]
+
+
+@pytest.mark.parametrize("san, kind", [
+    ("a" * 63 + ".example.org", x509.DNSName), (".".join(["a" * 61] * 4) + ".bcdef", x509.DNSName),
+    ("node-1", x509.DNSName), ("1node", x509.DNSName), ("fe80::1", x509.IPAddress), ("10.0.0.5", x509.IPAddress),
+])
+def test_dns_names_of_rfc_1123_and_ip_addresses_are_accepted(san, kind):
+    assert isinstance(tls._san(san), kind)
+
+
+@pytest.mark.parametrize("san", ["a" * 64 + ".org", ".".join(["a" * 61] * 4) + ".bcdefg", "-node", "node-", "a..b",
+                                 "fl.example.org:9092", "https://fl.example.org", "999.1.1.1", "node_1", ""])
+def test_san_that_is_no_address_is_refused_before_any_key_is_made(tmp_path, san):
+    message = (f"--san {san!r} is neither an IP address nor a DNS host name (dot-separated labels of letters, digits "
+               "and inner hyphens; no scheme, path or port): give the address SuperNodes use, e.g. --san "
+               "fl.example.org or --san 10.0.0.5")
+    with pytest.raises(CertificateError) as refused:
+        write_certificates(tmp_path / "certs", ("127.0.0.1", san))
+    assert str(refused.value) == message and not (tmp_path / "certs").exists()
+
+
+def test_certificate_names_keep_order_drop_repeats_and_add_loopback():
+    assert tls.certificate_names(("b.org", "10.0.0.5", "b.org")) == ("b.org", "10.0.0.5", "127.0.0.1")
+    assert tls.certificate_names(("127.0.0.1", "a.org")) == ("127.0.0.1", "a.org")
+
+
+def test_written_files_are_named_as_flower_expects_keys_private_certificates_public(tmp_path):
+    files = write_certificates(tmp_path / "new" / "certs", ("fl.example.org",))
+    assert files.all() == tuple(tmp_path / "new" / "certs" / n for n in ("ca.crt", "ca.key", "server.pem", "server.key"))
+    assert [mode(p) for p in files.all()] == [0o644, 0o600, 0o644, 0o600]
+    ca_key = load_pem_private_key(files.ca_key.read_bytes(), None)
+    [ca] = read_ca_certificates(files.ca_cert)
+    assert ca.public_key() == ca_key.public_key()
+    server = x509.load_pem_x509_certificate(files.server_cert.read_bytes())
+    assert server.public_key() == load_pem_private_key(files.server_key.read_bytes(), None).public_key()
+    sans = extension(server, x509.SubjectAlternativeName)[0]
+    assert sans.get_values_for_type(x509.DNSName) == ["fl.example.org"]
+    assert [str(ip) for ip in sans.get_values_for_type(x509.IPAddress)] == ["127.0.0.1"]
+
+
+def test_forced_rewrite_leaves_no_old_bytes_and_no_readable_key(tmp_path):
+    files = write_certificates(tmp_path)
+    files.server_cert.write_bytes(files.server_cert.read_bytes() * 3)  # longer than the new one
+    os.chmod(files.server_key, 0o644)
+    os.chmod(files.ca_cert, 0o600)
+    write_certificates(tmp_path, force=True)
+    assert len(x509.load_pem_x509_certificates(files.server_cert.read_bytes())) == 1
+    assert [mode(p) for p in files.all()] == [0o644, 0o600, 0o644, 0o600]
+
+
+@pytest.mark.parametrize("existing", ["ca.crt", "ca.key", "server.pem", "server.key"])
+def test_existing_certificate_files_are_not_replaced_without_force(tmp_path, existing):
+    (tmp_path / existing).write_text("in use\n")
+    with pytest.raises(CertificateError, match=rf"^{tmp_path / existing} already exists: pass --force to replace the "
+                                               r"certificates \(SuperNodes then need the new ca.crt\)$"):
+        write_certificates(tmp_path)
+    assert [p.name for p in tmp_path.iterdir()] == [existing]
+
+
+def test_output_that_is_a_file_is_refused(tmp_path):
+    (tmp_path / "out").write_text("x")
+    with pytest.raises(CertificateError, match=f"^--out {tmp_path / 'out'} is a file: give a folder for the "
+                                               "certificate files$"):
+        write_certificates(tmp_path / "out")
+
+
+@pytest.mark.parametrize("content, reason", [(None, "No such file or directory"), (b"", "no PEM certificate in it"),
+                                             (b"-----BEGIN CERTIFICATE-----\nxx\n", "no PEM certificate in it")])
+def test_unreadable_ca_file_is_named_with_the_flag(tmp_path, content, reason):
+    path = tmp_path / "ca.crt"
+    if content is not None:
+        path.write_bytes(content)
+    with pytest.raises(CertificateError, match=rf"^--ca {path} is not a PEM CA certificate \({reason}\): give the "
+                                               "ca.crt written by eftguard certs$"):
+        read_ca_certificates(path, "--ca")
+
+
+def test_server_certificate_given_as_ca_is_refused(tmp_path):
+    files = write_certificates(tmp_path)
+    with pytest.raises(CertificateError, match=rf"^--root-certificates {files.server_cert} is an end-entity "
+                                               "certificate, not a CA: give the ca.crt that signed the SuperLink's "
+                                               "certificate, not server.pem$"):
+        read_ca_certificates(files.server_cert)
+
+
+def test_ca_bundle_without_basic_constraints_is_read_whole(tmp_path, issued):
+    """Public root bundles hold old roots without basicConstraints: every certificate is kept."""
+    ca_key, ca, _, _ = issued
+    bare = (x509.CertificateBuilder().subject_name(ca.subject).issuer_name(ca.subject).public_key(ca_key.public_key())
+            .serial_number(7).not_valid_before(NOW).not_valid_after(NOW + dt.timedelta(days=1))
+            .sign(ca_key, hashes.SHA256()))
+    (tmp_path / "bundle.crt").write_bytes(bare.public_bytes(Encoding.PEM) + ca.public_bytes(Encoding.PEM))
+    assert read_ca_certificates(tmp_path / "bundle.crt") == [bare, ca]
