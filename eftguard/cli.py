@@ -19,10 +19,12 @@ from eftguard.federation.errors import FederationError, Interrupted
 from eftguard.methods import METHODS as METHOD_SPECS, method_spec
 from eftguard.metrics import LPIPS_BACKENDS, MetricError
 from eftguard.model import PRESETS, ModelError
+from eftguard.pretrain import OBJECTIVES, PretrainConfig, PretrainError
 from eftguard.rundir import RunDirectory, RunError, check_new_run_path
 from eftguard.sampling import BALANCE_MODES
 
-USER_ERRORS = (AttackError, ConfigError, DataError, ModelError, RunError, FederationError, CertificateError, MetricError)
+USER_ERRORS = (AttackError, ConfigError, DataError, ModelError, RunError, FederationError, CertificateError,
+               MetricError, PretrainError)
 
 TRAIN_HELP = {
     "dataset": f"dataset: {DATASET_HELP}",
@@ -73,6 +75,19 @@ TRAIN_HELP = {
                      "clipping only)",
     "feature_clip": "without --dp-eps: clip every uploaded token feature to L2 norm C (0: off); with --dp-eps: "
                     "the norm C each image's whole feature row is clipped to (0: 20)",
+}
+PRETRAIN_HELP = {
+    "objective": "supervised (labels of the public split), mae (reconstruct the pixels of masked patches; no labels "
+                 "needed) or both (their sum)",
+    "epochs": "passes over the public split",
+    "batch_size": "batch size",
+    "lr": "peak AdamW learning rate, reached after the warm-up, then cosine decay",
+    "weight_decay": "AdamW weight decay",
+    "warmup_epochs": "epochs of linear learning-rate warm-up",
+    "label_smoothing": "label smoothing of the supervised loss",
+    "mask_ratio": "fraction of patches the MAE objective hides",
+    "augment": "random resized crops (35-100%% of the area) and left-right flips",
+    "seed": "seed of the initialisation, batches, crops and masks",
 }
 CHOICES = {"method": METHODS, "balance": BALANCE_MODES, "federation": FEDERATIONS, "model": tuple(PRESETS),
            "accountant": ACCOUNTANTS}
@@ -230,9 +245,35 @@ def build_parser() -> argparse.ArgumentParser:
     audit.add_argument("--key", type=Path, metavar="KEYFILE",
                        help="at-rest key for the attacks (default: the [train] encrypt_at_rest key file)")
 
+    add_pretrain_parser(sub)
     add_attack_parser(sub)
     add_report_parser(sub)
     return parser
+
+
+def add_pretrain_parser(sub) -> None:
+    pretrain = sub.add_parser("pretrain", help="pretrain the ViT on a dataset's public split, offline "
+                                               "(for eftguard train --checkpoint)",
+                              description="Trains the whole ViT on the dataset's public split only (the server's "
+                                          "own data, never the clients'), with warm-up, cosine decay, random "
+                                          "resized crops and label smoothing, and optionally MAE-style masked-patch "
+                                          "reconstruction. Writes the weights (timm layout, safetensors) for "
+                                          "eftguard train --checkpoint; any --local-layers fits them.")
+    pretrain.add_argument("--dataset", default="photos", help=f"{TRAIN_HELP['dataset']} (default: 'photos')")
+    pretrain.add_argument("--data-dir", default=None, help=TRAIN_HELP["data_dir"])
+    pretrain.add_argument("--model", default="vit-tiny-32", choices=tuple(PRESETS),
+                          help=TRAIN_HELP["model"] + " (default: 'vit-tiny-32')")
+    pretrain.add_argument("--out", type=Path, required=True, metavar="CKPT.safetensors", help="checkpoint to write")
+    pretrain.add_argument("--force", action="store_true", help="replace an existing --out file")
+    defaults = PretrainConfig()
+    for field in dataclasses.fields(PretrainConfig):
+        flag, default = "--" + field.name.replace("_", "-"), getattr(defaults, field.name)
+        help_text = f"{PRETRAIN_HELP[field.name]} (default: {default!r})"
+        if field.type == "bool":
+            pretrain.add_argument(flag, action=argparse.BooleanOptionalAction, default=default, help=help_text)
+        else:
+            pretrain.add_argument(flag, type={"str": str, "int": int, "float": float}[field.type], default=default,
+                                  choices=OBJECTIVES if field.name == "objective" else None, help=help_text)
 
 
 def config_from_args(args: argparse.Namespace) -> TrainConfig:
@@ -443,6 +484,47 @@ def _mean_epoch_seconds(records: list[dict]) -> float:
     return sum(values) / max(len(values), 1)
 
 
+def cmd_pretrain(args: argparse.Namespace) -> None:
+    from rich.console import Console
+    from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
+
+    import torch
+
+    from eftguard.data import load_dataset
+    from eftguard.model import build_model
+    from eftguard.pretrain import check_out_path, pretrain, public_loss, save_pretrained
+    from eftguard.training import evaluate
+
+    cfg = PretrainConfig(**{f.name: getattr(args, f.name) for f in dataclasses.fields(PretrainConfig)})
+    cfg.check()
+    check_out_path(args.out, args.force)
+    dataset = load_dataset(args.dataset, args.data_dir, PRESETS[args.model].image_size)
+    model = build_model(args.model, dataset.num_classes, local_layers=1, seed=cfg.seed)
+    console = Console(stderr=True)
+    console.print(f"pretraining {args.model} on the public split of {args.dataset}: {len(dataset.public)} images "
+                  f"(the clients' {len(dataset.train)} training images are not used), objective {cfg.objective}")
+    bar = Progress(TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(),
+                   TextColumn("loss {task.fields[loss]:.4f}"), TimeElapsedColumn(), console=console)
+    epochs = bar.add_task("epochs", total=cfg.epochs, loss=float("nan"))
+    steps = bar.add_task("steps", total=None, loss=float("nan"))
+    try:
+        with bar:
+            pretrain(model, dataset.public, cfg,
+                     progress=lambda done, total, loss: bar.update(steps, completed=done, total=total, loss=loss),
+                     epoch_done=lambda done, loss: bar.update(epochs, completed=done, loss=loss))
+        save_pretrained(model, args.out, cfg, args.dataset, dataset.class_names)
+    except KeyboardInterrupt:
+        print(f"\ninterrupted; nothing was written to {args.out}", file=sys.stderr)
+        raise SystemExit(130) from None
+    summary = f"wrote {args.out}: public-split loss {public_loss(model, dataset.public):.3f}"
+    if cfg.uses_labels:
+        accuracy = evaluate(model, torch.from_numpy(dataset.test.images), torch.from_numpy(dataset.test.labels))
+        summary += f", test accuracy {accuracy:.3f}"
+    print(summary + f". Start federated training from it (a lower learning rate keeps more of what it learnt): "
+                    f"eftguard train --dataset {args.dataset} --model {args.model} --checkpoint {args.out} "
+                    "--lr 1e-4 --server-lr 1e-4")
+
+
 def cmd_audit(args: argparse.Namespace) -> None:
     from eftguard.audit.gate import parse_gate
     from eftguard.audit.grid import parse_shard, print_summary, read_audit, run_audit
@@ -526,7 +608,7 @@ def main(argv: list[str] | None = None) -> None:
     try:
         commands = {"train": cmd_train, "demo": cmd_demo, "certs": cmd_certs, "superlink": cmd_superlink,
                     "supernode": cmd_supernode, "node-key": cmd_node_key, "register-node": cmd_register_node,
-                    "attack": cmd_attack, "report": cmd_report, "audit": cmd_audit}
+                    "attack": cmd_attack, "report": cmd_report, "audit": cmd_audit, "pretrain": cmd_pretrain}
         commands[args.command](args)
     except USER_ERRORS as exc:
         print(f"eftguard: error: {exc}", file=sys.stderr)

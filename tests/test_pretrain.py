@@ -1,0 +1,169 @@
+"""eftguard pretrain: trains on the public split only, its checkpoint starts federated training with the very
+model it trained, and neither an interruption nor a bad option leaves anything behind."""
+
+import numpy as np
+import pytest
+import safetensors.torch
+import torch
+from PIL import Image
+
+from eftguard.cli import main
+from eftguard.data import Dataset, ImageSet
+from eftguard.model import PRESETS, build_model
+from eftguard.pretrain import PretrainConfig, patchify, pretrain, public_loss, save_pretrained
+
+QUICK = ["--epochs", "1", "--warmup-epochs", "0", "--batch-size", "8"]
+
+
+def write_class_tree(root, per_class=10):
+    """An ImageFolder tree of three classes of random 40x48 px PNGs (as tests/test_data.py builds them)."""
+    rng = np.random.default_rng(0)
+    for name in ("beach", "forest", "river"):
+        (root / name).mkdir(parents=True)
+        for i in range(per_class):
+            Image.fromarray(rng.integers(0, 256, (40, 48, 3), dtype=np.uint8)).save(root / name / f"{i}.png")
+
+
+def two_colour_set(count=32, seed=0) -> ImageSet:
+    """Reddish images (class 0) and bluish ones (class 1): a short pretraining can learn them."""
+    rng = np.random.default_rng(seed)
+    labels = np.arange(count) % 2
+    images = rng.integers(0, 120, (count, 32, 32, 3)).astype(np.uint8)
+    images[labels == 0, :, :, 0] += 130
+    images[labels == 1, :, :, 2] += 130
+    return ImageSet(images, labels.astype(np.int64))
+
+
+class ClientImages:
+    """Stands in for the clients' training split: any use of it beyond its length fails the test."""
+
+    def __init__(self, count):
+        self.count = count
+
+    def __len__(self):
+        return self.count
+
+    def __getattr__(self, name):
+        raise AssertionError(f"pretraining touched the clients' training split (.{name})")
+
+
+def only_line_of(err: str) -> str:
+    lines = err.strip().splitlines()
+    assert len(lines) == 1, err
+    return lines[0]
+
+
+def test_pretraining_reads_only_the_public_split_of_an_imagefolder(tmp_path, monkeypatch, capsys):
+    import eftguard.data
+
+    write_class_tree(tmp_path / "ucm")
+    real = eftguard.data.load_dataset(f"imagefolder:{tmp_path / 'ucm'}", None, 32)
+    guarded = Dataset(real.name, real.class_names, ClientImages(len(real.train)), real.test, real.public)
+    monkeypatch.setattr(eftguard.data, "load_dataset", lambda *args: guarded)
+    out = tmp_path / "ckpt.safetensors"
+    main(["pretrain", "--dataset", f"imagefolder:{tmp_path / 'ucm'}", "--out", str(out), *QUICK])
+    assert out.is_file()
+    assert "on the public split" in capsys.readouterr().err
+    metadata = safetensors.safe_open(str(out), "pt").metadata()
+    assert metadata["classes"] == "beach,forest,river" and metadata["objective"] == "supervised"
+
+
+@pytest.mark.parametrize("objective", ["supervised", "both"])
+def test_checkpoint_gives_the_pretrained_forward_at_any_local_layers(tmp_path, objective):
+    model = build_model("vit-tiny-32", 2, local_layers=1, seed=0)
+    pretrain(model, two_colour_set(16), PretrainConfig(objective=objective, epochs=1, warmup_epochs=0, batch_size=8))
+    out = tmp_path / "ckpt.safetensors"
+    save_pretrained(model, out, PretrainConfig(objective=objective), "test", ("red", "blue"))
+    images = model.normalize(torch.from_numpy(two_colour_set(6, seed=1).images))
+    with torch.no_grad():
+        expected = model.eval()(images)
+        fresh = build_model("vit-tiny-32", 2, local_layers=2, seed=0).eval()(images)
+        assert not torch.allclose(fresh, expected, atol=1e-4)  # pretraining changed the model
+        for local_layers in (2, 11):
+            loaded = build_model("vit-tiny-32", 2, local_layers=local_layers, seed=1, checkpoint=out).eval()
+            torch.testing.assert_close(loaded(images), expected, rtol=0, atol=1e-6)
+
+
+def test_short_pretraining_lowers_the_public_loss():
+    public = two_colour_set(16)
+    model = build_model("vit-tiny-32", 2, local_layers=1, seed=0)
+    before = public_loss(model, public)
+    history = pretrain(model, public, PretrainConfig(objective="supervised", epochs=2, warmup_epochs=0, batch_size=8))
+    assert len(history) == 2
+    assert public_loss(model, public) < 0.5 * before
+
+
+def test_patchify_follows_the_patch_embedding_order():
+    """The MAE target of patch i must be the pixels the patch embedding turns into token i."""
+    model = build_model("vit-tiny-32", 10, local_layers=1, seed=0)
+    images = torch.randn(2, 3, 32, 32)
+    conv = model.local_module.patch_embed
+    as_linear = conv.proj.weight.permute(0, 2, 3, 1).reshape(conv.proj.weight.shape[0], -1)
+    tokens = patchify(images, PRESETS["vit-tiny-32"].patch_size) @ as_linear.T + conv.proj.bias
+    torch.testing.assert_close(tokens, conv(images), rtol=1e-4, atol=1e-4)
+
+
+def test_ctrl_c_while_training_or_saving_leaves_no_file(tmp_path, monkeypatch):
+    write_class_tree(tmp_path / "ucm")
+    out = tmp_path / "ckpt.safetensors"
+    args = ["pretrain", "--dataset", f"imagefolder:{tmp_path / 'ucm'}", "--out", str(out), *QUICK]
+    steps = []
+
+    def step_then_interrupt(self, *a, _step=torch.optim.AdamW.step, **k):
+        steps.append(1)
+        if len(steps) == 1:
+            raise KeyboardInterrupt
+        return _step(self, *a, **k)
+
+    monkeypatch.setattr(torch.optim.AdamW, "step", step_then_interrupt)
+    with pytest.raises(SystemExit) as stopped:
+        main(args)
+    assert stopped.value.code == 130 and list(tmp_path.iterdir()) == [tmp_path / "ucm"]
+
+    def write_half_then_interrupt(tensors, path, metadata=None):
+        with open(path, "wb") as f:
+            f.write(b"\0" * 100)
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(safetensors.torch, "save_file", write_half_then_interrupt)
+    with pytest.raises(SystemExit) as stopped:
+        main(args)
+    assert stopped.value.code == 130 and list(tmp_path.iterdir()) == [tmp_path / "ucm"]
+
+
+def test_diverging_loss_stops_with_one_line_and_no_file(tmp_path, capsys):
+    write_class_tree(tmp_path / "ucm")
+    out = tmp_path / "ckpt.safetensors"
+    with pytest.raises(SystemExit) as stopped:
+        main(["pretrain", "--dataset", f"imagefolder:{tmp_path / 'ucm'}", "--out", str(out), *QUICK, "--lr", "1e30"])
+    assert stopped.value.code == 2
+    err = capsys.readouterr().err  # the progress bars, then the one error line
+    assert "Traceback" not in err and err.count("eftguard: error:") == 1
+    assert err.strip().splitlines()[-1].startswith("eftguard: error: the trained model's outputs are not finite")
+    assert list(tmp_path.iterdir()) == [tmp_path / "ucm"]
+
+
+@pytest.mark.parametrize("flags, message", [
+    (["--epochs", "0"], "--epochs must be at least 1"),
+    (["--warmup-epochs", "3", "--epochs", "3"], "--warmup-epochs must be in"),
+    (["--mask-ratio", "1"], "--mask-ratio must be in (0, 1)"),
+    (["--label-smoothing", "-0.1"], "--label-smoothing must be in [0, 1)"),
+    (["--lr", "nan"], "--lr must be a positive number"),
+    (["--out", "ckpt.pt"], "give a path ending in .safetensors"),
+    (["--out", "EXISTING"], "already exists: pick another path, or pass --force"),
+    (["--out", "FOLDER"], "is a folder"),
+    (["--dataset", "imagefolder:MISSING"], "is not a folder"),
+])
+def test_bad_options_are_one_line_errors(tmp_path, capsys, flags, message):
+    (tmp_path / "existing.safetensors").write_bytes(b"keep me")
+    (tmp_path / "folder.safetensors").mkdir()
+    where = {"EXISTING": tmp_path / "existing.safetensors", "FOLDER": tmp_path / "folder.safetensors",
+             "imagefolder:MISSING": f"imagefolder:{tmp_path / 'missing'}"}
+    flags = [str(where.get(flag, flag)) for flag in flags]
+    before = sorted(tmp_path.iterdir())
+    with pytest.raises(SystemExit) as stopped:
+        main(["pretrain", "--out", str(tmp_path / "new.safetensors"), *flags])
+    assert stopped.value.code == 2
+    line = only_line_of(capsys.readouterr().err)
+    assert line.startswith("eftguard: error: ") and message in line
+    assert sorted(tmp_path.iterdir()) == before and (tmp_path / "existing.safetensors").read_bytes() == b"keep me"
