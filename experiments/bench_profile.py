@@ -1,0 +1,76 @@
+"""Where a client step's time goes that FLOPs do not explain: torch.profiler over the trainer's own step
+(eftguard.training.train_local) for fedavg and eftvit at r_m 0.75, ops grouped into matrix products, attention,
+the optimizer, masking and data handling, and the rest. Findings: docs/bench.md ("Where the time goes").
+
+    python experiments/bench_profile.py [--model vit-tiny-32] [--steps 5] [--batch-size 64]
+"""
+
+from __future__ import annotations
+
+import argparse
+from collections import defaultdict
+
+import torch
+from torch.profiler import ProfilerActivity, profile
+
+from eftguard.config import TrainConfig
+from eftguard.federation.client import run_dataset
+from eftguard.model import build_model
+from eftguard.training import OptimConfig, train_local
+
+GROUPS = {  # op name fragments -> group; the first match wins
+    "matmul": ("addmm", "aten::mm", "aten::bmm", "aten::linear", "aten::matmul", "convolution", "conv2d"),
+    "attention": ("scaled_dot_product", "flash_attention"),
+    "optimizer": ("_foreach", "adamw", "Optimizer", "lerp", "addcdiv", "addcmul"),
+    "masking / data": ("gather", "argsort", "sort", "aten::rand", "aten::index", "permute", "aten::div_",
+                       "aten::contiguous", "randperm", "aten::cat"),
+    "norm / activation": ("layer_norm", "gelu", "softmax", "native_layer_norm"),
+}
+
+
+def group_of(name: str) -> str:
+    lowered = name.lower()
+    return next((group for group, parts in GROUPS.items() if any(p.lower() in lowered for p in parts)), "other")
+
+
+def profile_step(method: str, mask_ratio: float, images, labels, model, steps: int) -> dict[str, float]:
+    """Self CPU seconds per step by group, over `steps` steps after one warm-up call."""
+    def run(epochs: int):
+        return train_local(model, images, labels, method, mask_ratio,
+                           OptimConfig(epochs, len(labels), 1e-3, 0.05), torch.Generator().manual_seed(0))
+
+    run(2)
+    with profile(activities=[ProfilerActivity.CPU]) as prof:
+        result = run(steps)
+    groups: dict[str, float] = defaultdict(float)
+    for event in prof.key_averages():
+        if event.key.startswith("ProfilerStep") or event.key.startswith("##"):
+            continue
+        groups[group_of(event.key)] += event.self_cpu_time_total / 1e6 / steps
+    groups["wall (train_local epoch_seconds)"] = sum(result.epoch_seconds) / steps
+    return dict(groups)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--model", default="vit-tiny-32")
+    parser.add_argument("--steps", type=int, default=5)
+    parser.add_argument("--batch-size", type=int, default=64)
+    args = parser.parse_args()
+    cfg = TrainConfig()
+    data = run_dataset(cfg.dataset, "", args.model, cfg.train_samples, 0, 0)
+    images = torch.from_numpy(data.train.images[:args.batch_size])
+    labels = torch.from_numpy(data.train.labels[:args.batch_size])
+    rows = {}
+    for method, ratio in (("fedavg", 0.0), ("eftvit", 0.75)):
+        model = build_model(args.model, data.num_classes, cfg.local_layers)
+        rows[f"{method} r_m {ratio:g}"] = profile_step(method, ratio, images, labels, model, args.steps)
+    names = sorted({g for row in rows.values() for g in row})
+    print(f"self CPU seconds per step ({args.model}, batch {args.batch_size}, {torch.get_num_threads()} threads)")
+    print(f"{'group':34}" + "".join(f"{k:>18}" for k in rows))
+    for name in names:
+        print(f"{name:34}" + "".join(f"{row.get(name, 0.0):18.4f}" for row in rows.values()))
+
+
+if __name__ == "__main__":
+    main()
