@@ -92,15 +92,16 @@ class Setting:
 
 def client_settings(cfg: BenchConfig) -> list[Setting]:
     """Every method of the table once (a masking method at every mask ratio), the reference first."""
-    methods = [REFERENCE] + [m for m in cfg.methods if m != REFERENCE]
-    return [Setting(m, r) for m in methods for r in (cfg.mask_ratios if METHODS[m].masked else (0.0,))]
+    methods = dict.fromkeys([REFERENCE, *cfg.methods])
+    ratios = tuple(dict.fromkeys(cfg.mask_ratios))
+    return [Setting(m, r) for m in methods for r in (ratios if METHODS[m].masked else (0.0,))]
 
 
 def dp_settings(cfg: BenchConfig) -> list[tuple[Setting, Setting]]:
     """(non-DP, DP-SGD) pairs at the trainer's default mask ratio, for every benched method with DP-SGD."""
     ratio = TrainConfig().mask_ratio
     return [(Setting(m, METHODS[m].mask_ratio(ratio)), Setting(m, METHODS[m].mask_ratio(ratio), dp=True))
-            for m in cfg.methods if METHODS[m].dp_sgd]
+            for m in dict.fromkeys(cfg.methods) if METHODS[m].dp_sgd]
 
 
 # --- FLOPs ------------------------------------------------------------------------------------------------------
@@ -212,63 +213,75 @@ def step_times(progress_times: list[float]) -> list[float]:
 
 # --- the bench --------------------------------------------------------------------------------------------------
 
-def run_bench(cfg: BenchConfig, progress: Progress | None = None) -> dict:
-    """Measure everything (docs/bench.md) and return it as the bench's JSON document."""
-    cfg.validate()
-    say = progress or (lambda message: None)
-    load_before = os.getloadavg()
-    default = TrainConfig()
-    dataset = run_dataset(default.dataset, default.data_dir, cfg.model, default.train_samples, 0, cfg.seed)
-    images = torch.from_numpy(dataset.train.images[:cfg.batch_size])
-    labels = torch.from_numpy(dataset.train.labels[:cfg.batch_size])
-    if len(labels) < cfg.batch_size:
-        raise ConfigError(f"--batch-size {cfg.batch_size} is more than the {len(labels)} training images")
-    client_labels = [dataset.train.labels[p] for p in dirichlet_partition(
-        dataset.train.labels, default.clients, default.beta, default.seed)]
-    models = {m: build_model(cfg.model, dataset.num_classes, default.local_layers, seed=cfg.seed)
-              for m in dict.fromkeys([REFERENCE, *cfg.methods])}
+@dataclass
+class BenchInputs:
+    """What the configurations train on: the first batch of the default run's training images (photos at the
+    model's size), the attacker's public images, and the default run's client partitions (for the upload)."""
 
-    def client_step(setting: Setting) -> Callable[[int], TrainResult]:
-        dp = DPSGD(1.0, default.max_grad_norm, 1.0, cfg.seed) if setting.dp else None  # sample rate 1: whole batch
+    images: torch.Tensor
+    labels: torch.Tensor
+    public: np.ndarray
+    client_labels: list[np.ndarray]
+    num_classes: int
+
+
+def bench_inputs(cfg: BenchConfig, default: TrainConfig) -> BenchInputs:
+    dataset = run_dataset(default.dataset, default.data_dir, cfg.model, default.train_samples, 0, cfg.seed)
+    if len(dataset.train.labels) < cfg.batch_size:
+        raise ConfigError(f"--batch-size {cfg.batch_size} is more than the {len(dataset.train.labels)} training images")
+    partitions = dirichlet_partition(dataset.train.labels, default.clients, default.beta, default.seed)
+    return BenchInputs(torch.from_numpy(dataset.train.images[:cfg.batch_size]),
+                       torch.from_numpy(dataset.train.labels[:cfg.batch_size]), dataset.public.images[:cfg.batch_size],
+                       [dataset.train.labels[p] for p in partitions], dataset.num_classes)
+
+
+class Bench:
+    """One model per method (built as a run builds it), shared by the method's configurations; steps as the
+    trainer takes them, with the default run's hyperparameters."""
+
+    def __init__(self, cfg: BenchConfig, inputs: BenchInputs, default: TrainConfig):
+        self.cfg, self.inputs, self.default = cfg, inputs, default
+        self.models = {m: build_model(cfg.model, inputs.num_classes, default.local_layers, seed=cfg.seed)
+                       for m in dict.fromkeys([REFERENCE, *cfg.methods])}
+
+    def optim(self, epochs: int, lr: float) -> OptimConfig:
+        return OptimConfig(epochs, self.cfg.batch_size, lr, self.default.weight_decay)
+
+    def client_step(self, setting: Setting) -> Callable[[int], TrainResult]:
+        """epochs -> train_local on the batch, one step per epoch (DP-SGD at sample rate 1: the whole batch)."""
+        dp = DPSGD(1.0, self.default.max_grad_norm, 1.0, self.cfg.seed) if setting.dp else None
 
         def run(epochs: int) -> TrainResult:
-            generator = torch.Generator().manual_seed(cfg.seed)
+            generator = torch.Generator().manual_seed(self.cfg.seed)
             with warnings.catch_warnings():  # opacus warns on every step that the input needs no gradient
                 warnings.filterwarnings("ignore", "Full backward hook is firing")
-                return train_local(models[setting.method], images, labels, setting.method, setting.mask_ratio,
-                                   OptimConfig(epochs, cfg.batch_size, default.lr, default.weight_decay), generator,
+                return train_local(self.models[setting.method], self.inputs.images, self.inputs.labels,
+                                   setting.method, setting.mask_ratio, self.optim(epochs, self.default.lr), generator,
                                    dp=dp)
         return run
 
-    settings = client_settings(cfg)
-    pairs = dp_settings(cfg)
-    say(f"counting FLOPs and memory of {len(settings)} client configurations")
-    clients = {}
-    for setting in settings:
-        model, spec = models[setting.method], METHODS[setting.method]
-        flops = count_flops(lambda: client_step(setting)(1))
-        activations = saved_activation_bytes(model, lambda: client_step(setting)(1))
-        clients[setting.key] = {"method": setting.method, "mask_ratio": setting.mask_ratio, "flops": flops,
-                                "memory_bytes": step_memory(model, spec, activations),
-                                "upload_bytes": upload_bytes(model, spec, setting.mask_ratio, client_labels,
-                                                             dataset.num_classes, default.balance, cfg.seed)}
+    def server_step(self, spec: MethodSpec) -> Callable[[int], TrainResult]:
+        """epochs -> train_global on a batch of features the method's clients upload at the default mask ratio."""
+        model = self.models[spec.name]
+        features, _ = extract_features(model, self.inputs.images, spec.mask_ratio(self.default.mask_ratio),
+                                       torch.Generator().manual_seed(self.cfg.seed))
+        labels, lr, seed = self.inputs.labels, self.default.server_lr, self.cfg.seed
+        return lambda epochs: train_global(model, features, labels, self.optim(epochs, lr),
+                                           torch.Generator().manual_seed(seed))
 
-    server_method = next((METHODS[m] for m in cfg.methods if METHODS[m].server_trains), None)
-    server_model = models[server_method.name] if server_method else None
-    plain_only = [plain for plain, _ in pairs if plain not in settings]  # DP's reference at a ratio not benched
-    timed = [Timed(s.key, client_step(s), []) for s in settings + plain_only + [dp for _, dp in pairs]]
-    if server_model is not None:
-        features, _ = extract_features(server_model, images, default.mask_ratio, torch.Generator().manual_seed(0))
+    def client_row(self, setting: Setting) -> dict:
+        """The untimed figures of a client configuration: FLOPs, memory and upload of one step."""
+        model, spec = self.models[setting.method], METHODS[setting.method]
+        flops = count_flops(lambda: self.client_step(setting)(1))
+        activations = saved_activation_bytes(model, lambda: self.client_step(setting)(1))
+        return {"method": setting.method, "mask_ratio": setting.mask_ratio, "flops": flops,
+                "memory_bytes": step_memory(model, spec, activations),
+                "upload_bytes": upload_bytes(model, spec, setting.mask_ratio, self.inputs.client_labels,
+                                             self.inputs.num_classes, self.default.balance, self.cfg.seed)}
 
-        def server_step(epochs: int) -> TrainResult:
-            return train_global(server_model, features, labels, OptimConfig(epochs, cfg.batch_size, default.server_lr,
-                                                                            default.weight_decay),
-                                torch.Generator().manual_seed(cfg.seed))
-        timed.append(Timed("server", server_step, []))
-    say(f"timing {len(timed)} configurations, {cfg.steps} interleaved rounds")
-    interleave(timed, cfg.steps, cfg.warmup, say)
-    times = {entry.key: spread(entry.seconds) for entry in timed}
 
+def add_speedups(clients: dict[str, dict], times: dict[str, dict]) -> None:
+    """Step times, and speed-up, FLOP ratio and their quotient against the reference, into each client row."""
     reference = clients[Setting(REFERENCE, 0.0).key]
     reference_seconds = times[Setting(REFERENCE, 0.0).key]["median"]
     for key, row in clients.items():
@@ -276,6 +289,29 @@ def run_bench(cfg: BenchConfig, progress: Progress | None = None) -> dict:
         row["speedup"] = reference_seconds / row["step_seconds"]["median"]
         row["flop_ratio"] = reference["flops"] / row["flops"]
         row["bound_fraction"] = row["speedup"] / row["flop_ratio"]
+
+
+def run_bench(cfg: BenchConfig, progress: Progress | None = None) -> dict:
+    """Measure everything (docs/bench.md) and return it as the bench's JSON document."""
+    cfg.validate()
+    say = progress or (lambda message: None)
+    load_before = os.getloadavg()
+    default = TrainConfig()
+    bench = Bench(cfg, bench_inputs(cfg, default), default)
+    settings, pairs = client_settings(cfg), dp_settings(cfg)
+    server_method = next((METHODS[m] for m in cfg.methods if METHODS[m].server_trains), None)
+
+    say(f"counting FLOPs and memory of {len(settings)} client configurations")
+    clients = {setting.key: bench.client_row(setting) for setting in settings}
+    plain_only = [plain for plain, _ in pairs if plain not in settings]  # DP's reference at a ratio not benched
+    timed = [Timed(s.key, bench.client_step(s), []) for s in settings + plain_only + [dp for _, dp in pairs]]
+    if server_method:
+        timed.append(Timed("server", bench.server_step(server_method), []))
+    say(f"timing {len(timed)} configurations, {cfg.steps} interleaved rounds")
+    interleave(timed, cfg.steps, cfg.warmup, say)
+    times = {entry.key: spread(entry.seconds) for entry in timed}
+    add_speedups(clients, times)
+
     result = {
         "schema_version": SCHEMA_VERSION,
         "machine": machine(load_before),
@@ -287,13 +323,13 @@ def run_bench(cfg: BenchConfig, progress: Progress | None = None) -> dict:
         "dp": {plain.method: {"mask_ratio": plain.mask_ratio, "step_seconds": times[dp.key],
                               "ratio": times[dp.key]["median"] / times[plain.key]["median"]} for plain, dp in pairs},
     }
-    if server_model is not None:
-        seconds = times["server"]["median"]
-        result["server"] = {"mask_ratio": default.mask_ratio, "step_seconds": times["server"],
-                            "samples_per_second": cfg.batch_size / seconds}
+    if server_method:
+        result["server"] = {"mask_ratio": server_method.mask_ratio(default.mask_ratio),
+                            "step_seconds": times["server"],
+                            "samples_per_second": cfg.batch_size / times["server"]["median"]}
         say("timing the attacks")
-        result["attacks"] = attack_costs(models[server_method.name], server_method, images, labels,
-                                         dataset.public.images[:cfg.batch_size], default.mask_ratio, cfg)
+        result["attacks"] = attack_costs(bench.models[server_method.name], server_method, bench.inputs,
+                                         default.mask_ratio, cfg)
     result["machine"]["loadavg_after"] = list(os.getloadavg())
     return result
 
@@ -305,14 +341,15 @@ def machine(load_before: tuple[float, float, float]) -> dict:
             "device": "cpu", "loadavg_before": list(load_before)}
 
 
-def attack_costs(model: EFTViT, spec: MethodSpec, images: torch.Tensor, labels: torch.Tensor, public: np.ndarray,
-                 mask_ratio: float, cfg: BenchConfig) -> dict:
+def attack_costs(model: EFTViT, spec: MethodSpec, inputs: BenchInputs, mask_ratio: float, cfg: BenchConfig) -> dict:
     """Seconds per 100 decoder-training steps and for one Inverting-Gradients image (its default iterations at
     batch 1), both from the median of `attack_steps` timed steps of the attacks' own code (after `warmup`)."""
     generator = torch.Generator().manual_seed(cfg.seed)
+    images, labels = inputs.images, inputs.labels
     features, keep = extract_features(model, images, mask_ratio, generator)
     local_state = {k: v for k, v in model.state_dict().items() if k.startswith("local_module.")}
-    observation = RoundFeatures(0, [ClientFeatures(0, features, labels, local_state, keep)], model, mask_ratio, public)
+    observation = RoundFeatures(0, [ClientFeatures(0, features, labels, local_state, keep)], model, mask_ratio,
+                                inputs.public)
     decoder = DecoderInversion(ThreatModel(positions_known=True), steps=cfg.warmup + cfg.attack_steps + 1)
     stamps: list[float] = []
     decoder.reconstruct(observation, lambda stage, done, total: stamps.append(time.perf_counter()))

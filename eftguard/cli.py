@@ -210,7 +210,8 @@ def build_parser() -> argparse.ArgumentParser:
                                        "overhead, server feature training and the attacks; prints tables, saves JSON.")
     bench.add_argument("--methods", nargs="+", choices=METHODS, default=list(METHODS), metavar="METHOD",
                        help=f"methods to compare, fedavg included (default: all: {', '.join(METHODS)})")
-    bench.add_argument("--model", choices=tuple(PRESETS), default="vit-tiny-32", help="model preset (default: vit-tiny-32)")
+    bench.add_argument("--model", choices=tuple(PRESETS), default="vit-tiny-32",
+                       help="model preset (default: vit-tiny-32)")
     bench.add_argument("--mask-ratios", nargs="+", type=float, default=[0.0, 0.5, 0.75, 0.9], metavar="R",
                        help="mask ratios of the masking methods (default: 0 0.5 0.75 0.9)")
     bench.add_argument("--steps", type=int, default=10, help="timed steps per configuration (default: 10)")
