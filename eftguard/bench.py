@@ -402,7 +402,7 @@ def print_tables(result: dict, console=None) -> None:
         console.print(f"DP-SGD ({method}, r_m {dp['mask_ratio']:g}, ghost clipping): step "
                       f"{dp['step_seconds']['median']:.4f} s, {dp['ratio']:.2f}x the non-DP step")
     if "server" in result:
-        console.print(f"server feature training: {result['server']['samples_per_second']:.0f} samples/s "
+        console.print(f"server feature training: {result['server']['samples_per_second']:.1f} samples/s "
                       f"(step {result['server']['step_seconds']['median']:.4f} s)")
         attacks = result["attacks"]
         console.print(f"attacks: inversion decoder {attacks['decoder']['seconds_per_100_steps']:.1f} s per 100 steps; "

@@ -67,9 +67,10 @@ def main() -> None:
         rows[f"{method} r_m {ratio:g}"] = profile_step(method, ratio, images, labels, model, args.steps)
     names = sorted({g for row in rows.values() for g in row})
     print(f"self CPU seconds per step ({args.model}, batch {args.batch_size}, {torch.get_num_threads()} threads)")
-    print(f"{'group':34}" + "".join(f"{k:>18}" for k in rows))
+    print(f"{'group':34}" + "".join(f"{k:>18}" for k in rows) + f"{'ratio':>10}")
     for name in names:
-        print(f"{name:34}" + "".join(f"{row.get(name, 0.0):18.4f}" for row in rows.values()))
+        first, second = (row.get(name, 0.0) for row in rows.values())
+        print(f"{name:34}{first:18.4f}{second:18.4f}{first / max(second, 1e-12):10.2f}")
 
 
 if __name__ == "__main__":
