@@ -3,11 +3,13 @@
 the optimizer, masking and data handling, and the rest. Findings: docs/bench.md ("Where the time goes").
 
     python experiments/bench_profile.py [--model vit-tiny-32] [--steps 5] [--batch-size 64]
+    python experiments/bench_profile.py --compare-attention 6   # fused vs unfused attention, interleaved steps
 """
 
 from __future__ import annotations
 
 import argparse
+import statistics
 from collections import defaultdict
 
 import torch
@@ -51,16 +53,42 @@ def profile_step(method: str, mask_ratio: float, images, labels, model, steps: i
     return dict(groups)
 
 
+def compare_attention(model_name: str, num_classes: int, images, labels, rounds: int) -> None:
+    """Median step time with timm's fused attention kernel and with explicit matrix products, interleaved."""
+    models = {}
+    for method, ratio in (("fedavg", 0.0), ("eftvit", 0.75)):
+        for fused in (True, False):
+            model = build_model(model_name, num_classes, TrainConfig().local_layers)
+            for module in model.modules():
+                if hasattr(module, "fused_attn"):
+                    module.fused_attn = fused
+            models[(method, ratio, fused)] = model
+    seconds = {key: [] for key in models}
+    for _ in range(rounds):
+        for (method, ratio, fused), model in models.items():
+            result = train_local(model, images, labels, method, ratio, OptimConfig(2, len(labels), 1e-3, 0.05),
+                                 torch.Generator().manual_seed(0))
+            seconds[(method, ratio, fused)].append(result.epoch_seconds[-1])
+    for (method, ratio, fused), values in seconds.items():
+        print(f"{method} r_m {ratio:g} {'fused' if fused else 'unfused'} attention: median "
+              f"{statistics.median(values):.3f} s, min {min(values):.3f} s")
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--model", default="vit-tiny-32")
     parser.add_argument("--steps", type=int, default=5)
     parser.add_argument("--batch-size", type=int, default=64)
+    parser.add_argument("--compare-attention", type=int, default=0, metavar="ROUNDS",
+                        help="instead of profiling, time fused vs unfused attention over ROUNDS interleaved steps")
     args = parser.parse_args()
     cfg = TrainConfig()
     data = run_dataset(cfg.dataset, "", args.model, cfg.train_samples, 0, 0)
     images = torch.from_numpy(data.train.images[:args.batch_size])
     labels = torch.from_numpy(data.train.labels[:args.batch_size])
+    if args.compare_attention:
+        compare_attention(args.model, data.num_classes, images, labels, args.compare_attention)
+        return
     rows = {}
     for method, ratio in (("fedavg", 0.0), ("eftvit", 0.75)):
         model = build_model(args.model, data.num_classes, cfg.local_layers)
