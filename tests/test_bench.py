@@ -10,9 +10,10 @@ import torch
 from timm.models.vision_transformer import Block
 from torch import nn
 
-from eftguard.bench import count_flops, saved_activation_bytes
+from eftguard.bench import Timed, count_flops, interleave, saved_activation_bytes
 from eftguard.cli import main
 from eftguard.methods import METHODS
+from eftguard.training import TrainResult
 
 DOCS = Path(__file__).resolve().parents[1] / "docs" / "bench.md"
 
@@ -43,6 +44,21 @@ def test_saved_activations_count_each_storage_once_and_leave_parameters_out():
     # the first Linear saves its input x; ReLU saves its output, which the second Linear saves as its input too;
     # the weights the second Linear saves for grad_x are parameters
     assert saved_activation_bytes(model, lambda: model(x).sum().backward()) == 5 * 8 * 4 + 5 * 16 * 4
+
+
+def test_configurations_take_turns_and_only_the_step_after_the_warmup_counts():
+    calls = []
+
+    def configuration(name: str) -> Timed:
+        def run(epochs: int) -> TrainResult:
+            calls.append((name, epochs))
+            return TrainResult(0.0, epochs, [100.0] * (epochs - 1) + [float(len(calls))])  # warm-up steps are slow
+        return Timed(name, run, [])
+
+    timed = [configuration("a"), configuration("b")]
+    interleave(timed, steps=3, warmup=2, progress=None)
+    assert calls == [("a", 3), ("b", 3)] * 3
+    assert timed[0].seconds == [1.0, 3.0, 5.0] and timed[1].seconds == [2.0, 4.0, 6.0]
 
 
 def documented_keys() -> list[str]:
