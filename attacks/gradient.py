@@ -163,6 +163,7 @@ class AnalyticAttack:
                "composite offered for every image of the batch (without masking it matches none of them); fails "
                "on multi-step AdamW updates and under DP noise")
     threat_model: ClassVar[ThreatModel] = ThreatModel()
+    reads: ClassVar[tuple[str, ...]] = (EFTVIT_POS_EMBED, EFTVIT_PATCH_WEIGHT, HEAD_BIAS)  # gradients it needs
 
     def reconstruct(self, obs: GradientObservation, progress: Progress | None = None) -> ImageReconstruction:
         pos = obs.gradients[obs.pos_embed][0, 1:].double()  # [L, D]: upstream gradient per position
@@ -205,6 +206,7 @@ class DLGAttack:
     summary = "images and soft labels optimised jointly (L-BFGS, L2 gradient distance)"
     recover_label: ClassVar[bool] = False
     threat_model: ClassVar[ThreatModel] = ThreatModel()
+    reads: ClassVar[tuple[str, ...]] = (HEAD_BIAS,)  # the class count
     steps: int = option(200, STEPS_HELP, whole_number(1))
     seed: int = 0
 
@@ -270,6 +272,7 @@ class InvertingGradients:
     summary = ("labels from the head-bias gradient, then cosine distance + total variation (signed Adam, restarts); "
                "weak on ViTs: gradients match closely while images stay blurry")
     threat_model: ClassVar[ThreatModel] = ThreatModel()
+    reads: ClassVar[tuple[str, ...]] = (HEAD_BIAS,)  # the labels
     steps: int = option(200, STEPS_HELP, whole_number(1))
     restarts: int = option(1, "independent random starts, the best gradient match wins", whole_number(1))
     lr: float = 0.1

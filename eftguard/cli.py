@@ -17,7 +17,7 @@ from eftguard.attack_cli import add_attack_parser, add_report_parser, cmd_attack
 from eftguard.config import ACCOUNTANTS, FEDERATIONS, METHODS, ConfigError, TrainConfig
 from eftguard.data import DATASET_HELP, DataError
 from eftguard.federation.errors import FederationError, Interrupted
-from eftguard.methods import METHODS as METHOD_SPECS
+from eftguard.methods import METHODS as METHOD_SPECS, method_spec
 from eftguard.metrics import LPIPS_BACKENDS, MetricError
 from eftguard.model import PRESETS, ModelError
 from eftguard.rundir import RunDirectory, RunError, check_new_run_path
@@ -32,7 +32,9 @@ TRAIN_HELP = {
     "pretrained": "start from timm's pretrained hub weights (needs the network or the hub cache)",
     "checkpoint": "start from local weights (.safetensors, or a state dict .pt/.pth); timm or eftguard layout",
     "method": "training method: " + "; ".join(f"{name} ({spec.description})" for name, spec in METHOD_SPECS.items()),
-    "mask_ratio": "fraction of patch tokens each client drops per image, in [0, 1)",
+    "mask_ratio": "fraction of patch tokens each client drops per image, in [0, 1) (masked methods only)",
+    "prompt_tokens": "fed-prompt: learned prompt tokens inserted after the cls token",
+    "lora_rank": "fed-lora: rank r of the LoRA factors on each attention projection",
     "local_layers": "M: transformer blocks in the client's local module (1..depth-1); the rest stay on the server",
     "clients": "number of clients (data partitions)",
     "clients_per_round": "clients taking part in each round (0: all)",
@@ -258,7 +260,8 @@ def prepare(cfg: TrainConfig) -> None:
                                    cfg.local_epochs, rounds)
             except PrivacyBudgetError as exc:
                 raise ConfigError(f"client {k} ({len(part)} samples, {len(rounds)} rounds): {exc}") from None
-    build_model(cfg.model, dataset.num_classes, cfg.local_layers, cfg.pretrained, cfg.checkpoint or None, cfg.seed)
+    build_model(cfg.model, dataset.num_classes, cfg.local_layers, cfg.pretrained, cfg.checkpoint or None, cfg.seed,
+                method_spec(cfg.method).model_adapter(cfg))
 
 
 def undo_new_run(run_dir: Path):

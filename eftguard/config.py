@@ -34,6 +34,8 @@ class TrainConfig:
     checkpoint: str = ""
     method: str = "eftvit"
     mask_ratio: float = 0.75
+    prompt_tokens: int = 10  # fed-prompt's learned tokens
+    lora_rank: int = 8  # fed-lora's rank r of the factors B (out x r) and A (r x in)
     local_layers: int = 2
     clients: int = 8
     clients_per_round: int = 0  # 0: all clients
@@ -107,7 +109,8 @@ class TrainConfig:
         positive = {"clients": self.clients, "rounds": self.rounds, "local_epochs": self.local_epochs,
                     "server_epochs": self.server_epochs, "batch_size": self.batch_size, "lr": self.lr,
                     "server_lr": self.server_lr, "beta": self.beta, "cpus_per_client": self.cpus_per_client,
-                    "round_timeout": self.round_timeout, "max_grad_norm": self.max_grad_norm}
+                    "round_timeout": self.round_timeout, "max_grad_norm": self.max_grad_norm,
+                    "prompt_tokens": self.prompt_tokens, "lora_rank": self.lora_rank}
         for name, value in positive.items():
             if value <= 0:
                 raise ConfigError(f"--{name.replace('_', '-')} must be > 0, got {value}")

@@ -4,10 +4,34 @@ caller branches on these fields, never on a method's name, so that a new method 
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
+from functools import partial
+from typing import TYPE_CHECKING, Callable, Protocol
 
 if TYPE_CHECKING:  # config imports this module: keep torch out of its import
     from torch import Tensor, nn
+
+    from eftguard.model import EFTViT
+
+
+class AdapterOptions(Protocol):
+    """The options a method's model hook reads: a TrainConfig or a client's ClientSettings."""
+
+    lora_rank: int
+    prompt_tokens: int
+
+
+def lora_hook(model: EFTViT, options: AdapterOptions) -> None:
+    """fed-lora's model hook (eftguard.peft imports torch: imported here, not at the top)."""
+    from eftguard import peft
+
+    peft.add_lora(model, options.lora_rank)
+
+
+def prompt_hook(model: EFTViT, options: AdapterOptions) -> None:
+    """fed-prompt's model hook."""
+    from eftguard import peft
+
+    peft.add_prompts(model, options.prompt_tokens)
 
 
 @dataclass(frozen=True)
@@ -16,11 +40,13 @@ class MethodSpec:
 
     name: str
     description: str  # one line, for --help and the docs
-    trains: tuple[str, ...]  # parameter-name prefixes a client trains and uploads; () = the whole model
+    trains: tuple[str, ...]  # parameter-name prefixes a client trains and uploads; () and no trains_suffixes = all
     masked: bool  # clients train on, and extract features from, masked images (--mask-ratio applies)
     uploads_features: bool  # clients upload patch features + labels besides their parameters
     dp_sgd: bool  # DP-SGD (--dp-eps) is available for the client's training
     server_trains: bool  # the server trains theta (the global module) on the uploaded features
+    trains_suffixes: tuple[str, ...] = ()  # trained and uploaded too: parameter names ending so (BitFit's ".bias")
+    adapt: Callable[[EFTViT, AdapterOptions], None] | None = None  # adds the method's parameters to a built model
 
     def __post_init__(self):
         if self.server_trains and not self.uploads_features:
@@ -28,7 +54,9 @@ class MethodSpec:
 
     def trains_parameter(self, name: str) -> bool:
         """Whether a client trains (and uploads) the parameter of this state-dict name."""
-        return not self.trains or name.startswith(self.trains)
+        if not self.trains and not self.trains_suffixes:
+            return True
+        return name.startswith(self.trains) or name.endswith(self.trains_suffixes)
 
     def trained_parameters(self, model: nn.Module) -> list[nn.Parameter]:
         """The parameters the client's optimizer updates, in the model's order."""
@@ -41,7 +69,14 @@ class MethodSpec:
     @property
     def trained_parts(self) -> str:
         """The parameters a client trains, in words ("local module and head")."""
-        return " and ".join(prefix.strip(".").replace("_", " ") for prefix in self.trains) or "whole model"
+        parts = [prefix.strip(".").replace("_", " ") for prefix in self.trains]
+        parts += [f"*{suffix}" for suffix in self.trains_suffixes]
+        return " and ".join(parts) or "whole model"
+
+    def model_adapter(self, options: AdapterOptions) -> Callable[[EFTViT], None] | None:
+        """The hook build_model applies to add this method's parameters (None: the plain split ViT); the client,
+        the server and every reader of a run's checkpoints build the model with it, so all see the same keys."""
+        return partial(self.adapt, options=options) if self.adapt else None
 
     def mask_ratio(self, configured: float) -> float:
         """The fraction of patches the method drops: the configured --mask-ratio, or none for an unmasked method."""
@@ -55,6 +90,18 @@ METHODS: dict[str, MethodSpec] = {spec.name: spec for spec in (
                server_trains=True),
     MethodSpec("fedavg", "Fed-Full reference: plain FedAvg of the whole ViT on unmasked images",
                trains=(), masked=False, uploads_features=False, dp_sgd=False, server_trains=False),
+    MethodSpec("fed-head", "linear probing: only the classifier head trained and uploaded, on unmasked images",
+               trains=("head.",), masked=False, uploads_features=False, dp_sgd=False, server_trains=False),
+    MethodSpec("fed-bias", "BitFit: only the bias terms and the head trained and uploaded",
+               trains=("head.",), trains_suffixes=(".bias",), masked=False, uploads_features=False, dp_sgd=False,
+               server_trains=False),
+    MethodSpec("fed-prompt", "visual prompt tuning: learned prompt tokens after the cls token, and the head",
+               trains=("head.", "local_module.prompt_tokens."), masked=False, uploads_features=False, dp_sgd=False,
+               server_trains=False, adapt=prompt_hook),
+    MethodSpec("fed-lora", "LoRA factors on every block's attention projections (qkv, proj) and the head; "
+                           "FedAvg of the factors",
+               trains=("head.",), trains_suffixes=(".lora_a", ".lora_b"), masked=False, uploads_features=False,
+               dp_sgd=False, server_trains=False, adapt=lora_hook),
 )}
 
 

@@ -15,6 +15,7 @@ import os
 import re
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Callable
 
 import torch
 from torch import nn
@@ -64,6 +65,7 @@ class LocalModule(nn.Module):
         self.token_embedding = token_embedding
         self.norm_pre = norm_pre
         self.blocks = nn.Sequential(*blocks)
+        self.prompt_tokens: nn.Module | None = None  # learned tokens after the cls token (eftguard.peft)
 
     @property
     def num_patches(self) -> int:
@@ -73,6 +75,8 @@ class LocalModule(nn.Module):
         tokens = self.token_embedding(self.patch_embed(images))
         if keep_ids is not None:
             tokens = keep_tokens(tokens, keep_ids)
+        if self.prompt_tokens is not None:
+            tokens = self.prompt_tokens(tokens)
         return self.blocks(self.norm_pre(tokens))
 
 
@@ -165,8 +169,11 @@ def check_local_layers(local_layers: int, depth: int) -> None:
 
 
 def build_model(preset: str, num_classes: int, local_layers: int, pretrained: bool = False,
-                checkpoint: str | Path | None = None, seed: int = 0) -> EFTViT:
-    """The split model: timm initialisation (seeded), pretrained hub weights, or a local checkpoint."""
+                checkpoint: str | Path | None = None, seed: int = 0,
+                adapt: Callable[[EFTViT], None] | None = None) -> EFTViT:
+    """The split model: timm initialisation (seeded), pretrained hub weights, or a local checkpoint; then
+    adapt (a method's MethodSpec.model_adapter) adds the method's own parameters, seeded too, after the
+    checkpoint is loaded: a checkpoint holds the base model only."""
     if preset not in PRESETS:
         raise ModelError(f"unknown model preset '{preset}': choose {', '.join(PRESETS)}")
     os.environ.setdefault("TIMM_FUSED_ATTN", "1")
@@ -175,6 +182,10 @@ def build_model(preset: str, num_classes: int, local_layers: int, pretrained: bo
         model = split_timm_vit(create_timm_vit(preset, num_classes, pretrained), local_layers, preset)
     if checkpoint is not None:
         load_weights(model, read_state_file(Path(checkpoint)), source=str(checkpoint))
+    if adapt is not None:
+        with torch.random.fork_rng(devices=[]):
+            torch.manual_seed(seed)
+            adapt(model)
     return model
 
 

@@ -353,11 +353,13 @@ class RunDirectory:
     def start_model(self, round_number: int):
         """The model the clients of round t started from (checkpoints/round-(t-1)), in eval mode: the
         public weights every attack of that round works with."""
+        from eftguard.methods import method_spec
         from eftguard.model import build_model
 
         cfg = self.config()
         state = self.load_checkpoint(round_number - 1)
-        model = build_model(cfg.model, int(state["head.weight"].shape[0]), cfg.local_layers, seed=cfg.seed)
+        model = build_model(cfg.model, int(state["head.weight"].shape[0]), cfg.local_layers, seed=cfg.seed,
+                            adapt=method_spec(cfg.method).model_adapter(cfg))
         model.load_state_dict(state)
         return model.eval()
 

@@ -22,6 +22,7 @@ from attacks.labels import LABELS
 from eftguard import metrics
 from eftguard.audit import observe, scoring
 from eftguard.audit.result import AttackReport, json_ready
+from eftguard.methods import method_spec
 from eftguard.rundir import RunDirectory
 
 
@@ -236,6 +237,18 @@ class GradientFamily(Family):
             raise AttackError(f"the gradient attack reconstructs one client's images: give one partition id to "
                               f"--clients, not {clients}")
         return clients
+
+    def attack(self, cls: type, job: Job, method_options: dict) -> Attack:
+        """Refused before any work when the run's clients neither train nor upload a gradient the attack reads
+        (the analytic attack on a PEFT run: no positional- or patch-embedding gradient)."""
+        spec = method_spec(job.run.config().method)
+        missing = [name for name in cls.reads if not spec.trains_parameter(name)]
+        if missing:
+            usable = [c.name for c in self.registry.classes.values() if all(map(spec.trains_parameter, c.reads))]
+            raise AttackError(f"the {cls.name} attack reads the gradient of {', '.join(missing)}, which a "
+                              f"{spec.name} client neither trains nor uploads: use --method "
+                              f"{' or '.join(usable) or '(none applies)'}")
+        return super().attack(cls, job, method_options)
 
     def observe(self, job: Job, attack: Attack) -> Observed:
         public = public_images(job.run)

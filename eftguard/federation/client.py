@@ -122,7 +122,7 @@ def client_round(settings: ClientSettings, state: dict[str, np.ndarray], partiti
     data = dataset.train.subset(mine)
     images, labels = torch.from_numpy(data.images), torch.from_numpy(data.labels)
 
-    model = build_model(s.model, dataset.num_classes, s.local_layers)
+    model = build_model(s.model, dataset.num_classes, s.local_layers, adapt=method.model_adapter(s))
     model.load_state_dict({k: torch.from_numpy(v) for k, v in state.items()})
     private = (secret,) if secret else ()
     generator = torch.Generator().manual_seed(seeded(s.seed, s.round, partition_id, 1, *private))

@@ -66,6 +66,8 @@ class ClientSettings:
     model: str
     local_layers: int
     mask_ratio: float
+    prompt_tokens: int
+    lora_rank: int
     clients: int
     beta: float
     balance: str

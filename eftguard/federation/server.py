@@ -182,12 +182,13 @@ def serve_rounds(grid: Grid, run: RunDirectory, cfg: TrainConfig) -> None:
     dataset = run_dataset(cfg.dataset, cfg.data_dir, cfg.model, cfg.train_samples, cfg.test_samples, cfg.seed)
     test_images, test_labels = torch.from_numpy(dataset.test.images), torch.from_numpy(dataset.test.labels)
     if done:
-        model = build_model(cfg.model, dataset.num_classes, cfg.local_layers)
+        model = build_model(cfg.model, dataset.num_classes, cfg.local_layers,
+                            adapt=method_spec(cfg.method).model_adapter(cfg))
         model.load_state_dict(run.load_checkpoint(done))
         console.print(f"resuming {run.path} after round {done} of {cfg.rounds}")
     else:
         model = build_model(cfg.model, dataset.num_classes, cfg.local_layers, cfg.pretrained,
-                            cfg.checkpoint or None, cfg.seed)
+                            cfg.checkpoint or None, cfg.seed, method_spec(cfg.method).model_adapter(cfg))
         run.save_checkpoint(0, model.state_dict())
     if done >= cfg.rounds:
         console.print(f"{run.path} already has all {cfg.rounds} rounds")
