@@ -241,7 +241,8 @@ class Bench:
 
     def __init__(self, cfg: BenchConfig, inputs: BenchInputs, default: TrainConfig):
         self.cfg, self.inputs, self.default = cfg, inputs, default
-        self.models = {m: build_model(cfg.model, inputs.num_classes, default.local_layers, seed=cfg.seed)
+        self.models = {m: build_model(cfg.model, inputs.num_classes, default.local_layers, seed=cfg.seed,
+                                      adapt=METHODS[m].model_adapter(default))
                        for m in dict.fromkeys([REFERENCE, *cfg.methods])}
 
     def optim(self, epochs: int, lr: float) -> OptimConfig:
