@@ -292,6 +292,14 @@ def add_speedups(clients: dict[str, dict], times: dict[str, dict]) -> None:
         row["bound_fraction"] = row["speedup"] / row["flop_ratio"]
 
 
+def dp_row(bench: Bench, plain: Setting, dp: Setting, times: dict[str, dict]) -> dict:
+    """DP-SGD against the same step without it: time and FLOPs (ghost clipping runs the backward pass twice)."""
+    flops = count_flops(lambda: bench.client_step(dp)(1))
+    plain_flops = count_flops(lambda: bench.client_step(plain)(1))
+    return {"mask_ratio": plain.mask_ratio, "step_seconds": times[dp.key], "flops": flops,
+            "ratio": times[dp.key]["median"] / times[plain.key]["median"], "flop_ratio": flops / plain_flops}
+
+
 def run_bench(cfg: BenchConfig, progress: Progress | None = None) -> dict:
     """Measure everything (docs/bench.md) and return it as the bench's JSON document."""
     cfg.validate()
@@ -321,8 +329,7 @@ def run_bench(cfg: BenchConfig, progress: Progress | None = None) -> dict:
                    "attack_steps": cfg.attack_steps, "seed": cfg.seed, "local_layers": default.local_layers,
                    "reference": REFERENCE},
         "clients": clients,
-        "dp": {plain.method: {"mask_ratio": plain.mask_ratio, "step_seconds": times[dp.key],
-                              "ratio": times[dp.key]["median"] / times[plain.key]["median"]} for plain, dp in pairs},
+        "dp": {plain.method: dp_row(bench, plain, dp, times) for plain, dp in pairs},
     }
     if server_method:
         result["server"] = {"mask_ratio": server_method.mask_ratio(default.mask_ratio),
@@ -401,7 +408,8 @@ def print_tables(result: dict, console=None) -> None:
     console.print(table)
     for method, dp in result["dp"].items():
         console.print(f"DP-SGD ({method}, r_m {dp['mask_ratio']:g}, ghost clipping): step "
-                      f"{dp['step_seconds']['median']:.4f} s, {dp['ratio']:.2f}x the non-DP step")
+                      f"{dp['step_seconds']['median']:.4f} s, {dp['ratio']:.2f}x the non-DP step "
+                      f"({dp['flop_ratio']:.2f}x its FLOPs)")
     if "server" in result:
         console.print(f"server feature training: {result['server']['samples_per_second']:.1f} samples/s "
                       f"(step {result['server']['step_seconds']['median']:.4f} s)")
