@@ -4,15 +4,18 @@ the optimizer, masking and data handling, and the rest. Findings: docs/bench.md 
 
     python experiments/bench_profile.py [--model vit-tiny-32] [--steps 5] [--batch-size 64]
     python experiments/bench_profile.py --compare-attention 6   # fused vs unfused attention, interleaved steps
+    python experiments/bench_profile.py --compare-dp 5          # DP-SGD: ghost clipping vs per-sample hooks
 """
 
 from __future__ import annotations
 
 import argparse
 import statistics
+import time
 from collections import defaultdict
 
 import torch
+from torch import nn
 from torch.profiler import ProfilerActivity, profile
 
 from eftguard.config import TrainConfig
@@ -74,6 +77,59 @@ def compare_attention(model_name: str, num_classes: int, images, labels, rounds:
               f"{statistics.median(values):.3f} s, min {min(values):.3f} s")
 
 
+def compare_dp(images, labels, rounds: int) -> None:
+    """eftvit at r_m 0.75: the plain step and the trainer's ghost-clipping DP step (eftguard bench's own steps),
+    against Opacus' hook mode (GradSampleModule + DPOptimizer: one backward pass, per-sample gradients of the
+    trained parameters materialised), which the trainer does not use. Median step times, interleaved, and FLOPs."""
+    import warnings
+
+    from opacus import GradSampleModule
+    from opacus.optimizers import DPOptimizer
+
+    from eftguard.bench import Bench, BenchConfig, BenchInputs, Setting, count_flops
+    from eftguard.masking import random_keep_ids
+    from eftguard.methods import METHODS
+
+    warnings.filterwarnings("ignore", "Full backward hook is firing")
+    cfg, default = BenchConfig(batch_size=len(labels)), TrainConfig()
+    bench = Bench(cfg, BenchInputs(images, labels, images.numpy(), [], 10), default)
+    plain, ghost = Setting("eftvit", 0.75), Setting("eftvit", 0.75, dp=True)
+    model = build_model("vit-tiny-32", 10, default.local_layers)
+    spec = METHODS["eftvit"]
+    for name, parameter in model.named_parameters():
+        parameter.requires_grad_(spec.trains_parameter(name))
+    wrapped = GradSampleModule(model, batch_first=True, loss_reduction="mean")
+    optimizer = DPOptimizer(torch.optim.AdamW(spec.trained_parameters(model), lr=default.lr), noise_multiplier=1.0,
+                            max_grad_norm=1.0, expected_batch_size=len(labels))
+    generator = torch.Generator().manual_seed(0)
+
+    def hooks_step() -> None:
+        keep = random_keep_ids(len(labels), model.local_module.num_patches, 0.75, generator)
+        loss = nn.functional.cross_entropy(wrapped(model.normalize(images), keep), labels)
+        optimizer.zero_grad(set_to_none=True)
+        loss.backward()
+        optimizer.step()
+
+    def timed_hooks() -> float:
+        hooks_step()
+        start = time.perf_counter()
+        hooks_step()
+        return time.perf_counter() - start
+
+    steps = {"plain": lambda: bench.client_step(plain)(2).epoch_seconds[-1],
+             "ghost clipping": lambda: bench.client_step(ghost)(2).epoch_seconds[-1], "hooks": timed_hooks}
+    flops = {"plain": count_flops(lambda: bench.client_step(plain)(1)),
+             "ghost clipping": count_flops(lambda: bench.client_step(ghost)(1)), "hooks": count_flops(hooks_step)}
+    seconds = {key: [] for key in steps}
+    for _ in range(rounds):
+        for key, step in steps.items():
+            seconds[key].append(step())
+    base = statistics.median(seconds["plain"])
+    for key, values in seconds.items():
+        print(f"{key:15} median {statistics.median(values):.3f} s ({statistics.median(values) / base:.2f}x), "
+              f"{flops[key] / 1e9:.1f} GFLOP ({flops[key] / flops['plain']:.2f}x)")
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--model", default="vit-tiny-32")
@@ -81,11 +137,16 @@ def main() -> None:
     parser.add_argument("--batch-size", type=int, default=64)
     parser.add_argument("--compare-attention", type=int, default=0, metavar="ROUNDS",
                         help="instead of profiling, time fused vs unfused attention over ROUNDS interleaved steps")
+    parser.add_argument("--compare-dp", type=int, default=0, metavar="ROUNDS",
+                        help="instead of profiling, time DP-SGD with ghost clipping vs hooks over ROUNDS steps")
     args = parser.parse_args()
     cfg = TrainConfig()
     data = run_dataset(cfg.dataset, "", args.model, cfg.train_samples, 0, 0)
     images = torch.from_numpy(data.train.images[:args.batch_size])
     labels = torch.from_numpy(data.train.labels[:args.batch_size])
+    if args.compare_dp:
+        compare_dp(images, labels, args.compare_dp)
+        return
     if args.compare_attention:
         compare_attention(args.model, data.num_classes, images, labels, args.compare_attention)
         return
