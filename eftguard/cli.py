@@ -207,20 +207,19 @@ def build_parser() -> argparse.ArgumentParser:
                            "that loads) (default: auto)")
 
     bench = sub.add_parser("bench", help="client cost of every training method side by side (docs/bench.md)",
-                           description="Times client steps of every method (and eftvit at several mask ratios) "
-                                       "interleaved in one process, counts their FLOPs, memory and upload, DP-SGD's "
-                                       "overhead, server feature training and the attacks; prints tables, saves JSON.")
-    bench.add_argument("--methods", nargs="+", choices=METHODS, default=list(METHODS), metavar="METHOD",
+                           description="Times client steps of every method (a masking method at several mask "
+                                       "ratios) interleaved in one process, counts their FLOPs, memory and upload, "
+                                       "DP-SGD's overhead, server feature training and the attacks; prints tables, "
+                                       "saves JSON.")
+    bench.add_argument("--methods", nargs="+", choices=METHODS, metavar="METHOD",
                        help=f"methods to compare, fedavg included (default: all: {', '.join(METHODS)})")
-    bench.add_argument("--model", choices=tuple(PRESETS), default="vit-tiny-32",
-                       help="model preset (default: vit-tiny-32)")
-    bench.add_argument("--mask-ratios", nargs="+", type=float, default=[0.0, 0.5, 0.75, 0.9], metavar="R",
+    bench.add_argument("--model", choices=tuple(PRESETS), help="model preset (default: vit-tiny-32)")
+    bench.add_argument("--mask-ratios", nargs="+", type=float, metavar="R",
                        help="mask ratios of the masking methods (default: 0 0.5 0.75 0.9)")
-    bench.add_argument("--steps", type=int, default=10, help="timed steps per configuration (default: 10)")
-    bench.add_argument("--warmup", type=int, default=1,
-                       help="discarded steps before each timed one (default: 1)")
-    bench.add_argument("--batch-size", type=int, default=64, help="client batch size (default: 64)")
-    bench.add_argument("--attack-steps", type=int, default=10,
+    bench.add_argument("--steps", type=int, help="timed steps per configuration (default: 10)")
+    bench.add_argument("--warmup", type=int, help="discarded steps before each timed one (default: 1)")
+    bench.add_argument("--batch-size", type=int, help="client batch size (default: 64)")
+    bench.add_argument("--attack-steps", type=int,
                        help="timed decoder steps and Inverting-Gradients iterations (default: 10)")
     bench.add_argument("--out", type=Path, default=None, help="write the results as JSON to this file")
 
@@ -431,8 +430,9 @@ def _mean_epoch_seconds(records: list[dict]) -> float:
 def cmd_bench(args: argparse.Namespace) -> None:
     from eftguard.bench import BenchConfig, print_tables, run_bench
 
-    cfg = BenchConfig(args.model, tuple(args.methods), tuple(args.mask_ratios), args.steps, args.warmup,
-                      args.batch_size, args.attack_steps)
+    given = {f.name: getattr(args, f.name, None) for f in dataclasses.fields(BenchConfig)}  # None: the default
+    cfg = BenchConfig(**{name: tuple(value) if isinstance(value, list) else value
+                         for name, value in given.items() if value is not None})
     cfg.validate()
     if args.out is not None and not args.out.parent.is_dir():
         raise ConfigError(f"--out: folder {args.out.parent} does not exist")
