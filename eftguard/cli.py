@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import json
 import os
 import shutil
 import sys
@@ -246,6 +247,24 @@ def build_parser() -> argparse.ArgumentParser:
                        help="at-rest key for the attacks (default: the [train] encrypt_at_rest key file)")
 
     add_pretrain_parser(sub)
+
+    bench = sub.add_parser("bench", help="client cost of every training method side by side (docs/bench.md)",
+                           description="Times client steps of every method (a masking method at several mask "
+                                       "ratios) interleaved in one process, counts their FLOPs, memory and upload, "
+                                       "DP-SGD's overhead, server feature training and the attacks; prints tables, "
+                                       "saves JSON.")
+    bench.add_argument("--methods", nargs="+", choices=METHODS, metavar="METHOD",
+                       help=f"methods to compare, fedavg included (default: all: {', '.join(METHODS)})")
+    bench.add_argument("--model", choices=tuple(PRESETS), help="model preset (default: vit-tiny-32)")
+    bench.add_argument("--mask-ratios", nargs="+", type=float, metavar="R",
+                       help="mask ratios of the masking methods (default: 0 0.5 0.75 0.9)")
+    bench.add_argument("--steps", type=int, help="timed steps per configuration (default: 10)")
+    bench.add_argument("--warmup", type=int, help="discarded steps before each timed one (default: 1)")
+    bench.add_argument("--batch-size", type=int, help="client batch size (default: 64)")
+    bench.add_argument("--attack-steps", type=int,
+                       help="timed decoder steps and Inverting-Gradients iterations (default: 10)")
+    bench.add_argument("--out", type=Path, default=None, help="write the results as JSON to this file")
+
     add_attack_parser(sub)
     add_report_parser(sub)
     return parser
@@ -553,6 +572,21 @@ def exit_on_problems(summary: dict) -> None:
     if found:
         raise SystemExit(1)
 
+def cmd_bench(args: argparse.Namespace) -> None:
+    from eftguard.bench import BenchConfig, print_tables, run_bench
+
+    given = {f.name: getattr(args, f.name, None) for f in dataclasses.fields(BenchConfig)}  # None: the default
+    cfg = BenchConfig(**{name: tuple(value) if isinstance(value, list) else value
+                         for name, value in given.items() if value is not None})
+    cfg.validate()
+    if args.out is not None and not args.out.parent.is_dir():
+        raise ConfigError(f"--out: folder {args.out.parent} does not exist")
+    result = run_bench(cfg, progress=lambda message: print(f"bench: {message}", file=sys.stderr))
+    print_tables(result)
+    if args.out is not None:
+        args.out.write_text(json.dumps(result, indent=2) + "\n")
+        print(f"wrote {args.out}", file=sys.stderr)
+
 
 def cmd_certs(args: argparse.Namespace) -> None:
     from defenses.tls import DEFAULT_SANS, certificate_names, write_certificates
@@ -608,7 +642,8 @@ def main(argv: list[str] | None = None) -> None:
     try:
         commands = {"train": cmd_train, "demo": cmd_demo, "certs": cmd_certs, "superlink": cmd_superlink,
                     "supernode": cmd_supernode, "node-key": cmd_node_key, "register-node": cmd_register_node,
-                    "attack": cmd_attack, "report": cmd_report, "audit": cmd_audit, "pretrain": cmd_pretrain}
+                    "attack": cmd_attack, "report": cmd_report, "audit": cmd_audit, "pretrain": cmd_pretrain,
+                    "bench": cmd_bench}
         commands[args.command](args)
     except USER_ERRORS as exc:
         print(f"eftguard: error: {exc}", file=sys.stderr)

@@ -1,0 +1,166 @@
+"""Where a client step's time goes that FLOPs do not explain: torch.profiler over the trainer's own step
+(eftguard.training.train_local) for fedavg and eftvit at r_m 0.75, ops grouped into matrix products, attention,
+the optimizer, masking and data handling, and the rest. Findings: docs/bench.md ("Where the time goes").
+
+    python experiments/bench_profile.py [--model vit-tiny-32] [--steps 5] [--batch-size 64]
+    python experiments/bench_profile.py --compare-attention 6   # fused vs unfused attention, interleaved steps
+    python experiments/bench_profile.py --compare-dp 5          # DP-SGD: ghost clipping vs per-sample hooks
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import time
+from collections import defaultdict
+
+import torch
+from torch import nn
+from torch.profiler import ProfilerActivity, profile
+
+from eftguard.config import TrainConfig
+from eftguard.federation.client import run_dataset
+from eftguard.model import build_model
+from eftguard.training import OptimConfig, train_local
+
+GROUPS = {  # op name fragments -> group; the first match wins
+    "matmul": ("addmm", "aten::mm", "aten::bmm", "aten::linear", "aten::matmul", "convolution", "conv2d"),
+    "attention": ("scaled_dot_product", "flash_attention"),
+    "optimizer": ("_foreach", "adamw", "Optimizer", "lerp", "addcdiv", "addcmul"),
+    "masking / data": ("gather", "argsort", "sort", "aten::rand", "aten::index", "permute", "aten::div_",
+                       "aten::contiguous", "randperm", "aten::cat"),
+    "norm / activation": ("layer_norm", "gelu", "softmax", "native_layer_norm"),
+}
+
+
+def group_of(name: str) -> str:
+    lowered = name.lower()
+    return next((group for group, parts in GROUPS.items() if any(p.lower() in lowered for p in parts)), "other")
+
+
+def profile_step(method: str, mask_ratio: float, images, labels, model, steps: int) -> dict[str, float]:
+    """Self CPU seconds per step by group, over `steps` steps after one warm-up call."""
+    def run(epochs: int):
+        return train_local(model, images, labels, method, mask_ratio,
+                           OptimConfig(epochs, len(labels), 1e-3, 0.05), torch.Generator().manual_seed(0))
+
+    run(2)
+    with profile(activities=[ProfilerActivity.CPU]) as prof:
+        result = run(steps)
+    groups: dict[str, float] = defaultdict(float)
+    for event in prof.key_averages():
+        if event.key.startswith("ProfilerStep") or event.key.startswith("##"):
+            continue
+        groups[group_of(event.key)] += event.self_cpu_time_total / 1e6 / steps
+    groups["wall (train_local epoch_seconds)"] = sum(result.epoch_seconds) / steps
+    return dict(groups)
+
+
+def compare_attention(model_name: str, num_classes: int, images, labels, rounds: int) -> None:
+    """Median step time with timm's fused attention kernel and with explicit matrix products, interleaved."""
+    models = {}
+    for method, ratio in (("fedavg", 0.0), ("eftvit", 0.75)):
+        for fused in (True, False):
+            model = build_model(model_name, num_classes, TrainConfig().local_layers)
+            for module in model.modules():
+                if hasattr(module, "fused_attn"):
+                    module.fused_attn = fused
+            models[(method, ratio, fused)] = model
+    seconds = {key: [] for key in models}
+    for _ in range(rounds):
+        for (method, ratio, fused), model in models.items():
+            result = train_local(model, images, labels, method, ratio, OptimConfig(2, len(labels), 1e-3, 0.05),
+                                 torch.Generator().manual_seed(0))
+            seconds[(method, ratio, fused)].append(result.epoch_seconds[-1])
+    for (method, ratio, fused), values in seconds.items():
+        print(f"{method} r_m {ratio:g} {'fused' if fused else 'unfused'} attention: median "
+              f"{statistics.median(values):.3f} s, min {min(values):.3f} s")
+
+
+def compare_dp(images, labels, rounds: int) -> None:
+    """eftvit at r_m 0.75: the plain step and the trainer's ghost-clipping DP step (eftguard bench's own steps),
+    against Opacus' hook mode (GradSampleModule + DPOptimizer: one backward pass, per-sample gradients of the
+    trained parameters materialised), which the trainer does not use. Median step times, interleaved, and FLOPs."""
+    import warnings
+
+    from opacus import GradSampleModule
+    from opacus.optimizers import DPOptimizer
+
+    from eftguard.bench import Bench, BenchConfig, BenchInputs, Setting, count_flops
+    from eftguard.masking import random_keep_ids
+    from eftguard.methods import METHODS
+
+    warnings.filterwarnings("ignore", "Full backward hook is firing")
+    cfg, default = BenchConfig(batch_size=len(labels)), TrainConfig()
+    bench = Bench(cfg, BenchInputs(images, labels, images.numpy(), [], 10), default)
+    plain, ghost = Setting("eftvit", 0.75), Setting("eftvit", 0.75, dp=True)
+    model = build_model("vit-tiny-32", 10, default.local_layers)
+    spec = METHODS["eftvit"]
+    for name, parameter in model.named_parameters():
+        parameter.requires_grad_(spec.trains_parameter(name))
+    wrapped = GradSampleModule(model, batch_first=True, loss_reduction="mean")
+    optimizer = DPOptimizer(torch.optim.AdamW(spec.trained_parameters(model), lr=default.lr), noise_multiplier=1.0,
+                            max_grad_norm=1.0, expected_batch_size=len(labels))
+    generator = torch.Generator().manual_seed(0)
+
+    def hooks_step() -> None:
+        keep = random_keep_ids(len(labels), model.local_module.num_patches, 0.75, generator)
+        loss = nn.functional.cross_entropy(wrapped(model.normalize(images), keep), labels)
+        optimizer.zero_grad(set_to_none=True)
+        loss.backward()
+        optimizer.step()
+
+    def timed_hooks() -> float:
+        hooks_step()
+        start = time.perf_counter()
+        hooks_step()
+        return time.perf_counter() - start
+
+    steps = {"plain": lambda: bench.client_step(plain)(2).epoch_seconds[-1],
+             "ghost clipping": lambda: bench.client_step(ghost)(2).epoch_seconds[-1], "hooks": timed_hooks}
+    flops = {"plain": count_flops(lambda: bench.client_step(plain)(1)),
+             "ghost clipping": count_flops(lambda: bench.client_step(ghost)(1)), "hooks": count_flops(hooks_step)}
+    seconds = {key: [] for key in steps}
+    for _ in range(rounds):
+        for key, step in steps.items():
+            seconds[key].append(step())
+    base = statistics.median(seconds["plain"])
+    for key, values in seconds.items():
+        print(f"{key:15} median {statistics.median(values):.3f} s ({statistics.median(values) / base:.2f}x), "
+              f"{flops[key] / 1e9:.1f} GFLOP ({flops[key] / flops['plain']:.2f}x)")
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--model", default="vit-tiny-32")
+    parser.add_argument("--steps", type=int, default=5)
+    parser.add_argument("--batch-size", type=int, default=64)
+    parser.add_argument("--compare-attention", type=int, default=0, metavar="ROUNDS",
+                        help="instead of profiling, time fused vs unfused attention over ROUNDS interleaved steps")
+    parser.add_argument("--compare-dp", type=int, default=0, metavar="ROUNDS",
+                        help="instead of profiling, time DP-SGD with ghost clipping vs hooks over ROUNDS steps")
+    args = parser.parse_args()
+    cfg = TrainConfig()
+    data = run_dataset(cfg.dataset, "", args.model, cfg.train_samples, 0, 0)
+    images = torch.from_numpy(data.train.images[:args.batch_size])
+    labels = torch.from_numpy(data.train.labels[:args.batch_size])
+    if args.compare_dp:
+        compare_dp(images, labels, args.compare_dp)
+        return
+    if args.compare_attention:
+        compare_attention(args.model, data.num_classes, images, labels, args.compare_attention)
+        return
+    rows = {}
+    for method, ratio in (("fedavg", 0.0), ("eftvit", 0.75)):
+        model = build_model(args.model, data.num_classes, cfg.local_layers)
+        rows[f"{method} r_m {ratio:g}"] = profile_step(method, ratio, images, labels, model, args.steps)
+    names = sorted({g for row in rows.values() for g in row})
+    print(f"self CPU seconds per step ({args.model}, batch {args.batch_size}, {torch.get_num_threads()} threads)")
+    print(f"{'group':34}" + "".join(f"{k:>18}" for k in rows) + f"{'ratio':>10}")
+    for name in names:
+        first, second = (row.get(name, 0.0) for row in rows.values())
+        print(f"{name:34}{first:18.4f}{second:18.4f}{first / max(second, 1e-12):10.2f}")
+
+
+if __name__ == "__main__":
+    main()
