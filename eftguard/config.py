@@ -158,13 +158,17 @@ class TrainConfig:
 
     @classmethod
     def from_toml_file(cls, path: Path) -> "TrainConfig":
-        try:
-            values = tomllib.loads(Path(path).read_text())
-        except FileNotFoundError:
-            raise ConfigError(f"config file {path} does not exist") from None
-        except (tomllib.TOMLDecodeError, UnicodeDecodeError) as exc:
-            raise ConfigError(f"config file {path} is not valid TOML: {exc}") from None
-        return cls.from_mapping(values, str(path))
+        return cls.from_mapping(read_toml(path, "config file"), str(path))
+
+
+def read_toml(path: Path, what: str) -> dict:
+    """A TOML file's content; a missing or malformed file is a ConfigError naming it ("config file PATH ...")."""
+    try:
+        return tomllib.loads(Path(path).read_text())
+    except FileNotFoundError:
+        raise ConfigError(f"{what} {path} does not exist") from None
+    except (tomllib.TOMLDecodeError, UnicodeDecodeError) as exc:
+        raise ConfigError(f"{what} {path} is not valid TOML: {exc}") from None
 
 
 def _coerce(value, type_name: str, where: str):

@@ -20,7 +20,6 @@ import json
 import os
 import re
 import time
-import tomllib
 from dataclasses import dataclass, field
 from importlib.metadata import version
 from pathlib import Path
@@ -30,7 +29,7 @@ from rich.console import Console
 from attacks.base import AttackError
 from eftguard.attack_cli import stage_progress
 from eftguard.audit.families import FAMILIES
-from eftguard.config import ConfigError, TrainConfig
+from eftguard.config import ConfigError, TrainConfig, read_toml
 from eftguard.data import DataError
 from eftguard.model import ModelError
 from eftguard.rundir import RunDirectory, RunError, atomic_write
@@ -103,13 +102,7 @@ def format_id(varied: dict) -> str:
 
 
 def read_audit(path: Path) -> Audit:
-    try:
-        data = tomllib.loads(Path(path).read_text())
-    except FileNotFoundError:
-        raise ConfigError(f"audit file {path} does not exist") from None
-    except (tomllib.TOMLDecodeError, UnicodeDecodeError) as exc:
-        raise ConfigError(f"audit file {path} is not valid TOML: {exc}") from None
-    return parse_audit(data, str(path))
+    return parse_audit(read_toml(path, "audit file"), str(path))
 
 
 def parse_audit(data: dict, source: str) -> Audit:
