@@ -13,7 +13,33 @@ import pytest
 import torch
 
 from eftguard.config import TrainConfig
-from eftguard.model import build_model
+from eftguard.model import PRESETS, ModelPreset, build_model
+
+MICRO_PRESET = "vit-micro-32"
+
+
+def _register_micro_vit() -> None:
+    """A timm ViT of width 64, depth 4, 2 heads: the same class as the product's presets, far cheaper."""
+    from timm.models import is_model, register_model
+    from timm.models.vision_transformer import _create_vision_transformer
+
+    if is_model("eftguard_test_micro_vit"):
+        return
+
+    @register_model
+    def eftguard_test_micro_vit(pretrained=False, **kwargs):
+        return _create_vision_transformer("eftguard_test_micro_vit", pretrained=pretrained,
+                                          **dict(embed_dim=64, depth=4, num_heads=2, **kwargs))
+
+
+@pytest.fixture
+def micro_preset(monkeypatch):
+    """A test-only model preset (width 64, depth 4, 32 px, patch 4), many times cheaper than vit-tiny-32, so whole
+    in-process rounds (tests/fakegrid.py) take a fraction of a second. Only in-process code sees it: Ray workers
+    and started processes import a PRESETS without it."""
+    _register_micro_vit()
+    monkeypatch.setitem(PRESETS, MICRO_PRESET, ModelPreset("eftguard_test_micro_vit", 32, 4, "tests only"))
+    return MICRO_PRESET
 
 
 @pytest.fixture(scope="session")
