@@ -412,6 +412,9 @@ def write_run_report(run_path: Path, config_toml: str, metrics: list[dict], repo
 KEPT, WHOLE = verdict.IMAGE_HEADLINES
 LABEL_ERROR = verdict.CHANNELS[2].headlines[0]
 NO_DP = "No configuration ran DP-SGD (no ε): no privacy-budget plot."
+FIGURES_NOTE = ("Mean ± standard deviation over the seeds of each configuration; in brackets the mean of the "
+                "attack's baseline (the mean image, or the prior for labels): an attack is only as strong as its "
+                "distance from that. Test accuracy is after the last round.")
 LABEL_LIMIT = 40  # characters of a group name written next to its point in a plot
 
 
@@ -582,6 +585,58 @@ def privacy_utility_plots(configurations: list[dict]) -> list[tuple[str, bytes]]
     return plots
 
 
+def attack_headlines(configurations: list[dict]) -> list[tuple[str, verdict.Headline]]:
+    """(attack name, headline) pairs that some finished configuration scored, attacks in the order they first
+    appear, each with its channel's headlines in order of preference."""
+    pairs = []
+    for configuration in filter(is_done, configurations):
+        for name, attack in attacks_of(configuration).items():
+            channel = next((c for c in verdict.CHANNELS if isinstance(attack, dict) and c.family == attack.get("family")), None)
+            figures = attack.get("figures") if isinstance(attack, dict) and attack.get("status", "done") == "done" else None
+            for headline in channel.headlines if channel and isinstance(figures, dict) else ():
+                if verdict.finite(figures.get(headline.figure)) and (name, headline) not in pairs:
+                    pairs.append((name, headline))
+    return pairs
+
+
+def stat_text(values: list[float], digits: int) -> str:
+    """"mean ± std" over seeds ("mean" alone for one value), "–" for none."""
+    if not values:
+        return "–"
+    mean, std = spread(values)
+    return f"{mean:.{digits}f}" + (f" ± {std:.{digits}f}" if len(values) > 1 else "")
+
+
+def figure_rows(configurations: list[dict]) -> list[list[str]]:
+    """The measured figures of an audit, one row per configuration group (mean ± std over its seeds; failed
+    configurations left out): seeds, test accuracy, ε, and each attack's headline figures with the baseline's
+    mean in brackets. docs/results.md is made of these tables (experiments/results.py)."""
+    pairs = attack_headlines(configurations)
+    rows = [["configuration", "seeds", "test accuracy", "ε", *(f"{name}: {h.short}" + (f" ({h.unit.strip()})" if h.unit else "")
+                                                               for name, h in pairs)]]
+    groups: dict[str, list[dict]] = {}
+    for configuration in filter(is_done, configurations):
+        groups.setdefault(str(configuration.get("group", configuration.get("id"))), []).append(configuration)
+
+    def values(members, of) -> list[float]:
+        return [float(v) for v in map(of, members) if verdict.finite(v)]
+
+    for group, members in groups.items():
+        cells = [group or "(the audit's defaults)", str(len(members)), stat_text(values(members, accuracy_of), 3),
+                 stat_text(values(members, epsilon_of), 2) if values(members, epsilon_of) else "off"]
+        for name, h in pairs:
+            digits = 1 if h.unit else 3
+            figure = values(members, lambda c: (attacks_of(c).get(name) or {}).get("figures", {}).get(h.figure))
+            base = values(members, lambda c: (attacks_of(c).get(name) or {}).get("figures", {}).get(h.baseline))
+            statuses = {(attacks_of(c).get(name) or {"status": None}).get("status", "done") for c in members}
+            if not figure and len(statuses) == 1 and statuses != {"done"}:
+                cells.append(str(statuses.pop() or "–"))  # "not applicable", "failed", or not run at all
+                continue
+            cells.append(stat_text(figure, digits) + (f" ({np.mean(base):.{digits}f})" if figure and base else ""))
+        rows.append(cells)
+    return rows
+
+
 def write_audit_report(summary: dict, out: Path) -> list[Path]:
     """out/report.html (self-contained, plots inlined) and out/report.md for an audit's summary.json: the
     verdict per configuration first, then the gates, privacy–utility plots, failures and the configurations."""
@@ -596,6 +651,7 @@ def write_audit_report(summary: dict, out: Path) -> list[Path]:
     verdict_table, verdict_classes = configuration_rows(configurations)
     gate_table, gate_classes = gate_rows(gates)
     plots = privacy_utility_plots(configurations)
+    figures_table = figure_rows(configurations)
     setup_rows = [["configuration", "group", "varied options", "run", "training seconds"]] + [
         [str(c.get("id")), str(c.get("group")), json.dumps(c.get("varied")), str(c.get("run")),
          number_text(c.get("train_seconds"), 1)] for c in configurations]
@@ -605,6 +661,7 @@ def write_audit_report(summary: dict, out: Path) -> list[Path]:
             "<h2>Verdict per configuration</h2>", _html_table(verdict_table, verdict_classes),
             f"<p>{html.escape(THRESHOLDS)}</p>", f"<p>{html.escape(DP_SCOPE)}</p>", "<h2>Gates</h2>",
             _html_table(gate_table, gate_classes) if gates else "<p>No gates were given (--gate).</p>",
+            "<h2>Figures per configuration</h2>", _html_table(figures_table), f"<p>{html.escape(FIGURES_NOTE)}</p>",
             "<h2>Privacy–utility</h2>"]
     body += [plot_html(png, caption) + f"<p>{html.escape(caption)}</p>" for caption, png in plots] or \
         ["<p>No configuration finished with both an accuracy and an attack figure.</p>"]
@@ -619,7 +676,8 @@ def write_audit_report(summary: dict, out: Path) -> list[Path]:
     fence = code_fence(defaults)
     lines = [f"# {md(title)}", "", md(overview), "", "## Verdict per configuration", "",
              markdown_table(verdict_table), "", md(THRESHOLDS), "", DP_SCOPE, "", "## Gates", "",
-             markdown_table(gate_table) if gates else "No gates were given (--gate).", ""]
+             markdown_table(gate_table) if gates else "No gates were given (--gate).", "",
+             "## Figures per configuration", "", markdown_table(figures_table), "", md(FIGURES_NOTE), ""]
     if failed:
         lines += ["## Failed configurations", "", markdown_table(failure_rows(configurations)), ""]
     lines += ["## Configurations", "", markdown_table(setup_rows), "", "Training defaults of the audit:", "",

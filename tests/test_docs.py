@@ -139,3 +139,34 @@ def test_every_measured_table_comes_with_its_command():
     for heading, body in with_tables:
         code = "\n".join(t.content for t in body if t.type in ("code_block", "fence", "code_inline"))
         assert command.search(code), f"docs/results.md, section '{heading}': a table without the command behind it"
+
+
+def results_script():
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location("experiments_results", ROOT / "experiments" / "results.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def test_results_tables_are_what_the_stored_audits_give():
+    """docs/results.md's audit tables regenerate from experiments/results/*.json (experiments/results.py)."""
+    assert results_script().problems() == []
+
+
+def test_a_stale_results_table_is_found(tmp_path, monkeypatch):
+    script = results_script()
+    summary = {"title": "t", "code_version": "0.1.0+abc", "pending": [], "configurations": [
+        {"id": "seed=0", "group": "", "status": "done", "accuracy": 0.5, "epsilon": None, "train_seconds": 60,
+         "attacks": {}}]}
+    (tmp_path / "results").mkdir()
+    (tmp_path / "results" / "x.json").write_text(__import__("json").dumps(summary))
+    page = tmp_path / "results.md"
+    page.write_text("intro\n<!-- audit x -->\nold table\n<!-- end audit x -->\nafter\n")
+    monkeypatch.setattr(script, "STORED", tmp_path / "results")
+    monkeypatch.setattr(script, "RESULTS_PAGE", page)
+    assert any("differ" in p for p in script.problems())
+    page.write_text(script.render(page.read_text(), script.stored_summaries()))
+    assert script.problems() == [] and "| (the audit's defaults) | 1 | 0.500 | off |" in page.read_text()
+    assert page.read_text().endswith("<!-- end audit x -->\nafter\n")

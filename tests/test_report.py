@@ -321,11 +321,36 @@ def test_audit_report_tables_plots_and_failures(tmp_path):
     gates = page.tables[1]
     assert gates[1] == ["invert.psnr_kept < 18", "FAILED", "mask_ratio=0.5,seed=0: invert-decoder.psnr_kept = 28.000"]
     assert gates[2][1] == "passed"
-    assert page.tables[2][1] == ["mask_ratio=0.1,seed=0", f"CUDA out of memory {HOSTILE}"]
+    assert page.tables[3][1] == ["mask_ratio=0.1,seed=0", f"CUDA out of memory {HOSTILE}"]
     assert "1 of 2 gate(s) failed" in text and "7 configuration(s), 1 failed" in text
 
     tables = markdown_tables(md_file.read_text())
-    assert tables[0] == page.tables[0] and tables[1] == gates and tables[2] == page.tables[2]
+    assert tables[0] == page.tables[0] and tables[1] == gates and tables[2:4] == page.tables[2:4]
+
+
+def test_figure_table_gives_each_group_its_mean_and_spread_over_seeds_beside_the_baseline():
+    from eftguard.report import figure_rows
+
+    rows = figure_rows(summary()["configurations"])
+    assert rows[0] == ["configuration", "seeds", "test accuracy", "ε", "invert-decoder: kept patches (dB)",
+                       "invert-decoder: whole image (dB)", "labels-head: L1"]
+    groups = {row[0]: row[1:] for row in rows[1:]}
+    assert list(groups) == ["mask_ratio=0.5", "mask_ratio=0.9", "dp_eps=3", HOSTILE]  # the failed one is left out
+    assert groups["mask_ratio=0.5"] == ["2", "0.400 ± 0.014", "off", "27.0 ± 1.4 (12.0)", "20.0 ± 0.0 (12.0)",
+                                        "0.400 ± 0.141 (0.900)"]
+    # one seed without accuracy and with a NaN figure: the other seed's values alone, without a spread
+    assert groups["mask_ratio=0.9"][:4] == ["2", "0.350", "off", "15.0 (12.0)"]
+    assert groups["mask_ratio=0.9"][5] == "–"  # one seed ran no label attack, the other scored none
+    assert groups["dp_eps=3"][2] == "3.00"
+
+
+def test_figure_table_names_an_attack_that_does_not_apply_to_a_method():
+    from eftguard.report import figure_rows
+
+    skipped = {"invert-decoder": {"family": "invert", "status": "not applicable", "figures": {}}}
+    rows = figure_rows([configuration("method=fedavg", "method=fedavg", 0.3, skipped),
+                        configuration("method=eftvit", "method=eftvit", 0.4, invert(25.0))])
+    assert rows[1][4] == "not applicable" and rows[2][4] == "25.0 (12.0)"
 
 
 def test_audit_report_shows_hostile_strings_as_text(tmp_path):
