@@ -414,7 +414,8 @@ LABEL_ERROR = verdict.CHANNELS[2].headlines[0]
 NO_DP = "No configuration ran DP-SGD (no ε): no privacy-budget plot."
 FIGURES_NOTE = ("Mean ± standard deviation over the seeds of each configuration; in brackets the mean of the "
                 "attack's baseline (the mean image, or the prior for labels): an attack is only as strong as its "
-                "distance from that. Test accuracy is after the last round.")
+                "distance from that. Test accuracy is after the last round. ε: the largest total any client spent "
+                "(its ledger), with the largest per channel in brackets.")
 LABEL_LIMIT = 40  # characters of a group name written next to its point in a plot
 
 
@@ -621,9 +622,18 @@ def figure_rows(configurations: list[dict]) -> list[list[str]]:
     def values(members, of) -> list[float]:
         return [float(v) for v in map(of, members) if verdict.finite(v)]
 
+    def epsilon_text(members) -> str:
+        total = values(members, epsilon_of)
+        if not total:
+            return "off"
+        channels = [(channel, values(members, lambda c: (c.get("epsilon_channels") or {}).get(channel)))
+                    for channel in ("parameters", "features")]
+        split = ", ".join(f"{channel} {max(spent):.2f}" for channel, spent in channels if spent)
+        return stat_text(total, 2) + (f" ({split})" if split else "")
+
     for group, members in groups.items():
         cells = [group or "(the audit's defaults)", str(len(members)), stat_text(values(members, accuracy_of), 3),
-                 stat_text(values(members, epsilon_of), 2) if values(members, epsilon_of) else "off"]
+                 epsilon_text(members)]
         for name, h in pairs:
             digits = 1 if h.unit else 3
             figure = values(members, lambda c: (attacks_of(c).get(name) or {}).get("figures", {}).get(h.figure))

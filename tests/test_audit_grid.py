@@ -430,3 +430,12 @@ def test_the_epsilon_of_a_configuration_is_its_weakest_clients():
     records = [{"round": 1, "epsilon": {"0": 0.5, "1": 0.7}}, {"round": 2, "epsilon": {"0": 0.98}}]
     assert grid.spent_epsilon(records) == 0.98
     assert grid.spent_epsilon([{"round": 1, "epsilon": None}]) is None
+
+
+def test_the_epsilon_of_each_channel_is_its_weakest_clients():
+    records = [{"round": 1, "epsilon_parameters": {"0": 0.4, "1": 0.6}, "epsilon_features": {"0": 0.3}},
+               {"round": 2, "epsilon_parameters": {"0": 0.5}, "epsilon_features": {"0": 0.9, "1": 0.2}}]
+    assert grid.spent_per_channel(records) == {"parameters": 0.6, "features": 0.9}
+    assert grid.spent_per_channel([{"round": 1, "epsilon_parameters": {"0": 0.4}, "epsilon_features": None}]) == \
+        {"parameters": 0.4}
+    assert grid.spent_per_channel([{"round": 1, "epsilon_parameters": None}]) is None

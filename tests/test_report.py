@@ -344,6 +344,15 @@ def test_figure_table_gives_each_group_its_mean_and_spread_over_seeds_beside_the
     assert groups["dp_eps=3"][2] == "3.00"
 
 
+def test_figure_table_gives_epsilon_per_channel_when_recorded():
+    from eftguard.report import figure_rows
+
+    runs = [configuration(f"dp_eps=8,seed={s}", "dp_eps=8", 0.2, invert(10.0), epsilon=e) for s, e in ((0, 5.5), (1, 5.7))]
+    for run, (parameters, features) in zip(runs, ((3.9, 3.8), (4.0, 3.7))):
+        run["epsilon_channels"] = {"parameters": parameters, "features": features}
+    assert figure_rows(runs)[1][3] == "5.60 ± 0.14 (parameters 4.00, features 3.80)"
+
+
 def test_figure_table_names_an_attack_that_does_not_apply_to_a_method():
     from eftguard.report import figure_rows
 

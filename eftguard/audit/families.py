@@ -122,9 +122,9 @@ class InvertFamily(Family):
     registry = INVERT
     help = "reconstruct client images from the patch features the server received"
     description = ("Feature inversion against an EFTViT run. Scored against truth/ by PSNR, SSIM and LPIPS over the "
-                   "whole image and over the kept patches only, beside a mean-image baseline. DP-SGD does not "
-                   "protect the uploaded features; --feature-noise does, and the attack applies it to its training "
-                   "data too.")
+                   "whole image and over the kept patches only, beside a mean-image baseline. The features are protected by "
+                   "the run's --dp-eps (its feature channel: clipped rows with Gaussian noise) or by --feature-noise; "
+                   "the attack applies the run's release to its own training data too.")
     options_type = InvertOptions
     image_metrics = True
     seeded = True

@@ -360,7 +360,7 @@ def audit_configuration(audit: Audit, configuration: Configuration, out: Path, k
     run_dir = run_folder(out, configuration)
     entry = {"id": configuration.id, "varied": configuration.varied, "group": configuration.group,
              "run": os.path.relpath(run_dir, out), "status": "incomplete", "error": None, "accuracy": None,
-             "epsilon": None, "train_seconds": None, "attacks": {},
+             "epsilon": None, "epsilon_channels": None, "train_seconds": None, "attacks": {},
              "config_digest": digest(configuration.config.to_toml()), "code_version": code_version()}
     try:
         entry["train_seconds"] = round(ensure_trained(run_dir, configuration.config, verbose), 1)
@@ -369,7 +369,8 @@ def audit_configuration(audit: Audit, configuration: Configuration, out: Path, k
         write_json(file, entry)
         return entry
     records = RunDirectory.open(run_dir).metrics()
-    entry.update(accuracy=records[-1].get("test_accuracy"), epsilon=spent_epsilon(records))
+    entry.update(accuracy=records[-1].get("test_accuracy"), epsilon=spent_epsilon(records),
+                 epsilon_channels=spent_per_channel(records))
     write_json(file, entry)
     cfg = configuration.config
     run_key = key or (Path(cfg.encrypt_at_rest) if cfg.encrypt_at_rest else None)
@@ -389,11 +390,17 @@ def audit_configuration(audit: Audit, configuration: Configuration, out: Path, k
     return entry
 
 
-def spent_epsilon(records: list[dict]) -> float | None:
+def spent_epsilon(records: list[dict], key: str = "epsilon") -> float | None:
     """The largest ε any client reported spent (metrics.jsonl: per round, {client: ε} or null): the guarantee
     of the run is that of its weakest client."""
-    spent = [value for record in records for value in (record.get("epsilon") or {}).values()]
+    spent = [value for record in records for value in (record.get(key) or {}).values()]
     return max(spent) if spent else None
+
+
+def spent_per_channel(records: list[dict]) -> dict[str, float] | None:
+    """{"parameters": ε, "features": ε}, each the largest any client reported (None without DP)."""
+    channels = {channel: spent_epsilon(records, f"epsilon_{channel}") for channel in ("parameters", "features")}
+    return {c: e for c, e in channels.items() if e is not None} or None
 
 
 def select_shard(configurations: list, shard: tuple[int, int] | None) -> list:
