@@ -586,18 +586,9 @@ def privacy_utility_plots(configurations: list[dict]) -> list[tuple[str, bytes]]
     return plots
 
 
-def attack_headlines(configurations: list[dict]) -> list[tuple[str, verdict.Headline]]:
-    """(attack name, headline) pairs that some finished configuration scored, attacks in the order they first
-    appear, each with its channel's headlines in order of preference."""
-    pairs = []
-    for configuration in filter(is_done, configurations):
-        for name, attack in attacks_of(configuration).items():
-            channel = next((c for c in verdict.CHANNELS if isinstance(attack, dict) and c.family == attack.get("family")), None)
-            figures = attack.get("figures") if isinstance(attack, dict) and attack.get("status", "done") == "done" else None
-            for headline in channel.headlines if channel and isinstance(figures, dict) else ():
-                if verdict.finite(figures.get(headline.figure)) and (name, headline) not in pairs:
-                    pairs.append((name, headline))
-    return pairs
+def channel_of(attack) -> verdict.Channel | None:
+    family = attack.get("family") if isinstance(attack, dict) else None
+    return next((c for c in verdict.CHANNELS if c.family == family), None)
 
 
 def stat_text(values: list[float], digits: int) -> str:
@@ -608,42 +599,56 @@ def stat_text(values: list[float], digits: int) -> str:
     return f"{mean:.{digits}f}" + (f" ± {std:.{digits}f}" if len(values) > 1 else "")
 
 
+def finite_values(members: list[dict], of) -> list[float]:
+    return [float(v) for v in map(of, members) if verdict.finite(v)]
+
+
+def epsilon_text(members: list[dict]) -> str:
+    """The largest total ε over seeds (mean ± std), and the largest per channel in brackets; "off" without DP."""
+    total = finite_values(members, epsilon_of)
+    if not total:
+        return "off"
+    channels = [(channel, finite_values(members, lambda c: (c.get("epsilon_channels") or {}).get(channel)))
+                for channel in ("parameters", "features")]
+    split = ", ".join(f"{channel} {max(spent):.2f}" for channel, spent in channels if spent)
+    return stat_text(total, 2) + (f" ({split})" if split else "")
+
+
+def headline_cell(members: list[dict], name: str, headline: verdict.Headline) -> str:
+    """One attack's figure over the group's seeds, "mean ± std (baseline mean)", or why there is none."""
+    def figure_of(key):
+        return lambda c: ((attacks_of(c).get(name) or {}).get("figures") or {}).get(key)
+
+    digits = 1 if headline.unit else 3
+    figure, base = finite_values(members, figure_of(headline.figure)), finite_values(members, figure_of(headline.baseline))
+    statuses = {(attacks_of(c).get(name) or {"status": None}).get("status", "done") for c in members}
+    if not figure and len(statuses) == 1 and statuses != {"done"}:
+        return str(statuses.pop() or "–")  # "not applicable", "failed", or not run at all
+    return stat_text(figure, digits) + (f" ({np.mean(base):.{digits}f})" if figure and base else "")
+
+
 def figure_rows(configurations: list[dict]) -> list[list[str]]:
-    """The measured figures of an audit, one row per configuration group (mean ± std over its seeds; failed
-    configurations left out): seeds, test accuracy, ε, and each attack's headline figures with the baseline's
-    mean in brackets. docs/results.md is made of these tables (experiments/results.py)."""
-    pairs = attack_headlines(configurations)
-    rows = [["configuration", "seeds", "test accuracy", "ε", *(f"{name}: {h.short}" + (f" ({h.unit.strip()})" if h.unit else "")
-                                                               for name, h in pairs)]]
+    """The measured figures of an audit: per configuration group (failed configurations left out), one row per
+    attack with its headline figures as mean ± std over the group's seeds and the baseline's mean in brackets;
+    the group's seeds, test accuracy and ε on its first row. docs/results.md is made of these tables
+    (experiments/results.py)."""
+    done = list(filter(is_done, configurations))
+    attacks = list(dict.fromkeys(str(name) for c in done for name in attacks_of(c)))
+    channels = {name: channel_of(next(attacks_of(c)[name] for c in done if name in attacks_of(c))) for name in attacks}
+    headlines = list(dict.fromkeys(h for name in attacks if channels[name] for h in channels[name].headlines))
+    rows = [["configuration", "seeds", "test accuracy", "ε", "attack",
+             *(h.short + (f" ({h.unit.strip()})" if h.unit else "") for h in headlines)]]
     groups: dict[str, list[dict]] = {}
-    for configuration in filter(is_done, configurations):
+    for configuration in done:
         groups.setdefault(str(configuration.get("group", configuration.get("id"))), []).append(configuration)
-
-    def values(members, of) -> list[float]:
-        return [float(v) for v in map(of, members) if verdict.finite(v)]
-
-    def epsilon_text(members) -> str:
-        total = values(members, epsilon_of)
-        if not total:
-            return "off"
-        channels = [(channel, values(members, lambda c: (c.get("epsilon_channels") or {}).get(channel)))
-                    for channel in ("parameters", "features")]
-        split = ", ".join(f"{channel} {max(spent):.2f}" for channel, spent in channels if spent)
-        return stat_text(total, 2) + (f" ({split})" if split else "")
-
     for group, members in groups.items():
-        cells = [group or "(the audit's defaults)", str(len(members)), stat_text(values(members, accuracy_of), 3),
-                 epsilon_text(members)]
-        for name, h in pairs:
-            digits = 1 if h.unit else 3
-            figure = values(members, lambda c: (attacks_of(c).get(name) or {}).get("figures", {}).get(h.figure))
-            base = values(members, lambda c: (attacks_of(c).get(name) or {}).get("figures", {}).get(h.baseline))
-            statuses = {(attacks_of(c).get(name) or {"status": None}).get("status", "done") for c in members}
-            if not figure and len(statuses) == 1 and statuses != {"done"}:
-                cells.append(str(statuses.pop() or "–"))  # "not applicable", "failed", or not run at all
-                continue
-            cells.append(stat_text(figure, digits) + (f" ({np.mean(base):.{digits}f})" if figure and base else ""))
-        rows.append(cells)
+        first = [group or "(the audit's defaults)", str(len(members)),
+                 stat_text(finite_values(members, accuracy_of), 3), epsilon_text(members)]
+        names = [n for n in attacks if any(n in attacks_of(c) for c in members)] or ["–"]
+        for i, name in enumerate(names):
+            own = channels.get(name).headlines if channels.get(name) else ()
+            rows.append([*(first if i == 0 else [""] * len(first)), name,
+                         *(headline_cell(members, name, h) if h in own else "" for h in headlines)])
     return rows
 
 

@@ -332,16 +332,16 @@ def test_figure_table_gives_each_group_its_mean_and_spread_over_seeds_beside_the
     from eftguard.report import figure_rows
 
     rows = figure_rows(summary()["configurations"])
-    assert rows[0] == ["configuration", "seeds", "test accuracy", "ε", "invert-decoder: kept patches (dB)",
-                       "invert-decoder: whole image (dB)", "labels-head: L1"]
-    groups = {row[0]: row[1:] for row in rows[1:]}
-    assert list(groups) == ["mask_ratio=0.5", "mask_ratio=0.9", "dp_eps=3", HOSTILE]  # the failed one is left out
-    assert groups["mask_ratio=0.5"] == ["2", "0.400 ± 0.014", "off", "27.0 ± 1.4 (12.0)", "20.0 ± 0.0 (12.0)",
-                                        "0.400 ± 0.141 (0.900)"]
+    assert rows[0] == ["configuration", "seeds", "test accuracy", "ε", "attack", "kept patches (dB)",
+                       "whole image (dB)", "L1"]
+    assert [row[0] for row in rows[1:] if row[0]] == ["mask_ratio=0.5", "mask_ratio=0.9", "dp_eps=3", HOSTILE]
+    assert rows[1:3] == [  # one row per attack, the group's own cells on its first row only
+        ["mask_ratio=0.5", "2", "0.400 ± 0.014", "off", "invert-decoder", "27.0 ± 1.4 (12.0)", "20.0 ± 0.0 (12.0)", ""],
+        ["", "", "", "", "labels-head", "", "", "0.400 ± 0.141 (0.900)"]]
     # one seed without accuracy and with a NaN figure: the other seed's values alone, without a spread
-    assert groups["mask_ratio=0.9"][:4] == ["2", "0.350", "off", "15.0 (12.0)"]
-    assert groups["mask_ratio=0.9"][5] == "–"  # one seed ran no label attack, the other scored none
-    assert groups["dp_eps=3"][2] == "3.00"
+    assert rows[3][:6] == ["mask_ratio=0.9", "2", "0.350", "off", "invert-decoder", "15.0 (12.0)"]
+    assert rows[4][4:] == ["labels-head", "", "", "–"]  # one seed ran no label attack, the other scored none
+    assert rows[5][:4] == ["dp_eps=3", "1", "0.300", "3.00"]
 
 
 def test_figure_table_gives_epsilon_per_channel_when_recorded():
@@ -359,7 +359,7 @@ def test_figure_table_names_an_attack_that_does_not_apply_to_a_method():
     skipped = {"invert-decoder": {"family": "invert", "status": "not applicable", "figures": {}}}
     rows = figure_rows([configuration("method=fedavg", "method=fedavg", 0.3, skipped),
                         configuration("method=eftvit", "method=eftvit", 0.4, invert(25.0))])
-    assert rows[1][4] == "not applicable" and rows[2][4] == "25.0 (12.0)"
+    assert rows[1][5:] == ["not applicable", "not applicable"] and rows[2][5] == "25.0 (12.0)"
 
 
 def test_audit_report_shows_hostile_strings_as_text(tmp_path):
