@@ -3,9 +3,17 @@ anything: TLS unless plaintext is asked for, certificates that name the Control 
 own settings. Fast enough for the mutation check of deployment.py (docs/mutation.md); tests/test_deployment.py
 starts the processes."""
 
+import io
 import math
+import os
 import re
+import signal
+import socket
+import ssl
+import subprocess
 import sys
+import threading
+import types
 from pathlib import Path
 
 import pytest
@@ -13,6 +21,7 @@ import pytest
 from defenses.tls import write_certificates
 from eftguard.config import ConfigError
 from eftguard.federation import deployment
+from eftguard.federation.errors import FederationError
 from eftguard.federation.deployment import node_config, superlink_command, supernode_command
 
 
@@ -110,3 +119,325 @@ def test_a_port_other_processes_must_be_told_cannot_be_left_to_chance():
     with pytest.raises(ConfigError, match=r"^--port must be a fixed port \(1..65535\), not 0: other processes connect "
                                           r"to it$"):
         deployment.check_port_free("127.0.0.1", 0, "--port")
+
+
+# --- the process layer, with every started process replaced by a recorder ------------------------------------
+
+class FakeProcess:
+    """A started Flower process as the code under test sees it; `events` (shared with the test) records what was
+    done to it, in order. `exit()` makes it end with a code; `ignores_sigterm`: wait(timeout) runs out."""
+
+    def __init__(self, events, output="", ignores_sigterm=False, on_wait=None):
+        self.pid, self.returncode, self.events = 4242, None, events
+        self.stdout = io.StringIO(output)
+        self.ignores_sigterm, self.on_wait = ignores_sigterm, on_wait
+        self.ended = threading.Event()
+
+    def exit(self, code):
+        self.returncode = code
+        self.ended.set()
+
+    def poll(self):
+        return self.returncode
+
+    def wait(self, timeout=None):
+        self.events.append(("wait", timeout))
+        if self.on_wait:
+            self.on_wait()
+        if timeout is not None and self.ignores_sigterm and not self.ended.is_set():
+            raise subprocess.TimeoutExpired("flower", timeout)
+        assert self.ended.wait(timeout if timeout is not None else 10), "waited on a process that never ends"
+        return self.returncode
+
+    def terminate(self):
+        self.events.append("terminate")
+        if not self.ignores_sigterm:
+            self.exit(-signal.SIGTERM)
+
+    def kill(self):
+        self.events.append("kill")
+        self.exit(-signal.SIGKILL)
+
+
+@pytest.fixture
+def events():
+    return []
+
+
+@pytest.fixture
+def sigterm_handler():
+    """A known SIGTERM handler in place during the test: the code under test must put it back."""
+    def handler(signum, frame):
+        raise AssertionError("the test's own SIGTERM handler was called")
+    previous = signal.signal(signal.SIGTERM, handler)
+    yield handler
+    signal.signal(signal.SIGTERM, previous)
+
+
+def start_recorder(monkeypatch, events, **process_options):
+    """Replace subprocess.Popen: each start is recorded as (command, keyword arguments); returns the started list."""
+    started = []
+
+    def popen(command, **kwargs):
+        events.append(("start", command[0]))
+        started.append((command, kwargs, FakeProcess(events, **process_options)))
+        return started[-1][2]
+
+    monkeypatch.setattr(subprocess, "Popen", popen)
+    return started
+
+
+def test_stop_waits_ten_seconds_after_sigterm_then_kills(events):
+    polite = FakeProcess(events)
+    deployment._stop(polite)
+    assert events == ["terminate", ("wait", 10)] and polite.returncode == -signal.SIGTERM
+    events.clear()
+    stubborn = FakeProcess(events, ignores_sigterm=True)
+    deployment._stop(stubborn)
+    assert events == ["terminate", ("wait", 10), "kill", ("wait", None)] and stubborn.returncode == -signal.SIGKILL
+
+
+def test_supernode_group_gets_sigterm_then_sigkill_and_a_vanished_one_is_no_error(events, monkeypatch):
+    """The SuperNode's group holds its SuperExec and ClientApps: they are stopped with it."""
+    group = {}
+
+    def killpg(pid, signum):
+        events.append(("killpg", pid, signum))
+        if pid not in group:
+            raise ProcessLookupError(pid)
+        if signum == signal.SIGKILL or not group[pid].ignores_sigterm:
+            group[pid].exit(-signum)
+
+    monkeypatch.setattr(os, "killpg", killpg)
+    group[4242] = FakeProcess(events)
+    deployment._stop_group(group[4242])
+    assert events == [("killpg", 4242, signal.SIGTERM), ("wait", 10)]
+    events.clear()
+    group[4242] = FakeProcess(events, ignores_sigterm=True)
+    deployment._stop_group(group[4242])
+    assert events == [("killpg", 4242, signal.SIGTERM), ("wait", 10), ("killpg", 4242, signal.SIGKILL)]
+    assert group[4242].returncode == -signal.SIGKILL
+    events.clear()
+    group.clear()
+    deployment._stop_group(FakeProcess(events))  # its group has already ended
+    assert events == [("killpg", 4242, signal.SIGTERM)]
+
+
+def test_bracketed_only_ipv6_addresses():
+    assert [deployment._bracketed(h) for h in ("::1", "10.0.0.5", "fl.example.org")] == [
+        "[::1]", "10.0.0.5", "fl.example.org"]
+
+
+class FakeClock:
+    """deployment's `time`: sleeping advances the clock by 0.25 s (an exact binary fraction) and is recorded."""
+
+    def __init__(self):
+        self.now, self.sleeps = 1000.0, []
+
+    def monotonic(self):
+        return self.now
+
+    def sleep(self, seconds):
+        self.sleeps.append(seconds)
+        self.now += 0.25
+
+
+@pytest.fixture
+def clock(monkeypatch):
+    fake = FakeClock()
+    monkeypatch.setattr(deployment, "time", fake)
+    return fake
+
+
+@pytest.fixture
+def closed_port():
+    """A port bound on 127.0.0.1 but not (yet) listening: connecting is refused until .listen()."""
+    with socket.socket() as bound:
+        bound.bind(("127.0.0.1", 0))
+        yield bound
+
+
+class Starting(FakeProcess):
+    """A SuperLink that opens its port at the `opens_at`-th look (poll) or stops there with `exit_code`."""
+
+    def __init__(self, events, socket_=None, opens_at=None, exit_code=None):
+        super().__init__(events)
+        self.socket, self.opens_at, self.exit_code, self.polls = socket_, opens_at, exit_code, 0
+
+    def poll(self):
+        self.polls += 1
+        if self.polls == self.opens_at:
+            self.socket.listen()
+        if self.polls == self.opens_at and self.exit_code is not None:
+            self.exit(self.exit_code)
+        return self.returncode
+
+
+def test_waiting_for_the_superlink_returns_once_its_port_accepts(events, clock, closed_port):
+    port = closed_port.getsockname()[1]
+    deployment._wait_until_listening(Starting(events, closed_port, opens_at=3), "127.0.0.1", port)
+    assert clock.sleeps == [0.2, 0.2]
+
+
+def test_waiting_for_the_superlink_reaches_a_bracketed_ipv6_address(events, clock):
+    with socket.socket(socket.AF_INET6) as flower:
+        flower.bind(("::1", 0))
+        flower.listen()
+        deployment._wait_until_listening(FakeProcess(events), "[::1]", flower.getsockname()[1])
+    assert clock.sleeps == []
+
+
+def test_a_superlink_that_exits_while_starting_is_reported_with_its_exit_code(events, clock, closed_port):
+    port = closed_port.getsockname()[1]
+    with pytest.raises(FederationError, match=r"^flower-superlink stopped while starting \(exit code 3\); see its "
+                                              r"log above$"):
+        deployment._wait_until_listening(Starting(events, closed_port, opens_at=2, exit_code=3), "127.0.0.1", port)
+
+
+def test_a_superlink_that_never_opens_its_port_is_given_up_at_the_deadline(events, clock, closed_port):
+    port = closed_port.getsockname()[1]
+    silent = Starting(events)
+    with pytest.raises(FederationError, match=rf"^flower-superlink did not open 127.0.0.1:{port} within 2 s; see its "
+                                              r"log above$"):
+        deployment._wait_until_listening(silent, "127.0.0.1", port, seconds=2)
+    assert clock.sleeps == [0.2] * 8 and clock.now == 1002.0
+    FakeClock.__init__(clock)
+    with pytest.raises(FederationError, match="within 120 s"):
+        deployment._wait_until_listening(silent, "127.0.0.1", port)
+    assert len(clock.sleeps) == 480
+
+
+class FakeListener:
+    """The gateway's listening socket, as bind_listener returned it."""
+
+    def __init__(self, events, address):
+        self.events, self.address = events, address
+
+    def getsockname(self):
+        return self.address
+
+    def close(self):
+        self.events.append("listener closed")
+
+
+def stops(events):
+    """The events less the gateway's watcher waiting on Flower (a thread: its place in the order is chance)."""
+    return [event for event in events if event != ("wait", None)]
+
+
+@pytest.fixture
+def superlink(monkeypatch, events, sigterm_handler):
+    """run_superlink with Flower started by a recorder, the wait for its port and uvicorn replaced: returns a
+    namespace whose `serve` (set by the test) plays the gateway's `run`, and whose fields record the rest."""
+    import httpx
+    import uvicorn
+
+    from eftguard.federation import fleet_gateway
+
+    seen = types.SimpleNamespace(started=start_recorder(monkeypatch, events), clients=[], configs=[], serve=None)
+    real_client = httpx.AsyncClient
+
+    def client(**kwargs):
+        seen.clients.append(kwargs)
+        return real_client(**kwargs)
+
+    class Gateway:
+        def __init__(self, config):
+            self.config, self.stopped_by_flower = config, threading.Event()
+
+        @property
+        def should_exit(self):
+            return self.stopped_by_flower.is_set()
+
+        @should_exit.setter
+        def should_exit(self, value):
+            if value:
+                self.stopped_by_flower.set()
+
+        def run(self, sockets):
+            events.append(("gateway serves", sockets))
+            seen.serve(self)
+
+    monkeypatch.setattr(httpx, "AsyncClient", client)
+    monkeypatch.setattr(fleet_gateway, "fleet_gateway", lambda upstream: ("gateway of", upstream))
+    monkeypatch.setattr(uvicorn, "Config", lambda app, **options: seen.configs.append((app, options)) or app)
+    monkeypatch.setattr(uvicorn, "Server", Gateway)
+    monkeypatch.setattr(deployment, "_wait_until_listening",
+                        lambda process, host, port: events.append(("waited for", process, host, port)))
+    return seen
+
+
+def test_superlink_serves_the_gateway_over_tls_once_flower_listens_and_stops_flower_after(
+        tmp_path, capsys, events, superlink, sigterm_handler):
+    files = write_certificates(tmp_path, ("::1",))
+    superlink.serve = lambda gateway: None  # uvicorn returns after the operator's Ctrl-C
+    listener = FakeListener(events, ("::", 9092, 0, 0))
+    assert deployment.run_superlink(["/bin/flower-superlink", "--x"], listener, "::1", 9093, tmp_path) == 0
+    [(command, options, flower)] = superlink.started
+    assert (command, options) == (["/bin/flower-superlink", "--x"], {"env": deployment.flower_env()})
+    assert stops(events) == [("start", "/bin/flower-superlink"), ("waited for", flower, "::1", 9093),
+                      ("gateway serves", [listener]), "listener closed", "terminate", ("wait", 10)]
+    [client] = superlink.clients
+    assert client["base_url"] == "https://[::1]:9093" and client["timeout"] == 120
+    assert client["verify"].verify_mode == ssl.CERT_REQUIRED and client["verify"].check_hostname
+    from cryptography import x509
+    [trusted] = client["verify"].get_ca_certs()
+    assert int(trusted["serialNumber"], 16) == x509.load_pem_x509_certificate(files.ca_cert.read_bytes()).serial_number
+    [(app, config)] = superlink.configs
+    assert app[0] == "gateway of" and app[1].base_url == "https://[::1]:9093"
+    assert config == {"log_level": "warning", "lifespan": "on", "ssl_certfile": str(files.server_cert),
+                      "ssl_keyfile": str(files.server_key)}
+    assert capsys.readouterr().err == ("eftguard: Fleet API for SuperNodes on [::]:9092; Control API for eftguard "
+                                       "train and register-node on [::1]:9093 only\n")
+    assert signal.getsignal(signal.SIGTERM) is sigterm_handler
+
+
+def test_plaintext_superlink_gateway_has_no_certificates(events, superlink, capsys):
+    superlink.serve = lambda gateway: None
+    assert deployment.run_superlink(["flower"], FakeListener(events, ("10.0.0.5", 9092)), "127.0.0.1", 9093,
+                                    None) == 0
+    [client] = superlink.clients
+    assert client["base_url"] == "http://127.0.0.1:9093" and client["verify"] is False
+    assert superlink.configs[0][1] == {"log_level": "warning", "lifespan": "on", "ssl_certfile": None,
+                                       "ssl_keyfile": None}
+    assert "on 10.0.0.5:9092; Control API for eftguard train and register-node on 127.0.0.1:9093 only" in (
+        capsys.readouterr().err)
+
+
+def test_when_flower_stops_the_gateway_stops_and_the_exit_code_is_reported(events, superlink):
+    def flower_dies(gateway):
+        [(_, _, flower)] = superlink.started
+        flower.exit(1)
+        assert gateway.stopped_by_flower.wait(10), "the gateway kept serving without Flower"
+
+    superlink.serve = flower_dies
+    with pytest.raises(FederationError, match=r"^flower-superlink stopped \(exit code 1\); see its log above$"):
+        deployment.run_superlink(["flower"], FakeListener(events, ("127.0.0.1", 9092)), "127.0.0.1", 9093, None)
+    assert stops(events)[-3:] == ["listener closed", "terminate", ("wait", 10)]
+
+
+def test_ctrl_c_returns_130_and_sigterm_exits_143_both_stopping_flower(events, superlink, sigterm_handler):
+    def interrupted(gateway):
+        raise KeyboardInterrupt
+
+    superlink.serve = interrupted
+    assert deployment.run_superlink(["flower"], FakeListener(events, ("127.0.0.1", 9092)), "127.0.0.1", 9093,
+                                    None) == 130
+    assert stops(events)[-3:] == ["listener closed", "terminate", ("wait", 10)]
+    events.clear()
+    superlink.serve = lambda gateway: signal.getsignal(signal.SIGTERM)(signal.SIGTERM, None)
+    with pytest.raises(SystemExit) as terminated:
+        deployment.run_superlink(["flower"], FakeListener(events, ("127.0.0.1", 9092)), "127.0.0.1", 9093, None)
+    assert terminated.value.code == 143
+    assert stops(events)[-3:] == ["listener closed", "terminate", ("wait", 10)]
+    assert signal.getsignal(signal.SIGTERM) is sigterm_handler
+
+
+def test_a_superlink_that_never_listens_is_stopped_with_its_listener(events, superlink, monkeypatch):
+    def never(process, host, port):
+        raise FederationError("did not open")
+
+    monkeypatch.setattr(deployment, "_wait_until_listening", never)
+    with pytest.raises(FederationError, match="did not open"):
+        deployment.run_superlink(["flower"], FakeListener(events, ("127.0.0.1", 9092)), "127.0.0.1", 9093, None)
+    assert stops(events) == [("start", "flower"), "listener closed", "terminate", ("wait", 10)]
