@@ -22,7 +22,7 @@ from defenses.tls import write_certificates
 from eftguard.config import ConfigError
 from eftguard.federation import deployment
 from eftguard.federation.errors import FederationError
-from eftguard.federation.deployment import node_config, superlink_command, supernode_command
+from eftguard.federation.deployment import SupernodeLogCheck, node_config, superlink_command, supernode_command
 
 
 @pytest.fixture
@@ -125,13 +125,16 @@ def test_a_port_other_processes_must_be_told_cannot_be_left_to_chance():
 
 class FakeProcess:
     """A started Flower process as the code under test sees it; `events` (shared with the test) records what was
-    done to it, in order. `exit()` makes it end with a code; `ignores_sigterm`: wait(timeout) runs out."""
+    done to it, in order. `exit()` makes it end with a code; `ignores_sigterm`: wait(timeout) runs out; `on_wait`
+    runs in the first wait (as a signal arriving then would)."""
 
-    def __init__(self, events, output="", ignores_sigterm=False, on_wait=None):
+    def __init__(self, events, output="", exit_code=None, ignores_sigterm=False, on_wait=None):
         self.pid, self.returncode, self.events = 4242, None, events
         self.stdout = io.StringIO(output)
         self.ignores_sigterm, self.on_wait = ignores_sigterm, on_wait
         self.ended = threading.Event()
+        if exit_code is not None:  # it ends once its output is read
+            self.exit(exit_code)
 
     def exit(self, code):
         self.returncode = code
@@ -143,7 +146,8 @@ class FakeProcess:
     def wait(self, timeout=None):
         self.events.append(("wait", timeout))
         if self.on_wait:
-            self.on_wait()
+            on_wait, self.on_wait = self.on_wait, None
+            on_wait()
         if timeout is not None and self.ignores_sigterm and not self.ended.is_set():
             raise subprocess.TimeoutExpired("flower", timeout)
         assert self.ended.wait(timeout if timeout is not None else 10), "waited on a process that never ends"
@@ -174,13 +178,33 @@ def sigterm_handler():
     signal.signal(signal.SIGTERM, previous)
 
 
-def start_recorder(monkeypatch, events, **process_options):
-    """Replace subprocess.Popen: each start is recorded as (command, keyword arguments); returns the started list."""
+@pytest.fixture
+def group_kills(monkeypatch, events):
+    """os.killpg recorded: it ends the fake processes of the returned {pid: process} as the signal would; any other
+    pid has no group (left already)."""
+    group = {}
+
+    def killpg(pid, signum):
+        events.append(("killpg", pid, signum))
+        if pid not in group:
+            raise ProcessLookupError(pid)
+        if signum == signal.SIGKILL or not group[pid].ignores_sigterm:
+            group[pid].exit(-signum)
+
+    monkeypatch.setattr(os, "killpg", killpg)
+    return group
+
+
+def start_recorder(monkeypatch, events, group=None, **process_options):
+    """Replace subprocess.Popen: each start is recorded as (command, keyword arguments, fake process) and its process
+    put in `group` (see group_kills); returns the started list."""
     started = []
 
     def popen(command, **kwargs):
         events.append(("start", command[0]))
         started.append((command, kwargs, FakeProcess(events, **process_options)))
+        if group is not None:
+            group[started[-1][2].pid] = started[-1][2]
         return started[-1][2]
 
     monkeypatch.setattr(subprocess, "Popen", popen)
@@ -197,28 +221,18 @@ def test_stop_waits_ten_seconds_after_sigterm_then_kills(events):
     assert events == ["terminate", ("wait", 10), "kill", ("wait", None)] and stubborn.returncode == -signal.SIGKILL
 
 
-def test_supernode_group_gets_sigterm_then_sigkill_and_a_vanished_one_is_no_error(events, monkeypatch):
+def test_supernode_group_gets_sigterm_then_sigkill_and_a_vanished_one_is_no_error(events, group_kills):
     """The SuperNode's group holds its SuperExec and ClientApps: they are stopped with it."""
-    group = {}
-
-    def killpg(pid, signum):
-        events.append(("killpg", pid, signum))
-        if pid not in group:
-            raise ProcessLookupError(pid)
-        if signum == signal.SIGKILL or not group[pid].ignores_sigterm:
-            group[pid].exit(-signum)
-
-    monkeypatch.setattr(os, "killpg", killpg)
-    group[4242] = FakeProcess(events)
-    deployment._stop_group(group[4242])
+    group_kills[4242] = FakeProcess(events)
+    deployment._stop_group(group_kills[4242])
     assert events == [("killpg", 4242, signal.SIGTERM), ("wait", 10)]
     events.clear()
-    group[4242] = FakeProcess(events, ignores_sigterm=True)
-    deployment._stop_group(group[4242])
+    group_kills[4242] = FakeProcess(events, ignores_sigterm=True)
+    deployment._stop_group(group_kills[4242])
     assert events == [("killpg", 4242, signal.SIGTERM), ("wait", 10), ("killpg", 4242, signal.SIGKILL)]
-    assert group[4242].returncode == -signal.SIGKILL
+    assert group_kills[4242].returncode == -signal.SIGKILL
     events.clear()
-    group.clear()
+    group_kills.clear()
     deployment._stop_group(FakeProcess(events))  # its group has already ended
     assert events == [("killpg", 4242, signal.SIGTERM)]
 
@@ -441,3 +455,87 @@ def test_a_superlink_that_never_listens_is_stopped_with_its_listener(events, sup
     with pytest.raises(FederationError, match="did not open"):
         deployment.run_superlink(["flower"], FakeListener(events, ("127.0.0.1", 9092)), "127.0.0.1", 9093, None)
     assert stops(events) == [("start", "flower"), "listener closed", "terminate", ("wait", 10)]
+
+
+
+# --- the SuperNode wrapper ----------------------------------------------------------------------------------
+
+def test_supernode_log_is_passed_through_and_its_exit_code_returned_then_its_group_stopped(
+        events, monkeypatch, capsys, group_kills, sigterm_handler):
+    log = "INFO: Starting SuperNode\n\nINFO: connected\n"
+    started = start_recorder(monkeypatch, events, group_kills, output=log, exit_code=7)
+    assert deployment.run_supernode(["/bin/flower-supernode", "--x"]) == 7
+    [(command, options, _)] = started
+    assert command == ["/bin/flower-supernode", "--x"]
+    assert options == {"env": deployment.flower_env(), "stdout": subprocess.PIPE, "stderr": subprocess.STDOUT,
+                       "text": True, "errors": "replace", "start_new_session": True}
+    assert capsys.readouterr().err == log
+    assert events == [("start", "/bin/flower-supernode"), ("wait", None), ("killpg", 4242, signal.SIGTERM),
+                      ("wait", 10)]
+    assert signal.getsignal(signal.SIGTERM) is sigterm_handler
+
+
+@pytest.mark.timeout(30)
+def test_supernode_refused_by_the_superlink_is_stopped_at_once(events, monkeypatch, capsys, group_kills,
+                                                                sigterm_handler):
+    log = "INFO: Starting\nERROR: Failed to activate SuperNode\nINFO: retrying in 5 s\n"
+    start_recorder(monkeypatch, events, group_kills, output=log, ignores_sigterm=True)
+    with pytest.raises(FederationError, match="its key is not registered"):
+        deployment.run_supernode(["flower-supernode"])
+    assert capsys.readouterr().err == "INFO: Starting\nERROR: Failed to activate SuperNode\n"
+    assert events == [("start", "flower-supernode"), ("killpg", 4242, signal.SIGTERM), ("wait", 10),
+                      ("killpg", 4242, signal.SIGKILL)]
+    assert signal.getsignal(signal.SIGTERM) is sigterm_handler
+
+
+@pytest.mark.timeout(30)
+def test_sigterm_to_the_wrapper_exits_143_and_stops_the_supernodes_group(events, monkeypatch, group_kills,
+                                                                           sigterm_handler):
+    terminate_wrapper = lambda: signal.getsignal(signal.SIGTERM)(signal.SIGTERM, None)  # noqa: E731
+    start_recorder(monkeypatch, events, group_kills, output="INFO: running\n", on_wait=terminate_wrapper)
+    with pytest.raises(SystemExit) as terminated:
+        deployment.run_supernode(["flower-supernode"])
+    assert terminated.value.code == 143
+    assert events == [("start", "flower-supernode"), ("wait", None), ("killpg", 4242, signal.SIGTERM), ("wait", 10)]
+    assert signal.getsignal(signal.SIGTERM) is sigterm_handler
+
+
+@pytest.mark.timeout(60)
+def test_a_log_byte_that_is_not_utf8_does_not_hang_the_wrapper(capfd):
+    """A ClientApp printing raw bytes ended the log reader with a UnicodeDecodeError; the wrapper then waited
+    forever (and the SuperNode, its pipe full, too)."""
+    write = "import sys; sys.stdout.buffer.write(b'before \\xff\\n'); sys.stdout.flush(); print('after'); sys.exit(4)"
+    assert deployment.run_supernode([sys.executable, "-c", write]) == 4
+    assert capfd.readouterr().err == "before \ufffd\nafter\n"
+
+
+def supernode_traceback(frame):
+    return ["Traceback (most recent call last):\n", f'  File "/venv/bin/{frame}", line 8, in <module>\n',
+            "    sys.exit(flower_supernode())\n", "\n", "          ^^^^^\n"]
+
+
+def test_a_traceback_through_the_supernodes_main_frame_is_fatal_on_its_error_line():
+    check = SupernodeLogCheck()
+    for line in ["INFO: started\n", *supernode_traceback("flower-supernode")]:
+        check(line)
+    with pytest.raises(FederationError, match=r"^the SuperNode stopped on an error it cannot recover from: "
+                                              r"ssl.SSLError: no start line \(see its log above\)$"):
+        check("ssl.SSLError: no start line\n")
+
+
+def test_a_client_apps_traceback_or_a_later_main_frame_is_not_fatal():
+    """Only a main-thread traceback stops the wrapper: the SuperNode reports a failed ClientApp and goes on."""
+    check = SupernodeLogCheck()
+    for line in [*supernode_traceback("flwr-clientapp"), "ValueError: one ClientApp failed\n",
+                 "Traceback (most recent call last):\n", '  File "/venv/lib/thread.py", line 1, in run\n',
+                 '  File "/venv/bin/flower-supernode", line 8, in <module>\n', "KeyError: 'x'\n", "INFO: next\n"]:
+        check(line)
+
+
+@pytest.mark.parametrize("failure, message", [(markers, message) for markers, message in
+                                              deployment.SUPERNODE_FAILURES])
+def test_every_known_failure_line_names_its_cause(failure, message):
+    for marker in failure:
+        with pytest.raises(FederationError) as raised:
+            SupernodeLogCheck()(f"ERROR: grpc said: {marker} (details)\n")
+        assert str(raised.value) == message
