@@ -1,7 +1,9 @@
 """The commands and node configuration `eftguard superlink` and `supernode` hand to Flower, built without starting
 anything: TLS unless plaintext is asked for, certificates that name the Control address, node auth, and the node's
-own settings. Fast enough for the mutation check of deployment.py (docs/mutation.md); tests/test_deployment.py
-starts the processes."""
+own settings; then the process layer (`run_superlink`, `run_supernode`, `register_node`, `run_deployed`) with every
+started process replaced by a recorder: exact commands and environments, timeouts, and every started process stopped,
+in order, whatever ends the run. Fast enough for the mutation check of deployment.py (docs/mutation.md);
+tests/test_deployment.py starts the real processes."""
 
 import io
 import math
@@ -18,11 +20,12 @@ from pathlib import Path
 
 import pytest
 
-from defenses.tls import write_certificates
+from defenses.tls import CertificateError, write_certificates
 from eftguard.config import ConfigError
 from eftguard.federation import deployment
-from eftguard.federation.errors import FederationError
 from eftguard.federation.deployment import SupernodeLogCheck, node_config, superlink_command, supernode_command
+from eftguard.federation.errors import FederationError
+from eftguard.rundir import RunError
 
 
 @pytest.fixture
@@ -76,7 +79,7 @@ def test_supernode_trusts_the_given_ca_unless_plaintext_is_asked_for(tmp_path, f
 
 def test_node_config_carries_the_nodes_own_settings(tmp_path):
     assert node_config(0, 2) == "partition-id=0 num-partitions=2 share-truth=false"
-    ledger = tmp_path / "ledger folder"
+    ledger = tmp_path / "Ledger X folder"  # spaces and capitals are carried
     assert node_config(1, 2, noise_secret=0, share_truth=True, ledger_dir=ledger, max_epsilon=0.5) == (
         f'partition-id=1 num-partitions=2 share-truth=true noise-secret=0 ledger-dir="{ledger}" max-epsilon=0.5')
 
@@ -539,3 +542,198 @@ def test_every_known_failure_line_names_its_cause(failure, message):
         with pytest.raises(FederationError) as raised:
             SupernodeLogCheck()(f"ERROR: grpc said: {marker} (details)\n")
         assert str(raised.value) == message
+
+
+# --- `eftguard register-node` and `train --federation deployment`: flwr replaced by a recorder ---------------
+
+def flwr_recorder(monkeypatch, reply):
+    """Replace subprocess.run: records (command, keyword arguments, FLWR_HOME's config.toml as flwr would read it)
+    and answers with reply(command), a CompletedProcess."""
+    calls = []
+
+    def run(command, **kwargs):
+        calls.append((command, kwargs, (Path(kwargs["env"]["FLWR_HOME"]) / "config.toml").read_text()))
+        return reply(command)
+
+    monkeypatch.setattr(subprocess, "run", run)
+    return calls
+
+
+def test_register_node_runs_flwr_with_its_own_connection_file_and_prints_its_answer(tmp_path, monkeypatch, flower,
+                                                                                   capsys):
+    key = tmp_path / "node.pub"
+    key.write_text("ecdsa-sha2-nistp256 AAAA")
+    ca = write_certificates(tmp_path / "certs").ca_cert
+    calls = flwr_recorder(monkeypatch, lambda command: subprocess.CompletedProcess(command, 0, "  registered 7\n", ""))
+    deployment.register_node(key, "10.0.0.5:9093", ca, insecure=False)
+    [(command, options, config)] = calls
+    assert command == ["/bin/flwr", "supernode", "register", str(key), "eftguard"]
+    home = options["env"]["FLWR_HOME"]
+    assert options == {"env": deployment.flower_env(FLWR_HOME=home), "capture_output": True, "text": True,
+                       "errors": "replace"}
+    assert config == deployment.connection_config("10.0.0.5:9093", ca, insecure=False)
+    assert not Path(home).exists(), "the connection file outlived the registration"
+    assert capsys.readouterr().out == "registered 7\n"
+
+
+def test_a_refused_registration_reports_flwrs_last_words(tmp_path, monkeypatch, flower):
+    key = tmp_path / "node.pub"
+    key.write_text("k")
+    said = "x" * 600 + "\nError: the public key is already registered\n"
+    flwr_recorder(monkeypatch, lambda command: subprocess.CompletedProcess(command, 1, said, "  (exit 1)\n"))
+    with pytest.raises(FederationError) as refused:
+        deployment.register_node(key, "127.0.0.1:9093", None, insecure=True)
+    assert str(refused.value) == f"registering {key} failed: {(said + '  (exit 1)').strip()[-500:]}"
+
+
+def test_register_node_checks_its_input_before_running_flwr(tmp_path, monkeypatch, flower):
+    calls = flwr_recorder(monkeypatch, lambda command: pytest.fail("flwr ran"))
+    with pytest.raises(ConfigError, match=rf"^public key {tmp_path / 'absent.pub'} does not exist \(eftguard "
+                                          r"node-key writes KEY and KEY.pub\)$"):
+        deployment.register_node(tmp_path / "absent.pub", "127.0.0.1:9093", None, insecure=True)
+    with pytest.raises(ConfigError, match="TLS is the default"):
+        deployment.register_node(tmp_path / "absent.pub", "127.0.0.1:9093", None, insecure=False)
+    assert calls == []
+
+
+@pytest.fixture
+def run_dir(tmp_path):
+    from eftguard.config import TrainConfig
+    from eftguard.rundir import RunDirectory
+
+    RunDirectory.create(tmp_path / "my run", TrainConfig(rounds=2))
+    return tmp_path / "my run"
+
+
+def rounds_done(run_dir, rounds, code):
+    """flwr's stand-in: the ServerApp completes `rounds` rounds (a checkpoint, then the metrics line), exits `code`."""
+    import torch
+
+    from eftguard.rundir import RunDirectory
+
+    def reply(command):
+        run = RunDirectory.open(run_dir)
+        for k in range(1, rounds + 1):
+            run.save_checkpoint(k, {"w": torch.zeros(1)})
+            run.append_metrics({"round": k})
+        return subprocess.CompletedProcess(command, code)
+    return reply
+
+
+def test_deployed_run_hands_flwr_the_app_and_the_absolute_run_dir(run_dir, monkeypatch, flower):
+    monkeypatch.chdir(run_dir.parent)
+    calls = flwr_recorder(monkeypatch, rounds_done(run_dir, 2, 0))
+    deployment.run_deployed(Path(run_dir.name), "127.0.0.1:9093", None, insecure=True)
+    [(command, options, config)] = calls
+    assert command == ["/bin/flwr", "run", str(deployment.APP_DIR), "eftguard", "--stream", "-c",
+                       f'run-dir="{run_dir}"']
+    assert options == {"env": deployment.flower_env(FLWR_HOME=options["env"]["FLWR_HOME"])}
+    assert config == deployment.connection_config("127.0.0.1:9093", None, insecure=True)
+    assert not Path(options["env"]["FLWR_HOME"]).exists()
+
+
+@pytest.mark.parametrize("insecure", [True, False])
+def test_a_deployed_run_that_stops_early_names_the_round_and_how_to_go_on(run_dir, monkeypatch, flower, insecure):
+    flwr_recorder(monkeypatch, rounds_done(run_dir, 1, 1))
+    ca = None if insecure else write_certificates(run_dir.parent / "certs").ca_cert
+    with pytest.raises(FederationError) as stopped:
+        deployment.run_deployed(run_dir, "10.0.0.5:9092", ca, insecure)
+    tls = (" If the SuperLink was reported unavailable, check that --root-certificates is the CA that signed the "
+           "SuperLink's certificate (TLS).")
+    assert str(stopped.value) == (
+        "the deployed run stopped after round 1 of 2 (flwr exit code 1); see the output above. --superlink must be "
+        "the SuperLink's Control address (127.0.0.1:9093 unless eftguard superlink was given --control-port), not "
+        f"the Fleet address SuperNodes use.{'' if insecure else tls} Continue with eftguard train --resume {run_dir} "
+        "--superlink 10.0.0.5:9092 ...")
+
+
+def test_a_deployed_run_needs_a_superlink_and_a_run_directory(tmp_path, monkeypatch, flower):
+    calls = flwr_recorder(monkeypatch, lambda command: pytest.fail("flwr ran"))
+    with pytest.raises(ConfigError, match=r"^--federation deployment needs --superlink HOST:PORT \(the SuperLink's "
+                                          r"address\)$"):
+        deployment.run_deployed(tmp_path, None, None, insecure=True)
+    with pytest.raises(ConfigError, match="TLS is the default"):
+        deployment.run_deployed(tmp_path, "127.0.0.1:9093", None, insecure=False)
+    with pytest.raises(RunError, match="is not an eftguard run directory"):
+        deployment.run_deployed(tmp_path, "127.0.0.1:9093", None, insecure=True)
+    assert calls == []
+
+
+# --- where Flower's commands come from --------------------------------------------------------------------------
+
+def test_flower_commands_are_taken_beside_this_python_then_from_path(tmp_path, monkeypatch):
+    """Beside the interpreter first: a venv's Flower even when another Flower comes first on PATH."""
+    venv, elsewhere = tmp_path / "venv" / "bin", tmp_path / "elsewhere"
+    for tool in (venv / "flower-superlink", elsewhere / "flower-superlink", elsewhere / "flwr"):
+        tool.parent.mkdir(parents=True, exist_ok=True)
+        tool.write_text("#!/bin/sh\n")
+        tool.chmod(0o755)
+    monkeypatch.setattr(sys, "executable", str(venv / "python"))
+    monkeypatch.setenv("PATH", str(elsewhere))
+    assert deployment.flower_executable("flower-superlink") == str(venv / "flower-superlink")
+    assert deployment.flower_executable("flwr") == str(elsewhere / "flwr")
+    with pytest.raises(FederationError, match=r"^the `flower-supernode` command is missing: reinstall eftguard "
+                                              r"\(pip install -e \.\)$"):
+        deployment.flower_executable("flower-supernode")
+
+
+def test_with_path_unset_flower_commands_come_from_this_environment_then_the_system_default(monkeypatch):
+    """An empty PATH entry would be the current folder: a file named flwr there would run."""
+    monkeypatch.delenv("PATH")
+    assert deployment.flower_env()["PATH"] == f"{Path(sys.executable).parent}:{os.defpath}"
+
+
+# --- listening sockets and the messages of bad input ----------------------------------------------------------
+
+def test_listener_is_a_tcp_socket_that_accepts_on_any_spelling_of_its_address():
+    for host in ("127.0.0.1", "[::1]"):
+        with deployment.bind_listener(host, 0, "--port") as listener:
+            assert listener.type == socket.SOCK_STREAM
+            with socket.create_connection((host.strip("[]"), listener.getsockname()[1]), timeout=5):
+                pass
+
+
+@pytest.mark.parametrize("port", [65535, 0])
+def test_listener_takes_every_port_number(port):
+    """65535 is a port; 0 asks for a free one."""
+    try:
+        deployment.bind_listener("127.0.0.1", port, "--port").close()
+    except ConfigError as taken:  # 65535 may be some other process's right now
+        assert str(taken).startswith("--port 65535 is already in use on 127.0.0.1"), taken
+
+
+@pytest.mark.parametrize("port", [65536, -1])
+def test_a_number_that_is_no_port_is_refused(port):
+    """getaddrinfo would wrap 65536 to port 0, a random port nobody is told."""
+    with pytest.raises(ConfigError, match=rf"^--control-port {port} is not a port number \(0..65535\)$"):
+        deployment.bind_listener("127.0.0.1", port, "--control-port")
+
+
+def test_a_host_that_is_not_this_one_is_refused_naming_the_flags():
+    with pytest.raises(ConfigError, match=r"^no-such-host.invalid is not an address of this host: check --host / "
+                                          r"--control-host$"):
+        deployment.bind_listener("no-such-host.invalid", 0, "--port")
+    with pytest.raises(ConfigError, match=r"^cannot listen on 192.0.2.1:0 \(Cannot assign requested address\): "
+                                          r"check --port and the host$"):
+        deployment.bind_listener("192.0.2.1", 0, "--port")
+
+
+def test_plaintext_is_warned_about_in_one_line(capsys):
+    deployment.check_tls_choice(None, insecure=True)
+    assert capsys.readouterr().err == "eftguard: warning: --insecure: uploads travel unencrypted\n"
+
+
+def test_a_superlink_ca_that_is_no_ca_is_refused_naming_certs(tmp_path, flower):
+    files = write_certificates(tmp_path)
+    files.ca_cert.write_bytes(files.server_cert.read_bytes())
+    with pytest.raises(CertificateError, match=rf"^--certs {files.ca_cert} is an end-entity certificate, not a CA"):
+        superlink_command(tmp_path, False, "127.0.0.1", 9093)
+
+
+@pytest.mark.parametrize("damage", ["a CA certificate", "not PEM"])
+def test_a_server_certificate_not_from_eftguard_certs_is_refused(tmp_path, flower, damage):
+    files = write_certificates(tmp_path)
+    files.server_cert.write_bytes(files.ca_cert.read_bytes() if damage == "a CA certificate" else b"junk")
+    with pytest.raises(ConfigError, match=rf"^{files.server_cert} is not a server certificate from eftguard certs: "
+                                          r"recreate it$"):
+        superlink_command(tmp_path, False, "127.0.0.1", 9093)
