@@ -57,11 +57,11 @@ def test_superlink_without_a_certificate_file_is_refused_naming_it(tmp_path, flo
 
 @pytest.mark.parametrize("host", ["10.0.0.9", "[::2]", "other.example.org"])
 def test_certificate_that_does_not_name_the_control_address_is_refused(tmp_path, flower, host):
-    write_certificates(tmp_path, ("10.0.0.5", "fl.example.org", "::1"))
+    write_certificates(tmp_path, ("10.0.0.5", "fl.example.org", "::1", "Xnode.example"))
     with pytest.raises(ConfigError, match=rf"does not name the Control address {re.escape(host)}: "
                                           rf"recreate the certificates with eftguard certs --san "):
         superlink_command(tmp_path, False, host, 9093)
-    for named in ("fl.example.org", "[::1]", "10.0.0.5"):
+    for named in ("fl.example.org", "[::1]", "10.0.0.5", "Xnode.example"):  # only the brackets are stripped
         superlink_command(tmp_path, False, named, 9093)
 
 
