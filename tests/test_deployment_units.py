@@ -19,6 +19,7 @@ import types
 from pathlib import Path
 
 import pytest
+from cryptography import x509
 
 from defenses.tls import CertificateError, write_certificates
 from eftguard.config import ConfigError
@@ -275,17 +276,18 @@ def closed_port():
 
 
 class Starting(FakeProcess):
-    """A SuperLink that opens its port at the `opens_at`-th look (poll) or stops there with `exit_code`."""
+    """A SuperLink that, at its n-th look (poll), opens its port (`opens_at`) or exits with `exit_code` (`exits_at`)."""
 
-    def __init__(self, events, socket_=None, opens_at=None, exit_code=None):
+    def __init__(self, events, socket_=None, opens_at=None, exits_at=None, exit_code=None):
         super().__init__(events)
-        self.socket, self.opens_at, self.exit_code, self.polls = socket_, opens_at, exit_code, 0
+        self.socket, self.opens_at, self.exits_at, self.exit_code = socket_, opens_at, exits_at, exit_code
+        self.polls = 0
 
     def poll(self):
         self.polls += 1
         if self.polls == self.opens_at:
             self.socket.listen()
-        if self.polls == self.opens_at and self.exit_code is not None:
+        if self.polls == self.exits_at:
             self.exit(self.exit_code)
         return self.returncode
 
@@ -304,24 +306,21 @@ def test_waiting_for_the_superlink_reaches_a_bracketed_ipv6_address(events, cloc
     assert clock.sleeps == []
 
 
-def test_a_superlink_that_exits_while_starting_is_reported_with_its_exit_code(events, clock, closed_port):
+def test_a_superlink_that_exits_while_starting_is_reported_at_once_with_its_exit_code(events, clock, closed_port):
     port = closed_port.getsockname()[1]
     with pytest.raises(FederationError, match=r"^flower-superlink stopped while starting \(exit code 3\); see its "
                                               r"log above$"):
-        deployment._wait_until_listening(Starting(events, closed_port, opens_at=2, exit_code=3), "127.0.0.1", port)
+        deployment._wait_until_listening(Starting(events, exits_at=2, exit_code=3), "127.0.0.1", port)
+    assert clock.sleeps == [0.2]
 
 
-def test_a_superlink_that_never_opens_its_port_is_given_up_at_the_deadline(events, clock, closed_port):
+@pytest.mark.parametrize("limit, given", [({"seconds": 2}, 2), ({}, 120)])
+def test_a_superlink_that_never_opens_its_port_is_given_up_at_the_deadline(events, clock, closed_port, limit, given):
     port = closed_port.getsockname()[1]
-    silent = Starting(events)
-    with pytest.raises(FederationError, match=rf"^flower-superlink did not open 127.0.0.1:{port} within 2 s; see its "
-                                              r"log above$"):
-        deployment._wait_until_listening(silent, "127.0.0.1", port, seconds=2)
-    assert clock.sleeps == [0.2] * 8 and clock.now == 1002.0
-    FakeClock.__init__(clock)
-    with pytest.raises(FederationError, match="within 120 s"):
-        deployment._wait_until_listening(silent, "127.0.0.1", port)
-    assert len(clock.sleeps) == 480
+    with pytest.raises(FederationError, match=rf"^flower-superlink did not open 127.0.0.1:{port} within {given} s; "
+                                              r"see its log above$"):
+        deployment._wait_until_listening(Starting(events), "127.0.0.1", port, **limit)
+    assert clock.sleeps == [0.2] * (given * 4) and clock.now == 1000.0 + given
 
 
 class FakeListener:
@@ -355,8 +354,8 @@ def superlink(monkeypatch, events, sigterm_handler):
     real_client = httpx.AsyncClient
 
     def client(**kwargs):
-        seen.clients.append(kwargs)
-        return real_client(**kwargs)
+        seen.clients.append((kwargs, real_client(**kwargs)))
+        return seen.clients[-1][1]
 
     class Gateway:
         def __init__(self, config):
@@ -393,15 +392,14 @@ def test_superlink_serves_the_gateway_over_tls_once_flower_listens_and_stops_flo
     [(command, options, flower)] = superlink.started
     assert (command, options) == (["/bin/flower-superlink", "--x"], {"env": deployment.flower_env()})
     assert stops(events) == [("start", "/bin/flower-superlink"), ("waited for", flower, "::1", 9093),
-                      ("gateway serves", [listener]), "listener closed", "terminate", ("wait", 10)]
-    [client] = superlink.clients
+                             ("gateway serves", [listener]), "listener closed", "terminate", ("wait", 10)]
+    [(client, upstream)] = superlink.clients
     assert client["base_url"] == "https://[::1]:9093" and client["timeout"] == 120
     assert client["verify"].verify_mode == ssl.CERT_REQUIRED and client["verify"].check_hostname
-    from cryptography import x509
     [trusted] = client["verify"].get_ca_certs()
     assert int(trusted["serialNumber"], 16) == x509.load_pem_x509_certificate(files.ca_cert.read_bytes()).serial_number
     [(app, config)] = superlink.configs
-    assert app[0] == "gateway of" and app[1].base_url == "https://[::1]:9093"
+    assert app == ("gateway of", upstream)
     assert config == {"log_level": "warning", "lifespan": "on", "ssl_certfile": str(files.server_cert),
                       "ssl_keyfile": str(files.server_key)}
     assert capsys.readouterr().err == ("eftguard: Fleet API for SuperNodes on [::]:9092; Control API for eftguard "
@@ -413,7 +411,7 @@ def test_plaintext_superlink_gateway_has_no_certificates(events, superlink, caps
     superlink.serve = lambda gateway: None
     assert deployment.run_superlink(["flower"], FakeListener(events, ("10.0.0.5", 9092)), "127.0.0.1", 9093,
                                     None) == 0
-    [client] = superlink.clients
+    [(client, _)] = superlink.clients
     assert client["base_url"] == "http://127.0.0.1:9093" and client["verify"] is False
     assert superlink.configs[0][1] == {"log_level": "warning", "lifespan": "on", "ssl_certfile": None,
                                        "ssl_keyfile": None}
