@@ -461,6 +461,7 @@ def test_a_superlink_that_never_listens_is_stopped_with_its_listener(events, sup
 
 # --- the SuperNode wrapper ----------------------------------------------------------------------------------
 
+@pytest.mark.timeout(30)
 def test_supernode_log_is_passed_through_and_its_exit_code_returned_then_its_group_stopped(
         events, monkeypatch, capsys, group_kills, sigterm_handler):
     log = "INFO: Starting SuperNode\n\nINFO: connected\n"
@@ -503,8 +504,8 @@ def test_sigterm_to_the_wrapper_exits_143_and_stops_the_supernodes_group(events,
 
 @pytest.mark.timeout(60)
 def test_a_log_byte_that_is_not_utf8_does_not_hang_the_wrapper(capfd):
-    """A ClientApp printing raw bytes ended the log reader with a UnicodeDecodeError; the wrapper then waited
-    forever (and the SuperNode, its pipe full, too)."""
+    """One such byte from the SuperNode or a process it started ended the log reader with a UnicodeDecodeError; the
+    wrapper then waited forever (and the SuperNode, its pipe full, too)."""
     write = "import sys; sys.stdout.buffer.write(b'before \\xff\\n'); sys.stdout.flush(); print('after'); sys.exit(4)"
     assert deployment.run_supernode([sys.executable, "-c", write]) == 4
     assert capfd.readouterr().err == "before \ufffd\nafter\n"
@@ -533,10 +534,9 @@ def test_a_client_apps_traceback_or_a_later_main_frame_is_not_fatal():
         check(line)
 
 
-@pytest.mark.parametrize("failure, message", [(markers, message) for markers, message in
-                                              deployment.SUPERNODE_FAILURES])
-def test_every_known_failure_line_names_its_cause(failure, message):
-    for marker in failure:
+@pytest.mark.parametrize("markers, message", deployment.SUPERNODE_FAILURES, ids=["tls", "node auth", "port"])
+def test_every_known_failure_line_names_its_cause(markers, message):
+    for marker in markers:
         with pytest.raises(FederationError) as raised:
             SupernodeLogCheck()(f"ERROR: grpc said: {marker} (details)\n")
         assert str(raised.value) == message
