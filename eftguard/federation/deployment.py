@@ -48,9 +48,10 @@ def flower_executable(name: str) -> str:
 
 
 def flower_env(**extra: str) -> dict[str, str]:
-    """Flower's processes start further Flower commands from PATH: put this environment's first.
+    """Flower's processes start further Flower commands from PATH: put this environment's first (with PATH unset,
+    before the system default: an empty entry would mean the current folder).
     (Telemetry and update checks are already off: eftguard.cli.main sets that for the whole process.)"""
-    path = f"{Path(sys.executable).parent}{os.pathsep}{os.environ.get('PATH', '')}"
+    path = f"{Path(sys.executable).parent}{os.pathsep}{os.environ.get('PATH', os.defpath)}"
     return {**os.environ, "PATH": path, **extra}
 
 
@@ -257,8 +258,9 @@ MAIN_THREAD_FRAME = 'flower-supernode", line'
 def run_supernode(command: list[str]) -> int:
     """Run a SuperNode, passing its log through; stop at once with a clear error when the SuperLink cannot be
     trusted (TLS), does not accept this node (auth), or the SuperNode's main thread died (Flower would hang)."""
+    # errors="replace": one undecodable byte would end the reader thread and leave this wrapper waiting forever.
     process = subprocess.Popen(command, env=flower_env(), stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
-                               start_new_session=True)
+                               errors="replace", start_new_session=True)
     # SIGTERM must unwind through `finally`, or the SuperNode's own process group outlives this wrapper.
     previous = signal.signal(signal.SIGTERM, lambda signum, frame: sys.exit(128 + signum))
     lines: queue.Queue[str | None] = queue.Queue()
@@ -327,7 +329,8 @@ def register_node(public_key: Path, superlink: str, root_certificates: Path | No
     with tempfile.TemporaryDirectory(prefix="eftguard-flwr-") as home:
         (Path(home) / "config.toml").write_text(connection_config(superlink, root_certificates, insecure))
         result = subprocess.run([flower_executable("flwr"), "supernode", "register", str(public_key), "eftguard"],
-                                env=flower_env(FLWR_HOME=home), capture_output=True, text=True)
+                                env=flower_env(FLWR_HOME=home), capture_output=True, text=True,
+                                errors="replace")
     if result.returncode != 0:
         raise FederationError(f"registering {public_key} failed: {(result.stdout + result.stderr).strip()[-500:]}")
     print(result.stdout.strip())
