@@ -4,6 +4,7 @@ round's parts (the run's data subset and partition, train_local, extract_feature
 accountant). Each test takes a fraction of a second, fast enough for the mutation check of client.py
 (docs/mutation.md); tests/test_client.py and tests/test_dp.py run the same rounds on vit-tiny-32."""
 
+import contextlib
 import logging
 import math
 import time
@@ -18,7 +19,8 @@ from defenses.feature_noise import release_features
 from defenses.ledger import PrivacyLedger, Spend, Terms
 from eftguard.config import TrainConfig
 from eftguard.data import dirichlet_partition, load_dataset
-from eftguard.federation.client import client_partition, client_round, run_dataset, seeded
+from eftguard.federation import client
+from eftguard.federation.client import client_partition, client_round, feature_share, run_dataset, seeded
 from eftguard.federation.records import ClientSettings
 from eftguard.masking import kept_token_count
 from eftguard.methods import method_spec
@@ -212,6 +214,7 @@ def test_dp_round_trains_through_dp_sgd_with_the_sent_noise_and_reports_the_ledg
     assert_same_arrays(upload.update, update)
     assert_same_arrays(upload.features, features)
     assert np.array_equal(upload.truth["kept_ids"], keep_ids) and np.array_equal(upload.truth["sample_ids"], data.ids)
+    assert upload.truth["kept_ids"].dtype == upload.truth["sample_ids"].dtype == np.int64
     plain, _, _ = trained(s, state, data, (s.seed, s.round, CLIENT, 1))  # the same batches and masks without DP
     assert not np.allclose(upload.update["head.weight"], plain.head.weight.detach().numpy(), atol=1e-3)
     assert upload.loss == 0.0 and upload.num_examples == 21
@@ -251,10 +254,41 @@ def test_dp_round_without_the_nodes_ledger_is_refused(micro_preset):
     assert str(refused.value) == "a DP-SGD round needs the node's privacy ledger (--ledger-dir): refused"
 
 
+class WatchedLedger(PrivacyLedger):
+    """A real ledger that notes when its lock is held and when it is asked and written."""
+
+    def __init__(self, *args):
+        super().__init__(*args)
+        self.events = []
+
+    @contextlib.contextmanager
+    def locked(self, run_id):
+        with super().locked(run_id):
+            self.events.append("lock")
+            yield
+            self.events.append("unlock")
+
+    def authorize(self, *args):
+        self.events.append("authorize")
+        return super().authorize(*args)
+
+    def record(self, *args):
+        self.events.append("record")
+        return super().record(*args)
+
+
+def test_dp_round_holds_the_ledgers_lock_from_its_check_to_its_record(micro_preset, tmp_path):
+    """Two rounds of one run on one node must not both pass the budget check before either is recorded."""
+    ledger = WatchedLedger(tmp_path, CLIENT)
+    client_round(dp_settings(micro_preset), initial_state(dp_settings(micro_preset)), CLIENT, 2, ledger=ledger)
+    assert ledger.events == ["lock", "authorize", "record", "unlock"]
+
+
 def test_round_without_dp_passes_the_ledger_without_writing_it(micro_preset, tmp_path):
     s = settings(micro_preset)
-    client_round(s, initial_state(s), CLIENT, 2, ledger=PrivacyLedger(tmp_path / "ledger", CLIENT))
-    assert not (tmp_path / "ledger").exists()  # not even a lock file: only DP rounds write
+    plain = WatchedLedger(tmp_path / "ledger", CLIENT)
+    client_round(s, initial_state(s), CLIENT, 2, ledger=plain)
+    assert plain.events == ["authorize"] and not (tmp_path / "ledger").exists()  # not even a lock file
     dp_run = PrivacyLedger(tmp_path / "dp", CLIENT)
     client_round(dp_settings(micro_preset), initial_state(s), CLIENT, 2, ledger=dp_run)
     with pytest.raises(PrivacyBudgetError, match=f"round 2 without DP-SGD, but this node's ledger knows run {RUN_ID}"):
@@ -297,3 +331,27 @@ def test_run_dataset_is_the_seeded_subset_of_the_requested_sizes(micro_preset):
     assert not np.array_equal(run_dataset("photos", "", micro_preset, 60, 20, 5).train.ids, cut.train.ids)
     whole = run_dataset("photos", "", micro_preset, 0, 0, 4)  # 0: no limit
     assert (len(whole.train), len(whole.test)) == (len(full.train), len(full.test))
+
+
+def test_the_nodes_data_dir_reaches_every_load_of_the_dataset(micro_preset, monkeypatch):
+    """--data-dir is where a node's CIFAR copy lives; "" means none (CIFAR then asks for --data-dir instead of
+    reading the current directory)."""
+    loads = []
+
+    def load(name, data_dir, image_size):
+        loads.append((name, data_dir, image_size))
+        return load_dataset(name, None, image_size)
+
+    monkeypatch.setattr(client, "load_dataset", load)
+    s = ClientSettings(**{**settings(micro_preset).__dict__, "data_dir": "/srv/eftguard-data"})
+    client_round(s, initial_state(s), CLIENT, 2)
+    assert loads == [("photos", "/srv/eftguard-data", 32)] * 2  # the round's dataset and its partition's
+    loads.clear()
+    run_dataset("photos", "", micro_preset, 60, 0, 0)
+    assert loads == [("photos", None, 32)]
+
+
+def test_only_a_method_that_uploads_features_has_a_feature_share():
+    """Today every DP-SGD method uploads features; a new one that does not must not split its budget."""
+    assert feature_share(TrainConfig(dp_feature_share=0.3)) == 0.3
+    assert feature_share(TrainConfig(method="fedavg", dp_feature_share=0.3)) == 0.0
