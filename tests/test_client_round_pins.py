@@ -20,10 +20,11 @@ from defenses.ledger import PrivacyLedger, Spend, Terms
 from eftguard.config import TrainConfig
 from eftguard.data import dirichlet_partition, load_dataset
 from eftguard.federation import client
-from eftguard.federation.client import client_partition, client_round, feature_share, run_dataset, seeded
+from eftguard.federation.client import (client_partition, client_round, feature_share, requested_dp, run_dataset,
+                                       seeded)
 from eftguard.federation.records import ClientSettings
 from eftguard.masking import kept_token_count
-from eftguard.methods import method_spec
+from eftguard.methods import METHODS, MethodSpec, method_spec
 from eftguard.model import build_model
 from eftguard.sampling import balanced_indices, class_target
 from eftguard.training import OptimConfig, extract_features, train_local
@@ -355,3 +356,12 @@ def test_only_a_method_that_uploads_features_has_a_feature_share():
     """Today every DP-SGD method uploads features; a new one that does not must not split its budget."""
     assert feature_share(TrainConfig(dp_feature_share=0.3)) == 0.3
     assert feature_share(TrainConfig(method="fedavg", dp_feature_share=0.3)) == 0.0
+
+
+def test_dp_method_without_features_plans_its_parameters_alone(micro_preset, monkeypatch):
+    """A new DP-SGD method that uploads no features (one more row in eftguard.methods): its request has no feature
+    channel and its whole epsilon goes to DP-SGD, whatever feature share the run's config carries."""
+    monkeypatch.setitem(METHODS, "dp-head", MethodSpec("dp-head", "test only", trains=("head.",), masked=False,
+                                                       uploads_features=False, dp_sgd=True, server_trains=False))
+    s = ClientSettings(**{**dp_settings(micro_preset).__dict__, "method": "dp-head"})
+    assert requested_dp(s, CLIENT, 21) == (Terms(8.0, 1e-4, "rdp", 0.0), [Spend(1, SIGMA, 16 / 21, 2)])
