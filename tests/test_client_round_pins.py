@@ -19,7 +19,6 @@ from defenses.feature_noise import release_features
 from defenses.ledger import PrivacyLedger, Spend, Terms
 from eftguard.config import TrainConfig
 from eftguard.data import dirichlet_partition, load_dataset
-from eftguard.federation import client
 from eftguard.federation.client import (client_partition, client_round, feature_share, requested_dp, run_dataset,
                                        seeded)
 from eftguard.federation.records import ClientSettings
@@ -32,7 +31,7 @@ from eftguard.training import OptimConfig, extract_features, train_local
 RUN_ID = "0123456789abcdef0123456789abcdef"
 CLIENT = 0  # with seed 0 of 60 images over 2 clients: 21 images of classes 1, 3, 4, 5 (7, 6, 4, 4 of them), so
 #             the median target 5 subsamples one class, repeats two, and class 9 is absent
-SIGMA, FEATURE_SIGMA, CLIP = 2.0, 3.0, 0.5  # two DP rounds of these fit dp_eps 8 (about 3.5 and 1.8 of 4 each)
+SIGMA, FEATURE_SIGMA, CLIP = 2.0, 3.0, 0.5  # two DP rounds fit dp_eps 8 (parameters 3.5, features 1.8 of 4 each)
 
 
 @pytest.fixture(autouse=True)
@@ -343,7 +342,7 @@ def test_the_nodes_data_dir_reaches_every_load_of_the_dataset(micro_preset, monk
         loads.append((name, data_dir, image_size))
         return load_dataset(name, None, image_size)
 
-    monkeypatch.setattr(client, "load_dataset", load)
+    monkeypatch.setattr("eftguard.federation.client.load_dataset", load)
     s = ClientSettings(**{**settings(micro_preset).__dict__, "data_dir": "/srv/eftguard-data"})
     client_round(s, initial_state(s), CLIENT, 2)
     assert loads == [("photos", "/srv/eftguard-data", 32)] * 2  # the round's dataset and its partition's
