@@ -363,4 +363,4 @@ def test_dp_method_without_features_plans_its_parameters_alone(micro_preset, mon
     monkeypatch.setitem(METHODS, "dp-head", MethodSpec("dp-head", "test only", trains=("head.",), masked=False,
                                                        uploads_features=False, dp_sgd=True, server_trains=False))
     s = ClientSettings(**{**dp_settings(micro_preset).__dict__, "method": "dp-head"})
-    assert requested_dp(s, CLIENT, 21) == (Terms(8.0, 1e-4, "rdp", 0.0), [Spend(1, SIGMA, 16 / 21, 2)])
+    assert requested_dp(s, 21) == (Terms(8.0, 1e-4, "rdp", 0.0), [Spend(1, SIGMA, 16 / 21, 2)])

@@ -55,29 +55,29 @@ def features(round_number=2, noise_multiplier=2.5):
 
 
 def test_dp_request_is_read_as_terms_and_the_spend_on_the_clients_own_data():
-    assert requested_dp(settings(), 4, 40) == (Terms(3.0, 1e-4, "rdp", 0.5), [Spend(2, 1.5, 0.4, 6), features()])
+    assert requested_dp(settings(), 40) == (Terms(3.0, 1e-4, "rdp", 0.5), [Spend(2, 1.5, 0.4, 6), features()])
     # delta 0 is the default 1 / (10 n) of the client's own n; batch larger than the data: every example, one step
-    assert requested_dp(settings(dp_delta=0.0, batch_size=64, local_epochs=1), 4, 40) == (
+    assert requested_dp(settings(dp_delta=0.0, batch_size=64, local_epochs=1), 40) == (
         Terms(3.0, 1 / 400, "rdp", 0.5), [Spend(2, 1.5, 1.0, 1), features()])
     assert requested_dp(settings(dp_eps=2, noise_multiplier=3, batch_size=1, local_epochs=1, dp_delta=0.5,
                                  max_grad_norm=1e-9, accountant="prv", dp_feature_share=0.25,
-                                 feature_noise_multiplier=1e-9, feature_clip=0.0), 4, 40) == (
+                                 feature_noise_multiplier=1e-9, feature_clip=0.0), 40) == (
         Terms(2, 0.5, "prv", 0.25), [Spend(2, 3, 1 / 40, 40), features(noise_multiplier=1e-9)])
 
 
 def test_dp_request_is_read_not_recalibrated_whatever_its_size():
     """The node reads the noise the server sent; whether it fits the budget is the ledger's decision (a strict
     epsilon with noise the calibration could not reach, a weak noise multiplier below 1: both are requests)."""
-    assert requested_dp(settings(dp_eps=1e-3), 4, 40) == (Terms(1e-3, 1e-4, "rdp", 0.5),
+    assert requested_dp(settings(dp_eps=1e-3), 40) == (Terms(1e-3, 1e-4, "rdp", 0.5),
                                                           [Spend(2, 1.5, 0.4, 6), features()])
     assert requested_dp(settings(dp_eps=0.5, noise_multiplier=0.8, feature_noise_multiplier=0.3,
-                                 dp_feature_share=0.999), 4, 40) == (
+                                 dp_feature_share=0.999), 40) == (
         Terms(0.5, 1e-4, "rdp", 0.999), [Spend(2, 0.8, 0.4, 6), features(noise_multiplier=0.3)])
 
 
 def test_no_dp_is_only_dp_eps_zero():
-    assert requested_dp(settings(dp_eps=0.0, noise_multiplier=0.0, method="fedavg"), 4, 40) is None
-    assert requested_dp(settings(dp_eps=0, noise_multiplier=math.nan), 4, 40) is None
+    assert requested_dp(settings(dp_eps=0.0, noise_multiplier=0.0, method="fedavg"), 40) is None
+    assert requested_dp(settings(dp_eps=0, noise_multiplier=math.nan), 40) is None
 
 
 @pytest.mark.parametrize("changes", [
@@ -93,7 +93,7 @@ def test_no_dp_is_only_dp_eps_zero():
 ])
 def test_dp_request_that_is_no_valid_dp_is_refused_naming_every_setting(changes):
     with pytest.raises(PrivacyBudgetError) as refused:
-        requested_dp(settings(**changes), 4, 40)
+        requested_dp(settings(**changes), 40)
     s = settings(**changes)
     assert str(refused.value) == (
         f"the server asks for DP with dp_eps {s.dp_eps!r}, noise multiplier {s.noise_multiplier!r}, dp_delta "

@@ -84,7 +84,7 @@ def client_partition(dataset: str, data_dir: str, model: str, train_samples: int
     return dirichlet_partition(train.labels, clients, beta, seed)
 
 
-def requested_dp(s: ClientSettings, partition_id: int, num_examples: int) -> tuple[Terms, list[Spend]] | None:
+def requested_dp(s: ClientSettings, num_examples: int) -> tuple[Terms, list[Spend]] | None:
     """The server's DP request for this round, as terms and the spends it implies for this client's own data,
     one per channel (None: no DP requested). A request that is not a valid DP configuration is refused, never
     read as "no DP", and so is one that leaves an uploaded channel without noise."""
@@ -159,7 +159,7 @@ def client_round(settings: ClientSettings, state: dict[str, np.ndarray], partiti
     def report(epoch: int, total: int) -> None:
         log.info("round %d, client %d: local epoch %d/%d done", s.round, partition_id, epoch, total)
 
-    request = requested_dp(s, partition_id, len(data))
+    request = requested_dp(s, len(data))
     if request and ledger is None:
         raise PrivacyBudgetError("a DP-SGD round needs the node's privacy ledger (--ledger-dir): refused")
     class_counts = np.bincount(data.labels, minlength=dataset.num_classes).astype(np.int64)
