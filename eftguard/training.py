@@ -4,6 +4,7 @@ passed in, so a round is a pure function of (model state, data, seed)."""
 
 from __future__ import annotations
 
+import copy
 import math
 import time
 from dataclasses import dataclass, field
@@ -154,6 +155,19 @@ def train_global(model: EFTViT, features: torch.Tensor, labels: torch.Tensor, op
         return _fit(list(model.global_module.parameters()), len(labels), optim, generator, loss_of_batch, progress)
     finally:
         model.head.requires_grad_(True)
+
+
+def keep_if_not_worse(module: nn.Module, train: Callable[[], TrainResult],
+                      score: Callable[[], float]) -> tuple[TrainResult, bool]:
+    """Run train (which changes module) and undo the change if score (higher is better) fell: training that cannot
+    hurt, for data that may be almost pure noise (the DP feature rows). Returns train's result and whether the
+    change was kept."""
+    before, saved = score(), copy.deepcopy(module.state_dict())
+    result = train()
+    kept = score() >= before
+    if not kept:
+        module.load_state_dict(saved)
+    return result, kept
 
 
 @torch.no_grad()

@@ -46,8 +46,9 @@ def row(name: str, path: Path, seconds: float) -> str:
 
     accuracy = ", ".join(f"{r['test_accuracy']:.3f}" for r in records)
     server = ", ".join(f"{r['server_loss']:.2f}" if r["server_loss"] is not None else "–" for r in records)
+    kept = ", ".join({True: "kept", False: "undone"}.get(r.get("server_update_kept"), "–") for r in records)
     return (f"| {name} | {accuracy} | {server} | {top('epsilon_parameters')} | {top('epsilon_features')} | "
-            f"{top('epsilon')} | {top('noise_multiplier')} | {top('feature_noise_multiplier')} | "
+            f"{top('epsilon')} | {top('noise_multiplier')} | {top('feature_noise_multiplier')} | {kept} | "
             f"{seconds:.0f} |")
 
 
@@ -85,9 +86,10 @@ def main() -> None:
     args = parser.parse_args()
     base = dict(dataset="photos", clients=args.clients, train_samples=args.train_samples,
                 test_samples=args.test_samples, rounds=args.rounds, seed=args.seed)
-    runs = [(eps, 1) for eps in args.eps.split(",")] + [(eps, 0) for eps in args.no_server_training.split(",") if eps]
+    runs = [(eps, 1) for eps in args.eps.split(",") if eps]
+    runs += [(eps, 0) for eps in args.no_server_training.split(",") if eps]
     lines = ["| run | test accuracy per round | server loss per round | ε parameters | ε features | ε total | "
-             "DP-SGD σ | feature σ | wall s |", "|" + "---|" * 9]
+             "DP-SGD σ | feature σ | θ's update per round | wall s |", "|" + "---|" * 10]
     for eps, server_epochs in runs:
         name = f"eps-{eps}" + ("-server-epochs-0" if not server_epochs else "") + f"-seed{args.seed}"
         cfg = TrainConfig(**base, dp_eps=0.0 if eps == "off" else float(eps), server_epochs=server_epochs)

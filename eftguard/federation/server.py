@@ -32,12 +32,13 @@ from eftguard.masking import kept_token_count
 from eftguard.methods import method_spec
 from eftguard.model import EFTViT, build_model
 from eftguard.rundir import RunDirectory
-from eftguard.training import OptimConfig, evaluate, train_global
+from eftguard.training import OptimConfig, TrainResult, evaluate, keep_if_not_worse, train_global
 
 log = logging.getLogger("eftguard.server")
 console = Console(stderr=True)
 HANDSHAKE_SECONDS = 600.0
 POLL_SECONDS = 0.1
+GUARD_IMAGES = 500  # public images scored before and after server training under DP (accuracy to about ±2%)
 
 
 STOP_REQUESTED = threading.Event()  # set by the runtime on Ctrl-C; the server stops at the next poll
@@ -210,6 +211,7 @@ def serve_rounds(grid: Grid, run: RunDirectory, cfg: TrainConfig) -> None:
         return
     spec = upload_spec(model, cfg, dataset)
     budgets = dp_budgets(cfg)
+    public = guard_images(dataset, cfg.seed) if budgets else None
     nodes = discover_nodes(grid, cfg.clients, min(cfg.round_timeout, HANDSHAKE_SECONDS))
     started = time.perf_counter()
     columns = (TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn())
@@ -218,11 +220,18 @@ def serve_rounds(grid: Grid, run: RunDirectory, cfg: TrainConfig) -> None:
         for round_number in range(done + 1, cfg.rounds + 1):
             check_stop()
             record = run_round(grid, run, cfg, model, spec, nodes, round_number, test_images, test_labels, progress,
-                               budgets)
+                               budgets, public)
             record["elapsed_seconds"] = round(time.perf_counter() - started, 3)
             run.append_metrics(record)
             progress.update(rounds_task, completed=round_number)
             progress.console.print(round_summary(record, cfg.rounds))
+
+
+def guard_images(dataset: Dataset, seed: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """The server's own labelled images that judge theta's update under DP: a seeded subset of the public split
+    (GUARD_IMAGES at most: two evaluations per round)."""
+    ids = np.sort(np.random.default_rng([seed, 5]).permutation(len(dataset.public))[:GUARD_IMAGES])
+    return torch.from_numpy(dataset.public.images[ids]), torch.from_numpy(dataset.public.labels[ids])
 
 
 def round_summary(record: dict, rounds: int) -> str:
@@ -299,7 +308,10 @@ def load_average(model: EFTViT, averaged: dict[str, np.ndarray]) -> None:
 
 def run_round(grid: Grid, run: RunDirectory, cfg: TrainConfig, model: EFTViT, spec: UploadSpec,
               nodes: dict[int, int], round_number: int, test_images: torch.Tensor, test_labels: torch.Tensor,
-              progress: Progress, budgets: dict[int, ClientBudget]) -> dict:
+              progress: Progress, budgets: dict[int, ClientBudget],
+              public: tuple[torch.Tensor, torch.Tensor] | None = None) -> dict:
+    """One round. public: the server's own labelled images, given under DP, where theta's update on the noisy
+    feature rows is kept only if their accuracy did not fall (None: always kept)."""
     selected = select_clients(cfg, round_number)
     model_record = to_record(model.state_dict())
     messages = {}
@@ -335,7 +347,7 @@ def run_round(grid: Grid, run: RunDirectory, cfg: TrainConfig, model: EFTViT, sp
             run.save_truth(round_number, partition, truth)
         accepted.append(upload)
 
-    server_loss, server_seconds = None, 0.0
+    server_loss, server_seconds, server_update_kept = None, 0.0, None
     if accepted:
         load_average(model, fedavg([u.update for u in accepted], [u.num_examples for u in accepted]))
         if method_spec(cfg.method).server_trains and cfg.server_epochs:
@@ -343,9 +355,17 @@ def run_round(grid: Grid, run: RunDirectory, cfg: TrainConfig, model: EFTViT, sp
             labels = torch.from_numpy(np.concatenate([u.features["labels"] for u in accepted]))
             task = progress.add_task(f"round {round_number}: server training", total=cfg.server_epochs)
             generator = torch.Generator().manual_seed(seeded(cfg.seed, round_number, 4))
-            result = train_global(model, features, labels,
-                                  OptimConfig(cfg.server_epochs, cfg.batch_size, cfg.server_lr, cfg.weight_decay),
-                                  generator, lambda done, total: progress.update(task, completed=done))
+
+            def train() -> TrainResult:
+                return train_global(model, features, labels,
+                                    OptimConfig(cfg.server_epochs, cfg.batch_size, cfg.server_lr, cfg.weight_decay),
+                                    generator, lambda done, total: progress.update(task, completed=done))
+
+            if public is None:
+                result = train()
+            else:  # DP rows are mostly noise: keep theta's update only if the server's own public images agree
+                result, server_update_kept = keep_if_not_worse(model.global_module, train,
+                                                               lambda: evaluate(model, *public))
             progress.remove_task(task)
             server_loss, server_seconds = result.loss, result.seconds
     else:
@@ -362,6 +382,7 @@ def run_round(grid: Grid, run: RunDirectory, cfg: TrainConfig, model: EFTViT, sp
         "test_accuracy": accuracy,
         "client_loss": sum(u.loss * u.num_examples for u in accepted) / weights if accepted and not budgets else None,
         "server_loss": server_loss,
+        "server_update_kept": server_update_kept,
         "client_seconds": {str(u.partition): round(sum(u.epoch_seconds), 4) for u in accepted},
         "client_epoch_seconds": {str(u.partition): round(sum(u.epoch_seconds) / max(len(u.epoch_seconds), 1), 4)
                                  for u in accepted},
