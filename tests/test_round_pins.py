@@ -4,6 +4,7 @@ pinned on exact values computed here from what the clients sent (issue 16). Each
 run_server can afford them (docs/mutation.md)."""
 
 import re
+import time
 from contextlib import contextmanager
 
 import numpy as np
@@ -126,6 +127,7 @@ def test_eftvit_rounds_average_phi_and_h_and_train_theta_on_the_uploaded_feature
     assert [(r["round"], r["method"], r["clients"], r["dropped"]) for r in records] == [
         (1, "eftvit", [0, 1, 2], {}), (2, "eftvit", [0, 1, 2], {})]
     images, labels = held_out_set(cfg)
+    assert_same_state(run.load_checkpoint(0), build_model(cfg.model, 10, cfg.local_layers, seed=cfg.seed).state_dict())
     for record in records:
         r = record["round"]
         before, after = run.load_checkpoint(r - 1), run.load_checkpoint(r)
@@ -153,6 +155,7 @@ def test_eftvit_rounds_average_phi_and_h_and_train_theta_on_the_uploaded_feature
         assert record["upload_bytes"] == {str(k): sum(a.nbytes for a in [*uploads[k].values(),
                                                                           *features[k].values()]) for k in range(3)}
         assert set(run.load_truth(r, 0)) >= {"sample_ids", "kept_ids"}
+        assert record["client_epoch_seconds"] == record["client_seconds"]  # one local epoch
     assert sorted(p.name for p in (run.path / "checkpoints").iterdir()) == [f"round-000{i}.safetensors"
                                                                            for i in range(3)]
 
@@ -167,12 +170,17 @@ def test_round_record_reports_each_clients_seconds_and_the_weighted_loss(tmp_pat
         return reply
 
     cfg = config(micro_preset, clients=2, local_epochs=2)
+    started = time.perf_counter()
     [record] = train(tmp_path / "run", cfg, FakeGrid(2, tamper=remember)).metrics()
+    wall = time.perf_counter() - started
     total = sum(n for _, n, _ in reported.values())
     assert record["client_loss"] == sum(loss * n for loss, n, _ in reported.values()) / total
     assert record["client_seconds"] == {k: round(sum(s), 4) for k, (_, _, s) in reported.items()}
     assert record["client_epoch_seconds"] == {k: round(sum(s) / 2, 4) for k, (_, _, s) in reported.items()}
-    assert record["server_seconds"] > 0 and record["eval_seconds"] > 0 and record["elapsed_seconds"] > 0
+    # Durations measured inside the run, at the precision the record keeps.
+    assert 0 < record["server_seconds"] + record["eval_seconds"] < record["elapsed_seconds"] < wall
+    assert [record[k] for k in ("server_seconds", "eval_seconds", "elapsed_seconds")] == [
+        round(record["server_seconds"], 4), round(record["eval_seconds"], 4), round(record["elapsed_seconds"], 3)]
     assert record["epsilon"] is None and record["noise_multiplier"] is None
 
 
@@ -235,12 +243,12 @@ def test_invalid_reply_is_dropped_with_its_reason_and_the_round_averages_the_oth
 
 def test_client_without_a_reply_is_dropped_as_late(tmp_path, micro_preset, monkeypatch):
     real_exchange = server.exchange
-    monkeypatch.setattr(server, "exchange", lambda *args: {p: r for p, r in real_exchange(*args).items() if p != 2})
+    monkeypatch.setattr(server, "exchange", lambda *args: {p: r for p, r in real_exchange(*args).items() if p != 1})
     cfg = config(micro_preset, round_timeout=90.0)
     run = train(tmp_path / "run", cfg)
     [record] = run.metrics()
-    assert record["dropped"] == {"2": "no reply within 90 s"} and sorted(record["num_examples"]) == ["0", "1"]
-    assert run.uploaded_partitions(1) == [0, 1]
+    assert record["dropped"] == {"1": "no reply within 90 s"} and sorted(record["num_examples"]) == ["0", "2"]
+    assert run.uploaded_partitions(1) == [0, 2]
 
 
 def test_round_without_a_valid_reply_keeps_the_model_and_the_run_goes_on(tmp_path, micro_preset):
@@ -359,6 +367,17 @@ def test_resumed_run_equals_the_uninterrupted_run(tmp_path, micro_preset, monkey
         assert [r[key] for r in a] == [r[key] for r in b], key
     for r in (1, 2):
         assert_same_state(cut.load_checkpoint(r), full.load_checkpoint(r))
+
+
+def test_run_of_an_adapted_model_resumes_from_its_checkpoint(tmp_path, micro_preset):
+    """fed-prompt adds prompt tokens to the model: the resumed server must build the same adapted model."""
+    cfg = config(micro_preset, clients=2, method="fed-prompt", prompt_tokens=2)
+    run = train(tmp_path / "run", cfg)
+    run.write_config(TrainConfig(**{**cfg.__dict__, "rounds": 2}))
+    grid = RecordingGrid(2)
+    run_server(grid, run.path)
+    assert run.completed_rounds() == 2 and [r for r, *_ in grid.sent] == [2, 2]
+    assert_same_state({k: torch.from_numpy(v) for k, v in grid.sent[0][2].items()}, run.load_checkpoint(1))
 
 
 def test_finished_run_is_not_served_again(tmp_path, micro_preset):
