@@ -280,6 +280,21 @@ def test_too_few_nodes_is_a_clear_error_before_any_round(tmp_path, micro_preset,
     assert run.completed_rounds() == 0 and run.metrics() == []
 
 
+def test_run_encrypted_at_rest_is_served_with_its_key(tmp_path, micro_preset):
+    from defenses.at_rest import create_key
+
+    create_key(tmp_path / "key")
+    cfg = config(micro_preset, clients=2, encrypt_at_rest=str(tmp_path / "key"))
+    run = train(tmp_path / "run", cfg)
+    stored = run.upload_path(1, 0, "update")
+    assert stored.name == "update.safetensors.enc" and run.completed_rounds() == 1
+    opened = RunDirectory.open(run.path, tmp_path / "key")
+    [record] = opened.metrics()
+    averaged = fedavg([opened.load_upload(1, k, "update") for k in range(2)],
+                      [record["num_examples"][str(k)] for k in range(2)])
+    assert all(np.array_equal(opened.load_checkpoint(1)[k].numpy(), v) for k, v in averaged.items())
+
+
 # --- DP: the server checks what each client reports against the budget it sent ---------------------------------
 
 DP = {"clients": 2, "clients_per_round": 2, "rounds": 2, "train_samples": 48, "test_samples": 8, "dp_eps": 3.0,
