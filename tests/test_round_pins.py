@@ -17,7 +17,7 @@ from eftguard.federation import server
 from eftguard.federation.aggregate import fedavg
 from eftguard.federation.client import client_partition, dp_budget, participation, run_dataset, seeded, select_clients
 from eftguard.federation.errors import FederationError, Interrupted
-from eftguard.federation.records import ClientSettings, from_record
+from eftguard.federation.records import ClientSettings, from_record, to_record
 from eftguard.federation.server import run_server
 from eftguard.model import build_model
 from eftguard.rundir import RunDirectory
@@ -228,9 +228,18 @@ def test_only_the_selected_clients_are_sent_the_round_and_averaged(tmp_path, mic
 
 # --- replies the server must not use ---------------------------------------------------------------------------
 
-def test_invalid_reply_is_dropped_with_its_reason_and_the_round_averages_the_others(tmp_path, micro_preset):
+def printed(capsys) -> str:
+    """What the server told the operator on stderr, whitespace normalised (rich wraps at the console width)."""
+    return " ".join(capsys.readouterr().err.split())
+
+
+def test_invalid_reply_is_dropped_with_its_reason_and_the_round_averages_the_others(tmp_path, micro_preset, capsys):
     cfg = config(micro_preset, rounds=2)
     run = train(tmp_path / "run", cfg, FakeGrid(3, tamper=tamper_train(101, nan_features)))
+    shown = printed(capsys)
+    for r in (1, 2):
+        assert f"round {r}: dropped client 1's upload: features contains NaN or infinite values" in shown
+        assert f"round {r}/2: test accuracy {run.metrics()[r - 1]['test_accuracy']:.3f}" in shown
     for r, record in enumerate(run.metrics(), start=1):
         assert record["dropped"] == {"1": "features contains NaN or infinite values"}
         assert record["clients"] == [0, 1, 2] and sorted(record["num_examples"]) == ["0", "2"]
@@ -239,6 +248,17 @@ def test_invalid_reply_is_dropped_with_its_reason_and_the_round_averages_the_oth
                           [record["num_examples"][k] for k in ("0", "2")])
         after = run.load_checkpoint(r)
         assert all(np.array_equal(after[k].numpy(), v) for k, v in averaged.items())
+
+
+def test_truth_sent_to_a_run_that_does_not_record_it_is_dropped(tmp_path, micro_preset):
+    def add_truth(reply):
+        reply.content["truth"] = to_record({"sample_ids": np.arange(3)})
+
+    cfg = config(micro_preset, clients=2, record_truth=False)
+    run = train(tmp_path / "run", cfg, FakeGrid(2, tamper=tamper_train(100, add_truth)))
+    [record] = run.metrics()
+    assert record["dropped"] == {"0": "reply has wrong records (missing [], unexpected ['truth'])"}
+    assert run.uploaded_partitions(1) == [1] and not (run.path / "truth").exists()
 
 
 def test_client_without_a_reply_is_dropped_as_late(tmp_path, micro_preset, monkeypatch):
@@ -251,13 +271,14 @@ def test_client_without_a_reply_is_dropped_as_late(tmp_path, micro_preset, monke
     assert run.uploaded_partitions(1) == [0, 2]
 
 
-def test_round_without_a_valid_reply_keeps_the_model_and_the_run_goes_on(tmp_path, micro_preset):
+def test_round_without_a_valid_reply_keeps_the_model_and_the_run_goes_on(tmp_path, micro_preset, capsys):
     def fail(reply):
         del reply.content["metrics"]["loss"]
 
     cfg = config(micro_preset, clients=2, rounds=2)
     grid = FakeGrid(2, tamper=lambda node, reply: tamper_train(node, fail)(node, reply))
     run = train(tmp_path / "run", cfg, grid)
+    assert printed(capsys).count("no valid upload, the model is unchanged") == 2
     records = run.metrics()
     assert [r["round"] for r in records] == [1, 2]
     assert_same_state(run.load_checkpoint(2), run.load_checkpoint(0))
@@ -396,11 +417,13 @@ def test_run_of_an_adapted_model_resumes_from_its_checkpoint(tmp_path, micro_pre
     assert_same_state({k: torch.from_numpy(v) for k, v in grid.sent[0][2].items()}, run.load_checkpoint(1))
 
 
-def test_finished_run_is_not_served_again(tmp_path, micro_preset):
+def test_finished_run_is_not_served_again(tmp_path, micro_preset, capsys):
     cfg = config(micro_preset, clients=2)
     run = train(tmp_path / "run", cfg)
     metrics, checkpoint = run.metrics(), run.load_checkpoint(1)
+    capsys.readouterr()
     run_server(NoGrid(2), run.path)
+    assert printed(capsys) == f"resuming {run.path} after round 1 of 1 {run.path} already has all 1 rounds"
     assert run.metrics() == metrics
     assert_same_state(run.load_checkpoint(1), checkpoint)
 
