@@ -120,7 +120,7 @@ def test_eftvit_rounds_average_phi_and_h_and_train_theta_on_the_uploaded_feature
     """After each round: phi and h are fedavg(stored uploads, n_k) (server training leaves h alone), theta is what
     server training on the stored features gives, the clients got the previous checkpoint and the round's settings,
     and the record's accuracy is the checkpoint's."""
-    cfg = config(micro_preset, rounds=2, server_epochs=2)
+    cfg = config(micro_preset, rounds=2, server_epochs=2, seed=5)
     grid = RecordingGrid(3)
     run = train(tmp_path / "run", cfg, grid)
     records = run.metrics()
@@ -158,6 +158,18 @@ def test_eftvit_rounds_average_phi_and_h_and_train_theta_on_the_uploaded_feature
         assert record["client_epoch_seconds"] == record["client_seconds"]  # one local epoch
     assert sorted(p.name for p in (run.path / "checkpoints").iterdir()) == [f"round-000{i}.safetensors"
                                                                            for i in range(3)]
+
+
+def test_run_from_a_checkpoint_starts_from_its_weights(tmp_path, micro_preset):
+    from safetensors.torch import save_file
+
+    start = build_model(micro_preset, 10, 2, seed=7).state_dict()
+    save_file({k: v.contiguous() for k, v in start.items()}, tmp_path / "start.safetensors")
+    cfg = config(micro_preset, clients=2, rounds=1, checkpoint=str(tmp_path / "start.safetensors"))
+    grid = RecordingGrid(2)
+    run = train(tmp_path / "run", cfg, grid)
+    assert_same_state(run.load_checkpoint(0), start)
+    assert_same_state({k: torch.from_numpy(v) for k, v in grid.sent[0][2].items()}, start)
 
 
 def test_round_record_reports_each_clients_seconds_and_the_weighted_loss(tmp_path, micro_preset):
