@@ -304,12 +304,22 @@ def test_round_without_a_valid_reply_keeps_the_model_and_the_run_goes_on(tmp_pat
     assert run.uploaded_partitions(1) == []
 
 
-def test_too_few_nodes_is_a_clear_error_before_any_round(tmp_path, micro_preset, monkeypatch):
-    monkeypatch.setattr(server.time, "sleep", lambda seconds: None)
+class OnePoll(FakeGrid):
+    """Nodes that may be listed once: a handshake bounded by a round timeout under its 0.5 s poll polls once."""
+
+    polls = 0
+
+    def get_node_ids(self):
+        self.polls += 1
+        assert self.polls == 1, "the handshake waited past the round timeout"
+        return super().get_node_ids()
+
+
+def test_too_few_nodes_is_a_clear_error_within_the_round_timeout(tmp_path, micro_preset):
     cfg = config(micro_preset, round_timeout=0.05)
     run = RunDirectory.create(tmp_path / "run", cfg)
     with pytest.raises(FederationError, match=r"^only 2 of 3 client nodes connected within 0 s"):
-        run_server(FakeGrid(2), run.path)
+        run_server(OnePoll(2), run.path)
     assert run.completed_rounds() == 0 and run.metrics() == []
 
 
