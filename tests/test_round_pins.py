@@ -238,6 +238,48 @@ def test_only_the_selected_clients_are_sent_the_round_and_averaged(tmp_path, mic
         assert all(np.array_equal(after[k].numpy(), v) for k, v in averaged.items())
 
 
+class ShownProgress(server.Progress):
+    """The server's progress display, recorded: what the operator sees of each round."""
+
+    shown: list = []
+
+    def __init__(self, *columns, **options):
+        super().__init__(*columns, **options)
+        ShownProgress.shown.append(([getattr(c, "text_format", type(c).__name__) for c in columns],
+                                    options["transient"], options["console"] is server.console))
+
+    def add_task(self, description, total=None, completed=0, **fields):
+        ShownProgress.shown.append(("add", description, total, completed))
+        return super().add_task(description, total=total, completed=completed, **fields)
+
+    def update(self, task_id, **changes):
+        ShownProgress.shown.append((self._tasks[task_id].description, changes))
+        super().update(task_id, **changes)
+
+    def remove_task(self, task_id):
+        ShownProgress.shown.append(("remove", self._tasks[task_id].description))
+        super().remove_task(task_id)
+
+
+def test_progress_shows_each_rounds_clients_and_server_training(tmp_path, micro_preset, monkeypatch):
+    monkeypatch.setattr(server, "Progress", ShownProgress)
+    monkeypatch.setattr(ShownProgress, "shown", [])
+    cfg = config(micro_preset, clients=3, clients_per_round=2, rounds=2, server_epochs=2)
+    run = RunDirectory.create(tmp_path / "run", cfg)
+    run.write_config(TrainConfig(**{**cfg.__dict__, "rounds": 1}))
+    run_server(FakeGrid(3), run.path)
+    run.write_config(cfg)
+    ShownProgress.shown.clear()
+    run_server(FakeGrid(3), run.path)  # resumed: round 2 of 2
+    clients, training = "round 2: client training", "round 2: server training"
+    assert ShownProgress.shown == [
+        (["{task.description}", "BarColumn", "MofNCompleteColumn", "TimeElapsedColumn"], False, True),
+        ("add", "rounds", 2, 1),
+        ("add", clients, 2, 0), (clients, {"completed": 1}), (clients, {"completed": 2}), ("remove", clients),
+        ("add", training, 2, 0), (training, {"completed": 1}), (training, {"completed": 2}), ("remove", training),
+        ("rounds", {"completed": 2})]
+
+
 # --- replies the server must not use ---------------------------------------------------------------------------
 
 def printed(capsys) -> str:
