@@ -4,7 +4,6 @@ pinned on exact values computed here from what the clients sent (issue 16). Each
 run_server can afford them (docs/mutation.md)."""
 
 import re
-import time
 from contextlib import contextmanager
 
 import numpy as np
@@ -172,7 +171,12 @@ def test_run_from_a_checkpoint_starts_from_its_weights(tmp_path, micro_preset):
     assert_same_state({k: torch.from_numpy(v) for k, v in grid.sent[0][2].items()}, start)
 
 
-def test_round_record_reports_each_clients_seconds_and_the_weighted_loss(tmp_path, micro_preset):
+TICK = 0.123456789  # seconds per reading of the test's clock
+
+
+def test_round_record_reports_each_clients_seconds_and_the_weighted_loss(tmp_path, micro_preset, monkeypatch):
+    """Durations read from a clock that advances TICK per reading: each recorded duration is a whole number of
+    ticks, kept to the record's precision (4 decimals, 3 for the elapsed time), whatever the machine's load."""
     reported = {}
 
     def remember(node, reply):
@@ -181,18 +185,20 @@ def test_round_record_reports_each_clients_seconds_and_the_weighted_loss(tmp_pat
             reported[str(node - 100)] = (m["loss"], m["num-examples"], list(m["epoch-seconds"]))
         return reply
 
+    readings = iter(range(1, 10**6))
+    monkeypatch.setattr(server.time, "perf_counter", lambda: next(readings) * TICK)
     cfg = config(micro_preset, clients=2, local_epochs=2)
-    started = time.perf_counter()
     [record] = train(tmp_path / "run", cfg, FakeGrid(2, tamper=remember)).metrics()
-    wall = time.perf_counter() - started
+    monkeypatch.undo()
     total = sum(n for _, n, _ in reported.values())
     assert record["client_loss"] == sum(loss * n for loss, n, _ in reported.values()) / total
     assert record["client_seconds"] == {k: round(sum(s), 4) for k, (_, _, s) in reported.items()}
     assert record["client_epoch_seconds"] == {k: round(sum(s) / 2, 4) for k, (_, _, s) in reported.items()}
-    # Durations measured inside the run, at the precision the record keeps.
-    assert 0 < record["server_seconds"] + record["eval_seconds"] < record["elapsed_seconds"] < wall
-    assert [record[k] for k in ("server_seconds", "eval_seconds", "elapsed_seconds")] == [
-        round(record["server_seconds"], 4), round(record["eval_seconds"], 4), round(record["elapsed_seconds"], 3)]
+    assert record["eval_seconds"] == round(TICK, 4)  # one reading before and one after the evaluation
+    for key, digits in (("server_seconds", 4), ("elapsed_seconds", 3)):
+        ticks = round(record[key] / TICK)
+        assert ticks >= 1 and record[key] == round(ticks * TICK, digits), key
+    assert record["server_seconds"] + record["eval_seconds"] < record["elapsed_seconds"]
     assert record["epsilon"] is None and record["noise_multiplier"] is None
 
 
