@@ -115,13 +115,20 @@ def assert_same_state(actual, expected):
 
 # --- what a round computes -------------------------------------------------------------------------------------
 
-def test_eftvit_rounds_average_phi_and_h_and_train_theta_on_the_uploaded_features(tmp_path, micro_preset):
+def test_eftvit_rounds_average_phi_and_h_and_train_theta_on_the_uploaded_features(tmp_path, micro_preset,
+                                                                                   monkeypatch):
     """After each round: phi and h are fedavg(stored uploads, n_k) (server training leaves h alone), theta is what
     server training on the stored features gives, the clients got the previous checkpoint and the round's settings,
-    and the record's accuracy is the checkpoint's."""
+    the uploads were validated against the run's own training images, and the record's accuracy is the
+    checkpoint's."""
+    specs, real_spec = [], server.upload_spec
+    monkeypatch.setattr(server, "upload_spec", lambda *args: specs.append(real_spec(*args)) or specs[-1])
     cfg = config(micro_preset, rounds=2, server_epochs=2, seed=5)
     grid = RecordingGrid(3)
     run = train(tmp_path / "run", cfg, grid)
+    [spec] = specs
+    train_set = run_dataset(cfg.dataset, cfg.data_dir, cfg.model, cfg.train_samples, cfg.test_samples, cfg.seed).train
+    assert np.array_equal(spec.train_ids, np.sort(train_set.ids))
     records = run.metrics()
     assert [(r["round"], r["method"], r["clients"], r["dropped"]) for r in records] == [
         (1, "eftvit", [0, 1, 2], {}), (2, "eftvit", [0, 1, 2], {})]
