@@ -1,9 +1,10 @@
 #!/usr/bin/env bash
 # Mutation check of eftguard's core (issue 16): mutmut 3.x, one module at a time, each against its own fast tests.
 #
-#   bash experiments/mutation.sh                # every core module, in the order below (not "rounds")
+#   bash experiments/mutation.sh                # every core module, in the order below
 #   bash experiments/mutation.sh sampling dp    # only these
-#   MUTANTS="NAME ..." bash experiments/mutation.sh rounds   # only these mutants (mutmut's names) of a module
+#   MUTANTS="NAME ..." bash experiments/mutation.sh server   # only these mutants of a module (mutmut's names, globs:
+#     MUTANTS="eftguard.federation.server.x_run_round__mutmut_*" for one function's)
 #
 # Each module is mutated in a scratch copy of the working tree (mutation-work/NAME, git-ignored), so the
 # checkout is never touched and the per-module mutmut config lives only there. One worker, one thread:
@@ -31,14 +32,12 @@ MODULES=(
   "node_auth|defenses/node_auth.py|tests/test_security_pins.py"
   "tls|defenses/tls.py|tests/test_security_pins.py"
   "records|eftguard/federation/records.py|tests/test_server_units.py --deselect=tests/test_server_units.py::test_round_record_reports_the_clients_weighted_mean_loss_and_their_counts tests/test_hostile_replies.py::test_every_hostile_reply_is_rejected_with_a_reason_and_the_honest_one_passes"
-  "server|eftguard/federation/server.py|tests/test_server_units.py --deselect=tests/test_server_units.py::test_round_record_reports_the_clients_weighted_mean_loss_and_their_counts tests/test_hostile_replies.py::test_every_hostile_reply_is_rejected_with_a_reason_and_the_honest_one_passes tests/test_server.py::test_the_average_is_loaded_with_strict_keys"
+  # server.py: its functions called directly, and whole rounds with the micro ViT (tests/test_round_pins.py, about 1 s each)
+  "server|eftguard/federation/server.py|tests/test_server_units.py --deselect=tests/test_server_units.py::test_round_record_reports_the_clients_weighted_mean_loss_and_their_counts tests/test_hostile_replies.py::test_every_hostile_reply_is_rejected_with_a_reason_and_the_honest_one_passes tests/test_server.py::test_the_average_is_loaded_with_strict_keys tests/test_round_pins.py"
   "client|eftguard/federation/client.py|tests/test_client_units.py tests/test_client_round_pins.py"
   "apps|eftguard/federation/apps.py|tests/test_apps_units.py"
   "fleet_gateway|eftguard/federation/fleet_gateway.py|tests/test_gateway_units.py tests/test_deployment.py::test_fleet_gateway_forwards_only_fleet_calls"
   "deployment|eftguard/federation/deployment.py|tests/test_deployment_units.py tests/test_deployment.py"
-  # server.py's rounds (run_round, serve_rounds) against whole one-round runs: 30-90 s per mutant under load, so run
-  # it on a sample: MUTANTS="eftguard.federation.server.x_run_round__mutmut_9 ..." bash experiments/mutation.sh rounds
-  "rounds|eftguard/federation/server.py|tests/test_server.py::test_fedavg_method_checkpoint_is_the_weighted_average_of_whole_models tests/test_server.py::test_checkpoint_holds_the_fedavg_of_the_uploads_and_a_trained_global_module tests/test_ledger.py::test_dp_run_records_the_clients_own_spend_and_drops_a_client_without_dp tests/test_server_units.py::test_round_record_reports_the_clients_weighted_mean_loss_and_their_counts"
 )
 
 command -v mutmut >/dev/null || { echo "mutation.sh: error: mutmut is not installed: pip install 'mutmut>=3.8,<4'" >&2; exit 2; }
@@ -46,7 +45,6 @@ wanted=("$@")
 for entry in "${MODULES[@]}"; do
   IFS='|' read -r name file tests <<<"$entry"
   if ((${#wanted[@]})) && [[ " ${wanted[*]} " != *" $name "* ]]; then continue; fi
-  if ((${#wanted[@]} == 0)) && [[ $name == rounds ]]; then continue; fi  # hours: only when named
   work="mutation-work/$name"
   rm -rf "$work" && mkdir -p "$work"
   git ls-files -co --exclude-standard -z eftguard defenses attacks tests pyproject.toml | xargs -0 cp --parents -t "$work"
