@@ -17,6 +17,7 @@ from eftguard.model import PRESETS, ModelPreset, build_model
 
 MICRO_PRESET = "vit-micro-32"
 MICRO_WIDTH = 64
+MICRO_DEPTH = 4
 
 
 def _register_micro_vit() -> None:
@@ -30,7 +31,7 @@ def _register_micro_vit() -> None:
     @register_model
     def eftguard_test_micro_vit(pretrained=False, **kwargs):
         return _create_vision_transformer("eftguard_test_micro_vit", pretrained=pretrained,
-                                          **dict(embed_dim=MICRO_WIDTH, depth=4, num_heads=2, **kwargs))
+                                          **dict(embed_dim=MICRO_WIDTH, depth=MICRO_DEPTH, num_heads=2, **kwargs))
 
 
 @pytest.fixture(scope="module")
