@@ -210,7 +210,7 @@ def hostile(reply: Message, mutation: Mutation, rng: np.random.Generator) -> Mes
 # --- every mutation through parse_reply ---------------------------------------------------------------------
 
 @pytest.fixture(scope="module")
-def honest():
+def honest(micro_preset):
     """A real client's reply, what it uploaded, and the server's spec for the run."""
     dataset = run_dataset(CFG.dataset, CFG.data_dir, CFG.model, CFG.train_samples, 0, CFG.seed)
     model = build_model(CFG.model, dataset.num_classes, CFG.local_layers, seed=0)

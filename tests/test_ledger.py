@@ -35,7 +35,7 @@ def _task_identity():
 
 
 @pytest.fixture(scope="module")
-def honest():
+def honest(micro_preset):
     """(client 0's sample count, its noise multiplier for the run's two rounds, the start model record)."""
     n = len(client_partition("photos", "", CFG.model, CFG.train_samples, CFG.seed, CFG.clients, CFG.beta)[0])
     model = build_model(CFG.model, 10, CFG.local_layers, seed=0)

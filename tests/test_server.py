@@ -48,7 +48,7 @@ def assembled(run: RunDirectory, round_number: int):
 
 
 @pytest.fixture(scope="module")
-def finished(tmp_path_factory):
+def finished(tmp_path_factory, micro_preset):
     """The CFG run, uninterrupted; tests must not modify it."""
     run = RunDirectory.create(tmp_path_factory.mktemp("runs") / "full", CFG.resolved())
     with task_identity():
