@@ -16,6 +16,8 @@ from eftguard.config import TrainConfig
 from eftguard.model import PRESETS, ModelPreset, build_model
 
 MICRO_PRESET = "vit-micro-32"
+MICRO_WIDTH = 64
+MICRO_DEPTH = 4
 
 
 def _register_micro_vit() -> None:
@@ -29,17 +31,18 @@ def _register_micro_vit() -> None:
     @register_model
     def eftguard_test_micro_vit(pretrained=False, **kwargs):
         return _create_vision_transformer("eftguard_test_micro_vit", pretrained=pretrained,
-                                          **dict(embed_dim=64, depth=4, num_heads=2, **kwargs))
+                                          **dict(embed_dim=MICRO_WIDTH, depth=MICRO_DEPTH, num_heads=2, **kwargs))
 
 
-@pytest.fixture
-def micro_preset(monkeypatch):
+@pytest.fixture(scope="module")
+def micro_preset():
     """A test-only model preset (width 64, depth 4, 32 px, patch 4), many times cheaper than vit-tiny-32, so whole
     in-process rounds (tests/fakegrid.py) take a fraction of a second. Only in-process code sees it: Ray workers
-    and started processes import a PRESETS without it."""
+    and started processes import a PRESETS without it. Module scope, so module-scoped runs can be built on it."""
     _register_micro_vit()
-    monkeypatch.setitem(PRESETS, MICRO_PRESET, ModelPreset("eftguard_test_micro_vit", 32, 4, "tests only"))
-    return MICRO_PRESET
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setitem(PRESETS, MICRO_PRESET, ModelPreset("eftguard_test_micro_vit", 32, 4, "tests only"))
+        yield MICRO_PRESET
 
 
 @pytest.fixture(scope="session")

@@ -7,7 +7,7 @@ import pytest
 
 from attacks.base import ThreatModel
 from attacks.inversion import DecoderInversion
-from conftest import train_in_process
+from conftest import MICRO_PRESET, train_in_process
 from eftguard.audit.observe import observe_features
 from eftguard.cli import main
 from eftguard.rundir import RunDirectory
@@ -80,12 +80,12 @@ def run_dataset_public(run):
     return load_dataset(cfg.dataset, cfg.data_dir, 32).public.images
 
 
-def test_encrypted_runs_need_their_key(tmp_path, capsys):
+def test_encrypted_runs_need_their_key(tmp_path, capsys, micro_preset):
     from defenses.at_rest import create_key
 
     key = tmp_path / "key"
     create_key(key)
-    run = train_in_process(tmp_path / "run", encrypt_at_rest=str(key), train_samples=80)
+    run = train_in_process(tmp_path / "run", model=MICRO_PRESET, encrypt_at_rest=str(key), train_samples=80)
     for argv in (["attack", "invert", "--features", run, *FAST], ["report", run]):
         with pytest.raises(SystemExit):
             run_cli(*argv)
@@ -95,8 +95,8 @@ def test_encrypted_runs_need_their_key(tmp_path, capsys):
     assert (run / "reports" / "report.html").exists()
 
 
-def test_fedavg_runs_have_no_features_to_invert(tmp_path, capsys):
-    run = train_in_process(tmp_path / "fedavg", method="fedavg", train_samples=80)
+def test_fedavg_runs_have_no_features_to_invert(tmp_path, capsys, micro_preset):
+    run = train_in_process(tmp_path / "fedavg", model=MICRO_PRESET, method="fedavg", train_samples=80)
     with pytest.raises(SystemExit):
         run_cli("attack", "invert", "--features", run, *FAST)
     assert "uploads no patch features" in capsys.readouterr().err

@@ -3,6 +3,7 @@
 import numpy as np
 import pytest
 
+from conftest import MICRO_PRESET
 from eftguard.config import TrainConfig
 from eftguard.data import load_dataset
 from eftguard.federation.client import client_partition, client_round, run_dataset
@@ -12,11 +13,13 @@ from eftguard.federation.validation import validate_features, validate_truth, va
 from eftguard.model import build_model
 from eftguard.sampling import class_target
 
-CFG = TrainConfig(clients=4, train_samples=200, batch_size=32).resolved()
+pytestmark = pytest.mark.usefixtures("micro_preset")  # a client round's subject is its upload, not the model
+
+CFG = TrainConfig(model=MICRO_PRESET, clients=4, clients_per_round=4, train_samples=200, batch_size=32)
 
 
 @pytest.fixture(scope="module")
-def start():
+def start(micro_preset):
     model = build_model(CFG.model, 10, CFG.local_layers, seed=0)
     return model, {k: v.numpy() for k, v in model.state_dict().items()}
 
@@ -54,7 +57,7 @@ def test_client_round_is_a_pure_function_of_its_inputs(start):
 
 def test_fedavg_client_uploads_whole_model_and_no_features(start):
     model, state = start
-    cfg = TrainConfig(clients=4, train_samples=200, method="fedavg").resolved()
+    cfg = TrainConfig(model=MICRO_PRESET, clients=4, train_samples=200, method="fedavg").resolved()
     upload = client_round(ClientSettings.from_config(cfg, 1), state, 2, 4)
     assert upload.features is None
     validate_update(to_record(upload.update),
@@ -68,7 +71,7 @@ def test_node_started_for_another_federation_is_refused(start):
 
 def test_client_clips_uploaded_features_when_asked(start):
     _, state = start
-    cfg = TrainConfig(clients=4, train_samples=200, batch_size=32, feature_clip=1.5).resolved()
+    cfg = TrainConfig(model=MICRO_PRESET, clients=4, train_samples=200, batch_size=32, feature_clip=1.5).resolved()
     upload = client_round(ClientSettings.from_config(cfg, 1), state, 1, 4)
     norms = np.linalg.norm(upload.features["features"], axis=-1)
     assert norms.max() <= 1.5 + 1e-4 and norms.max() > 1.4

@@ -12,7 +12,7 @@ import numpy as np
 import psutil
 import pytest
 
-from conftest import train_in_process
+from conftest import MICRO_PRESET, train_in_process
 from eftguard.audit.api import round_clients
 from eftguard.cli import main
 from eftguard.config import TrainConfig
@@ -22,13 +22,15 @@ from eftguard.federation.simulation import RAY_SESSION_VARIABLE, stop_ray_leftov
 from eftguard.rundir import RunDirectory, RunError
 from fakegrid import FakeGrid, task_identity
 
-TINY = dict(clients=2, rounds=2, train_samples=80, test_samples=20, batch_size=16)
+pytestmark = pytest.mark.usefixtures("micro_preset")  # the runs' subject is their files, not the model's size
+
+TINY = dict(model=MICRO_PRESET, clients=2, rounds=2, train_samples=80, test_samples=20, batch_size=16)
 REPOSITORY = Path(__file__).resolve().parents[1]
 CLI_TINY = ["--clients", "2", "--rounds", "1", "--train-samples", "80", "--test-samples", "20", "--batch-size", "16"]
 
 
 @pytest.fixture(scope="module")
-def finished(tmp_path_factory):
+def finished(tmp_path_factory, micro_preset):
     """A finished 2-round run written by the real server, and every fsync it made, in order (path synced)."""
     synced = []
     real_fsync = os.fsync

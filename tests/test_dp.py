@@ -10,6 +10,7 @@ from opacus.grad_sample import GradSampleModule
 from opacus.optimizers import DPOptimizerFastGradientClipping
 from torch import nn
 
+from conftest import MICRO_PRESET
 from defenses.dp import DPSGD, PrivacyBudgetError, check_feasible, client_budget, epsilon_spent, make_private
 from defenses.ledger import PrivacyLedger
 from eftguard.cli import prepare
@@ -144,11 +145,13 @@ def test_bad_dp_options_are_config_errors(changes, message):
         TrainConfig(**changes).resolved()
 
 
-DP_CFG = TrainConfig(clients=2, rounds=1, train_samples=100, batch_size=16, dp_eps=3.0, accountant="rdp").resolved()
+# Client rounds on the micro ViT (their subject is the DP-SGD path and the ledger, not the model's size).
+DP_CFG = TrainConfig(model=MICRO_PRESET, clients=2, clients_per_round=2, rounds=1, train_samples=100, batch_size=16,
+                     dp_eps=3.0, accountant="rdp")
 
 
 @pytest.fixture(scope="module")
-def dp_round():
+def dp_round(micro_preset):
     """(DP-SGD noise multiplier of client 0, initial state) for DP_CFG."""
     n = len(client_partition("photos", "", DP_CFG.model, 100, 0, 2, DP_CFG.beta)[0])
     return (dp_budget(DP_CFG, 0, n, DP_CFG.rounds).noise_multiplier,

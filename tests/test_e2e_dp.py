@@ -9,6 +9,7 @@ import numpy as np
 import pytest
 import torch
 
+from conftest import MICRO_PRESET, train_in_process
 from defenses.dp import PrivacyBudgetError, calibrate, client_budget
 from defenses.feature_dp import release_rows, sensitivity
 from defenses.ledger import PrivacyLedger, Spend, Terms, compose
@@ -19,10 +20,13 @@ from eftguard.federation.records import ClientSettings
 from eftguard.model import build_model
 from eftguard.training import extract_features
 
+pytestmark = pytest.mark.usefixtures("micro_preset")
+
 RUN_ID = "0123456789abcdef0123456789abcdef"
-# Two clients, one round; client 0 holds about half of 100 images.
-CFG = TrainConfig(clients=2, rounds=1, train_samples=100, test_samples=20, batch_size=16, dp_eps=3.0,
-                  accountant="rdp").resolved()
+# Two clients, one round; client 0 holds about half of 100 images. Client rounds and runs are on the micro ViT
+# (their subject is the accounting and the release, not the model); the decoder's calibration keeps vit-tiny-32.
+CFG = TrainConfig(model=MICRO_PRESET, clients=2, clients_per_round=2, rounds=1, train_samples=100, test_samples=20,
+                  batch_size=16, dp_eps=3.0, accountant="rdp")
 
 
 def pld_epsilon(history: list[tuple[float, float, int]], delta: float) -> float:
@@ -95,7 +99,7 @@ def dp_settings(cfg, round_number=1, sigma=None, feature_sigma=None):
 
 
 @pytest.fixture(scope="module")
-def start_state():
+def start_state(micro_preset):
     return {k: v.numpy() for k, v in build_model(CFG.model, 10, CFG.local_layers, seed=0).state_dict().items()}
 
 
@@ -161,16 +165,16 @@ def test_dp_run_records_epsilon_per_channel_and_uploads_one_row_per_image(tmp_pa
     """Through the real server and clients: the per-channel budget is printed before round 1; metrics.jsonl
     records what each client's ledger spent per channel and in total, within the shares; each client's feature
     upload has one row per image it holds."""
-    from conftest import train_in_process
     from eftguard.rundir import RunDirectory
 
-    path = train_in_process(tmp_path / "run", dp_eps=3.0, accountant="rdp", train_samples=64, batch_size=16)
+    path = train_in_process(tmp_path / "run", model=MICRO_PRESET, dp_eps=3.0, accountant="rdp", train_samples=64,
+                            batch_size=16)
     printed = capsys.readouterr().err
     assert "privacy budget per client: epsilon 3 = 1.5 parameters + 1.5 features" in " ".join(printed.split())
     assert printed.index("ε features") < printed.index("round 1/1")
     run = RunDirectory.open(path)
     (metrics,) = run.metrics()
-    sizes = [len(p) for p in client_partition("photos", "", "vit-tiny-32", 64, 0, 2, 0.1)]
+    sizes = [len(p) for p in client_partition("photos", "", MICRO_PRESET, 64, 0, 2, 0.1)]
     assert metrics["dropped"] == {} and metrics["feature_sets"] == {str(k): sizes[k] for k in (0, 1)}
     for k in ("0", "1"):
         assert 1.4 < metrics["epsilon_parameters"][k] <= 1.5 and 1.4 < metrics["epsilon_features"][k] <= 1.5
@@ -213,10 +217,9 @@ def test_decoder_inversion_of_kept_patches_falls_to_the_mean_image_under_the_fea
 def test_server_epochs_zero_leaves_theta_as_initialised(tmp_path):
     """The baseline of the privacy-utility table: with --server-epochs 0 the global module never learns from the
     uploaded features (the clients' averaged local modules and heads still change)."""
-    from conftest import train_in_process
     from eftguard.rundir import RunDirectory
 
-    run = RunDirectory.open(train_in_process(tmp_path / "run", server_epochs=0, train_samples=64))
+    run = RunDirectory.open(train_in_process(tmp_path / "run", model=MICRO_PRESET, server_epochs=0, train_samples=64))
     start, after = run.load_checkpoint(0), run.load_checkpoint(1)
     changed = {k for k in start if not torch.equal(start[k], after[k])}
     assert changed and not any(k.startswith("global_module.") for k in changed)

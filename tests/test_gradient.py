@@ -23,7 +23,7 @@ from eftguard.audit.observe import DPNoise, probe_gradient, trained_names
 from eftguard.masking import random_keep_ids
 from eftguard.model import EFTViT, build_model
 from eftguard.rundir import RunDirectory
-from conftest import attacks_guarded, flushes_denormals, restored_torch_state, train_in_process
+from conftest import MICRO_PRESET, attacks_guarded, flushes_denormals, restored_torch_state, train_in_process
 
 
 @pytest.fixture(scope="module", autouse=True)
@@ -356,17 +356,19 @@ def test_inverting_gradients_beats_the_mean_image_on_the_fedfull_probe(photos):
 # --- the command line ---------------------------------------------------------------------------------------
 
 def recorded_run(path, **overrides) -> RunDirectory:
-    """A one-round run written by the real server and clients over an in-process grid."""
-    return RunDirectory.open(train_in_process(path, train_samples=120, test_samples=20, **overrides))
+    """A one-round run written by the real server and clients over an in-process grid, on the micro ViT (the
+    caller requests micro_preset): the command line's subject is the plumbing, the attacks' is calibrated above."""
+    return RunDirectory.open(train_in_process(path, model=MICRO_PRESET, train_samples=120, test_samples=20,
+                                              **overrides))
 
 
 @pytest.fixture(scope="module")
-def eftvit_run(tmp_path_factory):
+def eftvit_run(tmp_path_factory, micro_preset):
     return recorded_run(tmp_path_factory.mktemp("gradient") / "eftvit")
 
 
 @pytest.fixture(scope="module")
-def fedavg_run(tmp_path_factory):
+def fedavg_run(tmp_path_factory, micro_preset):
     return recorded_run(tmp_path_factory.mktemp("gradient") / "fedavg", method="fedavg")
 
 
@@ -397,7 +399,7 @@ def test_cli_probe_writes_report_and_grid_that_the_run_report_picks_up(capsys, e
     assert code == 0 and "gradient-analytic" in (tmp_path / "report.md").read_text()
 
 
-def test_cli_probe_of_a_dp_run_falls_to_the_baseline(capsys, tmp_path):
+def test_cli_probe_of_a_dp_run_falls_to_the_baseline(capsys, tmp_path, micro_preset):
     """The probe takes the client's DP-SGD step (clipping, its calibrated noise for epsilon 1): the analytic
     attack then recovers neither the kept patches nor their positions."""
     run = recorded_run(tmp_path / "dp", dp_eps=1.0, accountant="rdp")
@@ -433,7 +435,7 @@ def test_attacks_never_read_ground_truth(monkeypatch, capsys, eftvit_run, tmp_pa
     assert calls == ["AnalyticAttack", "AnalyticAttack", "IDLGAttack", "InvertingGradients"]  # iDLG is a DLGAttack
 
 
-def test_encrypted_run_needs_its_key(capsys, tmp_path):
+def test_encrypted_run_needs_its_key(capsys, tmp_path, micro_preset):
     from defenses.at_rest import create_key
 
     key = tmp_path / "at-rest.key"

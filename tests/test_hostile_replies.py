@@ -20,9 +20,12 @@ from eftguard.federation.records import ClientSettings, UploadError, from_record
 from eftguard.federation.server import parse_reply, run_server, upload_spec
 from eftguard.model import build_model
 from eftguard.rundir import RunDirectory
+from conftest import MICRO_PRESET, MICRO_WIDTH
 from fakegrid import FakeGrid, task_identity
 
-CFG = TrainConfig(clients=5, rounds=3, train_samples=100, test_samples=10, batch_size=16).resolved()
+pytestmark = pytest.mark.usefixtures("micro_preset")  # real rounds and replies; their subject is not the model's size
+
+CFG = TrainConfig(model=MICRO_PRESET, clients=5, rounds=3, train_samples=100, test_samples=10, batch_size=16)
 HONEST = 4  # the partition whose replies are never tampered with
 
 
@@ -183,8 +186,8 @@ def hostile_mutations() -> list[Mutation]:
         Mutation("forged arrays", "object dtype declared", "object", forge(
             "truth", "sample_ids", lambda a: Array(dtype="object", shape=a.shape, stype=a.stype, data=a.data))),
         Mutation("forged arrays", "12 GiB of features declared", "rows", forge(
-            "features", "features", lambda a: Array(dtype="float32", shape=(12 * 2 ** 30 // (17 * 192 * 4), 17, 192),
-                                                    stype=a.stype, data=a.data[:64]))),
+            "features", "features", lambda a: Array(dtype="float32", stype=a.stype, data=a.data[:64],
+                                                    shape=(12 * 2 ** 30 // (17 * MICRO_WIDTH * 4), 17, MICRO_WIDTH)))),
         Mutation("forged arrays", "garbage bytes", "cannot be decoded", forge(
             "features", "features", lambda a: Array(dtype=a.dtype, shape=a.shape, stype=a.stype,
                                                     data=bytes(len(a.data))))),
@@ -207,19 +210,19 @@ def hostile(reply: Message, mutation: Mutation, rng: np.random.Generator) -> Mes
 # --- every mutation through parse_reply ---------------------------------------------------------------------
 
 @pytest.fixture(scope="module")
-def honest():
+def honest(micro_preset):
     """A real client's reply, what it uploaded, and the server's spec for the run."""
     dataset = run_dataset(CFG.dataset, CFG.data_dir, CFG.model, CFG.train_samples, 0, CFG.seed)
     model = build_model(CFG.model, dataset.num_classes, CFG.local_layers, seed=0)
     state = {k: v.numpy() for k, v in model.state_dict().items()}
-    upload = client_round(ClientSettings.from_config(CFG, 1), state, 1, CFG.clients)
+    upload = client_round(ClientSettings.from_config(CFG.resolved(), 1), state, 1, CFG.clients)
     metrics = {"partition-id": 1, "num-examples": upload.num_examples, "loss": upload.loss,
                "epoch-seconds": upload.epoch_seconds, "feature-seconds": upload.feature_seconds}
     content = encode({"update": upload.update, "features": upload.features, "truth": upload.truth,
                       "metrics": metrics})
     metadata = Metadata(run_id=1, message_id="m", src_node_id=101, dst_node_id=0, reply_to_message_id="q",
                         group_id="", created_at=0.0, ttl=60.0, message_type="train")
-    return Message(content=content, metadata=metadata), upload, upload_spec(model, CFG, dataset)
+    return Message(content=content, metadata=metadata), upload, upload_spec(model, CFG.resolved(), dataset)
 
 
 def test_the_generator_covers_the_space():
@@ -278,7 +281,7 @@ def test_hostile_clients_are_dropped_and_the_honest_one_decides_every_round(tmp_
         sent[(partition, round_number)] = mutation
         return hostile(reply, mutation, rng)
 
-    run = RunDirectory.create(tmp_path / "run", CFG)
+    run = RunDirectory.create(tmp_path / "run", CFG.resolved())
     run_server(FakeGrid(CFG.clients, tamper=tamper), run.path)
     records = run.metrics()
     assert [r["round"] for r in records] == [1, 2, 3]
@@ -298,8 +301,8 @@ def test_hostile_clients_are_dropped_and_the_honest_one_decides_every_round(tmp_
 # --- issue 9, "A client can break the server": each defect as the attack --------------------------------------
 
 def run_attack(tmp_path, tamper, **config) -> RunDirectory:
-    cfg = TrainConfig(**{"clients": 2, "rounds": 1, "train_samples": 60, "test_samples": 10, "batch_size": 16,
-                         **config}).resolved()
+    cfg = TrainConfig(**{"model": MICRO_PRESET, "clients": 2, "rounds": 1, "train_samples": 60, "test_samples": 10,
+                         "batch_size": 16, **config}).resolved()
     run = RunDirectory.create(tmp_path / "run", cfg)
     run_server(FakeGrid(cfg.clients, tamper=tamper), run.path)
     return run
@@ -388,19 +391,19 @@ class Undecodable(Array):
 
 
 def test_a_12_gib_feature_upload_is_refused_without_decoding(tmp_path):
-    sets = 12 * 2 ** 30 // (17 * 192 * 4)
+    sets = 12 * 2 ** 30 // (17 * MICRO_WIDTH * 4)
 
     def oversized(c):
         record = encode(c)
         real = record["features"]["features"]
-        record["features"]["features"] = Undecodable(dtype="float32", shape=(sets, 17, 192), stype=real.stype,
+        record["features"]["features"] = Undecodable(dtype="float32", shape=(sets, 17, MICRO_WIDTH), stype=real.stype,
                                                      data=real.data)
         return record
 
     run = run_attack(tmp_path, on_train({0: oversized}))
-    claimed = len(client_partition("photos", "", "vit-tiny-32", 60, 0, 2, run.config().beta)[0])
+    claimed = len(client_partition("photos", "", MICRO_PRESET, 60, 0, 2, run.config().beta)[0])
     assert run.metrics()[0]["dropped"] == {
-        "0": f"features 'features' declares shape ({sets}, 17, 192): expected 1..{2 * claimed} rows"}
+        "0": f"features 'features' declares shape ({sets}, 17, {MICRO_WIDTH}): expected 1..{2 * claimed} rows"}
 
 
 def test_truth_with_extra_keys_or_foreign_sample_ids_is_refused(tmp_path):

@@ -13,7 +13,7 @@ from eftguard.audit.observe import observe_labels
 from eftguard.cli import main
 from eftguard.rundir import RunDirectory
 from eftguard.sampling import balanced_indices, class_target
-from conftest import train_in_process, truth_out_of_reach
+from conftest import MICRO_PRESET, train_in_process, truth_out_of_reach
 
 NO_HEAD = (np.zeros((10, 192), np.float32), np.zeros(10, np.float32))
 
@@ -168,11 +168,12 @@ def test_bad_input_is_one_clear_line(tiny_run, capsys, argv, message):
     assert code == 2 and err.startswith("eftguard: error:") and message in err and "Traceback" not in err
 
 
-def test_encrypted_run_needs_its_key(tmp_path, capsys):
+def test_encrypted_run_needs_its_key(tmp_path, capsys, micro_preset):
     from defenses.at_rest import create_key
 
     create_key(tmp_path / "key")
-    run = RunDirectory.open(train_in_process(tmp_path / "run", encrypt_at_rest=str(tmp_path / "key")))
+    run = RunDirectory.open(train_in_process(tmp_path / "run", model=MICRO_PRESET,
+                                             encrypt_at_rest=str(tmp_path / "key")))
     code, err = run_cli(capsys, "attack", "labels", "--run", str(run.path), "--method", "presence")
     assert code == 2 and "pass --key KEYFILE" in err
     main(["attack", "labels", "--run", str(run.path), "--method", "presence", "--key", str(tmp_path / "key")])

@@ -16,12 +16,16 @@ from eftguard.federation.records import ClientSettings, to_record
 from eftguard.federation.server import run_server
 from eftguard.model import build_model
 from eftguard.rundir import RunDirectory, RunError
+from conftest import MICRO_PRESET
 from fakegrid import FakeGrid, task_identity
 
+pytestmark = pytest.mark.usefixtures("micro_preset")  # the ledger's subject is the accounting, not the model
+
 RUN_ID = "feedfacecafebeef0123456789abcdef"
-# Two clients, both in both rounds; client 0 holds about half of 64 images: 2 DP-SGD steps per round.
-CFG = TrainConfig(clients=2, rounds=2, train_samples=64, test_samples=20, batch_size=16, dp_eps=3.0,
-                  accountant="rdp").resolved()
+# Two clients, both in both rounds; client 0 holds about half of 64 images: 2 DP-SGD steps per round. Resolved
+# where used: the micro preset exists only while the tests run.
+CFG = TrainConfig(model=MICRO_PRESET, clients=2, clients_per_round=2, rounds=2, train_samples=64, test_samples=20,
+                  batch_size=16, dp_eps=3.0, accountant="rdp")
 
 
 @pytest.fixture(autouse=True)
@@ -31,7 +35,7 @@ def _task_identity():
 
 
 @pytest.fixture(scope="module")
-def honest():
+def honest(micro_preset):
     """(client 0's sample count, its noise multiplier for the run's two rounds, the start model record)."""
     n = len(client_partition("photos", "", CFG.model, CFG.train_samples, CFG.seed, CFG.clients, CFG.beta)[0])
     model = build_model(CFG.model, 10, CFG.local_layers, seed=0)
@@ -244,7 +248,7 @@ def test_server_resuming_after_a_client_trained_resends_the_round_and_the_client
         return reply
 
     nodes = {"ledger-dir": str(tmp_path / "nodes")}
-    run = RunDirectory.create(tmp_path / "run", CFG)
+    run = RunDirectory.create(tmp_path / "run", CFG.resolved())
     with pytest.raises(KeyboardInterrupt):
         run_server(FakeGrid(2, tamper=die_after_client_0_trained_round_2, node_config=nodes), run.path)
     run_server(FakeGrid(2, node_config=nodes), run.path)

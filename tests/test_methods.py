@@ -18,13 +18,14 @@ from eftguard.federation.server import run_server
 from eftguard.methods import METHODS, MethodSpec
 from eftguard.rundir import RunDirectory
 from eftguard.training import OptimConfig, train_local
+from conftest import MICRO_PRESET, MICRO_WIDTH
 from fakegrid import FakeGrid, task_identity
 
 ROOT = Path(__file__).resolve().parents[1]
 HEAD_ONLY = MethodSpec("head-only", "only the classifier head, on full images", trains=("head.",), masked=False,
                        uploads_features=False, dp_sgd=False, server_trains=False)
 EFTVIT_NOMASK = dataclasses.replace(METHODS["eftvit"], name="eftvit-nomask", masked=False)
-TINY = dict(clients=2, rounds=1, train_samples=60, test_samples=10, batch_size=16)
+TINY = dict(model=MICRO_PRESET, clients=2, rounds=1, train_samples=60, test_samples=10, batch_size=16)
 
 
 @pytest.fixture
@@ -36,6 +37,7 @@ def third_method(monkeypatch, request):
 
 
 def one_round(path: Path, method: str) -> RunDirectory:
+    """One round on the micro ViT (the caller requests micro_preset): a method's subject is what it trains."""
     run = RunDirectory.create(path, TrainConfig(method=method, **TINY).resolved())
     with task_identity():
         run_server(FakeGrid(TINY["clients"]), run.path)
@@ -43,7 +45,7 @@ def one_round(path: Path, method: str) -> RunDirectory:
 
 
 @pytest.mark.parametrize("third_method", [HEAD_ONLY], indirect=True, ids=["head-only"])
-def test_a_method_added_to_the_table_trains_and_uploads_only_its_own_parameters(tmp_path, third_method):
+def test_a_method_added_to_the_table_trains_and_uploads_only_its_own_parameters(tmp_path, third_method, micro_preset):
     run = one_round(tmp_path / "run", third_method.name)
     record = run.metrics()[0]
     assert record["method"] == "head-only" and record["dropped"] == {}
@@ -58,12 +60,13 @@ def test_a_method_added_to_the_table_trains_and_uploads_only_its_own_parameters(
 
 
 @pytest.mark.parametrize("third_method", [EFTVIT_NOMASK], indirect=True, ids=["eftvit-nomask"])
-def test_an_unmasked_feature_method_uploads_every_patch_and_the_server_trains_theta(tmp_path, third_method):
+def test_an_unmasked_feature_method_uploads_every_patch_and_the_server_trains_theta(tmp_path, third_method,
+                                                                                     micro_preset):
     run = one_round(tmp_path / "run", third_method.name)
     record = run.metrics()[0]
     assert record["dropped"] == {} and record["server_loss"] > 0
     features, truth = run.load_upload(1, 0, "features"), run.load_truth(1, 0)
-    assert features["features"].shape[1:] == (1 + 64, 192)  # cls + all 64 patches of vit-tiny-32: nothing masked
+    assert features["features"].shape[1:] == (1 + 64, MICRO_WIDTH)  # cls + all 64 patches: nothing masked
     assert (truth["kept_ids"] == torch.arange(64).numpy()).all()
     before, after = run.load_checkpoint(0), run.load_checkpoint(1)
     assert set(run.load_upload(1, 0, "update")) == {k for k in after if k.startswith(("local_module.", "head."))}

@@ -21,12 +21,14 @@ from eftguard.methods import METHODS, method_spec
 from eftguard.model import build_model
 from eftguard.peft import LoRALinear, lora_averaging_gap
 from eftguard.rundir import RunDirectory
-from conftest import train_in_process
+from conftest import MICRO_DEPTH, MICRO_PRESET, MICRO_WIDTH, train_in_process
 from fakegrid import FakeGrid, task_identity
+
+pytestmark = pytest.mark.usefixtures("micro_preset")  # the methods' mechanics do not depend on the model's size
 
 PEFT = ("fed-head", "fed-bias", "fed-prompt", "fed-lora")
 OPTIONS = types.SimpleNamespace(lora_rank=4, prompt_tokens=3)
-TINY = dict(train_samples=32, test_samples=8, batch_size=16, rounds=2, lora_rank=4, prompt_tokens=3)
+TINY = dict(model=MICRO_PRESET, train_samples=32, test_samples=8, batch_size=16, rounds=2, lora_rank=4, prompt_tokens=3)
 
 
 def own_parameter(method: str, name: str) -> bool:
@@ -40,9 +42,9 @@ def own_parameter(method: str, name: str) -> bool:
 
 
 @pytest.fixture(scope="module")
-def pretrained(tmp_path_factory):
+def pretrained(tmp_path_factory, micro_preset):
     """A 'pretrained' base model (another seed than any run's) saved as a checkpoint, and its path."""
-    model = build_model("vit-tiny-32", 10, 2, seed=7).eval()
+    model = build_model(MICRO_PRESET, 10, 2, seed=7).eval()
     path = tmp_path_factory.mktemp("pretrained") / "ckpt.safetensors"
     save_file({k: v.contiguous() for k, v in model.state_dict().items()}, str(path))
     return model, path
@@ -76,7 +78,7 @@ def test_the_pretrained_checkpoint_loads_into_every_method_and_gives_its_forward
     """Before training, phi -> theta -> h of every method is the checkpoint's model (fed-prompt: once its prompt
     tokens are taken out, since prompts change the output by design)."""
     base, path = pretrained
-    model = build_model("vit-tiny-32", 10, 2, checkpoint=path, seed=0,
+    model = build_model(MICRO_PRESET, 10, 2, checkpoint=path, seed=0,
                         adapt=method_spec(method).model_adapter(OPTIONS)).eval()
     state = model.state_dict()
     assert all(torch.equal(state[k], v) for k, v in base.state_dict().items())
@@ -87,12 +89,12 @@ def test_the_pretrained_checkpoint_loads_into_every_method_and_gives_its_forward
 
 def test_lora_with_zero_b_is_the_base_layer_and_with_trained_factors_the_merged_weight(pretrained):
     base, _ = pretrained
-    model = build_model("vit-tiny-32", 10, 2, seed=7, adapt=METHODS["fed-lora"].model_adapter(OPTIONS)).eval()
+    model = build_model(MICRO_PRESET, 10, 2, seed=7, adapt=METHODS["fed-lora"].model_adapter(OPTIONS)).eval()
     layers = [m for m in model.modules() if isinstance(m, LoRALinear)]
-    assert len(layers) == 2 * 12 and all(layer.rank == 4 for layer in layers)
+    assert len(layers) == 2 * MICRO_DEPTH and all(layer.rank == 4 for layer in layers)
     with torch.no_grad():
         assert torch.equal(model(images()), base(images()))
-        merged = build_model("vit-tiny-32", 10, 2, seed=7).eval()
+        merged = build_model(MICRO_PRESET, 10, 2, seed=7).eval()
         merged_layers = dict(merged.named_modules())
         for name, layer in model.named_modules():
             if isinstance(layer, LoRALinear):
@@ -105,9 +107,9 @@ def test_lora_with_zero_b_is_the_base_layer_and_with_trained_factors_the_merged_
 
 def test_prompt_tokens_change_the_output_only_through_the_added_tokens(pretrained):
     base, _ = pretrained
-    model = build_model("vit-tiny-32", 10, 2, seed=7, adapt=METHODS["fed-prompt"].model_adapter(OPTIONS)).eval()
+    model = build_model(MICRO_PRESET, 10, 2, seed=7, adapt=METHODS["fed-prompt"].model_adapter(OPTIONS)).eval()
     tokens = model.local_module.prompt_tokens.tokens
-    assert tokens.shape == (1, 3, 192)
+    assert tokens.shape == (1, 3, MICRO_WIDTH)
     assert set(model.state_dict()) - set(base.state_dict()) == {"local_module.prompt_tokens.tokens"}
     x = images()
     prompted = model(x)

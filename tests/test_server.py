@@ -17,9 +17,12 @@ from eftguard.model import build_model
 from eftguard.sampling import class_target
 from eftguard.training import evaluate
 from eftguard.rundir import RunDirectory, RunError
+from conftest import MICRO_PRESET, MICRO_WIDTH
 from fakegrid import FakeGrid, task_identity
 
-CFG = TrainConfig(clients=3, rounds=2, train_samples=120, test_samples=40, batch_size=32)
+pytestmark = pytest.mark.usefixtures("micro_preset")  # whole rounds; their subject is not the model's size
+
+CFG = TrainConfig(model=MICRO_PRESET, clients=3, rounds=2, train_samples=120, test_samples=40, batch_size=32)
 
 
 @pytest.fixture(autouse=True)
@@ -45,7 +48,7 @@ def assembled(run: RunDirectory, round_number: int):
 
 
 @pytest.fixture(scope="module")
-def finished(tmp_path_factory):
+def finished(tmp_path_factory, micro_preset):
     """The CFG run, uninterrupted; tests must not modify it."""
     run = RunDirectory.create(tmp_path_factory.mktemp("runs") / "full", CFG.resolved())
     with task_identity():
@@ -72,7 +75,7 @@ def test_rounds_write_the_run_directory(finished):
     counts = truth["class_counts"]
     per_class = np.where(counts > 0, class_target(counts, "median"), 0)
     assert np.array_equal(np.bincount(features["labels"], minlength=10), per_class)
-    assert features["features"].shape == (records[1]["feature_sets"]["1"], 17, 192)
+    assert features["features"].shape == (records[1]["feature_sets"]["1"], 17, MICRO_WIDTH)
     assert truth["kept_ids"].shape == (len(features["labels"]), 16)
     assert sorted(p.name for p in (run.path / "checkpoints").iterdir()) == [f"round-000{i}.safetensors" for i in range(3)]
     assert run.verify() == []
@@ -101,7 +104,8 @@ def test_checkpoint_holds_the_fedavg_of_the_uploads_and_a_trained_global_module(
 
 
 def test_fedavg_method_checkpoint_is_the_weighted_average_of_whole_models(tmp_path):
-    cfg = TrainConfig(clients=2, rounds=1, train_samples=60, test_samples=10, batch_size=16, method="fedavg")
+    cfg = TrainConfig(model=MICRO_PRESET, clients=2, rounds=1, train_samples=60, test_samples=10, batch_size=16,
+                      method="fedavg")
     run = RunDirectory.create(tmp_path / "run", cfg.resolved())
     run_server(FakeGrid(2), run.path)
     record = run.metrics()[0]
@@ -117,7 +121,7 @@ def test_fedavg_method_checkpoint_is_the_weighted_average_of_whole_models(tmp_pa
 
 def test_the_average_is_loaded_with_strict_keys():
     """A renamed key must not be skipped silently (which would leave FedAvg a no-op)."""
-    model = build_model("vit-tiny-32", 10, 2, seed=0)
+    model = build_model(MICRO_PRESET, 10, 2, seed=0)
     state = {k: v.clone() for k, v in model.state_dict().items()}
     head = np.full((10,), 0.25, np.float32)
     load_average(model, {"head.bias": head})
@@ -178,7 +182,7 @@ def test_uploads_encrypted_at_rest_need_the_key(tmp_path):
     opened = RunDirectory.open(run.path, tmp_path / "key")
     features = opened.load_upload(1, 0, "features")
     truth = opened.load_truth(1, 0)
-    assert features["features"].shape == (len(truth["sample_ids"]), 17, 192)
+    assert features["features"].shape == (len(truth["sample_ids"]), 17, MICRO_WIDTH)
     # A ciphertext moved into another client's slot does not open.
     other = opened.upload_path(1, 1, "features")
     other.write_bytes(stored.read_bytes())
@@ -210,8 +214,8 @@ def test_stop_request_ends_the_run_after_a_completed_round(tmp_path):
 
 
 # DP-SGD: client 0 takes part in round 3 only, client 1 in rounds 1 and 2, client 2 in all three.
-DP_CFG = TrainConfig(clients=3, clients_per_round=2, rounds=3, train_samples=90, test_samples=20, batch_size=16,
-                     dp_eps=3.0, feature_clip=2.0)
+DP_CFG = TrainConfig(model=MICRO_PRESET, clients=3, clients_per_round=2, rounds=3, train_samples=90, test_samples=20,
+                     batch_size=16, dp_eps=3.0, feature_clip=2.0)
 
 
 def test_dp_run_records_epsilon_per_client_within_budget(tmp_path):
