@@ -24,7 +24,7 @@ MODULES=(
   "aggregate|eftguard/federation/aggregate.py|tests/test_aggregate.py tests/test_core_pins.py"
   "feature_noise|defenses/feature_noise.py|tests/test_feature_noise.py tests/test_core_pins.py"
   "metrics|eftguard/metrics.py|tests/test_metrics.py tests/test_core_pins.py"
-  "training|eftguard/training.py|tests/test_core_pins.py tests/test_model.py tests/test_dp.py tests/test_sampling.py --deselect=tests/test_model.py::test_paper_preset_splits_like_timm"
+  "training|eftguard/training.py|tests/test_core_pins.py tests/test_model.py tests/test_dp.py tests/test_sampling.py tests/test_dp_server_training.py --deselect=tests/test_model.py::test_paper_preset_splits_like_timm"
   "validation|eftguard/federation/validation.py|tests/test_validation.py tests/test_core_pins.py"
   "dp|defenses/dp.py|tests/test_dp.py tests/test_core_pins.py"
   "ledger|defenses/ledger.py|tests/test_ledger_pins.py tests/test_ledger.py::test_ledger_of_another_run_or_partition_is_not_accepted tests/test_ledger.py::test_composition_of_equal_rounds_equals_one_long_run"
@@ -33,7 +33,7 @@ MODULES=(
   "tls|defenses/tls.py|tests/test_security_pins.py"
   "records|eftguard/federation/records.py|tests/test_server_units.py --deselect=tests/test_server_units.py::test_round_record_reports_the_clients_weighted_mean_loss_and_their_counts tests/test_hostile_replies.py::test_every_hostile_reply_is_rejected_with_a_reason_and_the_honest_one_passes"
   # server.py: its functions called directly, and whole rounds with the micro ViT (tests/test_round_pins.py, about 1 s each)
-  "server|eftguard/federation/server.py|tests/test_server_units.py --deselect=tests/test_server_units.py::test_round_record_reports_the_clients_weighted_mean_loss_and_their_counts tests/test_hostile_replies.py::test_every_hostile_reply_is_rejected_with_a_reason_and_the_honest_one_passes tests/test_server.py::test_the_average_is_loaded_with_strict_keys tests/test_round_pins.py"
+  "server|eftguard/federation/server.py|tests/test_server_units.py --deselect=tests/test_server_units.py::test_round_record_reports_the_clients_weighted_mean_loss_and_their_counts tests/test_hostile_replies.py::test_every_hostile_reply_is_rejected_with_a_reason_and_the_honest_one_passes tests/test_server.py::test_the_average_is_loaded_with_strict_keys tests/test_round_pins.py tests/test_dp_server_training.py"
   "client|eftguard/federation/client.py|tests/test_client_units.py tests/test_client_round_pins.py"
   "apps|eftguard/federation/apps.py|tests/test_apps_units.py"
   "fleet_gateway|eftguard/federation/fleet_gateway.py|tests/test_gateway_units.py tests/test_deployment.py::test_fleet_gateway_forwards_only_fleet_calls"
