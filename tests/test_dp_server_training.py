@@ -84,3 +84,30 @@ def test_dp_rounds_keep_theta_only_where_the_guard_says_so_and_runs_without_dp_a
     plain = RunDirectory.open(train_in_process(tmp_path / "plain", **common))
     for metrics in plain.metrics():
         assert metrics["server_update_kept"] is None and global_module_changed(plain, metrics["round"])
+
+
+def test_an_update_that_leaves_public_accuracy_unchanged_is_kept():
+    """A tie keeps the update: the guard undoes only harm it sees."""
+    model = nn.Linear(8, 3)
+    _, kept = keep_if_not_worse(model, lambda: fit(model, torch.ones(4, 8), torch.zeros(4, dtype=torch.long),
+                                                   lr=0.1, steps=1), lambda: 0.5)
+    assert kept
+
+
+def test_the_guard_images_are_a_seeded_subset_of_the_public_split(micro_preset):
+    """The same images for the same run seed (a resumed run judges its updates as the uninterrupted one did), other
+    images for another seed, never more than GUARD_IMAGES, and only from the public split."""
+    import numpy as np
+
+    from eftguard.federation.client import run_dataset
+    from eftguard.federation.server import GUARD_IMAGES, guard_images
+
+    dataset = run_dataset("photos", "", micro_preset, 64, 16, 0)
+    images, labels = guard_images(dataset, seed=3)
+    again, _ = guard_images(dataset, seed=3)
+    other, _ = guard_images(dataset, seed=4)
+    assert len(images) == min(GUARD_IMAGES, len(dataset.public)) and torch.equal(images, again)
+    assert not torch.equal(images, other)
+    public = torch.from_numpy(dataset.public.images)
+    rows = [int(torch.nonzero((public == image).flatten(1).all(1))[0]) for image in images]
+    assert np.array_equal(labels.numpy(), dataset.public.labels[rows])
