@@ -608,20 +608,31 @@ def epsilon_text(members: list[dict]) -> str:
     total = finite_values(members, epsilon_of)
     if not total:
         return "off"
-    channels = [(channel, finite_values(members, lambda c: (c.get("epsilon_channels") or {}).get(channel)))
-                for channel in ("parameters", "features")]
+    def spent(channel):
+        return lambda c: c["epsilon_channels"].get(channel) if isinstance(c.get("epsilon_channels"), dict) else None
+
+    channels = [(channel, finite_values(members, spent(channel))) for channel in ("parameters", "features")]
     split = ", ".join(f"{channel} {max(spent):.2f}" for channel, spent in channels if spent)
     return stat_text(total, 2) + (f" ({split})" if split else "")
+
+
+def attack_entry(configuration: dict, name: str) -> dict | None:
+    """The configuration's entry for one attack, None when it has none (or something that is not an entry)."""
+    entry = attacks_of(configuration).get(name)
+    return entry if isinstance(entry, dict) else None
 
 
 def headline_cell(members: list[dict], name: str, headline: verdict.Headline) -> str:
     """One attack's figure over the group's seeds, "mean ± std (baseline mean)", or why there is none."""
     def figure_of(key):
-        return lambda c: ((attacks_of(c).get(name) or {}).get("figures") or {}).get(key)
+        def value(c):
+            figures = (attack_entry(c, name) or {}).get("figures")
+            return figures.get(key) if isinstance(figures, dict) else None
+        return value
 
     digits = 1 if headline.unit else 3
     figure, base = finite_values(members, figure_of(headline.figure)), finite_values(members, figure_of(headline.baseline))
-    statuses = {(attacks_of(c).get(name) or {"status": None}).get("status", "done") for c in members}
+    statuses = {(attack_entry(c, name) or {"status": None}).get("status", "done") for c in members}
     if not figure and len(statuses) == 1 and statuses != {"done"}:
         return str(statuses.pop() or "–")  # "not applicable", "failed", or not run at all
     return stat_text(figure, digits) + (f" ({np.mean(base):.{digits}f})" if figure and base else "")
@@ -640,7 +651,8 @@ def figure_rows(configurations: list[dict]) -> list[list[str]]:
              *(h.short + (f" ({h.unit.strip()})" if h.unit else "") for h in headlines)]]
     groups: dict[str, list[dict]] = {}
     for configuration in done:
-        groups.setdefault(str(configuration.get("group", configuration.get("id"))), []).append(configuration)
+        group = configuration.get("group")
+        groups.setdefault(str(configuration.get("id") if group is None else group), []).append(configuration)
     for group, members in groups.items():
         first = [group or "(the audit's defaults)", str(len(members)),
                  stat_text(finite_values(members, accuracy_of), 3), epsilon_text(members)]

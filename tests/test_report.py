@@ -401,7 +401,8 @@ def test_an_unusable_summary_is_one_clear_error_and_writes_nothing(tmp_path, bro
 def test_garbage_inside_a_summary_is_shown_as_missing_not_a_crash(tmp_path):
     """A hand-edited summary.json: wrong types everywhere below the top level."""
     garbage = [{"id": ["x"], "status": "done", "accuracy": "high", "epsilon": True, "attacks": ["invert-decoder"]},
-               {"id": "y", "status": "done", "accuracy": math.inf, "group": None,
+               {"id": "y", "status": "done", "accuracy": math.inf, "group": None, "epsilon": 2.0,
+                "epsilon_channels": "half and half",
                 "attacks": {"invert-decoder": {"family": "invert", "figures": "28 dB"},
                             "labels-head": {"family": "labels", "figures": {"l1": "0.1", "baseline.l1": 0.9}},
                             "gradient-x": "not an object"}}]
@@ -409,9 +410,11 @@ def test_garbage_inside_a_summary_is_shown_as_missing_not_a_crash(tmp_path):
     html_file, _ = write_audit_report({"configurations": garbage, "gates": gates}, tmp_path)
     page = Page(html_file.read_text())
     assert [row[1:] for row in page.tables[0][1:]] == [["–", "off", "not audited", "not audited", "not audited"],
-                                                       ["–", "off", "not scored", "not audited", "not scored"]]
+                                                       ["–", "2.00", "not scored", "not audited", "not scored"]]
     assert page.tables[1][1] == ["None", "FAILED", "None: None = –"]  # only a literal true passes a gate
     assert len(page.sources()) == 0  # nothing finite to plot
+    figures = {row[0]: row for row in page.tables[2][1:] if row[0]}
+    assert figures["y"][3] == "2.00" and figures["y"][1:3] == ["1", "–"]  # no channels to show, no finite accuracy
 
 
 def test_groups_on_one_spot_share_one_label():
