@@ -531,7 +531,12 @@ def test_a_client_apps_traceback_or_a_later_main_frame_is_not_fatal():
     for line in [*supernode_traceback("flwr-clientapp"), "ValueError: one ClientApp failed\n",
                  "Traceback (most recent call last):\n", '  File "/venv/lib/thread.py", line 1, in run\n',
                  '  File "/venv/bin/flower-supernode", line 8, in <module>\n', "KeyError: 'x'\n", "INFO: next\n"]:
+        check(line)  # raises FederationError if it took any of these lines as fatal
+    # the same checker still stops on a real main-thread traceback afterwards
+    for line in supernode_traceback("flower-supernode"):
         check(line)
+    with pytest.raises(FederationError):
+        check("ssl.SSLError: no start line\n")
 
 
 @pytest.mark.parametrize("markers, message", deployment.SUPERNODE_FAILURES, ids=["tls", "node auth", "port"])
