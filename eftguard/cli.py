@@ -14,7 +14,8 @@ from pathlib import Path
 from attacks.base import AttackError
 from defenses.tls import CertificateError
 from eftguard.attack_cli import add_attack_parser, add_report_parser, cmd_attack, cmd_report
-from eftguard.config import ACCOUNTANTS, FEDERATIONS, METHODS, ConfigError, TrainConfig
+from eftguard.config import (ACCOUNTANTS, CLIENT_SELECTION, FEDERATIONS, HEAD_PRUNING, HEAD_WEIGHTING, METHODS,
+                             ConfigError, TrainConfig)
 from eftguard.data import DATASET_HELP, DataError
 from eftguard.federation.errors import FederationError, Interrupted
 from eftguard.methods import METHODS as METHOD_SPECS, method_spec
@@ -36,7 +37,17 @@ TRAIN_HELP = {
     "method": "training method: " + "; ".join(f"{name} ({spec.description})" for name, spec in METHOD_SPECS.items()),
     "mask_ratio": "fraction of patch tokens each client drops per image, in [0, 1) (masked methods only)",
     "prompt_tokens": "fed-prompt: learned prompt tokens inserted after the cls token",
-    "lora_rank": "fed-lora: rank r of the LoRA factors on each attention projection",
+    "lora_rank": "fed-lora: rank r of the LoRA factors on each attention projection; headprune-lora: on each "
+                 "head's part of them",
+    "head_sparsity": "headprune-lora: fraction s of each layer's attention heads a client prunes, in [0, 1); it "
+                     "trains and uploads the LoRA of the other ceil((1 - s) * heads) (at least one)",
+    "head_pruning": "headprune-lora: which heads a client keeps: importance (the largest alpha, the mean over its "
+                    "images of the largest q.k / sqrt(d_h), on the received model) or random (the ablation)",
+    "head_weighting": "headprune-lora: each head's factors averaged over the clients that kept it, weighted by their "
+                      "importance alpha_c / (sum alpha + 1e-8), or by their sample counts (samples: the ablation)",
+    "client_selection": "how --clients-per-round clients are picked: random (seeded), or loss-gap (round 1 random, "
+                        "then the clients whose last local training loss most exceeds the loss of the global model "
+                        "they received, on their data; never-seen clients first)",
     "local_layers": "M: transformer blocks in the client's local module (1..depth-1); the rest stay on the server",
     "clients": "number of clients (data partitions)",
     "clients_per_round": "clients taking part in each round (0: all)",
@@ -91,7 +102,8 @@ PRETRAIN_HELP = {
     "seed": "seed of the initialisation, batches, crops and masks",
 }
 CHOICES = {"method": METHODS, "balance": BALANCE_MODES, "federation": FEDERATIONS, "model": tuple(PRESETS),
-           "accountant": ACCOUNTANTS}
+           "accountant": ACCOUNTANTS, "head_pruning": HEAD_PRUNING, "head_weighting": HEAD_WEIGHTING,
+           "client_selection": CLIENT_SELECTION}
 
 
 def _add_train_options(parser: argparse.ArgumentParser) -> None:

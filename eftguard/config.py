@@ -17,6 +17,9 @@ from eftguard.sampling import BALANCE_MODES
 METHODS = tuple(METHOD_SPECS)
 ACCOUNTANTS = ("prv", "rdp")  # opacus accountants that calibrate DP-SGD noise
 FEDERATIONS = ("simulation", "deployment")
+HEAD_PRUNING = ("importance", "random")  # headprune-lora: which heads a client keeps
+HEAD_WEIGHTING = ("importance", "samples")  # headprune-lora: each head's average weighted by alpha_c or by n_k
+CLIENT_SELECTION = ("random", "loss-gap")
 
 
 class ConfigError(ValueError):
@@ -36,6 +39,10 @@ class TrainConfig:
     mask_ratio: float = 0.75
     prompt_tokens: int = 10  # fed-prompt's learned tokens
     lora_rank: int = 8  # fed-lora's rank r of the factors B (out x r) and A (r x in)
+    head_sparsity: float = 0.9  # headprune-lora: fraction s of each layer's heads a client prunes (the paper's 0.9)
+    head_pruning: str = "importance"
+    head_weighting: str = "importance"
+    client_selection: str = "random"  # loss-gap: after round 1, the clients whose local loss most exceeds the global's
     local_layers: int = 2
     clients: int = 8
     clients_per_round: int = 0  # 0: all clients
@@ -92,6 +99,7 @@ class TrainConfig:
             raise ConfigError(f"--federation: unknown runtime '{self.federation}', choose {', '.join(FEDERATIONS)}")
         if self.accountant not in ACCOUNTANTS:
             raise ConfigError(f"--accountant: unknown accountant '{self.accountant}', choose {', '.join(ACCOUNTANTS)}")
+        self._check_head_pruning()
         if self.dp_eps < 0:
             raise ConfigError(f"--dp-eps must be >= 0 (0: no DP-SGD), got {self.dp_eps}")
         if not 0.0 <= self.dp_delta < 1.0:
@@ -132,6 +140,22 @@ class TrainConfig:
             raise ConfigError(f"--dataset {self.dataset} needs --data-dir DIR (a local copy, or where to download it)")
         if self.data_dir and not Path(self.data_dir).is_dir():
             raise ConfigError(f"--data-dir {self.data_dir} does not exist: create it or point to your dataset copy")
+
+    def _check_head_pruning(self) -> None:
+        for name, choices in (("head_pruning", HEAD_PRUNING), ("head_weighting", HEAD_WEIGHTING),
+                              ("client_selection", CLIENT_SELECTION)):
+            if getattr(self, name) not in choices:
+                raise ConfigError(f"--{name.replace('_', '-')}: unknown value '{getattr(self, name)}', choose "
+                                  f"{', '.join(choices)}")
+        if not 0.0 <= self.head_sparsity < 1.0:
+            raise ConfigError(f"--head-sparsity must be in [0, 1) (fraction of each layer's heads a client prunes; "
+                              f"at least one is kept), got {self.head_sparsity}")
+        if self.client_selection == "loss-gap" and self.dp_eps > 0:
+            raise ConfigError("--client-selection loss-gap: with --dp-eps clients report no loss (it is not noised) "
+                              "and no client can know its rounds in advance for its budget; use random")
+        if self.client_selection == "loss-gap" and self.clients_per_round in (0, self.clients):
+            raise ConfigError("--client-selection loss-gap picks --clients-per-round of the --clients: set "
+                              f"--clients-per-round below {self.clients}")
 
     def _check_finite(self) -> None:
         """NaN and inf first: every comparison below is False for NaN (`nan > 0` skipped DP-SGD while the

@@ -1,14 +1,22 @@
-"""The pure parts of headprune-lora (Venkatesha, Kundu & Panda, arXiv 2506.00743): head importance, which heads
-a client keeps, importance-weighted aggregation per head, loss-gap client selection. Not wired into the client
-and server yet; each is a function of tensors so that the wiring only moves data."""
+"""headprune-lora (Venkatesha, Kundu & Panda, arXiv 2506.00743): head importance, which heads a client keeps, the
+client's pruned training and upload, importance-weighted aggregation per head, loss-gap client selection. The
+client (eftguard.federation.client) and server (eftguard.federation.server) call these; each is a function of
+tensors so that the wiring only moves data. The model's per-head LoRA is eftguard.peft.HeadPrunedAttention."""
 
 from __future__ import annotations
 
+import contextlib
 import math
+from typing import Iterator
 
+import numpy as np
 import torch
 
+from eftguard.federation.aggregate import fedavg
 from eftguard.model import EFTViT
+from eftguard.peft import HeadPrunedAttention
+
+HeadIndex = dict[str, tuple[int, int]]  # per-head parameter name -> (layer, head), layers phi's blocks first
 
 
 def head_importance(queries: torch.Tensor, keys: torch.Tensor) -> torch.Tensor:
@@ -45,29 +53,32 @@ def model_head_importance(model: EFTViT, images: torch.Tensor, batch_size: int =
     return (total / max(len(images), 1)).float()
 
 
-def kept_heads(scores: torch.Tensor, sparsity: float) -> torch.Tensor:
-    """The heads a client keeps: per layer the top ceil((1 - sparsity) * heads) by score (at least one).
-    scores [layers, heads] -> bool [layers, heads]. Importance scores give importance pruning; random scores
-    give the random-pruning ablation."""
+def kept_count(heads: int, sparsity: float) -> int:
+    """How many heads per layer a client keeps: ceil((1 - sparsity) * heads), at least one."""
     if not 0.0 <= sparsity < 1.0:
         raise ValueError(f"head sparsity must be in [0, 1), got {sparsity}")
-    heads = scores.shape[-1]
-    count = max(1, math.ceil((1.0 - sparsity) * heads - 1e-9))
-    top = scores.topk(count, dim=-1).indices
+    return max(1, math.ceil((1.0 - sparsity) * heads - 1e-9))
+
+
+def kept_heads(scores: torch.Tensor, sparsity: float) -> torch.Tensor:
+    """The heads a client keeps: per layer the top kept_count(heads, sparsity) by score.
+    scores [layers, heads] -> bool [layers, heads]. Importance scores give importance pruning; random scores
+    give the random-pruning ablation."""
+    top = scores.topk(kept_count(scores.shape[-1], sparsity), dim=-1).indices
     return torch.zeros_like(scores, dtype=torch.bool).scatter_(-1, top, True)
 
 
 def importance_weighted_average(updates: torch.Tensor, importance: torch.Tensor, kept: torch.Tensor,
                                 current: torch.Tensor) -> torch.Tensor:
     """Per head, the clients that kept it averaged with weights alpha_c / (sum of their alpha + 1e-8); a head that
-    no client kept stays at its current (global) value. updates [clients, heads, ...], importance and kept
+    no client kept (or whose keepers all report alpha 0) stays at its current (global) value. updates [clients, heads, ...], importance and kept
     [clients, heads], current [heads, ...] -> [heads, ...]. Uniform importance gives plain per-head FedAvg over
     the clients that kept the head (the weighting-off ablation)."""
     weights = importance * kept
     weights = weights / (weights.sum(dim=0, keepdim=True) + 1e-8)
     shape = (*weights.shape, *([1] * (updates.dim() - 2)))
     averaged = (weights.reshape(shape) * updates).sum(dim=0)
-    return torch.where(kept.any(dim=0).reshape(shape[1:]), averaged, current)
+    return torch.where((weights > 0).any(dim=0).reshape(shape[1:]), averaged, current)
 
 
 def loss_gap_selection(local_loss: dict[int, float], global_loss: dict[int, float], count: int) -> list[int]:
@@ -75,3 +86,65 @@ def loss_gap_selection(local_loss: dict[int, float], global_loss: dict[int, floa
     (ties: lower id first), sorted by id."""
     gaps = sorted(local_loss, key=lambda client: (-(local_loss[client] - global_loss[client]), client))
     return sorted(gaps[:count])
+
+
+def attentions(model: EFTViT) -> list[HeadPrunedAttention]:
+    """The per-head LoRA attention of every block, phi's first (the layer order of importance and kept masks)."""
+    return [block.attn for block in [*model.local_module.blocks, *model.global_module.blocks]]
+
+
+def head_index(model: EFTViT) -> HeadIndex:
+    """Every per-head LoRA parameter's (layer, head)."""
+    names = {id(p): name for name, p in model.named_parameters()}
+    return {names[id(p)]: (layer, head) for layer, attention in enumerate(attentions(model))
+            for head, lora in enumerate(attention.head_lora) for p in lora.parameters()}
+
+
+@contextlib.contextmanager
+def pruned(model: EFTViT, kept: torch.Tensor) -> Iterator[None]:
+    """While the block runs, each attention computes only its kept heads (kept: bool [layers, heads]) and the
+    pruned heads' LoRA factors are frozen: neither computed nor trained."""
+    layers = attentions(model)
+    frozen = [p for attention, row in zip(layers, kept) for head, lora in enumerate(attention.head_lora)
+              if not row[head] for p in lora.parameters() if p.requires_grad]
+    for attention, row in zip(layers, kept):
+        attention.kept = row.nonzero().flatten().tolist()
+    for parameter in frozen:
+        parameter.requires_grad_(False)
+    try:
+        yield
+    finally:
+        for attention in layers:
+            attention.kept = None
+        for parameter in frozen:
+            parameter.requires_grad_(True)
+
+
+def kept_upload(update: dict[str, np.ndarray], kept: torch.Tensor, index: HeadIndex) -> dict[str, np.ndarray]:
+    """The update without the pruned heads' LoRA factors (which the client never trained)."""
+    return {name: value for name, value in update.items() if name not in index or bool(kept[index[name]])}
+
+
+def kept_mask(kept_ids: np.ndarray, heads: int) -> torch.Tensor:
+    """bool [layers, heads] from the uploaded kept head ids [layers, kept]."""
+    mask = torch.zeros(len(kept_ids), heads, dtype=torch.bool)
+    return mask.scatter_(1, torch.from_numpy(np.asarray(kept_ids, dtype=np.int64)), True)
+
+
+def pruned_average(updates: list[dict[str, np.ndarray]], num_examples: list[int], weights: list[torch.Tensor],
+                   kept: list[torch.Tensor], current: dict[str, torch.Tensor], index: HeadIndex
+                   ) -> dict[str, np.ndarray]:
+    """The round's aggregate: FedAvg (by num_examples) of what every client uploads (the classifier head), and per
+    head importance_weighted_average of its LoRA factors over the clients that kept it. weights: per client
+    [layers, heads], its importance (or its num_examples for the weighting-off ablation); kept: per client bool
+    [layers, heads]."""
+    shared = [{k: v for k, v in update.items() if k not in index} for update in updates]
+    averaged = fedavg(shared, num_examples)
+    for name, position in index.items():
+        start = current[name].double()
+        stacked = torch.stack([torch.from_numpy(u[name]).double() if name in u else start for u in updates])
+        head_weights = torch.stack([w[position] for w in weights]).double()[:, None]
+        keepers = torch.stack([mask[position] for mask in kept])[:, None]
+        merged = importance_weighted_average(stacked[:, None], head_weights, keepers, start[None])[0]
+        averaged[name] = merged.to(current[name].dtype).numpy()
+    return averaged

@@ -27,11 +27,21 @@ def lora_hook(model: EFTViT, options: AdapterOptions) -> None:
     peft.add_lora(model, options.lora_rank)
 
 
+def head_lora_hook(model: EFTViT, options: AdapterOptions) -> None:
+    """headprune-lora's model hook."""
+    from eftguard import peft
+
+    peft.add_head_lora(model, options.lora_rank)
+
+
 def prompt_hook(model: EFTViT, options: AdapterOptions) -> None:
     """fed-prompt's model hook."""
     from eftguard import peft
 
     peft.add_prompts(model, options.prompt_tokens)
+
+
+HEAD_LORA_SUFFIXES = (".qkv_a.weight", ".qkv_b.weight", ".proj_a.weight", ".proj_b.weight")  # eftguard.peft.HeadLoRA
 
 
 @dataclass(frozen=True)
@@ -47,6 +57,8 @@ class MethodSpec:
     server_trains: bool  # the server trains theta (the global module) on the uploaded features
     trains_suffixes: tuple[str, ...] = ()  # trained and uploaded too: parameter names ending so (BitFit's ".bias")
     adapt: Callable[[EFTViT, AdapterOptions], None] | None = None  # adds the method's parameters to a built model
+    prunes_heads: bool = False  # clients keep their most important heads, upload only those (+ importances); the
+    # server averages each head's factors over the clients that kept it, weighted by importance (eftguard.headprune)
 
     def __post_init__(self):
         if self.server_trains and not self.uploads_features:
@@ -102,6 +114,11 @@ METHODS: dict[str, MethodSpec] = {spec.name: spec for spec in (
                            "FedAvg of the factors",
                trains=("head.",), trains_suffixes=(".lora_a", ".lora_b"), masked=False, uploads_features=False,
                dp_sgd=False, server_trains=False, adapt=lora_hook),
+    MethodSpec("headprune-lora", "federated LoRA per attention head with head pruning: each client trains and "
+                                 "uploads the LoRA of its most important heads (--head-sparsity), averaged per head "
+                                 "weighted by importance",
+               trains=("head.",), trains_suffixes=HEAD_LORA_SUFFIXES, masked=False, uploads_features=False,
+               dp_sgd=False, server_trains=False, adapt=head_lora_hook, prunes_heads=True),
 )}
 
 

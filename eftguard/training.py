@@ -178,3 +178,14 @@ def evaluate(model: EFTViT, images: torch.Tensor, labels: torch.Tensor, batch_si
     for i in range(0, len(labels), batch_size):
         correct += int((model(model.normalize(images[i:i + batch_size])).argmax(1) == labels[i:i + batch_size]).sum())
     return correct / max(len(labels), 1)
+
+
+@torch.no_grad()
+def mean_loss(model: EFTViT, images: torch.Tensor, labels: torch.Tensor, batch_size: int = 256) -> float:
+    """The assembled model's mean cross-entropy on full, unmasked images (uint8, as evaluate)."""
+    model.eval()
+    total = 0.0
+    for i in range(0, len(labels), batch_size):
+        logits = model(model.normalize(images[i:i + batch_size]))
+        total += float(nn.functional.cross_entropy(logits, labels[i:i + batch_size], reduction="sum"))
+    return total / max(len(labels), 1)

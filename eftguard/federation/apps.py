@@ -72,8 +72,12 @@ def train(msg: Message, context: Context, node_defaults: dict | None = None) -> 
                                  "loss": upload.loss, "epoch-seconds": upload.epoch_seconds,
                                  "feature-seconds": upload.feature_seconds, **(upload.dp_report or {})}),
     }
+    if upload.global_loss is not None:
+        content["metrics"]["global-loss"] = upload.global_loss
     if upload.features is not None:
         content["features"] = to_record(upload.features)
+    if upload.heads is not None:
+        content["heads"] = to_record(upload.heads)
     if settings.record_truth and share_truth:  # the run's request, granted only by the node
         content["truth"] = to_record(upload.truth)
     return Message(RecordDict(content), reply_to=msg)

@@ -16,13 +16,14 @@ from defenses.dp import DPSGD, ClientBudget, PrivacyBudgetError, client_budget
 from defenses.feature_dp import release_rows, row_clip
 from defenses.feature_noise import release_features
 from defenses.ledger import PrivacyLedger, Spend, Terms
+from eftguard import headprune
 from eftguard.config import ACCOUNTANTS
 from eftguard.data import Dataset, dirichlet_partition, load_dataset
 from eftguard.federation.records import ClientSettings
 from eftguard.methods import method_spec
 from eftguard.model import PRESETS, build_model
 from eftguard.sampling import balanced_indices
-from eftguard.training import OptimConfig, extract_features, train_local
+from eftguard.training import OptimConfig, extract_features, mean_loss, train_local
 
 log = logging.getLogger("eftguard.client")
 
@@ -37,6 +38,8 @@ class ClientUpload:
     epoch_seconds: list[float]
     feature_seconds: float
     dp_report: dict[str, float | int] | None = None  # what DP-SGD applied and the ledger's spend; None without DP
+    heads: dict[str, np.ndarray] | None = None  # headprune-lora: {"importance": [layers, heads], "kept": [layers, k]}
+    global_loss: float | None = None  # --client-selection loss-gap: the received model's loss on the client's data
 
 
 def seeded(*key: int) -> int:
@@ -170,8 +173,13 @@ def client_round(settings: ClientSettings, state: dict[str, np.ndarray], partiti
             respent = ledger.times_spent(s.run_id, s.round)  # a re-sent round gets fresh noise
             dp = DPSGD(request[1][0].noise_multiplier, s.max_grad_norm, request[1][0].sample_rate,
                        seeded(s.seed, s.round, partition_id, 6, respent, *private))
-        result = train_local(model, images, labels, s.method, s.mask_ratio, optim, generator, report, dp)
+        global_loss = mean_loss(model, images, labels) if s.client_selection == "loss-gap" else None
+        kept, heads = choose_heads(s, model, images, partition_id) if method.prunes_heads else (None, None)
+        with headprune.pruned(model, kept) if method.prunes_heads else contextlib.nullcontext():
+            result = train_local(model, images, labels, s.method, s.mask_ratio, optim, generator, report, dp)
         update = {k: v.numpy().copy() for k, v in method.uploaded_state(model).items()}
+        if method.prunes_heads:
+            update = headprune.kept_upload(update, kept, headprune.head_index(model))
         truth = {"sample_ids": data.ids.astype(np.int64), "class_counts": class_counts}
         start = time.perf_counter()
         uploaded = None
@@ -193,7 +201,24 @@ def client_round(settings: ClientSettings, state: dict[str, np.ndarray], partiti
             log.info("round %d, client %d: epsilon spent in this run %.3f", s.round, partition_id,
                      dp_applied["dp-epsilon-spent"])
     loss = 0.0 if terms else result.loss  # a DP client reports nothing the mechanisms do not cover
-    return ClientUpload(update, uploaded, truth, len(data), loss, result.epoch_seconds, feature_seconds, dp_applied)
+    return ClientUpload(update, uploaded, truth, len(data), loss, result.epoch_seconds, feature_seconds, dp_applied,
+                        heads, global_loss)
+
+
+def choose_heads(s: ClientSettings, model, images: torch.Tensor, partition_id: int
+                 ) -> tuple[torch.Tensor, dict[str, np.ndarray]]:
+    """headprune-lora: the heads this client keeps (bool [layers, heads]) and what it uploads about them: the
+    importance of every head on the received global model, before local training (it decides what to train;
+    negative alpha, no positive q.k anywhere, counts as 0), and the kept head ids. --head-pruning random keeps
+    seeded random heads, and still reports the importance for the server's weighting."""
+    importance = headprune.model_head_importance(model, model.normalize(images)).clamp(min=0.0)
+    scores = importance
+    if s.head_pruning == "random":
+        generator = torch.Generator().manual_seed(seeded(s.seed, s.round, partition_id, 8))
+        scores = torch.rand(importance.shape, generator=generator)
+    kept = headprune.kept_heads(scores, s.head_sparsity)
+    kept_ids = torch.stack([row.nonzero().flatten() for row in kept])
+    return kept, {"importance": importance.numpy(), "kept": kept_ids.numpy().astype(np.int64)}
 
 
 def dp_released_features(s: ClientSettings, model, images: torch.Tensor, labels: torch.Tensor, num_classes: int,

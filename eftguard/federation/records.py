@@ -68,6 +68,9 @@ class ClientSettings:
     mask_ratio: float
     prompt_tokens: int
     lora_rank: int
+    head_sparsity: float
+    head_pruning: str
+    client_selection: str
     clients: int
     beta: float
     balance: str

@@ -19,6 +19,7 @@ from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, T
 from rich.table import Table
 
 from defenses.dp import ClientBudget, channel_epsilons
+from eftguard import headprune
 from eftguard.config import TrainConfig
 from eftguard.data import Dataset
 from eftguard.federation.aggregate import fedavg
@@ -26,8 +27,8 @@ from eftguard.federation.client import (client_partition, dp_budget, participati
                                          select_clients)
 from eftguard.federation.errors import FederationError, Interrupted
 from eftguard.federation.records import ClientSettings, UploadError, to_record
-from eftguard.federation.validation import (UploadSpec, validate_features, validate_metrics, validate_truth,
-                                            validate_update)
+from eftguard.federation.validation import (UploadSpec, validate_features, validate_heads, validate_metrics,
+                                            validate_truth, validate_update)
 from eftguard.masking import kept_token_count
 from eftguard.methods import method_spec
 from eftguard.model import EFTViT, build_model
@@ -58,19 +59,27 @@ class AcceptedUpload:
     loss: float
     epoch_seconds: list[float]
     upload_bytes: int
+    heads: dict[str, np.ndarray] | None = None  # headprune-lora: the client's head importance and kept head ids
+    global_loss: float | None = None  # --client-selection loss-gap: the received model's loss on the client's data
 
 
 def upload_spec(model: EFTViT, cfg: TrainConfig, dataset: Dataset) -> UploadSpec:
     """What this run's clients can validly upload: bounds on every part of a reply, from the model and data."""
     method = method_spec(cfg.method)
     num_patches = model.local_module.num_patches
+    heads = None
+    if method.prunes_heads:
+        layers = headprune.attentions(model)
+        heads = (len(layers), layers[0].num_heads, headprune.kept_count(layers[0].num_heads, cfg.head_sparsity))
     return UploadSpec(
         update_shapes={k: tuple(v.shape) for k, v in method.uploaded_state(model).items()},
         tokens=1 + kept_token_count(num_patches, method.mask_ratio(cfg.mask_ratio)) if method.uploads_features
         else None,
         width=model.local_module.token_embedding.pos_embed.shape[-1],
         num_classes=dataset.num_classes, num_patches=num_patches, train_ids=np.sort(dataset.train.ids),
-        balance=cfg.balance, local_epochs=cfg.local_epochs, round_seconds=cfg.round_timeout)
+        balance=cfg.balance, local_epochs=cfg.local_epochs, round_seconds=cfg.round_timeout,
+        head_index=headprune.head_index(model) if method.prunes_heads else None, heads=heads,
+        reports_global_loss=cfg.client_selection == "loss-gap")
 
 
 def discover_nodes(grid: Grid, clients: int, timeout: float) -> dict[int, int]:
@@ -115,8 +124,9 @@ def parse_reply(reply: Message, partition: int, spec: UploadSpec, method: str,
     if reply.has_error():
         raise UploadError(f"client failed: {str(reply.error.reason):.200}")
     content = reply.content
-    uploads_features = method_spec(method).uploads_features
-    required = {"update", "metrics"} | ({"features"} if uploads_features else set())
+    uploads_features, prunes_heads = method_spec(method).uploads_features, method_spec(method).prunes_heads
+    required = {"update", "metrics"} | ({"features"} if uploads_features else set()) | (
+        {"heads"} if prunes_heads else set())
     allowed = required | ({"truth"} if record_truth else set())
     missing, extra = sorted(required - set(content.keys())), sorted(set(content.keys()) - allowed)
     if missing or extra:
@@ -124,14 +134,16 @@ def parse_reply(reply: Message, partition: int, spec: UploadSpec, method: str,
     metrics = validate_metrics(content["metrics"], partition, spec)
     # Features first: the one part whose size the client chooses, refused before anything is decoded if too large.
     features = validate_features(content["features"], spec, metrics.num_examples) if uploads_features else None
-    update = validate_update(content["update"], spec)
+    heads = validate_heads(content["heads"], spec) if prunes_heads else None
+    kept = headprune.kept_mask(heads["kept"], spec.heads[1]) if heads else None
+    update = validate_update(content["update"], spec, kept)
     truth = None
     if "truth" in content:
         truth = validate_truth(content["truth"], spec, metrics.num_examples,
                                len(features["labels"]) if features else None)
-    upload_bytes = sum(a.nbytes for a in update.values()) + (sum(a.nbytes for a in features.values()) if features else 0)
+    upload_bytes = sum(a.nbytes for part in (update, features or {}, heads or {}) for a in part.values())
     return AcceptedUpload(partition, update, features, metrics.num_examples, metrics.loss, metrics.epoch_seconds,
-                          upload_bytes), truth
+                          upload_bytes, heads, metrics.global_loss), truth
 
 
 def check_dp_report(metrics: ConfigRecord, budget: ClientBudget, dp_eps: float) -> dict[str, float]:
@@ -306,13 +318,40 @@ def load_average(model: EFTViT, averaged: dict[str, np.ndarray]) -> None:
     model.load_state_dict({**state, **{k: torch.from_numpy(v) for k, v in averaged.items()}}, strict=True)
 
 
+def round_clients(cfg: TrainConfig, round_number: int, history: list[dict]) -> list[int]:
+    """The round's clients: seeded random, or (--client-selection loss-gap, after round 1) the clients whose last
+    reported local loss most exceeds the loss they reported for the global model they received; clients never
+    heard from yet come first (their gap counts as infinite), so every client is seen before it is ranked."""
+    if cfg.client_selection != "loss-gap" or round_number == 1:
+        return select_clients(cfg, round_number)
+    local, received = dict.fromkeys(range(cfg.clients), math.inf), dict.fromkeys(range(cfg.clients), 0.0)
+    for record in history:
+        for partition, loss in record.get("global_losses", {}).items():
+            local[int(partition)], received[int(partition)] = record["local_losses"][partition], loss
+    return headprune.loss_gap_selection(local, received, cfg.clients_per_round)
+
+
+def average(cfg: TrainConfig, spec: UploadSpec, model: EFTViT, accepted: list[AcceptedUpload]
+            ) -> dict[str, np.ndarray]:
+    """FedAvg of the accepted updates by sample count; headprune-lora: per head over the clients that kept it,
+    weighted by their importance (--head-weighting samples: by their sample counts)."""
+    counts = [u.num_examples for u in accepted]
+    if not method_spec(cfg.method).prunes_heads:
+        return fedavg([u.update for u in accepted], counts)
+    kept = [headprune.kept_mask(u.heads["kept"], spec.heads[1]) for u in accepted]
+    weights = [torch.from_numpy(u.heads["importance"]) if cfg.head_weighting == "importance"
+               else torch.full(mask.shape, float(u.num_examples)) for u, mask in zip(accepted, kept)]
+    return headprune.pruned_average([u.update for u in accepted], counts, weights, kept, model.state_dict(),
+                                    spec.head_index)
+
+
 def run_round(grid: Grid, run: RunDirectory, cfg: TrainConfig, model: EFTViT, spec: UploadSpec,
               nodes: dict[int, int], round_number: int, test_images: torch.Tensor, test_labels: torch.Tensor,
               progress: Progress, budgets: dict[int, ClientBudget],
               public: tuple[torch.Tensor, torch.Tensor] | None = None) -> dict:
     """One round. public: the server's own labelled images, given under DP, where theta's update on the noisy
     feature rows is kept only if their accuracy did not fall (None: always kept)."""
-    selected = select_clients(cfg, round_number)
+    selected = round_clients(cfg, round_number, run.metrics())
     model_record = to_record(model.state_dict())
     messages = {}
     for p in selected:
@@ -343,13 +382,15 @@ def run_round(grid: Grid, run: RunDirectory, cfg: TrainConfig, model: EFTViT, sp
         run.save_upload(round_number, partition, "update", upload.update)
         if upload.features is not None:
             run.save_upload(round_number, partition, "features", upload.features)
+        if upload.heads is not None:
+            run.save_upload(round_number, partition, "heads", upload.heads)
         if truth is not None:
             run.save_truth(round_number, partition, truth)
         accepted.append(upload)
 
     server_loss, server_seconds, server_update_kept = None, 0.0, None
     if accepted:
-        load_average(model, fedavg([u.update for u in accepted], [u.num_examples for u in accepted]))
+        load_average(model, average(cfg, spec, model, accepted))
         if method_spec(cfg.method).server_trains and cfg.server_epochs:
             features = torch.from_numpy(np.concatenate([u.features["features"] for u in accepted]))
             labels = torch.from_numpy(np.concatenate([u.features["labels"] for u in accepted]))
@@ -391,6 +432,8 @@ def run_round(grid: Grid, run: RunDirectory, cfg: TrainConfig, model: EFTViT, sp
         "upload_bytes": {str(u.partition): u.upload_bytes for u in accepted},
         "num_examples": {str(u.partition): u.num_examples for u in accepted},
         "feature_sets": {str(u.partition): len(u.features["labels"]) for u in accepted if u.features},
+        "local_losses": {str(u.partition): u.loss for u in accepted if not budgets},
+        "global_losses": {str(u.partition): u.global_loss for u in accepted if u.global_loss is not None},
         **privacy_metrics(budgets, selected, round_number, epsilon),
         "clients": selected,
         "dropped": dropped,

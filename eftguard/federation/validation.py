@@ -25,6 +25,9 @@ from eftguard.federation.records import UploadError, from_record
 MAX_PARAMETER_VALUE = 1e4
 MAX_FEATURE_VALUE = 1e6
 MAX_LOSS = 1e6  # a cross-entropy is 2.3 at init for 10 classes; this keeps the round's weighted mean finite
+# headprune-lora's head importance alpha (the largest q.k / sqrt(d_h)): about 1-10 on vit-micro/vit-tiny-32 at init
+# and after training; a bound keeps one client from owning a head's weighted average by a huge claim.
+MAX_IMPORTANCE = 1e4
 # np.save's header (magic, version, dtype/shape dict) is 128 bytes for the arrays uploaded here; anything past the
 # declared payload plus this much is not a numpy array of the declared layout.
 NPY_HEADER_BYTES = 1024
@@ -52,6 +55,9 @@ class UploadSpec:
     balance: str  # the run's median-sampling mode: bounds how many feature sets a client can produce
     local_epochs: int
     round_seconds: float  # the round timeout: no client can have spent longer on a reply that arrived
+    head_index: dict[str, tuple[int, int]] | None = None  # headprune-lora: per-head parameter -> (layer, head)
+    heads: tuple[int, int, int] | None = None  # headprune-lora: (layers, heads per layer, heads a client keeps)
+    reports_global_loss: bool = False  # --client-selection loss-gap: each reply carries metrics 'global-loss'
 
 
 @dataclass(frozen=True)
@@ -59,6 +65,7 @@ class ReplyMetrics:
     num_examples: int
     loss: float
     epoch_seconds: list[float]
+    global_loss: float | None = None
 
 
 def max_feature_sets(balance: str, num_classes: int, num_examples: int) -> int:
@@ -102,7 +109,8 @@ def _check_names(what: str, record, names, kind=ArrayRecord, optional=frozenset(
 
 
 def validate_metrics(record, partition: int, spec: UploadSpec) -> ReplyMetrics:
-    _check_names("metrics", record, METRIC_KEYS, ConfigRecord, DP_REPORT_NUMBERS | DP_REPORT_INTEGERS)
+    required = METRIC_KEYS | ({"global-loss"} if spec.reports_global_loss else set())
+    _check_names("metrics", record, required, ConfigRecord, DP_REPORT_NUMBERS | DP_REPORT_INTEGERS)
     for key in DP_REPORT_NUMBERS & set(record.keys()):
         _finite(f"metrics '{key}'", record[key])
     for key in DP_REPORT_INTEGERS & set(record.keys()):
@@ -114,9 +122,8 @@ def validate_metrics(record, partition: int, spec: UploadSpec) -> ReplyMetrics:
     if not 1 <= num_examples <= len(spec.train_ids):
         raise UploadError(f"metrics 'num-examples' {num_examples} outside 1..{len(spec.train_ids)} "
                           "(the run's training set)")
-    loss = _finite("metrics 'loss'", record["loss"])
-    if not 0 <= loss <= MAX_LOSS:
-        raise UploadError(f"metrics 'loss' {loss:g} outside [0, {MAX_LOSS:g}] (a cross-entropy, MAX_LOSS)")
+    loss, global_loss = (_loss(f"metrics '{key}'", record[key]) if key in required else None
+                         for key in ("loss", "global-loss"))
     epochs = record["epoch-seconds"]
     if not isinstance(epochs, list) or len(epochs) != spec.local_epochs:
         raise UploadError(f"metrics 'epoch-seconds' must list {spec.local_epochs} number(s), one per local epoch, "
@@ -125,7 +132,14 @@ def validate_metrics(record, partition: int, spec: UploadSpec) -> ReplyMetrics:
     spent = sum(epoch_seconds) + _seconds("metrics 'feature-seconds'", record["feature-seconds"], spec)
     if spent > spec.round_seconds:
         raise UploadError(f"metrics claim {spent:g} s of work, more than the round timeout {spec.round_seconds:g} s")
-    return ReplyMetrics(num_examples, loss, epoch_seconds)
+    return ReplyMetrics(num_examples, loss, epoch_seconds, global_loss)
+
+
+def _loss(what: str, value) -> float:
+    loss = _finite(what, value)
+    if not 0 <= loss <= MAX_LOSS:
+        raise UploadError(f"{what} {loss:g} outside [0, {MAX_LOSS:g}] (a cross-entropy, MAX_LOSS)")
+    return loss
 
 
 def _check_layout(what: str, record, layout: Layout) -> None:
@@ -161,14 +175,30 @@ def _check_bounded(what: str, array: np.ndarray, limit: float, name: str) -> Non
         raise UploadError(f"{what} has values beyond +-{limit:g} ({name})")
 
 
-def validate_update(record, spec: UploadSpec) -> dict[str, np.ndarray]:
+def validate_update(record, spec: UploadSpec, kept=None) -> dict[str, np.ndarray]:
     """The parameters the method trains (eftvit: φ_k and h_k; fedavg: the whole model), decoded once their layout
-    matches the model's."""
-    _check_layout("update", record, {k: ("float32", shape) for k, shape in spec.update_shapes.items()})
+    matches the model's. kept (headprune-lora, bool [layers, heads]): only the kept heads' LoRA factors belong."""
+    index = spec.head_index or {}
+    _check_layout("update", record, {k: ("float32", shape) for k, shape in spec.update_shapes.items()
+                                     if k not in index or bool(kept[index[k]])})
     update = from_record(record, "update")
     for name, array in update.items():
         _check_bounded(f"update '{name}'", array, MAX_PARAMETER_VALUE, "MAX_PARAMETER_VALUE")
     return update
+
+
+def validate_heads(record, spec: UploadSpec) -> dict[str, np.ndarray]:
+    """headprune-lora's head record: every head's importance (finite, in [0, MAX_IMPORTANCE]) and the ids of the
+    heads the client kept, as many per layer as the run's --head-sparsity keeps, distinct and in range."""
+    layers, heads, keeps = spec.heads
+    _check_layout("heads", record, {"importance": ("float32", (layers, heads)), "kept": ("int64", (layers, keeps))})
+    decoded = from_record(record, "heads")
+    importance, kept = decoded["importance"], np.sort(decoded["kept"], axis=1)
+    if not np.isfinite(importance).all() or importance.min() < 0 or importance.max() > MAX_IMPORTANCE:
+        raise UploadError(f"heads 'importance' must be finite and in [0, {MAX_IMPORTANCE:g}] (MAX_IMPORTANCE)")
+    if kept[:, 0].min() < 0 or kept[:, -1].max() >= heads or (np.diff(kept, axis=1) <= 0).any():
+        raise UploadError(f"heads 'kept' must be {keeps} distinct head ids in [0, {heads}) per layer")
+    return decoded
 
 
 def validate_features(record, spec: UploadSpec, num_examples: int) -> dict[str, np.ndarray]:
