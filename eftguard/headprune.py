@@ -104,20 +104,23 @@ def head_index(model: EFTViT) -> HeadIndex:
 def pruned(model: EFTViT, kept: torch.Tensor) -> Iterator[None]:
     """While the block runs, each attention computes only its kept heads (kept: bool [layers, heads]) and the
     pruned heads' LoRA factors are frozen: neither computed nor trained."""
-    layers = attentions(model)
-    frozen = [p for attention, row in zip(layers, kept) for head, lora in enumerate(attention.head_lora)
+    frozen = [p for attention, row in zip(attentions(model), kept) for head, lora in enumerate(attention.head_lora)
               if not row[head] for p in lora.parameters() if p.requires_grad]
-    for attention, row in zip(layers, kept):
-        attention.kept = row.nonzero().flatten().tolist()
+    keep_only(model, kept)
     for parameter in frozen:
         parameter.requires_grad_(False)
     try:
         yield
     finally:
-        for attention in layers:
-            attention.kept = None
+        keep_only(model, None)
         for parameter in frozen:
             parameter.requires_grad_(True)
+
+
+def keep_only(model: EFTViT, kept: torch.Tensor | None) -> None:
+    """From now on each attention computes only its kept heads (bool [layers, heads]; None: all heads again)."""
+    for layer, attention in enumerate(attentions(model)):
+        attention.kept = None if kept is None else kept[layer].nonzero().flatten().tolist()
 
 
 def kept_upload(update: dict[str, np.ndarray], kept: torch.Tensor, index: HeadIndex) -> dict[str, np.ndarray]:

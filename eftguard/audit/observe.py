@@ -19,6 +19,7 @@ from attacks.gradient import GradientObservation, prepare_numerics
 from attacks.inversion import ClientFeatures, RoundFeatures
 from attacks.labels import ClientUploads, LabelObservation
 from defenses.feature_dp import row_clip, sensitivity
+from eftguard import headprune
 from eftguard.audit import scoring
 from eftguard.masking import random_keep_ids
 from eftguard.methods import method_spec
@@ -197,9 +198,12 @@ def upload_observation(run: RunDirectory, round_number: int, partition: int, bat
     if batch > num_examples:
         raise RunError(f"--batch {batch} is larger than client {partition}'s {num_examples} training images")
     steps = cfg.local_epochs * math.ceil(num_examples / cfg.batch_size)
+    if method_spec(cfg.method).prunes_heads:  # the client's forward computed only the heads it kept
+        kept = run.load_upload(round_number, partition, "heads")["kept"]
+        headprune.keep_only(model, headprune.kept_mask(kept, headprune.attentions(model)[0].num_heads))
     named = dict(model.named_parameters())
     gradients = {}
-    for name in trained_names(model, cfg.method):
+    for name in [name for name in trained_names(model, cfg.method) if name in uploaded]:  # pruned heads: not sent
         before = named[name].detach()
         after = torch.from_numpy(uploaded[name]).to(before.dtype)
         gradients[name] = (before - after) / (cfg.lr * steps) - cfg.weight_decay * before
