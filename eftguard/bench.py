@@ -28,6 +28,7 @@ from attacks.base import ThreatModel
 from attacks.gradient import GradientObservation, InvertingGradients, prepare_numerics
 from attacks.inversion import ClientFeatures, DecoderInversion, RoundFeatures
 from defenses.dp import DPSGD
+from eftguard import headprune
 from eftguard.audit.observe import model_image_size, probe_gradient, trained_names
 from eftguard.config import ConfigError, TrainConfig
 from eftguard.data import dirichlet_partition
@@ -168,7 +169,12 @@ def upload_bytes(model: EFTViT, spec: MethodSpec, mask_ratio: float, client_labe
     """Bytes a client uploads per round (tensor payload, as the server's metrics count it): the trained parameters,
     and for a feature-uploading method the median-sampled feature sets (cls + kept tokens, float32) and their
     int64 labels, averaged over the default run's clients."""
-    update = sum(v.numel() * v.element_size() for v in spec.uploaded_state(model).values())
+    state, heads = spec.uploaded_state(model), 0
+    if spec.prunes_heads:  # the kept heads' factors, and the head record (float32 importance, int64 kept ids)
+        kept = headprune.kept_now(model)
+        state = headprune.kept_upload(state, kept, headprune.head_index(model))
+        heads = kept.numel() * 4 + int(kept.sum()) * 8
+    update = sum(v.numel() * v.element_size() for v in state.values()) + heads
     features = 0
     if spec.uploads_features:
         tokens = 1 + kept_token_count(model.local_module.num_patches, mask_ratio)
@@ -244,6 +250,10 @@ class Bench:
         self.models = {m: build_model(cfg.model, inputs.num_classes, default.local_layers, seed=cfg.seed,
                                       adapt=METHODS[m].model_adapter(default))
                        for m in dict.fromkeys([REFERENCE, *cfg.methods])}
+        for method, model in self.models.items():
+            if METHODS[method].prunes_heads:  # a client's step computes only the heads it keeps (on this batch)
+                importance = headprune.model_head_importance(model, model.normalize(inputs.images))
+                headprune.keep_only(model, headprune.kept_heads(importance, default.head_sparsity))
 
     def optim(self, epochs: int, lr: float) -> OptimConfig:
         return OptimConfig(epochs, self.cfg.batch_size, lr, self.default.weight_decay)

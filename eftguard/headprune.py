@@ -123,6 +123,13 @@ def keep_only(model: EFTViT, kept: torch.Tensor | None) -> None:
         attention.kept = None if kept is None else kept[layer].nonzero().flatten().tolist()
 
 
+def kept_now(model: EFTViT) -> torch.Tensor:
+    """The heads each attention computes now (keep_only): bool [layers, heads]."""
+    rows = [torch.tensor([attention.kept is None or head in attention.kept for head in range(attention.num_heads)])
+            for attention in attentions(model)]
+    return torch.stack(rows)
+
+
 def kept_upload(update: dict[str, np.ndarray], kept: torch.Tensor, index: HeadIndex) -> dict[str, np.ndarray]:
     """The update without the pruned heads' LoRA factors (which the client never trained)."""
     return {name: value for name, value in update.items() if name not in index or bool(kept[index[name]])}
