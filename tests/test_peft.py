@@ -191,7 +191,7 @@ def test_cli_trains_fed_lora_at_rank_4_and_the_gradient_attack_reads_its_upload(
         "dlg or idlg or ig")
 
 
-# --- headprune-lora's pure parts (not wired into client and server yet) ------------------------------------------
+# --- headprune-lora's pure parts (wired into client and server: tests/test_headprune.py) -------------------------
 
 def test_head_importance_is_the_sample_mean_of_the_largest_scaled_query_key_product():
     """Two samples, two heads, two tokens, d_h = 4 (scale 1/2). Head 0: the largest q.k is 2 in sample 0 and 3 in
