@@ -74,9 +74,9 @@ TRAIN_HELP = {
     "encrypt_at_rest": "KEYFILE: store uploads in observed/ encrypted (AES-256-GCM); a missing file gets a new "
                        "random key (mode 0600). Attacks and reports then need the key",
     "dp_eps": "end-to-end differential privacy: total epsilon per client over all the rounds it takes part in, "
-              "for everything it uploads (0: off): DP-SGD (Opacus) on its local module and head, and its patch "
-              "features and labels as a Gaussian release of every image per round, clipped to --feature-clip "
-              "(docs/dp.md)",
+              "for everything it uploads (0: off): DP-SGD (Opacus) on the parameters its method trains, and (eftvit) "
+              "its patch features and labels as a Gaussian release of every image per round, clipped to "
+              "--feature-clip (docs/dp.md)",
     "dp_delta": "delta per client (0: 1 / (10 n_k), n_k the client's sample count)",
     "dp_feature_share": "fraction of --dp-eps for the feature channel (features, labels, row counts); the rest "
                         "goes to DP-SGD on the parameters",

@@ -106,7 +106,9 @@ class TrainConfig:
             raise ConfigError(f"--dp-delta must be in [0, 1) (0: 1 / (10 n) per client), got {self.dp_delta}")
         if self.dp_eps > 0 and not method.dp_sgd:
             private = ", ".join(m.name for m in methods_with("dp_sgd"))
-            raise ConfigError(f"--dp-eps: --method {method.name} has no DP-SGD (methods with DP-SGD: {private})")
+            reason = f": {method.no_dp_reason}" if method.no_dp_reason else ""
+            raise ConfigError(f"--dp-eps: --method {method.name} has no DP-SGD{reason} (methods with DP-SGD: "
+                              f"{private})")
         if self.dp_eps > 0 and method.uploads_features:
             if not 0 < self.dp_feature_share < 1:
                 raise ConfigError(f"--dp-feature-share must be in (0, 1) (the feature channel's fraction of "

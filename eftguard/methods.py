@@ -57,6 +57,7 @@ class MethodSpec:
     server_trains: bool  # the server trains theta (the global module) on the uploaded features
     trains_suffixes: tuple[str, ...] = ()  # trained and uploaded too: parameter names ending so (BitFit's ".bias")
     adapt: Callable[[EFTViT, AdapterOptions], None] | None = None  # adds the method's parameters to a built model
+    no_dp_reason: str = ""  # dp_sgd False: why, for the refusal of --dp-eps
     prunes_heads: bool = False  # clients keep their most important heads, upload only those (+ importances); the
     # server averages each head's factors over the clients that kept it, weighted by importance (eftguard.headprune)
 
@@ -103,22 +104,24 @@ METHODS: dict[str, MethodSpec] = {spec.name: spec for spec in (
     MethodSpec("fedavg", "Fed-Full reference: plain FedAvg of the whole ViT on unmasked images",
                trains=(), masked=False, uploads_features=False, dp_sgd=False, server_trains=False),
     MethodSpec("fed-head", "linear probing: only the classifier head trained and uploaded, on unmasked images",
-               trains=("head.",), masked=False, uploads_features=False, dp_sgd=False, server_trains=False),
+               trains=("head.",), masked=False, uploads_features=False, dp_sgd=True, server_trains=False),
     MethodSpec("fed-bias", "BitFit: only the bias terms and the head trained and uploaded",
-               trains=("head.",), trains_suffixes=(".bias",), masked=False, uploads_features=False, dp_sgd=False,
+               trains=("head.",), trains_suffixes=(".bias",), masked=False, uploads_features=False, dp_sgd=True,
                server_trains=False),
     MethodSpec("fed-prompt", "visual prompt tuning: learned prompt tokens after the cls token, and the head",
-               trains=("head.", "local_module.prompt_tokens."), masked=False, uploads_features=False, dp_sgd=False,
+               trains=("head.", "local_module.prompt_tokens."), masked=False, uploads_features=False, dp_sgd=True,
                server_trains=False, adapt=prompt_hook),
     MethodSpec("fed-lora", "LoRA factors on every block's attention projections (qkv, proj) and the head; "
                            "FedAvg of the factors",
                trains=("head.",), trains_suffixes=(".lora_a", ".lora_b"), masked=False, uploads_features=False,
-               dp_sgd=False, server_trains=False, adapt=lora_hook),
+               dp_sgd=True, server_trains=False, adapt=lora_hook),
     MethodSpec("headprune-lora", "federated LoRA per attention head with head pruning: each client trains and "
                                  "uploads the LoRA of its most important heads (--head-sparsity), averaged per head "
                                  "weighted by importance",
                trains=("head.",), trains_suffixes=HEAD_LORA_SUFFIXES, masked=False, uploads_features=False,
-               dp_sgd=False, server_trains=False, adapt=head_lora_hook, prunes_heads=True),
+               dp_sgd=False, server_trains=False, adapt=head_lora_hook, prunes_heads=True,
+               no_dp_reason="its clients upload head importances and kept heads computed from their data outside "
+                            "DP-SGD"),
 )}
 
 

@@ -91,7 +91,8 @@ def test_an_unmasked_method_trains_on_full_images_and_freezes_what_it_does_not_t
 
 @pytest.mark.parametrize("third_method", [HEAD_ONLY], indirect=True, ids=["head-only"])
 @pytest.mark.parametrize("option, message", [
-    ({"dp_eps": 1.0}, "--dp-eps: --method head-only has no DP-SGD (methods with DP-SGD: eftvit)"),
+    ({"dp_eps": 1.0}, "--dp-eps: --method head-only has no DP-SGD (methods with DP-SGD: eftvit, fed-head, "
+                      "fed-bias, fed-prompt, fed-lora)"),
     ({"feature_clip": 1.0}, "--method head-only uploads none"),
 ])
 def test_options_a_method_does_not_support_are_refused_naming_it(third_method, option, message):
@@ -105,7 +106,8 @@ def test_the_cli_refuses_dp_for_a_method_without_it_in_one_line(capsys, tmp_path
     err = capsys.readouterr().err
     assert exit_info.value.code == 2 and not (tmp_path / "run").exists()
     assert err.strip().splitlines()[-1] == ("eftguard: error: --dp-eps: --method fedavg has no DP-SGD "
-                                            "(methods with DP-SGD: eftvit)")
+                                            "(methods with DP-SGD: eftvit, fed-head, fed-bias, fed-prompt, "
+                                            "fed-lora)")
 
 
 def test_an_unknown_method_is_refused_listing_the_table():

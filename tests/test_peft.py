@@ -3,6 +3,7 @@ server from one pretrained checkpoint, changes and uploads only its own paramete
 checkpoint's model; the LoRA and prompt modules compute what they claim; the CLI and the gradient attack take
 their runs."""
 
+import contextlib
 import copy
 import json
 import types
@@ -12,11 +13,14 @@ import pytest
 import torch
 from safetensors.torch import save_file
 
+from defenses.dp import DPSGD, make_private
+from defenses.ledger import PrivacyLedger
 from eftguard.cli import main
+from eftguard.federation.apps import default_ledger_dir
 from eftguard.federation.aggregate import fedavg
 from eftguard.federation.server import run_server
 from eftguard.headprune import (head_importance, importance_weighted_average, kept_heads, loss_gap_selection,
-                                model_head_importance)
+                                model_head_importance, pruned)
 from eftguard.methods import METHODS, method_spec
 from eftguard.model import build_model
 from eftguard.peft import LoRALinear, lora_averaging_gap
@@ -246,3 +250,70 @@ def test_loss_gap_selection_picks_the_clients_whose_local_loss_most_exceeds_the_
     global_ = {0: 1.0, 1: 1.5, 2: 2.9, 3: 0.1}  # gaps 1.0, -0.5, 0.1, 0.4
     assert loss_gap_selection(local, global_, 2) == [0, 3]
     assert loss_gap_selection(local, global_, 3) == [0, 2, 3]
+
+
+# --- DP-SGD for the PEFT methods ------------------------------------------------------------------------------
+
+def seeded_batch(size: int = 4) -> tuple[torch.Tensor, torch.Tensor]:
+    generator = torch.Generator().manual_seed(0)
+    return (torch.randint(0, 256, (size, 32, 32, 3), generator=generator, dtype=torch.uint8),
+            torch.randint(0, 10, (size,), generator=generator))
+
+
+@pytest.mark.parametrize("method", (*PEFT, "headprune-lora"))
+def test_the_dp_step_of_each_peft_method_is_the_mean_of_its_clipped_per_sample_gradients(method):
+    """Ghost clipping as the client trains (make_private), at zero noise, against a one-sample-at-a-time loop, with
+    a clipping norm between the middle two of four per-sample norms: a wrong norm clips the wrong samples. LoRA's
+    B factors are drawn non-zero so that every factor has a gradient; headprune-lora keeps head 0 of each layer."""
+    spec = method_spec(method)
+    model = build_model(MICRO_PRESET, 10, 2, seed=0, adapt=spec.model_adapter(OPTIONS)).train()
+    with torch.no_grad():
+        for name, parameter in model.named_parameters():
+            if name.endswith(("lora_b", "qkv_b.weight", "proj_b.weight")):
+                parameter.normal_(0, 0.1)
+            parameter.requires_grad_(spec.trains_parameter(name))
+    images, labels = seeded_batch()
+    with pruned(model, torch.tensor([[True, False]] * MICRO_DEPTH)) if spec.prunes_heads else contextlib.nullcontext():
+        x = model.normalize(images)
+        trained = [(name, p) for name, p in model.named_parameters() if p.requires_grad]
+        reference = []
+        for i in range(len(labels)):
+            model.zero_grad(set_to_none=True)
+            torch.nn.functional.cross_entropy(model(x[i:i + 1]), labels[i:i + 1]).backward()
+            reference.append({name: p.grad.clone() for name, p in trained})
+        model.zero_grad(set_to_none=True)
+        norms = torch.stack([torch.sqrt(sum((g * g).sum() for g in r.values())) for r in reference])
+        clip = float(norms.sort().values[1:3].mean())
+        optimizer = torch.optim.SGD([p for _, p in trained], lr=0.0)
+        wrapped, dp_optimizer, criterion, _ = make_private(model, optimizer, DPSGD(0.0, clip, 1.0, 0), len(labels))
+        criterion(wrapped(x), labels).backward()
+        dp_optimizer.step()
+        for name, p in trained:
+            expected = sum(r[name] * min(1.0, clip / float(n)) for r, n in zip(reference, norms)) / len(labels)
+            torch.testing.assert_close(p.grad, expected, rtol=1e-4, atol=1e-6, msg=name)
+        wrapped.to_standard_module()
+
+
+def test_a_fed_lora_dp_round_is_noised_recorded_in_each_clients_ledger_and_reported(tmp_path, pretrained):
+    _, path = pretrained
+    run = RunDirectory.open(train_in_process(tmp_path / "run", method="fed-lora", checkpoint=str(path), dp_eps=3.0,
+                                             accountant="rdp", **{**TINY, "rounds": 1}))
+    record = run.metrics()[0]
+    assert record["dropped"] == {} and record["epsilon_features"] is None
+    for k in (0, 1):
+        terms, spends = PrivacyLedger(default_ledger_dir(), k).read(run.run_id)
+        assert [(s.round, s.channel, s.noise_multiplier) for s in spends] == [
+            (1, "parameters", record["noise_multiplier"][str(k)])]
+        assert (terms.declared_epsilon, terms.feature_share) == (3.0, 0.0) and 0 < record["epsilon"][str(k)] <= 3.0
+        assert record["epsilon"][str(k)] == record["epsilon_parameters"][str(k)]
+    assert record["client_loss"] is None  # a DP client reports no loss
+
+
+def test_the_cli_refuses_dp_for_headprune_lora_saying_why(capsys, tmp_path):
+    with pytest.raises(SystemExit) as exit_info:
+        main(["train", "--out", str(tmp_path / "run"), "--method", "headprune-lora", "--dp-eps", "1"])
+    assert exit_info.value.code == 2 and not (tmp_path / "run").exists()
+    assert capsys.readouterr().err.strip().splitlines()[-1] == (
+        "eftguard: error: --dp-eps: --method headprune-lora has no DP-SGD: its clients upload head importances and "
+        "kept heads computed from their data outside DP-SGD (methods with DP-SGD: eftvit, fed-head, fed-bias, "
+        "fed-prompt, fed-lora)")
