@@ -24,6 +24,7 @@ from eftguard.model import PRESETS, ModelError
 from eftguard.pretrain import OBJECTIVES, PretrainConfig, PretrainError
 from eftguard.rundir import RunDirectory, RunError, check_new_run_path
 from eftguard.sampling import BALANCE_MODES
+from eftguard.schedule import SCHEDULES
 
 USER_ERRORS = (AttackError, ConfigError, DataError, ModelError, RunError, FederationError, CertificateError,
                MetricError, PretrainError)
@@ -57,6 +58,10 @@ TRAIN_HELP = {
     "batch_size": "batch size, clients and server",
     "lr": "client learning rate (AdamW)",
     "server_lr": "server learning rate for the global module (AdamW)",
+    "warmup_rounds": "rounds of linear learning-rate warm-up (client and server: round t of W uses t/W of the rate)",
+    "lr_schedule": "after the warm-up, the client and server learning rates per round: constant, or cosine (decay "
+                   "toward 1%% of the rate, reached one round after the last: the pretrain command's schedule, per "
+                   "round)",
     "weight_decay": "AdamW weight decay",
     "beta": "Dirichlet concentration of the non-IID split (small: few classes per client)",
     "balance": "per-class target T of the feature upload: median, mean, max of the class counts, or none",
@@ -103,7 +108,7 @@ PRETRAIN_HELP = {
 }
 CHOICES = {"method": METHODS, "balance": BALANCE_MODES, "federation": FEDERATIONS, "model": tuple(PRESETS),
            "accountant": ACCOUNTANTS, "head_pruning": HEAD_PRUNING, "head_weighting": HEAD_WEIGHTING,
-           "client_selection": CLIENT_SELECTION}
+           "client_selection": CLIENT_SELECTION, "lr_schedule": SCHEDULES}
 
 
 def _add_train_options(parser: argparse.ArgumentParser) -> None:

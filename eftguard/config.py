@@ -10,6 +10,7 @@ from pathlib import Path
 
 import tomli_w
 
+from eftguard import schedule
 from eftguard.data.registry import check_dataset_name
 from eftguard.methods import METHODS as METHOD_SPECS, method_spec, methods_with
 from eftguard.sampling import BALANCE_MODES
@@ -52,6 +53,8 @@ class TrainConfig:
     batch_size: int = 64
     lr: float = 1e-3
     server_lr: float = 1e-3
+    warmup_rounds: int = 0  # rounds of linear warm-up of --lr and --server-lr
+    lr_schedule: str = "constant"  # after the warm-up: constant, or cosine decay toward 1% (eftguard.schedule)
     weight_decay: float = 0.05
     beta: float = 0.1
     balance: str = "median"
@@ -135,6 +138,11 @@ class TrainConfig:
         for name in ("train_samples", "test_samples", "weight_decay", "seed", "server_epochs"):
             if getattr(self, name) < 0:
                 raise ConfigError(f"--{name.replace('_', '-')} must be >= 0, got {getattr(self, name)}")
+        if self.lr_schedule not in schedule.SCHEDULES:
+            raise ConfigError(f"--lr-schedule: unknown schedule '{self.lr_schedule}', choose "
+                              f"{', '.join(schedule.SCHEDULES)}")
+        if not 0 <= self.warmup_rounds < self.rounds:
+            raise ConfigError(f"--warmup-rounds must be in [0, --rounds) = [0, {self.rounds}), got {self.warmup_rounds}")
         if not 1 <= self.clients_per_round <= self.clients:
             raise ConfigError(f"--clients-per-round must be between 1 and --clients ({self.clients}), "
                               f"got {self.clients_per_round}")
@@ -142,6 +150,10 @@ class TrainConfig:
             raise ConfigError(f"--dataset {self.dataset} needs --data-dir DIR (a local copy, or where to download it)")
         if self.data_dir and not Path(self.data_dir).is_dir():
             raise ConfigError(f"--data-dir {self.data_dir} does not exist: create it or point to your dataset copy")
+
+    def lr_factor(self, round_number: int) -> float:
+        """The factor of --lr and --server-lr in a round (1-based): --warmup-rounds, then --lr-schedule."""
+        return schedule.lr_factor(round_number - 1, self.warmup_rounds, self.rounds, self.lr_schedule)
 
     def _check_head_pruning(self) -> None:
         for name, choices in (("head_pruning", HEAD_PRUNING), ("head_weighting", HEAD_WEIGHTING),

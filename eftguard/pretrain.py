@@ -25,10 +25,10 @@ from eftguard.config import ConfigError
 from eftguard.data import ImageSet
 from eftguard.masking import random_keep_ids
 from eftguard.model import PRESETS, EFTViT, to_timm_state
+from eftguard.schedule import lr_factor
 
 OBJECTIVES = ("supervised", "mae", "both")
 MIN_CROP_AREA = 0.35  # random resized crop: fraction of the image area kept, at least
-MIN_LR_FACTOR = 0.01  # the cosine schedule ends at this fraction of --lr
 EpochProgress = Callable[[int, int, float], None]  # (step in epoch, steps per epoch, running loss)
 
 
@@ -149,14 +149,6 @@ def mae_loss(model: EFTViT, decoder: PatchDecoder, images: torch.Tensor, mask_ra
     return (((predicted - target) ** 2).mean(-1) * hidden).sum() / hidden.sum()
 
 
-def warmup_cosine(step: int, warmup_steps: int, total_steps: int) -> float:
-    """Learning-rate factor: linear warm-up to 1, then cosine decay to MIN_LR_FACTOR."""
-    if step < warmup_steps:
-        return (step + 1) / warmup_steps
-    progress = (step - warmup_steps) / max(1, total_steps - warmup_steps)
-    return MIN_LR_FACTOR + (1 - MIN_LR_FACTOR) * 0.5 * (1 + math.cos(math.pi * min(progress, 1.0)))
-
-
 def pretrain(model: EFTViT, public: ImageSet, cfg: PretrainConfig, progress: EpochProgress | None = None,
              epoch_done: Callable[[int, float], None] | None = None) -> list[float]:
     """Train the whole model in place on the public split; returns the mean training loss of every epoch.
@@ -176,8 +168,8 @@ def pretrain(model: EFTViT, public: ImageSet, cfg: PretrainConfig, progress: Epo
     params = list(model.parameters()) + (list(decoder.parameters()) if decoder else [])
     optimizer = torch.optim.AdamW(params, lr=cfg.lr, weight_decay=cfg.weight_decay)
     steps_per_epoch = math.ceil(len(labels) / cfg.batch_size)
-    schedule = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda step: warmup_cosine(
-        step, cfg.warmup_epochs * steps_per_epoch, cfg.epochs * steps_per_epoch))
+    schedule = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda step: lr_factor(
+        step, cfg.warmup_epochs * steps_per_epoch, cfg.epochs * steps_per_epoch, "cosine"))
     model.train()
     if decoder:
         decoder.train()

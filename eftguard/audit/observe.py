@@ -206,7 +206,7 @@ def upload_observation(run: RunDirectory, round_number: int, partition: int, bat
     for name in [name for name in trained_names(model, cfg.method) if name in uploaded]:  # pruned heads: not sent
         before = named[name].detach()
         after = torch.from_numpy(uploaded[name]).to(before.dtype)
-        gradients[name] = (before - after) / (cfg.lr * steps) - cfg.weight_decay * before
+        gradients[name] = (before - after) / (cfg.lr * cfg.lr_factor(round_number) * steps) - cfg.weight_decay * before
     obs = GradientObservation(model, gradients, batch, model_image_size(model), model.mean, model.std,
                               masked=method_spec(cfg.method).masked, prior=prior)
     return obs, {"observation": (f"uploaded update after {steps} AdamW step(s) on {num_examples} images, treated "

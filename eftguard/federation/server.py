@@ -399,7 +399,8 @@ def run_round(grid: Grid, run: RunDirectory, cfg: TrainConfig, model: EFTViT, sp
 
             def train() -> TrainResult:
                 return train_global(model, features, labels,
-                                    OptimConfig(cfg.server_epochs, cfg.batch_size, cfg.server_lr, cfg.weight_decay),
+                                    OptimConfig(cfg.server_epochs, cfg.batch_size,
+                                                cfg.server_lr * cfg.lr_factor(round_number), cfg.weight_decay),
                                     generator, lambda done, total: progress.update(task, completed=done))
 
             if public is None:
