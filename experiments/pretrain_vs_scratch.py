@@ -5,7 +5,7 @@ which fits a loaded 2-core machine; the computations are the seeded ones of `eft
 accuracy per round of every configuration and writes the run directories under --out.
 
     python experiments/pretrain_vs_scratch.py --checkpoint ckpt.safetensors --out /tmp/pvs \
-        [--methods eftvit,fedavg] [--rounds 5] [--train-samples 600] [--beta 0.1] [--lr 1e-3 --server-lr 1e-3]
+        [--methods eftvit,fedavg] [--rounds 5] [--clients 8] [--train-samples 600] [--beta 0.1] [--lr 1e-3 --server-lr 1e-3]
 """
 
 from __future__ import annotations
@@ -31,6 +31,7 @@ def main() -> None:
     parser.add_argument("--methods", default="eftvit,fedavg")
     parser.add_argument("--starts", default="scratch,pretrained", help="which starts to run, in this order")
     parser.add_argument("--rounds", type=int, default=5)
+    parser.add_argument("--clients", type=int, default=TrainConfig.clients)
     parser.add_argument("--train-samples", type=int, default=600)
     parser.add_argument("--test-samples", type=int, default=500)
     parser.add_argument("--beta", type=float, default=0.1)
@@ -41,7 +42,7 @@ def main() -> None:
     results = {}
     for method in args.methods.split(","):
         for start in args.starts.split(","):
-            cfg = TrainConfig(method=method, rounds=args.rounds, train_samples=args.train_samples,
+            cfg = TrainConfig(method=method, rounds=args.rounds, clients=args.clients, train_samples=args.train_samples,
                               test_samples=args.test_samples, beta=args.beta, seed=args.seed, lr=args.lr,
                               server_lr=args.server_lr,
                               checkpoint=str(args.checkpoint.resolve()) if start == "pretrained" else "").resolved()
