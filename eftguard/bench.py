@@ -156,7 +156,10 @@ def step_memory(model: EFTViT, spec: MethodSpec, activations: int) -> dict[str, 
     gradients and AdamW's two moment buffers of the trained parameters, the saved activations. peak: their sum,
     an upper bound (the backward pass frees activations while it fills the gradients)."""
     parameters = sum(p.numel() * p.element_size() for p in model.parameters())
-    trained = sum(p.numel() * p.element_size() for p in spec.trained_parameters(model))
+    trained_state = {name: p for name, p in model.named_parameters() if spec.trains_parameter(name)}
+    if spec.prunes_heads:  # the heads a client does not keep get no gradients and no moments
+        trained_state = headprune.kept_upload(trained_state, headprune.kept_now(model), headprune.head_index(model))
+    trained = sum(p.numel() * p.element_size() for p in trained_state.values())
     memory = {"parameters": parameters, "gradients": trained, "optimizer_state": 2 * trained,
               "activations": activations}
     return memory | {"peak": sum(memory.values())}
