@@ -11,12 +11,13 @@ import torch
 from flwr.app import Message, Metadata, RecordDict
 from torch.utils.flop_counter import FlopCounterMode
 
+from eftguard.bench import step_memory, upload_bytes
 from eftguard.cli import main
 from eftguard.config import TrainConfig
 from eftguard.federation.client import client_partition, client_round, run_dataset
 from eftguard.federation.records import ClientSettings, UploadError
 from eftguard.federation.server import parse_reply, run_server, upload_spec
-from eftguard.headprune import model_head_importance, pruned
+from eftguard.headprune import keep_only, model_head_importance, pruned
 from eftguard.methods import METHODS
 from eftguard.model import build_model
 from eftguard.rundir import RunDirectory
@@ -300,3 +301,17 @@ def test_cli_trains_headprune_lora_one_round_and_the_gradient_attack_reads_its_u
     code, err = cli(capsys, "attack", "gradient", run_path, "--observe", "upload", "--method", "idlg", "--steps", 2,
                     "--lpips-backend", "stlpips-alex", "--out", tmp_path / "reports")
     assert code == 0, err
+
+
+def test_the_bench_counts_only_the_kept_heads_upload_and_memory():
+    """eftguard bench prunes as a client does: the kept heads' factors (and the classifier) are uploaded and hold
+    gradients and AdamW moments; the head record adds float32 importances and int64 ids."""
+    spec = METHODS["headprune-lora"]
+    model = build_model(MICRO_PRESET, 10, LOCAL_LAYERS, adapt=spec.model_adapter(OPTIONS))
+    keep_only(model, torch.tensor([[True, False]] * 4))
+    kept_factors = [name for name, _ in model.named_parameters() if position(name) and position(name)[1] == 0]
+    trained = sum(p.numel() * 4 for name, p in model.named_parameters()
+                  if name.startswith("head.") or name in kept_factors)
+    assert len(kept_factors) == 4 * 4  # four factors of head 0 in each of the four layers
+    assert upload_bytes(model, spec, 0.0, [], 10, "median", 0)["parameters"] == trained + 4 * 2 * 4 + 4 * 1 * 8
+    assert step_memory(model, spec, 0)["gradients"] == trained
