@@ -142,7 +142,8 @@ class TrainConfig:
             raise ConfigError(f"--lr-schedule: unknown schedule '{self.lr_schedule}', choose "
                               f"{', '.join(schedule.SCHEDULES)}")
         if not 0 <= self.warmup_rounds < self.rounds:
-            raise ConfigError(f"--warmup-rounds must be in [0, --rounds) = [0, {self.rounds}), got {self.warmup_rounds}")
+            raise ConfigError(f"--warmup-rounds must be in [0, --rounds) = [0, {self.rounds}), "
+                              f"got {self.warmup_rounds}")
         if not 1 <= self.clients_per_round <= self.clients:
             raise ConfigError(f"--clients-per-round must be between 1 and --clients ({self.clients}), "
                               f"got {self.clients_per_round}")

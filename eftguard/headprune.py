@@ -71,9 +71,9 @@ def kept_heads(scores: torch.Tensor, sparsity: float) -> torch.Tensor:
 def importance_weighted_average(updates: torch.Tensor, importance: torch.Tensor, kept: torch.Tensor,
                                 current: torch.Tensor) -> torch.Tensor:
     """Per head, the clients that kept it averaged with weights alpha_c / (sum of their alpha + 1e-8); a head that
-    no client kept (or whose keepers all report alpha 0) stays at its current (global) value. updates [clients, heads, ...], importance and kept
-    [clients, heads], current [heads, ...] -> [heads, ...]. Uniform importance gives plain per-head FedAvg over
-    the clients that kept the head (the weighting-off ablation)."""
+    no client kept (or whose keepers all report alpha 0) stays at its current (global) value. updates [clients,
+    heads, ...], importance and kept [clients, heads], current [heads, ...] -> [heads, ...]. Uniform importance
+    gives the plain per-head average over the clients that kept the head."""
     weights = importance * kept
     weights = weights / (weights.sum(dim=0, keepdim=True) + 1e-8)
     shape = (*weights.shape, *([1] * (updates.dim() - 2)))

@@ -1,7 +1,7 @@
 """Parameter-efficient fine-tuning modules added to a built (and possibly pretrained) split ViT: LoRA on the
-attention projections, per-head LoRA with head pruning (headprune-lora) and visual prompt tokens. Both leave every base parameter under its own state-dict name,
-so a pretrained checkpoint loads before they are added and FedAvg, uploads and checkpoints see the same keys on
-the client and the server."""
+attention projections, per-head LoRA with head pruning (headprune-lora) and visual prompt tokens. All leave every
+base parameter under its own state-dict name, so a pretrained checkpoint loads before they are added and FedAvg,
+uploads and checkpoints see the same keys on the client and the server."""
 
 from __future__ import annotations
 

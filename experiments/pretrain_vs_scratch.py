@@ -5,7 +5,8 @@ which fits a loaded 2-core machine; the computations are the seeded ones of `eft
 accuracy per round of every configuration and writes the run directories under --out.
 
     python experiments/pretrain_vs_scratch.py --checkpoint ckpt.safetensors --out /tmp/pvs \
-        [--methods eftvit,fedavg] [--rounds 5] [--clients 8] [--train-samples 600] [--beta 0.1] [--lr 1e-3 --server-lr 1e-3]
+        [--methods eftvit,fedavg] [--rounds 5] [--clients 8] [--train-samples 600] [--beta 0.1] \
+        [--lr 1e-3 --server-lr 1e-3]
 """
 
 from __future__ import annotations
