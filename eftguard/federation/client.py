@@ -16,6 +16,7 @@ from defenses.dp import DPSGD, ClientBudget, PrivacyBudgetError, client_budget
 from defenses.feature_dp import release_rows, row_clip
 from defenses.feature_noise import release_features
 from defenses.ledger import PrivacyLedger, Spend, Terms
+from eftguard.canaries import with_canaries
 from eftguard.config import ACCOUNTANTS
 from eftguard.data import Dataset, dirichlet_partition, load_dataset
 from eftguard.federation.records import ClientSettings
@@ -147,7 +148,7 @@ def client_round(settings: ClientSettings, state: dict[str, np.ndarray], partiti
     method = method_spec(s.method)
     dataset = run_dataset(s.dataset, s.data_dir, s.model, s.train_samples, 0, s.seed)
     mine = client_partition(s.dataset, s.data_dir, s.model, s.train_samples, s.seed, s.clients, s.beta)[partition_id]
-    data = dataset.train.subset(mine)
+    data, uploading, canary_truth = with_canaries(s, partition_id, dataset.train.subset(mine), secret)
     images, labels = torch.from_numpy(data.images), torch.from_numpy(data.labels)
 
     model = build_model(s.model, dataset.num_classes, s.local_layers, adapt=method.model_adapter(s))
@@ -172,15 +173,16 @@ def client_round(settings: ClientSettings, state: dict[str, np.ndarray], partiti
                        seeded(s.seed, s.round, partition_id, 6, respent, *private))
         result = train_local(model, images, labels, s.method, s.mask_ratio, optim, generator, report, dp)
         update = {k: v.numpy().copy() for k, v in method.uploaded_state(model).items()}
-        truth = {"sample_ids": data.ids.astype(np.int64), "class_counts": class_counts}
+        truth = {"sample_ids": data.ids.astype(np.int64), "class_counts": class_counts, **canary_truth}
         start = time.perf_counter()
         uploaded = None
         if method.uploads_features and terms:
             noise = torch.Generator().manual_seed(seeded(s.seed, s.round, partition_id, 7, respent, *private))
-            uploaded, truth["kept_ids"] = dp_released_features(s, model, images, labels, dataset.num_classes,
-                                                               generator, noise)
+            uploaded, truth["kept_ids"] = dp_released_features(s, model, torch.from_numpy(uploading.images),
+                                                               torch.from_numpy(uploading.labels),
+                                                               dataset.num_classes, generator, noise)
         elif method.uploads_features:
-            uploaded, sampled = median_sampled_features(s, model, data, dataset.num_classes, partition_id, generator,
+            uploaded, sampled = median_sampled_features(s, model, uploading, dataset.num_classes, partition_id, generator,
                                                         private)
             truth |= sampled
         feature_seconds = time.perf_counter() - start

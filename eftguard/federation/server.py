@@ -19,6 +19,7 @@ from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, T
 from rich.table import Table
 
 from defenses.dp import ClientBudget, channel_epsilons
+from eftguard.canaries import canary_set
 from eftguard.config import TrainConfig
 from eftguard.data import Dataset
 from eftguard.federation.aggregate import fedavg
@@ -69,8 +70,9 @@ def upload_spec(model: EFTViT, cfg: TrainConfig, dataset: Dataset) -> UploadSpec
         tokens=1 + kept_token_count(num_patches, method.mask_ratio(cfg.mask_ratio)) if method.uploads_features
         else None,
         width=model.local_module.token_embedding.pos_embed.shape[-1],
-        num_classes=dataset.num_classes, num_patches=num_patches, train_ids=np.sort(dataset.train.ids),
-        balance=cfg.balance, local_epochs=cfg.local_epochs, round_seconds=cfg.round_timeout)
+        num_classes=dataset.num_classes, num_patches=num_patches,
+        train_ids=np.sort(np.concatenate([dataset.train.ids, canary_set(cfg).ids if cfg.canaries else np.empty(0, np.int64)])),
+        balance=cfg.balance, local_epochs=cfg.local_epochs, round_seconds=cfg.round_timeout, canaries=cfg.canaries)
 
 
 def discover_nodes(grid: Grid, clients: int, timeout: float) -> dict[int, int]:
