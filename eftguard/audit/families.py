@@ -326,8 +326,19 @@ class DPAuditFamily(Family):
     seeded = False  # the scores are deterministic
     cli_method = "canary"
 
+    @staticmethod
+    def guess_counts(options: dict, scored: int) -> tuple[int, int]:
+        """(k+, k-): the guesses 'included' and 'excluded' (default: a quarter of the scored canaries each)."""
+        counts = tuple(scored // 4 if options[name] is None else options[name] for name in ("guesses_in",
+                                                                                          "guesses_out"))
+        if sum(counts) > scored:
+            raise AttackError(f"{counts[0]} + {counts[1]} guesses exceed the {scored} canaries scored: lower "
+                              "--guesses-in / --guesses-out")
+        return counts
+
     def observe(self, job: Job, attack: Attack) -> Observed:
         sources = observe.canary_sources(job.run, job.round_number, job.options["channel"], job.clients)
+        self.guess_counts(job.options, len(sources))  # refused before any work
         observation = observe.observe_canaries(job.run, job.round_number, job.clients, job.options["channel"],
                                                np.array(list(sources), dtype=np.int64))
         return Observed(observation, {"sources": sources})
@@ -335,10 +346,7 @@ class DPAuditFamily(Family):
     def score(self, job: Job, attack: Attack, observed: Observed, result, seconds: float) -> AttackReport:
         sources, options, cfg = observed.auditor["sources"], job.options, job.run.config()
         bits = scoring.canary_bits(job.run, sources)
-        quarter = len(bits) // 4
-        guesses = scoring.guess_inclusion(result.scores, bits, quarter if options["guesses_in"] is None
-                                          else options["guesses_in"],
-                                          quarter if options["guesses_out"] is None else options["guesses_out"])
+        guesses = scoring.guess_inclusion(result.scores, bits, *self.guess_counts(options, len(bits)))
         claimed, delta = scoring.claimed_privacy(job.run, options["channel"], sources)
         bound = scoring.epsilon_lower_bound(guesses.canaries, guesses.guesses, guesses.correct, delta,
                                             options["confidence"])
@@ -353,6 +361,8 @@ class DPAuditFamily(Family):
         right = np.r_[np.ones(guesses.correct), np.zeros(guesses.guesses - guesses.correct)]
         groups = {"metrics": {"epsilon_lower_bound": metrics.summarize(np.array([bound])),
                               "guess_accuracy": metrics.summarize(right)}}
+        if claimed is not None:  # the claim beside the bound, in the report's table
+            groups["claimed"] = {"epsilon_lower_bound": metrics.summarize(np.array([claimed]))}
         return self.report(job, attack, scoring.Summary(groups, {}, details), None)
 
 
