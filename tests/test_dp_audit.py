@@ -168,6 +168,15 @@ def test_the_cli_writes_the_report(canary_run, tmp_path, capsys):
     assert "epsilon_lower_bound" in (tmp_path / "dp-audit-canary" / "report.md").read_text()
 
 
+def test_the_api_and_the_cli_write_the_same_report(canary_run, tmp_path):
+    run_attack(canary_run, "dp-audit", channel="parameters", guesses_in=6, out=tmp_path / "api")
+    main(["attack", "dp-audit", str(canary_run), "--guesses-in", "6", "--out", str(tmp_path / "cli")])
+    api, cli = (json.loads((tmp_path / side / "dp-audit-canary" / "report.json").read_text()) for side in ("api", "cli"))
+    for report in (api, cli):
+        del report["details"]["attack_seconds"]
+    assert api == cli and api["details"]["guessed_in"] == 6 and api["details"]["guessed_out"] == 8
+
+
 def refused(capsys, argv: list[str]) -> str:
     with pytest.raises(SystemExit) as exit_info:
         main(argv)
