@@ -30,7 +30,8 @@ def gaussian_delta(epsilon: float, sigma: float) -> float:
 
 
 def gaussian_sigma(epsilon: float, delta: float) -> float:
-    """The smallest sigma for which the Gaussian mechanism is (epsilon, delta)-DP (bisection; delta falls with sigma)."""
+    """The smallest sigma for which the Gaussian mechanism is (epsilon, delta)-DP (bisection: delta falls with
+    sigma)."""
     low, high = 1e-3, 100.0
     for _ in range(100):
         middle = (low + high) / 2
@@ -171,7 +172,8 @@ def test_the_cli_writes_the_report(canary_run, tmp_path, capsys):
 def test_the_api_and_the_cli_write_the_same_report(canary_run, tmp_path):
     run_attack(canary_run, "dp-audit", channel="parameters", guesses_in=6, out=tmp_path / "api")
     main(["attack", "dp-audit", str(canary_run), "--guesses-in", "6", "--out", str(tmp_path / "cli")])
-    api, cli = (json.loads((tmp_path / side / "dp-audit-canary" / "report.json").read_text()) for side in ("api", "cli"))
+    api, cli = (json.loads((tmp_path / side / "dp-audit-canary" / "report.json").read_text())
+                for side in ("api", "cli"))
     for report in (api, cli):
         del report["details"]["attack_seconds"]
     assert api == cli and api["details"]["guessed_in"] == 6 and api["details"]["guessed_out"] == 8

@@ -266,7 +266,8 @@ def epsilon_lower_bound(canaries: int, guesses: int, correct: int, delta: float,
         low, high = high, 2 * high
     while high - low > 1e-6:
         middle = (low + high) / 2
-        low, high = (middle, high) if audit_p_value(canaries, guesses, correct, middle, delta) <= level else (low, middle)
+        rejected = audit_p_value(canaries, guesses, correct, middle, delta) <= level
+        low, high = (middle, high) if rejected else (low, middle)
     return low
 
 

@@ -182,8 +182,8 @@ def client_round(settings: ClientSettings, state: dict[str, np.ndarray], partiti
                                                                torch.from_numpy(uploading.labels),
                                                                dataset.num_classes, generator, noise)
         elif method.uploads_features:
-            uploaded, sampled = median_sampled_features(s, model, uploading, dataset.num_classes, partition_id, generator,
-                                                        private)
+            uploaded, sampled = median_sampled_features(s, model, uploading, dataset.num_classes, partition_id,
+                                                        generator, private)
             truth |= sampled
         feature_seconds = time.perf_counter() - start
         dp_applied = None

@@ -65,13 +65,14 @@ def upload_spec(model: EFTViT, cfg: TrainConfig, dataset: Dataset) -> UploadSpec
     """What this run's clients can validly upload: bounds on every part of a reply, from the model and data."""
     method = method_spec(cfg.method)
     num_patches = model.local_module.num_patches
+    canary_ids = canary_set(cfg).ids if cfg.canaries else np.empty(0, np.int64)  # canaries are training images too
     return UploadSpec(
         update_shapes={k: tuple(v.shape) for k, v in method.uploaded_state(model).items()},
         tokens=1 + kept_token_count(num_patches, method.mask_ratio(cfg.mask_ratio)) if method.uploads_features
         else None,
         width=model.local_module.token_embedding.pos_embed.shape[-1],
-        num_classes=dataset.num_classes, num_patches=num_patches,
-        train_ids=np.sort(np.concatenate([dataset.train.ids, canary_set(cfg).ids if cfg.canaries else np.empty(0, np.int64)])),
+        num_classes=dataset.num_classes, num_patches=num_patches, train_ids=np.sort(np.concatenate([dataset.train.ids,
+                                                                                                   canary_ids])),
         balance=cfg.balance, local_epochs=cfg.local_epochs, round_seconds=cfg.round_timeout, canaries=cfg.canaries)
 
 
