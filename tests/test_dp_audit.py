@@ -207,3 +207,22 @@ def test_too_many_canaries_for_the_held_out_pool_is_refused_before_training(caps
     line = refused(capsys, ["train", "--out", str(tmp_path / "run"), "--canaries", "4000"])
     assert "--canaries 4000 needs 4000 held-out training images" in line
     assert not (tmp_path / "run").exists()
+
+
+def truth_record(canary_ids: list[int], included: list[int]):
+    from eftguard.federation.records import to_record
+
+    return to_record({"sample_ids": np.array([1, 2, 3], np.int64), "class_counts": np.eye(10, dtype=np.int64)[0] * 3,
+                      "canary_ids": np.array(canary_ids, np.int64), "canary_included": np.array(included, np.int64)})
+
+
+@pytest.mark.parametrize("canary_ids, included", [([5, 40], [1, 0]), ([5, 5], [1, 0]), ([5, -1], [1, 0]),
+                                                  ([5, 6], [1, 2]), ([5, 6], [1])])
+def test_a_client_naming_foreign_canaries_or_bits_that_are_not_coins_is_dropped(canary_ids, included):
+    from eftguard.federation.records import UploadError
+    from eftguard.federation.validation import UploadSpec, validate_truth
+
+    spec = UploadSpec({}, None, 192, 10, 64, np.arange(100), "median", 1, 60.0, canaries=32)
+    assert validate_truth(truth_record([5, 6], [1, 0]), spec, 3, None)["canary_included"].tolist() == [1, 0]
+    with pytest.raises(UploadError, match="canary"):
+        validate_truth(truth_record(canary_ids, included), spec, 3, None)
