@@ -7,8 +7,9 @@ scores into guesses and the guesses into an epsilon lower bound (Steinke, Nasr &
 - parameters: the owner's uploaded update (local module and head; the whole model for fedavg) against the round's
   start weights: how much the update lowered the canary's loss (start loss - loss after the update).
 - features: the owner's feature upload: how well the canary's own tokens (its patches through the client's
-  uploaded local module, unmasked) match the tokens of the best uploaded row, mean over the row's tokens of the
-  best cosine match at any position. An uploaded canary matches itself at every kept position.
+  uploaded local module, under masks like the upload's) match the tokens of the best uploaded row: the mean over
+  the row's tokens of -log(1 - the best cosine match at any position), centred per position on public images'
+  tokens. An uploaded canary nearly matches itself at every kept position.
 - model: the model after the round against the run's initial weights: how much training lowered the canary's
   loss. The black-box view of anyone who receives the final model.
 """
@@ -43,6 +44,7 @@ class CanaryObservation:
     updates: dict[int, dict[str, np.ndarray]]
     features: dict[int, np.ndarray]
     after: nn.Module | None = None
+    reference: np.ndarray | None = None  # features: public images (uint8) for the mean token at each position
 
 
 @dataclass
@@ -66,11 +68,34 @@ def updated(model: nn.Module, update: dict[str, np.ndarray]) -> nn.Module:
     return model.eval()
 
 
-def best_row_match(canary_tokens: torch.Tensor, rows: torch.Tensor) -> float:
-    """max over uploaded rows of the mean over the row's patch tokens of their best cosine similarity to any token
-    of the canary; canary_tokens [P, D], rows [n, K, D], both centred and unit length."""
-    similarity = torch.einsum("pd,nkd->nkp", canary_tokens, rows)
-    return float(similarity.max(dim=2).values.mean(dim=1).max())
+def tokens_by_position(model: nn.Module, images: np.ndarray, keep: int) -> torch.Tensor:
+    """[n, P, D]: each patch's token through the local module as an upload computes it, under masks of `keep`
+    patches (a seeded split of the positions into masks, so that every position is kept once; the last mask
+    wraps around)."""
+    pixels = model.normalize(torch.from_numpy(images))
+    patches = model.local_module.num_patches
+    order = torch.randperm(patches, generator=torch.Generator().manual_seed(0))
+    out = torch.zeros(len(images), patches, model.local_module.token_embedding.pos_embed.shape[-1])
+    with torch.no_grad():
+        for start in range(0, patches, keep):
+            kept = order[torch.arange(start, start + keep) % patches].sort().values
+            out[:, kept] = model.local_module(pixels, kept.expand(len(images), -1))[:, 1:]
+    return out
+
+
+def best_row_match(canaries: torch.Tensor, rows: torch.Tensor, position_means: torch.Tensor) -> np.ndarray:
+    """Per canary, max over uploaded rows of the mean over the row's tokens of -log(1 - the best cosine
+    similarity to the canary's token at any position p), both centred on the mean token at p (a token seen under
+    another mask is near, not equal, to the uploaded one). canaries [m, P, D], rows [n, K, D],
+    position_means [P, D]. Centring per position removes what every image shares there (the positional
+    embedding dominates a token after a few blocks), leaving the patch's own content."""
+    best = torch.full((len(canaries), len(rows), rows.shape[1]), -1.0)
+    for p, mean in enumerate(position_means):
+        centred_rows = nn.functional.normalize(rows - mean, dim=-1)
+        centred_canaries = nn.functional.normalize(canaries[:, p] - mean, dim=-1)
+        best = torch.maximum(best, torch.einsum("md,nkd->mnk", centred_canaries, centred_rows))
+    closeness = -torch.log1p(-best.clamp(max=1 - 1e-7))  # -log(1 - cos): weighs near-exact matches
+    return closeness.mean(dim=2).max(dim=1).values.double().numpy()
 
 
 @DP_AUDIT.register
@@ -97,7 +122,7 @@ class CanaryAttack:
             if obs.channel == "parameters":
                 scores[mine] = start[mine] - canary_losses(model, obs.images[mine], obs.labels[mine])
             else:
-                scores[mine] = self.feature_match(model, obs.images[mine], obs.features[partition])
+                scores[mine] = self.feature_match(model, obs.images[mine], obs.features[partition], obs.reference)
             if progress:
                 progress("clients", done + 1, len(clients))
         score = {"parameters": "loss at the start weights - loss after the client's update",
@@ -105,12 +130,11 @@ class CanaryAttack:
         return CanaryScores(scores, {"score": score})
 
     @staticmethod
-    def feature_match(model: nn.Module, images: np.ndarray, uploaded: np.ndarray) -> np.ndarray:
-        """Per canary, how well its tokens through the client's local module match its best uploaded row."""
-        with torch.no_grad():
-            tokens = model.local_module(model.normalize(torch.from_numpy(images)))[:, 1:]
+    def feature_match(model: nn.Module, images: np.ndarray, uploaded: np.ndarray, reference: np.ndarray
+                      ) -> np.ndarray:
+        """Per canary, how well its tokens through the client's local module match its best uploaded row;
+        per-position means from the public reference images."""
+        keep = uploaded.shape[1] - 1
+        means = tokens_by_position(model, reference, keep).mean(dim=0)
         rows = torch.from_numpy(np.ascontiguousarray(uploaded[:, 1:], dtype=np.float32))
-        centre = rows.mean(dim=(0, 1))
-        rows = nn.functional.normalize(rows - centre, dim=-1)
-        tokens = nn.functional.normalize(tokens - centre, dim=-1)
-        return np.array([best_row_match(t, rows) for t in tokens])
+        return best_row_match(tokens_by_position(model, images, keep), rows, means)

@@ -96,11 +96,7 @@ class Family:
 
 def public_images(run: RunDirectory) -> np.ndarray:
     """The run dataset's public split as float images: the mean-image baseline and the attacks' prior."""
-    from eftguard.federation.client import run_dataset
-
-    cfg = run.config()
-    return scoring.as_float_images(run_dataset(cfg.dataset, cfg.data_dir, cfg.model, cfg.train_samples, 0,
-                                               cfg.seed).public.images)
+    return scoring.as_float_images(observe.run_public_images(run.config()))
 
 
 # --- invert -------------------------------------------------------------------------------------------------

@@ -246,6 +246,19 @@ def observe_canaries(run: RunDirectory, round_number: int, clients: list[int], c
         return CanaryObservation(channel, images, labels, owners, run.start_model(1), {}, {},
                                  run.start_model(round_number + 1))
     updates = {k: run.load_upload(round_number, k, "update") for k in clients}
-    features = {k: run.load_upload(round_number, k, "features")["features"] for k in clients} \
-        if channel == "features" else {}
-    return CanaryObservation(channel, images, labels, owners, run.start_model(round_number), updates, features)
+    if channel != "features":
+        return CanaryObservation(channel, images, labels, owners, run.start_model(round_number), updates, {})
+    features = {k: run.load_upload(round_number, k, "features")["features"] for k in clients}
+    reference = run_public_images(cfg)[:CANARY_REFERENCE_IMAGES]
+    return CanaryObservation(channel, images, labels, owners, run.start_model(round_number), updates, features,
+                             reference=reference)
+
+
+CANARY_REFERENCE_IMAGES = 256  # public images for the per-position mean token of the features score
+
+
+def run_public_images(cfg) -> np.ndarray:
+    """The run dataset's public split (uint8), which every attacker may hold."""
+    from eftguard.federation.client import run_dataset
+
+    return run_dataset(cfg.dataset, cfg.data_dir, cfg.model, cfg.train_samples, 0, cfg.seed).public.images
