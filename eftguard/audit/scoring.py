@@ -214,17 +214,18 @@ CLAIM_KEYS = {"parameters": "epsilon_parameters", "features": "epsilon_features"
 def claimed_privacy(run: RunDirectory, channel: str, sources: dict[int, tuple[int, int]]) -> tuple[float | None, float]:
     """The (epsilon, delta) the run claims for a channel towards the canaries' owners, from metrics.jsonl: the
     largest epsilon any owner reported spent by the round the audit reads (None: the run has no DP), and the
-    largest delta (the run's --dp-delta, else 1 / (10 n_k); per channel at half of it when the features share the
-    budget). A run without DP gets the delta it would have claimed, so that bounds compare across a grid."""
+    largest delta (the run's --dp-delta, else 1 / (10 n_k), n_k without canaries as the server scheduled it; per
+    channel at half of it when the features share the budget). A run without DP gets the delta it would have claimed, so that bounds compare across a grid."""
     from defenses.dp import channel_delta, default_delta
-    from eftguard.federation.client import feature_share
+    from eftguard.federation.client import client_partition, feature_share
 
     cfg = run.config()
     records = run.metrics()
+    parts = client_partition(cfg.dataset, cfg.data_dir, cfg.model, cfg.train_samples, cfg.seed, cfg.clients, cfg.beta)
     epsilons, deltas = [], []
     for partition, round_number in set(sources.values()):
         record = records[round_number - 1]
-        total = cfg.dp_delta or default_delta(record["num_examples"][str(partition)])
+        total = cfg.dp_delta or default_delta(len(parts[partition]))  # n_k of the schedule: the client's own data
         deltas.append(total if channel == "model" else channel_delta(total, feature_share(cfg)))
         if cfg.dp_eps > 0:
             epsilons.append(float(record[CLAIM_KEYS[channel]][str(partition)]))

@@ -148,7 +148,8 @@ def client_round(settings: ClientSettings, state: dict[str, np.ndarray], partiti
     method = method_spec(s.method)
     dataset = run_dataset(s.dataset, s.data_dir, s.model, s.train_samples, 0, s.seed)
     mine = client_partition(s.dataset, s.data_dir, s.model, s.train_samples, s.seed, s.clients, s.beta)[partition_id]
-    data, uploading, canary_truth = with_canaries(s, partition_id, dataset.train.subset(mine), secret)
+    natural = dataset.train.subset(mine)
+    data, uploading, canary_truth = with_canaries(s, partition_id, natural, secret)
     images, labels = torch.from_numpy(data.images), torch.from_numpy(data.labels)
 
     model = build_model(s.model, dataset.num_classes, s.local_layers, adapt=method.model_adapter(s))
@@ -160,7 +161,7 @@ def client_round(settings: ClientSettings, state: dict[str, np.ndarray], partiti
     def report(epoch: int, total: int) -> None:
         log.info("round %d, client %d: local epoch %d/%d done", s.round, partition_id, epoch, total)
 
-    request = requested_dp(s, len(data))
+    request = requested_dp(s, len(natural))  # the server's schedule: canaries join the data, not the schedule
     if request and ledger is None:
         raise PrivacyBudgetError("a DP-SGD round needs the node's privacy ledger (--ledger-dir): refused")
     class_counts = np.bincount(data.labels, minlength=dataset.num_classes).astype(np.int64)
@@ -170,7 +171,8 @@ def client_round(settings: ClientSettings, state: dict[str, np.ndarray], partiti
         if terms:
             respent = ledger.times_spent(s.run_id, s.round)  # a re-sent round gets fresh noise
             dp = DPSGD(request[1][0].noise_multiplier, s.max_grad_norm, request[1][0].sample_rate,
-                       seeded(s.seed, s.round, partition_id, 6, respent, *private))
+                       seeded(s.seed, s.round, partition_id, 6, respent, *private),
+                       request[1][0].steps // s.local_epochs)
         result = train_local(model, images, labels, s.method, s.mask_ratio, optim, generator, report, dp)
         update = {k: v.numpy().copy() for k, v in method.uploaded_state(model).items()}
         truth = {"sample_ids": data.ids.astype(np.int64), "class_counts": class_counts, **canary_truth}
