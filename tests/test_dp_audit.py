@@ -228,3 +228,16 @@ def test_a_client_naming_foreign_canaries_or_bits_that_are_not_coins_is_dropped(
     assert validate_truth(truth_record([5, 6], [1, 0]), spec, 3, None)["canary_included"].tolist() == [1, 0]
     with pytest.raises(UploadError, match="canary"):
         validate_truth(truth_record(canary_ids, included), spec, 3, None)
+
+
+@pytest.mark.slow
+def test_a_dp_run_with_canaries_keeps_every_upload_and_its_bound_stays_below_the_claim(tmp_path):
+    # canaries grow a client's data past the DP schedule the server sent (sample rate and steps of its own images);
+    # a client that rescheduled for them was dropped by the server's check of what DP-SGD applied
+    run = RunDirectory.open(train_in_process(tmp_path / "dp", canaries=32, local_epochs=2, dp_eps=8), None)
+    assert run.uploaded_partitions(1) == [0, 1]
+    for channel in ("parameters", "features"):
+        report = run_attack(run.path, "dp-audit", channel=channel)
+        claimed = report.figures()["claimed.epsilon_lower_bound"]
+        assert 3.9 < claimed <= 4.0  # each channel's half of epsilon 8
+        assert report.figures()["epsilon_lower_bound"] <= claimed and "warning" not in report.details
