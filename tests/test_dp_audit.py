@@ -13,7 +13,7 @@ from attacks.dp_audit import CanaryAttack
 from eftguard.audit import run_attack
 from eftguard.audit.families import DPAuditFamily
 from eftguard.audit.scoring import audit_p_value, epsilon_lower_bound, guess_inclusion
-from eftguard.canaries import canary_set, inclusion_bits
+from eftguard.canaries import canary_set, inclusion_bits, with_canaries
 from eftguard.cli import main
 from eftguard.rundir import RunDirectory
 from conftest import attacks_guarded, train_in_process, truth_out_of_reach
@@ -241,3 +241,21 @@ def test_a_dp_run_with_canaries_keeps_every_upload_and_its_bound_stays_below_the
         claimed = report.figures()["claimed.epsilon_lower_bound"]
         assert 3.9 < claimed <= 4.0  # each channel's half of epsilon 8
         assert report.figures()["epsilon_lower_bound"] <= claimed and "warning" not in report.details
+
+
+def test_gradient_canaries_are_trained_on_but_never_uploaded_as_features():
+    from eftguard.config import TrainConfig
+    from eftguard.data import load_dataset
+    from eftguard.federation.client import client_partition, run_dataset
+
+    cfg = TrainConfig(clients=2, train_samples=160, canaries=16, canary_kind="gradient").resolved()
+    canaries = canary_set(cfg)
+    # ids past the dataset's training split: never a real image's
+    assert canaries.ids.min() >= len(load_dataset("photos", None, 32).train) and canaries.images.shape[1:] == (32, 32, 3)
+    natural = run_dataset(cfg.dataset, "", cfg.model, cfg.train_samples, 0, cfg.seed).train.subset(
+        client_partition(cfg.dataset, "", cfg.model, cfg.train_samples, cfg.seed, cfg.clients, cfg.beta)[1])
+    data = with_canaries(cfg, 1, natural)
+    included = data.truth["canary_ids"][data.truth["canary_included"] == 1]
+    assert len(data.training) == len(natural) + len(included) > len(natural)
+    assert np.array_equal(data.training.images[len(natural):], canaries.images[included])
+    assert data.uploading is natural
