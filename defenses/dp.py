@@ -178,6 +178,7 @@ class DPSGD:
     max_grad_norm: float
     sample_rate: float
     noise_seed: int
+    steps_per_epoch: int = 0  # 0: ceil(n / batch size); with canaries, the schedule of the client's own data
 
 
 def make_private(model: nn.Module, optimizer: torch.optim.Optimizer, dp: DPSGD, expected_batch_size: int

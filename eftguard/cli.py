@@ -14,6 +14,7 @@ from pathlib import Path
 from attacks.base import AttackError
 from defenses.tls import CertificateError
 from eftguard.attack_cli import add_attack_parser, add_report_parser, cmd_attack, cmd_report
+from eftguard.canaries import CANARY_KINDS
 from eftguard.config import (ACCOUNTANTS, CLIENT_SELECTION, FEDERATIONS, HEAD_PRUNING, HEAD_WEIGHTING, METHODS,
                              ConfigError, TrainConfig)
 from eftguard.data import DATASET_HELP, DataError
@@ -92,6 +93,10 @@ TRAIN_HELP = {
                      "clipping only)",
     "feature_clip": "without --dp-eps: clip every uploaded token feature to L2 norm C (0: off); with --dp-eps: "
                     "the norm C each image's whole feature row is clipped to (0: 20)",
+    "canaries": "M canaries for eftguard attack dp-audit, spread over the clients (seeded), each put into its "
+                "client's data with probability 1/2; the inclusion bits go to truth/ only (0: none; docs/dp.md)",
+    "canary_kind": "mislabelled (held-out images with a wrong label; every channel) or gradient (noise images for "
+                   "the parameter channel)",
 }
 PRETRAIN_HELP = {
     "objective": "supervised (labels of the public split), mae (reconstruct the pixels of masked patches; no labels "
@@ -108,7 +113,8 @@ PRETRAIN_HELP = {
 }
 CHOICES = {"method": METHODS, "balance": BALANCE_MODES, "federation": FEDERATIONS, "model": tuple(PRESETS),
            "accountant": ACCOUNTANTS, "head_pruning": HEAD_PRUNING, "head_weighting": HEAD_WEIGHTING,
-           "client_selection": CLIENT_SELECTION, "lr_schedule": SCHEDULES}
+           "client_selection": CLIENT_SELECTION, "lr_schedule": SCHEDULES,
+           "canary_kind": CANARY_KINDS}
 
 
 def _add_train_options(parser: argparse.ArgumentParser) -> None:

@@ -73,6 +73,8 @@ class TrainConfig:
     dp_feature_share: float = 0.5  # fraction of dp_eps for the feature channel (methods that upload features)
     feature_noise: float = 0.0
     feature_clip: float = 0.0  # 0: uploaded features are neither clipped nor noised
+    canaries: int = 0  # 0: no canaries (eftguard attack dp-audit needs them)
+    canary_kind: str = "mislabelled"
 
     def resolved(self) -> "TrainConfig":
         """A validated copy with defaults that depend on other fields filled in."""
@@ -151,6 +153,20 @@ class TrainConfig:
             raise ConfigError(f"--dataset {self.dataset} needs --data-dir DIR (a local copy, or where to download it)")
         if self.data_dir and not Path(self.data_dir).is_dir():
             raise ConfigError(f"--data-dir {self.data_dir} does not exist: create it or point to your dataset copy")
+        self._check_canaries()
+
+    def _check_canaries(self) -> None:
+        from eftguard.canaries import CANARY_KINDS, canary_set
+
+        if self.canary_kind not in CANARY_KINDS:
+            raise ConfigError(f"--canary-kind: unknown kind '{self.canary_kind}', choose {', '.join(CANARY_KINDS)}")
+        if self.canaries < 0:
+            raise ConfigError(f"--canaries must be >= 0 (0: none), got {self.canaries}")
+        if self.canaries and not self.record_truth:
+            raise ConfigError("--canaries: their inclusion bits reach the auditor only through truth/; "
+                              "drop --no-record-truth")
+        if self.canaries:
+            canary_set(self)  # CanaryError (a ConfigError) when the held-out pool is too small
 
     def lr_factor(self, round_number: int) -> float:
         """The factor of --lr and --server-lr in a round (1-based): --warmup-rounds, then --lr-schedule."""

@@ -78,7 +78,7 @@ def _fit_private(model: EFTViT, params: list[nn.Parameter], images: torch.Tensor
     try:
         for epoch in range(optim.epochs):
             start = time.perf_counter()
-            for _ in range(math.ceil(n / optim.batch_size)):
+            for _ in range(dp.steps_per_epoch or math.ceil(n / optim.batch_size)):
                 batch = poisson_batch(n, dp.sample_rate, generator)
                 dp_optimizer.zero_grad(set_to_none=True)
                 if len(batch) == 0:

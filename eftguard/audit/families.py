@@ -14,8 +14,9 @@ from pathlib import Path
 
 import numpy as np
 
-from attacks.base import (Attack, AttackError, Option, Registry, ThreatModel, name_value, option, options_of,
-                          path_value, whole_number)
+from attacks.base import (Attack, AttackError, Option, Registry, ThreatModel, finite_number, name_value, option,
+                          options_of, path_value, whole_number)
+from attacks.dp_audit import CHANNELS, DP_AUDIT
 from attacks.gradient import GRADIENT
 from attacks.inversion import INVERT
 from attacks.labels import LABELS
@@ -95,11 +96,7 @@ class Family:
 
 def public_images(run: RunDirectory) -> np.ndarray:
     """The run dataset's public split as float images: the mean-image baseline and the attacks' prior."""
-    from eftguard.federation.client import run_dataset
-
-    cfg = run.config()
-    return scoring.as_float_images(run_dataset(cfg.dataset, cfg.data_dir, cfg.model, cfg.train_samples, 0,
-                                               cfg.seed).public.images)
+    return scoring.as_float_images(observe.run_public_images(run.config()))
 
 
 # --- invert -------------------------------------------------------------------------------------------------
@@ -288,7 +285,85 @@ class GradientFamily(Family):
         return self.report(job, attack, scoring.image_summary([scores], details), lpips.name, scores.grid_rows)
 
 
-FAMILIES: dict[str, Family] = {f.name: f for f in (InvertFamily(), LabelsFamily(), GradientFamily())}
+# --- dp-audit -----------------------------------------------------------------------------------------------
+
+def confidence_level(text: str) -> float:
+    """A probability strictly between 0 and 1 (at confidence 1 no finite count rejects anything)."""
+    value = finite_number(0, 1)(text)
+    if value == 1:
+        raise ValueError(f"must be below 1, got '{text}'")
+    return value
+
+
+@dataclass
+class DPAuditOptions:
+    channel: str = option("parameters", "what the auditor scores the canaries from: parameters (each owner's "
+                                        "uploaded update), features (each owner's feature upload) or model (the "
+                                        "model after the round)", name_value, choices=CHANNELS)
+    guesses_in: int | None = option(None, "guess 'included' for this many highest-scored canaries (default: a "
+                                          "quarter of the canaries scored)", whole_number(0))
+    guesses_out: int | None = option(None, "guess 'excluded' for this many lowest-scored canaries (default: a "
+                                           "quarter of the canaries scored)", whole_number(0))
+    confidence: float = option(0.95, "confidence of the epsilon lower bound, in (0, 1)", confidence_level)
+
+
+class DPAuditFamily(Family):
+    name = "dp-audit"
+    registry = DP_AUDIT
+    help = "an empirical epsilon lower bound from the run's canaries (eftguard train --canaries M)"
+    description = ("One-run DP audit (Steinke, Nasr & Jagielski, NeurIPS 2023) of a run trained with --canaries M. "
+                   "The attack scores every canary from one channel without its inclusion bit; the auditor guesses "
+                   "'included' for the highest scores and 'excluded' for the lowest, abstains on the rest, and turns "
+                   "the number of right guesses into a lower bound on epsilon at --confidence, reported beside the "
+                   "epsilon the run claims for that channel (docs/dp.md). A bound above the claim is a bug in "
+                   "the trainer.")
+    options_type = DPAuditOptions
+    image_metrics = False
+    seeded = False  # the scores are deterministic
+    cli_method = "canary"
+
+    @staticmethod
+    def guess_counts(options: dict, scored: int) -> tuple[int, int]:
+        """(k+, k-): the guesses 'included' and 'excluded' (default: a quarter of the scored canaries each)."""
+        counts = tuple(scored // 4 if options[name] is None else options[name] for name in ("guesses_in",
+                                                                                          "guesses_out"))
+        if sum(counts) > scored:
+            raise AttackError(f"{counts[0]} + {counts[1]} guesses exceed the {scored} canaries scored: lower "
+                              "--guesses-in / --guesses-out")
+        return counts
+
+    def observe(self, job: Job, attack: Attack) -> Observed:
+        sources = observe.canary_sources(job.run, job.round_number, job.options["channel"], job.clients)
+        self.guess_counts(job.options, len(sources))  # refused before any work
+        observation = observe.observe_canaries(job.run, job.round_number, job.clients, job.options["channel"],
+                                               np.array(list(sources), dtype=np.int64))
+        return Observed(observation, {"sources": sources})
+
+    def score(self, job: Job, attack: Attack, observed: Observed, result, seconds: float) -> AttackReport:
+        sources, options, cfg = observed.auditor["sources"], job.options, job.run.config()
+        bits = scoring.canary_bits(job.run, sources)
+        guesses = scoring.guess_inclusion(result.scores, bits, *self.guess_counts(options, len(bits)))
+        claimed, delta = scoring.claimed_privacy(job.run, options["channel"], sources)
+        bound = scoring.epsilon_lower_bound(guesses.canaries, guesses.guesses, guesses.correct, delta,
+                                            options["confidence"])
+        details = {"channel": options["channel"], "canary_kind": cfg.canary_kind, "score": result.details["score"],
+                   "epsilon_lower_bound": round(bound, 4),
+                   "claimed_epsilon": "no DP" if claimed is None else round(claimed, 4),
+                   "delta": delta, "confidence": options["confidence"], **vars(guesses),
+                   "attack_seconds": round(seconds, 2)}
+        if claimed is not None and bound > claimed:
+            details["warning"] = (f"the epsilon lower bound {bound:.3f} exceeds the claimed {options['channel']} "
+                                  f"epsilon {claimed:.3f}: the trainer's DP guarantee does not hold (a bug)")
+        right = np.r_[np.ones(guesses.correct), np.zeros(guesses.guesses - guesses.correct)]
+        groups = {"metrics": {"epsilon_lower_bound": metrics.summarize(np.array([bound])),
+                              "guess_accuracy": metrics.summarize(right)}}
+        if claimed is not None:  # the claim beside the bound, in the report's table
+            groups["claimed"] = {"epsilon_lower_bound": metrics.summarize(np.array([claimed]))}
+        return self.report(job, attack, scoring.Summary(groups, {}, details), None)
+
+
+FAMILIES: dict[str, Family] = {f.name: f for f in (InvertFamily(), LabelsFamily(), GradientFamily(),
+                                                   DPAuditFamily())}
 
 
 def family_named(name: str) -> Family:

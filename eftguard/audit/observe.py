@@ -15,6 +15,7 @@ import numpy as np
 import torch
 from torch import nn
 
+from attacks.dp_audit import CanaryObservation
 from attacks.gradient import GradientObservation, prepare_numerics
 from attacks.inversion import ClientFeatures, RoundFeatures
 from attacks.labels import ClientUploads, LabelObservation
@@ -211,3 +212,57 @@ def upload_observation(run: RunDirectory, round_number: int, partition: int, bat
                               masked=method_spec(cfg.method).masked, prior=prior)
     return obs, {"observation": (f"uploaded update after {steps} AdamW step(s) on {num_examples} images, treated "
                                  f"as one gradient: -(update) / (lr * steps) - weight_decay * weights")}
+
+
+# --- dp-audit: the canaries (never their inclusion bits) and one channel ------------------------------------
+
+def canary_sources(run: RunDirectory, round_number: int, channel: str, clients: list[int]
+                   ) -> dict[int, tuple[int, int]]:
+    """The canaries a channel of the round can tell anything about, each with its owner and the latest round
+    <= round_number in which the owner uploaded (where the auditor finds its bit): the attacked clients' canaries
+    for the round's uploads; for the model, those of every client that took part in a round so far."""
+    from eftguard.canaries import canary_set
+
+    cfg = run.config()
+    if cfg.canaries == 0:
+        raise RunError(f"{run.path} has no canaries: train with --canaries M (eftguard train --help) to audit it")
+    if channel == "features" and not method_spec(cfg.method).uploads_features:
+        raise RunError(f"{run.path} is a {cfg.method} run: it uploads no features. Use --channel parameters or model")
+    if channel == "features" and cfg.canary_kind == "gradient":
+        raise RunError(f"{run.path} has gradient canaries, which never enter the feature upload: use --channel "
+                       "parameters or model, or train with --canary-kind mislabelled")
+    owners = canary_set(cfg).owners
+    latest = {k: round_number for k in clients} if channel != "model" else \
+        {k: r for r in range(1, round_number + 1) for k in run.uploaded_partitions(r)}
+    return {int(c): (int(k), latest[int(k)]) for c, k in enumerate(owners) if int(k) in latest}
+
+
+def observe_canaries(run: RunDirectory, round_number: int, clients: list[int], channel: str,
+                     canary_ids: np.ndarray) -> CanaryObservation:
+    """The canaries canary_ids and the channel's observation: the attacked clients' uploads and the round's start
+    model, or the model after the round and the run's initial one."""
+    from eftguard.canaries import canary_set
+
+    cfg = run.config()
+    canaries = canary_set(cfg)
+    images, labels, owners = (a[canary_ids] for a in (canaries.images, canaries.labels, canaries.owners))
+    if channel == "model":
+        return CanaryObservation(channel, images, labels, owners, run.start_model(1), {}, {},
+                                 run.start_model(round_number + 1))
+    updates = {k: run.load_upload(round_number, k, "update") for k in clients}
+    if channel != "features":
+        return CanaryObservation(channel, images, labels, owners, run.start_model(round_number), updates, {})
+    features = {k: run.load_upload(round_number, k, "features")["features"] for k in clients}
+    reference = run_public_images(cfg)[:CANARY_REFERENCE_IMAGES]
+    return CanaryObservation(channel, images, labels, owners, run.start_model(round_number), updates, features,
+                             reference=reference)
+
+
+CANARY_REFERENCE_IMAGES = 256  # public images for the per-position mean token of the features score
+
+
+def run_public_images(cfg) -> np.ndarray:
+    """The run dataset's public split (uint8), which every attacker may hold."""
+    from eftguard.federation.client import run_dataset
+
+    return run_dataset(cfg.dataset, cfg.data_dir, cfg.model, cfg.train_samples, 0, cfg.seed).public.images

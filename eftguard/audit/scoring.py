@@ -187,3 +187,110 @@ def label_summary(clients: list[ClientScores], details: dict) -> Summary:
              + (f", lower bounds only: classes {c.histograms['lower_bound_only']}"
                 if c.histograms.get("lower_bound_only") else "") for c in clients}
     return Summary(*pooled(clients), {**details, **shown}, {str(c.partition): c.histograms for c in clients})
+
+
+# --- dp-audit: canaries, their inclusion bits and the one-run epsilon lower bound --------------------------
+
+def canary_bits(run: RunDirectory, sources: dict[int, tuple[int, int]]) -> np.ndarray:
+    """The inclusion bits of the canaries, in the order of `sources` (canary id -> (owner, a round in which the
+    owner recorded its truth); the bits are the same in every round)."""
+    bits = {}
+    for partition, round_number in sorted(set(sources.values())):
+        truth = run.load_truth(round_number, partition)
+        if "canary_ids" not in truth:
+            raise RunError(f"truth of client {partition} in round {round_number} names no canaries: the run was "
+                           "not trained with --canaries M")
+        bits |= dict(zip(truth["canary_ids"].tolist(), truth["canary_included"].tolist()))
+    missing = [c for c in sources if c not in bits]
+    if missing:
+        raise RunError(f"the truth of the canaries' owners does not name canaries {missing[:5]}: the run's truth/ "
+                       "does not match its config.toml")
+    return np.array([bits[c] for c in sources], dtype=np.int64)
+
+
+CLAIM_KEYS = {"parameters": "epsilon_parameters", "features": "epsilon_features", "model": "epsilon"}
+
+
+def claimed_privacy(run: RunDirectory, channel: str, sources: dict[int, tuple[int, int]]) -> tuple[float | None, float]:
+    """The (epsilon, delta) the run claims for a channel towards the canaries' owners, from metrics.jsonl: the
+    largest epsilon any owner reported spent by the round the audit reads (None: the run has no DP), and the
+    largest delta (the run's --dp-delta, else 1 / (10 n_k), n_k without canaries as the server scheduled it; per
+    channel at half of it when the features share the budget). A run without DP gets the delta it would have claimed, so that bounds compare across a grid."""
+    from defenses.dp import channel_delta, default_delta
+    from eftguard.federation.client import client_partition, feature_share
+
+    cfg = run.config()
+    records = run.metrics()
+    parts = client_partition(cfg.dataset, cfg.data_dir, cfg.model, cfg.train_samples, cfg.seed, cfg.clients, cfg.beta)
+    epsilons, deltas = [], []
+    for partition, round_number in set(sources.values()):
+        record = records[round_number - 1]
+        total = cfg.dp_delta or default_delta(len(parts[partition]))  # n_k of the schedule: the client's own data
+        deltas.append(total if channel == "model" else channel_delta(total, feature_share(cfg)))
+        if cfg.dp_eps > 0:
+            epsilons.append(float(record[CLAIM_KEYS[channel]][str(partition)]))
+    return (max(epsilons) if epsilons else None), max(deltas)
+
+
+def audit_p_value(canaries: int, guesses: int, correct: int, epsilon: float, delta: float) -> float:
+    """How likely `correct` or more right guesses out of `guesses` are if the run is (epsilon, delta)-DP with respect
+    to each of `canaries` canaries (each included with probability 1/2). Steinke, Nasr & Jagielski, "Privacy
+    Auditing with One (1) Training Run" (NeurIPS 2023), Theorem 3 (approximate DP; their Appendix D computes it):
+
+        P[W >= v] <= f(v) + 2 m delta * max_{i = 1..v} (f(v - i) - f(v)) / i,
+        f(u) = P[B >= u],  B ~ Binomial(r, e^eps / (1 + e^eps)),
+
+    m canaries, r guesses, v correct; f(v - i) - f(v) = P[v - i <= B < v]. delta = 0 gives Theorem 1 (pure DP):
+    W is dominated by B."""
+    from scipy.special import expit
+    from scipy.stats import binom
+
+    q = expit(epsilon)  # the accuracy of epsilon-DP randomised response
+    tail = float(binom.sf(correct - 1, guesses, q))
+    if delta == 0 or correct == 0:
+        return min(tail, 1.0)
+    below = np.cumsum(binom.pmf(np.arange(correct - 1, -1, -1), guesses, q))  # P[v - i <= B < v], i = 1..v
+    return min(1.0, tail + 2 * canaries * delta * float(np.max(below / np.arange(1, correct + 1))))
+
+
+def epsilon_lower_bound(canaries: int, guesses: int, correct: int, delta: float, confidence: float) -> float:
+    """The largest epsilon the audit rejects at `confidence`: the run is not (epsilon, delta)-DP for any smaller
+    epsilon, unless an event of probability below 1 - confidence happened. Bisection on audit_p_value (increasing
+    in epsilon), to 1e-6; 0 when the guesses are no better than chance can explain."""
+    if not 0 <= correct <= guesses <= canaries:
+        raise ValueError(f"need 0 <= correct ({correct}) <= guesses ({guesses}) <= canaries ({canaries})")
+    level = 1 - confidence
+    if guesses == 0 or audit_p_value(canaries, guesses, correct, 0.0, delta) > level:
+        return 0.0
+    low, high = 0.0, 1.0
+    while audit_p_value(canaries, guesses, correct, high, delta) <= level:
+        low, high = high, 2 * high
+    while high - low > 1e-6:
+        middle = (low + high) / 2
+        rejected = audit_p_value(canaries, guesses, correct, middle, delta) <= level
+        low, high = (middle, high) if rejected else (low, middle)
+    return low
+
+
+@dataclass
+class AuditGuesses:
+    """The auditor's guesses from canary scores: included for the k+ highest, excluded for the k- lowest,
+    abstaining on the rest, and how many of them the inclusion bits prove right."""
+
+    canaries: int
+    guesses: int
+    correct: int
+    guessed_in: int
+    correct_in: int
+    guessed_out: int
+    correct_out: int
+
+
+def guess_inclusion(scores: np.ndarray, bits: np.ndarray, guesses_in: int, guesses_out: int) -> AuditGuesses:
+    """Guess "included" for the guesses_in highest scores and "excluded" for the guesses_out lowest (ties broken
+    by canary order, never by the bits), then count the right ones; at most len(scores) guesses in all."""
+    order = np.argsort(-np.asarray(scores, dtype=np.float64), kind="stable")
+    inside, outside = order[:guesses_in], order[len(order) - guesses_out:] if guesses_out else order[:0]
+    right_in, right_out = int(bits[inside].sum()), int((1 - bits[outside]).sum())
+    return AuditGuesses(len(scores), guesses_in + guesses_out, right_in + right_out, guesses_in, right_in,
+                        guesses_out, right_out)

@@ -17,6 +17,7 @@ from defenses.feature_dp import release_rows, row_clip
 from defenses.feature_noise import release_features
 from defenses.ledger import PrivacyLedger, Spend, Terms
 from eftguard import headprune
+from eftguard.canaries import with_canaries
 from eftguard.config import ACCOUNTANTS
 from eftguard.data import Dataset, dirichlet_partition, load_dataset
 from eftguard.federation.records import ClientSettings
@@ -150,7 +151,8 @@ def client_round(settings: ClientSettings, state: dict[str, np.ndarray], partiti
     method = method_spec(s.method)
     dataset = run_dataset(s.dataset, s.data_dir, s.model, s.train_samples, 0, s.seed)
     mine = client_partition(s.dataset, s.data_dir, s.model, s.train_samples, s.seed, s.clients, s.beta)[partition_id]
-    data = dataset.train.subset(mine)
+    natural = dataset.train.subset(mine)
+    data, uploading, canary_truth = with_canaries(s, partition_id, natural, secret)
     images, labels = torch.from_numpy(data.images), torch.from_numpy(data.labels)
 
     model = build_model(s.model, dataset.num_classes, s.local_layers, adapt=method.model_adapter(s))
@@ -162,7 +164,7 @@ def client_round(settings: ClientSettings, state: dict[str, np.ndarray], partiti
     def report(epoch: int, total: int) -> None:
         log.info("round %d, client %d: local epoch %d/%d done", s.round, partition_id, epoch, total)
 
-    request = requested_dp(s, len(data))
+    request = requested_dp(s, len(natural))  # the server's schedule: canaries join the data, not the schedule
     if request and ledger is None:
         raise PrivacyBudgetError("a DP-SGD round needs the node's privacy ledger (--ledger-dir): refused")
     class_counts = np.bincount(data.labels, minlength=dataset.num_classes).astype(np.int64)
@@ -172,7 +174,8 @@ def client_round(settings: ClientSettings, state: dict[str, np.ndarray], partiti
         if terms:
             respent = ledger.times_spent(s.run_id, s.round)  # a re-sent round gets fresh noise
             dp = DPSGD(request[1][0].noise_multiplier, s.max_grad_norm, request[1][0].sample_rate,
-                       seeded(s.seed, s.round, partition_id, 6, respent, *private))
+                       seeded(s.seed, s.round, partition_id, 6, respent, *private),
+                       request[1][0].steps // s.local_epochs)
         global_loss = mean_loss(model, images, labels) if s.client_selection == "loss-gap" else None
         kept, heads = choose_heads(s, model, images, partition_id) if method.prunes_heads else (None, None)
         with headprune.pruned(model, kept) if method.prunes_heads else contextlib.nullcontext():
@@ -180,16 +183,17 @@ def client_round(settings: ClientSettings, state: dict[str, np.ndarray], partiti
         update = {k: v.numpy().copy() for k, v in method.uploaded_state(model).items()}
         if method.prunes_heads:
             update = headprune.kept_upload(update, kept, headprune.head_index(model))
-        truth = {"sample_ids": data.ids.astype(np.int64), "class_counts": class_counts}
+        truth = {"sample_ids": data.ids.astype(np.int64), "class_counts": class_counts, **canary_truth}
         start = time.perf_counter()
         uploaded = None
         if method.uploads_features and terms:
             noise = torch.Generator().manual_seed(seeded(s.seed, s.round, partition_id, 7, respent, *private))
-            uploaded, truth["kept_ids"] = dp_released_features(s, model, images, labels, dataset.num_classes,
-                                                               generator, noise)
+            uploaded, truth["kept_ids"] = dp_released_features(s, model, torch.from_numpy(uploading.images),
+                                                               torch.from_numpy(uploading.labels),
+                                                               dataset.num_classes, generator, noise)
         elif method.uploads_features:
-            uploaded, sampled = median_sampled_features(s, model, data, dataset.num_classes, partition_id, generator,
-                                                        private)
+            uploaded, sampled = median_sampled_features(s, model, uploading, dataset.num_classes, partition_id,
+                                                        generator, private)
             truth |= sampled
         feature_seconds = time.perf_counter() - start
         dp_applied = None

@@ -92,6 +92,8 @@ class ClientSettings:
     noise_multiplier: float  # this client's, calibrated by the server for all its rounds; 0.0 without DP
     run_id: str  # manifest.json's; the key of the client's privacy ledger
     feature_noise_multiplier: float = 0.0  # this client's feature channel under --dp-eps; 0.0 without DP
+    canaries: int = 0  # the run's canary count (eftguard.canaries); 0: none
+    canary_kind: str = "mislabelled"
 
     @classmethod
     def from_config(cls, cfg: TrainConfig, round_number: int, noise_multiplier: float = 0.0,

@@ -20,6 +20,7 @@ from rich.table import Table
 
 from defenses.dp import ClientBudget, channel_epsilons
 from eftguard import headprune
+from eftguard.canaries import canary_set
 from eftguard.config import TrainConfig
 from eftguard.data import Dataset
 from eftguard.federation.aggregate import fedavg
@@ -71,15 +72,17 @@ def upload_spec(model: EFTViT, cfg: TrainConfig, dataset: Dataset) -> UploadSpec
     if method.prunes_heads:
         layers = headprune.attentions(model)
         heads = (len(layers), layers[0].num_heads, headprune.kept_count(layers[0].num_heads, cfg.head_sparsity))
+    canary_ids = canary_set(cfg).ids if cfg.canaries else np.empty(0, np.int64)  # canaries are training images too
     return UploadSpec(
         update_shapes={k: tuple(v.shape) for k, v in method.uploaded_state(model).items()},
         tokens=1 + kept_token_count(num_patches, method.mask_ratio(cfg.mask_ratio)) if method.uploads_features
         else None,
         width=model.local_module.token_embedding.pos_embed.shape[-1],
-        num_classes=dataset.num_classes, num_patches=num_patches, train_ids=np.sort(dataset.train.ids),
+        num_classes=dataset.num_classes, num_patches=num_patches, train_ids=np.sort(np.concatenate([dataset.train.ids,
+                                                                                                   canary_ids])),
         balance=cfg.balance, local_epochs=cfg.local_epochs, round_seconds=cfg.round_timeout,
         head_index=headprune.head_index(model) if method.prunes_heads else None, heads=heads,
-        reports_global_loss=cfg.client_selection == "loss-gap")
+        reports_global_loss=cfg.client_selection == "loss-gap", canaries=cfg.canaries)
 
 
 def discover_nodes(grid: Grid, clients: int, timeout: float) -> dict[int, int]:

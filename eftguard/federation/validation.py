@@ -59,6 +59,7 @@ class UploadSpec:
     head_index: dict[str, tuple[int, int]] | None = None  # headprune-lora: per-head parameter -> (layer, head)
     heads: tuple[int, int, int] | None = None  # headprune-lora: (layers, heads per layer, heads a client keeps)
     reports_global_loss: bool = False  # --client-selection loss-gap: each reply carries metrics 'global-loss'
+    canaries: int = 0  # the run's canary count: truth then names the client's canaries and their inclusion bits
 
 
 @dataclass(frozen=True)
@@ -225,6 +226,10 @@ def validate_truth(record, spec: UploadSpec, num_examples: int, feature_sets: in
                       "class_counts": ("int64", (spec.num_classes,))}
     if feature_sets is not None:
         layout["kept_ids"] = ("int64", (feature_sets, spec.tokens - 1))
+    if spec.canaries:
+        owned = _declared_rows("truth 'canary_ids'", record["canary_ids"], 0, spec.canaries) \
+            if isinstance(record, ArrayRecord) and "canary_ids" in record else 0
+        layout |= {"canary_ids": ("int64", (owned,)), "canary_included": ("int64", (owned,))}
     _check_layout("truth", record, layout)
     truth = from_record(record, "truth")
     counts = truth["class_counts"]
@@ -239,4 +244,10 @@ def validate_truth(record, spec: UploadSpec, num_examples: int, feature_sets: in
         if kept.size and (kept[:, 0].min() < 0 or kept[:, -1].max() >= spec.num_patches
                           or (np.diff(kept, axis=1) <= 0).any()):
             raise UploadError(f"truth 'kept_ids' must be distinct patch ids in [0, {spec.num_patches}) per set")
+    if spec.canaries:
+        canary_ids = truth["canary_ids"]
+        if ((canary_ids < 0) | (canary_ids >= spec.canaries)).any() or len(np.unique(canary_ids)) < len(canary_ids) \
+                or not np.isin(truth["canary_included"], (0, 1)).all():
+            raise UploadError(f"truth 'canary_ids' must be distinct ids in [0, {spec.canaries}) and "
+                              "'canary_included' bits 0 or 1")
     return truth
