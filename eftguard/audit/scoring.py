@@ -319,7 +319,7 @@ def membership_summary(scores: np.ndarray, loss_scores: np.ndarray, is_member: n
     roc = {name: dict(zip(("fpr", "tpr"), (np.round(a, 6).tolist() for a in roc_curve(s, is_member))))
            for name, s in (("method", scores), ("loss", loss_scores))}
     undefined = [name for name, level in TPR_FPR_LEVELS.items() if negatives < round(1 / level)]
-    details = {**details, "members": int(is_member.sum()), "non_members": negatives,
+    details = {**details, "member_candidates": int(is_member.sum()), "non_member_candidates": negatives,
                **({"undefined": f"{', '.join(undefined)}: needs at least "
                                 f"{round(1 / min(TPR_FPR_LEVELS[u] for u in undefined))} non-members, had "
                                 f"{negatives}"} if undefined else {}),
