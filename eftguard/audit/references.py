@@ -67,10 +67,12 @@ def reference_models(run: RunDirectory, round_number: int, pool: ImageSet, count
     the pool (at most as many images as the run's clients hold), loaded from the cache or trained into it."""
     from eftguard.federation.client import run_dataset
     from eftguard.federation.inprocess import train_in_process
+    from eftguard.federation.server import guard_images
 
     cfg = run.config()
     dataset = run_dataset(cfg.dataset, cfg.data_dir, cfg.model, cfg.train_samples, cfg.test_samples, cfg.seed)
     size = min(len(pool) // 2, len(dataset.train))
+    guard = ImageSet(*(t.numpy() for t in guard_images(dataset, cfg.seed)))  # all a run reads of its public split
     models = []
     for index in range(count):
         folder = cache / f"reference-{reference_key(cfg.to_toml(), pool, round_number, seed, index)}"
@@ -84,7 +86,7 @@ def reference_models(run: RunDirectory, round_number: int, pool: ImageSet, count
                 write_split(partial / "train", half, dataset.num_classes)
                 write_split(partial / "test", with_every_class(dataset.test, dataset.public, dataset.num_classes),
                             dataset.num_classes)
-                write_split(partial / "public", with_every_class(dataset.public, half, dataset.num_classes),
+                write_split(partial / "public", with_every_class(guard, half, dataset.num_classes),
                             dataset.num_classes)
                 partial.rename(data)
             if not (folder / RUN).is_dir():
