@@ -19,7 +19,8 @@ from eftguard.audit.result import FIGURE_DIRECTION, figure_direction
 from eftguard.cli import USER_ERRORS, build_parser, main
 from eftguard.rundir import RunError
 
-FAST = {"invert": {"steps": 2, "max_images": 3}, "labels": {}, "gradient": {"observe": "probe"}}
+FAST = {"invert": {"steps": 2, "max_images": 3}, "labels": {}, "gradient": {"observe": "probe"},
+        "membership": {"target": "update", "candidates": 20}}
 LPIPS = {"invert": "stlpips-alex", "gradient": "stlpips-alex"}
 
 
@@ -31,7 +32,8 @@ def without_timing(report: dict) -> dict:
     return {**report, "details": {k: v for k, v in report["details"].items() if k != "attack_seconds"}}
 
 
-@pytest.mark.parametrize("family, method", [("invert", "decoder"), ("labels", "head"), ("gradient", "analytic")])
+@pytest.mark.parametrize("family, method", [("invert", "decoder"), ("labels", "head"), ("gradient", "analytic"),
+                                            ("membership", "loss")])
 def test_the_api_and_the_cli_write_the_same_report(feature_run, tmp_path, family, method):
     backend = ["--lpips-backend", LPIPS[family]] if family in LPIPS else []
     main(["attack", family, str(feature_run), "--method", method, "--out", str(tmp_path / "cli"),
