@@ -420,8 +420,8 @@ def write_run_report(run_path: Path, config_toml: str, metrics: list[dict], repo
                                          for k, v in details.items()) + "</ul>")
         roc = folder / ROC_PLOT
         if roc.exists():
-            lines += [f"![{md(report['attack'])}: ROC curve, log-log]({quote(roc.relative_to(reports_dir).as_posix())})",
-                      ""]
+            link = quote(roc.relative_to(reports_dir).as_posix())
+            lines += [f"![{md(report['attack'])}: ROC curve, log-log]({link})", ""]
             body.append(plot_html(roc.read_bytes(), f"{report['attack']}: ROC curve, log-log"))
         grid = folder / "grid.png"
         if grid.exists():

@@ -96,8 +96,9 @@ def memorised(micro_preset):
 
     candidates = slice(2 * MEMBERS, None)
     is_member = np.r_[np.ones(MEMBERS, bool), np.zeros(NON_MEMBERS, bool)]
-    return (memorise(slice(2 * MEMBERS, 3 * MEMBERS)), [memorise(slice(0, MEMBERS)), memorise(slice(MEMBERS, 2 * MEMBERS))],
-            images[candidates], labels[candidates], is_member, images[:2 * MEMBERS], labels[:2 * MEMBERS])
+    references = [memorise(slice(0, MEMBERS)), memorise(slice(MEMBERS, 2 * MEMBERS))]
+    return (memorise(slice(2 * MEMBERS, 3 * MEMBERS)), references, images[candidates], labels[candidates], is_member,
+            images[:2 * MEMBERS], labels[:2 * MEMBERS])
 
 
 @pytest.mark.parametrize("method", ["loss", "lira", "rmia"])
@@ -155,7 +156,8 @@ def test_cli_writes_the_report_and_its_roc_plot(eftvit_run, tmp_path, capsys):
           str(tmp_path)])
     folder = tmp_path / "membership-loss"
     report = json.loads((folder / "report.json").read_text())
-    assert report["details"]["target"] == "update" and report["details"]["members"].startswith("the training images of client")
+    assert report["details"]["target"] == "update"
+    assert report["details"]["members"].startswith("the training images of client")
     assert report["details"]["non_members"] and (folder / "roc.png").stat().st_size > 0
     curve = report["details"]["roc"]["method"]
     assert curve["fpr"][0] == curve["tpr"][0] == 0 and curve["fpr"][-1] == curve["tpr"][-1] == 1

@@ -9,6 +9,7 @@ observation builder in eftguard.audit.observe and a Family here (docs/add-an-att
 from __future__ import annotations
 
 import itertools
+import time
 from dataclasses import dataclass, fields, replace
 from pathlib import Path
 
@@ -363,8 +364,6 @@ class MembershipFamily(Family):
         return super().attack(cls, job, method_options)
 
     def observe(self, job: Job, attack: Attack) -> Observed:
-        import time
-
         from eftguard.audit.references import reference_models
         from eftguard.data import ImageSet
 

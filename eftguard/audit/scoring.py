@@ -242,6 +242,8 @@ def membership_members(run: RunDirectory, round_number: int, partition: int, tar
 def membership_candidates(run: RunDirectory, round_number: int, partition: int, target: str, count: int,
                           seed: int) -> MembershipCandidates:
     """Up to `count` members and as many held-out non-members, a seeded random choice of each."""
+    from eftguard.federation.client import run_dataset
+
     members, members_from = membership_members(run, round_number, partition, target)
     held_out = held_out_images(run)
     if not len(held_out):
@@ -256,8 +258,6 @@ def membership_candidates(run: RunDirectory, round_number: int, partition: int, 
     labels = np.concatenate([members.labels[chosen_members], held_out.labels[chosen_outside]])
     is_member = np.concatenate([np.ones(per_side, bool), np.zeros(per_side, bool)])
     order = rng.permutation(2 * per_side)
-    from eftguard.federation.client import run_dataset
-
     cfg = run.config()
     public = run_dataset(cfg.dataset, cfg.data_dir, cfg.model, cfg.train_samples, 0, cfg.seed).public
     return MembershipCandidates(images[order], labels[order], is_member[order],
@@ -326,5 +326,4 @@ def membership_summary(scores: np.ndarray, loss_scores: np.ndarray, is_member: n
                "roc": roc}
     groups = {"metrics": group(membership_figures(scores, is_member)),
               "baseline": group(membership_figures(loss_scores, is_member)), "chance": group(chance)}
-    per_client = {}
-    return Summary(groups, per_client, details)
+    return Summary(groups, {}, details)
