@@ -20,7 +20,7 @@ from eftguard.cli import USER_ERRORS, build_parser, main
 from eftguard.rundir import RunError
 
 FAST = {"invert": {"steps": 2, "max_images": 3}, "labels": {}, "gradient": {"observe": "probe"},
-        "membership": {"target": "update", "candidates": 20}}
+        "membership": {"candidates": 20}}
 LPIPS = {"invert": "stlpips-alex", "gradient": "stlpips-alex"}
 
 

@@ -154,7 +154,7 @@ def test_the_attacks_see_candidates_but_never_membership_or_ground_truth(eftvit_
 def test_cli_writes_the_report_and_its_roc_plot(eftvit_run, tmp_path, capsys):
     main(["attack", "membership", str(eftvit_run), "--target", "update", "--candidates", "30", "--out",
           str(tmp_path)])
-    folder = tmp_path / "membership-loss"
+    folder = tmp_path / "membership-loss-update"  # beside membership-loss (the global target), not over it
     report = json.loads((folder / "report.json").read_text())
     assert report["details"]["target"] == "update"
     assert report["details"]["members"].startswith("the training images of client")

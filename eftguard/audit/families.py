@@ -382,6 +382,7 @@ class MembershipFamily(Family):
                                                  candidates.labels, attack.threat_model.positions_known,
                                                  references, population)
         return Observed(observation, {"is_member": candidates.is_member, "members_from": candidates.members_from,
+                                      "non_members_from": candidates.non_members_from,
                                       "reference_seconds": round(time.perf_counter() - started, 1)})
 
     def score(self, job: Job, attack: Attack, observed: Observed, result, seconds: float) -> AttackReport:
@@ -391,8 +392,7 @@ class MembershipFamily(Family):
             LossAttack(threat_model=attack.threat_model).reconstruct(observed.observation)
         details = {"method": attack.summary, "target": target, "threat_model": MEMBERSHIP_THREAT[target],
                    "members": observed.auditor["members_from"],
-                   "non_members": "held-out images of the run's dataset (no client trained on them, the server "
-                                  "never evaluated on them)",
+                   "non_members": observed.auditor["non_members_from"],
                    "attack_seconds": round(seconds, 2), "dp_eps": cfg.dp_eps, "run_method": cfg.method,
                    **result.details}
         if attack.uses_references:
@@ -400,9 +400,11 @@ class MembershipFamily(Family):
                                            f"{job.round_number} round(s) on half of the attacker's data "
                                            f"({observed.auditor['reference_seconds']} s incl. loading or training)")
         summary = scoring.membership_summary(result.scores, loss.scores, observed.auditor["is_member"], details)
-        if target != "global":
-            summary.per_client = {str(job.clients[0]): {k: v["mean"] for k, v in summary.groups["metrics"].items()}}
-        return self.report(job, attack, summary, None)
+        if target == "global":
+            return self.report(job, attack, summary, None)
+        summary.per_client = {str(job.clients[0]): {k: v["mean"] for k, v in summary.groups["metrics"].items()}}
+        report = self.report(job, attack, summary, None)
+        return replace(report, attack=f"{report.attack}-{target}")  # its own folder: membership-loss-update
 
 
 FAMILIES: dict[str, Family] = {f.name: f for f in (InvertFamily(), LabelsFamily(), GradientFamily(),

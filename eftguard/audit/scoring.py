@@ -208,11 +208,14 @@ class MembershipCandidates:
     pool_images: np.ndarray
     pool_labels: np.ndarray
     members_from: str
+    non_members_from: str
 
 
-def held_out_images(run: RunDirectory) -> ImageSet:
-    """Images of the run's dataset that no client trained on and the server never evaluated on: the train split
-    beyond --train-samples and the test split beyond --test-samples."""
+def held_out_images(run: RunDirectory) -> tuple[ImageSet, str]:
+    """Images of the run's dataset that no client trained on, and where they come from: the train split beyond
+    --train-samples (the members' own distribution); only when the run used all of it, the test split beyond
+    --test-samples (never evaluated on, but possibly of another distribution: photos cuts its splits from
+    different regions of each photograph)."""
     from eftguard.data.registry import load_dataset
     from eftguard.federation.client import run_dataset
     from eftguard.model import PRESETS
@@ -220,9 +223,12 @@ def held_out_images(run: RunDirectory) -> ImageSet:
     cfg = run.config()
     full = load_dataset(cfg.dataset, cfg.data_dir or None, PRESETS[cfg.model].image_size)
     used = run_dataset(cfg.dataset, cfg.data_dir, cfg.model, cfg.train_samples, cfg.test_samples, cfg.seed)
-    parts = [split.subset(np.setdiff1d(np.arange(len(split)), used_split.ids))
-             for split, used_split in ((full.train, used.train), (full.test, used.test))]
-    return ImageSet(np.concatenate([p.images for p in parts]), np.concatenate([p.labels for p in parts]))
+    train = full.train.subset(np.setdiff1d(np.arange(len(full.train)), used.train.ids))
+    if len(train):
+        return train, "train-split images beyond --train-samples (no client trained on them)"
+    test = full.test.subset(np.setdiff1d(np.arange(len(full.test)), used.test.ids))
+    return test, ("test-split images beyond --test-samples (the run trained on its whole train split; the server "
+                  "never evaluated on these)")
 
 
 def membership_members(run: RunDirectory, round_number: int, partition: int, target: str) -> tuple[ImageSet, str]:
@@ -245,7 +251,7 @@ def membership_candidates(run: RunDirectory, round_number: int, partition: int, 
     from eftguard.federation.client import run_dataset
 
     members, members_from = membership_members(run, round_number, partition, target)
-    held_out = held_out_images(run)
+    held_out, held_out_from = held_out_images(run)
     if not len(held_out):
         raise RunError(f"{run.path} trained on its whole dataset: no held-out images are left to serve as "
                        "non-members. Train with --train-samples (or --test-samples) below the split's size")
@@ -262,7 +268,8 @@ def membership_candidates(run: RunDirectory, round_number: int, partition: int, 
     public = run_dataset(cfg.dataset, cfg.data_dir, cfg.model, cfg.train_samples, 0, cfg.seed).public
     return MembershipCandidates(images[order], labels[order], is_member[order],
                                 np.concatenate([public.images, held_out.images[rest]]),
-                                np.concatenate([public.labels, held_out.labels[rest]]), members_from)
+                                np.concatenate([public.labels, held_out.labels[rest]]), members_from,
+                                held_out_from)
 
 
 def roc_curve(scores: np.ndarray, is_member: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
