@@ -232,13 +232,21 @@ def held_out_images(run: RunDirectory) -> tuple[ImageSet, str]:
 
 
 def membership_members(run: RunDirectory, round_number: int, partition: int, target: str) -> tuple[ImageSet, str]:
-    """global: the training images of every client that took part in rounds 1..t; upload and update: the
-    attacked client's training images (all of them, uploaded or not)."""
+    """global: the training images of every client that took part in rounds 1..t; update: the attacked client's
+    training images; upload: the distinct images behind the client's uploaded feature sets of the round (the
+    question is "is x among these feature sets?"; median sampling leaves some of a client's images out)."""
+    from eftguard.data.registry import load_dataset
     from eftguard.federation.client import select_clients
+    from eftguard.model import PRESETS
 
-    if target != "global":
+    if target == "update":
         return client_training_set(run, partition), f"the training images of client {partition}"
     cfg = run.config()
+    if target == "upload":
+        full = load_dataset(cfg.dataset, cfg.data_dir or None, PRESETS[cfg.model].image_size)
+        ids = np.unique(run.load_truth(round_number, partition)["sample_ids"])
+        return full.train.subset(ids), (f"the {len(ids)} distinct images behind client {partition}'s uploaded "
+                                        f"feature sets of round {round_number}")
     trained = sorted({k for r in range(1, round_number + 1) for k in select_clients(cfg, r)})
     sets = [client_training_set(run, k) for k in trained]
     return (ImageSet(np.concatenate([s.images for s in sets]), np.concatenate([s.labels for s in sets])),
