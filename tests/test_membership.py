@@ -69,9 +69,8 @@ def untrained_run(tmp_path_factory, micro_preset):
 
 @pytest.fixture(scope="module")
 def eftvit_run(tmp_path_factory, micro_preset):
-    """An eftvit run in which every client uploads each of its images once (--balance none)."""
-    return train_in_process(tmp_path_factory.mktemp("runs") / "eftvit", model=micro_preset, train_samples=160,
-                            balance="none")
+    """An eftvit run with median sampling: each client uploads features of some of its images, some twice."""
+    return train_in_process(tmp_path_factory.mktemp("runs") / "eftvit", model=micro_preset, train_samples=160)
 
 
 # --- calibration --------------------------------------------------------------------------------------------
@@ -131,8 +130,8 @@ def test_an_uploaded_feature_set_gives_its_image_away_unless_the_features_are_no
     exposed = run_attack(eftvit_run, "membership", target="upload", positions=positions, candidates=60)
     assert exposed.figures()["auc"] > 0.95
     assert exposed.capabilities["positions_known"] == (positions == "known")
-    noised = train_in_process(tmp_path / "noised", model=micro_preset, train_samples=160, balance="none",
-                              feature_clip=1.0, feature_noise=20.0)
+    noised = train_in_process(tmp_path / "noised", model=micro_preset, train_samples=160, feature_clip=1.0,
+                              feature_noise=20.0)
     assert abs(run_attack(noised, "membership", target="upload", positions=positions,
                           candidates=60).figures()["auc"] - 0.5) < 0.15
 
