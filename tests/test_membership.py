@@ -14,6 +14,7 @@ from eftguard.audit import run_attack
 from eftguard.audit import scoring
 from eftguard.cli import main
 from eftguard.model import build_model
+from eftguard.rundir import RunDirectory
 from eftguard.training import OptimConfig, train_local
 from eftguard.verdict import verdict
 
@@ -134,6 +135,19 @@ def test_an_uploaded_feature_set_gives_its_image_away_unless_the_features_are_no
                               feature_noise=20.0)
     assert abs(run_attack(noised, "membership", target="upload", positions=positions,
                           candidates=60).figures()["auc"] - 0.5) < 0.15
+
+
+def test_non_members_are_unseen_images_of_the_members_classes_and_never_in_the_attackers_data(eftvit_run):
+    run = RunDirectory.open(eftvit_run)
+    candidates = scoring.membership_candidates(run, 1, 0, "update", 60, seed=0)
+    members, others = candidates.is_member, ~candidates.is_member
+    assert members.sum() == others.sum() > 0
+    assert sorted(candidates.labels[members]) == sorted(candidates.labels[others])  # classes give nothing away
+    trained = {image.tobytes() for image in scoring.client_training_set(run, 0).images}
+    assert all(image.tobytes() in trained for image in candidates.images[members])
+    assert not any(image.tobytes() in trained for image in candidates.images[others])  # no copy of a member either
+    pool = {image.tobytes() for image in candidates.pool_images}
+    assert not any(image.tobytes() in pool for image in candidates.images)  # references never train on one
 
 
 def test_the_attacks_see_candidates_but_never_membership_or_ground_truth(eftvit_run, monkeypatch):

@@ -255,29 +255,56 @@ def membership_members(run: RunDirectory, round_number: int, partition: int, tar
 
 def membership_candidates(run: RunDirectory, round_number: int, partition: int, target: str, count: int,
                           seed: int) -> MembershipCandidates:
-    """Up to `count` members and as many held-out non-members, a seeded random choice of each."""
+    """Up to `count` members and as many held-out non-members with the same labels, a seeded random choice.
+    Matching the labels keeps the question to membership: a client of a few classes (non-IID) would otherwise be
+    told apart by its classes alone."""
     from eftguard.federation.client import run_dataset
 
     members, members_from = membership_members(run, round_number, partition, target)
     held_out, held_out_from = held_out_images(run)
-    if not len(held_out):
-        raise RunError(f"{run.path} trained on its whole dataset: no held-out images are left to serve as "
-                       "non-members. Train with --train-samples (or --test-samples) below the split's size")
-    per_side = min(count, len(members), len(held_out))
+    held_out = without_copies_of(members, held_out)
     rng = np.random.default_rng([seed, round_number, partition, 14])
-    chosen_members = rng.choice(len(members), per_side, replace=False)
-    shuffled = rng.permutation(len(held_out))
-    chosen_outside, rest = shuffled[:per_side], shuffled[per_side:]
+    chosen_members = rng.permutation(len(members))[:count]
+    chosen_members, chosen_outside = label_matched(members.labels[chosen_members], held_out.labels, rng,
+                                                   chosen_members)
+    if not len(chosen_members):
+        raise RunError(f"{run.path} left no held-out images of its clients' classes to serve as non-members (it "
+                       "trained on its whole dataset): train with --train-samples below the train split's size")
+    rest = np.setdiff1d(np.arange(len(held_out)), chosen_outside)
+    per_side = len(chosen_members)
     images = np.concatenate([members.images[chosen_members], held_out.images[chosen_outside]])
     labels = np.concatenate([members.labels[chosen_members], held_out.labels[chosen_outside]])
     is_member = np.concatenate([np.ones(per_side, bool), np.zeros(per_side, bool)])
     order = rng.permutation(2 * per_side)
     cfg = run.config()
-    public = run_dataset(cfg.dataset, cfg.data_dir, cfg.model, cfg.train_samples, 0, cfg.seed).public
-    return MembershipCandidates(images[order], labels[order], is_member[order],
-                                np.concatenate([public.images, held_out.images[rest]]),
-                                np.concatenate([public.labels, held_out.labels[rest]]), members_from,
-                                held_out_from)
+    public = without_copies_of(members, run_dataset(cfg.dataset, cfg.data_dir, cfg.model, cfg.train_samples, 0,
+                                                    cfg.seed).public)
+    pool = without_copies_of(ImageSet(images, labels),  # nor of a non-member: a reference must never see one
+                             ImageSet(np.concatenate([public.images, held_out.images[rest]]),
+                                      np.concatenate([public.labels, held_out.labels[rest]])))
+    return MembershipCandidates(images[order], labels[order], is_member[order], pool.images, pool.labels,
+                                members_from, held_out_from)
+
+
+def without_copies_of(originals: ImageSet, images: ImageSet) -> ImageSet:
+    """images without the exact pixel copies of an original (photos has flat crops, e.g. all-white logo corners,
+    in several splits): a copy of a member is a member and a non-member at once."""
+    copies = {image.tobytes() for image in originals.images}
+    return images.subset(np.array([image.tobytes() not in copies for image in images.images], dtype=bool))
+
+
+def label_matched(member_labels: np.ndarray, pool_labels: np.ndarray, rng: np.random.Generator,
+                  member_rows: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """(member rows, pool rows) with equal label histograms: per class, as many pool images as chosen members,
+    and members dropped where the pool has too few of their class."""
+    kept_members, outside = [], []
+    for label in np.unique(member_labels):
+        mine = member_rows[member_labels == label]
+        theirs = rng.permutation(np.flatnonzero(pool_labels == label))
+        n = min(len(mine), len(theirs))
+        kept_members.append(mine[:n])
+        outside.append(theirs[:n])
+    return np.concatenate(kept_members), np.concatenate(outside)
 
 
 def roc_curve(scores: np.ndarray, is_member: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
