@@ -219,3 +219,13 @@ def test_reference_models_are_trained_once_and_reused(eftvit_run, tmp_path, monk
     rmia = run_attack(eftvit_run, "membership", "rmia", references=1, candidates=20, references_dir=cache)
     assert len(trained) == 1 and rmia.groups["metrics"]["auc"]["n"] == 40  # the same references serve rmia
 
+
+
+def test_a_gate_on_a_low_fpr_figure_is_accepted_and_points_the_leaking_way():
+    from eftguard.audit.gate import check_before_training, parse_gate
+    from eftguard.figures import figure_direction
+
+    gate = parse_gate("membership.tpr_at_0.1pct_fpr < 0.05")  # the figure's own dot is not a group separator
+    assert (gate.subject, gate.figure) == ("membership", "tpr_at_0.1pct_fpr")
+    check_before_training([gate, parse_gate("membership.baseline.tpr_at_1pct_fpr < 0.05")], {"membership"}, set())
+    assert figure_direction("chance.tpr_at_0.1pct_fpr") == figure_direction("auc") == 1
