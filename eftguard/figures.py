@@ -11,14 +11,21 @@ FIGURE_DIRECTION: dict[str, int] = {
     "position_accuracy": 1, "label_accuracy": 1,
     "l1": -1, "js": -1, "exact_count_accuracy": 1, "presence_precision": 1, "presence_recall": 1, "presence_f1": 1,
     "epsilon_lower_bound": 1, "guess_accuracy": 1,
+    "auc": 1, "tpr_at_0.1pct_fpr": 1, "tpr_at_1pct_fpr": 1, "balanced_accuracy": 1,
 }
 # Accuracies an attack reports about itself in its details, as {"mean", "std", "n"}.
 DETAIL_FIGURES = ("position_accuracy", "label_accuracy")
 
 
+def metric_of(figure: str) -> str:
+    """The metric a figure name reports: "baseline_kept.psnr" -> "psnr"; a metric may hold a dot itself
+    ("tpr_at_0.1pct_fpr", "chance.tpr_at_0.1pct_fpr")."""
+    return figure if figure in FIGURE_DIRECTION else figure.split(".", 1)[-1]
+
+
 def figure_direction(figure: str) -> int:
     """FIGURE_DIRECTION of a figure name, also for baseline figures: "baseline_kept.psnr" goes the way of psnr."""
-    return FIGURE_DIRECTION[figure.rsplit(".", 1)[-1]]
+    return FIGURE_DIRECTION[metric_of(figure)]
 
 
 def figures_of(groups: dict, details: dict) -> dict[str, float]:

@@ -39,6 +39,7 @@ GROUP_TITLES = {
     "baseline_blur": "blurred kept patches",
 }
 LOWER_IS_BETTER = {"lpips", "l1", "js"}
+ROC_DETAILS, ROC_PLOT = "roc", "roc.png"  # membership reports: ROC curves in details, drawn as roc.png
 DP_SCOPE = ("--dp-eps, when on, bounds everything a client uploads (parameters by DP-SGD; patch features, their "
             "labels and row counts by a Gaussian release) by (epsilon, delta) per client over the run "
             "(docs/dp.md); without it, the uploaded patch features are a direct function of the client's images.")
@@ -107,8 +108,13 @@ def capabilities_text(report: dict) -> str:
 def attack_markdown_body(report: dict) -> list[str]:
     """Capabilities, the summary table and the details of one attack report, as Markdown lines."""
     lines = [md(capabilities_text(report)), "", markdown_table(summary_table(report)), ""]
-    details = report.get("details", {})
+    details = shown_details(report)
     return lines + [f"- {md(k)}: {md(detail_text(v))}" for k, v in details.items()] + ([""] if details else [])
+
+
+def shown_details(report: dict) -> dict:
+    """The details a reader sees as text: curves (membership's "roc" arrays) are drawn in roc.png instead."""
+    return {k: v for k, v in report.get("details", {}).items() if k != ROC_DETAILS}
 
 
 def attack_markdown(report: dict, grid_name: str | None) -> str:
@@ -116,6 +122,8 @@ def attack_markdown(report: dict, grid_name: str | None) -> str:
              *attack_markdown_body(report)]
     if grid_name:
         parts += [f"![original | what the client sent | reconstruction]({grid_name})", ""]
+    if ROC_DETAILS in report.get("details", {}):
+        parts += [f"![ROC curve, log-log: the attack, the LOSS baseline and a random guess]({ROC_PLOT})", ""]
     parts += [DP_SCOPE, ""]
     return "\n".join(parts)
 
@@ -159,6 +167,8 @@ def write_attack_report(out_root: Path, report: dict, grid: Image.Image | None =
     (folder / "report.json").write_text(json.dumps(report, indent=2) + "\n")
     if grid is not None:
         grid.save(folder / "grid.png")
+    if isinstance(report.get("details", {}).get(ROC_DETAILS), dict):
+        (folder / ROC_PLOT).write_bytes(roc_plot(report["details"][ROC_DETAILS], report["attack"]))
     (folder / "report.md").write_text(attack_markdown(report, "grid.png" if grid is not None else None))
     return folder
 
@@ -253,6 +263,25 @@ def accuracy_plot(metrics: list[dict]) -> bytes:
     ax.plot([m["round"] for m in metrics], [m["test_accuracy"] for m in metrics], marker="o")
     ax.set_ylim(0, 1)
     ax.xaxis.set_major_locator(MaxNLocator(integer=True))
+    return plot_png(fig)
+
+
+def roc_plot(curves: dict, attack: str) -> bytes:
+    """The ROC curves {"method": {"fpr", "tpr"}, "loss": ...} on log-log axes (the low-FPR end is what matters
+    for membership), beside a random guess; points at zero cannot be drawn on a log scale and are left out."""
+    fig, ax = new_plot(f"{attack}: ROC curve", "false-positive rate", "true-positive rate")
+    ax.set_xscale("log")
+    ax.set_yscale("log")
+    labels = {"method": attack, "loss": "LOSS baseline"}
+    lows = []
+    for name, curve in curves.items():
+        fpr, tpr = np.asarray(curve["fpr"], dtype=float), np.asarray(curve["tpr"], dtype=float)
+        drawn = (fpr > 0) & (tpr > 0)
+        lows += list(fpr[drawn])
+        ax.plot(fpr[drawn], tpr[drawn], label=plain(labels.get(name, name)), drawstyle="steps-post")
+    low = min(lows, default=1e-3)
+    ax.plot([low, 1], [low, 1], linestyle="--", color="grey", label="random guess")
+    ax.legend(loc="lower right")
     return plot_png(fig)
 
 
@@ -385,10 +414,15 @@ def write_run_report(run_path: Path, config_toml: str, metrics: list[dict], repo
         lines += [f"### {md(title)}", "", *attack_markdown_body(report)]
         body += [f"<h3>{html.escape(title)}</h3>", f"<p>{html.escape(capabilities_text(report))}</p>",
                  _html_table(summary_table(report))]
-        details = report.get("details", {})
+        details = shown_details(report)
         if details:
             body.append("<ul>" + "".join(f"<li>{html.escape(str(k))}: {html.escape(detail_text(v))}</li>"
                                          for k, v in details.items()) + "</ul>")
+        roc = folder / ROC_PLOT
+        if roc.exists():
+            link = quote(roc.relative_to(reports_dir).as_posix())
+            lines += [f"![{md(report['attack'])}: ROC curve, log-log]({link})", ""]
+            body.append(plot_html(roc.read_bytes(), f"{report['attack']}: ROC curve, log-log"))
         grid = folder / "grid.png"
         if grid.exists():
             lines += [f"![{md(report['attack'])}: original, what was sent, reconstruction, PSNR per row]"

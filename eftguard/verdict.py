@@ -56,6 +56,7 @@ class Headline:
 
 PSNR_GAIN_DB = (2.0, 6.0)       # docs/reports.md: "Image channels"
 LABEL_ERROR_REMOVED = (0.2, 0.5)  # docs/reports.md: "Labels"
+MEMBERSHIP_AUC_GAIN = (0.05, 0.2)  # docs/reports.md: "Membership"
 
 
 @dataclass(frozen=True)
@@ -78,6 +79,9 @@ CHANNELS = (
     Channel("labels", "labels", (
         Headline("l1", "baseline.l1", "class-histogram error (L1)", "L1", "the prior", "",
                  *LABEL_ERROR_REMOVED),)),
+    Channel("membership", "membership", (
+        Headline("auc", "chance.auc", "members told apart from non-members (ROC AUC)", "AUC", "a random guess", "",
+                 *MEMBERSHIP_AUC_GAIN),)),
 )
 
 

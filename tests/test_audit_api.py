@@ -19,7 +19,8 @@ from eftguard.audit.result import FIGURE_DIRECTION, figure_direction
 from eftguard.cli import USER_ERRORS, build_parser, main
 from eftguard.rundir import RunError
 
-FAST = {"invert": {"steps": 2, "max_images": 3}, "labels": {}, "gradient": {"observe": "probe"}}
+FAST = {"invert": {"steps": 2, "max_images": 3}, "labels": {}, "gradient": {"observe": "probe"},
+        "membership": {"candidates": 20}}
 LPIPS = {"invert": "stlpips-alex", "gradient": "stlpips-alex"}
 
 
@@ -31,7 +32,8 @@ def without_timing(report: dict) -> dict:
     return {**report, "details": {k: v for k, v in report["details"].items() if k != "attack_seconds"}}
 
 
-@pytest.mark.parametrize("family, method", [("invert", "decoder"), ("labels", "head"), ("gradient", "analytic")])
+@pytest.mark.parametrize("family, method", [("invert", "decoder"), ("labels", "head"), ("gradient", "analytic"),
+                                            ("membership", "loss")])
 def test_the_api_and_the_cli_write_the_same_report(feature_run, tmp_path, family, method):
     backend = ["--lpips-backend", LPIPS[family]] if family in LPIPS else []
     main(["attack", family, str(feature_run), "--method", method, "--out", str(tmp_path / "cli"),
@@ -81,7 +83,7 @@ def test_a_report_of_another_schema_version_is_refused(tmp_path, version, messag
 
 
 @pytest.mark.parametrize("family, method, options, listed", [
-    ("inversion", None, {}, "choose one of invert, labels, gradient"),
+    ("inversion", None, {}, "choose one of invert, labels, gradient, membership"),
     ("invert", "magic", {}, "unknown invert method 'magic': choose one of decoder, optimize"),
     ("gradient", "dlg", {"iterations": 5}, "its options are observe, batch, steps"),
     ("labels", "presence", {"link_ratio": 0.5}, "'presence' has no option 'link_ratio': its options are none"),

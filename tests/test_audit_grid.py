@@ -144,7 +144,7 @@ def test_no_grid_is_one_configuration_of_the_defaults():
     ("[grid]\nmask_ratio = [\"half\"]\n", "sweep.toml [grid]: mask_ratio must be a float, got 'half'"),
     ("[[grid]]\nmethod = [\"fedavg\"]\n[[grid]]\nmethod = [\"eftvit\"]\nrounds = [0]\n",
      "sweep.toml [[grid]] #2: configuration method=eftvit,rounds=0: --rounds must be > 0"),
-    ("[[attack]]\nfamily = \"invrt\"\n", "sweep.toml [[attack]] #1: family must be one of invert, labels, gradient, got 'invrt'"),
+    ("[[attack]]\nfamily = \"invrt\"\n", "sweep.toml [[attack]] #1: family must be one of invert, labels, gradient, membership, got 'invrt'"),
     ("[[attack]]\nfamily = \"invert\"\nmethod = \"magic\"\n", "sweep.toml [[attack]] #1: invert has no method 'magic'"),
     ("[[attack]]\nfamily = \"labels\"\n[[attack]]\nfamily = \"labels\"\nmethod = \"head\"\n",
      "sweep.toml [[attack]] #2: a second attack named 'labels-head'"),

@@ -62,7 +62,8 @@ def test_label_levels_relative_to_the_prior(l1, baseline, level):
 
 def test_a_channel_without_an_attack_is_not_audited_never_safe():
     verdicts = verdict.verdict([label_report("labels-head", 0.1, 0.9)])
-    assert [v.channel for v in verdicts] == ["uploaded features", "parameter updates", "labels"]
+    assert [v.channel for v in verdicts] == ["uploaded features", "parameter updates", "labels",
+                                              "membership"]
     for channel in ("uploaded features", "parameter updates"):
         v = by_channel(verdicts)[channel]
         assert v.level == "not audited" and v.attack is None
@@ -308,10 +309,10 @@ def test_audit_report_tables_plots_and_failures(tmp_path):
 
     verdicts = {row[0]: row for row in page.tables[0][1:]}
     assert page.tables[0][0] == ["configuration", "test accuracy", "ε", "uploaded features", "parameter updates",
-                                 "labels"]
+                                 "labels", "membership"]
     assert verdicts["mask_ratio=0.5,seed=0"][1:] == [
         "0.410", "off", "kept patches 28.0 dB vs 12.0 dB, invert-decoder: high", "not audited",
-        "L1 0.300 vs 0.900, labels-head: high"]
+        "L1 0.300 vs 0.900, labels-head: high", "not audited"]
     assert verdicts["mask_ratio=0.9,seed=0"][5] == "not audited"
     assert verdicts["mask_ratio=0.9,seed=1"][1] == "–" and verdicts["mask_ratio=0.9,seed=1"][3].startswith(
         "whole image 20.0 dB")  # NaN kept figure: the whole-image figure stands in
@@ -409,8 +410,9 @@ def test_garbage_inside_a_summary_is_shown_as_missing_not_a_crash(tmp_path):
     gates = [{"expression": None, "passed": "yes", "failures": [None, {"value": "NaN"}]}]
     html_file, _ = write_audit_report({"configurations": garbage, "gates": gates}, tmp_path)
     page = Page(html_file.read_text())
-    assert [row[1:] for row in page.tables[0][1:]] == [["–", "off", "not audited", "not audited", "not audited"],
-                                                       ["–", "2.00", "not scored", "not audited", "not scored"]]
+    assert [row[1:] for row in page.tables[0][1:]] == [
+        ["–", "off", "not audited", "not audited", "not audited", "not audited"],
+        ["–", "2.00", "not scored", "not audited", "not scored", "not audited"]]
     assert page.tables[1][1] == ["None", "FAILED", "None: None = –"]  # only a literal true passes a gate
     assert len(page.sources()) == 0  # nothing finite to plot
     figures = {row[0]: row for row in page.tables[2][1:] if row[0]}

@@ -9,6 +9,7 @@ observation builder in eftguard.audit.observe and a Family here (docs/add-an-att
 from __future__ import annotations
 
 import itertools
+import time
 from dataclasses import dataclass, fields, replace
 from pathlib import Path
 
@@ -20,6 +21,7 @@ from attacks.dp_audit import CHANNELS, DP_AUDIT
 from attacks.gradient import GRADIENT
 from attacks.inversion import INVERT
 from attacks.labels import LABELS
+from attacks.membership import MEMBERSHIP, TARGETS, LossAttack
 from eftguard import metrics
 from eftguard.audit import observe, scoring
 from eftguard.audit.result import AttackReport, json_ready
@@ -362,8 +364,125 @@ class DPAuditFamily(Family):
         return self.report(job, attack, scoring.Summary(groups, {}, details), None)
 
 
+# --- membership ---------------------------------------------------------------------------------------------
+
+@dataclass
+class MembershipOptions:
+    target: str = option("global", "global: black box on the assembled model after the round; upload: one "
+                                   "client's uploaded features and local module (the server); update: one "
+                                   "client's uploaded parameters against the round's start weights",
+                         name_value, choices=TARGETS)
+    candidates: int = option(200, "members scored (a seeded random choice of the attacked clients' training "
+                                  "images), and as many held-out non-members", whole_number(1))
+    references: int = option(2, "reference models of lira and rmia, each a training run of the run's "
+                                 "configuration on half of the attacker's data (cached)", whole_number(1))
+    positions: str = option("known", "--target upload: known: the auditor grants each upload's kept-patch "
+                                     "positions; unknown: the attack matches tokens at any position",
+                            name_value, choices=("known", "unknown"))
+    references_dir: Path | None = option(None, "cache of the reference models (default: RUN/reports/"
+                                               "membership-references)", path_value)
+
+
+MEMBERSHIP_THREAT = {
+    "global": "black box: the attacker queries the assembled model of the round on an image and its label (any "
+              "party holding the final model); lira and rmia add reference models it trained on its own data",
+    "upload": "honest-but-curious server holding one client's uploaded patch features and its uploaded local "
+              "module phi_k of the round",
+    "update": "honest-but-curious server holding one client's uploaded parameters and the round's start weights "
+              "(white box)",
+}
+POPULATION = 500  # rmia's population samples z, a seeded choice from the attacker's data
+
+
+class MembershipFamily(Family):
+    name = "membership"
+    registry = MEMBERSHIP
+    help = "tell whether an image was in a client's training data"
+    description = ("Membership inference against one round (--clients K for upload and update; default: the "
+                   "lowest with an upload). Candidates: training images of the attacked clients (members) and as "
+                   "many held-out images (non-members), without their membership; scored against it by ROC AUC, "
+                   "TPR at 0.1% and 1% FPR and balanced accuracy, beside the LOSS attack and a random guess, with "
+                   "the ROC curve in roc.png.")
+    options_type = MembershipOptions
+    image_metrics = False
+    seeded = True
+    cli_method = "loss"
+
+    def pick_clients(self, clients: list[int], choice: str | list[int]) -> list[int]:
+        if choice == "all":
+            return clients[:1]
+        if len(clients) > 1:
+            raise AttackError(f"the membership attack targets one client: give one partition id to --clients, "
+                              f"not {clients}")
+        return clients
+
+    def threat_model(self, job: Job, cls: type) -> ThreatModel:
+        target = job.options["target"]
+        return ThreatModel(sees_uploads=target != "global", knows_weights=target != "global",
+                           aux_data="public split and held-out images" if cls.uses_references else None,
+                           positions_known=target == "upload" and job.options["positions"] == "known")
+
+    def applicable_targets(self, job: Job, cls: type) -> list[str]:
+        uploads_features = method_spec(job.run.config().method).uploads_features
+        return [t for t in cls.targets if t != "upload" or uploads_features]
+
+    def attack(self, cls: type, job: Job, method_options: dict) -> Attack:
+        """Refused before any work when the target does not apply: upload on a run without feature uploads,
+        or a method defined on the global model only."""
+        usable = self.applicable_targets(job, cls)
+        if job.options["target"] not in usable:
+            why = (f"a {job.run.config().method} run uploads no patch features" if job.options["target"] == "upload"
+                   and cls.targets == TARGETS else f"the {cls.name} method attacks the global model only")
+            raise AttackError(f"--target {job.options['target']} does not apply: {why}. Targets that apply: "
+                              f"{', '.join(usable)}")
+        return super().attack(cls, job, method_options)
+
+    def observe(self, job: Job, attack: Attack) -> Observed:
+        from eftguard.audit.references import reference_models
+        from eftguard.data import ImageSet
+
+        target, partition = job.options["target"], job.clients[0]
+        candidates = scoring.membership_candidates(job.run, job.round_number, partition, target,
+                                                   job.options["candidates"], job.seed)
+        references, population, started = [], None, time.perf_counter()
+        if attack.uses_references:
+            pool = ImageSet(candidates.pool_images, candidates.pool_labels)
+            cache = job.options["references_dir"] or job.run.path / "reports" / "membership-references"
+            references = reference_models(job.run, job.round_number, pool, job.options["references"], job.seed,
+                                          Path(cache))
+            chosen = np.random.default_rng([job.seed, 17]).permutation(len(pool))[:POPULATION]
+            population = (pool.images[chosen], pool.labels[chosen])
+        observation = observe.observe_membership(job.run, job.round_number, partition, target, candidates.images,
+                                                 candidates.labels, attack.threat_model.positions_known,
+                                                 references, population)
+        return Observed(observation, {"is_member": candidates.is_member, "members_from": candidates.members_from,
+                                      "non_members_from": candidates.non_members_from,
+                                      "reference_seconds": round(time.perf_counter() - started, 1)})
+
+    def score(self, job: Job, attack: Attack, observed: Observed, result, seconds: float) -> AttackReport:
+        cfg = job.run.config()
+        target = job.options["target"]
+        loss = result if attack.name == LossAttack.name else \
+            LossAttack(threat_model=attack.threat_model).reconstruct(observed.observation)
+        details = {"method": attack.summary, "target": target, "threat_model": MEMBERSHIP_THREAT[target],
+                   "members": observed.auditor["members_from"],
+                   "non_members": observed.auditor["non_members_from"],
+                   "attack_seconds": round(seconds, 2), "dp_eps": cfg.dp_eps, "run_method": cfg.method,
+                   **result.details}
+        if attack.uses_references:
+            details["reference_models"] = (f"{job.options['references']}, each the run's configuration trained for "
+                                           f"{job.round_number} round(s) on half of the attacker's data "
+                                           f"({observed.auditor['reference_seconds']} s incl. loading or training)")
+        summary = scoring.membership_summary(result.scores, loss.scores, observed.auditor["is_member"], details)
+        if target == "global":
+            return self.report(job, attack, summary, None)
+        summary.per_client = {str(job.clients[0]): {k: v["mean"] for k, v in summary.groups["metrics"].items()}}
+        report = self.report(job, attack, summary, None)
+        return replace(report, attack=f"{report.attack}-{target}")  # its own folder: membership-loss-update
+
+
 FAMILIES: dict[str, Family] = {f.name: f for f in (InvertFamily(), LabelsFamily(), GradientFamily(),
-                                                   DPAuditFamily())}
+                                                   DPAuditFamily(), MembershipFamily())}
 
 
 def family_named(name: str) -> Family:

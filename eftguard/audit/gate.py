@@ -13,6 +13,7 @@ import re
 from dataclasses import dataclass
 
 from eftguard.audit.result import FIGURE_DIRECTION
+from eftguard.figures import metric_of
 from eftguard.config import ConfigError
 
 OPERATORS = {"<": operator.lt, "<=": operator.le, ">": operator.gt, ">=": operator.ge}
@@ -55,7 +56,7 @@ def check_before_training(gates: list[Gate], families: set[str], attack_names: s
         if gate.subject not in families | attack_names:
             raise ConfigError(f"--gate '{gate.expression}': '{gate.subject}' is neither an attack family nor an "
                               f"attack of this audit; choose from {', '.join(sorted(families | attack_names))}")
-        if gate.figure.rsplit(".", 1)[-1] not in FIGURE_DIRECTION:
+        if metric_of(gate.figure) not in FIGURE_DIRECTION:
             raise ConfigError(f"--gate '{gate.expression}': no attack reports a figure '{gate.figure}'; figures: "
                               f"{', '.join(FIGURE_DIRECTION)}, and baselines as baseline.psnr, baseline_kept.psnr")
 

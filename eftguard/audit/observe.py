@@ -19,6 +19,7 @@ from attacks.dp_audit import CanaryObservation
 from attacks.gradient import GradientObservation, prepare_numerics
 from attacks.inversion import ClientFeatures, RoundFeatures
 from attacks.labels import ClientUploads, LabelObservation
+from attacks.membership import MembershipObservation
 from defenses.feature_dp import row_clip, sensitivity
 from eftguard import headprune
 from eftguard.audit import scoring
@@ -266,3 +267,34 @@ def run_public_images(cfg) -> np.ndarray:
     from eftguard.federation.client import run_dataset
 
     return run_dataset(cfg.dataset, cfg.data_dir, cfg.model, cfg.train_samples, 0, cfg.seed).public.images
+
+
+# --- membership: the target model, the client's uploads and the attacker's reference models -----------------
+
+def round_model(run: RunDirectory, round_number: int) -> EFTViT:
+    """The assembled model after round t (checkpoints/round-t), checked against the manifest first."""
+    from eftguard.rundir import round_name
+
+    if run.verify((f"checkpoints/{round_name(round_number)}.",)) or not run.checkpoint_path(round_number).is_file():
+        raise RunError(f"{run.checkpoint_path(round_number)} is missing or damaged (it no longer matches "
+                       "manifest.json): restore it from a backup, or attack another --round")
+    return run.start_model(round_number + 1)
+
+
+def observe_membership(run: RunDirectory, round_number: int, partition: int, target: str, images: np.ndarray,
+                       labels: np.ndarray, positions_known: bool, references: list | None = None,
+                       population: tuple[np.ndarray, np.ndarray] | None = None) -> MembershipObservation:
+    """What the attacker holds for one target: the candidates (no membership), the target model and, for
+    upload / update, the client's uploads (kept positions from the auditor with positions_known)."""
+    if target == "global":
+        return MembershipObservation(target, round_number, images, labels, round_model(run, round_number),
+                                     references=references or [],
+                                     population=population[0] if population else None,
+                                     population_labels=population[1] if population else None)
+    state = {k: torch.from_numpy(v) for k, v in run.load_upload(round_number, partition, "update").items()}
+    observation = MembershipObservation(target, round_number, images, labels, run.start_model(round_number), state)
+    if target == "upload":
+        observation.features = torch.from_numpy(run.load_upload(round_number, partition, "features")["features"])
+        if positions_known:
+            observation.kept_ids = torch.from_numpy(scoring.granted_positions(run, round_number, partition))
+    return observation

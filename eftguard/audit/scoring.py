@@ -294,3 +294,185 @@ def guess_inclusion(scores: np.ndarray, bits: np.ndarray, guesses_in: int, guess
     right_in, right_out = int(bits[inside].sum()), int((1 - bits[outside]).sum())
     return AuditGuesses(len(scores), guesses_in + guesses_out, right_in + right_out, guesses_in, right_in,
                         guesses_out, right_out)
+
+
+# --- membership inference ---------------------------------------------------------------------------------
+
+TPR_FPR_LEVELS = {"tpr_at_0.1pct_fpr": 0.001, "tpr_at_1pct_fpr": 0.01}
+
+
+@dataclass
+class MembershipCandidates:
+    """The candidates of a membership attack, balanced: members (training images of the attacked clients) and as
+    many held-out images of the same distribution, shuffled. is_member is the auditor's alone. pool_images /
+    pool_labels: the attacker's own data for reference models, the public split plus held-out images that are
+    not candidates (so no reference model is trained on a candidate, and a candidate's presence in the pool
+    says nothing)."""
+
+    images: np.ndarray
+    labels: np.ndarray
+    is_member: np.ndarray
+    pool_images: np.ndarray
+    pool_labels: np.ndarray
+    members_from: str
+    non_members_from: str
+
+
+def held_out_images(run: RunDirectory) -> tuple[ImageSet, str]:
+    """Images of the run's dataset that no client trained on, and where they come from: the train split beyond
+    --train-samples (the members' own distribution); only when the run used all of it, the test split beyond
+    --test-samples (never evaluated on, but possibly of another distribution: photos cuts its splits from
+    different regions of each photograph)."""
+    from eftguard.data.registry import load_dataset
+    from eftguard.federation.client import run_dataset
+    from eftguard.model import PRESETS
+
+    cfg = run.config()
+    full = load_dataset(cfg.dataset, cfg.data_dir or None, PRESETS[cfg.model].image_size)
+    used = run_dataset(cfg.dataset, cfg.data_dir, cfg.model, cfg.train_samples, cfg.test_samples, cfg.seed)
+    train = full.train.subset(np.setdiff1d(np.arange(len(full.train)), used.train.ids))
+    if len(train):
+        return train, "train-split images beyond --train-samples (no client trained on them)"
+    test = full.test.subset(np.setdiff1d(np.arange(len(full.test)), used.test.ids))
+    return test, ("test-split images beyond --test-samples (the run trained on its whole train split; the server "
+                  "never evaluated on these)")
+
+
+def membership_members(run: RunDirectory, round_number: int, partition: int, target: str) -> tuple[ImageSet, str]:
+    """global: the training images of every client that took part in rounds 1..t; update: the attacked client's
+    training images; upload: the distinct images behind the client's uploaded feature sets of the round (the
+    question is "is x among these feature sets?"; median sampling leaves some of a client's images out)."""
+    from eftguard.data.registry import load_dataset
+    from eftguard.federation.client import select_clients
+    from eftguard.model import PRESETS
+
+    if target == "update":
+        return client_training_set(run, partition), f"the training images of client {partition}"
+    cfg = run.config()
+    if target == "upload":
+        full = load_dataset(cfg.dataset, cfg.data_dir or None, PRESETS[cfg.model].image_size)
+        ids = np.unique(run.load_truth(round_number, partition)["sample_ids"])
+        return full.train.subset(ids), (f"the {len(ids)} distinct images behind client {partition}'s uploaded "
+                                        f"feature sets of round {round_number}")
+    trained = sorted({k for r in range(1, round_number + 1) for k in select_clients(cfg, r)})
+    sets = [client_training_set(run, k) for k in trained]
+    return (ImageSet(np.concatenate([s.images for s in sets]), np.concatenate([s.labels for s in sets])),
+            f"the training images of clients {trained} (rounds 1..{round_number})")
+
+
+def membership_candidates(run: RunDirectory, round_number: int, partition: int, target: str, count: int,
+                          seed: int) -> MembershipCandidates:
+    """Up to `count` members and as many held-out non-members with the same labels, a seeded random choice.
+    Matching the labels keeps the question to membership: a client of a few classes (non-IID) would otherwise be
+    told apart by its classes alone."""
+    from eftguard.federation.client import run_dataset
+
+    members, members_from = membership_members(run, round_number, partition, target)
+    held_out, held_out_from = held_out_images(run)
+    held_out = without_copies_of(members, held_out)
+    rng = np.random.default_rng([seed, round_number, partition, 14])
+    chosen_members = rng.permutation(len(members))[:count]
+    chosen_members, chosen_outside = label_matched(members.labels[chosen_members], held_out.labels, rng,
+                                                   chosen_members)
+    if not len(chosen_members):
+        raise RunError(f"{run.path} left no held-out images of its clients' classes to serve as non-members (it "
+                       "trained on its whole dataset): train with --train-samples below the train split's size")
+    rest = np.setdiff1d(np.arange(len(held_out)), chosen_outside)
+    per_side = len(chosen_members)
+    images = np.concatenate([members.images[chosen_members], held_out.images[chosen_outside]])
+    labels = np.concatenate([members.labels[chosen_members], held_out.labels[chosen_outside]])
+    is_member = np.concatenate([np.ones(per_side, bool), np.zeros(per_side, bool)])
+    order = rng.permutation(2 * per_side)
+    cfg = run.config()
+    public = without_copies_of(members, run_dataset(cfg.dataset, cfg.data_dir, cfg.model, cfg.train_samples, 0,
+                                                    cfg.seed).public)
+    pool = without_copies_of(ImageSet(images, labels),  # nor of a non-member: a reference must never see one
+                             ImageSet(np.concatenate([public.images, held_out.images[rest]]),
+                                      np.concatenate([public.labels, held_out.labels[rest]])))
+    return MembershipCandidates(images[order], labels[order], is_member[order], pool.images, pool.labels,
+                                members_from, held_out_from)
+
+
+def without_copies_of(originals: ImageSet, images: ImageSet) -> ImageSet:
+    """images without the exact pixel copies of an original (photos has flat crops, e.g. all-white logo corners,
+    in several splits): a copy of a member is a member and a non-member at once."""
+    copies = {image.tobytes() for image in originals.images}
+    return images.subset(np.array([image.tobytes() not in copies for image in images.images], dtype=bool))
+
+
+def label_matched(member_labels: np.ndarray, pool_labels: np.ndarray, rng: np.random.Generator,
+                  member_rows: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """(member rows, pool rows) with equal label histograms: per class, as many pool images as chosen members,
+    and members dropped where the pool has too few of their class."""
+    kept_members, outside = [], []
+    for label in np.unique(member_labels):
+        mine = member_rows[member_labels == label]
+        theirs = rng.permutation(np.flatnonzero(pool_labels == label))
+        n = min(len(mine), len(theirs))
+        kept_members.append(mine[:n])
+        outside.append(theirs[:n])
+    return np.concatenate(kept_members), np.concatenate(outside)
+
+
+def roc_curve(scores: np.ndarray, is_member: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """(fpr, tpr) at every distinct threshold, from (0, 0) to (1, 1): predict member when score >= threshold."""
+    scores, is_member = np.asarray(scores, dtype=np.float64), np.asarray(is_member, dtype=bool)
+    order = np.argsort(-scores, kind="stable")
+    ranked, hits = scores[order], is_member[order]
+    last_of_tie = np.r_[np.flatnonzero(np.diff(ranked)), len(ranked) - 1]
+    tp, fp = np.cumsum(hits)[last_of_tie], np.cumsum(~hits)[last_of_tie]
+    positives, negatives = max(int(is_member.sum()), 1), max(int((~is_member).sum()), 1)
+    return np.r_[0.0, fp / negatives], np.r_[0.0, tp / positives]
+
+
+def roc_auc(scores: np.ndarray, is_member: np.ndarray) -> float:
+    """Area under the ROC curve (trapezoids: a tie between a member and a non-member counts one half)."""
+    fpr, tpr = roc_curve(scores, is_member)
+    return float(np.trapezoid(tpr, fpr))
+
+
+def tpr_at_fpr(scores: np.ndarray, is_member: np.ndarray, fpr_level: float) -> float | None:
+    """The best TPR at a false-positive rate of at most fpr_level; None (undefined) when there are fewer than
+    1 / fpr_level non-members, so that a single false positive already exceeds the level."""
+    if (~np.asarray(is_member, dtype=bool)).sum() < round(1 / fpr_level):
+        return None
+    fpr, tpr = roc_curve(scores, is_member)
+    return float(tpr[fpr <= fpr_level + 1e-12].max())
+
+
+def best_balanced_accuracy(scores: np.ndarray, is_member: np.ndarray) -> float:
+    """(TPR + TNR) / 2 at the best threshold."""
+    fpr, tpr = roc_curve(scores, is_member)
+    return float(((tpr + 1 - fpr) / 2).max())
+
+
+def membership_figures(scores: np.ndarray, is_member: np.ndarray) -> dict[str, float | None]:
+    return {"auc": roc_auc(scores, is_member),
+            **{name: tpr_at_fpr(scores, is_member, level) for name, level in TPR_FPR_LEVELS.items()},
+            "balanced_accuracy": best_balanced_accuracy(scores, is_member)}
+
+
+def membership_summary(scores: np.ndarray, loss_scores: np.ndarray, is_member: np.ndarray, details: dict
+                       ) -> Summary:
+    """The method's figures ("metrics"), the LOSS attack's ("baseline") and a random guess's ("chance"), with
+    both ROC curves in details. Each figure is one number over all candidates: n counts the candidates."""
+    n = len(is_member)
+
+    def group(figures: dict) -> dict:
+        return {name: {"mean": value, "std": None if value is None else 0.0, "median": value,
+                       "n": n if value is not None else 0} for name, value in figures.items()}
+
+    negatives = int((~is_member).sum())
+    chance = {"auc": 0.5, **{name: (level if negatives >= round(1 / level) else None)
+                             for name, level in TPR_FPR_LEVELS.items()}, "balanced_accuracy": 0.5}
+    roc = {name: dict(zip(("fpr", "tpr"), (np.round(a, 6).tolist() for a in roc_curve(s, is_member))))
+           for name, s in (("method", scores), ("loss", loss_scores))}
+    undefined = [name for name, level in TPR_FPR_LEVELS.items() if negatives < round(1 / level)]
+    details = {**details, "member_candidates": int(is_member.sum()), "non_member_candidates": negatives,
+               **({"undefined": f"{', '.join(undefined)}: needs at least "
+                                f"{round(1 / min(TPR_FPR_LEVELS[u] for u in undefined))} non-members, had "
+                                f"{negatives}"} if undefined else {}),
+               "roc": roc}
+    groups = {"metrics": group(membership_figures(scores, is_member)),
+              "baseline": group(membership_figures(loss_scores, is_member)), "chance": group(chance)}
+    return Summary(groups, {}, details)

@@ -1,0 +1,231 @@
+"""Membership inference (`eftguard attack membership`): calibrated on a model that memorised its few training
+images and on one that learnt nothing, scored by metric functions checked against brute force, blind to
+membership, refused where a target does not apply, and reusing its cached reference models."""
+
+import json
+
+import numpy as np
+import pytest
+import torch
+
+from attacks.membership import MEMBERSHIP, LiRAAttack, LossAttack, MembershipObservation, RMIAAttack
+from conftest import attacks_guarded, train_in_process
+from eftguard.audit import run_attack
+from eftguard.audit import scoring
+from eftguard.cli import main
+from eftguard.model import build_model
+from eftguard.rundir import RunDirectory
+from eftguard.training import OptimConfig, train_local
+from eftguard.verdict import verdict
+
+# --- the metric functions against brute force ------------------------------------------------------------
+
+
+def brute_force_roc(scores, is_member):
+    """Every threshold (each score, and one above all): (fpr, tpr) of "member when score >= threshold"."""
+    points = []
+    for threshold in [*np.unique(scores), np.inf]:
+        said = scores >= threshold
+        points.append(((said & ~is_member).sum() / (~is_member).sum(), (said & is_member).sum() / is_member.sum()))
+    return points
+
+
+def brute_force_auc(scores, is_member):
+    """P(member scores above non-member) + half P(tie), over every pair."""
+    members, others = scores[is_member], scores[~is_member]
+    pairs = members[:, None] - others[None, :]
+    return float(((pairs > 0) + 0.5 * (pairs == 0)).mean())
+
+
+@pytest.mark.parametrize("ties", [False, True])
+def test_auc_tpr_at_fpr_and_balanced_accuracy_agree_with_every_threshold_enumerated(ties):
+    rng = np.random.default_rng(3)
+    is_member = rng.random(3000) < 0.5  # about 1500 non-members: 0.1% FPR is resolved
+    scores = rng.normal(size=3000) + 0.8 * is_member
+    if ties:  # coarse scores: many members and non-members share a value
+        scores = np.round(scores)
+    points = brute_force_roc(scores, is_member)
+    assert scoring.roc_auc(scores, is_member) == pytest.approx(brute_force_auc(scores, is_member), abs=1e-12)
+    for level in (0.001, 0.01, 0.1):
+        assert scoring.tpr_at_fpr(scores, is_member, level) == pytest.approx(max(t for f, t in points if f <= level))
+    assert scoring.best_balanced_accuracy(scores, is_member) == pytest.approx(max((t + 1 - f) / 2 for f, t in points))
+
+
+def test_tpr_at_a_false_positive_rate_finer_than_one_non_member_is_undefined():
+    is_member = np.r_[np.ones(500, bool), np.zeros(999, bool)]
+    scores = np.arange(len(is_member), dtype=float)[::-1]  # every member above every non-member
+    assert scoring.tpr_at_fpr(scores, is_member, 0.01) == 1.0
+    assert scoring.tpr_at_fpr(scores, is_member, 0.001) is None  # 999 non-members cannot resolve 0.1%
+    assert scoring.tpr_at_fpr(scores, np.r_[is_member, False], 0.001) == 1.0
+
+
+# --- runs -----------------------------------------------------------------------------------------------
+
+@pytest.fixture(scope="module")
+def untrained_run(tmp_path_factory, micro_preset):
+    """A fedavg run with a learning rate too small to learn anything: members are ordinary images to it."""
+    return train_in_process(tmp_path_factory.mktemp("runs") / "untrained", model=micro_preset, method="fedavg",
+                            clients=1, train_samples=300, local_epochs=1, lr=1e-9)
+
+
+@pytest.fixture(scope="module")
+def eftvit_run(tmp_path_factory, micro_preset):
+    """An eftvit run with median sampling: each client uploads features of some of its images, some twice."""
+    return train_in_process(tmp_path_factory.mktemp("runs") / "eftvit", model=micro_preset, train_samples=160)
+
+
+# --- calibration --------------------------------------------------------------------------------------------
+
+MEMBERS, NON_MEMBERS = 12, 200
+
+
+@pytest.fixture(scope="module")
+def memorised(micro_preset):
+    """Random images with random labels, nothing to generalise from: a model trained 40 epochs on 12 of them can
+    only memorise them. Two reference models memorise 12 others each (never a candidate). Returns (target model,
+    references, candidate images, labels, is_member, population images, labels)."""
+    rng = np.random.default_rng(0)
+    images = rng.integers(0, 256, (MEMBERS * 3 + NON_MEMBERS, 32, 32, 3), dtype=np.uint8)
+    labels = rng.integers(0, 10, len(images))
+
+    def memorise(rows: slice):
+        model = build_model(micro_preset, 10, 2, seed=0)
+        train_local(model, torch.from_numpy(images[rows]), torch.from_numpy(labels[rows]), "fedavg", 0.0,
+                    OptimConfig(40, 8, 1e-3, 0.0), torch.Generator().manual_seed(0))
+        return model.eval()
+
+    candidates = slice(2 * MEMBERS, None)
+    is_member = np.r_[np.ones(MEMBERS, bool), np.zeros(NON_MEMBERS, bool)]
+    references = [memorise(slice(0, MEMBERS)), memorise(slice(MEMBERS, 2 * MEMBERS))]
+    return (memorise(slice(2 * MEMBERS, 3 * MEMBERS)), references, images[candidates], labels[candidates], is_member,
+            images[:2 * MEMBERS], labels[:2 * MEMBERS])
+
+
+@pytest.mark.parametrize("method", ["loss", "lira", "rmia"])
+def test_every_method_finds_memorised_images_and_nothing_in_an_untrained_model(memorised, micro_preset, method):
+    model, references, images, labels, is_member, population, population_labels = memorised
+    attack = MEMBERSHIP.get(method)()
+
+    def auc(target_model):
+        observation = MembershipObservation("global", 1, images, labels, target_model, references=references,
+                                            population=population, population_labels=population_labels)
+        return scoring.roc_auc(attack.reconstruct(observation).scores, is_member)
+
+    assert auc(model) > 0.9
+    # untrained: the seeded initial weights, which saw no candidate. With 12 members and 200 non-members a blind
+    # ranking's AUC has a standard deviation of 0.043: 0.15 is 3.5 of them
+    assert abs(auc(build_model(micro_preset, 10, 2, seed=0).eval()) - 0.5) < 0.15
+
+
+def test_a_run_that_learnt_nothing_gives_a_coin_flip_on_every_target(untrained_run):
+    for target in ("global", "update"):
+        # 300 members and 300 non-members: the AUC of a blind guess has a standard deviation of 0.024
+        blind = run_attack(untrained_run, "membership", target=target, candidates=300).figures()
+        assert abs(blind["auc"] - 0.5) < 0.08
+        assert blind["chance.auc"] == 0.5 and blind["baseline.auc"] == blind["auc"]  # loss is its own baseline
+
+
+@pytest.mark.parametrize("positions", ["known", "unknown"])
+def test_an_uploaded_feature_set_gives_its_image_away_unless_the_features_are_noised(eftvit_run, tmp_path,
+                                                                                  micro_preset, positions):
+    exposed = run_attack(eftvit_run, "membership", target="upload", positions=positions, candidates=60)
+    assert exposed.figures()["auc"] > 0.95
+    assert exposed.capabilities["positions_known"] == (positions == "known")
+    noised = train_in_process(tmp_path / "noised", model=micro_preset, train_samples=160, feature_clip=1.0,
+                              feature_noise=20.0)
+    assert abs(run_attack(noised, "membership", target="upload", positions=positions,
+                          candidates=60).figures()["auc"] - 0.5) < 0.15
+
+
+def test_non_members_are_unseen_images_of_the_members_classes_and_never_in_the_attackers_data(eftvit_run):
+    run = RunDirectory.open(eftvit_run)
+    candidates = scoring.membership_candidates(run, 1, 0, "update", 60, seed=0)
+    members, others = candidates.is_member, ~candidates.is_member
+    assert members.sum() == others.sum() > 0
+    assert sorted(candidates.labels[members]) == sorted(candidates.labels[others])  # classes give nothing away
+    trained = {image.tobytes() for image in scoring.client_training_set(run, 0).images}
+    assert all(image.tobytes() in trained for image in candidates.images[members])
+    assert not any(image.tobytes() in trained for image in candidates.images[others])  # no copy of a member either
+    pool = {image.tobytes() for image in candidates.pool_images}
+    assert not any(image.tobytes() in pool for image in candidates.images)  # references never train on one
+
+
+def test_the_attacks_see_candidates_but_never_membership_or_ground_truth(eftvit_run, monkeypatch):
+    calls = attacks_guarded(monkeypatch, eftvit_run, LossAttack, LiRAAttack, RMIAAttack)
+    seen = []
+    original = LossAttack.reconstruct
+    monkeypatch.setattr(LossAttack, "reconstruct", lambda self, obs, progress=None: seen.append(obs) or
+                        original(self, obs, progress))
+    for target in ("global", "upload", "update"):
+        run_attack(eftvit_run, "membership", target=target, candidates=20)
+    assert calls == ["LossAttack"] * 3
+    fields = {name for obs in seen for name in vars(obs)}
+    assert not any("member" in name or "truth" in name for name in fields)
+    assert all(isinstance(obs, MembershipObservation) for obs in seen)
+
+
+def test_cli_writes_the_report_and_its_roc_plot(eftvit_run, tmp_path, capsys):
+    main(["attack", "membership", str(eftvit_run), "--target", "update", "--candidates", "30", "--out",
+          str(tmp_path)])
+    folder = tmp_path / "membership-loss-update"  # beside membership-loss (the global target), not over it
+    report = json.loads((folder / "report.json").read_text())
+    assert report["details"]["target"] == "update"
+    assert report["details"]["members"].startswith("the training images of client")
+    assert report["details"]["non_members"] and (folder / "roc.png").stat().st_size > 0
+    curve = report["details"]["roc"]["method"]
+    assert curve["fpr"][0] == curve["tpr"][0] == 0 and curve["fpr"][-1] == curve["tpr"][-1] == 1
+    assert "roc.png" in (folder / "report.md").read_text() and '"fpr"' not in (folder / "report.md").read_text()
+    assert report["metrics"]["tpr_at_0.1pct_fpr"]["mean"] is None  # 30 non-members resolve no 0.1% FPR
+    membership = next(v for v in verdict([report]) if v.family == "membership")
+    assert membership.figure == "auc" and membership.baseline == 0.5
+
+
+@pytest.mark.parametrize("argv, message", [
+    (["--target", "everything"], "argument --target: invalid choice: 'everything'"),
+    (["--method", "lira", "--target", "update"], "--target update does not apply: the lira method attacks the "
+                                                 "global model only. Targets that apply: global"),
+    (["--candidates", "0"], "--candidates: must be a whole number >= 1, got '0'"),
+])
+def test_bad_input_is_one_line_before_any_work(eftvit_run, tmp_path, capsys, argv, message):
+    with pytest.raises(SystemExit) as exit_code:
+        main(["attack", "membership", str(eftvit_run), *argv, "--out", str(tmp_path / "out")])
+    err = capsys.readouterr().err
+    assert exit_code.value.code == 2 and message in err and len(err.strip().splitlines()) == 1
+    assert "Traceback" not in err and not (tmp_path / "out").exists()
+
+
+def test_upload_on_a_run_that_uploads_no_features_names_the_targets_that_apply(untrained_run, tmp_path, capsys):
+    with pytest.raises(SystemExit):
+        main(["attack", "membership", str(untrained_run), "--target", "upload", "--out", str(tmp_path / "out")])
+    err = capsys.readouterr().err
+    assert "a fedavg run uploads no patch features. Targets that apply: global, update" in err
+    assert not (tmp_path / "out").exists()
+
+
+def test_reference_models_are_trained_once_and_reused(eftvit_run, tmp_path, monkeypatch):
+    from eftguard.federation import inprocess
+
+    trained = []
+    original = inprocess.train_in_process
+    monkeypatch.setattr(inprocess, "train_in_process", lambda *a: trained.append(a) or original(*a))
+    cache = tmp_path / "references"
+    first = run_attack(eftvit_run, "membership", "lira", references=1, candidates=20, references_dir=cache)
+    assert len(trained) == 1
+    stamps = {p: p.stat().st_mtime_ns for p in cache.rglob("*.safetensors")}
+    second = run_attack(eftvit_run, "membership", "lira", references=1, candidates=20, references_dir=cache)
+    assert len(trained) == 1  # nothing retrained
+    assert stamps == {p: p.stat().st_mtime_ns for p in cache.rglob("*.safetensors")}
+    assert second.groups == first.groups and first.details["reference_models"].startswith("1, ")
+    rmia = run_attack(eftvit_run, "membership", "rmia", references=1, candidates=20, references_dir=cache)
+    assert len(trained) == 1 and rmia.groups["metrics"]["auc"]["n"] == 40  # the same references serve rmia
+
+
+
+def test_a_gate_on_a_low_fpr_figure_is_accepted_and_points_the_leaking_way():
+    from eftguard.audit.gate import check_before_training, parse_gate
+    from eftguard.figures import figure_direction
+
+    gate = parse_gate("membership.tpr_at_0.1pct_fpr < 0.05")  # the figure's own dot is not a group separator
+    assert (gate.subject, gate.figure) == ("membership", "tpr_at_0.1pct_fpr")
+    check_before_training([gate, parse_gate("membership.baseline.tpr_at_1pct_fpr < 0.05")], {"membership"}, set())
+    assert figure_direction("chance.tpr_at_0.1pct_fpr") == figure_direction("auc") == 1
