@@ -180,8 +180,9 @@ class LabelsFamily(Family):
     help = "infer each client's class histogram from what the server observed"
     description = ("Label-distribution inference against an EFTViT run, scored per client against truth/ by L1 and "
                    "Jensen-Shannon distance of the class proportions, exact-count accuracy per present class and "
-                   "presence precision / recall / F1, beside a prior-only baseline (n_k spread uniformly over the "
-                   "present classes).")
+                   "over all classes, and presence precision / recall / F1, beside a prior baseline with the "
+                   "attack's knowledge (n_k spread uniformly over the classes with uploads, or over all classes for "
+                   "an attack that does not read the uploaded labels).")
     options_type = NoOptions
     image_metrics = False
     seeded = False  # the label attacks are deterministic
@@ -193,9 +194,14 @@ class LabelsFamily(Family):
 
     def score(self, job: Job, attack: Attack, observed: Observed, result, seconds: float) -> AttackReport:
         cfg = job.run.config()
-        scores = [scoring.score_labels(job.run, job.round_number, k, result[k]) for k in job.clients]
+        observation = observed.observation
+        uploads = {c.partition: np.bincount(c.labels, minlength=observation.num_classes) > 0
+                   for c in observation.clients}
+        scores = [scoring.score_labels(job.run, job.round_number, k, result[k],
+                                       uploads[k] if attack.uses_upload_labels else None) for k in job.clients]
         details = {"method": attack.name, "attack_seconds": round(seconds, 2), "balance": cfg.balance,
-                   "dp_eps": cfg.dp_eps, "beta": cfg.beta}
+                   "dp_eps": cfg.dp_eps, "beta": cfg.beta, "knowledge": attack.knowledge,
+                   "baseline_knowledge": scoring.BASELINE_KNOWLEDGE[attack.uses_upload_labels]}
         return self.report(job, attack, scoring.label_summary(scores, details), None)
 
 

@@ -15,6 +15,7 @@ import numpy as np
 from scipy.spatial.distance import jensenshannon
 
 from attacks.base import ImageReconstruction, LabelEstimate
+from attacks.labels import FLOOR
 from eftguard import metrics
 from eftguard.data import ImageSet
 from eftguard.rundir import RunDirectory, RunError
@@ -141,17 +142,26 @@ def true_class_counts(run: RunDirectory, round_number: int, partition: int) -> n
     return run.load_truth(round_number, partition)["class_counts"].astype(np.int64)
 
 
-def prior_baseline(true_counts: np.ndarray) -> LabelEstimate:
-    """What an attacker learns from the classes alone: n_k spread uniformly over the present classes."""
-    present = true_counts > 0
-    counts = np.where(present, true_counts.sum() / max(present.sum(), 1), 0.0)
-    return LabelEstimate(counts, present)
+def prior_baseline(num_examples: int, classes: np.ndarray, floored: np.ndarray | None = None) -> LabelEstimate:
+    """What an attacker learns from the classes alone: n_k spread uniformly over `classes` (bool [C]: the classes
+    with uploads where the attack reads them, else every class). floored: the classes an attack raised to one
+    sample; the baseline given the same floor puts one sample there and spreads the rest over the other classes."""
+    floored = np.zeros(len(classes), dtype=bool) if floored is None else floored & classes
+    others = classes & ~floored
+    counts = np.where(floored, 1.0, 0.0)
+    counts[others] = (num_examples - floored.sum()) / max(others.sum(), 1)
+    return LabelEstimate(counts, classes)
+
+
+BASELINE_KNOWLEDGE = {True: "n_k spread uniformly over the classes with uploads",
+                      False: "n_k spread uniformly over all classes (the attack does not read the uploaded labels)"}
 
 
 def label_scores(estimate: LabelEstimate, true_counts: np.ndarray) -> dict[str, np.ndarray]:
     """One client's scores. l1: L1 distance of the class proportions (0..2); js: Jensen-Shannon distance of the
     proportions (base 2, 0..1); exact_count_accuracy: per truly present class, whether the estimate rounds to the
-    true count; presence precision / recall / F1 of the estimated present classes."""
+    true count; exact_count_accuracy_all: the same over all classes (absent ones hit by estimating zero, as iLRG
+    scores); presence precision / recall / F1 of the estimated present classes."""
     truth = true_counts.astype(np.float64)
     counts = np.clip(np.asarray(estimate.counts, dtype=np.float64), 0, None)
     p = truth / truth.sum()
@@ -161,21 +171,35 @@ def label_scores(estimate: LabelEstimate, true_counts: np.ndarray) -> dict[str, 
     precision = hits / claimed.sum() if claimed.any() else 0.0
     recall = hits / actual.sum()
     f1 = 2 * precision * recall / (precision + recall) if hits else 0.0
+    exact = (np.rint(counts) == truth).astype(np.float64)
     return {"l1": np.array([np.abs(p - q).sum()]), "js": np.array([jensenshannon(p, q, base=2)]),
-            "exact_count_accuracy": (np.rint(counts[actual]) == truth[actual]).astype(np.float64),
+            "exact_count_accuracy": exact[actual], "exact_count_accuracy_all": exact,
             "presence_precision": np.array([precision]), "presence_recall": np.array([recall]),
             "presence_f1": np.array([f1])}
 
 
-def score_labels(run: RunDirectory, round_number: int, partition: int, estimate: LabelEstimate) -> ClientScores:
-    """A client's label-attack scores next to the prior-only baseline, with both histograms for the report."""
+def score_labels(run: RunDirectory, round_number: int, partition: int, estimate: LabelEstimate,
+                 upload_classes: np.ndarray | None) -> ClientScores:
+    """A client's label-attack scores next to the prior baseline given the attack's knowledge (upload_classes,
+    bool [C]: the classes with uploads, where the attack reads them; None: it does not), with both histograms.
+    An attack that floored classes at one sample (details[FLOOR]) is also scored on its counts before the floor
+    (group "unfloored"), and the baseline given the same floor beside it ("baseline_floor")."""
     truth = true_class_counts(run, round_number, partition)
+    classes = np.ones(len(truth), dtype=bool) if upload_classes is None else upload_classes
     histograms = {"true": truth.tolist(), "estimated": np.round(estimate.counts, 2).tolist(),
                   "attack": estimate.details}
     if estimate.lower_bound is not None:
         histograms["lower_bound_only"] = np.flatnonzero(estimate.lower_bound).tolist()
-    return ClientScores(partition, {"metrics": label_scores(estimate, truth),
-                                    "baseline": label_scores(prior_baseline(truth), truth)}, histograms=histograms)
+    n_k = int(truth.sum())
+    groups = {"metrics": label_scores(estimate, truth),
+              "baseline": label_scores(prior_baseline(n_k, classes), truth)}
+    if FLOOR in estimate.details:
+        floor = estimate.details[FLOOR]
+        unfloored = np.asarray(floor["unfloored_counts"], dtype=np.float64)
+        floored = np.isin(np.arange(len(truth)), floor["classes"])
+        groups["unfloored"] = label_scores(LabelEstimate(unfloored, unfloored > 0), truth)
+        groups["baseline_floor"] = label_scores(prior_baseline(n_k, classes, floored), truth)
+    return ClientScores(partition, groups, histograms=histograms)
 
 
 def label_summary(clients: list[ClientScores], details: dict) -> Summary:
