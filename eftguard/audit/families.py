@@ -90,7 +90,8 @@ class Family:
         return AttackReport(self.name, attack.name, f"{self.name}-{attack.name}", str(job.run.path), job.round_number,
                             job.clients, attack.threat_model.capabilities(),
                             {k: json_ready(v) for k, v in job.ran_with.items()}, summary.groups, summary.per_client,
-                            summary.details, lpips_backend, summary.histograms, grid)
+                            summary.details, lpips_backend, summary.histograms, grid, summary.ranking,
+                            summary.ranking_rows)
 
 
 def public_images(run: RunDirectory) -> np.ndarray:
@@ -282,7 +283,7 @@ class GradientFamily(Family):
         lpips = metrics.load_lpips(job.lpips_backend)
         scores = scoring.score_client(partition, replace(result, rows=rows), pool[rows], kept,
                                       observed.auditor["public"], lpips, patch,
-                                      pool_keep[rows] if pool_keep is not None else None, labels)
+                                      pool_keep[rows] if pool_keep is not None else None, labels, client_images=pool)
         details = {**observed.auditor["details"], "method": attack.summary, "observe": job.options["observe"],
                    "batch": job.options["batch"], "originals": ORIGINALS[job.options["observe"]],
                    "reconstructed_images": len(result.images), "attack_seconds": round(seconds, 2),

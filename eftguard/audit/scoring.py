@@ -21,6 +21,7 @@ from eftguard.data import ImageSet
 from eftguard.rundir import RunDirectory, RunError
 
 GRID_IMAGES = 8
+RANKED_IMAGES = 8  # the most exposed images a report shows
 
 
 def client_training_set(run: RunDirectory, partition: int) -> ImageSet:
@@ -49,22 +50,32 @@ class ClientScores:
     position_accuracy: np.ndarray | None = None
     label_accuracy: np.ndarray | None = None  # per recovered label: 1 if it pairs with a true one (metrics.label_hits)
     histograms: dict | None = None  # label attacks: true and estimated class counts
+    exposure: list[tuple[dict, list[np.ndarray]]] = field(default_factory=list)  # per image: its row, [original, recon]
 
 
 def score_client(partition: int, recon: ImageReconstruction, originals: np.ndarray, kept: np.ndarray | None,
                  public_images: np.ndarray, lpips: metrics.LPIPS, patch_size: int,
-                 true_kept_ids: np.ndarray | None = None, labels: tuple[np.ndarray, np.ndarray] | None = None
-                 ) -> ClientScores:
+                 true_kept_ids: np.ndarray | None = None, labels: tuple[np.ndarray, np.ndarray] | None = None,
+                 client_images: np.ndarray | None = None) -> ClientScores:
     """Score reconstructions against originals (float [n, H, W, 3]); kept: bool [n, H, W] kept pixels or None.
 
     Reconstructions with unknown order (recon.rows None) are first matched to originals (Hungarian).
-    labels: (recovered, true) class labels, scored order-free."""
+    labels: (recovered, true) class labels, scored order-free. iip: whether a reconstruction's nearest image
+    among the client's images (client_images, else the originals) and the public images is its own
+    (metrics.identifiability_ranks); the ranks also order the images by exposure for the report."""
     images = recon.images
     if recon.rows is None:
         images = images[metrics.hungarian_match(images, originals)]
     scored = metrics.score(images, originals, lpips, kept)
     mean_image = metrics.mean_image_baseline(public_images, len(originals))
     base = metrics.score(mean_image, originals, lpips, kept)
+    others = np.concatenate([originals if client_images is None else client_images, public_images])
+    ranks, candidates = metrics.identifiability_ranks(images, originals, others)
+    scored["metrics"]["iip"] = (ranks == 1).astype(np.float64)
+    base["metrics"]["iip"] = (metrics.identifiability_ranks(mean_image, originals, others)[0] == 1).astype(np.float64)
+    exposure = [({"client": partition, "image": i, "psnr": float(scored["metrics"]["psnr"][i]),
+                  "rank": int(ranks[i]), "candidates": candidates}, [originals[i], images[i]])
+                for i in range(len(images))]
     groups = {"metrics": scored["metrics"], "baseline": base["metrics"]}
     if kept is not None:
         groups["metrics_kept"] = scored["metrics_kept"]
@@ -79,7 +90,7 @@ def score_client(partition: int, recon: ImageReconstruction, originals: np.ndarr
         position_accuracy = np.array([len(np.intersect1d(a, b)) / len(np.union1d(a, b))
                                       for a, b in zip(recon.kept_ids, true_kept_ids)])
     label_accuracy = metrics.label_hits(*labels).astype(np.float64) if labels is not None else None
-    return ClientScores(partition, groups, grid_rows, position_accuracy, label_accuracy)
+    return ClientScores(partition, groups, grid_rows, position_accuracy, label_accuracy, exposure=exposure)
 
 
 @dataclass
@@ -91,6 +102,8 @@ class Summary:
     per_client: dict
     details: dict
     histograms: dict | None = None
+    ranking: list[dict] | None = None  # image attacks: the most exposed images, most exposed first
+    ranking_rows: list[list[np.ndarray]] | None = None  # their [original, reconstruction]
 
 
 def pooled(clients: list[ClientScores]) -> tuple[dict, dict]:
@@ -110,7 +123,10 @@ def image_summary(clients: list[ClientScores], details: dict) -> Summary:
     label_accuracies = [c.label_accuracy for c in clients if c.label_accuracy is not None]
     if label_accuracies:
         details = {**details, "label_accuracy": metrics.summarize(np.concatenate(label_accuracies))}
-    return Summary(*pooled(clients), details)
+    ranked = sorted((e for c in clients for e in c.exposure), key=lambda e: (e[0]["rank"], -e[0]["psnr"]))
+    ranked = ranked[:RANKED_IMAGES]
+    return Summary(*pooled(clients), details, ranking=[row for row, _ in ranked],
+                   ranking_rows=[images for _, images in ranked])
 
 
 def granted_positions(run: RunDirectory, round_number: int, partition: int) -> np.ndarray:
