@@ -263,8 +263,9 @@ FLOOR = "floor"  # LabelEstimate.details key of an attack that raised counts to 
 
 def impact_counts(entries: np.ndarray, num_examples: int, impact_factor: float) -> np.ndarray:
     """The two-stage label count of LLG on per-class gradient entries (each sample of class c pulls entry c down by
-    about the same impact m): one label per negative entry (the n_k most negative if there are more), then the remaining labels one at a time to the most
-    negative entry, each label raising its entry by |m|, m = impact_factor * (sum of the negative entries) / n_k."""
+    about the same impact m): one label per negative entry (the n_k most negative if there are more), then the
+    remaining labels one at a time to the most negative entry, each label raising its entry by |m|,
+    m = impact_factor * (sum of the negative entries) / n_k."""
     entries = entries.astype(np.float64).copy()
     negative = entries < 0
     if negative.sum() > num_examples:  # more negative entries than samples: keep the most negative ones
