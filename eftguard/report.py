@@ -161,8 +161,9 @@ def image_grid(rows: list[list[np.ndarray]], scale: int = 3, gap: int = 2, colum
 
 
 def ranking_note(position: int, row: dict) -> str:
+    kept = f", kept patches {row['rank_kept']}" if "rank_kept" in row else ""
     return (f"#{position}  client {row['client']}, image {row['image']}\n{row['psnr']:.1f} dB\n"
-            f"true image ranked {row['rank']} of {row['candidates']}")
+            f"true image ranked {row['rank']}{kept}\nof {row['candidates']}")
 
 
 def ranking_grid(ranking: list[dict], rows: list[list[np.ndarray]]) -> Image.Image:
@@ -173,15 +174,21 @@ def ranking_grid(ranking: list[dict], rows: list[list[np.ndarray]]) -> Image.Ima
 
 
 RANKING_TEXT = ("Most exposed images first: those whose reconstruction's nearest image (pixel distance) among the "
-                "client's images and the public images is the true one (rank 1: identified; counted in iip), then by "
-                "PSNR.")
+                "client's images and the public images is the true one (rank 1: identified; counted in iip), on the "
+                "whole image or, where the run masks, on the kept patches (what was sent; iip_kept), then by PSNR.")
 
 
 def ranking_table(report: dict) -> list[list[str]]:
     """The per-image ranking of an image attack's report.json as table rows, the header first."""
-    rows = [["#", "client", "image", "PSNR (dB)", "rank of the true image", "identified"]]
-    return rows + [[str(i), str(r["client"]), str(r["image"]), f"{r['psnr']:.1f}", f"{r['rank']} of {r['candidates']}",
-                    "yes" if r["rank"] == 1 else "no"] for i, r in enumerate(report["ranking"], 1)]
+    kept = any("rank_kept" in r for r in report["ranking"])
+    rows = [["#", "client", "image", "PSNR (dB)", "rank of the true image", *(["rank on the kept patches"] * kept),
+             "identified"]]
+    for i, r in enumerate(report["ranking"], 1):
+        ranks = [r["rank"], *([r["rank_kept"]] if "rank_kept" in r else [])]
+        rows.append([str(i), str(r["client"]), str(r["image"]), f"{r['psnr']:.1f}", f"{r['rank']} of {r['candidates']}",
+                     *([f"{r['rank_kept']} of {r['candidates']}" if "rank_kept" in r else "–"] * kept),
+                     "yes" if min(ranks) == 1 else "no"])
+    return rows
 
 
 def write_attack_report(out_root: Path, report: dict, grid: Image.Image | None = None,
@@ -227,10 +234,12 @@ def report_problem(report) -> str | None:
 
 
 def ranking_is_valid(ranking) -> bool:
-    integers = ("client", "image", "rank", "candidates")
+    def integer(row: dict, key: str) -> bool:
+        return is_number(row.get(key)) and isinstance(row[key], int)
+
     return isinstance(ranking, list) and all(
-        isinstance(row, dict) and all(is_number(row.get(k)) and isinstance(row[k], int) for k in integers)
-        and is_number(row.get("psnr")) for row in ranking)
+        isinstance(row, dict) and all(integer(row, k) for k in ("client", "image", "rank", "candidates"))
+        and ("rank_kept" not in row or integer(row, "rank_kept")) and is_number(row.get("psnr")) for row in ranking)
 
 
 def read_report(file: Path) -> dict:

@@ -53,9 +53,27 @@ def test_a_perfect_reconstruction_is_identified_and_the_mean_image_is_chance(ima
     assert chance <= 1 / len(client)  # one image at most is nearest to the mean image
 
 
-def scored(client, public, recon):
-    return scoring.score_client(0, ImageReconstruction(recon, rows=np.arange(len(recon))), client, None, public,
+def scored(client, public, recon, kept=None):
+    return scoring.score_client(0, ImageReconstruction(recon, rows=np.arange(len(recon))), client, kept, public,
                                 FAKE_LPIPS, 4)
+
+
+def test_sent_patches_identify_an_image_the_whole_image_does_not(images):
+    """A masked upload recovered exactly (the analytic attack at batch 1) with the mean image elsewhere: three
+    quarters of the pixels are the mean image, yet what was sent singles the image out."""
+    client, public = images
+    generator = np.random.default_rng(1)
+    kept_ids = np.sort(np.stack([generator.choice(64, 16, replace=False) for _ in client]), axis=1)
+    kept = metrics.kept_pixels(kept_ids, 32, 4)
+    mean_image = metrics.mean_image_baseline(public, len(client))
+    recon = np.where(kept[..., None], client, mean_image)
+    scores = scored(client, public, recon, kept)
+    assert scores.groups["metrics_kept"]["iip"].tolist() == [1.0] * 8
+    assert scores.groups["baseline_kept"]["iip"].mean() <= 1 / 8
+    assert scores.groups["metrics"]["iip"].mean() < 1  # the whole image misses some of them
+    assert all(row["rank_kept"] == 1 for row, _ in scores.exposure)
+    summary = scoring.image_summary([scores], {})
+    assert all(row["rank_kept"] == 1 for row in summary.ranking)  # identified on what was sent: ranked first
 
 
 def test_every_image_attack_reports_iip_beside_the_baseline_and_ranks_the_most_exposed_first(images):

@@ -214,5 +214,6 @@ def test_an_oracle_reconstruction_scores_the_psnr_cap_on_every_row(feature_run, 
     # Every exact copy is identified among the client's images and the public ones; the mean image is not.
     assert report["metrics"]["iip"] == {"mean": 1.0, "std": 0.0, "median": 1.0, "n": rows}
     assert report["baseline"]["iip"]["mean"] <= 1 / len(np.unique(again.truth["sample_ids"]))
-    assert [r["rank"] for r in report["ranking"]] == [1] * scoring.RANKED_IMAGES
+    assert report["metrics_kept"]["iip"]["mean"] == 1.0
+    assert [(r["rank"], r["rank_kept"]) for r in report["ranking"]] == [(1, 1)] * scoring.RANKED_IMAGES
     assert (tmp_path / "invert-decoder" / "ranking.png").exists()

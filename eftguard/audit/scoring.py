@@ -73,9 +73,16 @@ def score_client(partition: int, recon: ImageReconstruction, originals: np.ndarr
     ranks, candidates = metrics.identifiability_ranks(images, originals, others)
     scored["metrics"]["iip"] = (ranks == 1).astype(np.float64)
     base["metrics"]["iip"] = (metrics.identifiability_ranks(mean_image, originals, others)[0] == 1).astype(np.float64)
-    exposure = [({"client": partition, "image": i, "psnr": float(scored["metrics"]["psnr"][i]),
-                  "rank": int(ranks[i]), "candidates": candidates}, [originals[i], images[i]])
-                for i in range(len(images))]
+    exposure = [{"client": partition, "image": i, "psnr": float(scored["metrics"]["psnr"][i]), "rank": int(ranks[i]),
+                 "candidates": candidates} for i in range(len(images))]
+    if kept is not None:  # identified by what was sent: compared on the true image's kept patches only
+        ranks_kept = metrics.identifiability_ranks(images, originals, others, kept)[0]
+        scored["metrics_kept"]["iip"] = (ranks_kept == 1).astype(np.float64)
+        base["metrics_kept"]["iip"] = (metrics.identifiability_ranks(mean_image, originals, others, kept)[0] == 1
+                                       ).astype(np.float64)
+        for row, rank in zip(exposure, ranks_kept):
+            row["rank_kept"] = int(rank)
+    exposure = [(row, [originals[i], images[i]]) for i, row in enumerate(exposure)]
     groups = {"metrics": scored["metrics"], "baseline": base["metrics"]}
     if kept is not None:
         groups["metrics_kept"] = scored["metrics_kept"]
@@ -115,6 +122,14 @@ def pooled(clients: list[ClientScores]) -> tuple[dict, dict]:
     return groups, per_client
 
 
+def exposure_order(entry: tuple[dict, list]) -> tuple:
+    """Most exposed first: by the better rank of the true image (whole image, or kept patches where the run masks;
+    1: identified), then by PSNR."""
+    row = entry[0]
+    best = min(row["rank"], row.get("rank_kept", row["rank"]))
+    return best, -row["psnr"]
+
+
 def image_summary(clients: list[ClientScores], details: dict) -> Summary:
     """An image attack's scores pooled over clients, with the position and label accuracy of its guesses."""
     accuracies = [c.position_accuracy for c in clients if c.position_accuracy is not None]
@@ -123,7 +138,7 @@ def image_summary(clients: list[ClientScores], details: dict) -> Summary:
     label_accuracies = [c.label_accuracy for c in clients if c.label_accuracy is not None]
     if label_accuracies:
         details = {**details, "label_accuracy": metrics.summarize(np.concatenate(label_accuracies))}
-    ranked = sorted((e for c in clients for e in c.exposure), key=lambda e: (e[0]["rank"], -e[0]["psnr"]))
+    ranked = sorted((e for c in clients for e in c.exposure), key=exposure_order)
     ranked = ranked[:RANKED_IMAGES]
     return Summary(*pooled(clients), details, ranking=[row for row, _ in ranked],
                    ranking_rows=[images for _, images in ranked])
