@@ -70,19 +70,7 @@ def score_client(partition: int, recon: ImageReconstruction, originals: np.ndarr
     mean_image = metrics.mean_image_baseline(public_images, len(originals))
     base = metrics.score(mean_image, originals, lpips, kept)
     others = np.concatenate([originals if client_images is None else client_images, public_images])
-    ranks, candidates = metrics.identifiability_ranks(images, originals, others)
-    scored["metrics"]["iip"] = (ranks == 1).astype(np.float64)
-    base["metrics"]["iip"] = (metrics.identifiability_ranks(mean_image, originals, others)[0] == 1).astype(np.float64)
-    exposure = [{"client": partition, "image": i, "psnr": float(scored["metrics"]["psnr"][i]), "rank": int(ranks[i]),
-                 "candidates": candidates} for i in range(len(images))]
-    if kept is not None:  # identified by what was sent: compared on the true image's kept patches only
-        ranks_kept = metrics.identifiability_ranks(images, originals, others, kept)[0]
-        scored["metrics_kept"]["iip"] = (ranks_kept == 1).astype(np.float64)
-        base["metrics_kept"]["iip"] = (metrics.identifiability_ranks(mean_image, originals, others, kept)[0] == 1
-                                       ).astype(np.float64)
-        for row, rank in zip(exposure, ranks_kept):
-            row["rank_kept"] = int(rank)
-    exposure = [(row, [originals[i], images[i]]) for i, row in enumerate(exposure)]
+    exposure = add_identifiability(partition, images, mean_image, originals, others, kept, scored, base)
     groups = {"metrics": scored["metrics"], "baseline": base["metrics"]}
     if kept is not None:
         groups["metrics_kept"] = scored["metrics_kept"]
@@ -98,6 +86,27 @@ def score_client(partition: int, recon: ImageReconstruction, originals: np.ndarr
                                       for a, b in zip(recon.kept_ids, true_kept_ids)])
     label_accuracy = metrics.label_hits(*labels).astype(np.float64) if labels is not None else None
     return ClientScores(partition, groups, grid_rows, position_accuracy, label_accuracy, exposure=exposure)
+
+
+def add_identifiability(partition: int, images: np.ndarray, mean_image: np.ndarray, originals: np.ndarray,
+                        others: np.ndarray, kept: np.ndarray | None, scored: dict, base: dict
+                        ) -> list[tuple[dict, list[np.ndarray]]]:
+    """Adds "iip" to the attack's and the mean image's score groups (metrics.score's dicts): on the whole image,
+    and where the run masks also on the true image's kept patches (what was sent); returns each image's exposure
+    row (PSNR, the rank of its true image among the candidates) with its [original, reconstruction]."""
+    ranks, candidates = metrics.identifiability_ranks(images, originals, others)
+    rows = [{"client": partition, "image": i, "psnr": float(scored["metrics"]["psnr"][i]), "rank": int(rank),
+             "candidates": candidates} for i, rank in enumerate(ranks)]
+    scored["metrics"]["iip"] = (ranks == 1).astype(np.float64)
+    base["metrics"]["iip"] = (metrics.identifiability_ranks(mean_image, originals, others)[0] == 1).astype(np.float64)
+    if kept is not None:
+        ranks_kept = metrics.identifiability_ranks(images, originals, others, kept)[0]
+        scored["metrics_kept"]["iip"] = (ranks_kept == 1).astype(np.float64)
+        base["metrics_kept"]["iip"] = (metrics.identifiability_ranks(mean_image, originals, others, kept)[0] == 1
+                                       ).astype(np.float64)
+        for row, rank in zip(rows, ranks_kept):
+            row["rank_kept"] = int(rank)
+    return [(row, [originals[i], images[i]]) for i, row in enumerate(rows)]
 
 
 @dataclass
@@ -138,8 +147,7 @@ def image_summary(clients: list[ClientScores], details: dict) -> Summary:
     label_accuracies = [c.label_accuracy for c in clients if c.label_accuracy is not None]
     if label_accuracies:
         details = {**details, "label_accuracy": metrics.summarize(np.concatenate(label_accuracies))}
-    ranked = sorted((e for c in clients for e in c.exposure), key=exposure_order)
-    ranked = ranked[:RANKED_IMAGES]
+    ranked = sorted((e for c in clients for e in c.exposure), key=exposure_order)[:RANKED_IMAGES]
     return Summary(*pooled(clients), details, ranking=[row for row, _ in ranked],
                    ranking_rows=[images for _, images in ranked])
 
