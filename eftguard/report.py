@@ -161,9 +161,9 @@ def image_grid(rows: list[list[np.ndarray]], scale: int = 3, gap: int = 2, colum
 
 
 def ranking_note(position: int, row: dict) -> str:
-    kept = f", kept patches {row['rank_kept']}" if "rank_kept" in row else ""
+    kept = f"\nrank {row['rank_kept']} on the kept patches" if "rank_kept" in row else ""
     return (f"#{position}  client {row['client']}, image {row['image']}\n{row['psnr']:.1f} dB\n"
-            f"true image ranked {row['rank']}{kept}\nof {row['candidates']}")
+            f"true image: rank {row['rank']} of {row['candidates']}{kept}")
 
 
 def ranking_grid(ranking: list[dict], rows: list[list[np.ndarray]]) -> Image.Image:
