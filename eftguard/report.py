@@ -37,6 +37,8 @@ GROUP_TITLES = {
     "metrics_kept": "attack, kept patches",
     "baseline_kept": "baseline, kept patches",
     "baseline_blur": "blurred kept patches",
+    "unfloored": "attack before its floor",
+    "baseline_floor": "baseline with the attack's floor",
 }
 LOWER_IS_BETTER = {"lpips", "l1", "js"}
 DP_SCOPE = ("--dp-eps, when on, bounds everything a client uploads (parameters by DP-SGD; patch features, their "
