@@ -40,6 +40,7 @@ from scipy.optimize import nnls
 from attacks.base import AttackError, LabelEstimate, Progress, Registry, ThreatModel, finite_number, option
 
 LABELS = Registry("labels", default="head")
+FLOOR = "floor"  # LabelEstimate.details key of an attack that raised counts to one: the classes and counts before
 
 
 @dataclass
@@ -256,9 +257,6 @@ class HeadGradientAttack:
                                              FLOOR: {"classes": classes[unfloored[classes] < 1].tolist(),
                                                      "unfloored_counts": np.round(unfloored, 3).tolist()}})
         return estimates
-
-
-FLOOR = "floor"  # LabelEstimate.details key of an attack that raised counts to one: the classes and counts before
 
 
 def impact_counts(entries: np.ndarray, num_examples: int, impact_factor: float) -> np.ndarray:
