@@ -205,6 +205,7 @@ def test_cli_writes_one_report_per_method(tiny_run, tmp_path):
         assert [report["histograms"][k]["true"] for k in ("0", "1")] == [t.tolist() for t in truths]
         assert (folder / "report.md").exists()
         assert ("unfloored" in report and "baseline_floor" in report) == (attack.name == "head")
+        assert (report["details"].get("floor") == scoring.FLOOR_KNOWLEDGE) == (attack.name == "head")
     head = json.loads((tmp_path / "labels-head" / "report.json").read_text())
     unfloored = [np.asarray(head["histograms"][k]["attack"]["floor"]["unfloored_counts"]) for k in ("0", "1")]
     exact = np.concatenate([np.rint(u[t > 0]) == t[t > 0] for u, t in zip(unfloored, truths)])

@@ -203,6 +203,8 @@ class LabelsFamily(Family):
         details = {"method": attack.name, "attack_seconds": round(seconds, 2), "balance": cfg.balance,
                    "dp_eps": cfg.dp_eps, "beta": cfg.beta, "knowledge": attack.knowledge,
                    "baseline_knowledge": scoring.BASELINE_KNOWLEDGE[attack.uses_upload_labels]}
+        if "baseline_floor" in scores[0].groups:
+            details["floor"] = scoring.FLOOR_KNOWLEDGE
         return self.report(job, attack, scoring.label_summary(scores, details), None)
 
 

@@ -194,6 +194,8 @@ def prior_baseline(num_examples: int, classes: np.ndarray, floored: np.ndarray |
 
 BASELINE_KNOWLEDGE = {True: "n_k spread uniformly over the classes with uploads",
                       False: "n_k spread uniformly over all classes (the attack does not read the uploaded labels)"}
+FLOOR_KNOWLEDGE = ("baseline_floor: the baseline given the attack's floor, one sample on each class the attack raised "
+                   "to one, the rest over the other classes with uploads; unfloored: the attack's counts before it")
 
 
 def label_scores(estimate: LabelEstimate, true_counts: np.ndarray) -> dict[str, np.ndarray]:
