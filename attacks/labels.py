@@ -1,6 +1,6 @@
 """Label-distribution inference: estimate each client's class histogram from what the server observed.
 
-Three attacks of the `labels` family (registry LABELS), `reconstruct(observation, progress) ->
+Five attacks of the `labels` family (registry LABELS), `reconstruct(observation, progress) ->
 {partition: LabelEstimate}`:
 
 - `PresenceAttack`: the labels that travel with the uploaded features. Median sampling uploads T rows for
@@ -15,6 +15,14 @@ Three attacks of the `labels` family (registry LABELS), `reconstruct(observation
   sum_i (softmax_i - onehot_i) f_i (iLRG / LLG). Per-class template gradients, computed on the uploaded features
   at the round's start model, are fitted to the update by non-negative least squares; the weights are the class
   proportions times an unknown scale.
+- `LLGAttack`, `BiasCorrectedAttack`: references from the literature, as breaching implements them ("wainakh-simple"
+  and "bias-corrected"): the head update read as a gradient, one label per class whose weight-row sum (LLG,
+  Wainakh et al. 2022) or bias entry (bias-corrected) is negative, then the n_k - |those| remaining labels
+  drawn one by one from the most negative entry, each draw raising it by an impact estimated from the update.
+
+Each class states the `knowledge` it uses; the auditor gives the prior baseline the same knowledge (the set of
+classes with uploads where the attack reads it) and, for an attack that floors classes at one sample, also scores
+the unfloored counts, so that the floor's share of the exact-count hits is visible.
 
 Every attack reads only observations (uploads, n_k, the round's public start model); ground truth is joined by
 the auditor (`eftguard.audit.scoring`).
@@ -32,6 +40,7 @@ from scipy.optimize import nnls
 from attacks.base import AttackError, LabelEstimate, Progress, Registry, ThreatModel, finite_number, option
 
 LABELS = Registry("labels", default="head")
+FLOOR = "floor"  # LabelEstimate.details key of an attack that raised counts to one: the classes and counts before
 
 
 @dataclass
@@ -66,6 +75,8 @@ class PresenceAttack:
 
     name = "presence"
     summary = "the labels sent with the features"
+    knowledge: ClassVar[str] = "the uploaded labels (which classes have uploads, and how many rows each) and n_k"
+    uses_upload_labels: ClassVar[bool] = True
     threat_model: ClassVar[ThreatModel] = ThreatModel(knows_weights=False, aux_data=None)
 
     def reconstruct(self, observation: LabelObservation, progress: Progress | None = None
@@ -97,6 +108,8 @@ class LinkageAttack:
     name = "linkage"
     summary = ("count distinct source images per class by linking uploads that share near-identical tokens "
                "(median sampling re-uploads images of small classes under fresh masks)")
+    knowledge: ClassVar[str] = "the uploaded labels and token features, n_k and the run's balance mode"
+    uses_upload_labels: ClassVar[bool] = True
     threat_model: ClassVar[ThreatModel] = ThreatModel(knows_weights=False, aux_data=None)
     link_threshold: float = option(0.99, "cosine similarity two tokens need to count as the same patch",
                                    finite_number(0, 1))
@@ -181,6 +194,15 @@ def at_least_one(counts: np.ndarray) -> np.ndarray:
     return out
 
 
+def head_update(observation: LabelObservation, client: ClientUploads) -> np.ndarray:
+    """[C, D + 1]: the client's head update [W | b] - [W | b]_start, a scaled negative mean gradient."""
+    if observation.start_model is None:
+        raise AttackError("the head-update attacks need the round's start model (checkpoint t-1)")
+    head = observation.start_model.head
+    start = torch.cat([head.weight.detach(), head.bias.detach()[:, None]], dim=1).double().numpy()
+    return np.concatenate([client.head_weight, client.head_bias[:, None]], axis=1).astype(np.float64) - start
+
+
 @LABELS.register
 @dataclass
 class HeadGradientAttack:
@@ -190,14 +212,17 @@ class HeadGradientAttack:
     at the start model, G = sum_c pi_c A_c, where A_c is the mean of (softmax_i - onehot_c) [f_i, 1] over the
     uploaded rows of class c, f_i the cls feature theta(Z_i) and pi the class proportions. Non-negative least
     squares gives x = s pi and counts n_k pi; a class with uploads holds at least one sample, so counts below one
-    are raised to one (taken from the others). Exact for one gradient step at the start model; for a
-    local run it assumes the head gradient keeps its direction (and, under Adam, its relative scale) over the
-    run, and the uploaded features (from the updated phi_k, median-sampled) stand in for the client's
-    training features.
+    are raised to one (taken from the others; the classes so floored and the counts before are in the details, and
+    the auditor scores both). Exact for one gradient step at the start model; for a local run it assumes the head
+    gradient keeps its direction (and, under Adam, its relative scale) over the run, and the uploaded features
+    (from the updated phi_k, median-sampled) stand in for the client's training features.
     """
 
     name = "head"
     summary = "fit per-class cross-entropy gradients of the head to the client's head update"
+    knowledge: ClassVar[str] = ("the head update, the start model, the uploaded features and labels (the classes with "
+                                "uploads, each floored at one sample) and n_k")
+    uses_upload_labels: ClassVar[bool] = True
     threat_model: ClassVar[ThreatModel] = ThreatModel(knows_weights=True, aux_data=None)
 
     def templates(self, model: torch.nn.Module, client: ClientUploads, classes: np.ndarray) -> np.ndarray:
@@ -216,19 +241,98 @@ class HeadGradientAttack:
 
     def reconstruct(self, observation: LabelObservation, progress: Progress | None = None
                     ) -> dict[int, LabelEstimate]:
-        if observation.start_model is None:
-            raise AttackError("the head attack needs the round's start model (checkpoint t-1)")
-        model = observation.start_model
-        start = torch.cat([model.head.weight.detach(), model.head.bias.detach()[:, None]], dim=1).double().numpy()
         estimates = {}
         for client in observation.clients:
+            update = head_update(observation, client)
             classes = np.flatnonzero(np.bincount(client.labels, minlength=observation.num_classes))
-            update = np.concatenate([client.head_weight, client.head_bias[:, None]], axis=1).astype(np.float64) - start
-            weights, residual = nnls(self.templates(model, client, classes).T, -update.flatten())
+            weights, residual = nnls(self.templates(observation.start_model, client, classes).T, -update.flatten())
             shares = weights / weights.sum() if weights.sum() > 0 else np.full(len(classes), 1 / len(classes))
+            unfloored = np.zeros(observation.num_classes)
+            unfloored[classes] = client.num_examples * shares
             counts = np.zeros(observation.num_classes)
-            counts[classes] = at_least_one(client.num_examples * shares)
+            counts[classes] = at_least_one(unfloored[classes])
             fit = 1.0 - residual ** 2 / max(float((update ** 2).sum()), 1e-30)
             estimates[client.partition] = LabelEstimate(
-                counts, counts > 0, details={"scale": float(weights.sum()), "explained_variance": round(fit, 4)})
+                counts, counts > 0, details={"scale": float(weights.sum()), "explained_variance": round(fit, 4),
+                                             FLOOR: {"classes": classes[unfloored[classes] < 1].tolist(),
+                                                     "unfloored_counts": np.round(unfloored, 3).tolist()}})
         return estimates
+
+
+def impact_counts(entries: np.ndarray, num_examples: int, impact_factor: float) -> np.ndarray:
+    """The two-stage label count of LLG on per-class gradient entries (each sample of class c pulls entry c down by
+    about the same impact m): one label per negative entry (the n_k most negative if there are more), then the
+    remaining labels one at a time to the most negative entry, each label raising its entry by |m|,
+    m = impact_factor * (sum of the negative entries) / n_k."""
+    entries = entries.astype(np.float64).copy()
+    negative = entries < 0
+    if negative.sum() > num_examples:  # more negative entries than samples: keep the most negative ones
+        negative &= entries <= np.sort(entries)[num_examples - 1]
+    counts = negative.astype(np.int64)
+    impact = abs(impact_factor * entries[negative].sum() / max(num_examples, 1))
+    entries[negative] += impact
+    for _ in range(max(num_examples - int(counts.sum()), 0)):
+        label = int(np.argmin(entries))
+        counts[label] += 1
+        entries[label] += impact
+    return counts
+
+
+@dataclass
+class ImpactCountAttack:
+    """Shared by LLG and bias-corrected: per-class entries of the head update, read as a gradient, counted by
+    `impact_counts`. Subclasses say which entries and the impact factor."""
+
+    threat_model: ClassVar[ThreatModel] = ThreatModel(knows_weights=True, aux_data=None)  # the start head
+    uses_upload_labels: ClassVar[bool] = False  # the baseline beside it does not get the classes with uploads
+
+    def entries(self, gradient: np.ndarray) -> np.ndarray:
+        """[C]: the per-class entries of the head gradient [C, D + 1] that each sample of class c pulls down."""
+        raise NotImplementedError
+
+    def impact_factor(self, num_classes: int) -> float:
+        return 1.0
+
+    def reconstruct(self, observation: LabelObservation, progress: Progress | None = None
+                    ) -> dict[int, LabelEstimate]:
+        estimates = {}
+        for client in observation.clients:
+            entries = self.entries(-head_update(observation, client))  # the update is -lr * gradient
+            counts = impact_counts(entries, client.num_examples, self.impact_factor(len(entries))).astype(np.float64)
+            estimates[client.partition] = LabelEstimate(counts, counts > 0,
+                                                        details={"negative_classes": int((entries < 0).sum())})
+        return estimates
+
+
+@LABELS.register
+@dataclass
+class LLGAttack(ImpactCountAttack):
+    """LLG (Wainakh et al., "User-Level Label Leakage from Gradients in Federated Learning", PETS 2022), its
+    simple variant: the entries are the row sums of the head's weight gradient, the impact factor 1 + 1/C. Sound
+    where the features before the head are non-negative (ReLU): the ViT's cls feature is not, so expect it to fail
+    here where it works on CNNs."""
+
+    name = "llg"
+    summary = "LLG: one label per negative weight-row sum of the head update, the rest by estimated impact"
+    knowledge: ClassVar[str] = "the head update, the start head and n_k"
+
+    def entries(self, gradient: np.ndarray) -> np.ndarray:
+        return gradient[:, :-1].sum(axis=1)
+
+    def impact_factor(self, num_classes: int) -> float:
+        return 1 + 1 / num_classes
+
+
+@LABELS.register
+@dataclass
+class BiasCorrectedAttack(ImpactCountAttack):
+    """Breaching's "bias-corrected" strategy: LLG on the head's bias gradient, d b_c = mean_i (p_ic - y_ic), whose
+    input is the constant 1, so the sign argument holds for any features; the impact is the sum of the negative
+    entries over n_k."""
+
+    name = "bias-corrected"
+    summary = "one label per negative bias entry of the head update, the rest by estimated impact"
+    knowledge: ClassVar[str] = "the head update, the start head and n_k"
+
+    def entries(self, gradient: np.ndarray) -> np.ndarray:
+        return gradient[:, -1]

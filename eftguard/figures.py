@@ -8,6 +8,7 @@ from __future__ import annotations
 # kept-patch figures ("psnr_kept") go the way of their metric (see figure_direction).
 FIGURE_DIRECTION: dict[str, int] = {
     "psnr": 1, "ssim": 1, "lpips": -1, "psnr_kept": 1, "ssim_kept": 1, "lpips_kept": -1,
+    "iip": 1, "iip_kept": 1, "exact_count_accuracy_all": 1,
     "position_accuracy": 1, "label_accuracy": 1,
     "l1": -1, "js": -1, "exact_count_accuracy": 1, "presence_precision": 1, "presence_recall": 1, "presence_f1": 1,
     "epsilon_lower_bound": 1, "guess_accuracy": 1,

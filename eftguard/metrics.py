@@ -162,6 +162,27 @@ def squared_errors(a: np.ndarray, b: np.ndarray) -> np.ndarray:
     return (x ** 2).sum(1)[:, None] + (y ** 2).sum(1)[None, :] - 2 * x @ y.T
 
 
+def identifiability_ranks(recon: np.ndarray, truth: np.ndarray, candidates: np.ndarray,
+                          weights: np.ndarray | None = None) -> tuple[np.ndarray, int]:
+    """Where each reconstruction's true image ranks among the candidate images by pixel distance (1: its nearest
+    neighbour is the true image), and how many distinct candidates there were. The candidates are the true
+    images plus `candidates` (the client's other images, public images); repeated images count once, so an
+    image uploaded twice does not compete with itself. weights [N, H, W]: compare only where a reconstruction's
+    weights are > 0 (the kept patches of its true image: what was sent). The share of rank 1 is the image
+    identifiability precision (IIP) of breaching, here in pixel space (the squared error the auditor also matches
+    by) rather than LPIPS: cheap over thousands of pairs, and a reconstruction must look like its own image, not
+    merely be closer to it than to its neighbours in some learned feature space."""
+    pool = np.unique(np.concatenate([truth, candidates]).reshape(len(truth) + len(candidates), -1), axis=0)
+    pool = pool.reshape(-1, *truth.shape[1:])
+    own = squared_errors(truth, pool).argmin(axis=1)  # each true image's place in the pool
+    if weights is None:
+        distances = squared_errors(recon, pool)
+    else:
+        distances = np.stack([((pool[:, w > 0] - r[w > 0]) ** 2).sum(axis=(1, 2)) for r, w in zip(recon, weights)])
+    closer = distances < distances[np.arange(len(recon)), own][:, None]
+    return 1 + closer.sum(axis=1), len(pool)
+
+
 def label_hits(predicted: np.ndarray, true: np.ndarray) -> np.ndarray:
     """bool per predicted label: True if it can be paired with a distinct true label of the same class
     (multiset overlap, order-free: the labels an attack recovers are not tied to particular images)."""

@@ -37,6 +37,8 @@ GROUP_TITLES = {
     "metrics_kept": "attack, kept patches",
     "baseline_kept": "baseline, kept patches",
     "baseline_blur": "blurred kept patches",
+    "unfloored": "attack before its floor",
+    "baseline_floor": "baseline with the attack's floor",
 }
 LOWER_IS_BETTER = {"lpips", "l1", "js"}
 ROC_DETAILS, ROC_PLOT = "roc", "roc.png"  # membership reports: ROC curves in details, drawn as roc.png
@@ -117,51 +119,91 @@ def shown_details(report: dict) -> dict:
     return {k: v for k, v in report.get("details", {}).items() if k != ROC_DETAILS}
 
 
-def attack_markdown(report: dict, grid_name: str | None) -> str:
+def attack_markdown(report: dict, grid_name: str | None, ranking_name: str | None = None) -> str:
     parts = [f"# {md(report['attack'])} on {md(report['run'])}, round {report['round']}", "",
              *attack_markdown_body(report)]
     if grid_name:
         parts += [f"![original | what the client sent | reconstruction]({grid_name})", ""]
     if ROC_DETAILS in report.get("details", {}):
         parts += [f"![ROC curve, log-log: the attack, the LOSS baseline and a random guess]({ROC_PLOT})", ""]
+    if report.get("ranking"):
+        parts += ["## Most exposed images", "", RANKING_TEXT, "", markdown_table(ranking_table(report)), ""]
+        if ranking_name:
+            parts += [f"![most exposed images: original | reconstruction | exposure]({ranking_name})", ""]
     parts += [DP_SCOPE, ""]
     return "\n".join(parts)
 
 
 GRID_COLUMNS = ("original", "what was sent", "reconstruction")
 GRID_HEADER, GRID_PSNR_WIDTH, GRID_MIN_CELL = 20, 86, 128  # pixels: heading band, PSNR column, narrowest cell
+RANKING_COLUMNS, RANKING_NOTE_WIDTH = ("original", "reconstruction"), 250
 
 
-def image_grid(rows: list[list[np.ndarray]], scale: int = 3, gap: int = 2) -> Image.Image:
-    """Rows of [original, what was sent, reconstruction] (float [H, W, 3] in [0, 1]) upscaled by `scale` (more
-    for tiny images, so that the headings fit) under column headings, each row followed by the PSNR of its
-    reconstruction against its original: a reader sees which row the table's mean hides."""
+def image_grid(rows: list[list[np.ndarray]], scale: int = 3, gap: int = 2, columns: tuple[str, ...] = GRID_COLUMNS,
+               notes: list[str] | None = None, note_title: str = "PSNR (whole)",
+               note_width: int = GRID_PSNR_WIDTH) -> Image.Image:
+    """Rows of images (float [H, W, 3] in [0, 1]; by default [original, what was sent, reconstruction]) upscaled
+    by `scale` (more for tiny images, so that the headings fit) under column headings, each row followed by a note:
+    by default the PSNR of its reconstruction (last) against its original (first), so that a reader sees which
+    row the table's mean hides."""
+    if notes is None:
+        notes = [f"{float(psnr(np.clip(r[-1], 0, 1)[None], np.clip(r[0], 0, 1)[None])[0]):.1f} dB"
+                 if len(r) >= 2 else "" for r in rows]
     h, w = rows[0][0].shape[:2]
     scale = max(scale, -(-GRID_MIN_CELL // w))
     cols = max(len(r) for r in rows)
     cell_h, cell_w = h * scale, w * scale
-    width = cols * (cell_w + gap) + gap + GRID_PSNR_WIDTH
+    width = cols * (cell_w + gap) + gap + note_width
     canvas = Image.new("RGB", (width, GRID_HEADER + len(rows) * (cell_h + gap) + gap), "white")
     draw, font = ImageDraw.Draw(canvas), ImageFont.load_default(size=12)
-    for j, title in enumerate(GRID_COLUMNS[:cols]):
+    for j, title in enumerate(columns[:cols]):
         draw.text((gap + j * (cell_w + gap) + cell_w // 2, GRID_HEADER // 2), title, fill="black", font=font,
                   anchor="mm")
-    draw.text((width - GRID_PSNR_WIDTH // 2, GRID_HEADER // 2), "PSNR (whole)", fill="black", font=font,
-              anchor="mm")
-    for i, row in enumerate(rows):
+    draw.text((width - note_width // 2, GRID_HEADER // 2), note_title, fill="black", font=font, anchor="mm")
+    for i, (row, note) in enumerate(zip(rows, notes)):
         y = GRID_HEADER + gap + i * (cell_h + gap)
         for j, image in enumerate(row):
             tile = (np.clip(image, 0, 1) * 255 + 0.5).astype(np.uint8).repeat(scale, 0).repeat(scale, 1)
             canvas.paste(Image.fromarray(tile), (gap + j * (cell_w + gap), y))
-        if len(row) >= 2:
-            value = float(psnr(np.clip(row[-1], 0, 1)[None], np.clip(row[0], 0, 1)[None])[0])
-            draw.text((width - GRID_PSNR_WIDTH // 2, y + cell_h // 2), f"{value:.1f} dB", fill="black", font=font,
-                      anchor="mm")
+        draw.multiline_text((width - note_width // 2, y + cell_h // 2), note, fill="black", font=font,
+                            anchor="mm", align="center")
     return canvas
 
 
-def write_attack_report(out_root: Path, report: dict, grid: Image.Image | None = None) -> Path:
-    """<out_root>/<attack>/report.json, report.md and grid.png; returns the folder."""
+def ranking_note(position: int, row: dict) -> str:
+    kept = f"\nrank {row['rank_kept']} on the kept patches" if "rank_kept" in row else ""
+    return (f"#{position}  client {row['client']}, image {row['image']}\n{row['psnr']:.1f} dB\n"
+            f"true image: rank {row['rank']} of {row['candidates']}{kept}")
+
+
+def ranking_grid(ranking: list[dict], rows: list[list[np.ndarray]]) -> Image.Image:
+    """ranking.png: the most exposed images, most exposed first, as [original, reconstruction] with each row's
+    place, PSNR and the rank of the true image among the candidates (docs/reports.md)."""
+    return image_grid(rows, columns=RANKING_COLUMNS, notes=[ranking_note(i, r) for i, r in enumerate(ranking, 1)],
+                      note_title="exposure", note_width=RANKING_NOTE_WIDTH)
+
+
+RANKING_TEXT = ("Most exposed images first: those whose reconstruction's nearest image (pixel distance) among the "
+                "client's images and the public images is the true one (rank 1: identified; counted in iip), on the "
+                "whole image or, where the run masks, on the kept patches (what was sent; iip_kept), then by PSNR.")
+
+
+def ranking_table(report: dict) -> list[list[str]]:
+    """The per-image ranking of an image attack's report.json as table rows, the header first."""
+    kept = any("rank_kept" in r for r in report["ranking"])
+    rows = [["#", "client", "image", "PSNR (dB)", "rank of the true image", *(["rank on the kept patches"] * kept),
+             "identified"]]
+    for i, r in enumerate(report["ranking"], 1):
+        ranks = [r["rank"], *([r["rank_kept"]] if "rank_kept" in r else [])]
+        rows.append([str(i), str(r["client"]), str(r["image"]), f"{r['psnr']:.1f}", f"{r['rank']} of {r['candidates']}",
+                     *([f"{r['rank_kept']} of {r['candidates']}" if "rank_kept" in r else "–"] * kept),
+                     "yes" if min(ranks) == 1 else "no"])
+    return rows
+
+
+def write_attack_report(out_root: Path, report: dict, grid: Image.Image | None = None,
+                        ranking: Image.Image | None = None) -> Path:
+    """<out_root>/<attack>/report.json, report.md, grid.png and ranking.png; returns the folder."""
     folder = Path(out_root) / report["attack"]
     folder.mkdir(parents=True, exist_ok=True)
     (folder / "report.json").write_text(json.dumps(report, indent=2) + "\n")
@@ -169,7 +211,10 @@ def write_attack_report(out_root: Path, report: dict, grid: Image.Image | None =
         grid.save(folder / "grid.png")
     if isinstance(report.get("details", {}).get(ROC_DETAILS), dict):
         (folder / ROC_PLOT).write_bytes(roc_plot(report["details"][ROC_DETAILS], report["attack"]))
-    (folder / "report.md").write_text(attack_markdown(report, "grid.png" if grid is not None else None))
+    if ranking is not None:
+        ranking.save(folder / "ranking.png")
+    (folder / "report.md").write_text(attack_markdown(report, "grid.png" if grid is not None else None,
+                                                      "ranking.png" if ranking is not None else None))
     return folder
 
 
@@ -188,6 +233,8 @@ def report_problem(report) -> str | None:
             return f'"{key}" is not a JSON object'
     if not isinstance(report.get("lpips_backend") or "", str):
         return '"lpips_backend" is not a name'
+    if "ranking" in report and not ranking_is_valid(report["ranking"]):
+        return '"ranking" is not a list of {"client", "image", "psnr", "rank", "candidates"} numbers'
     for group in [g for g in GROUP_TITLES if g in report] + stat_groups(report):
         if not is_stat_group(report[group]):
             return f'{json.dumps(group)} is not a table of {{"mean", "std", "n"}} per metric'
@@ -196,6 +243,15 @@ def report_problem(report) -> str | None:
                 return (f'{json.dumps(group)} / {json.dumps(metric)} does not hold numbers "mean" and "std" '
                         'and an integer "n"')
     return None
+
+
+def ranking_is_valid(ranking) -> bool:
+    def integer(row: dict, key: str) -> bool:
+        return is_number(row.get(key)) and isinstance(row[key], int)
+
+    return isinstance(ranking, list) and all(
+        isinstance(row, dict) and all(integer(row, k) for k in ("client", "image", "rank", "candidates"))
+        and ("rank_kept" not in row or integer(row, "rank_kept")) and is_number(row.get("psnr")) for row in ranking)
 
 
 def read_report(file: Path) -> dict:
@@ -429,6 +485,17 @@ def write_run_report(run_path: Path, config_toml: str, metrics: list[dict], repo
                       f"({quote(grid.relative_to(reports_dir).as_posix())})", ""]
             body.append(f'<p><img alt="{html.escape(report["attack"])}: original | what was sent | reconstruction '
                         f'| PSNR per row" src="{_png_data_uri(grid.read_bytes())}"></p>')
+        if report.get("ranking"):
+            lines += [f"#### Most exposed images ({md(report['attack'])})", "", RANKING_TEXT, "",
+                      markdown_table(ranking_table(report)), ""]
+            body += [f"<h4>Most exposed images ({html.escape(report['attack'])})</h4>",
+                     f"<p>{html.escape(RANKING_TEXT)}</p>", _html_table(ranking_table(report))]
+            ranking = folder / "ranking.png"
+            if ranking.exists():
+                lines += [f"![{md(report['attack'])}: most exposed images]"
+                          f"({quote(ranking.relative_to(reports_dir).as_posix())})", ""]
+                body.append(f'<p><img alt="{html.escape(report["attack"])}: most exposed images, original | '
+                            f'reconstruction | exposure" src="{_png_data_uri(ranking.read_bytes())}"></p>')
     lines += config_markdown(config_toml)
     body.append(config_html(config_toml))
     out = Path(reports_dir)

@@ -27,7 +27,7 @@ def test_invert_writes_the_report_and_the_run_report_gathers_it(feature_run, tmp
     assert report["capabilities"]["positions_known"] is True
     assert report["lpips_backend"] == "stlpips-alex"
     for group in ("metrics", "metrics_kept", "baseline"):
-        assert set(report[group]) == {"psnr", "ssim", "lpips"}
+        assert set(report[group]) == {"psnr", "ssim", "lpips", "iip"}
         assert report[group]["psnr"]["n"] == 12  # 6 feature sets of each of 2 clients
     assert (out / "invert-decoder" / "grid.png").stat().st_size > 0
     assert "stlpips-alex" in (out / "invert-decoder" / "report.md").read_text()
@@ -55,7 +55,7 @@ def test_invert_writes_the_report_and_the_run_report_gathers_it(feature_run, tmp
     parser = Resources()
     parser.feed(page)
     assert parser.external == []  # self-contained: every image is inlined
-    assert page.count("data:image/png;base64,") == 3  # two grids and the accuracy plot
+    assert page.count("data:image/png;base64,") == 5  # two grids, two rankings and the accuracy plot
     assert "invert-optimize" in (out / "report.md").read_text()
     assert [a["attack"] for a in json.loads((out / "report.json").read_text())["attacks"]] == \
         ["invert-decoder", "invert-optimize"]

@@ -103,7 +103,8 @@ def test_wrong_names_and_values_are_one_error_listing_the_valid_ones(feature_run
 
 
 def test_every_registered_attack_is_named():
-    assert attack_names("labels") == ["labels-presence", "labels-linkage", "labels-head"]
+    assert attack_names("labels") == ["labels-presence", "labels-linkage", "labels-head", "labels-llg",
+                                      "labels-bias-corrected"]
     assert attack_names() == [f"{f}-{m}" for f in FAMILIES for m in FAMILIES[f].registry.names()]
 
 
@@ -133,6 +134,8 @@ class EvenSplit:
 
     name = "even"
     summary = "an even split over the uploaded classes"
+    knowledge: ClassVar[str] = "the uploaded labels and n_k"
+    uses_upload_labels: ClassVar[bool] = True
     threat_model: ClassVar[ThreatModel] = ThreatModel(knows_weights=False, aux_data=None)
     scale: float = option(1.0, "multiplies every count", finite_number(0))
 

@@ -419,7 +419,13 @@ def test_cli_attacks_an_uploaded_fedavg_update(capsys, fedavg_run, tmp_path):
     assert code == 0, err
     report = json.loads((tmp_path / "gradient-idlg" / "report.json").read_text())
     assert report["metrics"]["psnr"]["n"] == 2 and "metrics_kept" not in report
+    assert report["metrics"]["iip"]["n"] == 2 and [r["client"] for r in report["ranking"]] == [0, 0]
+    assert report["ranking"][0]["candidates"] > 2  # the client's whole set and the public images
     assert "treated as one gradient" in report["details"]["observation"]
+    # The budget is stated: 3 evaluations is a weak run, not a safe configuration.
+    assert 1 <= report["details"]["gradient_evaluations"] <= 3
+    assert report["details"]["budget"].startswith("3 gradient evaluations allowed") and "allows 6000" in \
+        report["details"]["budget"]
 
 
 def test_attacks_never_read_ground_truth(monkeypatch, capsys, eftvit_run, tmp_path):

@@ -211,3 +211,9 @@ def test_an_oracle_reconstruction_scores_the_psnr_cap_on_every_row(feature_run, 
         assert psnr["n"] == rows and psnr["mean"] == metrics.MAX_PSNR and psnr["std"] == 0, (group, psnr)
         assert report[group]["ssim"]["mean"] == pytest.approx(1.0)
     assert report["baseline"]["psnr"]["mean"] < 20
+    # Every exact copy is identified among the client's images and the public ones; the mean image is not.
+    assert report["metrics"]["iip"] == {"mean": 1.0, "std": 0.0, "median": 1.0, "n": rows}
+    assert report["baseline"]["iip"]["mean"] <= 1 / len(np.unique(again.truth["sample_ids"]))
+    assert report["metrics_kept"]["iip"]["mean"] == 1.0
+    assert [(r["rank"], r["rank_kept"]) for r in report["ranking"]] == [(1, 1)] * scoring.RANKED_IMAGES
+    assert (tmp_path / "invert-decoder" / "ranking.png").exists()

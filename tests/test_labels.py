@@ -1,13 +1,15 @@
 """Label-distribution inference: each attack on inputs with a known answer, the auditor's scores, and the CLI."""
 
 import json
+from types import SimpleNamespace
 
 import numpy as np
 import pytest
 import torch
 
 from attacks.base import LabelEstimate
-from attacks.labels import ClientUploads, HeadGradientAttack, LabelObservation, LinkageAttack, PresenceAttack
+from attacks.labels import (BiasCorrectedAttack, ClientUploads, HeadGradientAttack, LabelObservation, LinkageAttack,
+                            LLGAttack, PresenceAttack)
 from eftguard.audit import scoring
 from eftguard.audit.observe import observe_labels
 from eftguard.cli import main
@@ -79,6 +81,47 @@ def test_head_attack_recovers_counts_of_a_known_batch_on_an_untrained_model(tiny
     assert estimate.details["scale"] == pytest.approx(lr, rel=1e-3)
 
 
+def one_step_client(head: torch.nn.Linear, counts: np.ndarray, noise: float, seed: int) -> ClientUploads:
+    """A client that took one SGD step (lr 0.5) of the head on non-negative features (LLG's setting: ReLU before
+    the head), its gradient plus Gaussian noise of std `noise` per coordinate (a DP-SGD-like release)."""
+    generator = torch.Generator().manual_seed(seed)
+    labels = torch.from_numpy(np.repeat(np.arange(len(counts)), counts))
+    features = torch.relu(torch.randn(len(labels), head.in_features, generator=generator))
+    loss = torch.nn.functional.cross_entropy(head(features), labels)
+    uploaded = [(p - 0.5 * (g + noise * torch.randn(g.shape, generator=generator))).detach().numpy()
+                for p, g in zip((head.weight, head.bias), torch.autograd.grad(loss, [head.weight, head.bias]))]
+    return ClientUploads(0, len(labels), labels.numpy(), np.zeros((len(labels), 2, head.in_features), np.float32),
+                         *uploaded)
+
+
+@pytest.mark.parametrize("attack", [LLGAttack(), BiasCorrectedAttack()], ids=lambda a: a.name)
+def test_reference_estimators_count_a_small_batch_and_fall_to_the_prior_under_strong_noise(attack):
+    torch.manual_seed(0)
+    head = torch.nn.Linear(16, 10)
+    start = SimpleNamespace(head=head)  # these estimators read only the start head
+    counts = np.array([3, 0, 2, 1, 0, 0, 1, 0, 0, 1])
+    clean = attack.reconstruct(LabelObservation(1, 10, [one_step_client(head, counts, 0.0, 0)], "none", start))[0]
+    assert np.array_equal(clean.counts, counts) and np.array_equal(clean.present, counts > 0)
+    # Their baseline knows n_k only (they do not read the uploaded labels): n_k over all classes.
+    prior = scoring.label_scores(scoring.prior_baseline(counts.sum(), np.ones(10, bool)), counts)
+    noisy = [scoring.label_scores(attack.reconstruct(LabelObservation(
+        1, 10, [one_step_client(head, counts, 10.0, seed)], "none", start))[0], counts) for seed in range(10)]
+    assert np.mean([s["l1"][0] for s in noisy]) > 0.9 * prior["l1"][0]
+    assert np.mean([s["exact_count_accuracy_all"].mean() for s in noisy]) < 0.9
+
+
+def test_the_fair_baseline_gets_the_same_floor():
+    """The head attack raises classes below one sample to one; a class of one sample is then an exact hit whatever
+    the gradient said. The baseline given the same floor scores those hits too; unfloored, the attack does not."""
+    truth = np.array([1, 0, 1, 9, 1, 8])
+    floored = np.array([True, False, True, False, False, False])
+    baseline = scoring.prior_baseline(20, truth > 0)
+    same_floor = scoring.prior_baseline(20, truth > 0, floored)
+    assert baseline.counts.tolist() == [4, 0, 4, 4, 4, 4] and same_floor.counts.tolist() == [1, 0, 1, 6, 6, 6]
+    assert scoring.label_scores(baseline, truth)["exact_count_accuracy"].sum() == 0
+    assert scoring.label_scores(same_floor, truth)["exact_count_accuracy"].tolist() == [1, 1, 0, 0, 0]
+
+
 def test_at_least_one_keeps_the_total():
     from attacks.labels import at_least_one
 
@@ -90,13 +133,14 @@ def test_scores_and_prior_baseline():
     truth = np.array([8, 0, 2, 0])
     perfect = scoring.label_scores(LabelEstimate(truth.astype(float), truth > 0), truth)
     assert perfect["l1"][0] == 0 and perfect["js"][0] == 0 and perfect["exact_count_accuracy"].tolist() == [1, 1]
-    baseline = scoring.prior_baseline(truth)
+    baseline = scoring.prior_baseline(10, truth > 0)
     assert baseline.counts.tolist() == [5, 0, 5, 0]
     scores = scoring.label_scores(baseline, truth)
     p, q, m = np.array([0.8, 0.2]), np.array([0.5, 0.5]), np.array([0.65, 0.35])  # the present classes
     js_by_hand = np.sqrt(0.5 * (p * np.log2(p / m)).sum() + 0.5 * (q * np.log2(q / m)).sum())
     assert scores["l1"][0] == pytest.approx(0.6) and scores["js"][0] == pytest.approx(js_by_hand)
     assert scores["exact_count_accuracy"].tolist() == [0, 0] and scores["presence_f1"][0] == 1
+    assert scores["exact_count_accuracy_all"].tolist() == [0, 1, 0, 1]  # all classes: the absent ones are hits
     wrong = scoring.label_scores(LabelEstimate(np.array([0, 10.0, 0, 0]), np.array([0, 1, 0, 0], bool)), truth)
     assert wrong["presence_precision"][0] == 0 and wrong["presence_f1"][0] == 0 and wrong["js"][0] == pytest.approx(1)
 
@@ -117,7 +161,7 @@ def test_attacks_on_a_real_round_beat_the_prior_and_never_read_truth(tiny_run):
     for client in (0, 1):
         truth = scoring.true_class_counts(tiny_run, 1, client)
         assert np.array_equal(estimates["labels-presence"][client].present, truth > 0)
-        prior = scoring.label_scores(scoring.prior_baseline(truth), truth)["l1"][0]
+        prior = scoring.label_scores(scoring.prior_baseline(truth.sum(), truth > 0), truth)["l1"][0]
         for name in ("labels-linkage", "labels-head"):
             l1 = scoring.label_scores(estimates[name][client], truth)["l1"][0]
             assert l1 < 0.8 * prior, (name, client, l1, prior)
@@ -138,10 +182,16 @@ def test_cli_writes_one_report_per_method(tiny_run, tmp_path):
     main(["attack", "labels", "--run", str(tiny_run.path), "--out", str(tmp_path)])
     observation = observe_labels(tiny_run, 1, [0, 1], with_model=True)
     truths = [scoring.true_class_counts(tiny_run, 1, k) for k in (0, 1)]
-    prior = [scoring.label_scores(scoring.prior_baseline(t), t) for t in truths]
-    for attack in (PresenceAttack(), LinkageAttack(), HeadGradientAttack()):
+    uploaded = [np.bincount(c.labels, minlength=10) > 0 for c in observation.clients]
+    for attack in (PresenceAttack(), LinkageAttack(), HeadGradientAttack(), LLGAttack(), BiasCorrectedAttack()):
         folder = tmp_path / f"labels-{attack.name}"
         report = json.loads((folder / "report.json").read_text())
+        # The baseline knows what the attack reads: the classes with uploads, or (llg, bias-corrected) n_k only.
+        known = uploaded if attack.uses_upload_labels else [np.ones(10, bool)] * 2
+        prior = [scoring.label_scores(scoring.prior_baseline(t.sum(), k), t) for t, k in zip(truths, known)]
+        assert report["details"]["knowledge"] == attack.knowledge
+        assert report["details"]["baseline_knowledge"] == scoring.BASELINE_KNOWLEDGE[attack.uses_upload_labels]
+        assert report["metrics"]["exact_count_accuracy_all"]["n"] == 20  # every class of both clients
         assert report["attack"] == folder.name and report["round"] == 1 and report["clients"] == [0, 1]
         estimates = attack.reconstruct(observation)
         scores = [scoring.label_scores(estimates[k], t) for k, t in zip((0, 1), truths)]
@@ -154,6 +204,12 @@ def test_cli_writes_one_report_per_method(tiny_run, tmp_path):
             {"mean": exact.mean(), "std": exact.std(), "median": np.median(exact), "n": len(exact)})
         assert [report["histograms"][k]["true"] for k in ("0", "1")] == [t.tolist() for t in truths]
         assert (folder / "report.md").exists()
+        assert ("unfloored" in report and "baseline_floor" in report) == (attack.name == "head")
+        assert (report["details"].get("floor") == scoring.FLOOR_KNOWLEDGE) == (attack.name == "head")
+    head = json.loads((tmp_path / "labels-head" / "report.json").read_text())
+    unfloored = [np.asarray(head["histograms"][k]["attack"]["floor"]["unfloored_counts"]) for k in ("0", "1")]
+    exact = np.concatenate([np.rint(u[t > 0]) == t[t > 0] for u, t in zip(unfloored, truths)])
+    assert head["unfloored"]["exact_count_accuracy"]["mean"] == pytest.approx(exact.mean())
     presence = json.loads((tmp_path / "labels-presence" / "report.json").read_text())
     assert presence["metrics"]["presence_f1"]["mean"] == 1.0
 

@@ -93,7 +93,8 @@ class Family:
         return AttackReport(self.name, attack.name, f"{self.name}-{attack.name}", str(job.run.path), job.round_number,
                             job.clients, attack.threat_model.capabilities(),
                             {k: json_ready(v) for k, v in job.ran_with.items()}, summary.groups, summary.per_client,
-                            summary.details, lpips_backend, summary.histograms, grid)
+                            summary.details, lpips_backend, summary.histograms, grid, summary.ranking,
+                            summary.ranking_rows)
 
 
 def public_images(run: RunDirectory) -> np.ndarray:
@@ -179,8 +180,9 @@ class LabelsFamily(Family):
     help = "infer each client's class histogram from what the server observed"
     description = ("Label-distribution inference against an EFTViT run, scored per client against truth/ by L1 and "
                    "Jensen-Shannon distance of the class proportions, exact-count accuracy per present class and "
-                   "presence precision / recall / F1, beside a prior-only baseline (n_k spread uniformly over the "
-                   "present classes).")
+                   "over all classes, and presence precision / recall / F1, beside a prior baseline with the "
+                   "attack's knowledge (n_k spread uniformly over the classes with uploads, or over all classes for "
+                   "an attack that does not read the uploaded labels).")
     options_type = NoOptions
     image_metrics = False
     seeded = False  # the label attacks are deterministic
@@ -192,9 +194,16 @@ class LabelsFamily(Family):
 
     def score(self, job: Job, attack: Attack, observed: Observed, result, seconds: float) -> AttackReport:
         cfg = job.run.config()
-        scores = [scoring.score_labels(job.run, job.round_number, k, result[k]) for k in job.clients]
+        observation = observed.observation
+        uploads = {c.partition: np.bincount(c.labels, minlength=observation.num_classes) > 0
+                   for c in observation.clients}
+        scores = [scoring.score_labels(job.run, job.round_number, k, result[k],
+                                       uploads[k] if attack.uses_upload_labels else None) for k in job.clients]
         details = {"method": attack.name, "attack_seconds": round(seconds, 2), "balance": cfg.balance,
-                   "dp_eps": cfg.dp_eps, "beta": cfg.beta}
+                   "dp_eps": cfg.dp_eps, "beta": cfg.beta, "knowledge": attack.knowledge,
+                   "baseline_knowledge": scoring.BASELINE_KNOWLEDGE[attack.uses_upload_labels]}
+        if "baseline_floor" in scores[0].groups:
+            details["floor"] = scoring.FLOOR_KNOWLEDGE
         return self.report(job, attack, scoring.label_summary(scores, details), None)
 
 
@@ -275,7 +284,7 @@ class GradientFamily(Family):
         lpips = metrics.load_lpips(job.lpips_backend)
         scores = scoring.score_client(partition, replace(result, rows=rows), pool[rows], kept,
                                       observed.auditor["public"], lpips, patch,
-                                      pool_keep[rows] if pool_keep is not None else None, labels)
+                                      pool_keep[rows] if pool_keep is not None else None, labels, client_images=pool)
         details = {**observed.auditor["details"], "method": attack.summary, "observe": job.options["observe"],
                    "batch": job.options["batch"], "originals": ORIGINALS[job.options["observe"]],
                    "reconstructed_images": len(result.images), "attack_seconds": round(seconds, 2),

@@ -21,7 +21,7 @@ __all__ = ["AttackReport", "FIGURE_DIRECTION", "SCHEMA_VERSION", "figure_directi
 
 # Keys of report.json that are not score groups; every other {"metric": {"mean", "std", "n"}} table is one.
 FIELDS = ("schema_version", "family", "method", "attack", "run", "round", "clients", "capabilities", "options",
-          "lpips_backend", "per_client", "histograms", "details")
+          "lpips_backend", "per_client", "histograms", "ranking", "details")
 
 
 @dataclass
@@ -42,6 +42,8 @@ class AttackReport:
     lpips_backend: str | None = None
     histograms: dict | None = None
     grid: list | None = field(default=None, repr=False)  # image-grid rows, written as grid.png, not in report.json
+    ranking: list | None = None  # image attacks: the most exposed images (scoring.image_summary), in report.json
+    ranking_rows: list | None = field(default=None, repr=False)  # their [original, reconstruction]: ranking.png
     schema_version: int = SCHEMA_VERSION
 
     def to_json(self) -> dict:
@@ -55,6 +57,8 @@ class AttackReport:
         data["per_client"] = self.per_client
         if self.histograms is not None:
             data["histograms"] = self.histograms
+        if self.ranking is not None:
+            data["ranking"] = self.ranking
         data["details"] = self.details
         return data
 
@@ -79,13 +83,16 @@ class AttackReport:
         groups = {key: data[key] for key in stat_groups(data) if key not in FIELDS}
         return cls(data["family"], data["method"], data["attack"], data["run"], data["round"], data["clients"],
                    data.get("capabilities", {}), data["options"], groups, data.get("per_client", {}),
-                   data.get("details", {}), data.get("lpips_backend"), data.get("histograms"))
+                   data.get("details", {}), data.get("lpips_backend"), data.get("histograms"),
+                   ranking=data.get("ranking"))
 
     def save(self, out_root: Path) -> Path:
-        """out_root/<attack>/report.json, report.md and (image attacks) grid.png; returns the folder."""
-        from eftguard.report import image_grid, write_attack_report
+        """out_root/<attack>/report.json, report.md and (image attacks) grid.png and ranking.png; returns the
+        folder."""
+        from eftguard.report import image_grid, ranking_grid, write_attack_report
 
-        return write_attack_report(out_root, self.to_json(), image_grid(self.grid) if self.grid else None)
+        return write_attack_report(out_root, self.to_json(), image_grid(self.grid) if self.grid else None,
+                                   ranking_grid(self.ranking, self.ranking_rows) if self.ranking_rows else None)
 
     def figures(self) -> dict[str, float]:
         """Flat means for gates and plots: "psnr" (group metrics), "psnr_kept" (metrics_kept), "baseline.psnr"

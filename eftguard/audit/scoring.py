@@ -15,11 +15,13 @@ import numpy as np
 from scipy.spatial.distance import jensenshannon
 
 from attacks.base import ImageReconstruction, LabelEstimate
+from attacks.labels import FLOOR
 from eftguard import metrics
 from eftguard.data import ImageSet
 from eftguard.rundir import RunDirectory, RunError
 
 GRID_IMAGES = 8
+RANKED_IMAGES = 8  # the most exposed images a report shows
 
 
 def client_training_set(run: RunDirectory, partition: int) -> ImageSet:
@@ -48,22 +50,27 @@ class ClientScores:
     position_accuracy: np.ndarray | None = None
     label_accuracy: np.ndarray | None = None  # per recovered label: 1 if it pairs with a true one (metrics.label_hits)
     histograms: dict | None = None  # label attacks: true and estimated class counts
+    exposure: list[tuple[dict, list[np.ndarray]]] = field(default_factory=list)  # per image: its row, [original, recon]
 
 
 def score_client(partition: int, recon: ImageReconstruction, originals: np.ndarray, kept: np.ndarray | None,
                  public_images: np.ndarray, lpips: metrics.LPIPS, patch_size: int,
-                 true_kept_ids: np.ndarray | None = None, labels: tuple[np.ndarray, np.ndarray] | None = None
-                 ) -> ClientScores:
+                 true_kept_ids: np.ndarray | None = None, labels: tuple[np.ndarray, np.ndarray] | None = None,
+                 client_images: np.ndarray | None = None) -> ClientScores:
     """Score reconstructions against originals (float [n, H, W, 3]); kept: bool [n, H, W] kept pixels or None.
 
     Reconstructions with unknown order (recon.rows None) are first matched to originals (Hungarian).
-    labels: (recovered, true) class labels, scored order-free."""
+    labels: (recovered, true) class labels, scored order-free. iip: whether a reconstruction's nearest image
+    among the client's images (client_images, else the originals) and the public images is its own
+    (metrics.identifiability_ranks); the ranks also order the images by exposure for the report."""
     images = recon.images
     if recon.rows is None:
         images = images[metrics.hungarian_match(images, originals)]
     scored = metrics.score(images, originals, lpips, kept)
     mean_image = metrics.mean_image_baseline(public_images, len(originals))
     base = metrics.score(mean_image, originals, lpips, kept)
+    others = np.concatenate([originals if client_images is None else client_images, public_images])
+    exposure = add_identifiability(partition, images, mean_image, originals, others, kept, scored, base)
     groups = {"metrics": scored["metrics"], "baseline": base["metrics"]}
     if kept is not None:
         groups["metrics_kept"] = scored["metrics_kept"]
@@ -78,7 +85,28 @@ def score_client(partition: int, recon: ImageReconstruction, originals: np.ndarr
         position_accuracy = np.array([len(np.intersect1d(a, b)) / len(np.union1d(a, b))
                                       for a, b in zip(recon.kept_ids, true_kept_ids)])
     label_accuracy = metrics.label_hits(*labels).astype(np.float64) if labels is not None else None
-    return ClientScores(partition, groups, grid_rows, position_accuracy, label_accuracy)
+    return ClientScores(partition, groups, grid_rows, position_accuracy, label_accuracy, exposure=exposure)
+
+
+def add_identifiability(partition: int, images: np.ndarray, mean_image: np.ndarray, originals: np.ndarray,
+                        others: np.ndarray, kept: np.ndarray | None, scored: dict, base: dict
+                        ) -> list[tuple[dict, list[np.ndarray]]]:
+    """Adds "iip" to the attack's and the mean image's score groups (metrics.score's dicts): on the whole image,
+    and where the run masks also on the true image's kept patches (what was sent); returns each image's exposure
+    row (PSNR, the rank of its true image among the candidates) with its [original, reconstruction]."""
+    ranks, candidates = metrics.identifiability_ranks(images, originals, others)
+    rows = [{"client": partition, "image": i, "psnr": float(scored["metrics"]["psnr"][i]), "rank": int(rank),
+             "candidates": candidates} for i, rank in enumerate(ranks)]
+    scored["metrics"]["iip"] = (ranks == 1).astype(np.float64)
+    base["metrics"]["iip"] = (metrics.identifiability_ranks(mean_image, originals, others)[0] == 1).astype(np.float64)
+    if kept is not None:
+        ranks_kept = metrics.identifiability_ranks(images, originals, others, kept)[0]
+        scored["metrics_kept"]["iip"] = (ranks_kept == 1).astype(np.float64)
+        base["metrics_kept"]["iip"] = (metrics.identifiability_ranks(mean_image, originals, others, kept)[0] == 1
+                                       ).astype(np.float64)
+        for row, rank in zip(rows, ranks_kept):
+            row["rank_kept"] = int(rank)
+    return [(row, [originals[i], images[i]]) for i, row in enumerate(rows)]
 
 
 @dataclass
@@ -90,6 +118,8 @@ class Summary:
     per_client: dict
     details: dict
     histograms: dict | None = None
+    ranking: list[dict] | None = None  # image attacks: the most exposed images, most exposed first
+    ranking_rows: list[list[np.ndarray]] | None = None  # their [original, reconstruction]
 
 
 def pooled(clients: list[ClientScores]) -> tuple[dict, dict]:
@@ -101,6 +131,14 @@ def pooled(clients: list[ClientScores]) -> tuple[dict, dict]:
     return groups, per_client
 
 
+def exposure_order(entry: tuple[dict, list]) -> tuple:
+    """Most exposed first: by the better rank of the true image (whole image, or kept patches where the run masks;
+    1: identified), then by PSNR."""
+    row = entry[0]
+    best = min(row["rank"], row.get("rank_kept", row["rank"]))
+    return best, -row["psnr"]
+
+
 def image_summary(clients: list[ClientScores], details: dict) -> Summary:
     """An image attack's scores pooled over clients, with the position and label accuracy of its guesses."""
     accuracies = [c.position_accuracy for c in clients if c.position_accuracy is not None]
@@ -109,7 +147,9 @@ def image_summary(clients: list[ClientScores], details: dict) -> Summary:
     label_accuracies = [c.label_accuracy for c in clients if c.label_accuracy is not None]
     if label_accuracies:
         details = {**details, "label_accuracy": metrics.summarize(np.concatenate(label_accuracies))}
-    return Summary(*pooled(clients), details)
+    ranked = sorted((e for c in clients for e in c.exposure), key=exposure_order)[:RANKED_IMAGES]
+    return Summary(*pooled(clients), details, ranking=[row for row, _ in ranked],
+                   ranking_rows=[images for _, images in ranked])
 
 
 def granted_positions(run: RunDirectory, round_number: int, partition: int) -> np.ndarray:
@@ -141,17 +181,28 @@ def true_class_counts(run: RunDirectory, round_number: int, partition: int) -> n
     return run.load_truth(round_number, partition)["class_counts"].astype(np.int64)
 
 
-def prior_baseline(true_counts: np.ndarray) -> LabelEstimate:
-    """What an attacker learns from the classes alone: n_k spread uniformly over the present classes."""
-    present = true_counts > 0
-    counts = np.where(present, true_counts.sum() / max(present.sum(), 1), 0.0)
-    return LabelEstimate(counts, present)
+def prior_baseline(num_examples: int, classes: np.ndarray, floored: np.ndarray | None = None) -> LabelEstimate:
+    """What an attacker learns from the classes alone: n_k spread uniformly over `classes` (bool [C]: the classes
+    with uploads where the attack reads them, else every class). floored: the classes an attack raised to one
+    sample; the baseline given the same floor puts one sample there and spreads the rest over the other classes."""
+    floored = np.zeros(len(classes), dtype=bool) if floored is None else floored & classes
+    others = classes & ~floored
+    counts = np.where(floored, 1.0, 0.0)
+    counts[others] = (num_examples - floored.sum()) / max(others.sum(), 1)
+    return LabelEstimate(counts, classes)
+
+
+BASELINE_KNOWLEDGE = {True: "n_k spread uniformly over the classes with uploads",
+                      False: "n_k spread uniformly over all classes (the attack does not read the uploaded labels)"}
+FLOOR_KNOWLEDGE = ("baseline_floor: the baseline given the attack's floor, one sample on each class the attack raised "
+                   "to one, the rest over the other classes with uploads; unfloored: the attack's counts before it")
 
 
 def label_scores(estimate: LabelEstimate, true_counts: np.ndarray) -> dict[str, np.ndarray]:
     """One client's scores. l1: L1 distance of the class proportions (0..2); js: Jensen-Shannon distance of the
     proportions (base 2, 0..1); exact_count_accuracy: per truly present class, whether the estimate rounds to the
-    true count; presence precision / recall / F1 of the estimated present classes."""
+    true count; exact_count_accuracy_all: the same over all classes (absent ones hit by estimating zero, as iLRG
+    scores); presence precision / recall / F1 of the estimated present classes."""
     truth = true_counts.astype(np.float64)
     counts = np.clip(np.asarray(estimate.counts, dtype=np.float64), 0, None)
     p = truth / truth.sum()
@@ -161,21 +212,35 @@ def label_scores(estimate: LabelEstimate, true_counts: np.ndarray) -> dict[str, 
     precision = hits / claimed.sum() if claimed.any() else 0.0
     recall = hits / actual.sum()
     f1 = 2 * precision * recall / (precision + recall) if hits else 0.0
+    exact = (np.rint(counts) == truth).astype(np.float64)
     return {"l1": np.array([np.abs(p - q).sum()]), "js": np.array([jensenshannon(p, q, base=2)]),
-            "exact_count_accuracy": (np.rint(counts[actual]) == truth[actual]).astype(np.float64),
+            "exact_count_accuracy": exact[actual], "exact_count_accuracy_all": exact,
             "presence_precision": np.array([precision]), "presence_recall": np.array([recall]),
             "presence_f1": np.array([f1])}
 
 
-def score_labels(run: RunDirectory, round_number: int, partition: int, estimate: LabelEstimate) -> ClientScores:
-    """A client's label-attack scores next to the prior-only baseline, with both histograms for the report."""
+def score_labels(run: RunDirectory, round_number: int, partition: int, estimate: LabelEstimate,
+                 upload_classes: np.ndarray | None) -> ClientScores:
+    """A client's label-attack scores next to the prior baseline given the attack's knowledge (upload_classes,
+    bool [C]: the classes with uploads, where the attack reads them; None: it does not), with both histograms.
+    An attack that floored classes at one sample (details[FLOOR]) is also scored on its counts before the floor
+    (group "unfloored"), and the baseline given the same floor beside it ("baseline_floor")."""
     truth = true_class_counts(run, round_number, partition)
+    classes = np.ones(len(truth), dtype=bool) if upload_classes is None else upload_classes
     histograms = {"true": truth.tolist(), "estimated": np.round(estimate.counts, 2).tolist(),
                   "attack": estimate.details}
     if estimate.lower_bound is not None:
         histograms["lower_bound_only"] = np.flatnonzero(estimate.lower_bound).tolist()
-    return ClientScores(partition, {"metrics": label_scores(estimate, truth),
-                                    "baseline": label_scores(prior_baseline(truth), truth)}, histograms=histograms)
+    n_k = int(truth.sum())
+    groups = {"metrics": label_scores(estimate, truth),
+              "baseline": label_scores(prior_baseline(n_k, classes), truth)}
+    if FLOOR in estimate.details:
+        floor = estimate.details[FLOOR]
+        unfloored = np.asarray(floor["unfloored_counts"], dtype=np.float64)
+        floored = np.isin(np.arange(len(truth)), floor["classes"])
+        groups["unfloored"] = label_scores(LabelEstimate(unfloored, unfloored > 0), truth)
+        groups["baseline_floor"] = label_scores(prior_baseline(n_k, classes, floored), truth)
+    return ClientScores(partition, groups, histograms=histograms)
 
 
 def label_summary(clients: list[ClientScores], details: dict) -> Summary:

@@ -1,0 +1,126 @@
+"""Image identifiability precision (IIP): is a reconstruction's nearest image, among the client's images and the public
+images, its own? Scored by the auditor for every image attack; and the per-image ranking of the reports."""
+
+import json
+
+import numpy as np
+import pytest
+import torch
+
+from attacks.base import ImageReconstruction
+from eftguard import metrics
+from eftguard.audit import AttackReport, scoring
+from eftguard.report import write_run_report
+from test_report import METRICS, Page
+
+
+@pytest.fixture(scope="module")
+def images():
+    """8 client images and 40 public ones (disjoint) of the photos dataset, float [N, 32, 32, 3]."""
+    from eftguard.data.registry import load_dataset
+
+    dataset = load_dataset("photos", None, 32)
+    return (dataset.train.images[:8].astype(np.float32) / 255.0,
+            dataset.public.images[:40].astype(np.float32) / 255.0)
+
+
+class SquaredError(torch.nn.Module):
+    """A stand-in for LPIPS with its spatial output shape: IIP does not depend on it, and loading AlexNet is slow."""
+
+    def forward(self, a, b, normalize=True):
+        return ((a - b) ** 2).mean(dim=1, keepdim=True)
+
+
+FAKE_LPIPS = metrics.LPIPS("squared-error", SquaredError())
+
+
+def test_a_perfect_reconstruction_is_identified_and_the_mean_image_is_chance(images):
+    client, public = images
+    ranks, candidates = metrics.identifiability_ranks(client, client, public)
+    assert candidates == 48 and ranks.tolist() == [1] * 8
+    # A client image uploaded twice is one candidate, not a rival of itself.
+    twice = np.concatenate([client, client[:2]])
+    ranks, candidates = metrics.identifiability_ranks(twice, twice, public)
+    assert candidates == 48 and (ranks == 1).all()
+    # Slightly noisy reconstructions are still identified; swapped ones are not, and rank their true image below
+    # the image they show.
+    noisy = np.clip(client + np.random.default_rng(0).normal(0, 0.05, client.shape), 0, 1)
+    assert (metrics.identifiability_ranks(noisy, client, public)[0] == 1).all()
+    swapped = client[[1, 0, 3, 2, 5, 4, 7, 6]]
+    assert (metrics.identifiability_ranks(swapped, client, public)[0] >= 2).all()
+    mean_image = metrics.mean_image_baseline(public, len(client))
+    chance = (metrics.identifiability_ranks(mean_image, client, public)[0] == 1).mean()
+    assert chance <= 1 / len(client)  # one image at most is nearest to the mean image
+
+
+def scored(client, public, recon, kept=None):
+    return scoring.score_client(0, ImageReconstruction(recon, rows=np.arange(len(recon))), client, kept, public,
+                                FAKE_LPIPS, 4)
+
+
+def test_sent_patches_identify_an_image_the_whole_image_does_not(images):
+    """A masked upload recovered exactly (the analytic attack at batch 1) with the mean image elsewhere: three
+    quarters of the pixels are the mean image, yet what was sent singles the image out."""
+    client, public = images
+    generator = np.random.default_rng(1)
+    kept_ids = np.sort(np.stack([generator.choice(64, 16, replace=False) for _ in client]), axis=1)
+    kept = metrics.kept_pixels(kept_ids, 32, 4)
+    mean_image = metrics.mean_image_baseline(public, len(client))
+    recon = np.where(kept[..., None], client, mean_image)
+    scores = scored(client, public, recon, kept)
+    assert scores.groups["metrics_kept"]["iip"].tolist() == [1.0] * 8
+    assert scores.groups["baseline_kept"]["iip"].mean() <= 1 / 8
+    assert scores.groups["metrics"]["iip"].mean() < 1  # the whole image misses some of them
+    assert all(row["rank_kept"] == 1 for row, _ in scores.exposure)
+    summary = scoring.image_summary([scores], {})
+    assert all(row["rank_kept"] == 1 for row in summary.ranking)  # identified on what was sent: ranked first
+
+
+def test_every_image_attack_reports_iip_beside_the_baseline_and_ranks_the_most_exposed_first(images):
+    client, public = images
+    perfect = scored(client, public, client.copy())
+    assert perfect.groups["metrics"]["iip"].tolist() == [1.0] * 8
+    assert perfect.groups["baseline"]["iip"].mean() <= 1 / 8
+    # Half the images come back exactly, half are another client's image: IIP 1/2, the exact ones ranked first.
+    recon = client.copy()
+    recon[4:] = client[[5, 6, 7, 4]]
+    half = scored(client, public, recon)
+    assert half.groups["metrics"]["iip"].tolist() == [1.0] * 4 + [0.0] * 4
+    summary = scoring.image_summary([half], {})
+    assert summary.groups["metrics"]["iip"]["mean"] == 0.5
+    assert [r["image"] for r in summary.ranking[:4]] == [0, 1, 2, 3]
+    assert all(r["rank"] == 1 and r["candidates"] == 48 for r in summary.ranking[:4])
+    assert all(r["rank"] > 1 for r in summary.ranking[4:])
+    assert summary.ranking[4]["rank"] <= summary.ranking[-1]["rank"]
+    for row, (original, shown) in zip(summary.ranking, summary.ranking_rows):
+        assert np.array_equal(original, client[row["image"]]) and np.array_equal(shown, recon[row["image"]])
+
+
+def test_the_reports_show_the_ranking(images, tmp_path):
+    client, public = images
+    recon = client.copy()
+    recon[4:] = client[[5, 6, 7, 4]]
+    summary = scoring.image_summary([scored(client, public, recon)], {})
+    report = AttackReport("invert", "decoder", "invert-decoder", "runs/r", 1, [0], {}, {}, summary.groups,
+                          summary.per_client, summary.details, "squared-error", None, None, summary.ranking,
+                          summary.ranking_rows)
+    folder = report.save(tmp_path / "reports")
+    saved = json.loads((folder / "report.json").read_text())
+    assert saved["ranking"] == summary.ranking and saved["metrics"]["iip"]["mean"] == 0.5
+    assert (folder / "ranking.png").exists() and "## Most exposed images" in (folder / "report.md").read_text()
+    html_file = write_run_report(tmp_path / "run", "", METRICS, tmp_path / "reports")[0]
+    page = Page(html_file.read_text())
+    ranking = next(t for t in page.tables if t[0][:2] == ["#", "client"])
+    assert [row[2] for row in ranking[1:]] == [str(r["image"]) for r in summary.ranking]
+    assert ranking[1][4] == "1 of 48" and ranking[1][5] == "yes" and ranking[-1][5] == "no"
+    assert sum("most exposed images" in dict(attrs).get("alt", "") for tag, attrs in page.tags if tag == "img") == 1
+
+
+def test_a_report_with_a_damaged_ranking_is_refused(tmp_path):
+    from eftguard.report import read_report
+    from eftguard.rundir import RunError
+
+    file = tmp_path / "report.json"
+    file.write_text(json.dumps({"attack": "invert-decoder", "round": 1, "ranking": [{"client": 0, "image": "x"}]}))
+    with pytest.raises(RunError, match='"ranking" is not a list'):
+        read_report(file)
