@@ -53,6 +53,15 @@ def client_update(micro_preset, photos, indices, method, epochs, batch_size, see
     return start, images, labels, training
 
 
+def without_key_bias(name, value):
+    """The attention key bias has a gradient of exactly 0 in exact arithmetic (softmax ignores a shift of every
+    score), so in floats it is rounding noise, which AdamW scales up to its step size: left out of the comparison."""
+    if not name.endswith("attn.qkv.bias"):
+        return value
+    width = len(value) // 3
+    return torch.cat([value[:width], value[2 * width:]])
+
+
 @pytest.mark.parametrize("method", ["eftvit", "fedavg"])
 def test_simulation_is_the_real_client_training_given_its_images_and_schedule(micro_preset, photos, method):
     """5 images, batch 2, 2 epochs: 6 AdamW steps of the real client, masked for eftvit, through the frozen global
@@ -65,9 +74,10 @@ def test_simulation_is_the_real_client_training_given_its_images_and_schedule(mi
                                         WEIGHT_DECAY)
     moved = 0.0
     for name, value in training.uploaded.items():
-        torch.testing.assert_close(simulated[name], value, rtol=1e-5, atol=1e-6)  # float rounding: 1e-3 of one step
+        torch.testing.assert_close(without_key_bias(name, simulated[name]), without_key_bias(name, value), rtol=1e-5,
+                                   atol=1e-6)  # float rounding: 1e-3 of one step
         moved = max(moved, float((value - before[name]).abs().max()))
     assert moved > 5 * LR  # six steps moved the weights well beyond the tolerance
-    shuffled = [(batch.flip(0) if i == 0 else batch, keep) for i, (batch, keep) in enumerate(training.schedule)]
-    wrong = simulate_local_training(start, before, start.normalize(images), labels, shuffled, LR, WEIGHT_DECAY)
-    assert max(float((wrong[n] - v).abs().max()) for n, v in training.uploaded.items()) > 1e-4
+    swapped = [training.schedule[1], training.schedule[0], *training.schedule[2:]]  # the first two steps swapped
+    wrong = simulate_local_training(start, before, start.normalize(images), labels, swapped, LR, WEIGHT_DECAY)
+    assert max(float((wrong[n] - v).detach().abs().max()) for n, v in training.uploaded.items()) > 1e-4
