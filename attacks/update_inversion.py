@@ -143,7 +143,7 @@ class UpdateInversion:
                                        "and the attacker's own masks", name_value, choices=("replayed", "fixed"))
     max_examples: int = option(16, "refuse a client with more training images than this (the attack simulates "
                                    "every one of them, each step)", whole_number(1))
-    softness: float = option(0.1, "added to AdamW's simulated denominator, times the step's mean |gradient|, so "
+    softness: float = option(1.0, "added to AdamW's simulated denominator, times the step's mean |gradient|, so "
                                   "that the sign-like first step has a gradient (0: the exact simulation)",
                              finite_number(-1e-12))
     lr: float = 0.1
@@ -171,8 +171,7 @@ class UpdateInversion:
                                             training.weight_decay, create_graph=True, softness=self.softness)
             return cosine_distance([final[name] - start[name] for name in start], observed, observed_norm)
 
-        images = obs.to_input(torch.rand(n, 3, obs.image_size, obs.image_size, generator=generator))
-        images.requires_grad_(True)
+        images = obs.to_input(self._start_pixels(obs, n, generator)).requires_grad_(True)
         optimizer = torch.optim.Adam([images], lr=self.lr)
         milestones = [int(self.steps * f) for f in (3 / 8, 5 / 8, 7 / 8)]
         decay = torch.optim.lr_scheduler.MultiStepLR(optimizer, milestones=milestones, gamma=0.1)
@@ -181,8 +180,8 @@ class UpdateInversion:
         for step in range(self.steps):
             optimizer.zero_grad()
             match = distance(images)
-            if float(match) < best_distance:
-                best, best_distance = images.detach().clone(), float(match)
+            if float(match.detach()) < best_distance:
+                best, best_distance = images.detach().clone(), float(match.detach())
             (match + self.tv * total_variation(images).mean()).backward()
             images.grad.sign_()
             optimizer.step()
@@ -199,6 +198,13 @@ class UpdateInversion:
                                    kept_ids=first_masks(schedule, n) if replayed else None,
                                    details={"update_cosine_distance": best_distance, "labels": labels.tolist(),
                                             "simulated_steps": len(schedule), "schedule": self.schedule})
+
+    def _start_pixels(self, obs: GradientObservation, count: int, generator: torch.Generator) -> torch.Tensor:
+        """The prior (the mean public image) where the observation has one, else uniform noise: [n, 3, H, W]."""
+        if obs.prior is None:
+            return torch.rand(count, 3, obs.image_size, obs.image_size, generator=generator)
+        prior = torch.from_numpy(np.ascontiguousarray(obs.prior, dtype=np.float32)).permute(2, 0, 1)
+        return prior.unsqueeze(0).repeat(count, 1, 1, 1)
 
     def _training(self, obs: GradientObservation) -> LocalTraining:
         training = obs.local_training

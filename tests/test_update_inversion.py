@@ -81,3 +81,38 @@ def test_simulation_is_the_real_client_training_given_its_images_and_schedule(mi
     swapped = [training.schedule[1], training.schedule[0], *training.schedule[2:]]  # the first two steps swapped
     wrong = simulate_local_training(start, before, start.normalize(images), labels, swapped, LR, WEIGHT_DECAY)
     assert max(float((wrong[n] - v).detach().abs().max()) for n, v in training.uploaded.items()) > 1e-4
+
+
+def attacked(micro_preset, photos, indices, method, epochs, batch_size, steps, upload_noise=0.0):
+    """The updates attack on the real client's upload (seeded Gaussian noise of std upload_noise added to it): per
+    image PSNR of the reconstruction and of the mean public image, over the patches the client trained on."""
+    start, images, labels, training = client_update(micro_preset, photos, indices, method, epochs, batch_size)
+    generator = torch.Generator().manual_seed(1)
+    training.uploaded = {n: v + upload_noise * torch.randn(v.shape, generator=generator)
+                         for n, v in training.uploaded.items()}
+    named = dict(start.named_parameters())
+    estimate = {n: (named[n].detach() - v) / (LR * training.steps) for n, v in training.uploaded.items()}
+    public = photos.public.images.astype(np.float32) / 255
+    obs = GradientObservation(start, estimate, 1, 32, start.mean, start.std, masked=method == "eftvit",
+                              prior=public.mean(axis=0), local_training=training)
+    result = UpdateInversion(steps=steps).reconstruct(obs)
+    assert np.array_equal(result.rows, np.arange(len(indices)))  # dummy i reconstructs client image i
+    truth = images.numpy().astype(np.float32) / 255
+    trained = revealed_patches(training.schedule, len(indices), 64).reshape(-1, 8, 8).repeat(4, 1).repeat(4, 2)
+    baseline = metrics.mean_image_baseline(public, len(indices))
+    return metrics.psnr(result.images, truth, trained), metrics.psnr(baseline, truth, trained), result
+
+
+def test_recovers_the_kept_patches_of_a_masked_eftvit_upload(micro_preset, photos):
+    """One image, one masked AdamW step (phi and h uploaded, theta frozen): its 16 kept patches come back well above
+    the mean image (the attack's start), with its label."""
+    psnr, baseline, result = attacked(micro_preset, photos, [3], "eftvit", 1, 1, steps=60)
+    assert psnr[0] > baseline[0] + 3, (psnr, baseline)
+    assert result.details["labels"] == [int(photos.train.labels[3])]
+
+
+def test_a_noise_upload_gives_nothing_beyond_the_mean_image(micro_preset, photos):
+    """The same client with its upload drowned in noise (std 0.1 on every weight, 100 times one step): the attack
+    matches noise and its reconstruction is no closer to the image than the mean public image."""
+    psnr, baseline, _ = attacked(micro_preset, photos, [3], "eftvit", 1, 1, steps=60, upload_noise=0.1)
+    assert psnr[0] < baseline[0] + 1, (psnr, baseline)

@@ -19,6 +19,7 @@ from attacks.base import (Attack, AttackError, Option, Registry, ThreatModel, na
 from attacks.gradient import GRADIENT
 from attacks.inversion import INVERT
 from attacks.labels import LABELS
+from attacks.update_inversion import first_masks
 from eftguard import metrics
 from eftguard.audit import observe, scoring
 from eftguard.audit.result import AttackReport, json_ready
@@ -214,8 +215,9 @@ class GradientOptions:
 
 ORIGINALS = {
     "probe": "the probe's batch; reconstructions matched to it one-to-one (Hungarian, MSE)",
-    "upload": "each reconstruction scored against the client training image it matches best (one-to-one, MSE): "
-              "with a whole client set to choose from this flatters the attack, the baseline gets no such choice",
+    "upload": "each reconstruction scored against the client training image it reconstructs (updates, replayed "
+              "schedule) or else the one it matches best (one-to-one, MSE): with a whole client set to choose from "
+              "this flatters the attack, the baseline gets no such choice",
 }
 
 
@@ -267,8 +269,8 @@ class GradientFamily(Family):
             pool, pool_labels, pool_keep = scoring.as_float_images(probe.images), probe.labels, probe.keep_ids
         else:
             data = scoring.client_training_set(job.run, partition)
-            pool, pool_labels, pool_keep = scoring.as_float_images(data.images), data.labels, None
-        rows = metrics.match_to_pool(result.images, pool)
+            pool, pool_labels, pool_keep = scoring.as_float_images(data.images), data.labels, upload_masks(observed)
+        rows = result.rows if result.rows is not None else metrics.match_to_pool(result.images, pool)
         obs = observed.observation
         patch = int(obs.model.local_module.patch_embed.patch_size[0])
         kept = metrics.kept_pixels(pool_keep[rows], obs.image_size, patch) if pool_keep is not None else None
@@ -286,6 +288,15 @@ class GradientFamily(Family):
         if hasattr(attack, "steps"):
             details["steps"] = attack.steps
         return self.report(job, attack, scoring.image_summary([scores], details), lpips.name, scores.grid_rows)
+
+
+def upload_masks(observed: Observed) -> np.ndarray | None:
+    """Each client image's kept patches in the first step that trained on it, where the run's schedule can be
+    regenerated (a simulated masked run without DP-SGD); None otherwise."""
+    training = observed.observation.local_training
+    if training is None or training.schedule is None:
+        return None
+    return first_masks(training.schedule, training.num_examples)
 
 
 FAMILIES: dict[str, Family] = {f.name: f for f in (InvertFamily(), LabelsFamily(), GradientFamily())}
