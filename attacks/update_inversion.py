@@ -12,7 +12,7 @@ Given the client's true images, batches and masks it reproduces the upload (test
 
 What the attacker knows of the batches and masks is the `schedule`:
     replayed  the client's own batches and masks, regenerated from the generator it seeded with the run's seed
-              (a simulated node, noise-secret 0) or chosen by the server: dummy image i is then client image i.
+              (a simulated node, noise-secret 0) or chosen by the server.
     fixed     unknown: every epoch takes the dummies in index order (exact up to relabelling for one epoch) and a
               masked client's masks are drawn by the attacker, so the simulated masks are wrong.
 
@@ -130,7 +130,10 @@ def simulate_local_training(model: nn.Module, start: dict[str, torch.Tensor], im
 class UpdateInversion:
     """Dummy images (labels read off the head-bias update first) optimised so that the client's simulated local
     training moves the start weights as the upload did: 1 - cosine of the parameter differences + total variation,
-    signed Adam with step decay, pixels boxed to [0, 1]. Every one of the client's n_k images is reconstructed."""
+    signed Adam with step decay, pixels boxed to [0, 1]. Every one of the client's n_k images is reconstructed.
+    Which dummy is which image is left to the auditor's matching: the batch-mean loss is symmetric in the images
+    of a batch that share a label (their masks break the symmetry only on their own patches), and swapped
+    reconstructions were measured."""
 
     name = "updates"
     summary = ("simulates the client's local AdamW training on dummy images and matches the uploaded parameters "
@@ -193,9 +196,8 @@ class UpdateInversion:
         final = float(distance(images).detach())
         if final < best_distance:
             best, best_distance = images.detach().clone(), final
-        replayed = self.schedule == "replayed"
-        return ImageReconstruction(obs.to_pixels(best), rows=np.arange(n) if replayed else None,
-                                   kept_ids=first_masks(schedule, n) if replayed else None,
+        return ImageReconstruction(obs.to_pixels(best), rows=None,
+                                   kept_ids=first_masks(schedule, n) if self.schedule == "replayed" else None,
                                    details={"update_cosine_distance": best_distance, "labels": labels.tolist(),
                                             "simulated_steps": len(schedule), "schedule": self.schedule})
 

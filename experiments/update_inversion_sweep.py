@@ -3,7 +3,8 @@
 Each configuration trains a client for real (eftguard.training.train_local, AdamW, masked for eftvit) on photos
 from the seeded model, then runs the updates attack on its upload with the replayed (or fixed) schedule, and
 prints PSNR and LPIPS (stlpips-alex) of the reconstructions beside the mean public image, over the patches the
-client trained on for eftvit and the whole image for fedavg; trial t attacks images [t n, (t + 1) n).
+client trained on for eftvit and the whole image for fedavg, each reconstruction matched one-to-one to the
+client's images (Hungarian, MSE) as the auditor scores it; trial t attacks images [t n, (t + 1) n).
 The table in docs/attacks.md ("Update inversion") is this script's output:
 
     OMP_NUM_THREADS=1 python experiments/update_inversion_sweep.py --model micro --trials 3 \
@@ -76,12 +77,14 @@ def attack_one(preset: str, photos, indices: list[int], method: str, epochs: int
     result = UpdateInversion(steps=steps, schedule=schedule).reconstruct(obs)
     seconds = time.perf_counter() - began
     truth = images.numpy().astype(np.float32) / 255
-    recon = result.images if schedule == "replayed" else result.images[metrics.match_to_pool(result.images, truth)]
+    rows = metrics.match_to_pool(result.images, truth)  # as the auditor scores it: one-to-one, MSE
+    truth = truth[rows]
     patch = size // int(patches ** 0.5)
     grid = size // patch
-    weights = (revealed_patches(replayed, len(indices), patches).reshape(-1, grid, grid)
+    weights = (revealed_patches(replayed, len(indices), patches)[rows].reshape(-1, grid, grid)
                .repeat(patch, 1).repeat(patch, 2)) if spec.masked else None
     baseline = metrics.mean_image_baseline(public, len(indices))
+    recon = result.images
     return {"psnr": metrics.psnr(recon, truth, weights).mean(), "base_psnr": metrics.psnr(baseline, truth, weights).mean(),
             "lpips": lpips(recon, truth, weights).mean(), "base_lpips": lpips(baseline, truth, weights).mean(),
             "labels": float(np.mean(np.sort(result.details["labels"]) == np.sort(labels.numpy()))),

@@ -215,9 +215,8 @@ class GradientOptions:
 
 ORIGINALS = {
     "probe": "the probe's batch; reconstructions matched to it one-to-one (Hungarian, MSE)",
-    "upload": "each reconstruction scored against the client training image it reconstructs (updates, replayed "
-              "schedule) or else the one it matches best (one-to-one, MSE): with a whole client set to choose from "
-              "this flatters the attack, the baseline gets no such choice",
+    "upload": "each reconstruction scored against the client training image it matches best (one-to-one, MSE): "
+              "with a whole client set to choose from this flatters the attack, the baseline gets no such choice",
 }
 
 
@@ -270,7 +269,7 @@ class GradientFamily(Family):
         else:
             data = scoring.client_training_set(job.run, partition)
             pool, pool_labels, pool_keep = scoring.as_float_images(data.images), data.labels, upload_masks(observed)
-        rows = result.rows if result.rows is not None else metrics.match_to_pool(result.images, pool)
+        rows = metrics.match_to_pool(result.images, pool)
         obs = observed.observation
         patch = int(obs.model.local_module.patch_embed.patch_size[0])
         kept = metrics.kept_pixels(pool_keep[rows], obs.image_size, patch) if pool_keep is not None else None
