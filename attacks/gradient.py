@@ -13,7 +13,10 @@ family (registry GRADIENT):
     ig        Inverting Gradients: labels recovered first, cosine gradient distance + total variation, signed
               Adam, several restarts; the restart with the best gradient match wins.
 
-A multi-step local update is treated as one scaled gradient (the observation's builder divides -update by
+A fifth, `updates` (attacks/update_inversion.py, imported with the observation builders of eftguard.audit.observe),
+inverts a real multi-step upload by simulating the client's local training.
+
+Otherwise a multi-step local update is treated as one scaled gradient (the observation's builder divides -update by
 lr * steps); that is exact for one SGD step and an approximation otherwise (Adam rescales every coordinate).
 """
 
