@@ -94,7 +94,8 @@ def fixed_schedule(training: LocalTraining, generator: torch.Generator) -> list[
 def _sqrt(values: torch.Tensor) -> torch.Tensor:
     """sqrt with a finite derivative at 0 (a coordinate no image reached has v = 0; sqrt' would be inf there)."""
     positive = values > 0
-    return torch.where(positive, torch.where(positive, values, torch.ones_like(values)).sqrt(), torch.zeros_like(values))
+    roots = torch.where(positive, values, torch.ones_like(values)).sqrt()
+    return torch.where(positive, roots, torch.zeros_like(values))
 
 
 def simulate_local_training(model: nn.Module, start: dict[str, torch.Tensor], images: torch.Tensor,

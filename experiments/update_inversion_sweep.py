@@ -85,7 +85,8 @@ def attack_one(preset: str, photos, indices: list[int], method: str, epochs: int
                .repeat(patch, 1).repeat(patch, 2)) if spec.masked else None
     baseline = metrics.mean_image_baseline(public, len(indices))
     recon = result.images
-    return {"psnr": metrics.psnr(recon, truth, weights).mean(), "base_psnr": metrics.psnr(baseline, truth, weights).mean(),
+    return {"psnr": metrics.psnr(recon, truth, weights).mean(),
+            "base_psnr": metrics.psnr(baseline, truth, weights).mean(),
             "lpips": lpips(recon, truth, weights).mean(), "base_lpips": lpips(baseline, truth, weights).mean(),
             "labels": float(np.mean(np.sort(result.details["labels"]) == np.sort(labels.numpy()))),
             "seconds": seconds, "local_steps": training.steps}
