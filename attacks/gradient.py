@@ -13,7 +13,10 @@ family (registry GRADIENT):
     ig        Inverting Gradients: labels recovered first, cosine gradient distance + total variation, signed
               Adam, several restarts; the restart with the best gradient match wins.
 
-A multi-step local update is treated as one scaled gradient (the observation's builder divides -update by
+A fifth, `updates` (attacks/update_inversion.py, imported with the observation builders of eftguard.audit.observe),
+inverts a real multi-step upload by simulating the client's local training.
+
+Otherwise a multi-step local update is treated as one scaled gradient (the observation's builder divides -update by
 lr * steps); that is exact for one SGD step and an approximation otherwise (Adam rescales every coordinate).
 """
 
@@ -21,13 +24,16 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
-from typing import ClassVar
+from typing import TYPE_CHECKING, ClassVar
 
 import numpy as np
 import torch
 from torch import nn
 
 from attacks.base import ImageReconstruction, Progress, Registry, ThreatModel, option, total_variation, whole_number
+
+if TYPE_CHECKING:
+    from attacks.update_inversion import LocalTraining
 
 EFTVIT_POS_EMBED = "local_module.token_embedding.pos_embed"
 EFTVIT_PATCH_WEIGHT = "local_module.patch_embed.proj.weight"
@@ -50,6 +56,7 @@ class GradientObservation:
     masked: the client dropped patch tokens (EFTViT); the kept positions are then read off the gradient.
     prior: [H, W, 3] guess for pixels the gradient does not reveal (e.g. the mean public image); grey if None.
     pos_embed, patch_weight, head_bias: names of the parameters the closed form and label recovery read.
+    local_training: the upload and how the client trained (--observe upload), for the update-inversion attack.
     """
 
     model: nn.Module
@@ -63,6 +70,7 @@ class GradientObservation:
     pos_embed: str = EFTVIT_POS_EMBED
     patch_weight: str = EFTVIT_PATCH_WEIGHT
     head_bias: str = HEAD_BIAS
+    local_training: LocalTraining | None = None
 
     def to_pixels(self, normalised: torch.Tensor) -> np.ndarray:
         """model input [B, 3, H, W] -> float images [B, H, W, 3] clipped to [0, 1]."""

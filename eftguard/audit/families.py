@@ -22,6 +22,7 @@ from attacks.gradient import GRADIENT
 from attacks.inversion import INVERT
 from attacks.labels import LABELS
 from attacks.membership import MEMBERSHIP, TARGETS, LossAttack
+from attacks.update_inversion import first_masks
 from eftguard import metrics
 from eftguard.audit import observe, scoring
 from eftguard.audit.result import AttackReport, json_ready
@@ -275,7 +276,7 @@ class GradientFamily(Family):
             pool, pool_labels, pool_keep = scoring.as_float_images(probe.images), probe.labels, probe.keep_ids
         else:
             data = scoring.client_training_set(job.run, partition)
-            pool, pool_labels, pool_keep = scoring.as_float_images(data.images), data.labels, None
+            pool, pool_labels, pool_keep = scoring.as_float_images(data.images), data.labels, upload_masks(observed)
         rows = metrics.match_to_pool(result.images, pool)
         obs = observed.observation
         patch = int(obs.model.local_module.patch_embed.patch_size[0])
@@ -294,6 +295,15 @@ class GradientFamily(Family):
         if hasattr(attack, "steps"):
             details["steps"] = attack.steps
         return self.report(job, attack, scoring.image_summary([scores], details), lpips.name, scores.grid_rows)
+
+
+def upload_masks(observed: Observed) -> np.ndarray | None:
+    """Each client image's kept patches in the first step that trained on it, where the run's schedule can be
+    regenerated (a simulated masked run without DP-SGD); None otherwise."""
+    training = observed.observation.local_training
+    if training is None or training.schedule is None:
+        return None
+    return first_masks(training.schedule, training.num_examples)
 
 
 # --- dp-audit -----------------------------------------------------------------------------------------------

@@ -20,6 +20,7 @@ from attacks.gradient import GradientObservation, prepare_numerics
 from attacks.inversion import ClientFeatures, RoundFeatures
 from attacks.labels import ClientUploads, LabelObservation
 from attacks.membership import MembershipObservation
+from attacks.update_inversion import LocalTraining, replay_schedule
 from defenses.feature_dp import row_clip, sensitivity
 from eftguard import headprune
 from eftguard.audit import scoring
@@ -204,13 +205,15 @@ def upload_observation(run: RunDirectory, round_number: int, partition: int, bat
         kept = run.load_upload(round_number, partition, "heads")["kept"]
         headprune.keep_only(model, headprune.kept_mask(kept, headprune.attentions(model)[0].num_heads))
     named = dict(model.named_parameters())
-    gradients = {}
+    gradients, after = {}, {}
     for name in [name for name in trained_names(model, cfg.method) if name in uploaded]:  # pruned heads: not sent
         before = named[name].detach()
-        after = torch.from_numpy(uploaded[name]).to(before.dtype)
-        gradients[name] = (before - after) / (cfg.lr * cfg.lr_factor(round_number) * steps) - cfg.weight_decay * before
+        after[name] = torch.from_numpy(uploaded[name]).to(before.dtype)
+        gradients[name] = ((before - after[name]) / (cfg.lr * cfg.lr_factor(round_number) * steps)
+                           - cfg.weight_decay * before)
     obs = GradientObservation(model, gradients, batch, model_image_size(model), model.mean, model.std,
-                              masked=method_spec(cfg.method).masked, prior=prior)
+                              masked=method_spec(cfg.method).masked, prior=prior,
+                              local_training=local_training(run, round_number, partition, model, after, num_examples))
     return obs, {"observation": (f"uploaded update after {steps} AdamW step(s) on {num_examples} images, treated "
                                  f"as one gradient: -(update) / (lr * steps) - weight_decay * weights")}
 
@@ -298,3 +301,20 @@ def observe_membership(run: RunDirectory, round_number: int, partition: int, tar
         if positions_known:
             observation.kept_ids = torch.from_numpy(scoring.granted_positions(run, round_number, partition))
     return observation
+def local_training(run: RunDirectory, round_number: int, partition: int, model: EFTViT,
+                   uploaded: dict[str, torch.Tensor], num_examples: int) -> LocalTraining:
+    """How the client trained, from the public config and n_k. A simulated node without DP-SGD seeds its batches
+    and masks from the run's seed alone (noise-secret 0), so the server regenerates them; a deployed node mixes in
+    its own secret and DP-SGD draws Poisson batches: no schedule then."""
+    from eftguard.federation.client import seeded
+
+    cfg = run.config()
+    spec = method_spec(cfg.method)
+    num_patches = model.local_module.num_patches
+    mask_ratio = cfg.mask_ratio if spec.masked else None
+    schedule = None
+    if cfg.federation == "simulation" and cfg.dp_eps <= 0:
+        generator = torch.Generator().manual_seed(seeded(cfg.seed, round_number, partition, 1))
+        schedule = replay_schedule(num_examples, cfg.local_epochs, cfg.batch_size, num_patches, mask_ratio, generator)
+    return LocalTraining(uploaded, num_examples, cfg.local_epochs, cfg.batch_size,
+                         cfg.lr * cfg.lr_factor(round_number), cfg.weight_decay, num_patches, mask_ratio, schedule)
