@@ -12,9 +12,10 @@ import time
 from pathlib import Path
 
 from attacks.base import AttackError
+from attacks.tamper import TAMPERINGS
 from defenses.tls import CertificateError
 from eftguard.attack_cli import add_attack_parser, add_report_parser, cmd_attack, cmd_report
-from eftguard.config import ACCOUNTANTS, FEDERATIONS, METHODS, ConfigError, TrainConfig
+from eftguard.config import ACCOUNTANTS, FEDERATIONS, METHODS, THREATS, ConfigError, TrainConfig
 from eftguard.data import DATASET_HELP, DataError
 from eftguard.federation.errors import FederationError, Interrupted
 from eftguard.methods import METHODS as METHOD_SPECS, method_spec
@@ -76,6 +77,13 @@ TRAIN_HELP = {
                      "clipping only)",
     "feature_clip": "without --dp-eps: clip every uploaded token feature to L2 norm C (0: off); with --dp-eps: "
                     "the norm C each image's whole feature row is clipped to (0: 20)",
+    "threat": "honest, or malicious: the server tampers with the model it sends in --tamper-round (simulation "
+              "only, to measure the tampering attacks and the clients' --model-check; docs/threat-model.md)",
+    "tamper": "the malicious server's tampering: " + "; ".join(TAMPERINGS),
+    "tamper_round": "the round whose model the malicious server tampers with (0: the last)",
+    "model_check": "simulated clients check every model they receive against the one they received before and "
+                   "refuse (upload nothing) a round whose model moved further than the run's local and server "
+                   "training can move it (defenses/model_check.py)",
 }
 PRETRAIN_HELP = {
     "objective": "supervised (labels of the public split), mae (reconstruct the pixels of masked patches; no labels "
@@ -90,7 +98,7 @@ PRETRAIN_HELP = {
     "augment": "random resized crops (35-100%% of the area) and left-right flips",
     "seed": "seed of the initialisation, batches, crops and masks",
 }
-CHOICES = {"method": METHODS, "balance": BALANCE_MODES, "federation": FEDERATIONS, "model": tuple(PRESETS),
+CHOICES = {"threat": THREATS, "tamper": tuple(TAMPERINGS), "method": METHODS, "balance": BALANCE_MODES, "federation": FEDERATIONS, "model": tuple(PRESETS),
            "accountant": ACCOUNTANTS}
 
 

@@ -18,6 +18,7 @@ from rich.console import Console
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 from rich.table import Table
 
+from attacks.tamper import tamper_state
 from defenses.dp import ClientBudget, channel_epsilons
 from eftguard.config import TrainConfig
 from eftguard.data import Dataset
@@ -313,7 +314,8 @@ def run_round(grid: Grid, run: RunDirectory, cfg: TrainConfig, model: EFTViT, sp
     """One round. public: the server's own labelled images, given under DP, where theta's update on the noisy
     feature rows is kept only if their accuracy did not fall (None: always kept)."""
     selected = select_clients(cfg, round_number)
-    model_record = to_record(model.state_dict())
+    tampered = cfg.tamper if cfg.threat == "malicious" and round_number == cfg.tamper_round else None
+    model_record = to_record(sent_state(model, cfg, round_number, tampered))
     messages = {}
     for p in selected:
         sigma, feature_sigma = (budgets[p].noise_multiplier, budgets[p].feature_noise_multiplier) if budgets else (0, 0)
@@ -394,4 +396,12 @@ def run_round(grid: Grid, run: RunDirectory, cfg: TrainConfig, model: EFTViT, sp
         **privacy_metrics(budgets, selected, round_number, epsilon),
         "clients": selected,
         "dropped": dropped,
+        "tampered": tampered,
     }
+
+
+def sent_state(model: EFTViT, cfg: TrainConfig, round_number: int, tampered: str | None) -> dict[str, torch.Tensor]:
+    """The model the clients receive: the server's own, or under --threat malicious in --tamper-round its
+    tampering (attacks/tamper.py); the server keeps aggregating into its own model either way."""
+    state = model.state_dict()
+    return tamper_state(tampered, state, cfg, seeded(cfg.seed, round_number, 8)) if tampered else state
