@@ -213,6 +213,13 @@ def build_parser() -> argparse.ArgumentParser:
                            help="folder of this node's privacy ledger: the epsilon it has spent per run, which it "
                                 "checks before every round whatever the server says (default: $EFTGUARD_HOME/ledger, "
                                 "EFTGUARD_HOME defaulting to ~/.eftguard)")
+    supernode.add_argument("--model-check", action=argparse.BooleanOptionalAction, default=True,
+                           help="check every model the server sends against the last one this node accepted and "
+                                "refuse (upload nothing for) a round whose model honest training cannot have "
+                                "produced: a malicious server's crafted weights (default: on)")
+    supernode.add_argument("--model-sha256", default="", metavar="HEX",
+                           help="sha256 of the run's first model, where the deployment publishes it: the first "
+                                "model this node receives must match it")
     supernode.add_argument("--max-epsilon", type=float, metavar="E",
                            help="this node's own privacy ceiling per run: it refuses any round that would take its "
                                 "spend above E (or above the first --dp-eps the server declared, if lower); "
@@ -624,7 +631,7 @@ def cmd_supernode(args: argparse.Namespace) -> None:
 
     check_tls_choice(args.root_certificates, args.insecure)
     config = node_config(args.partition, args.clients, args.noise_secret, args.share_truth, args.ledger_dir,
-                         args.max_epsilon)
+                         args.max_epsilon, args.model_check, args.model_sha256)
     port = args.port if args.port is not None else 9100 + args.partition
     command = supernode_command(args.superlink, args.root_certificates, args.insecure, port, config, args.auth_key)
     raise SystemExit(run_supernode(command))

@@ -8,6 +8,11 @@ What a node does is the node operator's decision (Flower's --node-config), never
   noise-secret mixed into the node's random seeds, so the server (which knows the run's seed) cannot regenerate
                the DP noise (default: a fresh secret from the OS every round; 0: seeds from the run's seed alone,
                as simulated nodes do)
+  model-check  check every received model against the last one the node accepted (defenses.model_check) and
+               refuse the round if honest training cannot have produced it (default: off; eftguard supernode and
+               simulated runs turn it on)
+  model-sha256 the sha256 (defenses.model_check.state_sha256) of the run's first model, where the deployment
+               publishes it
 """
 
 from __future__ import annotations
@@ -23,6 +28,7 @@ from flwr.serverapp import Grid, ServerApp
 
 from defenses.dp import PrivacyBudgetError
 from defenses.ledger import LedgerError, PrivacyLedger
+from defenses.model_check import ModelCheck, ModelCheckError
 from eftguard.federation.client import client_round
 from eftguard.federation.records import ClientSettings, from_record, to_record
 
@@ -62,9 +68,11 @@ def train(msg: Message, context: Context, node_defaults: dict | None = None) -> 
     try:
         ledger = PrivacyLedger(Path(str(node.get("ledger-dir") or default_ledger_dir())), partition,
                                float(node.get("max-epsilon", 0.0)))
+        check = ModelCheck(Path(str(node.get("ledger-dir") or default_ledger_dir())) / "received", partition,
+                           str(node.get("model-sha256", ""))) if _node_flag(node.get("model-check", False)) else None
         upload = client_round(settings, from_record(msg.content["model"], "model"), partition, partitions, secret,
-                              ledger)
-    except (PrivacyBudgetError, LedgerError) as exc:  # a refusal: the server records the reason as dropped
+                              ledger, check)
+    except (PrivacyBudgetError, LedgerError, ModelCheckError) as exc:  # a refusal: the server records the reason as dropped
         return Message(error=Error(ErrorCode.CLIENT_APP_RAISED_EXCEPTION, f"client refuses: {exc}"), reply_to=msg)
     content = {
         "update": to_record(upload.update),

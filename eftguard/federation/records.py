@@ -89,6 +89,8 @@ class ClientSettings:
     noise_multiplier: float  # this client's, calibrated by the server for all its rounds; 0.0 without DP
     run_id: str  # manifest.json's; the key of the client's privacy ledger
     feature_noise_multiplier: float = 0.0  # this client's feature channel under --dp-eps; 0.0 without DP
+    server_epochs: int = 1  # the server's training of theta: bounds how far theta can move (defenses.model_check)
+    server_lr: float = 1e-3
 
     @classmethod
     def from_config(cls, cfg: TrainConfig, round_number: int, noise_multiplier: float = 0.0,

@@ -71,7 +71,8 @@ def simulated_node_defaults(run_dir: Path, cfg: TrainConfig) -> dict:
     """The operator runs every simulated node: they share ground truth when the run records it, keep their
     privacy ledgers in the run directory (nodes/), so a resumed simulation sees what they spent, and seed from
     the run's seed alone (noise-secret 0), so simulations are reproducible."""
-    return {"share-truth": cfg.record_truth, "ledger-dir": str(Path(run_dir).resolve() / "nodes"), "noise-secret": 0}
+    return {"share-truth": cfg.record_truth, "ledger-dir": str(Path(run_dir).resolve() / "nodes"), "noise-secret": 0,
+            "model-check": cfg.model_check}
 
 
 def run_simulated(run_dir: Path, cfg: TrainConfig, verbose: bool = False) -> None:
