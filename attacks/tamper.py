@@ -11,6 +11,8 @@ model the server would have sent), registered in TAMPERINGS. The client trains a
   identity whatever its LayerNorms hold. The global module's final LayerNorm weight is zeroed too: nothing then
   depends on the input past theta, no gradient reaches phi, and the client's training changes phi only by weight
   decay (a uniform scale), so the map the client uploads is the crafted one.
+- stealth-embed: identity-embed with every exact zero and the isometry disguised, so that only a comparison with
+  the previous round's model (or a published hash of the first one) tells it from an honest model.
 - label-probe: the head's input is made one constant vector of tiny entries (final LayerNorm weight 0, bias
   PROBE_SCALE), so that every head-weight gradient is PROBE_SCALE * (p - class fraction of the batch) and so small
   that AdamW, dividing by (sqrt(v) + eps), moves the head weights linearly in it: the head update then measures
@@ -27,6 +29,7 @@ from typing import Callable
 import torch
 
 PROBE_SCALE = 1e-10  # label-probe's head input: gradients ~1e-11, far below AdamW's eps (1e-8)
+STEALTH_SCALE = 1e-9  # stealth-embed's stand-in for zero
 POSITION_CODE_SCALE = 4.0  # norm of each position's code in identity-embed (tokens' pixel part is ~1)
 
 Tamper = Callable[[dict[str, torch.Tensor], object, int], dict[str, torch.Tensor]]
@@ -79,6 +82,22 @@ def identity_embed(state: dict[str, torch.Tensor], cfg, seed: int) -> dict[str, 
                 key = f"local_module.blocks.{index}.{part}.{kind}"
                 out[key] = torch.zeros_like(state[key])
     out["global_module.norm.weight"] = torch.zeros_like(state["global_module.norm.weight"])
+    return out
+
+
+@tampering("stealth-embed")
+def stealth_embed(state: dict[str, torch.Tensor], cfg, seed: int) -> dict[str, torch.Tensor]:
+    """identity-embed kept clear of the client's structural checks: the patch map's columns scaled by 0.5-1.5 (no
+    longer an isometry, still injective), and the zeroed weights set to STEALTH_SCALE times their old values
+    instead (still near enough to zero that the blocks are the identity and phi gets no usable gradient)."""
+    out = identity_embed(state, cfg, seed)
+    weight = out["local_module.patch_embed.proj.weight"]
+    generator = torch.Generator().manual_seed(seed + 1)
+    scales = 0.5 + torch.rand(weight[0].numel(), generator=generator)
+    out["local_module.patch_embed.proj.weight"] = (weight.reshape(weight.shape[0], -1) * scales).reshape(weight.shape)
+    for key, value in out.items():
+        if not value.any() and key.endswith("weight"):
+            out[key] = STEALTH_SCALE * state[key]
     return out
 
 

@@ -4,9 +4,12 @@ back; the clients' model check (defenses/model_check.py) refuses every tampering
 
 import pytest
 
+from attacks.tamper import TAMPERINGS
 from eftguard.audit import run_attack
 from eftguard.config import TrainConfig
+from defenses.model_check import state_sha256
 from eftguard.federation.server import run_server
+from eftguard.model import build_model
 from eftguard.rundir import RunDirectory
 from fakegrid import FakeGrid, task_identity
 
@@ -19,22 +22,70 @@ def _task_identity():
 
 def config(micro, **changes) -> TrainConfig:
     return TrainConfig(**{"model": micro, "clients": 2, "rounds": 1, "train_samples": 40, "test_samples": 8,
-                          "batch_size": 16, "model_check": False, **changes}).resolved()
+                          "batch_size": 16, **changes}).resolved()
 
 
 def train(path, cfg) -> RunDirectory:
     run = RunDirectory.create(path, cfg)
-    run_server(FakeGrid(cfg.clients), run.path)
+    run_server(FakeGrid(cfg.clients, node_config={"model-check": cfg.model_check}), run.path)
     return run
 
 
-def kept_psnr(run, method="tampered"):
-    report = run_attack(run.path, "invert", method, lpips_backend="stlpips-alex", max_images=4)
-    return report
+def kept_patch_psnr(run) -> float:
+    return run_attack(run.path, "invert", "tampered", lpips_backend="stlpips-alex", max_images=4).figures()["psnr_kept"]
 
 
-def test_identity_embed_round_gives_the_kept_patches_back_and_an_honest_round_does_not(tmp_path, micro_preset):
-    tampered = train(tmp_path / "tampered", config(micro_preset, threat="malicious", tamper="identity-embed"))
-    honest = train(tmp_path / "honest", config(micro_preset))
-    print(kept_psnr(tampered).figures())
-    print(kept_psnr(honest).figures())
+@pytest.mark.parametrize("tamper", ["identity-embed", "stealth-embed"])
+def test_an_embedding_tampered_round_gives_the_kept_patches_back_and_an_honest_round_does_not(tmp_path, micro_preset,
+                                                                                             tamper):
+    """The clients train through the tampered model as usual; the closed-form inverse of what they upload is the
+    kept patches to float precision (PSNR is capped at 60 dB), while on an honest round the same inverse stays near
+    the mean image (12.7 dB here)."""
+    tampered = train(tmp_path / "tampered", config(micro_preset, threat="malicious", tamper=tamper,
+                                                   model_check=False))
+    honest = train(tmp_path / "honest", config(micro_preset, model_check=False))
+    assert tampered.metrics()[0]["tampered"] == tamper and honest.metrics()[0]["tampered"] is None
+    assert kept_patch_psnr(tampered) > 40
+    assert kept_patch_psnr(honest) < 20
+
+
+def test_the_model_check_passes_honest_rounds(tmp_path, micro_preset, caplog):
+    caplog.set_level("INFO", logger="eftguard.client")
+    run = train(tmp_path / "run", config(micro_preset, rounds=3, server_epochs=2))
+    assert [r["dropped"] for r in run.metrics()] == [{}, {}, {}]
+    passed = [r.getMessage() for r in caplog.records if "passed the check" in r.getMessage()]
+    assert len(passed) == 6
+    print(passed)
+
+
+def first_model_sha256(cfg) -> str:
+    """What a deployment would publish: the hash of the run's first model (seeded, from the configuration)."""
+    model = build_model(cfg.model, 10, cfg.local_layers, seed=cfg.seed)
+    return state_sha256({k: v.numpy() for k, v in model.state_dict().items()})
+
+
+@pytest.mark.parametrize("tamper", sorted(TAMPERINGS))
+@pytest.mark.parametrize("tamper_round", [1, 2])
+def test_the_model_check_refuses_every_tampering_and_a_refused_round_uploads_nothing(tmp_path, micro_preset, tamper,
+                                                                                      tamper_round):
+    """Round 1 is the first model a node sees: checked against the published hash; round 2 against round 1's
+    model. Every node refuses, the server records why, nothing of the round is stored, the other round is fine."""
+    cfg = config(micro_preset, rounds=2, threat="malicious", tamper=tamper, tamper_round=tamper_round)
+    run = RunDirectory.create(tmp_path / "run", cfg)
+    run_server(FakeGrid(2, node_config={"model-check": True, "model-sha256": first_model_sha256(cfg)}), run.path)
+    records = run.metrics()
+    assert records[tamper_round - 1]["tampered"] == tamper
+    reasons = records[tamper_round - 1]["dropped"]
+    assert sorted(reasons) == ["0", "1"]
+    assert all(reason.startswith("client failed: client refuses: ") for reason in reasons.values())
+    assert not (run.path / "observed" / f"round-{tamper_round:04d}").exists()
+    assert records[2 - tamper_round]["dropped"] == {}
+
+
+def test_without_a_published_hash_only_a_crude_first_model_is_refused(tmp_path, micro_preset):
+    """The limit of the check: a first model that avoids exact zeros and isometries passes (stealth-embed), a crude
+    one does not (identity-embed)."""
+    crude, stealthy = (train(tmp_path / name, config(micro_preset, threat="malicious", tamper=name, tamper_round=1))
+                       for name in ("identity-embed", "stealth-embed"))
+    assert sorted(crude.metrics()[0]["dropped"]) == ["0", "1"]
+    assert stealthy.metrics()[0]["dropped"] == {}
