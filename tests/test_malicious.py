@@ -89,3 +89,16 @@ def test_without_a_published_hash_only_a_crude_first_model_is_refused(tmp_path, 
                        for name in ("identity-embed", "stealth-embed"))
     assert sorted(crude.metrics()[0]["dropped"]) == ["0", "1"]
     assert stealthy.metrics()[0]["dropped"] == {}
+
+
+def test_a_label_probe_round_gives_the_class_counts_away_and_an_honest_round_does_not(tmp_path, micro_preset):
+    """With one batch per local epoch (B >= n_k) the head update of a label-probe round holds the class fractions
+    exactly: every count right. The same reading of an honest round's head update is worse than the prior
+    (n_k spread over the classes with uploads)."""
+    tampered = train(tmp_path / "tampered", config(micro_preset, threat="malicious", tamper="label-probe",
+                                                   model_check=False, batch_size=64))
+    honest = train(tmp_path / "honest", config(micro_preset, model_check=False, batch_size=64))
+    read = run_attack(tampered.path, "labels", "tampered").figures()
+    assert read["exact_count_accuracy"] == 1.0 and read["l1"] < 0.02 < read["baseline.l1"]
+    misread = run_attack(honest.path, "labels", "tampered").figures()
+    assert misread["l1"] > misread["baseline.l1"]
