@@ -6,6 +6,7 @@ import pytest
 
 from attacks.tamper import TAMPERINGS
 from eftguard.audit import run_attack
+from eftguard.cli import main
 from eftguard.config import TrainConfig
 from defenses.model_check import state_sha256
 from eftguard.federation.server import run_server
@@ -102,3 +103,59 @@ def test_a_label_probe_round_gives_the_class_counts_away_and_an_honest_round_doe
     assert read["exact_count_accuracy"] == 1.0 and read["l1"] < 0.02 < read["baseline.l1"]
     misread = run_attack(honest.path, "labels", "tampered").figures()
     assert misread["l1"] > misread["baseline.l1"]
+
+
+@pytest.mark.parametrize("argv, message", [
+    (["--threat", "malicious"], "--threat malicious needs --tamper NAME, one of identity-embed, stealth-embed, "
+                                "label-probe; got ''"),
+    (["--tamper", "identity-embed"], "--tamper and --tamper-round need --threat malicious"),
+    (["--tamper-round", "2"], "--tamper and --tamper-round need --threat malicious"),
+    (["--threat", "malicious", "--tamper", "identity-embed", "--rounds", "2", "--tamper-round", "3"],
+     "--tamper-round must be in 1..--rounds (2) or 0 (the last), got 3"),
+    (["--threat", "malicious", "--tamper", "identity-embed", "--method", "fedavg"],
+     "--method fedavg uploads no features"),
+    (["--threat", "malicious", "--tamper", "identity-embed", "--federation", "deployment", "--superlink", "h:1"],
+     "--threat malicious is for measuring attacks in simulation only"),
+    (["--threat", "evil"], "argument --threat: invalid choice: 'evil'"),
+    (["--threat", "malicious", "--tamper", "nonsense"], "argument --tamper: invalid choice: 'nonsense'"),
+])
+def test_bad_threat_flags_are_one_clear_error_before_any_work(capsys, tmp_path, argv, message):
+    with pytest.raises(SystemExit) as exit_info:
+        main(["train", "--out", str(tmp_path / "run"), *argv])
+    err = capsys.readouterr().err
+    assert exit_info.value.code == 2 and message in err and "Traceback" not in err
+    assert len(err.strip().splitlines()[-1]) and not (tmp_path / "run").exists()
+
+
+def test_a_bad_published_hash_is_one_clear_error_before_the_node_starts(capsys):
+    with pytest.raises(SystemExit) as exit_info:
+        main(["supernode", "--superlink", "127.0.0.1:1", "--insecure", "--partition", "0", "--clients", "2",
+              "--model-sha256", "abc"])
+    err = capsys.readouterr().err
+    assert exit_info.value.code == 2
+    assert err.strip().splitlines()[-1] == "eftguard: error: --model-sha256 must be 64 hex digits (a sha256), got 'abc'"
+
+
+def test_adams_step_bound_holds_for_gradients_built_to_break_it():
+    """The drift limit rests on adam_step_bound: torch's AdamW (no decay) on one coordinate, with the gradients that
+    maximise its step (growing by b2 / b1 each step: equality in Cauchy-Schwarz) and with a lone spike after
+    zeros (Kingma and Ba's worst case), never steps beyond it; the growing gradients reach it."""
+    import torch
+
+    from defenses.model_check import ADAM_BETAS, adam_step_bound
+
+    b1, b2 = ADAM_BETAS
+    steps = 1000
+    shares = {}
+    for case, gradients in {"growing": [(b2 / b1) ** t for t in range(steps)],
+                            "spike": [0.0] * (steps - 1) + [1.0]}.items():
+        weight = torch.zeros(1, dtype=torch.float64, requires_grad=True)
+        optimizer = torch.optim.AdamW([weight], lr=1.0, weight_decay=0.0, eps=1e-30)
+        shares[case] = []
+        for t, gradient in enumerate(gradients, start=1):
+            before = float(weight.detach())
+            weight.grad = torch.tensor([gradient], dtype=torch.float64)
+            optimizer.step()
+            shares[case].append(abs(float(weight.detach()) - before) / adam_step_bound(t))
+    assert max(shares["growing"] + shares["spike"]) <= 1 + 1e-9
+    assert shares["growing"][-1] > 0.999 and adam_step_bound(steps) > 3.2  # beyond Kingma and Ba's 3.16
