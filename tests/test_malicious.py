@@ -159,3 +159,11 @@ def test_adams_step_bound_holds_for_gradients_built_to_break_it():
             shares[case].append(abs(float(weight.detach()) - before) / adam_step_bound(t))
     assert max(shares["growing"] + shares["spike"]) <= 1 + 1e-9
     assert shares["growing"][-1] > 0.999 and adam_step_bound(steps) > 3.2  # beyond Kingma and Ba's 3.16
+
+
+def test_method_all_runs_only_what_a_curious_server_can(tmp_path, micro_preset, capsys):
+    """The tampered attacks read a round the server crafted: on an honest run they are run only when named."""
+    run = train(tmp_path / "run", config(micro_preset, model_check=False))
+    main(["attack", "labels", str(run.path), "--out", str(tmp_path / "reports")])
+    assert sorted(p.name for p in (tmp_path / "reports").iterdir()) == ["labels-head", "labels-linkage",
+                                                                         "labels-presence"]
