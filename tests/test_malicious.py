@@ -4,7 +4,10 @@ back; the clients' model check (defenses/model_check.py) refuses every tampering
 
 import pytest
 
+from attacks.inversion import TamperedInversion
+from attacks.labels import TamperedHeadAttack
 from attacks.tamper import TAMPERINGS
+from conftest import attacks_guarded
 from eftguard.audit import run_attack
 from eftguard.cli import main
 from eftguard.config import TrainConfig
@@ -38,7 +41,7 @@ def kept_patch_psnr(run) -> float:
 
 @pytest.mark.parametrize("tamper", ["identity-embed", "stealth-embed"])
 def test_an_embedding_tampered_round_gives_the_kept_patches_back_and_an_honest_round_does_not(tmp_path, micro_preset,
-                                                                                             tamper):
+                                                                                             tamper, monkeypatch):
     """The clients train through the tampered model as usual; the closed-form inverse of what they upload is the
     kept patches to float precision (PSNR is capped at 60 dB), while on an honest round the same inverse stays near
     the mean image (12.7 dB here)."""
@@ -46,7 +49,8 @@ def test_an_embedding_tampered_round_gives_the_kept_patches_back_and_an_honest_r
                                                    model_check=False))
     honest = train(tmp_path / "honest", config(micro_preset, model_check=False))
     assert tampered.metrics()[0]["tampered"] == tamper and honest.metrics()[0]["tampered"] is None
-    assert kept_patch_psnr(tampered) > 40
+    calls = attacks_guarded(monkeypatch, tampered.path, TamperedInversion)  # the attack never reads truth/
+    assert kept_patch_psnr(tampered) > 40 and calls == ["TamperedInversion"]
     assert kept_patch_psnr(honest) < 20
 
 
@@ -92,14 +96,17 @@ def test_without_a_published_hash_only_a_crude_first_model_is_refused(tmp_path, 
     assert stealthy.metrics()[0]["dropped"] == {}
 
 
-def test_a_label_probe_round_gives_the_class_counts_away_and_an_honest_round_does_not(tmp_path, micro_preset):
+def test_a_label_probe_round_gives_the_class_counts_away_and_an_honest_round_does_not(tmp_path, micro_preset,
+                                                                                        monkeypatch):
     """With one batch per local epoch (B >= n_k) the head update of a label-probe round holds the class fractions
     exactly: every count right. The same reading of an honest round's head update is worse than the prior
     (n_k spread over the classes with uploads)."""
     tampered = train(tmp_path / "tampered", config(micro_preset, threat="malicious", tamper="label-probe",
                                                    model_check=False, batch_size=64))
     honest = train(tmp_path / "honest", config(micro_preset, model_check=False, batch_size=64))
+    calls = attacks_guarded(monkeypatch, tampered.path, TamperedHeadAttack)
     read = run_attack(tampered.path, "labels", "tampered").figures()
+    assert calls == ["TamperedHeadAttack"]
     assert read["exact_count_accuracy"] == 1.0 and read["l1"] < 0.02 < read["baseline.l1"]
     misread = run_attack(honest.path, "labels", "tampered").figures()
     assert misread["l1"] > misread["baseline.l1"]
