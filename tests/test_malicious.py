@@ -12,6 +12,7 @@ from eftguard.audit import run_attack
 from eftguard.cli import main
 from eftguard.config import TrainConfig
 from defenses.model_check import state_sha256
+from eftguard.federation.errors import FederationError
 from eftguard.federation.server import run_server
 from eftguard.model import build_model
 from eftguard.rundir import RunDirectory
@@ -174,3 +175,19 @@ def test_method_all_runs_only_what_a_curious_server_can(tmp_path, micro_preset, 
     main(["attack", "labels", str(run.path), "--out", str(tmp_path / "reports")])
     assert sorted(p.name for p in (tmp_path / "reports").iterdir()) == ["labels-head", "labels-linkage",
                                                                          "labels-presence"]
+
+
+def test_a_tampering_the_model_cannot_take_fails_before_any_round(tmp_path, micro_preset, monkeypatch):
+    """A model with a pre-norm LayerNorm (it would drop each token's mean and scale) cannot be made an identity
+    embedding: one clear error, before round 1."""
+    from attacks import tamper
+
+    def pre_norm_found(state):
+        raise tamper.TamperError("identity-embed needs a ViT without a pre-norm LayerNorm")
+
+    monkeypatch.setattr(tamper, "_check_no_pre_norm", pre_norm_found)
+    cfg = config(micro_preset, threat="malicious", tamper="identity-embed")
+    run = RunDirectory.create(tmp_path / "run", cfg)
+    with pytest.raises(FederationError, match="^--tamper identity-embed: identity-embed needs a ViT without"):
+        run_server(FakeGrid(2), run.path)
+    assert run.metrics() == []

@@ -18,7 +18,7 @@ from rich.console import Console
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 from rich.table import Table
 
-from attacks.tamper import tamper_state
+from attacks.tamper import TamperError, tamper_state
 from defenses.dp import ClientBudget, channel_epsilons
 from eftguard.config import TrainConfig
 from eftguard.data import Dataset
@@ -210,6 +210,11 @@ def serve_rounds(grid: Grid, run: RunDirectory, cfg: TrainConfig) -> None:
     if done >= cfg.rounds:
         console.print(f"{run.path} already has all {cfg.rounds} rounds")
         return
+    if cfg.threat == "malicious":  # a tampering this model cannot take fails here, before any round
+        try:
+            tamper_state(cfg.tamper, model.state_dict(), cfg, 0)
+        except TamperError as exc:
+            raise FederationError(f"--tamper {cfg.tamper}: {exc}") from None
     spec = upload_spec(model, cfg, dataset)
     budgets = dp_budgets(cfg)
     public = guard_images(dataset, cfg.seed) if budgets else None
