@@ -2,6 +2,8 @@
 clients train and upload as usual over the real server and the in-process grid, and the attack reads what came
 back; the clients' model check (defenses/model_check.py) refuses every tampering and passes honest rounds."""
 
+import dataclasses
+
 import pytest
 
 from attacks.inversion import TamperedInversion
@@ -14,6 +16,7 @@ from eftguard.config import TrainConfig
 from defenses.model_check import state_sha256
 from eftguard.federation.errors import FederationError
 from eftguard.federation.server import run_server
+from eftguard.federation.simulation import forget_received_models
 from eftguard.model import build_model
 from eftguard.rundir import RunDirectory
 from fakegrid import FakeGrid, task_identity
@@ -191,3 +194,15 @@ def test_a_tampering_the_model_cannot_take_fails_before_any_round(tmp_path, micr
     with pytest.raises(FederationError, match="^--tamper identity-embed: identity-embed needs a ViT without"):
         run_server(FakeGrid(2), run.path)
     assert run.metrics() == []
+
+
+def test_simulated_nodes_forget_the_models_they_held_once_the_run_is_complete(tmp_path, micro_preset):
+    cfg = config(micro_preset, model_check=False)
+    run = train(tmp_path / "run", cfg)
+    held = run.path / "nodes" / "received" / "model.npz"
+    held.parent.mkdir(parents=True)
+    held.write_bytes(b"x")
+    forget_received_models(run.path, dataclasses.replace(cfg, rounds=2))  # a run that can go on keeps them
+    assert held.exists()
+    forget_received_models(run.path, cfg)
+    assert not held.parent.exists() and (run.path / "nodes").is_dir()
