@@ -268,8 +268,10 @@ class TamperedHeadAttack:
             decay = (1 - lr * weight_decay) ** steps
             moved = (start_weight * decay - client.head_weight.astype(np.float64)) / lr  # sum of AdamW's steps
             probs = (softmax(start_bias) + softmax(client.head_bias.astype(np.float64))) / 2
-            fractions = probs - moved.mean(axis=1) * ADAM_EPS / (PROBE_SCALE * adam_weight_sum(steps, lr * weight_decay))
-            counts = client.num_examples * np.clip(fractions, 0, None) / max(np.clip(fractions, 0, None).sum(), 1e-12)
+            gradient_weight = PROBE_SCALE * adam_weight_sum(steps, lr * weight_decay) / ADAM_EPS
+            fractions = probs - moved.mean(axis=1) / gradient_weight
+            kept = np.clip(fractions, 0, None)
+            counts = client.num_examples * kept / max(kept.sum(), 1e-12)
             estimates[client.partition] = LabelEstimate(counts, counts >= 0.5,
                                                         details={"fraction_sum": float(fractions.sum())})
         return estimates

@@ -80,7 +80,8 @@ def main() -> None:
     dropped = [reason for r in honest.metrics() for reason in r["dropped"].values()]
     results["honest"] = {"rounds": 20, "client_rounds": sum(len(r["clients"]) for r in honest.metrics()),
                          "refusals": sum("refuses" in reason for reason in dropped), "dropped": len(dropped),
-                         "largest_share_of_limit": max(shares), "median_share_of_limit": sorted(shares)[len(shares) // 2]}
+                         "largest_share_of_limit": max(shares),
+                         "median_share_of_limit": sorted(shares)[len(shares) // 2]}
     print(json.dumps({"honest": results["honest"]}), flush=True)
     (out / "results.json").write_text(json.dumps(results, indent=1))
 

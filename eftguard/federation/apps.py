@@ -41,13 +41,13 @@ def _node_partition(context: Context) -> tuple[int, int]:
     return int(context.node_config["partition-id"]), int(context.node_config["num-partitions"])
 
 
-def _node_flag(value) -> bool:
+def _node_flag(value, key: str = "share-truth") -> bool:
     """A node-config boolean: TOML true/false, or the strings "true"/"false"."""
     if isinstance(value, str) and value.lower() in ("true", "false"):
         return value.lower() == "true"
     if isinstance(value, bool):
         return value
-    raise ValueError(f"share-truth must be true or false, got {value!r}")
+    raise ValueError(f"{key} must be true or false, got {value!r}")
 
 
 def describe(msg: Message, context: Context) -> Message:
@@ -66,13 +66,13 @@ def train(msg: Message, context: Context, node_defaults: dict | None = None) -> 
     secret = int(node["noise-secret"]) if "noise-secret" in node else secrets.randbelow(2**62) + 1
     share_truth = _node_flag(node.get("share-truth", False))
     try:
-        ledger = PrivacyLedger(Path(str(node.get("ledger-dir") or default_ledger_dir())), partition,
-                               float(node.get("max-epsilon", 0.0)))
-        check = ModelCheck(Path(str(node.get("ledger-dir") or default_ledger_dir())) / "received", partition,
-                           str(node.get("model-sha256", ""))) if _node_flag(node.get("model-check", False)) else None
+        folder = Path(str(node.get("ledger-dir") or default_ledger_dir()))
+        ledger = PrivacyLedger(folder, partition, float(node.get("max-epsilon", 0.0)))
+        check = (ModelCheck(folder / "received", partition, str(node.get("model-sha256", "")))
+                 if _node_flag(node.get("model-check", False), "model-check") else None)
         upload = client_round(settings, from_record(msg.content["model"], "model"), partition, partitions, secret,
                               ledger, check)
-    except (PrivacyBudgetError, LedgerError, ModelCheckError) as exc:  # a refusal: the server records the reason as dropped
+    except (PrivacyBudgetError, LedgerError, ModelCheckError) as exc:  # a refusal: recorded by the server as dropped
         return Message(error=Error(ErrorCode.CLIENT_APP_RAISED_EXCEPTION, f"client refuses: {exc}"), reply_to=msg)
     content = {
         "update": to_record(upload.update),
