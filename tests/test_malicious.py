@@ -4,6 +4,7 @@ back; the clients' model check (defenses/model_check.py) refuses every tampering
 
 import dataclasses
 
+import numpy as np
 import pytest
 
 from attacks.inversion import TamperedInversion
@@ -64,7 +65,6 @@ def test_the_model_check_passes_honest_rounds(tmp_path, micro_preset, caplog):
     assert [r["dropped"] for r in run.metrics()] == [{}, {}, {}]
     passed = [r.getMessage() for r in caplog.records if "passed the check" in r.getMessage()]
     assert len(passed) == 6
-    print(passed)
 
 
 def first_model_sha256(cfg) -> str:
@@ -206,3 +206,26 @@ def test_simulated_nodes_forget_the_models_they_held_once_the_run_is_complete(tm
     assert held.exists()
     forget_received_models(run.path, cfg)
     assert not held.parent.exists() and (run.path / "nodes").is_dir()
+
+
+def test_a_resent_round_must_be_unchanged_and_training_settings_must_not_change_mid_run(tmp_path):
+    """A resumed server re-sends its round unchanged (passes); the same round with other weights, or a next round
+    whose learning rate was raised to widen the drift limit, is refused."""
+    from defenses.model_check import ModelCheck, ModelCheckError
+    from eftguard.federation.records import ClientSettings
+    from eftguard.methods import method_spec
+
+    settings = ClientSettings.from_config(TrainConfig(), 1, run_id="0" * 32)
+    state = {"head.weight": np.full((2, 3), 0.1, dtype=np.float32)}
+    check = ModelCheck(tmp_path, 0)
+
+    def verify(round_settings, received):
+        return check.verify(round_settings, method_spec("eftvit"), received, [100, 50], 400)
+
+    verify(settings, state)
+    verify(settings, state)  # re-sent, unchanged
+    with pytest.raises(ModelCheckError, match="'head.weight' moved by up to 0.001 in 0 round"):
+        verify(settings, {"head.weight": state["head.weight"] + np.float32(1e-3)})
+    raised = dataclasses.replace(settings, round=2, lr=1.0)
+    with pytest.raises(ModelCheckError, match=r"the server changed the training settings \['lr'\] mid-run"):
+        verify(raised, state)
