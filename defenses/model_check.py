@@ -117,8 +117,8 @@ def check_structure(state: dict[str, np.ndarray]) -> None:
                                   "ignores the input")
     blocks = sorted({k.split(".")[2] for k in state if k.startswith("local_module.blocks.")}, key=int)
     for index in blocks:
-        outputs = [state[f"local_module.blocks.{index}.{part}.weight"] for part in ("attn.proj", "mlp.fc2")]
-        if not any(w.any() for w in outputs):
+        outputs = [state.get(f"local_module.blocks.{index}.{part}.weight") for part in ("attn.proj", "mlp.fc2")]
+        if all(w is not None and not w.any() for w in outputs):
             raise ModelCheckError(f"local block {index} has zero attention and MLP outputs: it passes tokens "
                                   "through unchanged")
     weight = state.get("local_module.patch_embed.proj.weight")

@@ -18,6 +18,7 @@ from defenses.model_check import state_sha256
 from eftguard.federation.errors import FederationError
 from eftguard.federation.server import run_server
 from eftguard.federation.simulation import forget_received_models
+from eftguard.methods import METHODS
 from eftguard.model import build_model
 from eftguard.rundir import RunDirectory
 from fakegrid import FakeGrid, task_identity
@@ -59,9 +60,10 @@ def test_an_embedding_tampered_round_gives_the_kept_patches_back_and_an_honest_r
     assert kept_patch_psnr(honest) < 20
 
 
-def test_the_model_check_passes_honest_rounds(tmp_path, micro_preset, caplog):
+@pytest.mark.parametrize("method", sorted(METHODS))
+def test_the_model_check_passes_honest_rounds(tmp_path, micro_preset, caplog, method):
     caplog.set_level("INFO", logger="eftguard.client")
-    run = train(tmp_path / "run", config(micro_preset, rounds=3, server_epochs=2))
+    run = train(tmp_path / "run", config(micro_preset, rounds=3, server_epochs=2, method=method))
     assert [r["dropped"] for r in run.metrics()] == [{}, {}, {}]
     passed = [r.getMessage() for r in caplog.records if "passed the check" in r.getMessage()]
     assert len(passed) == 6
