@@ -118,6 +118,15 @@ def test_a_label_probe_round_gives_the_class_counts_away_and_an_honest_round_doe
     assert misread["l1"] > misread["baseline.l1"]
 
 
+def test_dp_sgd_stops_the_label_probe(tmp_path, micro_preset):
+    """DP-SGD's noise (std sigma * C on every gradient) drowns the probe's 1e-11 gradients: the reading falls to
+    the prior's error or worse, where without DP it was exact (above)."""
+    run = train(tmp_path / "dp", config(micro_preset, threat="malicious", tamper="label-probe", model_check=False,
+                                        batch_size=64, dp_eps=1.0))
+    read = run_attack(run.path, "labels", "tampered").figures()
+    assert read["l1"] >= read["baseline.l1"]
+
+
 @pytest.mark.parametrize("argv, message", [
     (["--threat", "malicious"], "--threat malicious needs --tamper NAME, one of identity-embed, stealth-embed, "
                                 "label-probe; got ''"),
