@@ -3,6 +3,7 @@ clients train and upload as usual over the real server and the in-process grid, 
 back; the clients' model check (defenses/model_check.py) refuses every tampering and passes honest rounds."""
 
 import dataclasses
+import json
 
 import numpy as np
 import pytest
@@ -240,3 +241,18 @@ def test_a_resent_round_must_be_unchanged_and_training_settings_must_not_change_
     raised = dataclasses.replace(settings, round=2, lr=1.0)
     with pytest.raises(ModelCheckError, match=r"the server changed the training settings \['lr'\] mid-run"):
         verify(raised, state)
+
+
+@pytest.mark.parametrize("family, options", [("invert", ["--max-images", "3", "--lpips-backend", "stlpips-alex"]),
+                                             ("labels", [])])
+def test_the_api_and_the_cli_write_the_same_tampered_report(tmp_path, micro_preset, family, options):
+    run = train(tmp_path / "run", config(micro_preset, threat="malicious", tamper="identity-embed",
+                                         model_check=False))
+    main(["attack", family, str(run.path), "--method", "tampered", "--out", str(tmp_path / "cli"), *options])
+    keywords = {o.lstrip("-").replace("-", "_"): v for o, v in zip(options[::2], options[1::2])}
+    run_attack(run.path, family, "tampered", out=tmp_path / "api", **keywords)
+    reports = [json.loads((tmp_path / side / f"{family}-tampered" / "report.json").read_text())
+               for side in ("cli", "api")]
+    for report in reports:
+        del report["details"]["attack_seconds"]
+    assert reports[0] == reports[1] and reports[0]["capabilities"]["server"] == "malicious"
