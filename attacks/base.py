@@ -163,12 +163,14 @@ def total_variation(images: torch.Tensor) -> torch.Tensor:
 class ThreatModel:
     """What the attacker may use. Honest-but-curious server (docs/threat-model.md): sees every upload and the round's
     weights, may hold auxiliary public data. positions_known grants the kept-token positions of each upload
-    (a server that chose the masks); without it the attack has to infer them."""
+    (a server that chose the masks); without it the attack has to infer them. server "malicious": the attack
+    reads a round whose model the server tampered with (--threat malicious)."""
 
     sees_uploads: bool = True
     knows_weights: bool = True
     aux_data: str | None = "public"
     positions_known: bool = False
+    server: str = "honest-but-curious"  # "malicious": the server crafted the model it sent (attacks/tamper.py)
 
     def capabilities(self) -> dict:
         return asdict(self)

@@ -22,6 +22,7 @@ from __future__ import annotations
 import copy
 import math
 from dataclasses import dataclass, field
+from typing import ClassVar
 
 import numpy as np
 import torch
@@ -356,3 +357,56 @@ class OptimizationInversion:
                 best_images.numpy(), rows=np.arange(len(target)), kept_ids=keep.numpy(),
                 details={"relative_feature_distance": float(best_distance.mean())})
         return results
+
+
+@INVERT.register
+@dataclass
+class TamperedInversion:
+    """Closed-form inverse of a tampered round (attacks/tamper.py, identity-embed): with the local blocks reduced to
+    the identity, each uploaded token is W x + b + pos_i for its patch pixels x and position i, W, b and pos read
+    off the client's uploaded phi_k. The position is the one whose embedding leaves the smallest residual outside
+    W's range; the pixels are the least-squares solution. On an honest round the same inverse reads noise."""
+
+    name = "tampered"
+    summary = ("malicious server: invert the patch embedding of a tampered round (--threat malicious --tamper "
+               "identity-embed) by least squares; positions decoded from the tokens")
+    threat_model: ClassVar[ThreatModel] = ThreatModel(aux_data=None, server="malicious")
+    steps = 0  # closed form
+
+    def reconstruct(self, observation: RoundFeatures, progress: Progress | None = None
+                    ) -> dict[int, ImageReconstruction]:
+        mean_image = torch.from_numpy(observation.aux_images).float().div(255.0).mean(0)
+        results = {}
+        for done, client in enumerate(observation.clients):
+            local = client_local_module(observation.model, client.local_state)
+            images, keep, residual = invert_patch_embedding(observation.model, local, client.features, mean_image)
+            results[client.partition] = ImageReconstruction(
+                images.numpy(), rows=np.arange(len(images)), kept_ids=keep.numpy(),
+                details={"relative_residual": residual})
+            if progress:
+                progress("inverse", done + 1, len(observation.clients))
+        return results
+
+
+def invert_patch_embedding(model: EFTViT, local: LocalModule, features: torch.Tensor, fill: torch.Tensor
+                           ) -> tuple[torch.Tensor, torch.Tensor, float]:
+    """(images [n, H, W, 3] in [0, 1] with fill where no token was sent, kept positions [n, keep], the mean
+    relative residual of the tokens outside the embedding's range plus their position)."""
+    weight = local.patch_embed.proj.weight.double()
+    patch, width = weight.shape[-1], weight.shape[0]
+    embed = weight.reshape(width, -1)  # [D, 3 p p], columns in the conv's (channel, row, column) order
+    tokens = features[:, 1:].double() - local.patch_embed.proj.bias.double()  # [n, keep, D]
+    positions = local.token_embedding.pos_embed[0, 1:].double()  # [L, D]
+    outside = torch.eye(width, dtype=torch.float64) - embed @ torch.linalg.pinv(embed)  # projector off W's range
+    distance = torch.cdist((tokens @ outside).flatten(0, 1), positions @ outside)  # [n keep, L]
+    keep = distance.argmin(dim=1).view(tokens.shape[:2])
+    residual = float((distance.min(dim=1).values / tokens.flatten(0, 1).norm(dim=1).clamp_min(1e-12)).mean())
+    pixels = torch.linalg.lstsq(embed, (tokens - positions[keep]).flatten(0, 1).T).solution.T  # [n keep, 3 p p]
+    fill_patches = patchify(fill.unsqueeze(0), patch)[0]  # [L, p p 3]
+    mean, std = torch.tensor(model.mean, dtype=torch.float64), torch.tensor(model.std, dtype=torch.float64)
+    sent = pixels.view(-1, 3, patch, patch).permute(0, 2, 3, 1) * std + mean  # standardised -> [0, 1], (p, p, 3)
+    patches = fill_patches.expand(len(tokens), -1, -1).clone()
+    patches.scatter_(1, keep.unsqueeze(-1).expand(-1, -1, patches.shape[-1]),
+                     sent.reshape(len(tokens), keep.shape[1], -1).float())
+    images = unpatchify(patches, patch).clamp(0, 1)
+    return images, keep, residual

@@ -30,6 +30,7 @@ the auditor (`eftguard.audit.scoring`).
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 from typing import ClassVar
 
@@ -38,6 +39,7 @@ import torch
 from scipy.optimize import nnls
 
 from attacks.base import AttackError, LabelEstimate, Progress, Registry, ThreatModel, finite_number, option
+from attacks.tamper import PROBE_SCALE
 
 LABELS = Registry("labels", default="head")
 FLOOR = "floor"  # LabelEstimate.details key of an attack that raised counts to one: the classes and counts before
@@ -66,6 +68,7 @@ class LabelObservation:
     clients: list[ClientUploads]
     balance: str = "median"
     start_model: torch.nn.Module | None = None  # an EFTViT holding checkpoint t-1; needed by the head attack
+    training: tuple[int, int, float, float] | None = None  # public config: (local epochs, batch size, lr, weight decay)
 
 
 @LABELS.register
@@ -336,3 +339,58 @@ class BiasCorrectedAttack(ImpactCountAttack):
 
     def entries(self, gradient: np.ndarray) -> np.ndarray:
         return gradient[:, -1]
+
+
+@LABELS.register
+@dataclass
+class TamperedHeadAttack:
+    """Read the class fractions off the head update of a label-probe round (attacks/tamper.py).
+
+    The tampered theta hands the head the constant input c = PROBE_SCALE, so every head-weight gradient of class j
+    at step s is c (p_j - f_j(s)), f_j(s) the class's fraction of the batch and p_j the softmax of the (nearly
+    constant) logits. At |gradient| far below AdamW's eps the step is m_hat / eps, linear in the gradients: the
+    weight update, undone of the weight decay, is (c / eps) sum_s a_s (p_j - f_j(s)) with a_s the known weight
+    Adam's bias-corrected moments give step s. Exact when each epoch is one batch (B >= n_k); otherwise the
+    steps' batch fractions are averaged with the weights a_s.
+    """
+
+    name = "tampered"
+    summary = ("malicious server: read each class's fraction off the head update of a label-probe round "
+               "(--threat malicious --tamper label-probe)")
+    threat_model: ClassVar[ThreatModel] = ThreatModel(knows_weights=True, aux_data=None, server="malicious")
+
+    def reconstruct(self, observation: LabelObservation, progress: Progress | None = None
+                    ) -> dict[int, LabelEstimate]:
+        if observation.start_model is None or observation.training is None:
+            raise AttackError("the tampered head attack needs the round's start model and training settings")
+        epochs, batch_size, lr, weight_decay = observation.training
+        head = observation.start_model.head
+        start_weight, start_bias = head.weight.detach().double().numpy(), head.bias.detach().double().numpy()
+        estimates = {}
+        for client in observation.clients:
+            steps = epochs * math.ceil(client.num_examples / batch_size)
+            decay = (1 - lr * weight_decay) ** steps
+            moved = (start_weight * decay - client.head_weight.astype(np.float64)) / lr  # sum of AdamW's steps
+            probs = (softmax(start_bias) + softmax(client.head_bias.astype(np.float64))) / 2
+            gradient_weight = PROBE_SCALE * adam_weight_sum(steps, lr * weight_decay) / ADAM_EPS
+            fractions = probs - moved.mean(axis=1) / gradient_weight
+            kept = np.clip(fractions, 0, None)
+            counts = client.num_examples * kept / max(kept.sum(), 1e-12)
+            estimates[client.partition] = LabelEstimate(counts, counts >= 0.5,
+                                                        details={"fraction_sum": float(fractions.sum())})
+        return estimates
+
+
+ADAM_EPS = 1e-8  # torch.optim.AdamW's default, which eftguard.training uses
+
+
+def adam_weight_sum(steps: int, decay_rate: float, beta1: float = 0.9) -> float:
+    """sum_s a_s: the total weight AdamW's bias-corrected first moment gives the gradients of `steps` steps in the
+    sum of its updates (each update m_hat_t, later decayed by (1 - lr wd) per step)."""
+    return sum((1 - decay_rate) ** (steps - t) * (1 - beta1) * beta1 ** (t - s) / (1 - beta1 ** t)
+               for s in range(1, steps + 1) for t in range(s, steps + 1))
+
+
+def softmax(logits: np.ndarray) -> np.ndarray:
+    shifted = np.exp(logits - logits.max())
+    return shifted / shifted.sum()

@@ -118,7 +118,8 @@ def add_family_parser(kinds: argparse._SubParsersAction, family) -> argparse.Arg
     parser.add_argument("--features", "--run", dest="run_alias", type=path_arg, metavar="RUN",
                         help="the run directory, as a flag (give RUN or this, not both)")
     parser.add_argument("--method", choices=(*methods, "all"), default=family.cli_method,
-                        help=f"{' | '.join(methods)} | all (one report per method) (default: {family.cli_method})")
+                        help=f"{' | '.join(methods)} | all (one report per method{named_only(family.registry)}) "
+                             f"(default: {family.cli_method})")
     parser.add_argument("--clients", "--client", default="all",
                         help="'all' or comma-separated partition ids (default: all)")
     for option in family.options:
@@ -173,7 +174,7 @@ def cmd_attack(args: argparse.Namespace) -> None:
 
     family = FAMILIES[args.family]
     run = the_run(args)
-    methods = family.registry.names() if args.method == "all" else (args.method,)
+    methods = curious_methods(family.registry) if args.method == "all" else (args.method,)
     per_method = options_per_method(args, family, methods)
     out = args.out if args.out is not None else run / "reports"
     common = {"round_number": args.round_number, "clients": args.clients, "key": args.key, "out": out}
@@ -185,6 +186,19 @@ def cmd_attack(args: argparse.Namespace) -> None:
         with stage_progress() as progress:
             report = run_attack(run, family.name, method, progress=progress, **common, **per_method[method])
         print_summary(report.to_json(), out / report.attack)
+
+
+def curious_methods(registry) -> tuple[str, ...]:
+    """--method all: every method a curious server can run; those that read a round the server tampered with
+    (threat model server "malicious") must be named."""
+    return tuple(name for name, cls in registry.classes.items()
+                 if getattr(getattr(cls, "threat_model", None), "server", "") != "malicious")
+
+
+def named_only(registry) -> str:
+    """--help's note on the methods that --method all leaves out."""
+    left_out = sorted(set(registry.names()) - set(curious_methods(registry)))
+    return f"; a malicious server's {', '.join(left_out)} only when named" if left_out else ""
 
 
 @contextmanager

@@ -12,11 +12,12 @@ import time
 from pathlib import Path
 
 from attacks.base import AttackError
+from attacks.tamper import TAMPERINGS
 from defenses.tls import CertificateError
 from eftguard.attack_cli import add_attack_parser, add_report_parser, cmd_attack, cmd_report
 from eftguard.canaries import CANARY_KINDS
 from eftguard.config import (ACCOUNTANTS, CLIENT_SELECTION, FEDERATIONS, HEAD_PRUNING, HEAD_WEIGHTING, METHODS,
-                             ConfigError, TrainConfig)
+                             THREATS, ConfigError, TrainConfig)
 from eftguard.data import DATASET_HELP, DataError
 from eftguard.federation.errors import FederationError, Interrupted
 from eftguard.methods import METHODS as METHOD_SPECS, method_spec
@@ -97,6 +98,13 @@ TRAIN_HELP = {
                 "client's data with probability 1/2; the inclusion bits go to truth/ only (0: none; docs/dp.md)",
     "canary_kind": "mislabelled (held-out images with a wrong label; every channel) or gradient (noise images for "
                    "the parameter channel)",
+    "threat": "honest, or malicious: the server tampers with the model it sends in --tamper-round (simulation "
+              "only, to measure the tampering attacks and the clients' --model-check; docs/threat-model.md)",
+    "tamper": "the malicious server's tampering: " + "; ".join(TAMPERINGS),
+    "tamper_round": "the round whose model the malicious server tampers with (0: the last)",
+    "model_check": "simulated clients check every model they receive against the one they received before and "
+                   "refuse (upload nothing) a round whose model moved further than the run's local and server "
+                   "training can move it (defenses/model_check.py)",
 }
 PRETRAIN_HELP = {
     "objective": "supervised (labels of the public split), mae (reconstruct the pixels of masked patches; no labels "
@@ -114,7 +122,7 @@ PRETRAIN_HELP = {
 CHOICES = {"method": METHODS, "balance": BALANCE_MODES, "federation": FEDERATIONS, "model": tuple(PRESETS),
            "accountant": ACCOUNTANTS, "head_pruning": HEAD_PRUNING, "head_weighting": HEAD_WEIGHTING,
            "client_selection": CLIENT_SELECTION, "lr_schedule": SCHEDULES,
-           "canary_kind": CANARY_KINDS}
+           "canary_kind": CANARY_KINDS, "threat": THREATS, "tamper": tuple(TAMPERINGS)}
 
 
 def _add_train_options(parser: argparse.ArgumentParser) -> None:
@@ -228,6 +236,13 @@ def build_parser() -> argparse.ArgumentParser:
                            help="folder of this node's privacy ledger: the epsilon it has spent per run, which it "
                                 "checks before every round whatever the server says (default: $EFTGUARD_HOME/ledger, "
                                 "EFTGUARD_HOME defaulting to ~/.eftguard)")
+    supernode.add_argument("--model-check", action=argparse.BooleanOptionalAction, default=True,
+                           help="check every model the server sends against the last one this node accepted and "
+                                "refuse (upload nothing for) a round whose model honest training cannot have "
+                                "produced: a malicious server's crafted weights (default: on)")
+    supernode.add_argument("--model-sha256", default="", metavar="HEX",
+                           help="sha256 of the run's first model, where the deployment publishes it: the first "
+                                "model this node receives must match it")
     supernode.add_argument("--max-epsilon", type=float, metavar="E",
                            help="this node's own privacy ceiling per run: it refuses any round that would take its "
                                 "spend above E (or above the first --dp-eps the server declared, if lower); "
@@ -639,7 +654,7 @@ def cmd_supernode(args: argparse.Namespace) -> None:
 
     check_tls_choice(args.root_certificates, args.insecure)
     config = node_config(args.partition, args.clients, args.noise_secret, args.share_truth, args.ledger_dir,
-                         args.max_epsilon)
+                         args.max_epsilon, args.model_check, args.model_sha256)
     port = args.port if args.port is not None else 9100 + args.partition
     command = supernode_command(args.superlink, args.root_certificates, args.insecure, port, config, args.auth_key)
     raise SystemExit(run_supernode(command))

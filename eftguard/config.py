@@ -21,6 +21,7 @@ FEDERATIONS = ("simulation", "deployment")
 HEAD_PRUNING = ("importance", "random")  # headprune-lora: which heads a client keeps
 HEAD_WEIGHTING = ("importance", "samples")  # headprune-lora: each head's average weighted by alpha_c or by n_k
 CLIENT_SELECTION = ("random", "loss-gap")
+THREATS = ("honest", "malicious")  # malicious: the server tampers with one round's model (attacks/tamper.py)
 
 
 class ConfigError(ValueError):
@@ -75,12 +76,18 @@ class TrainConfig:
     feature_clip: float = 0.0  # 0: uploaded features are neither clipped nor noised
     canaries: int = 0  # 0: no canaries (eftguard attack dp-audit needs them)
     canary_kind: str = "mislabelled"
+    threat: str = "honest"  # malicious: simulation only, to measure the tamperings and the client's model check
+    tamper: str = ""  # the tampering of a malicious server (attacks.tamper.TAMPERINGS)
+    tamper_round: int = 0  # the round the server tampers with (0: the last)
+    model_check: bool = True  # simulated clients check the model they receive (defenses.model_check)
 
     def resolved(self) -> "TrainConfig":
         """A validated copy with defaults that depend on other fields filled in."""
         cfg = dataclasses.replace(self)
         if cfg.clients_per_round == 0:
             cfg.clients_per_round = cfg.clients
+        if cfg.threat == "malicious" and cfg.tamper_round == 0:
+            cfg.tamper_round = cfg.rounds
         cfg.validate()
         return cfg
 
@@ -149,6 +156,7 @@ class TrainConfig:
         if not 1 <= self.clients_per_round <= self.clients:
             raise ConfigError(f"--clients-per-round must be between 1 and --clients ({self.clients}), "
                               f"got {self.clients_per_round}")
+        self._check_threat()
         if self.dataset in ("cifar10", "cifar100") and not self.data_dir:
             raise ConfigError(f"--dataset {self.dataset} needs --data-dir DIR (a local copy, or where to download it)")
         if self.data_dir and not Path(self.data_dir).is_dir():
@@ -187,6 +195,29 @@ class TrainConfig:
         if self.client_selection == "loss-gap" and self.clients_per_round in (0, self.clients):
             raise ConfigError("--client-selection loss-gap picks --clients-per-round of the --clients: set "
                               f"--clients-per-round below {self.clients}")
+
+    def _check_threat(self) -> None:
+        from attacks.tamper import TAMPERINGS
+
+        if self.threat not in THREATS:
+            raise ConfigError(f"--threat: unknown threat '{self.threat}', choose {', '.join(THREATS)}")
+        if self.threat == "honest":
+            if self.tamper or self.tamper_round:
+                raise ConfigError("--tamper and --tamper-round need --threat malicious")
+            return
+        if self.tamper not in TAMPERINGS:
+            raise ConfigError(f"--threat malicious needs --tamper NAME, one of {', '.join(TAMPERINGS)}; "
+                              f"got {self.tamper!r}")
+        if self.federation != "simulation":
+            raise ConfigError("--threat malicious is for measuring attacks in simulation only: use "
+                              "--federation simulation")
+        if not method_spec(self.method).uploads_features:
+            uploading = ", ".join(m.name for m in methods_with("uploads_features"))
+            raise ConfigError(f"--tamper targets the feature and head uploads; --method {self.method} uploads no "
+                              f"features (methods that do: {uploading})")
+        if not 0 <= self.tamper_round <= self.rounds:
+            raise ConfigError(f"--tamper-round must be in 1..--rounds ({self.rounds}) or 0 (the last), "
+                              f"got {self.tamper_round}")
 
     def _check_finite(self) -> None:
         """NaN and inf first: every comparison below is False for NaN (`nan > 0` skipped DP-SGD while the

@@ -33,9 +33,9 @@ def rounds(monkeypatch):
     """Every call of client_round, answered with a fixed upload."""
     calls = []
 
-    def client_round(settings, state, partition, partitions, secret, ledger):
+    def client_round(settings, state, partition, partitions, secret, ledger, model_check):
         calls.append({"settings": settings, "state": state, "partition": partition, "partitions": partitions,
-                      "secret": secret, "ledger": ledger})
+                      "secret": secret, "ledger": ledger, "model_check": model_check})
         report = {"dp-steps": 4} if settings.dp_eps else None
         features = None if settings.method == "fedavg" else FEATURES
         return ClientUpload(UPDATE, features, TRUTH, 60, 1.25, [0.5, 0.25], 0.125, report)

@@ -104,7 +104,7 @@ def test_wrong_names_and_values_are_one_error_listing_the_valid_ones(feature_run
 
 def test_every_registered_attack_is_named():
     assert attack_names("labels") == ["labels-presence", "labels-linkage", "labels-head", "labels-llg",
-                                      "labels-bias-corrected"]
+                                      "labels-bias-corrected", "labels-tampered"]
     assert attack_names() == [f"{f}-{m}" for f in FAMILIES for m in FAMILIES[f].registry.names()]
 
 

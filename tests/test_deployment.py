@@ -305,13 +305,13 @@ def test_supernode_flags_reach_the_node_config(tmp_path, certs, monkeypatch):
     config = node_config_of(monkeypatch, certs, "--share-truth", "--ledger-dir", str(ledger), "--max-epsilon", "2.5",
                             "--noise-secret", "7")
     assert config == {"partition-id": 0, "num-partitions": 2, "share-truth": True, "ledger-dir": str(ledger),
-                      "max-epsilon": 2.5, "noise-secret": 7}
+                      "max-epsilon": 2.5, "noise-secret": 7, "model-check": True}
 
 
 def test_a_deployed_node_shares_no_truth_unless_told(certs, monkeypatch):
     """No ledger-dir: the node's ClientApp uses its default ($EFTGUARD_HOME/ledger)."""
     config = node_config_of(monkeypatch, certs)
-    assert config == {"partition-id": 0, "num-partitions": 2, "share-truth": False}
+    assert config == {"partition-id": 0, "num-partitions": 2, "share-truth": False, "model-check": True}
 
 
 @pytest.mark.parametrize("flags, named", [(["--max-epsilon", "nan"], "--max-epsilon"),

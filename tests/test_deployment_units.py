@@ -79,10 +79,11 @@ def test_supernode_trusts_the_given_ca_unless_plaintext_is_asked_for(tmp_path, f
 
 
 def test_node_config_carries_the_nodes_own_settings(tmp_path):
-    assert node_config(0, 2) == "partition-id=0 num-partitions=2 share-truth=false"
+    assert node_config(0, 2) == "partition-id=0 num-partitions=2 share-truth=false model-check=true"
     ledger = tmp_path / "Ledger X folder"  # spaces and capitals are carried
     assert node_config(1, 2, noise_secret=0, share_truth=True, ledger_dir=ledger, max_epsilon=0.5) == (
-        f'partition-id=1 num-partitions=2 share-truth=true noise-secret=0 ledger-dir="{ledger}" max-epsilon=0.5')
+        f'partition-id=1 num-partitions=2 share-truth=true noise-secret=0 ledger-dir="{ledger}" max-epsilon=0.5 '
+        'model-check=true')
 
 
 @pytest.mark.parametrize("changes, message", [

@@ -160,7 +160,8 @@ class InvertFamily(Family):
         details = {"method": attack.name, "steps": attack.steps, "attack_seconds": round(seconds, 1),
                    "mask_ratio": cfg.mask_ratio, "local_layers": cfg.local_layers,
                    "feature_defense": {"clip": cfg.feature_clip, "noise": cfg.feature_noise},
-                   "dp_eps": cfg.dp_eps, "positions": job.options["positions"]}
+                   "dp_eps": cfg.dp_eps,
+                   "positions": "known" if attack.threat_model.positions_known else "unknown"}  # as the attack ran
         for key in next(iter(result.values())).details:  # per-client figures of the attack, averaged
             details[key] = float(np.mean([r.details[key] for r in result.values()]))
         interleaved = itertools.zip_longest(*(s.grid_rows for s in scores))  # a few images of every client

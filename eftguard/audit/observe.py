@@ -94,7 +94,8 @@ def observe_labels(run: RunDirectory, round_number: int, clients: list[int], wit
         observed.append(ClientUploads(partition, reported[str(partition)], features["labels"],
                                       features["features"], update["head.weight"], update["head.bias"]))
     model = run.start_model(round_number) if with_model else None
-    return LabelObservation(round_number, num_classes, observed, cfg.balance, model)
+    return LabelObservation(round_number, num_classes, observed, cfg.balance, model,
+                            (cfg.local_epochs, cfg.batch_size, cfg.lr, cfg.weight_decay))
 
 
 # --- gradient: the uploaded update, or the auditor's FedSGD probe -------------------------------------------

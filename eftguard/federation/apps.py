@@ -8,6 +8,11 @@ What a node does is the node operator's decision (Flower's --node-config), never
   noise-secret mixed into the node's random seeds, so the server (which knows the run's seed) cannot regenerate
                the DP noise (default: a fresh secret from the OS every round; 0: seeds from the run's seed alone,
                as simulated nodes do)
+  model-check  check every received model against the last one the node accepted (defenses.model_check) and
+               refuse the round if honest training cannot have produced it (default: off; eftguard supernode and
+               simulated runs turn it on)
+  model-sha256 the sha256 (defenses.model_check.state_sha256) of the run's first model, where the deployment
+               publishes it
 """
 
 from __future__ import annotations
@@ -23,6 +28,7 @@ from flwr.serverapp import Grid, ServerApp
 
 from defenses.dp import PrivacyBudgetError
 from defenses.ledger import LedgerError, PrivacyLedger
+from defenses.model_check import ModelCheck, ModelCheckError
 from eftguard.federation.client import client_round
 from eftguard.federation.records import ClientSettings, from_record, to_record
 
@@ -35,13 +41,13 @@ def _node_partition(context: Context) -> tuple[int, int]:
     return int(context.node_config["partition-id"]), int(context.node_config["num-partitions"])
 
 
-def _node_flag(value) -> bool:
+def _node_flag(value, key: str = "share-truth") -> bool:
     """A node-config boolean: TOML true/false, or the strings "true"/"false"."""
     if isinstance(value, str) and value.lower() in ("true", "false"):
         return value.lower() == "true"
     if isinstance(value, bool):
         return value
-    raise ValueError(f"share-truth must be true or false, got {value!r}")
+    raise ValueError(f"{key} must be true or false, got {value!r}")
 
 
 def describe(msg: Message, context: Context) -> Message:
@@ -60,11 +66,13 @@ def train(msg: Message, context: Context, node_defaults: dict | None = None) -> 
     secret = int(node["noise-secret"]) if "noise-secret" in node else secrets.randbelow(2**62) + 1
     share_truth = _node_flag(node.get("share-truth", False))
     try:
-        ledger = PrivacyLedger(Path(str(node.get("ledger-dir") or default_ledger_dir())), partition,
-                               float(node.get("max-epsilon", 0.0)))
+        folder = Path(str(node.get("ledger-dir") or default_ledger_dir()))
+        ledger = PrivacyLedger(folder, partition, float(node.get("max-epsilon", 0.0)))
+        check = (ModelCheck(folder / "received", partition, str(node.get("model-sha256", "")))
+                 if _node_flag(node.get("model-check", False), "model-check") else None)
         upload = client_round(settings, from_record(msg.content["model"], "model"), partition, partitions, secret,
-                              ledger)
-    except (PrivacyBudgetError, LedgerError) as exc:  # a refusal: the server records the reason as dropped
+                              ledger, check)
+    except (PrivacyBudgetError, LedgerError, ModelCheckError) as exc:  # a refusal: recorded by the server as dropped
         return Message(error=Error(ErrorCode.CLIENT_APP_RAISED_EXCEPTION, f"client refuses: {exc}"), reply_to=msg)
     content = {
         "update": to_record(upload.update),

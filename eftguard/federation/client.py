@@ -18,9 +18,11 @@ from defenses.feature_noise import release_features
 from defenses.ledger import PrivacyLedger, Spend, Terms
 from eftguard import headprune
 from eftguard.canaries import with_canaries
+from defenses.model_check import ModelCheck, ModelCheckError
 from eftguard.config import ACCOUNTANTS
 from eftguard.data import Dataset, dirichlet_partition, load_dataset
 from eftguard.federation.records import ClientSettings
+from eftguard.federation.validation import max_feature_sets
 from eftguard.methods import method_spec
 from eftguard.model import PRESETS, build_model
 from eftguard.sampling import balanced_indices
@@ -138,11 +140,13 @@ def dp_report(applied: list[Spend], spent: dict[str, float]) -> dict[str, float 
 
 
 def client_round(settings: ClientSettings, state: dict[str, np.ndarray], partition_id: int,
-                 num_partitions: int, secret: int = 0, ledger: PrivacyLedger | None = None) -> ClientUpload:
+                 num_partitions: int, secret: int = 0, ledger: PrivacyLedger | None = None,
+                 model_check: ModelCheck | None = None) -> ClientUpload:
     """secret (the node's, never sent): mixed into the seeds of batches, masks and DP / feature noise, so
     that a server knowing the run's seed cannot regenerate them. 0: seeds from the run's seed alone.
     ledger: the node's privacy ledger, which every DP round must pass and is recorded in before the upload
-    is returned (None: rounds without DP only)."""
+    is returned (None: rounds without DP only). model_check: the node's check of the received model, which
+    refuses (ModelCheckError) a round whose model honest training cannot have produced (None: no check)."""
     if num_partitions != settings.clients:
         raise ValueError(f"this node was started for {num_partitions} partitions, the run has {settings.clients}")
     if not 0 <= partition_id < num_partitions:
@@ -154,6 +158,8 @@ def client_round(settings: ClientSettings, state: dict[str, np.ndarray], partiti
     natural = dataset.train.subset(mine)
     data, uploading, canary_truth = with_canaries(s, partition_id, natural, secret)
     images, labels = torch.from_numpy(data.images), torch.from_numpy(data.labels)
+    if model_check:
+        check_received_model(s, state, model_check, dataset.num_classes, partition_id)
 
     model = build_model(s.model, dataset.num_classes, s.local_layers, adapt=method.model_adapter(s))
     model.load_state_dict({k: torch.from_numpy(v) for k, v in state.items()})
@@ -223,6 +229,21 @@ def choose_heads(s: ClientSettings, model, images: torch.Tensor, partition_id: i
     kept = headprune.kept_heads(scores, s.head_sparsity)
     kept_ids = torch.stack([row.nonzero().flatten() for row in kept])
     return kept, {"importance": importance.numpy(), "kept": kept_ids.numpy().astype(np.int64)}
+
+
+def check_received_model(s: ClientSettings, state: dict[str, np.ndarray], model_check: ModelCheck,
+                         num_classes: int, partition_id: int) -> None:
+    """The node's check of the round's model, before it trains on it; a refusal is logged with its reason."""
+    sizes = [len(p) for p in client_partition(s.dataset, s.data_dir, s.model, s.train_samples, s.seed, s.clients,
+                                              s.beta)]
+    feature_sets = sum(max_feature_sets(s.balance, num_classes, n) for n in sizes)
+    try:
+        used = model_check.verify(s, method_spec(s.method), state, sizes, feature_sets)
+    except ModelCheckError as exc:
+        log.warning("round %d, client %d: refusing the received model: %s", s.round, partition_id, exc)
+        raise
+    log.info("round %d, client %d: received model passed the check (%.1f%% of the drift limit)", s.round,
+             partition_id, 100 * used)
 
 
 def dp_released_features(s: ClientSettings, model, images: torch.Tensor, labels: torch.Tensor, num_classes: int,

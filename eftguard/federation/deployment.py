@@ -18,6 +18,7 @@ import json
 import math
 import os
 import queue
+import re
 import shutil
 import signal
 import socket
@@ -209,7 +210,8 @@ def _stop(process: subprocess.Popen) -> None:
 
 
 def node_config(partition: int, clients: int, noise_secret: int | None = None, share_truth: bool = False,
-                ledger_dir: Path | None = None, max_epsilon: float | None = None) -> str:
+                ledger_dir: Path | None = None, max_epsilon: float | None = None, model_check: bool = True,
+                model_sha256: str = "") -> str:
     """The --node-config string of a SuperNode (keys: see the node's ClientApp in eftguard.federation.apps)."""
     if not 0 <= partition < clients:
         raise ConfigError(f"--partition must be between 0 and --clients - 1 ({clients - 1}), got {partition}")
@@ -228,6 +230,11 @@ def node_config(partition: int, clients: int, noise_secret: int | None = None, s
         if not (math.isfinite(max_epsilon) and max_epsilon > 0):
             raise ConfigError(f"--max-epsilon must be a positive finite number, got {max_epsilon}")
         entries.append(f"max-epsilon={max_epsilon!r}")
+    entries.append(f"model-check={str(model_check).lower()}")
+    if model_sha256:
+        if not re.fullmatch(r"[0-9a-fA-F]{64}", model_sha256):
+            raise ConfigError(f"--model-sha256 must be 64 hex digits (a sha256), got {model_sha256!r}")
+        entries.append(f'model-sha256="{model_sha256.lower()}"')
     return " ".join(entries)
 
 

@@ -94,6 +94,8 @@ class ClientSettings:
     feature_noise_multiplier: float = 0.0  # this client's feature channel under --dp-eps; 0.0 without DP
     canaries: int = 0  # the run's canary count (eftguard.canaries); 0: none
     canary_kind: str = "mislabelled"
+    server_epochs: int = 1  # the server's training of theta: bounds how far theta can move (defenses.model_check)
+    server_lr: float = 1e-3
 
     @classmethod
     def from_config(cls, cfg: TrainConfig, round_number: int, noise_multiplier: float = 0.0,

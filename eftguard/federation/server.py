@@ -18,6 +18,7 @@ from rich.console import Console
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 from rich.table import Table
 
+from attacks.tamper import TamperError, tamper_state
 from defenses.dp import ClientBudget, channel_epsilons
 from eftguard import headprune
 from eftguard.canaries import canary_set
@@ -224,6 +225,11 @@ def serve_rounds(grid: Grid, run: RunDirectory, cfg: TrainConfig) -> None:
     if done >= cfg.rounds:
         console.print(f"{run.path} already has all {cfg.rounds} rounds")
         return
+    if cfg.threat == "malicious":  # a tampering this model cannot take fails here, before any round
+        try:
+            tamper_state(cfg.tamper, model.state_dict(), cfg, 0)
+        except TamperError as exc:
+            raise FederationError(f"--tamper {cfg.tamper}: {exc}") from None
     spec = upload_spec(model, cfg, dataset)
     budgets = dp_budgets(cfg)
     public = guard_images(dataset, cfg.seed) if budgets else None
@@ -355,7 +361,8 @@ def run_round(grid: Grid, run: RunDirectory, cfg: TrainConfig, model: EFTViT, sp
     """One round. public: the server's own labelled images, given under DP, where theta's update on the noisy
     feature rows is kept only if their accuracy did not fall (None: always kept)."""
     selected = round_clients(cfg, round_number, run.metrics())
-    model_record = to_record(model.state_dict())
+    tampered = cfg.tamper if cfg.threat == "malicious" and round_number == cfg.tamper_round else None
+    model_record = to_record(sent_state(model, cfg, round_number, tampered))
     messages = {}
     for p in selected:
         sigma, feature_sigma = (budgets[p].noise_multiplier, budgets[p].feature_noise_multiplier) if budgets else (0, 0)
@@ -441,4 +448,12 @@ def run_round(grid: Grid, run: RunDirectory, cfg: TrainConfig, model: EFTViT, sp
         **privacy_metrics(budgets, selected, round_number, epsilon),
         "clients": selected,
         "dropped": dropped,
+        "tampered": tampered,
     }
+
+
+def sent_state(model: EFTViT, cfg: TrainConfig, round_number: int, tampered: str | None) -> dict[str, torch.Tensor]:
+    """The model the clients receive: the server's own, or under --threat malicious in --tamper-round its
+    tampering (attacks/tamper.py); the server keeps aggregating into its own model either way."""
+    state = model.state_dict()
+    return tamper_state(tampered, state, cfg, seeded(cfg.seed, round_number, 8)) if tampered else state

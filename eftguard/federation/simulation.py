@@ -69,9 +69,20 @@ def stop_processes(processes: list[psutil.Process], grace_seconds: float = 5.0) 
 
 def simulated_node_defaults(run_dir: Path, cfg: TrainConfig) -> dict:
     """The operator runs every simulated node: they share ground truth when the run records it, keep their
-    privacy ledgers in the run directory (nodes/), so a resumed simulation sees what they spent, and seed from
-    the run's seed alone (noise-secret 0), so simulations are reproducible."""
-    return {"share-truth": cfg.record_truth, "ledger-dir": str(Path(run_dir).resolve() / "nodes"), "noise-secret": 0}
+    privacy ledgers (and the last model each accepted, for --model-check) in the run directory (nodes/), so a
+    resumed simulation sees what they spent, and seed from the run's seed alone (noise-secret 0), so simulations
+    are reproducible."""
+    return {"share-truth": cfg.record_truth, "ledger-dir": str(Path(run_dir).resolve() / "nodes"), "noise-secret": 0,
+            "model-check": cfg.model_check}
+
+
+def forget_received_models(run_dir: Path, cfg: TrainConfig) -> None:
+    """The simulated nodes' copies of the last model each accepted (defenses.model_check, about 21 MB per client
+    for vit-tiny-32) matter only while the run can go on: removed once it has all its rounds."""
+    from eftguard.rundir import RunDirectory
+
+    if len(RunDirectory.open(run_dir).metrics()) >= cfg.rounds:
+        shutil.rmtree(Path(run_dir) / "nodes" / "received", ignore_errors=True)
 
 
 def run_simulated(run_dir: Path, cfg: TrainConfig, verbose: bool = False) -> None:
@@ -108,6 +119,7 @@ def run_simulated(run_dir: Path, cfg: TrainConfig, verbose: bool = False) -> Non
         run_simulation(server_app=build_server_app(Path(run_dir).resolve()),
                        client_app=build_client_app(simulated_node_defaults(run_dir, cfg)),
                        num_supernodes=cfg.clients, backend_config=backend_config, verbose_logging=verbose)
+        forget_received_models(run_dir, cfg)
     finally:
         import ray
 

@@ -1,0 +1,118 @@
+"""A malicious server's tamperings: crafted weights sent to the clients in one round (`--threat malicious`).
+
+Each tampering is a function `tamper(model_state, cfg, seed) -> model_state` on the split model's state dict (the
+model the server would have sent), registered in TAMPERINGS. The client trains and uploads as usual; the attacks
+(`eftguard attack invert --method tampered`, `eftguard attack labels --method tampered`) read what comes back.
+
+- identity-embed: the uploaded tokens become an invertible function of the kept patch pixels. The patch embedding
+  is an orthonormal (injective) map of the patch pixels into the embedding width, its bias zero, and the
+  positional embeddings a random code in the orthogonal complement of that map (so each token also says where
+  it came from); the local blocks' attention and MLP output projections are zeroed, which makes every block the
+  identity whatever its LayerNorms hold. The global module's final LayerNorm weight is zeroed too: nothing then
+  depends on the input past theta, no gradient reaches phi, and the client's training changes phi only by weight
+  decay (a uniform scale), so the map the client uploads is the crafted one.
+- stealth-embed: identity-embed with every exact zero and the isometry disguised, so that only a comparison with
+  the previous round's model (or a published hash of the first one) tells it from an honest model.
+- label-probe: the head's input is made one constant vector of tiny entries (final LayerNorm weight 0, bias
+  PROBE_SCALE), so that every head-weight gradient is PROBE_SCALE * (p - class fraction of the batch) and so small
+  that AdamW, dividing by (sqrt(v) + eps), moves the head weights linearly in it: the head update then measures
+  the client's class fractions instead of their signs.
+
+Simulation only: `eftguard train --threat malicious --tamper NAME [--tamper-round R]` exists to measure these
+attacks and the client's check (defenses/model_check.py); a deployment refuses it.
+"""
+
+from __future__ import annotations
+
+from typing import Callable
+
+import torch
+
+PROBE_SCALE = 1e-10  # label-probe's head input: gradients ~1e-11, far below AdamW's eps (1e-8)
+STEALTH_SCALE = 1e-9  # stealth-embed's stand-in for zero
+POSITION_CODE_SCALE = 4.0  # norm of each position's code in identity-embed (tokens' pixel part is ~1)
+
+Tamper = Callable[[dict[str, torch.Tensor], object, int], dict[str, torch.Tensor]]
+TAMPERINGS: dict[str, Tamper] = {}
+
+
+class TamperError(ValueError):
+    """A tampering cannot be applied to this model; the message says why."""
+
+
+def tampering(name: str) -> Callable[[Tamper], Tamper]:
+    def register(function: Tamper) -> Tamper:
+        TAMPERINGS[name] = function
+        return function
+    return register
+
+
+def local_block_indices(state: dict[str, torch.Tensor]) -> list[int]:
+    return sorted({int(k.split(".")[2]) for k in state if k.startswith("local_module.blocks.")})
+
+
+def _check_no_pre_norm(state: dict[str, torch.Tensor]) -> None:
+    if any(k.startswith("local_module.norm_pre.") for k in state):
+        raise TamperError("identity-embed needs a ViT without a pre-norm LayerNorm (it would drop each token's "
+                          "mean and scale)")
+
+
+@tampering("identity-embed")
+def identity_embed(state: dict[str, torch.Tensor], cfg, seed: int) -> dict[str, torch.Tensor]:
+    """Tokens = Q · patch pixels + code(position): Q orthonormal columns, codes orthogonal to Q's range."""
+    _check_no_pre_norm(state)
+    out = dict(state)
+    weight = state["local_module.patch_embed.proj.weight"]
+    width, pixels = weight.shape[0], weight[0].numel()
+    if width <= pixels:
+        raise TamperError(f"identity-embed needs an embedding width above the patch's {pixels} pixel values, "
+                          f"the model has {width}")
+    generator = torch.Generator().manual_seed(seed)
+    basis, _ = torch.linalg.qr(torch.randn(width, width, generator=generator, dtype=torch.float64))
+    pixel_map, complement = basis[:, :pixels], basis[:, pixels:]
+    out["local_module.patch_embed.proj.weight"] = pixel_map.reshape(weight.shape).to(weight.dtype)
+    out["local_module.patch_embed.proj.bias"] = torch.zeros(width, dtype=weight.dtype)
+    positions = state["local_module.token_embedding.pos_embed"]
+    codes = torch.randn(positions.shape[1], width - pixels, generator=generator, dtype=torch.float64)
+    codes = POSITION_CODE_SCALE * codes / codes.norm(dim=1, keepdim=True)
+    out["local_module.token_embedding.pos_embed"] = (codes @ complement.T).unsqueeze(0).to(positions.dtype)
+    for index in local_block_indices(state):
+        for part in ("attn.proj", "mlp.fc2"):
+            for kind in ("weight", "bias"):
+                key = f"local_module.blocks.{index}.{part}.{kind}"
+                out[key] = torch.zeros_like(state[key])
+    out["global_module.norm.weight"] = torch.zeros_like(state["global_module.norm.weight"])
+    return out
+
+
+@tampering("stealth-embed")
+def stealth_embed(state: dict[str, torch.Tensor], cfg, seed: int) -> dict[str, torch.Tensor]:
+    """identity-embed kept clear of the client's structural checks: the patch map's columns scaled by 0.5-1.5 (no
+    longer an isometry, still injective), and the zeroed weights set to STEALTH_SCALE times their old values
+    instead (still near enough to zero that the blocks are the identity and phi gets no usable gradient)."""
+    out = identity_embed(state, cfg, seed)
+    weight = out["local_module.patch_embed.proj.weight"]
+    generator = torch.Generator().manual_seed(seed + 1)
+    scales = 0.5 + torch.rand(weight[0].numel(), generator=generator)
+    out["local_module.patch_embed.proj.weight"] = (weight.reshape(weight.shape[0], -1) * scales).reshape(weight.shape)
+    for key, value in out.items():
+        if not value.any() and key.endswith("weight"):
+            out[key] = STEALTH_SCALE * state[key]
+    return out
+
+
+@tampering("label-probe")
+def label_probe(state: dict[str, torch.Tensor], cfg, seed: int) -> dict[str, torch.Tensor]:
+    """The head sees PROBE_SCALE in every coordinate, for every image."""
+    out = dict(state)
+    norm = state["global_module.norm.weight"]
+    out["global_module.norm.weight"] = torch.zeros_like(norm)
+    out["global_module.norm.bias"] = torch.full_like(norm, PROBE_SCALE)
+    return out
+
+
+def tamper_state(name: str, state: dict[str, torch.Tensor], cfg, seed: int) -> dict[str, torch.Tensor]:
+    """The state the malicious server sends instead of `state`."""
+    if name not in TAMPERINGS:
+        raise TamperError(f"unknown tampering '{name}': choose one of {', '.join(TAMPERINGS)}")
+    return TAMPERINGS[name](state, cfg, seed)

@@ -1,0 +1,258 @@
+"""A malicious server (issue 15, item 2): it tampers with the model it sends in one round (attacks/tamper.py), the
+clients train and upload as usual over the real server and the in-process grid, and the attack reads what came
+back; the clients' model check (defenses/model_check.py) refuses every tampering and passes honest rounds."""
+
+import dataclasses
+import json
+
+import numpy as np
+import pytest
+
+from attacks.inversion import TamperedInversion
+from attacks.labels import TamperedHeadAttack
+from attacks.tamper import TAMPERINGS
+from conftest import attacks_guarded
+from eftguard.audit import run_attack
+from eftguard.cli import main
+from eftguard.config import TrainConfig
+from defenses.model_check import state_sha256
+from eftguard.federation.errors import FederationError
+from eftguard.federation.server import run_server
+from eftguard.federation.simulation import forget_received_models
+from eftguard.methods import METHODS
+from eftguard.model import build_model
+from eftguard.rundir import RunDirectory
+from fakegrid import FakeGrid, task_identity
+
+
+@pytest.fixture(autouse=True)
+def _task_identity():
+    with task_identity():
+        yield
+
+
+def config(micro, **changes) -> TrainConfig:
+    return TrainConfig(**{"model": micro, "clients": 2, "rounds": 1, "train_samples": 40, "test_samples": 8,
+                          "batch_size": 16, **changes}).resolved()
+
+
+def train(path, cfg) -> RunDirectory:
+    run = RunDirectory.create(path, cfg)
+    run_server(FakeGrid(cfg.clients, node_config={"model-check": cfg.model_check}), run.path)
+    return run
+
+
+def kept_patch_psnr(run) -> float:
+    return run_attack(run.path, "invert", "tampered", lpips_backend="stlpips-alex", max_images=4).figures()["psnr_kept"]
+
+
+@pytest.mark.parametrize("tamper", ["identity-embed", "stealth-embed"])
+def test_an_embedding_tampered_round_gives_the_kept_patches_back_and_an_honest_round_does_not(tmp_path, micro_preset,
+                                                                                             tamper, monkeypatch):
+    """The clients train through the tampered model as usual; the closed-form inverse of what they upload is the
+    kept patches to float precision (PSNR is capped at 60 dB), while on an honest round the same inverse stays near
+    the mean image (12.7 dB here)."""
+    tampered = train(tmp_path / "tampered", config(micro_preset, threat="malicious", tamper=tamper,
+                                                   model_check=False))
+    honest = train(tmp_path / "honest", config(micro_preset, model_check=False))
+    assert tampered.metrics()[0]["tampered"] == tamper and honest.metrics()[0]["tampered"] is None
+    calls = attacks_guarded(monkeypatch, tampered.path, TamperedInversion)  # the attack never reads truth/
+    assert kept_patch_psnr(tampered) > 40 and calls == ["TamperedInversion"]
+    assert kept_patch_psnr(honest) < 20
+
+
+@pytest.mark.parametrize("method", sorted(METHODS))
+def test_the_model_check_passes_honest_rounds(tmp_path, micro_preset, caplog, method):
+    caplog.set_level("INFO", logger="eftguard.client")
+    run = train(tmp_path / "run", config(micro_preset, rounds=3, server_epochs=2, method=method))
+    assert [r["dropped"] for r in run.metrics()] == [{}, {}, {}]
+    passed = [r.getMessage() for r in caplog.records if "passed the check" in r.getMessage()]
+    assert len(passed) == 6
+
+
+def first_model_sha256(cfg) -> str:
+    """What a deployment would publish: the hash of the run's first model (seeded, from the configuration)."""
+    model = build_model(cfg.model, 10, cfg.local_layers, seed=cfg.seed)
+    return state_sha256({k: v.numpy() for k, v in model.state_dict().items()})
+
+
+@pytest.mark.parametrize("tamper", sorted(TAMPERINGS))
+@pytest.mark.parametrize("tamper_round", [1, 2])
+def test_the_model_check_refuses_every_tampering_and_a_refused_round_uploads_nothing(tmp_path, micro_preset, tamper,
+                                                                                      tamper_round):
+    """Round 1 is the first model a node sees: checked against the published hash; round 2 against round 1's
+    model. Every node refuses, the server records why, nothing of the round is stored, the other round is fine."""
+    cfg = config(micro_preset, rounds=2, threat="malicious", tamper=tamper, tamper_round=tamper_round)
+    run = RunDirectory.create(tmp_path / "run", cfg)
+    run_server(FakeGrid(2, node_config={"model-check": True, "model-sha256": first_model_sha256(cfg)}), run.path)
+    records = run.metrics()
+    assert records[tamper_round - 1]["tampered"] == tamper
+    reasons = records[tamper_round - 1]["dropped"]
+    assert sorted(reasons) == ["0", "1"]
+    assert all(reason.startswith("client failed: client refuses: ") for reason in reasons.values())
+    assert not (run.path / "observed" / f"round-{tamper_round:04d}").exists()
+    assert records[2 - tamper_round]["dropped"] == {}
+
+
+def test_without_a_published_hash_only_a_crude_first_model_is_refused(tmp_path, micro_preset):
+    """The limit of the check: a first model that avoids exact zeros and isometries passes (stealth-embed), a crude
+    one does not (identity-embed)."""
+    crude, stealthy = (train(tmp_path / name, config(micro_preset, threat="malicious", tamper=name, tamper_round=1))
+                       for name in ("identity-embed", "stealth-embed"))
+    assert sorted(crude.metrics()[0]["dropped"]) == ["0", "1"]
+    assert stealthy.metrics()[0]["dropped"] == {}
+
+
+def test_a_label_probe_round_gives_the_class_counts_away_and_an_honest_round_does_not(tmp_path, micro_preset,
+                                                                                        monkeypatch):
+    """With one batch per local epoch (B >= n_k) the head update of a label-probe round holds the class fractions
+    exactly: every count right. The same reading of an honest round's head update is worse than the prior
+    (n_k spread over the classes with uploads)."""
+    tampered = train(tmp_path / "tampered", config(micro_preset, threat="malicious", tamper="label-probe",
+                                                   model_check=False, batch_size=64))
+    honest = train(tmp_path / "honest", config(micro_preset, model_check=False, batch_size=64))
+    calls = attacks_guarded(monkeypatch, tampered.path, TamperedHeadAttack)
+    read = run_attack(tampered.path, "labels", "tampered").figures()
+    assert calls == ["TamperedHeadAttack"]
+    assert read["exact_count_accuracy"] == 1.0 and read["l1"] < 0.02 < read["baseline.l1"]
+    misread = run_attack(honest.path, "labels", "tampered").figures()
+    assert misread["l1"] > misread["baseline.l1"]
+
+
+def test_dp_sgd_stops_the_label_probe(tmp_path, micro_preset):
+    """DP-SGD's noise (std sigma * C on every gradient) drowns the probe's 1e-11 gradients: the reading falls to
+    the prior's error or worse, where without DP it was exact (above)."""
+    run = train(tmp_path / "dp", config(micro_preset, threat="malicious", tamper="label-probe", model_check=False,
+                                        batch_size=64, dp_eps=1.0))
+    read = run_attack(run.path, "labels", "tampered").figures()
+    assert read["l1"] >= read["baseline.l1"]
+
+
+@pytest.mark.parametrize("argv, message", [
+    (["--threat", "malicious"], "--threat malicious needs --tamper NAME, one of identity-embed, stealth-embed, "
+                                "label-probe; got ''"),
+    (["--tamper", "identity-embed"], "--tamper and --tamper-round need --threat malicious"),
+    (["--tamper-round", "2"], "--tamper and --tamper-round need --threat malicious"),
+    (["--threat", "malicious", "--tamper", "identity-embed", "--rounds", "2", "--tamper-round", "3"],
+     "--tamper-round must be in 1..--rounds (2) or 0 (the last), got 3"),
+    (["--threat", "malicious", "--tamper", "identity-embed", "--method", "fedavg"],
+     "--method fedavg uploads no features"),
+    (["--threat", "malicious", "--tamper", "identity-embed", "--federation", "deployment", "--superlink", "h:1"],
+     "--threat malicious is for measuring attacks in simulation only"),
+    (["--threat", "evil"], "argument --threat: invalid choice: 'evil'"),
+    (["--threat", "malicious", "--tamper", "nonsense"], "argument --tamper: invalid choice: 'nonsense'"),
+])
+def test_bad_threat_flags_are_one_clear_error_before_any_work(capsys, tmp_path, argv, message):
+    with pytest.raises(SystemExit) as exit_info:
+        main(["train", "--out", str(tmp_path / "run"), *argv])
+    err = capsys.readouterr().err
+    assert exit_info.value.code == 2 and message in err and "Traceback" not in err
+    assert len(err.strip().splitlines()[-1]) and not (tmp_path / "run").exists()
+
+
+def test_a_bad_published_hash_is_one_clear_error_before_the_node_starts(capsys):
+    with pytest.raises(SystemExit) as exit_info:
+        main(["supernode", "--superlink", "127.0.0.1:1", "--insecure", "--partition", "0", "--clients", "2",
+              "--model-sha256", "abc"])
+    err = capsys.readouterr().err
+    assert exit_info.value.code == 2
+    assert err.strip().splitlines()[-1] == "eftguard: error: --model-sha256 must be 64 hex digits (a sha256), got 'abc'"
+
+
+def test_adams_step_bound_holds_for_gradients_built_to_break_it():
+    """The drift limit rests on adam_step_bound: torch's AdamW (no decay) on one coordinate, with the gradients that
+    maximise its step (growing by b2 / b1 each step: equality in Cauchy-Schwarz) and with a lone spike after
+    zeros (Kingma and Ba's worst case), never steps beyond it; the growing gradients reach it."""
+    import torch
+
+    from defenses.model_check import ADAM_BETAS, adam_step_bound
+
+    b1, b2 = ADAM_BETAS
+    steps = 1000
+    shares = {}
+    for case, gradients in {"growing": [(b2 / b1) ** t for t in range(steps)],
+                            "spike": [0.0] * (steps - 1) + [1.0]}.items():
+        weight = torch.zeros(1, dtype=torch.float64, requires_grad=True)
+        optimizer = torch.optim.AdamW([weight], lr=1.0, weight_decay=0.0, eps=1e-30)
+        shares[case] = []
+        for t, gradient in enumerate(gradients, start=1):
+            before = float(weight.detach())
+            weight.grad = torch.tensor([gradient], dtype=torch.float64)
+            optimizer.step()
+            shares[case].append(abs(float(weight.detach()) - before) / adam_step_bound(t))
+    assert max(shares["growing"] + shares["spike"]) <= 1 + 1e-9
+    assert shares["growing"][-1] > 0.999 and adam_step_bound(steps) > 3.2  # beyond Kingma and Ba's 3.16
+
+
+def test_method_all_runs_only_what_a_curious_server_can(tmp_path, micro_preset, capsys):
+    """The tampered attacks read a round the server crafted: on an honest run they are run only when named."""
+    run = train(tmp_path / "run", config(micro_preset, model_check=False))
+    main(["attack", "labels", str(run.path), "--out", str(tmp_path / "reports")])
+    assert sorted(p.name for p in (tmp_path / "reports").iterdir()) == ["labels-head", "labels-linkage",
+                                                                         "labels-presence"]
+
+
+def test_a_tampering_the_model_cannot_take_fails_before_any_round(tmp_path, micro_preset, monkeypatch):
+    """A model with a pre-norm LayerNorm (it would drop each token's mean and scale) cannot be made an identity
+    embedding: one clear error, before round 1."""
+    from attacks import tamper
+
+    def pre_norm_found(state):
+        raise tamper.TamperError("identity-embed needs a ViT without a pre-norm LayerNorm")
+
+    monkeypatch.setattr(tamper, "_check_no_pre_norm", pre_norm_found)
+    cfg = config(micro_preset, threat="malicious", tamper="identity-embed")
+    run = RunDirectory.create(tmp_path / "run", cfg)
+    with pytest.raises(FederationError, match="^--tamper identity-embed: identity-embed needs a ViT without"):
+        run_server(FakeGrid(2), run.path)
+    assert run.metrics() == []
+
+
+def test_simulated_nodes_forget_the_models_they_held_once_the_run_is_complete(tmp_path, micro_preset):
+    cfg = config(micro_preset, model_check=False)
+    run = train(tmp_path / "run", cfg)
+    held = run.path / "nodes" / "received" / "model.npz"
+    held.parent.mkdir(parents=True)
+    held.write_bytes(b"x")
+    forget_received_models(run.path, dataclasses.replace(cfg, rounds=2))  # a run that can go on keeps them
+    assert held.exists()
+    forget_received_models(run.path, cfg)
+    assert not held.parent.exists() and (run.path / "nodes").is_dir()
+
+
+def test_a_resent_round_must_be_unchanged_and_training_settings_must_not_change_mid_run(tmp_path):
+    """A resumed server re-sends its round unchanged (passes); the same round with other weights, or a next round
+    whose learning rate was raised to widen the drift limit, is refused."""
+    from defenses.model_check import ModelCheck, ModelCheckError
+    from eftguard.federation.records import ClientSettings
+    from eftguard.methods import method_spec
+
+    settings = ClientSettings.from_config(TrainConfig(), 1, run_id="0" * 32)
+    state = {"head.weight": np.full((2, 3), 0.1, dtype=np.float32)}
+    check = ModelCheck(tmp_path, 0)
+
+    def verify(round_settings, received):
+        return check.verify(round_settings, method_spec("eftvit"), received, [100, 50], 400)
+
+    verify(settings, state)
+    verify(settings, state)  # re-sent, unchanged
+    with pytest.raises(ModelCheckError, match="'head.weight' moved by up to 0.001 in 0 round"):
+        verify(settings, {"head.weight": state["head.weight"] + np.float32(1e-3)})
+    raised = dataclasses.replace(settings, round=2, lr=1.0)
+    with pytest.raises(ModelCheckError, match=r"the server changed the training settings \['lr'\] mid-run"):
+        verify(raised, state)
+
+
+@pytest.mark.parametrize("family, options", [("invert", ["--max-images", "3", "--lpips-backend", "stlpips-alex"]),
+                                             ("labels", [])])
+def test_the_api_and_the_cli_write_the_same_tampered_report(tmp_path, micro_preset, family, options):
+    run = train(tmp_path / "run", config(micro_preset, threat="malicious", tamper="identity-embed",
+                                         model_check=False))
+    main(["attack", family, str(run.path), "--method", "tampered", "--out", str(tmp_path / "cli"), *options])
+    keywords = {o.lstrip("-").replace("-", "_"): v for o, v in zip(options[::2], options[1::2])}
+    run_attack(run.path, family, "tampered", out=tmp_path / "api", **keywords)
+    reports = [json.loads((tmp_path / side / f"{family}-tampered" / "report.json").read_text())
+               for side in ("cli", "api")]
+    for report in reports:
+        del report["details"]["attack_seconds"]
+    assert reports[0] == reports[1] and reports[0]["capabilities"]["server"] == "malicious"
