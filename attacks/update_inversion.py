@@ -140,6 +140,7 @@ class UpdateInversion:
     summary = ("simulates the client's local AdamW training on dummy images and matches the uploaded parameters "
                "(Dimitrov et al. 2022); reconstructs all n_k images")
     reads: ClassVar[tuple[str, ...]] = (HEAD_BIAS,)  # the labels
+    observes: ClassVar[tuple[str, ...]] = ("upload",)  # --method all leaves it out of --observe probe
     steps: int = option(200, "optimisation steps (each one simulates the client's whole local training)",
                         whole_number(1))
     schedule: str = option("replayed", "replayed: the client's batches and masks, regenerated from the run's seed "

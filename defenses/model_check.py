@@ -35,7 +35,7 @@ from eftguard.rundir import atomic_write
 
 ADAM_BETAS = (0.9, 0.999)  # torch.optim.AdamW's defaults, which eftguard.training uses
 TRAINING_SETTINGS = ("method", "dataset", "model", "local_layers", "clients", "train_samples", "seed", "beta",
-                     "balance", "local_epochs", "batch_size", "lr", "weight_decay", "server_epochs", "server_lr")
+                     "balance", "local_epochs", "batch_size", "peak_lr", "weight_decay", "server_epochs", "server_lr")
 ISOMETRY_SPREAD = 1e-3  # singular values of the patch embedding within this relative spread: an isometry
 FLOAT_SLACK = 1e-5  # relative float32 rounding allowed on top of the bound
 
@@ -81,7 +81,7 @@ def drift_limits(settings, method, previous: dict[str, np.ndarray], schedule: Sc
     limits = {}
     for key, start in previous.items():
         if method.trains_parameter(key):
-            steps, lr = schedule.client_steps, settings.lr
+            steps, lr = schedule.client_steps, settings.peak_lr  # warm-up and cosine only lower it
         elif method.server_trains and key.startswith("global_module."):
             steps, lr = schedule.server_steps, settings.server_lr
         else:
@@ -157,6 +157,8 @@ class ModelCheck:
         """Refuse (ModelCheckError) or accept and remember the round's model; returns the largest share of the drift
         limit used (0 on the first model)."""
         check_structure(state)
+        if settings.lr > settings.peak_lr:
+            raise ModelCheckError(f"the round's lr {settings.lr} exceeds the run's --lr {settings.peak_lr}")
         held = self._load(settings.run_id)
         worst = 0.0
         if held is None:

@@ -174,7 +174,8 @@ def cmd_attack(args: argparse.Namespace) -> None:
 
     family = FAMILIES[args.family]
     run = the_run(args)
-    methods = curious_methods(family.registry) if args.method == "all" else (args.method,)
+    methods = curious_methods(family.registry, getattr(args, "observe", None)) if args.method == "all" else \
+        (args.method,)
     per_method = options_per_method(args, family, methods)
     out = args.out if args.out is not None else run / "reports"
     common = {"round_number": args.round_number, "clients": args.clients, "key": args.key, "out": out}
@@ -183,16 +184,23 @@ def cmd_attack(args: argparse.Namespace) -> None:
     if family.seeded:
         common["seed"] = args.seed
     for method in methods:
-        with stage_progress() as progress:
-            report = run_attack(run, family.name, method, progress=progress, **common, **per_method[method])
+        try:
+            with stage_progress() as progress:
+                report = run_attack(run, family.name, method, progress=progress, **common, **per_method[method])
+        except AttackError as exc:  # --method all: a method this run does not suit is skipped, saying why
+            if args.method != "all":
+                raise
+            console.print(f"skipped --method {method}: {exc}")
+            continue
         print_summary(report.to_json(), out / report.attack)
 
 
-def curious_methods(registry) -> tuple[str, ...]:
-    """--method all: every method a curious server can run; those that read a round the server tampered with
-    (threat model server "malicious") must be named."""
+def curious_methods(registry, observe: str | None = None) -> tuple[str, ...]:
+    """--method all: every method a curious server can run on the chosen --observe; those that read a round the
+    server tampered with (threat model server "malicious") must be named."""
     return tuple(name for name, cls in registry.classes.items()
-                 if getattr(getattr(cls, "threat_model", None), "server", "") != "malicious")
+                 if getattr(getattr(cls, "threat_model", None), "server", "") != "malicious"
+                 and (observe is None or observe in getattr(cls, "observes", (observe,))))
 
 
 def named_only(registry) -> str:

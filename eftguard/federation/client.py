@@ -234,8 +234,9 @@ def choose_heads(s: ClientSettings, model, images: torch.Tensor, partition_id: i
 def check_received_model(s: ClientSettings, state: dict[str, np.ndarray], model_check: ModelCheck,
                          num_classes: int, partition_id: int) -> None:
     """The node's check of the round's model, before it trains on it; a refusal is logged with its reason."""
-    sizes = [len(p) for p in client_partition(s.dataset, s.data_dir, s.model, s.train_samples, s.seed, s.clients,
-                                              s.beta)]
+    canaries = math.ceil(s.canaries / s.clients)  # the most any client holds (eftguard.canaries spreads them evenly)
+    sizes = [len(p) + canaries for p in client_partition(s.dataset, s.data_dir, s.model, s.train_samples, s.seed,
+                                                         s.clients, s.beta)]
     feature_sets = sum(max_feature_sets(s.balance, num_classes, n) for n in sizes)
     try:
         used = model_check.verify(s, method_spec(s.method), state, sizes, feature_sets)

@@ -96,12 +96,14 @@ class ClientSettings:
     canary_kind: str = "mislabelled"
     server_epochs: int = 1  # the server's training of theta: bounds how far theta can move (defenses.model_check)
     server_lr: float = 1e-3
+    peak_lr: float = 1e-3  # --lr before the round's schedule factor (at most 1): bounds every round's lr
 
     @classmethod
     def from_config(cls, cfg: TrainConfig, round_number: int, noise_multiplier: float = 0.0,
                     run_id: str = "", feature_noise_multiplier: float = 0.0) -> "ClientSettings":
         given = {"round": round_number, "noise_multiplier": noise_multiplier, "run_id": run_id,
-                 "feature_noise_multiplier": feature_noise_multiplier, "lr": cfg.lr * cfg.lr_factor(round_number)}
+                 "feature_noise_multiplier": feature_noise_multiplier, "lr": cfg.lr * cfg.lr_factor(round_number),
+                 "peak_lr": cfg.lr}
         return cls(**given, **{k: getattr(cfg, k) for k in cls.__dataclass_fields__ if k not in given})
 
     def to_record(self) -> ConfigRecord:
