@@ -358,6 +358,8 @@ class TamperedHeadAttack:
     summary = ("malicious server: read each class's fraction off the head update of a label-probe round "
                "(--threat malicious --tamper label-probe)")
     threat_model: ClassVar[ThreatModel] = ThreatModel(knows_weights=True, aux_data=None, server="malicious")
+    knowledge: ClassVar[str] = "the head update of a label-probe round, the start head, n_k and the public training settings"
+    uses_upload_labels: ClassVar[bool] = False
 
     def reconstruct(self, observation: LabelObservation, progress: Progress | None = None
                     ) -> dict[int, LabelEstimate]:

@@ -83,7 +83,7 @@ def test_a_report_of_another_schema_version_is_refused(tmp_path, version, messag
 
 
 @pytest.mark.parametrize("family, method, options, listed", [
-    ("inversion", None, {}, "choose one of invert, labels, gradient, membership"),
+    ("inversion", None, {}, "choose one of invert, labels, gradient, dp-audit, membership"),
     ("invert", "magic", {}, "unknown invert method 'magic': choose one of decoder, optimize"),
     ("gradient", "dlg", {"iterations": 5}, "its options are observe, batch, steps"),
     ("labels", "presence", {"link_ratio": 0.5}, "'presence' has no option 'link_ratio': its options are none"),

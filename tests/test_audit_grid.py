@@ -144,7 +144,7 @@ def test_no_grid_is_one_configuration_of_the_defaults():
     ("[grid]\nmask_ratio = [\"half\"]\n", "sweep.toml [grid]: mask_ratio must be a float, got 'half'"),
     ("[[grid]]\nmethod = [\"fedavg\"]\n[[grid]]\nmethod = [\"eftvit\"]\nrounds = [0]\n",
      "sweep.toml [[grid]] #2: configuration method=eftvit,rounds=0: --rounds must be > 0"),
-    ("[[attack]]\nfamily = \"invrt\"\n", "sweep.toml [[attack]] #1: family must be one of invert, labels, gradient, membership, got 'invrt'"),
+    ("[[attack]]\nfamily = \"invrt\"\n", "sweep.toml [[attack]] #1: family must be one of invert, labels, gradient, dp-audit, membership, got 'invrt'"),
     ("[[attack]]\nfamily = \"invert\"\nmethod = \"magic\"\n", "sweep.toml [[attack]] #1: invert has no method 'magic'"),
     ("[[attack]]\nfamily = \"labels\"\n[[attack]]\nfamily = \"labels\"\nmethod = \"head\"\n",
      "sweep.toml [[attack]] #2: a second attack named 'labels-head'"),
@@ -280,7 +280,7 @@ def test_a_gate_with_an_unknown_figure_lists_the_figures_that_exist(capsys, tmp_
 
 @pytest.mark.parametrize("gate, expected", [
     ("inverse.psnr < 18", "'inverse' is neither an attack family nor an attack of this audit; choose from "
-                          "gradient, invert, invert-decoder, labels, labels-head"),
+                          "dp-audit, gradient, invert, invert-decoder, labels, labels-head, membership"),
     ("invert.psnr << 18", "write ATTACK.FIGURE OP NUMBER"),
     ("invert.psnr < nan", "write ATTACK.FIGURE OP NUMBER"),
 ])

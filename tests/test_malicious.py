@@ -70,6 +70,16 @@ def test_the_model_check_passes_honest_rounds(tmp_path, micro_preset, caplog, me
     assert len(passed) == 6
 
 
+def test_the_model_check_passes_honest_rounds_under_an_lr_schedule_and_with_canaries(tmp_path, micro_preset, caplog):
+    """Warm-up and cosine change the lr each round and canaries add images (so steps) to a client: neither is a
+    tampering. The check bounds by the run's peak lr and counts every canary a client may hold."""
+    caplog.set_level("INFO", logger="eftguard.client")
+    run = train(tmp_path / "run", config(micro_preset, rounds=3, warmup_rounds=2, lr_schedule="cosine", canaries=8,
+                                         train_samples=32))
+    assert [r["dropped"] for r in run.metrics()] == [{}, {}, {}]
+    assert len([r for r in caplog.records if "passed the check" in r.getMessage()]) == 6
+
+
 def first_model_sha256(cfg) -> str:
     """What a deployment would publish: the hash of the run's first model (seeded, from the configuration)."""
     model = build_model(cfg.model, 10, cfg.local_layers, seed=cfg.seed)
@@ -188,8 +198,8 @@ def test_method_all_runs_only_what_a_curious_server_can(tmp_path, micro_preset, 
     """The tampered attacks read a round the server crafted: on an honest run they are run only when named."""
     run = train(tmp_path / "run", config(micro_preset, model_check=False))
     main(["attack", "labels", str(run.path), "--out", str(tmp_path / "reports")])
-    assert sorted(p.name for p in (tmp_path / "reports").iterdir()) == ["labels-head", "labels-linkage",
-                                                                         "labels-presence"]
+    assert sorted(p.name for p in (tmp_path / "reports").iterdir()) == [
+        "labels-bias-corrected", "labels-head", "labels-linkage", "labels-llg", "labels-presence"]
 
 
 def test_a_tampering_the_model_cannot_take_fails_before_any_round(tmp_path, micro_preset, monkeypatch):
@@ -238,9 +248,11 @@ def test_a_resent_round_must_be_unchanged_and_training_settings_must_not_change_
     verify(settings, state)  # re-sent, unchanged
     with pytest.raises(ModelCheckError, match="'head.weight' moved by up to 0.001 in 0 round"):
         verify(settings, {"head.weight": state["head.weight"] + np.float32(1e-3)})
-    raised = dataclasses.replace(settings, round=2, lr=1.0)
-    with pytest.raises(ModelCheckError, match=r"the server changed the training settings \['lr'\] mid-run"):
+    raised = dataclasses.replace(settings, round=2, lr=1.0, peak_lr=1.0)
+    with pytest.raises(ModelCheckError, match=r"the server changed the training settings \['peak_lr'\] mid-run"):
         verify(raised, state)
+    with pytest.raises(ModelCheckError, match=r"the round's lr 1.0 exceeds the run's --lr 0.001"):
+        verify(dataclasses.replace(settings, round=2, lr=1.0), state)
 
 
 @pytest.mark.parametrize("family, options", [("invert", ["--max-images", "3", "--lpips-backend", "stlpips-alex"]),

@@ -192,7 +192,7 @@ def test_cli_trains_fed_lora_at_rank_4_and_the_gradient_attack_reads_its_upload(
     assert err.strip().splitlines()[-1] == (
         "eftguard: error: the analytic attack reads the gradient of local_module.token_embedding.pos_embed, "
         "local_module.patch_embed.proj.weight, which a fed-lora client neither trains nor uploads: use --method "
-        "dlg or idlg or ig")
+        "dlg or idlg or ig or updates")
 
 
 # --- headprune-lora's pure parts (wired into client and server: tests/test_headprune.py) -------------------------

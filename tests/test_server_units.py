@@ -89,7 +89,8 @@ def test_settings_carry_the_round_noise_and_run_id_and_every_config_value():
     assert (settings.round, settings.noise_multiplier, settings.run_id, settings.feature_noise_multiplier) == (
         2, 1.25, "ab" * 16, 1.75)
     assert all(getattr(settings, k) == getattr(cfg, k) for k in ClientSettings.__dataclass_fields__
-               if k not in ("round", "noise_multiplier", "run_id", "feature_noise_multiplier"))
+               if k not in ("round", "noise_multiplier", "run_id", "feature_noise_multiplier", "peak_lr"))
+    assert settings.peak_lr == cfg.lr
     assert settings.dp_feature_share == cfg.dp_feature_share == 0.5
     assert ClientSettings.from_record(settings.to_record()) == settings
     assert ClientSettings.from_config(cfg, 1) == ClientSettings.from_config(cfg, 1, 0.0, "", 0.0)

@@ -169,3 +169,13 @@ def test_bad_input_is_one_clear_error(capsys, small_run, argv, message):
     code, err = run_cli(capsys, "attack", "gradient", small_run.path, "--method", "updates", "--steps", "1", *argv)
     assert code == 2, err
     assert "eftguard: error: " in err and message in err and "Traceback" not in err
+
+
+def test_method_all_leaves_the_updates_attack_out_of_a_probe():
+    """It inverts an uploaded update only: `gradient --method all --observe probe` must not end on its refusal."""
+    from attacks.gradient import GRADIENT
+    from eftguard.attack_cli import curious_methods
+
+    assert "updates" not in curious_methods(GRADIENT, "probe")
+    assert curious_methods(GRADIENT, "upload")[-1] == "updates"
+    assert set(curious_methods(GRADIENT, "probe")) == set(GRADIENT.names()) - {"updates"}
