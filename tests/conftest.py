@@ -99,6 +99,16 @@ def restored_torch_state():
         torch.use_deterministic_algorithms(saved["deterministic"][0], warn_only=saved["deterministic"][1])
 
 
+@pytest.fixture(scope="module")
+def one_torch_thread():
+    """Double backward of small models is dominated by tiny ops; on a shared 2-core machine a second thread
+    made them up to 80x slower. Modules of such tests use it with pytest.mark.usefixtures."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)
+
+
 @pytest.fixture(autouse=True)
 def _restore_torch_global_state():
     """Attacks turn on flush-to-zero (attacks.gradient.prepare_numerics) and tests change threads or dtypes: no

@@ -26,14 +26,7 @@ from eftguard.rundir import RunDirectory
 from conftest import MICRO_PRESET, attacks_guarded, flushes_denormals, restored_torch_state, train_in_process
 
 
-@pytest.fixture(scope="module", autouse=True)
-def one_thread():
-    """Double backward of small models is dominated by tiny ops; on a shared 2-core machine a second thread
-    made them up to 80x slower."""
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
+pytestmark = pytest.mark.usefixtures("one_torch_thread")
 
 
 @pytest.fixture(scope="module")

@@ -24,13 +24,7 @@ from conftest import MICRO_PRESET, attacks_guarded
 LR, WEIGHT_DECAY = 1e-3, 0.05
 
 
-@pytest.fixture(scope="module", autouse=True)
-def one_thread():
-    """Double backward of small models is dominated by tiny ops: one thread is faster on a shared machine."""
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
+pytestmark = pytest.mark.usefixtures("one_torch_thread")
 
 
 @pytest.fixture(scope="module")
