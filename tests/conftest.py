@@ -99,6 +99,18 @@ def restored_torch_state():
         torch.use_deterministic_algorithms(saved["deterministic"][0], warn_only=saved["deterministic"][1])
 
 
+def run_cli(capsys, *argv) -> tuple[int, str]:
+    """(exit code, stderr) of `eftguard ARGV`: 0 when main returns, the SystemExit code otherwise."""
+    from eftguard.cli import main
+
+    try:
+        main([str(a) for a in argv])
+        code = 0
+    except SystemExit as exit_info:
+        code = exit_info.code
+    return code, capsys.readouterr().err
+
+
 @pytest.fixture(scope="module")
 def one_torch_thread():
     """Double backward of small models is dominated by tiny ops; on a shared 2-core machine a second thread

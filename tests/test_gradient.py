@@ -14,7 +14,6 @@ from attacks.gradient import (AnalyticAttack, DLGAttack, GradientObservation, ID
 from attacks.base import ThreatModel
 from defenses.dp import DPSGD, client_budget, make_private
 from eftguard import metrics
-from eftguard.cli import main
 from eftguard.config import TrainConfig
 from eftguard.data import load_dataset
 from eftguard.federation.client import client_round
@@ -23,7 +22,8 @@ from eftguard.audit.observe import DPNoise, probe_gradient, trained_names
 from eftguard.masking import random_keep_ids
 from eftguard.model import EFTViT, build_model
 from eftguard.rundir import RunDirectory
-from conftest import MICRO_PRESET, attacks_guarded, flushes_denormals, restored_torch_state, train_in_process
+from conftest import (MICRO_PRESET, attacks_guarded, flushes_denormals, restored_torch_state, run_cli,
+                      train_in_process)
 
 
 pytestmark = pytest.mark.usefixtures("one_torch_thread")
@@ -363,15 +363,6 @@ def eftvit_run(tmp_path_factory, micro_preset):
 @pytest.fixture(scope="module")
 def fedavg_run(tmp_path_factory, micro_preset):
     return recorded_run(tmp_path_factory.mktemp("gradient") / "fedavg", method="fedavg")
-
-
-def run_cli(capsys, *argv):
-    try:
-        main([str(a) for a in argv])
-        code = 0
-    except SystemExit as exit_info:
-        code = exit_info.code
-    return code, capsys.readouterr().err
 
 
 def test_cli_probe_writes_report_and_grid_that_the_run_report_picks_up(capsys, eftvit_run, tmp_path):

@@ -26,6 +26,7 @@ from eftguard.model import build_model
 from eftguard.peft import LoRALinear, lora_averaging_gap
 from eftguard.rundir import RunDirectory
 from conftest import MICRO_DEPTH, MICRO_PRESET, MICRO_WIDTH, train_in_process
+from conftest import run_cli as cli
 from fakegrid import FakeGrid, task_identity
 
 pytestmark = pytest.mark.usefixtures("micro_preset")  # the methods' mechanics do not depend on the model's size
@@ -150,15 +151,6 @@ def test_peft_sizes_that_cannot_work_are_refused_in_one_line(capsys, tmp_path, a
     err = capsys.readouterr().err
     assert exit_info.value.code == 2 and not (tmp_path / "run").exists()
     assert err.strip().splitlines()[-1] == f"eftguard: error: {message}"
-
-
-def cli(capsys, *argv) -> tuple[int, str]:
-    try:
-        main([str(a) for a in argv])
-        code = 0
-    except SystemExit as exit_info:
-        code = exit_info.code
-    return code, capsys.readouterr().err
 
 
 @pytest.fixture

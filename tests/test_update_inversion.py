@@ -14,12 +14,11 @@ from attacks.gradient import GradientObservation
 from attacks.update_inversion import (LocalTraining, UpdateInversion, replay_schedule, revealed_patches,
                                       simulate_local_training)
 from eftguard import metrics
-from eftguard.cli import main
 from eftguard.data import load_dataset
 from eftguard.model import build_model
 from eftguard.rundir import RunDirectory
 from eftguard.training import OptimConfig, train_local
-from conftest import MICRO_PRESET, attacks_guarded
+from conftest import MICRO_PRESET, attacks_guarded, run_cli
 
 LR, WEIGHT_DECAY = 1e-3, 0.05
 
@@ -127,15 +126,6 @@ def small_run(tmp_path_factory, micro_preset):
 
     return RunDirectory.open(train_in_process(tmp_path_factory.mktemp("updates") / "run", model=MICRO_PRESET,
                                               train_samples=12, test_samples=10, batch_size=2))
-
-
-def run_cli(capsys, *argv):
-    try:
-        main([str(a) for a in argv])
-        code = 0
-    except SystemExit as exit_info:
-        code = exit_info.code
-    return code, capsys.readouterr().err
 
 
 def test_cli_inverts_a_recorded_eftvit_upload(monkeypatch, capsys, small_run, tmp_path):
