@@ -378,10 +378,12 @@ def code_fence(text: str) -> str:
 LEVEL_CLASS = {verdict.LOW: "low", verdict.MEDIUM: "medium", verdict.HIGH: "high"}  # CSS class per level
 PSNR_LOW, PSNR_HIGH = verdict.PSNR_GAIN_DB
 L1_LOW, L1_HIGH = (round(100 * share) for share in verdict.LABEL_ERROR_REMOVED)
+AUC_LOW, AUC_HIGH = verdict.MEMBERSHIP_AUC_GAIN
 THRESHOLDS = (f"Levels (docs/reports.md): images, PSNR above the mean-image baseline: under {PSNR_LOW:g} dB low, "
               f"{PSNR_LOW:g}–{PSNR_HIGH:g} dB medium, over {PSNR_HIGH:g} dB high; labels, share of the prior's L1 "
-              f"error the attack removes: under {L1_LOW} % low, {L1_LOW}–{L1_HIGH} % medium, over {L1_HIGH} % high. "
-              "Not audited means no attack of that kind was run, not that the channel is safe.")
+              f"error the attack removes: under {L1_LOW} % low, {L1_LOW}–{L1_HIGH} % medium, over {L1_HIGH} % high; "
+              f"membership, ROC AUC above a random guess (0.5): under {AUC_LOW:g} low, {AUC_LOW:g}–{AUC_HIGH:g} medium, "
+              f"over {AUC_HIGH:g} high. Not audited means no attack of that kind was run, not that the channel is safe.")
 
 
 def verdict_rows(verdicts: list[verdict.ChannelVerdict]) -> list[list[str]]:

@@ -426,3 +426,17 @@ def test_groups_on_one_spot_share_one_label():
               ("mask_ratio=0.5", 0.28, 0.1, 0.31, 0.1), ("mask_ratio=0.75", 0.3, 0.1, 0.21, 0.1)]
     assert point_labels(points) == [("dp_eps=1, dp_eps=8", 0.458, 0.125), ("mask_ratio=0.5", 0.28, 0.31),
                                     ("mask_ratio=0.75", 0.3, 0.21)]
+
+
+def test_the_levels_sentence_states_every_channels_thresholds_from_the_verdict_table():
+    """The sentence under each verdict table is the reader's key to low / medium / high: it must quote the
+    thresholds the verdict actually applies, for every channel with a headline."""
+    from eftguard.report import THRESHOLDS
+
+    for low, high in (verdict.PSNR_GAIN_DB, verdict.MEMBERSHIP_AUC_GAIN):
+        assert f"under {low:g}" in THRESHOLDS and f"over {high:g}" in THRESHOLDS
+    low, high = (round(100 * share) for share in verdict.LABEL_ERROR_REMOVED)
+    assert f"under {low} %" in THRESHOLDS and f"over {high} %" in THRESHOLDS
+    families = {channel.family for channel in verdict.CHANNELS}
+    named = {"invert": "images", "gradient": "images", "labels": "labels", "membership": "membership"}
+    assert families <= set(named) and all(named[f] in THRESHOLDS for f in families)
