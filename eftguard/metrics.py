@@ -87,14 +87,23 @@ def _to_lpips_tensor(images: np.ndarray) -> torch.Tensor:
     return torch.from_numpy(np.ascontiguousarray(images, dtype=np.float32)).permute(0, 3, 1, 2)
 
 
+DOWNLOAD_TIMEOUT_S = 15  # a machine whose network drops packets would otherwise wait minutes for AlexNet
+
+
 def _standard_lpips() -> torch.nn.Module:
+    import socket
     import warnings
 
     import lpips
 
-    with warnings.catch_warnings():  # lpips still passes torchvision's deprecated `pretrained=True`
-        warnings.simplefilter("ignore", UserWarning)
-        return lpips.LPIPS(net="alex", spatial=True, verbose=False).eval()
+    previous = socket.getdefaulttimeout()
+    socket.setdefaulttimeout(DOWNLOAD_TIMEOUT_S)  # torch.hub's download passes no timeout of its own
+    try:
+        with warnings.catch_warnings():  # lpips still passes torchvision's deprecated `pretrained=True`
+            warnings.simplefilter("ignore", UserWarning)
+            return lpips.LPIPS(net="alex", spatial=True, verbose=False).eval()
+    finally:
+        socket.setdefaulttimeout(previous)
 
 
 def _shift_tolerant_lpips() -> torch.nn.Module:

@@ -85,6 +85,35 @@ def test_standard_lpips_offline_without_alexnet_weights_is_a_clear_error(monkeyp
         metrics.load_lpips("vgg")
 
 
+def test_a_weights_download_that_never_answers_falls_back_within_the_timeout(monkeypatch):
+    """auto on a network that swallows packets: the AlexNet download gives up after the timeout and the
+    offline backend is used, instead of the demo waiting for minutes."""
+    import socket
+    import time
+    import urllib.request
+
+    import lpips as lpips_package
+
+    silent = socket.socket()
+    silent.bind(("127.0.0.1", 0))
+    silent.listen(1)  # accepts the connection, never answers
+    url = f"http://127.0.0.1:{silent.getsockname()[1]}/alexnet-owt-7be5be79.pth"
+
+    def downloading_lpips(*args, **kwargs):
+        return urllib.request.urlopen(url).read()
+
+    monkeypatch.setattr(lpips_package, "LPIPS", downloading_lpips)
+    monkeypatch.setattr(metrics, "DOWNLOAD_TIMEOUT_S", 0.5)
+    monkeypatch.setattr(metrics, "_LOADED", {})
+    started = time.monotonic()
+    try:
+        assert metrics.load_lpips("auto").name == "stlpips-alex"
+    finally:
+        silent.close()
+    assert time.monotonic() - started < 30
+    assert socket.getdefaulttimeout() is None  # the process-wide default is restored
+
+
 def test_hungarian_matching_undoes_a_permutation(photos):
     order = np.random.default_rng(1).permutation(len(photos))
     shuffled = photos[order] + 0.01
