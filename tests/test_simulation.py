@@ -157,6 +157,11 @@ def test_demo_compares_both_methods(tmp_path):
                       "--lpips-backend", "stlpips-alex")  # offline by construction: never tries a download
     assert result.returncode == 0, result.stderr[-3000:]
     assert "eftvit" in result.stdout and "fedavg" in result.stdout and "client s/epoch" in result.stdout
+    # each configuration in its own process, side by side: each one's output starts before the other's ends
+    lines = result.stderr.splitlines()
+    eftvit = [i for i, line in enumerate(lines) if line.startswith("[eftvit] ")]
+    fedavg = [i for i, line in enumerate(lines) if line.startswith("[fedavg] ")]
+    assert eftvit and fedavg and eftvit[0] < fedavg[-1] and fedavg[0] < eftvit[-1], result.stderr[-3000:]
     assert "invert-decoder" in result.stdout  # the audit's summary table
     configurations = {c["id"]: c for c in json.loads((tmp_path / "demo" / "summary.json").read_text())["configurations"]}
     assert configurations["method=eftvit"]["attacks"]["invert-decoder"]["status"] == "done"
