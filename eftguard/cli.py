@@ -569,7 +569,7 @@ def demo_processes(args: argparse.Namespace, audit, out: Path) -> list[str]:
     count = len(audit.configurations)
     children = [subprocess.Popen([sys.executable, "-m", "eftguard.cli", "demo", *options, "--shard", f"{index}/{count}"],
                                  stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=environment,
-                                 preexec_fn=_interrupt_when_parent_dies if sys.platform == "linux" else None)
+                                 preexec_fn=_die_with_parent if sys.platform == "linux" else None)
                 for index in range(1, count + 1)]
     relays = [threading.Thread(target=_relay_lines, args=(child.stdout, f"[{configuration.varied['method']}] "))
               for child, configuration in zip(children, audit.configurations)]
@@ -593,13 +593,14 @@ def demo_processes(args: argparse.Namespace, audit, out: Path) -> list[str]:
             for c, code in zip(audit.configurations, codes) if code != 0]
 
 
-def _interrupt_when_parent_dies() -> None:
-    """In a demo child (Linux): a Ctrl-C when the demo's process dies (killed, a test's timeout), so the child
-    stops its Ray processes and exits instead of training on alone."""
+def _die_with_parent() -> None:
+    """In a demo child (Linux): killed when the demo's process dies (SIGKILL, a CI timeout), so it never trains on
+    alone. A kill, not a Ctrl-C: with its output pipe gone, the child's graceful stop could not even print. Ray
+    ends the dead driver's actors; its idle helpers are stopped by the next eftguard run (stop_ray_leftovers)."""
     import ctypes
     import signal
 
-    ctypes.CDLL(None).prctl(1, signal.SIGINT)  # 1: PR_SET_PDEATHSIG
+    ctypes.CDLL(None).prctl(1, signal.SIGKILL)  # 1: PR_SET_PDEATHSIG
 
 
 def _relay_lines(stream, prefix: str) -> None:
