@@ -264,6 +264,7 @@ def build_parser() -> argparse.ArgumentParser:
                       help="LPIPS network of the audit: lpips-alex (standard, needs the AlexNet weights), "
                            "stlpips-alex (shift-tolerant, ships its weights, works offline) or auto (the first "
                            "that loads) (default: auto)")
+    demo.add_argument("--shard", default=None, help=argparse.SUPPRESS)  # one configuration's process (demo_processes)
 
     audit = sub.add_parser("audit", parents=[logs], help="train a grid of configurations, attack every run, compare",
                            description="Trains every configuration of AUDIT.toml (reusing finished runs of the same "
@@ -514,11 +515,24 @@ def cmd_demo(args: argparse.Namespace) -> None:
     from rich.console import Console
     from rich.table import Table
 
-    from eftguard.audit.grid import print_summary, run_audit
+    from eftguard.audit.grid import (audit_configurations, check_data_and_model, finish_audit, parse_shard,
+                                     print_summary, select_shard)
 
     audit = demo_audit(args)
+    if args.shard is not None:  # one of demo_processes' children: train and attack its configuration
+        chosen = select_shard(audit.configurations, parse_shard(args.shard))
+        audit_configurations(audit, chosen, args.out, verbose=args.verbose, command="eftguard demo")
+        return
     out = args.out or Path("runs") / f"demo-{time.strftime('%Y%m%d-%H%M%S')}"
-    summary = run_audit(audit, out, verbose=args.verbose)
+    blocked = next((p for p in (out, *out.parents) if p.exists() and not p.is_dir()), None)
+    if blocked is not None:
+        raise ConfigError(f"--out {out}: {blocked} is a file: give a folder for the demo")
+    check_data_and_model(audit, audit.configurations, out)
+    print(f"{audit.title}: {len(audit.configurations)} configurations side by side, {len(audit.attacks)} attacks "
+          f"each -> {out}", file=sys.stderr)
+    failed = demo_processes(args, audit, out)
+    summary = finish_audit(audit, out, [])
+    drop_earlier_uploads(summary, out)
     trained = {c["varied"]["method"]: c for c in summary["configurations"] if c["train_seconds"] is not None}
     results = {method: RunDirectory.open(out / c["run"]).metrics() for method, c in trained.items()}
     cfg = audit.defaults
@@ -533,7 +547,76 @@ def cmd_demo(args: argparse.Namespace) -> None:
     table.add_row("client s/epoch", *[f"{_mean_epoch_seconds(records):.2f}" for records in results.values()])
     Console().print(table)
     print_summary(summary)
+    for line in failed:
+        print(f"eftguard: {line}", file=sys.stderr)
+    if failed:
+        raise SystemExit(1)
     exit_on_problems(summary)
+
+
+def demo_processes(args: argparse.Namespace, audit, out: Path) -> list[str]:
+    """Train and attack every configuration of the demo in its own process, all at once, one thread each: on
+    two cores the two trainings, and the inversion attack of the first, overlap instead of queueing (in one
+    process, Ray's start-up, the server's serial steps and the attack each left a core idle). Each child's output
+    is relayed line by line, prefixed with its method. Returns one line per child that failed."""
+    import subprocess
+    import threading
+
+    options = ["--out", str(out), "--rounds", str(args.rounds), "--train-samples", str(args.train_samples),
+               "--test-samples", str(args.test_samples), "--attack-steps", str(args.attack_steps),
+               "--lpips-backend", args.lpips_backend] + (["--verbose"] if args.verbose else [])
+    environment = {**os.environ, "PYTHONUNBUFFERED": "1", "OMP_NUM_THREADS": os.environ.get("OMP_NUM_THREADS", "1")}
+    count = len(audit.configurations)
+    children = [subprocess.Popen([sys.executable, "-m", "eftguard.cli", "demo", *options, "--shard", f"{index}/{count}"],
+                                 stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=environment,
+                                 preexec_fn=_die_with_parent if sys.platform == "linux" else None)
+                for index in range(1, count + 1)]
+    relays = [threading.Thread(target=_relay_lines, args=(child.stdout, f"[{configuration.varied['method']}] "))
+              for child, configuration in zip(children, audit.configurations)]
+    for relay in relays:
+        relay.start()
+    try:
+        codes = [child.wait() for child in children]
+    except KeyboardInterrupt:  # the children got the Ctrl-C too: they keep what they finished and exit
+        for child in children:
+            child.wait()
+        for relay in relays:
+            relay.join()
+        print(f"interrupted: finished runs and attacks are kept; run the same eftguard demo command again "
+              f"(same --out {out}) to continue", file=sys.stderr)
+        raise SystemExit(130) from None
+    for relay in relays:
+        relay.join()
+    if 130 in codes:
+        raise SystemExit(130)
+    return [f"the process of configuration {c.id} exited with code {code} (its output is above)"
+            for c, code in zip(audit.configurations, codes) if code != 0]
+
+
+def _die_with_parent() -> None:
+    """In a demo child (Linux): killed when the demo's process dies (SIGKILL, a CI timeout), so it never trains on
+    alone. A kill, not a Ctrl-C: with its output pipe gone, the child's graceful stop could not even print. Ray
+    ends the dead driver's actors; its idle helpers are stopped by the next eftguard run (stop_ray_leftovers)."""
+    import ctypes
+    import signal
+
+    ctypes.CDLL(None).prctl(1, signal.SIGKILL)  # 1: PR_SET_PDEATHSIG
+
+
+def _relay_lines(stream, prefix: str) -> None:
+    for line in stream:
+        sys.stderr.write(prefix + line)
+        sys.stderr.flush()
+
+
+def drop_earlier_uploads(summary: dict, out: Path) -> None:
+    """The demo attacks the last round of each run: the uploads of the earlier rounds (every Fed-Full client's
+    whole 21 MB model per round) are removed once the audit is written, so the demo keeps a fraction of what it
+    wrote. The runs stay complete and attackable in their last round."""
+    for configuration in summary["configurations"]:
+        if configuration["status"] == "done":
+            run = RunDirectory.open(out / configuration["run"])
+            run.drop_uploads_before(run.completed_rounds())
 
 
 def _mean_epoch_seconds(records: list[dict]) -> float:

@@ -361,6 +361,25 @@ def test_the_demo_is_an_audit_of_both_methods(monkeypatch):
     assert [a.name for a in no_inversion.attacks] == ["labels-head"]
 
 
+@pytest.mark.parametrize("options, expected", [
+    (["--rounds", "0"], "rounds"),
+    (["--test-samples", "-5"], "--test-samples"),
+    (["--out", "{file}"], "is a file: give a folder for the demo"),
+])
+def test_a_bad_demo_is_one_line_before_any_process_starts(capsys, tmp_path, monkeypatch, options, expected):
+    import subprocess
+
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "notes.txt").write_text("a file where the demo's folder would go")
+    monkeypatch.setattr(subprocess, "Popen", lambda *a, **k: pytest.fail("the demo started its processes"))
+    before = sorted(tmp_path.rglob("*"))
+    with pytest.raises(SystemExit) as stop:
+        cli.main(["demo", *[o.format(file=tmp_path / "notes.txt") for o in options]])
+    err = capsys.readouterr().err.strip().splitlines()
+    assert stop.value.code == 2 and len(err) == 1 and err[0].startswith("eftguard: error:") and expected in err[0]
+    assert sorted(tmp_path.rglob("*")) == before
+
+
 def test_every_experiment_file_is_a_valid_audit(tmp_path, monkeypatch):
     experiments = Path(__file__).resolve().parent.parent / "experiments"
     cpu_scale = sorted(experiments.glob("*.toml"))

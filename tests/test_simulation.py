@@ -151,12 +151,19 @@ def test_fedavg_reference_through_the_same_apps(tmp_path):
     assert not (out / "observed/round-0001/client-00/features.safetensors").exists()
 
 
+DEMO_TINY = ["--rounds", "1", "--train-samples", "120", "--test-samples", "40", "--attack-steps", "2",
+             "--lpips-backend", "stlpips-alex"]  # offline by construction: never tries a download
+
+
 def test_demo_compares_both_methods(tmp_path):
-    result = eftguard("demo", "--out", str(tmp_path / "demo"), "--rounds", "1", "--train-samples", "120",
-                      "--test-samples", "40", "--attack-steps", "2",
-                      "--lpips-backend", "stlpips-alex")  # offline by construction: never tries a download
+    result = eftguard("demo", "--out", str(tmp_path / "demo"), *DEMO_TINY)
     assert result.returncode == 0, result.stderr[-3000:]
     assert "eftvit" in result.stdout and "fedavg" in result.stdout and "client s/epoch" in result.stdout
+    # each configuration in its own process, side by side: each one's output starts before the other's ends
+    lines = result.stderr.splitlines()
+    eftvit = [i for i, line in enumerate(lines) if line.startswith("[eftvit] ")]
+    fedavg = [i for i, line in enumerate(lines) if line.startswith("[fedavg] ")]
+    assert eftvit and fedavg and eftvit[0] < fedavg[-1] and fedavg[0] < eftvit[-1], result.stderr[-3000:]
     assert "invert-decoder" in result.stdout  # the audit's summary table
     configurations = {c["id"]: c for c in json.loads((tmp_path / "demo" / "summary.json").read_text())["configurations"]}
     assert configurations["method=eftvit"]["attacks"]["invert-decoder"]["status"] == "done"
@@ -166,3 +173,30 @@ def test_demo_compares_both_methods(tmp_path):
         assert json.loads((run / "metrics.jsonl").read_text().splitlines()[0])["method"] == method
     page = (tmp_path / "demo" / "report.html").read_text()
     assert "uploaded features" in page and "not applicable" in page  # the verdict, per configuration
+
+
+def test_a_killed_demo_leaves_no_process_training_on(tmp_path):
+    """The demo runs each configuration in a child process: a SIGKILL of the demo (a CI timeout) must end them
+    and their Ray actors, not leave them training on alone."""
+    tag = uuid.uuid4().hex
+    process = subprocess.Popen([sys.executable, "-m", "eftguard.cli", "demo", "--out", str(tmp_path / "demo"), *DEMO_TINY],
+                               env={**ENV, "EFTGUARD_TEST_RUN": tag}, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE,
+                               text=True)
+    training = set()
+    try:
+        for line in process.stderr:  # wait for the event: both children have begun training
+            if "  training 1 rounds" in line:
+                training.add(line.split("]")[0])
+            if len(training) == 2:
+                break
+        assert process.poll() is None, "the demo ended before it could be killed"
+        process.kill()
+        process.wait(timeout=30)
+    finally:
+        process.kill()
+        process.stderr.close()
+    _, alive = psutil.wait_procs(tagged_processes(tag), timeout=30)
+    training = [" ".join(p.cmdline()[:6])[:120] for p in alive if p.is_running()
+                and ("eftguard.cli" in p.cmdline() or "ClientApp" in " ".join(p.cmdline()))]
+    stop_processes(alive)  # Ray's idle helpers of the killed children (the next eftguard run stops them too)
+    assert training == []

@@ -460,6 +460,14 @@ def run_audit(audit: Audit, out: Path, gates: list | None = None, shard: tuple[i
     where = f", shard {shard[0]}/{shard[1]}" if shard else ""
     console.print(f"{audit.title}: {len(chosen)} of {len(audit.configurations)} configurations{where}, "
                   f"{len(audit.attacks)} attacks each -> {out}")
+    audit_configurations(audit, chosen, out, key, verbose)
+    return finish_audit(audit, out, gates, shard)
+
+
+def audit_configurations(audit: Audit, chosen: list[Configuration], out: Path, key: Path | None = None,
+                         verbose: bool = False, command: str = "eftguard audit") -> None:
+    """Train and attack the chosen configurations one after the other; an interrupt keeps what finished and
+    exits 130, saying that the same command continues."""
     try:
         for number, configuration in enumerate(chosen, start=1):
             console.print(f"[{number}/{len(chosen)}] {configuration.id}")
@@ -467,9 +475,15 @@ def run_audit(audit: Audit, out: Path, gates: list | None = None, shard: tuple[i
     except (KeyboardInterrupt, SystemExit) as stop:
         if isinstance(stop, SystemExit) and stop.code != 130:
             raise
-        console.print(f"interrupted: finished configurations and attacks are kept; run the same eftguard audit "
+        console.print(f"interrupted: finished configurations and attacks are kept; run the same {command} "
                       f"command again (same --out {out}) to continue")
         raise SystemExit(130) from None
+
+
+def finish_audit(audit: Audit, out: Path, gates: list, shard: tuple[int, int] | None = None) -> dict:
+    """summary.json and the report of whatever configurations are on disk (see run_audit); returns the summary."""
+    from eftguard.audit import gate as gates_module
+
     results, pending = collect(audit, out)
     summary = {"schema_version": SCHEMA_VERSION, "audit_file": audit.source, "title": audit.title,
                "defaults": dataclasses.asdict(audit.defaults), "code_version": code_version(),
