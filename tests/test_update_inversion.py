@@ -158,6 +158,7 @@ def test_cli_inverts_a_recorded_eftvit_upload(monkeypatch, capsys, small_run, tm
     (["--observe", "probe"], "the updates attack inverts an uploaded update: use --observe upload"),
     (["--max-examples", "1"], "raise --max-examples to"),
     (["--schedule", "sometimes"], "argument --schedule: invalid choice: 'sometimes'"),
+    (["--tv", "nan"], "--tv: must be a finite number"),
 ])
 def test_bad_input_is_one_clear_error(capsys, small_run, argv, message):
     code, err = run_cli(capsys, "attack", "gradient", small_run.path, "--method", "updates", "--steps", "1", *argv)
