@@ -7,9 +7,11 @@ client trained on for eftvit and the whole image for fedavg, each reconstruction
 client's images (Hungarian, MSE) as the auditor scores it; trial t attacks images [t n, (t + 1) n).
 The table in docs/attacks.md ("Update inversion") is this script's output:
 
-    OMP_NUM_THREADS=1 python experiments/update_inversion_sweep.py --model micro --trials 3 \
-        --configs eftvit:1:1:1 eftvit:1:2:1 eftvit:1:4:1 eftvit:2:1:2 eftvit:2:1:1 eftvit:4:1:2 eftvit:8:1:4 \
-                  fedavg:1:1:1 fedavg:1:4:1 fedavg:2:1:2 fedavg:4:1:2
+    OMP_NUM_THREADS=1 python experiments/update_inversion_sweep.py --model micro --trials 2 \
+        --configs eftvit:1:1:1 eftvit:2:1:2 eftvit:4:1:2 eftvit:8:1:4 eftvit:4:2:2 \
+                  fedavg:1:1:1 fedavg:2:1:2 fedavg:4:1:2 fedavg:8:1:4 fedavg:4:2:2
+
+(add --tv 1e-4 for the attack before its image prior was weighted).
 
 A config is method:images:epochs:batch_size. --model micro is the tests' width-64, depth-4 ViT (tests/conftest.py);
 vit-tiny-32 is the CPU default (width 192, depth 12).
@@ -49,8 +51,8 @@ def model_preset(name: str) -> str:
     return MICRO_PRESET
 
 
-def attack_one(preset: str, photos, indices: list[int], method: str, epochs: int, batch_size: int, steps: int,
-               schedule: str, lpips: metrics.LPIPS) -> dict:
+def attack_one(preset: str, photos, indices: list[int], method: str, epochs: int, batch_size: int,
+               attack: UpdateInversion, lpips: metrics.LPIPS) -> dict:
     """Train the client for real, attack its upload; PSNR / LPIPS of the attack and of the mean image."""
     start = build_model(preset, 10, 2, seed=0)
     client = copy.deepcopy(start)
@@ -74,7 +76,7 @@ def attack_one(preset: str, photos, indices: list[int], method: str, epochs: int
     obs = GradientObservation(start, estimate, 1, size, start.mean, start.std, masked=spec.masked,
                               prior=public.mean(axis=0), local_training=training)
     began = time.perf_counter()
-    result = UpdateInversion(steps=steps, schedule=schedule).reconstruct(obs)
+    result = attack.reconstruct(obs)
     seconds = time.perf_counter() - began
     truth = images.numpy().astype(np.float32) / 255
     rows = metrics.match_to_pool(result.images, truth)  # as the auditor scores it: one-to-one, MSE
@@ -99,20 +101,23 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=100, help="attack optimisation steps")
     parser.add_argument("--trials", type=int, default=1)
     parser.add_argument("--schedule", default="replayed", choices=("replayed", "fixed"))
+    parser.add_argument("--tv", type=float, default=UpdateInversion.tv, help="weight of the total-variation prior")
     args = parser.parse_args()
     torch.set_num_threads(1)
     preset = model_preset(args.model)
     photos = load_dataset("photos", None, PRESETS[preset].image_size)
     lpips = metrics.load_lpips("stlpips-alex")
-    print(f"model {args.model}, attack steps {args.steps}, schedule {args.schedule}, lpips {lpips.name}")
+    attack = UpdateInversion(steps=args.steps, schedule=args.schedule, tv=args.tv)
+    print(f"model {args.model}, attack steps {args.steps}, schedule {args.schedule}, tv {args.tv}, "
+          f"lpips {lpips.name}")
     print("| method | images | epochs | batch | local steps | PSNR | mean-image PSNR | LPIPS | mean-image LPIPS "
           "| labels | s/trial |")
     print("|---|---|---|---|---|---|---|---|---|---|---|")
     for config in args.configs:
         method, n, epochs, batch = config.split(":")
         n, epochs, batch = int(n), int(epochs), int(batch)
-        rows = [attack_one(preset, photos, list(range(t * n, (t + 1) * n)), method, epochs, batch, args.steps,
-                           args.schedule, lpips) for t in range(args.trials)]
+        rows = [attack_one(preset, photos, list(range(t * n, (t + 1) * n)), method, epochs, batch, attack, lpips)
+                for t in range(args.trials)]
         mean = {k: float(np.mean([r[k] for r in rows])) for k in rows[0]}
         print(f"| {method} | {n} | {epochs} | {batch} | {rows[0]['local_steps']} | {mean['psnr']:.1f} | "
               f"{mean['base_psnr']:.1f} | {mean['lpips']:.2f} | {mean['base_lpips']:.2f} | {mean['labels']:.2f} | "
