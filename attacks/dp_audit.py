@@ -36,9 +36,9 @@ CHANNELS = ("parameters", "features", "model")
 @dataclass
 class CanaryObservation:
     """What the attacker holds: the canaries (their kind, uint8 images [m, H, W, 3], labels, the partition each
-    belongs to; never their inclusion bits) and the channel's observation. parameters and features: the round's start model
-    and, per attacked client, its uploaded update (and feature upload); model: the model after the round
-    (`after`) and the run's initial one (`start_model`)."""
+    belongs to; never their inclusion bits) and the channel's observation. parameters and features: the round's
+    start model and, per attacked client, its uploaded update (and feature upload); model: the model after the
+    round (`after`) and the run's initial one (`start_model`)."""
 
     channel: str
     kind: str  # the canaries' kind (eftguard.canaries.CANARY_KINDS): picks the parameters channel's score
