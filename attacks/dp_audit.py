@@ -5,7 +5,11 @@ a higher score says "this canary was in its client's data". The auditor (eftguar
 scores into guesses and the guesses into an epsilon lower bound (Steinke, Nasr & Jagielski 2023). Per channel:
 
 - parameters: the owner's uploaded update (local module and head; the whole model for fedavg) against the round's
-  start weights: how much the update lowered the canary's loss (start loss - loss after the update).
+  start weights. Gradient canaries: the alignment cos(-grad loss(canary; start), update - start) of the canary's
+  gradient with the update over the uploaded parameters (the white-box gradient-canary score of Nasr et al. 2023
+  and Steinke et al. 2023): a step that contained the canary moved the weights down its gradient. Mislabelled
+  canaries: how much the update lowered the canary's loss (start loss - loss after the update); their gradients
+  are those of natural images, and the alignment was at chance for them (docs/dp.md).
 - features: the owner's feature upload: how well the canary's own tokens (its patches through the client's
   uploaded local module, under masks like the upload's) match the tokens of the best uploaded row: the mean over
   the row's tokens of -log(1 - the best cosine match at any position), centred per position on public images'
@@ -31,12 +35,13 @@ CHANNELS = ("parameters", "features", "model")
 
 @dataclass
 class CanaryObservation:
-    """What the attacker holds: the canaries (uint8 images [m, H, W, 3], labels, the partition each belongs to;
-    never their inclusion bits) and the channel's observation. parameters and features: the round's start model
-    and, per attacked client, its uploaded update (and feature upload); model: the model after the round
-    (`after`) and the run's initial one (`start_model`)."""
+    """What the attacker holds: the canaries (their kind, uint8 images [m, H, W, 3], labels, the partition each
+    belongs to; never their inclusion bits) and the channel's observation. parameters and features: the round's
+    start model and, per attacked client, its uploaded update (and feature upload); model: the model after the
+    round (`after`) and the run's initial one (`start_model`)."""
 
     channel: str
+    kind: str  # the canaries' kind (eftguard.canaries.CANARY_KINDS): picks the parameters channel's score
     images: np.ndarray
     labels: np.ndarray
     owners: np.ndarray
@@ -66,6 +71,26 @@ def updated(model: nn.Module, update: dict[str, np.ndarray]) -> nn.Module:
     """The start model with a client's uploaded parameters in place (the model is changed in place)."""
     model.load_state_dict({k: torch.from_numpy(v) for k, v in update.items()}, strict=False)
     return model.eval()
+
+
+def gradient_alignment(model: nn.Module, update: dict[str, np.ndarray], images: np.ndarray, labels: np.ndarray
+                       ) -> np.ndarray:
+    """Per canary, cos(-grad loss(canary; start), update - start) over the model's parameters the update holds,
+    the gradient taken on the whole (unmasked) image at the model's (start) weights. The model is not changed."""
+    named = dict(model.named_parameters())
+    names = [name for name in update if name in named]
+    params = [named[name] for name in names]
+    step = torch.cat([(torch.from_numpy(update[name]).double() - named[name].detach().double()).reshape(-1)
+                      for name in names])
+    pixels = model.normalize(torch.from_numpy(images))
+    model.eval()
+    cosines = np.zeros(len(labels))
+    for i in range(len(labels)):
+        loss = nn.functional.cross_entropy(model(pixels[i:i + 1]), torch.from_numpy(labels[i:i + 1]))
+        descent = -torch.cat([g.reshape(-1) for g in torch.autograd.grad(loss, params)]).double()
+        # in float64: a float32 norm over millions of entries drifts by about 3e-4
+        cosines[i] = float(descent @ step / ((descent @ descent).sqrt() * (step @ step).sqrt()).clamp(min=1e-300))
+    return cosines
 
 
 def tokens_by_position(model: nn.Module, images: np.ndarray, keep: int) -> torch.Tensor:
@@ -101,10 +126,12 @@ def best_row_match(canaries: torch.Tensor, rows: torch.Tensor, position_means: t
 @DP_AUDIT.register
 @dataclass
 class CanaryAttack:
-    """Score each canary from one channel (see the module docstring); the channel's loss drop or feature match."""
+    """Score each canary from one channel (see the module docstring): the loss drop of the update or model, the
+    gradient alignment of the update (gradient canaries) or the match in the features."""
 
     name = "canary"
-    summary = "score each canary from the channel: loss drop of the update or model, or its match in the features"
+    summary = ("score each canary from the channel: loss drop of the update or model, gradient alignment of the "
+               "update (gradient canaries), or its match in the features")
     threat_model: ClassVar[ThreatModel] = ThreatModel(aux_data="the canaries (not their inclusion)")
 
     def reconstruct(self, observation: CanaryObservation, progress: Progress | None = None) -> CanaryScores:
@@ -118,16 +145,26 @@ class CanaryAttack:
         clients = sorted(obs.updates)
         for done, partition in enumerate(clients):
             mine = np.flatnonzero(obs.owners == partition)
-            model = updated(obs.start_model, obs.updates[partition])
-            if obs.channel == "parameters":
-                scores[mine] = start[mine] - canary_losses(model, obs.images[mine], obs.labels[mine])
-            else:
-                scores[mine] = self.feature_match(model, obs.images[mine], obs.features[partition], obs.reference)
+            scores[mine] = self.client_scores(obs, partition, mine, start)
             if progress:
                 progress("clients", done + 1, len(clients))
         score = {"parameters": "loss at the start weights - loss after the client's update",
                  "features": "best mean token match of an uploaded row"}[obs.channel]
+        if obs.channel == "parameters" and obs.kind == "gradient":
+            score = "cos(-gradient of the canary's loss at the start weights, client's update - start weights)"
         return CanaryScores(scores, {"score": score})
+
+    @staticmethod
+    def client_scores(obs: CanaryObservation, partition: int, mine: np.ndarray, start: np.ndarray | None
+                      ) -> np.ndarray:
+        """The scores of one client's canaries `mine` (start: every canary's loss at the start weights)."""
+        images, labels, update = obs.images[mine], obs.labels[mine], obs.updates[partition]
+        if obs.channel == "features":
+            return CanaryAttack.feature_match(updated(obs.start_model, update), images, obs.features[partition],
+                                              obs.reference)
+        if obs.kind == "gradient":  # at the start weights: the alignment leaves obs.start_model unchanged
+            return gradient_alignment(obs.start_model, update, images, labels)
+        return start[mine] - canary_losses(updated(obs.start_model, update), images, labels)
 
     @staticmethod
     def feature_match(model: nn.Module, images: np.ndarray, uploaded: np.ndarray, reference: np.ndarray

@@ -252,15 +252,16 @@ def observe_canaries(run: RunDirectory, round_number: int, clients: list[int], c
     canaries = canary_set(cfg)
     images, labels, owners = (a[canary_ids] for a in (canaries.images, canaries.labels, canaries.owners))
     if channel == "model":
-        return CanaryObservation(channel, images, labels, owners, run.start_model(1), {}, {},
+        return CanaryObservation(channel, canaries.kind, images, labels, owners, run.start_model(1), {}, {},
                                  run.start_model(round_number + 1))
     updates = {k: run.load_upload(round_number, k, "update") for k in clients}
     if channel != "features":
-        return CanaryObservation(channel, images, labels, owners, run.start_model(round_number), updates, {})
+        return CanaryObservation(channel, canaries.kind, images, labels, owners, run.start_model(round_number),
+                                 updates, {})
     features = {k: run.load_upload(round_number, k, "features")["features"] for k in clients}
     reference = run_public_images(cfg)[:CANARY_REFERENCE_IMAGES]
-    return CanaryObservation(channel, images, labels, owners, run.start_model(round_number), updates, features,
-                             reference=reference)
+    return CanaryObservation(channel, canaries.kind, images, labels, owners, run.start_model(round_number), updates,
+                             features, reference=reference)
 
 
 CANARY_REFERENCE_IMAGES = 256  # public images for the per-position mean token of the features score

@@ -197,6 +197,7 @@ def client_round(settings: ClientSettings, state: dict[str, np.ndarray], partiti
             uploaded, truth["kept_ids"] = dp_released_features(s, model, torch.from_numpy(uploading.images),
                                                                torch.from_numpy(uploading.labels),
                                                                dataset.num_classes, generator, noise)
+            truth["sample_ids"] = uploading.ids.astype(np.int64)  # one per released row: no gradient canary
         elif method.uploads_features:
             uploaded, sampled = median_sampled_features(s, model, uploading, dataset.num_classes, partition_id,
                                                         generator, private)
