@@ -458,3 +458,13 @@ def test_the_epsilon_of_each_channel_is_its_weakest_clients():
     assert grid.spent_per_channel([{"round": 1, "epsilon_parameters": {"0": 0.4}, "epsilon_features": None}]) == \
         {"parameters": 0.4}
     assert grid.spent_per_channel([{"round": 1, "epsilon_parameters": None}]) is None
+
+
+def test_the_console_line_names_each_familys_headline_figure():
+    """Every family's report leads its console line with its headline figure, never "no figures"."""
+    assert grid.headline_text({"psnr": 14.2, "psnr_kept": 22.5}) == "psnr_kept 22.500"
+    assert grid.headline_text({"l1": 0.4, "linf": 0.2}) == "l1 0.400"
+    assert grid.headline_text({"auc": 0.991, "tpr_at_1pct_fpr": None}) == "auc 0.991"
+    assert grid.headline_text({"epsilon_lower_bound": 0.38}) == "epsilon_lower_bound 0.380"
+    assert grid.headline_text({"auc": float("nan")}) == "auc nan"
+    assert grid.headline_text({"tpr_at_1pct_fpr": 0.1}) == "no figures"

@@ -41,7 +41,7 @@ RESERVED_ATTACK_KEYS = ("run", "key", "out", "progress")
 # run_attack arguments every family takes; any other key of an [[attack]] table is a family or method option
 COMMON_ATTACK_KEYS = ("round_number", "clients", "seed", "lpips_backend")
 # first figure of these an attack reports is its column in the final table (the families' headline figures)
-TABLE_FIGURES = ("psnr_kept", "psnr", "l1", "epsilon_lower_bound")
+TABLE_FIGURES = ("psnr_kept", "psnr", "l1", "auc", "epsilon_lower_bound")  # the console line's headline, first found
 SAFE_NAME = re.compile(r"[A-Za-z0-9._=,+-]{1,100}")
 
 console = Console(stderr=True, soft_wrap=True, markup=False, highlight=False)  # ids and errors printed as they are
