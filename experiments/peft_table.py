@@ -37,12 +37,14 @@ def run_figures(audit: Path, configuration: dict) -> dict:
 
 
 def leakage(configuration: dict) -> str:
+    """iDLG's PSNR and LPIPS against the mean image's; on the patches the client sent, for a masking method."""
     entry = configuration["attacks"].get("gradient-idlg", {})
     if entry.get("status") != "done":
         return entry.get("status", "–")
     figures = entry["figures"]
-    return (f"{figures['psnr']:.1f} ({figures['baseline.psnr']:.1f}), LPIPS {figures['lpips']:.2f} "
-            f"({figures['baseline.lpips']:.2f}), label {figures.get('label_accuracy', float('nan')):.0%}")
+    kept = "_kept" if "psnr_kept" in figures else ""
+    return (f"{figures['psnr' + kept]:.1f} ({figures[f'baseline{kept}.psnr']:.1f}), LPIPS {figures['lpips' + kept]:.2f} "
+            f"({figures[f'baseline{kept}.lpips']:.2f}), label {figures.get('label_accuracy', float('nan')):.0%}")
 
 
 def table(audit: Path, bench: dict) -> tuple[list[str], dict]:
@@ -58,7 +60,7 @@ def table(audit: Path, bench: dict) -> tuple[list[str], dict]:
     order = sorted(rows, key=lambda label: (METHODS.index(rows[label]["method"]), label))
     lines = ["| method | accuracy β 0.1 (rounds 1, 2, 3) | accuracy β 1.0 (rounds 1, 2, 3) | client step GFLOP | "
              "client step s | upload B per client and round | iDLG on the upload, β 0.1: PSNR dB (mean image), "
-             "LPIPS, labels |", "|---|---|---|---|---|---|---|"]
+             "LPIPS (mean image), label right; eftvit: on the sent patches |", "|---|---|---|---|---|---|---|"]
     for label in order:
         row = rows[label]
         cost = clients.get(row["method"]) or next(v for k, v in clients.items() if v["method"] == row["method"])
@@ -71,19 +73,23 @@ def table(audit: Path, bench: dict) -> tuple[list[str], dict]:
 
 
 def comparison(rows: dict, bench: dict) -> list[str]:
-    """headprune-lora at s = 0.9 against fed-lora: upload and FLOPs, and the accuracy gap per selection."""
+    """headprune-lora at s = 0.9 against fed-lora: FLOPs and step time (bench), upload (the runs, else the bench),
+    and the round-3 accuracy gap for each client selection both were run with."""
     clients = bench["clients"]
-    lines = [f"headprune-lora / fed-lora: client FLOPs {clients['headprune-lora']['flops'] / clients['fed-lora']['flops']:.2f}, "
-             f"step time {clients['headprune-lora']['step_seconds']['median'] / clients['fed-lora']['step_seconds']['median']:.2f}, "
-             f"upload {rows['headprune-lora'][0.1]['upload'] / rows['fed-lora'][0.1]['upload']:.2f}"]
-    pairs = [("headprune-lora", "fed-lora")]
-    pairs += [(pruned, dense) for pruned in rows for dense in rows
-              if pruned.startswith("headprune-lora (client-selection") and dense == "fed-lora" + pruned[len("headprune-lora"):]]
-    for pruned, dense in pairs:
+    pruned, dense = clients["headprune-lora"], clients["fed-lora"]
+    uploads = [rows[label][0.1]["upload"] for label in ("headprune-lora", "fed-lora") if 0.1 in rows.get(label, {})]
+    upload = (uploads[0] / uploads[1] if len(uploads) == 2
+              else pruned["upload_bytes"]["total"] / dense["upload_bytes"]["total"])
+    lines = [f"headprune-lora / fed-lora: client FLOPs {pruned['flops'] / dense['flops']:.2f}, step time "
+             f"{pruned['step_seconds']['median'] / dense['step_seconds']['median']:.2f}, upload {upload:.2f}"]
+    for label in sorted(rows):
+        if rows[label]["method"] != "headprune-lora" or "head-pruning" in label or "head-weighting" in label:
+            continue
+        same_selection = "fed-lora" + label[len("headprune-lora"):]
         for beta in (0.1, 1.0):
-            if beta in rows[pruned] and beta in rows[dense]:
-                gap = rows[pruned][beta]["accuracy"][-1] - rows[dense][beta]["accuracy"][-1]
-                lines.append(f"accuracy gap {pruned} − {dense}, β {beta}, round 3: {gap:+.3f}")
+            if beta in rows[label] and beta in rows.get(same_selection, {}):
+                gap = rows[label][beta]["accuracy"][-1] - rows[same_selection][beta]["accuracy"][-1]
+                lines.append(f"accuracy gap {label} − {same_selection}, β {beta}, round 3: {gap:+.3f}")
     return lines
 
 
