@@ -1,0 +1,107 @@
+"""The method table of docs/peft.md from an audit of experiments/peft.toml and an `eftguard bench --out` file.
+
+    python experiments/peft_table.py AUDIT_DIR BENCH.json
+
+Accuracy per round and the bytes each client uploaded come from the audit's runs (metrics.jsonl), client step
+FLOPs and time from the bench, gradient leakage from the audit's iDLG reports; then headprune-lora against fed-lora
+with the same client selection.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import sys
+from pathlib import Path
+
+METHODS = ("fedavg", "fed-head", "fed-bias", "fed-prompt", "fed-lora", "headprune-lora", "eftvit")
+DEFAULTS = {"client_selection": "random", "head_pruning": "importance", "head_weighting": "importance"}
+
+
+def variant(varied: dict) -> str:
+    """The row label: the method, plus whatever option differs from the defaults (the ablations)."""
+    changed = [f"{key.replace('_', '-')} {varied[key]}" for key, default in DEFAULTS.items()
+               if varied.get(key, default) != default]
+    if varied.get("client_selection") == "loss-gap":
+        changed[-1] += f", {varied['clients_per_round']} per round"
+    return varied["method"] + (f" ({'; '.join(changed)})" if changed else "")
+
+
+def run_figures(audit: Path, configuration: dict) -> dict:
+    """Test accuracy per round, and the mean bytes uploaded per client and round, from the run's metrics."""
+    lines = (audit / configuration["run"] / "metrics.jsonl").read_text().splitlines()
+    records = [json.loads(line) for line in lines if line.strip()]
+    uploads = [value for record in records for value in record["upload_bytes"].values()]
+    return {"accuracy": [record["test_accuracy"] for record in records], "upload": statistics.mean(uploads)}
+
+
+def leakage(configuration: dict) -> str:
+    """iDLG's PSNR and LPIPS against the mean image's; on the patches the client sent, for a masking method."""
+    entry = configuration["attacks"].get("gradient-idlg", {})
+    if entry.get("status") != "done":
+        return entry.get("status", "–")
+    figures = entry["figures"]
+    kept = "_kept" if "psnr_kept" in figures else ""
+    return (f"{figures['psnr' + kept]:.1f} ({figures[f'baseline{kept}.psnr']:.1f}), LPIPS {figures['lpips' + kept]:.2f} "
+            f"({figures[f'baseline{kept}.lpips']:.2f}), label {figures.get('label_accuracy', float('nan')):.0%}")
+
+
+def table(audit: Path, bench: dict) -> tuple[list[str], dict]:
+    summary = json.loads((audit / "summary.json").read_text())
+    rows: dict[str, dict] = {}
+    for configuration in summary["configurations"]:
+        if configuration["status"] != "done":
+            continue
+        label = variant(configuration["varied"])
+        row = rows.setdefault(label, {"method": configuration["varied"]["method"]})
+        row[configuration["varied"]["beta"]] = {**run_figures(audit, configuration), "leak": leakage(configuration)}
+    clients = bench["clients"]
+    order = sorted(rows, key=lambda label: (METHODS.index(rows[label]["method"]), label))
+    lines = ["| method | accuracy β 0.1 (rounds 1, 2, 3) | accuracy β 1.0 (rounds 1, 2, 3) | client step GFLOP | "
+             "client step s | upload B per client and round | iDLG on the upload, β 0.1: PSNR dB (mean image), "
+             "LPIPS (mean image), label right; eftvit: on the sent patches |", "|---|---|---|---|---|---|---|"]
+    for label in order:
+        row = rows[label]
+        cost = clients.get(row["method"]) or next(v for k, v in clients.items() if v["method"] == row["method"])
+        accuracy = {beta: ", ".join(f"{a:.3f}" for a in row[beta]["accuracy"]) if beta in row else "–"
+                    for beta in (0.1, 1.0)}
+        upload = statistics.mean(row[beta]["upload"] for beta in (0.1, 1.0) if beta in row)
+        lines.append(f"| {label} | {accuracy[0.1]} | {accuracy[1.0]} | {cost['flops'] / 1e9:.1f} | "
+                     f"{cost['step_seconds']['median']:.3f} | {upload:,.0f} | {row.get(0.1, {}).get('leak', '–')} |")
+    return lines, rows
+
+
+def comparison(rows: dict, bench: dict) -> list[str]:
+    """headprune-lora at s = 0.9 against fed-lora: FLOPs and step time (bench), upload (the runs, else the bench),
+    and the round-3 accuracy gap for each client selection both were run with."""
+    clients = bench["clients"]
+    pruned, dense = clients["headprune-lora"], clients["fed-lora"]
+    uploads = [rows[label][0.1]["upload"] for label in ("headprune-lora", "fed-lora") if 0.1 in rows.get(label, {})]
+    upload = (uploads[0] / uploads[1] if len(uploads) == 2
+              else pruned["upload_bytes"]["total"] / dense["upload_bytes"]["total"])
+    lines = [f"headprune-lora / fed-lora: client FLOPs {pruned['flops'] / dense['flops']:.2f}, step time "
+             f"{pruned['step_seconds']['median'] / dense['step_seconds']['median']:.2f}, upload {upload:.2f}"]
+    for label in sorted(rows):
+        if rows[label]["method"] != "headprune-lora" or "head-pruning" in label or "head-weighting" in label:
+            continue
+        same_selection = "fed-lora" + label[len("headprune-lora"):]
+        for beta in (0.1, 1.0):
+            if beta in rows[label] and beta in rows.get(same_selection, {}):
+                gap = rows[label][beta]["accuracy"][-1] - rows[same_selection][beta]["accuracy"][-1]
+                lines.append(f"accuracy gap {label} − {same_selection}, β {beta}, round 3: {gap:+.3f}")
+    return lines
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("audit", type=Path, help="the --out folder of eftguard audit experiments/peft.toml")
+    parser.add_argument("bench", type=Path, help="the --out file of eftguard bench")
+    args = parser.parse_args()
+    lines, rows = table(args.audit, json.loads(args.bench.read_text()))
+    print("\n".join(lines + [""] + comparison(rows, json.loads(args.bench.read_text()))))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
