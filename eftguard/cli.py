@@ -501,6 +501,9 @@ def demo_audit(args: argparse.Namespace):
     and label attacks."""
     from eftguard.audit.grid import parse_audit
 
+    if args.attack_steps < 0:
+        raise ConfigError(f"--attack-steps {args.attack_steps}: give the decoder's steps, "
+                          "or 0 to skip the inversion attack")
     attacks = [{"family": "labels"}]
     if args.attack_steps > 0:
         attacks.insert(0, {"family": "invert", "method": "decoder", "steps": args.attack_steps, "max_images": 32,

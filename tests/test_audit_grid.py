@@ -364,6 +364,7 @@ def test_the_demo_is_an_audit_of_both_methods(monkeypatch):
 @pytest.mark.parametrize("options, expected", [
     (["--rounds", "0"], "rounds"),
     (["--test-samples", "-5"], "--test-samples"),
+    (["--attack-steps", "-1"], "--attack-steps -1"),
     (["--out", "{file}"], "is a file: give a folder for the demo"),
 ])
 def test_a_bad_demo_is_one_line_before_any_process_starts(capsys, tmp_path, monkeypatch, options, expected):
