@@ -496,6 +496,13 @@ def summarize(run_dir: Path) -> list[dict]:
 DEMO_METHODS = {"eftvit": "r_m {mask_ratio}, M {local_layers}", "fedavg": "Fed-Full"}  # method -> column note
 
 
+def check_out_folder(out: Path, what: str) -> None:
+    """--out must be (or become) a folder: a file at it or above it is one line, before any work."""
+    blocked = next((p for p in (out, *out.parents) if p.exists() and not p.is_dir()), None)
+    if blocked is not None:
+        raise ConfigError(f"--out {out}: {blocked} is a file: give a folder for {what}")
+
+
 def demo_audit(args: argparse.Namespace):
     """The demo as an audit: EFTViT against the Fed-Full reference on photos at the demo's sizes, the inversion
     and label attacks."""
@@ -527,9 +534,7 @@ def cmd_demo(args: argparse.Namespace) -> None:
         audit_configurations(audit, chosen, args.out, verbose=args.verbose, command="eftguard demo")
         return
     out = args.out or Path("runs") / f"demo-{time.strftime('%Y%m%d-%H%M%S')}"
-    blocked = next((p for p in (out, *out.parents) if p.exists() and not p.is_dir()), None)
-    if blocked is not None:
-        raise ConfigError(f"--out {out}: {blocked} is a file: give a folder for the demo")
+    check_out_folder(out, "the demo")
     check_data_and_model(audit, audit.configurations, out)
     print(f"{audit.title}: {len(audit.configurations)} configurations side by side, {len(audit.attacks)} attacks "
           f"each -> {out}", file=sys.stderr)
@@ -678,9 +683,7 @@ def cmd_audit(args: argparse.Namespace) -> None:
         raise ConfigError(f"--key {args.key} is not a file: give the key file the runs were encrypted with")
     audit = read_audit(args.audit_file)
     out = args.out or Path("audits") / args.audit_file.stem
-    blocked = next((p for p in (out, *out.parents) if p.exists() and not p.is_dir()), None)
-    if blocked is not None:
-        raise ConfigError(f"--out {out}: {blocked} is a file: give a folder for the audit")
+    check_out_folder(out, "the audit")
     summary = run_audit(audit, out, gates, shard, args.key, args.verbose)
     print_summary(summary)
     exit_on_problems(summary)
