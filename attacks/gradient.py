@@ -30,7 +30,8 @@ import numpy as np
 import torch
 from torch import nn
 
-from attacks.base import ImageReconstruction, Progress, Registry, ThreatModel, option, total_variation, whole_number
+from attacks.base import (AttackError, ImageReconstruction, Progress, Registry, ThreatModel, finite_number,
+                          name_value, option, total_variation, whole_number)
 
 if TYPE_CHECKING:
     from attacks.update_inversion import LocalTraining
@@ -125,12 +126,14 @@ def _forward(obs: GradientObservation, images: torch.Tensor, keep_ids: torch.Ten
     return obs.model(images) if keep_ids is None else obs.model(images, keep_ids)
 
 
-def _observed_parameters(obs: GradientObservation) -> tuple[list[nn.Parameter], list[torch.Tensor]]:
+def _observed_parameters(obs: GradientObservation, names: list[str] | None = None
+                         ) -> tuple[list[nn.Parameter], list[torch.Tensor]]:
+    """The model's parameters and their observed gradients: all of them, or those named."""
     named = dict(obs.model.named_parameters())
     missing = [k for k in obs.gradients if k not in named]
     if missing:
         raise ValueError(f"observed gradients name parameters the model lacks: {missing[:3]}")
-    names = list(obs.gradients)
+    names = list(obs.gradients) if names is None else names
     return [named[k] for k in names], [obs.gradients[k].detach() for k in names]
 
 
@@ -284,9 +287,11 @@ class IDLGAttack(DLGAttack):
 @GRADIENT.register
 @dataclass
 class InvertingGradients:
-    """Inverting Gradients (Geiping et al. 2020): labels first, then 1 - cosine of all observed gradients
+    """Inverting Gradients (Geiping et al. 2020): labels first, then 1 - cosine of the observed gradients
     (joint) + total variation, signed Adam with step decay, pixels boxed to [0, 1]; the best of `restarts`.
-    Weak on ViTs: gradients match closely while the image stays blurry."""
+    Weak on ViTs from noise with the reference's tiny prior; a PEFT upload's head gradient (f (p - y)^T: the
+    image's final feature) gives the image's colours and layout from the prior start with tv 0.1
+    (docs/peft.md). `match` restricts the matched gradients, to tell which layers carry the image."""
 
     name = "ig"
     summary = ("labels from the head-bias gradient, then cosine distance + total variation (signed Adam, restarts); "
@@ -295,13 +300,20 @@ class InvertingGradients:
     reads: ClassVar[tuple[str, ...]] = (HEAD_BIAS,)  # the labels
     steps: int = option(200, STEPS_HELP, whole_number(1))
     restarts: int = option(1, "independent random starts, the best gradient match wins", whole_number(1))
+    tv: float = option(1e-4, "weight of the total-variation image prior beside the cosine distance (ig: the "
+                             "reference's 1e-4; 0.1 measured best on PEFT probes, docs/peft.md)",
+                       finite_number(-1e-12))
+    start: str = option("noise", "noise: uniform random pixels; prior: the observation's prior (the mean public "
+                                 "image), each further restart with noise of std 0.1 added",
+                        name_value, choices=("noise", "prior"))
+    match: str = option("all", "which observed gradients to match: all; head: the classifier's (head.*) only; "
+                               "body: every other one", name_value, choices=("all", "head", "body"))
     lr: float = 0.1
-    tv: float = 1e-4
     seed: int = 0
 
     def reconstruct(self, obs: GradientObservation, progress: Progress | None = None) -> ImageReconstruction:
         prepare_numerics(obs.model)
-        params, target = _observed_parameters(obs)
+        params, target = _observed_parameters(obs, self._matched(obs))
         target_norm = _norm(target)
         labels = torch.from_numpy(recover_labels(obs))
         keep, kept_ids = _keep_ids_for(obs, obs.batch_size)
@@ -309,7 +321,7 @@ class InvertingGradients:
         best, best_loss = None, math.inf
         total = self.steps * self.restarts
         for restart in range(self.restarts):
-            images = obs.to_input(_random_pixels(obs, obs.batch_size, generator)).requires_grad_(True)
+            images = obs.to_input(self._start(obs, restart, generator)).requires_grad_(True)
             optimizer = torch.optim.Adam([images], lr=self.lr)
             milestones = [int(self.steps * f) for f in (3 / 8, 5 / 8, 7 / 8)]
             schedule = torch.optim.lr_scheduler.MultiStepLR(optimizer, milestones=milestones, gamma=0.1)
@@ -331,7 +343,26 @@ class InvertingGradients:
                 best, best_loss = images.detach().clone(), final
         return ImageReconstruction(obs.to_pixels(best), rows=None, kept_ids=kept_ids,
                                    details={"gradient_cosine_distance": best_loss, "labels": labels.tolist(),
-                                            "restarts": self.restarts})
+                                            "restarts": self.restarts, "matched": len(params)})
+
+    def _matched(self, obs: GradientObservation) -> list[str]:
+        head = [name for name in obs.gradients if name.startswith("head.")]
+        chosen = {"all": list(obs.gradients), "head": head,
+                  "body": [name for name in obs.gradients if name not in head]}[self.match]
+        if not chosen:
+            raise AttackError(f"--match {self.match}: the observation has no such gradient (it has "
+                              f"{', '.join(list(obs.gradients)[:3])}...)")
+        return chosen
+
+    def _start(self, obs: GradientObservation, restart: int, generator: torch.Generator) -> torch.Tensor:
+        """Pixels [B, 3, H, W] in [0, 1] a restart begins from."""
+        if self.start == "noise" or obs.prior is None:
+            return _random_pixels(obs, obs.batch_size, generator)
+        prior = torch.from_numpy(np.asarray(obs.prior, dtype=np.float32)).permute(2, 0, 1)
+        pixels = prior.unsqueeze(0).repeat(obs.batch_size, 1, 1, 1)
+        if restart:
+            pixels = pixels + 0.1 * torch.randn(pixels.shape, generator=generator)
+        return pixels.clamp(0, 1)
 
 
 def _num_classes(obs: GradientObservation) -> int:

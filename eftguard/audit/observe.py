@@ -161,6 +161,19 @@ def probe_gradient(model: EFTViT, names: list[str], images: torch.Tensor, labels
     return {n: (acc + std * torch.randn(acc.shape, generator=generator)) / len(labels) for n, acc in zip(names, total)}
 
 
+def prune_as_client(run: RunDirectory, round_number: int, partition: int, model: EFTViT, names: list[str]
+                    ) -> list[str]:
+    """A head-pruning client computes only the heads it kept (its `heads` record of the round) and trains and
+    uploads only their LoRA factors: the model pruned so, and the trained names without the pruned heads'."""
+    if not method_spec(run.config().method).prunes_heads:
+        return names
+    kept = headprune.kept_mask(run.load_upload(round_number, partition, "heads")["kept"],
+                               headprune.attentions(model)[0].num_heads)
+    headprune.keep_only(model, kept)
+    index = headprune.head_index(model)
+    return [name for name in names if name not in index or bool(kept[index[name]])]
+
+
 def probe_observation(run: RunDirectory, round_number: int, partition: int, batch: int, seed: int,
                       prior: np.ndarray | None) -> tuple[GradientObservation, ProbeBatch, dict]:
     """The FedSGD probe: one gradient of `batch` of the client's images at the start of the round, masked as the
@@ -170,6 +183,7 @@ def probe_observation(run: RunDirectory, round_number: int, partition: int, batc
     if batch > len(data):
         raise RunError(f"--batch {batch} is larger than client {partition}'s {len(data)} training images")
     model = attack_model(run, round_number)
+    names = prune_as_client(run, round_number, partition, model, trained_names(model, cfg.method))
     rng = np.random.default_rng([seed, round_number, partition])
     chosen = np.sort(rng.choice(len(data), size=batch, replace=False))
     generator = torch.Generator().manual_seed(int(rng.integers(2 ** 62)))
@@ -183,8 +197,7 @@ def probe_observation(run: RunDirectory, round_number: int, partition: int, batc
         dp = DPNoise(sigma, cfg.max_grad_norm)
         details["dp_sgd"] = (f"per-sample clipping to {cfg.max_grad_norm}, noise multiplier {sigma:.3f} "
                              f"(the client's, for epsilon {cfg.dp_eps})")
-    gradients = probe_gradient(model, trained_names(model, cfg.method), model.normalize(images), labels, keep, dp,
-                               generator)
+    gradients = probe_gradient(model, names, model.normalize(images), labels, keep, dp, generator)
     obs = GradientObservation(model, gradients, batch, model_image_size(model), model.mean, model.std, masked=masked,
                               prior=prior)
     truth = ProbeBatch(data.images[chosen], data.labels[chosen], keep.numpy() if keep is not None else None)
@@ -202,12 +215,10 @@ def upload_observation(run: RunDirectory, round_number: int, partition: int, bat
     if batch > num_examples:
         raise RunError(f"--batch {batch} is larger than client {partition}'s {num_examples} training images")
     steps = cfg.local_epochs * math.ceil(num_examples / cfg.batch_size)
-    if method_spec(cfg.method).prunes_heads:  # the client's forward computed only the heads it kept
-        kept = run.load_upload(round_number, partition, "heads")["kept"]
-        headprune.keep_only(model, headprune.kept_mask(kept, headprune.attentions(model)[0].num_heads))
+    names = prune_as_client(run, round_number, partition, model, trained_names(model, cfg.method))
     named = dict(model.named_parameters())
     gradients, after = {}, {}
-    for name in [name for name in trained_names(model, cfg.method) if name in uploaded]:  # pruned heads: not sent
+    for name in [name for name in names if name in uploaded]:
         before = named[name].detach()
         after[name] = torch.from_numpy(uploaded[name]).to(before.dtype)
         gradients[name] = ((before - after[name]) / (cfg.lr * cfg.lr_factor(round_number) * steps)
