@@ -274,24 +274,23 @@ def _trained_parameters(layer: nn.Module) -> list[nn.Parameter]:
 
 def _squared_norms(layer: nn.Module, inputs: torch.Tensor, output_grad: torch.Tensor) -> torch.Tensor:
     """Each sample's squared gradient norm over the layer's own trained parameters, from its input and output
-    gradient: opacus' ghost norm where it has one (Linear: no per-sample gradient built), else its per-sample
-    gradients (Conv2d, torch's LayerNorm), else torch.func on the layer itself (any other layer)."""
-    trained = _trained_parameters(layer)
-    kind = type(layer)  # the exact type: a subclass (LoRALinear) may compute something else
-    if kind in GradSampleModuleFastGradientClipping.NORM_SAMPLERS:
-        norms = GradSampleModuleFastGradientClipping.NORM_SAMPLERS[kind](layer, [inputs], output_grad)
-        return sum(norms[p] ** 2 for p in trained)
-    if kind in GradSampleModule.GRAD_SAMPLERS:
-        grads = GradSampleModule.GRAD_SAMPLERS[kind](layer, [inputs], output_grad)
-        grads = [grads[p] for p in trained]
-    else:
-        grads = _per_sample_gradients(layer, inputs, output_grad)
-    return sum(g.flatten(1).square().sum(1) for g in grads)
+    gradient: opacus' ghost norm where it has one (Linear: no per-sample gradient is built), else the norms of
+    the per-sample gradients."""
+    ghost_norms = GradSampleModuleFastGradientClipping.NORM_SAMPLERS.get(type(layer))  # exact type: a subclass
+    if ghost_norms is not None:  # (LoRALinear) may compute something else
+        norms = ghost_norms(layer, [inputs], output_grad)
+        return sum(norms[p] ** 2 for p in _trained_parameters(layer))
+    return sum(g.flatten(1).square().sum(1) for g in _per_sample_gradients(layer, inputs, output_grad))
 
 
 def _per_sample_gradients(layer: nn.Module, inputs: torch.Tensor, output_grad: torch.Tensor) -> list[torch.Tensor]:
-    """Per-sample gradients of the layer's own trained parameters by torch.func (opacus' functorch helper would
-    differentiate every parameter, a LoRA layer's frozen base too)."""
+    """Per-sample gradients of the layer's own trained parameters: opacus' where it has them (Conv2d, torch's
+    LayerNorm), else by torch.func on the layer (opacus' functorch helper would differentiate every parameter, a
+    LoRA layer's frozen base too)."""
+    sampler = GradSampleModule.GRAD_SAMPLERS.get(type(layer))
+    if sampler is not None:
+        grads = sampler(layer, [inputs], output_grad)
+        return [grads[p] for p in _trained_parameters(layer)]
     names = [name for name, p in layer.named_parameters(recurse=False) if p.requires_grad]
     fixed = {name: p.detach() for name, p in layer.named_parameters() if name not in names}
 
