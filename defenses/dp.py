@@ -250,10 +250,7 @@ class PerSampleClipping:
 
     def _clip(self, captured: dict[nn.Module, tuple[torch.Tensor, torch.Tensor, int]],
               per_sample_losses: torch.Tensor) -> None:
-        for layer, (_, output, version) in captured.items():
-            if output._version != version:
-                raise RuntimeError(f"DP-SGD: the output of {type(layer).__name__} was changed in place after the "
-                                   "layer ran, so its gradient cannot be read off; make that operation out of place")
+        _check_per_sample(captured, len(per_sample_losses))
         outputs = [output for _, output, _ in captured.values()]
         output_grads = torch.autograd.grad(per_sample_losses.sum(), outputs, retain_graph=True, allow_unused=True,
                                            materialize_grads=True)
@@ -266,6 +263,22 @@ class PerSampleClipping:
             for param, clipped in zip(params, torch.autograd.grad(output, params, scaled, retain_graph=True,
                                                                   allow_unused=True, materialize_grads=True)):
                 param.grad = clipped if param.grad is None else param.grad + clipped
+
+
+def _check_per_sample(captured: dict[nn.Module, tuple[torch.Tensor, torch.Tensor, int]], batch: int) -> None:
+    """Refuse what would make the clipped sum silently wrong: a layer output that mixes samples (no batch
+    dimension first) or that changed since the layer ran (its gradient would be another tensor's)."""
+    if not captured:
+        raise RuntimeError("DP-SGD: no trained layer ran in training mode since the last step; call the wrapped "
+                           "model in train mode before each backward()")
+    for layer, (inputs, output, version) in captured.items():
+        if inputs.shape[:1] != (batch,) or output.shape[:1] != (batch,):
+            raise NotImplementedError(f"DP-SGD: {type(layer).__name__} maps {tuple(inputs.shape)} to "
+                                      f"{tuple(output.shape)} for {batch} samples; per-sample clipping needs "
+                                      "trained layers whose input and output have the batch dimension first")
+        if output._version != version:
+            raise RuntimeError(f"DP-SGD: the output of {type(layer).__name__} was changed in place after the layer "
+                               "ran, so its gradient cannot be read off; make that operation out of place")
 
 
 def _trained_parameters(layer: nn.Module) -> list[nn.Parameter]:

@@ -116,3 +116,29 @@ def test_a_layer_output_changed_in_place_is_refused():
     with pytest.raises(RuntimeError, match="the output of Linear was changed in place"):
         clip_one_batch(model)
     assert all(p.grad is None for p in model.parameters())
+
+
+class SharedTokens(nn.Module):
+    """A learned offset returned without a batch dimension and broadcast by the caller: the gradient at its
+    output is summed over the batch, so no per-sample norm can be read off it."""
+
+    def __init__(self):
+        super().__init__()
+        self.offset = nn.Parameter(torch.zeros(1, 2))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.offset
+
+
+class WithSharedTokens(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.linear, self.tokens = nn.Linear(4, 2), SharedTokens()
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.linear(x) + self.tokens(x)
+
+
+def test_a_layer_output_without_the_batch_dimension_first_is_refused():
+    with pytest.raises(NotImplementedError, match=r"SharedTokens maps \(4, 4\) to \(1, 2\) for 4 samples"):
+        clip_one_batch(WithSharedTokens())
