@@ -3,6 +3,7 @@
 the optimizer, masking and data handling, and the rest. Findings: docs/bench.md ("Where the time goes").
 
     python experiments/bench_profile.py [--model vit-tiny-32] [--steps 5] [--batch-size 64]
+    python experiments/bench_profile.py --dp                    # eftvit r_m 0.75 with DP-SGD against without
     python experiments/bench_profile.py --compare-attention 6   # fused vs unfused attention, interleaved steps
     python experiments/bench_profile.py --compare-dp 5          # DP-SGD: the trainer's clipping vs opacus' modes
 """
@@ -19,6 +20,7 @@ import torch
 from torch import nn
 from torch.profiler import ProfilerActivity, profile
 
+from defenses.dp import DPSGD
 from eftguard.config import TrainConfig
 from eftguard.federation.client import run_dataset
 from eftguard.model import build_model
@@ -39,11 +41,12 @@ def group_of(name: str) -> str:
     return next((group for group, parts in GROUPS.items() if any(p.lower() in lowered for p in parts)), "other")
 
 
-def profile_step(method: str, mask_ratio: float, images, labels, model, steps: int) -> dict[str, float]:
+def profile_step(method: str, mask_ratio: float, images, labels, model, steps: int,
+                 dp: DPSGD | None = None) -> dict[str, float]:
     """Self CPU seconds per step by group, over `steps` steps after one warm-up call."""
     def run(epochs: int):
         return train_local(model, images, labels, method, mask_ratio,
-                           OptimConfig(epochs, len(labels), 1e-3, 0.05), torch.Generator().manual_seed(0))
+                           OptimConfig(epochs, len(labels), 1e-3, 0.05), torch.Generator().manual_seed(0), dp=dp)
 
     run(2)
     with profile(activities=[ProfilerActivity.CPU]) as prof:
@@ -162,6 +165,8 @@ def main() -> None:
     parser.add_argument("--compare-dp", type=int, default=0, metavar="ROUNDS",
                         help="instead of profiling, time the trainer's DP-SGD step vs opacus' ghost clipping and "
                              "hooks over ROUNDS interleaved steps")
+    parser.add_argument("--dp", action="store_true",
+                        help="profile eftvit r_m 0.75 with DP-SGD against without (instead of fedavg against eftvit)")
     args = parser.parse_args()
     cfg = TrainConfig()
     data = run_dataset(cfg.dataset, "", args.model, cfg.train_samples, 0, 0)
@@ -174,9 +179,13 @@ def main() -> None:
         compare_attention(args.model, data.num_classes, images, labels, args.compare_attention)
         return
     rows = {}
-    for method, ratio in (("fedavg", 0.0), ("eftvit", 0.75)):
+    dp = DPSGD(1.0, cfg.max_grad_norm, 1.0, 0)  # sample rate 1: the same batch as the plain step
+    columns = [("eftvit", 0.75, dp), ("eftvit", 0.75, None)] if args.dp else [("fedavg", 0.0, None),
+                                                                               ("eftvit", 0.75, None)]
+    for method, ratio, private in columns:
         model = build_model(args.model, data.num_classes, cfg.local_layers)
-        rows[f"{method} r_m {ratio:g}"] = profile_step(method, ratio, images, labels, model, args.steps)
+        rows[f"{method} r_m {ratio:g}" + (" dp-sgd" if private else "")] = profile_step(
+            method, ratio, images, labels, model, args.steps, private)
     names = sorted({g for row in rows.values() for g in row})
     print(f"self CPU seconds per step ({args.model}, batch {args.batch_size}, {torch.get_num_threads()} threads)")
     print(f"{'group':34}" + "".join(f"{k:>18}" for k in rows) + f"{'ratio':>10}")
