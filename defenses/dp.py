@@ -2,8 +2,8 @@
 
 Per-sample clipping (book-keeping: one backward pass gives every trained layer's output gradients, from which
 the per-sample norms and then the clipped gradient sum are computed layer by layer) and Gaussian noise, Poisson
-sampling, and accounting that fixes each client's noise multiplier before
-training, so the client's total privacy loss over every round it takes part in stays within (epsilon, delta).
+sampling, and accounting that fixes each client's noise multiplier before training, so the client's total
+privacy loss over every round it takes part in stays within (epsilon, delta).
 
 With a method that uploads patch features, --dp-eps covers them too: the budget is split between the
 parameter channel (DP-SGD) and the feature channel (defenses.feature_dp, one Gaussian release per image and
@@ -205,8 +205,8 @@ class PerSampleClipping:
     A forward hook keeps each trained layer's (layer with parameters of its own that require grad) input and
     output. backward() then runs ONE backward pass, from the summed loss to those outputs only: it yields each
     layer's output gradient per sample and computes no parameter gradient. From (input, output gradient) come the
-    per-sample gradient norms (opacus' ghost norms for Linear, its per-sample gradients for Conv2d, torch.func
-    for the rest), the clipping factors c_i, and finally each layer's clipped gradient sum, as the gradient of that
+    per-sample gradient norms (ghost norms for Linear and the cls/positional embedding, opacus' per-sample
+    gradients for Conv2d and LayerNorm, torch.func for the rest), the clipping factors c_i, and finally each layer's clipped gradient sum, as the gradient of that
     layer's output alone with output gradient c_i * g_i: the loss of sample i depends on sample i only, so
     this is exactly sum_i c_i * grad loss_i. The frozen layers (eftvit's theta) are traversed once, where ghost
     clipping's second pass traversed them again. Layers must treat samples independently (no batch norm)."""
