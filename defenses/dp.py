@@ -208,8 +208,9 @@ class PerSampleClipping:
     per-sample gradient norms (ghost norms for Linear and the cls/positional embedding, opacus' per-sample
     gradients for Conv2d and LayerNorm, torch.func for the rest), the clipping factors c_i, and finally each
     layer's clipped gradient sum, as the gradient of that layer's output alone with output gradient c_i * g_i:
-    the loss of sample i depends on sample i only, so this is exactly sum_i c_i * grad loss_i. The frozen layers (eftvit's theta) are traversed once, where ghost
-    clipping's second pass traversed them again. Layers must treat samples independently (no batch norm)."""
+    the loss of sample i depends on sample i only, so this is exactly sum_i c_i * grad loss_i. The frozen layers
+    (eftvit's theta) are traversed once, where ghost clipping's second pass traversed them again. Layers must
+    treat samples independently (no batch norm)."""
 
     def __init__(self, model: nn.Module, max_grad_norm: float):
         self.model, self.max_grad_norm = model, max_grad_norm
