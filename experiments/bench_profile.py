@@ -3,8 +3,9 @@
 the optimizer, masking and data handling, and the rest. Findings: docs/bench.md ("Where the time goes").
 
     python experiments/bench_profile.py [--model vit-tiny-32] [--steps 5] [--batch-size 64]
+    python experiments/bench_profile.py --dp                    # eftvit r_m 0.75 with DP-SGD against without
     python experiments/bench_profile.py --compare-attention 6   # fused vs unfused attention, interleaved steps
-    python experiments/bench_profile.py --compare-dp 5          # DP-SGD: ghost clipping vs per-sample hooks
+    python experiments/bench_profile.py --compare-dp 5          # DP-SGD: the trainer's clipping vs opacus' modes
 """
 
 from __future__ import annotations
@@ -13,11 +14,13 @@ import argparse
 import statistics
 import time
 from collections import defaultdict
+from typing import Callable
 
 import torch
 from torch import nn
 from torch.profiler import ProfilerActivity, profile
 
+from defenses.dp import DPSGD
 from eftguard.config import TrainConfig
 from eftguard.federation.client import run_dataset
 from eftguard.model import build_model
@@ -38,11 +41,12 @@ def group_of(name: str) -> str:
     return next((group for group, parts in GROUPS.items() if any(p.lower() in lowered for p in parts)), "other")
 
 
-def profile_step(method: str, mask_ratio: float, images, labels, model, steps: int) -> dict[str, float]:
+def profile_step(method: str, mask_ratio: float, images, labels, model, steps: int,
+                 dp: DPSGD | None = None) -> dict[str, float]:
     """Self CPU seconds per step by group, over `steps` steps after one warm-up call."""
     def run(epochs: int):
         return train_local(model, images, labels, method, mask_ratio,
-                           OptimConfig(epochs, len(labels), 1e-3, 0.05), torch.Generator().manual_seed(0))
+                           OptimConfig(epochs, len(labels), 1e-3, 0.05), torch.Generator().manual_seed(0), dp=dp)
 
     run(2)
     with profile(activities=[ProfilerActivity.CPU]) as prof:
@@ -78,13 +82,17 @@ def compare_attention(model_name: str, num_classes: int, images, labels, rounds:
 
 
 def compare_dp(images, labels, rounds: int) -> None:
-    """eftvit at r_m 0.75: the plain step and the trainer's ghost-clipping DP step (eftguard bench's own steps),
-    against Opacus' hook mode (GradSampleModule + DPOptimizer: one backward pass, per-sample gradients of the
-    trained parameters materialised), which the trainer does not use. Median step times, interleaved, and FLOPs."""
+    """eftvit at r_m 0.75: the plain step and the trainer's DP step (book-keeping clipping, eftguard bench's own
+    steps), against two opacus modes the trainer does not use: ghost clipping (GradSampleModuleFastGradientClipping,
+    a second backward pass from the loss, through theta too; the trainer's mode before) and hooks (GradSampleModule
+    + DPOptimizer: one backward pass, per-sample gradients of the trained parameters materialised). Median step
+    times, interleaved, and FLOPs."""
     import warnings
 
     from opacus import GradSampleModule
-    from opacus.optimizers import DPOptimizer
+    from opacus.grad_sample import GradSampleModuleFastGradientClipping
+    from opacus.optimizers import DPOptimizer, DPOptimizerFastGradientClipping
+    from opacus.utils.fast_gradient_clipping_utils import DPLossFastGradientClipping
 
     from eftguard.bench import Bench, BenchConfig, BenchInputs, Setting, count_flops
     from eftguard.masking import random_keep_ids
@@ -93,40 +101,57 @@ def compare_dp(images, labels, rounds: int) -> None:
     warnings.filterwarnings("ignore", "Full backward hook is firing")
     cfg, default = BenchConfig(batch_size=len(labels)), TrainConfig()
     bench = Bench(cfg, BenchInputs(images, labels, images.numpy(), [], 10), default)
-    plain, ghost = Setting("eftvit", 0.75), Setting("eftvit", 0.75, dp=True)
-    model = build_model("vit-tiny-32", 10, default.local_layers)
+    plain, private = Setting("eftvit", 0.75), Setting("eftvit", 0.75, dp=True)
     spec = METHODS["eftvit"]
-    for name, parameter in model.named_parameters():
-        parameter.requires_grad_(spec.trains_parameter(name))
-    wrapped = GradSampleModule(model, batch_first=True, loss_reduction="mean")
-    optimizer = DPOptimizer(torch.optim.AdamW(spec.trained_parameters(model), lr=default.lr), noise_multiplier=1.0,
-                            max_grad_norm=1.0, expected_batch_size=len(labels))
     generator = torch.Generator().manual_seed(0)
 
-    def hooks_step() -> None:
-        keep = random_keep_ids(len(labels), model.local_module.num_patches, 0.75, generator)
-        loss = nn.functional.cross_entropy(wrapped(model.normalize(images), keep), labels)
-        optimizer.zero_grad(set_to_none=True)
-        loss.backward()
-        optimizer.step()
+    def opacus_step(ghost: bool) -> Callable[[], None]:
+        """One DP-SGD step of a model of its own, wrapped in the opacus mode."""
+        model = build_model("vit-tiny-32", 10, default.local_layers)
+        for name, parameter in model.named_parameters():
+            parameter.requires_grad_(spec.trains_parameter(name))
+        params, options = spec.trained_parameters(model), dict(noise_multiplier=1.0, max_grad_norm=1.0,
+                                                                expected_batch_size=len(labels))
+        if ghost:
+            wrapped = GradSampleModuleFastGradientClipping(model, batch_first=True, loss_reduction="mean",
+                                                           max_grad_norm=1.0, use_ghost_clipping=True)
+            optimizer = DPOptimizerFastGradientClipping(torch.optim.AdamW(params, lr=default.lr), **options)
+            criterion = DPLossFastGradientClipping(wrapped, optimizer, nn.CrossEntropyLoss(), loss_reduction="mean")
+        else:
+            wrapped = GradSampleModule(model, batch_first=True, loss_reduction="mean")
+            optimizer = DPOptimizer(torch.optim.AdamW(params, lr=default.lr), **options)
+            criterion = nn.functional.cross_entropy
 
-    def timed_hooks() -> float:
-        hooks_step()
-        start = time.perf_counter()
-        hooks_step()
-        return time.perf_counter() - start
+        def step() -> None:
+            keep = random_keep_ids(len(labels), model.local_module.num_patches, 0.75, generator)
+            loss = criterion(wrapped(model.normalize(images), keep), labels)
+            optimizer.zero_grad(set_to_none=True)
+            loss.backward()
+            optimizer.step()
+        return step
 
+    def timed(step: Callable[[], None]) -> Callable[[], float]:
+        def run() -> float:
+            step()
+            start = time.perf_counter()
+            step()
+            return time.perf_counter() - start
+        return run
+
+    ghost_step, hooks_step = opacus_step(ghost=True), opacus_step(ghost=False)
     steps = {"plain": lambda: bench.client_step(plain)(2).epoch_seconds[-1],
-             "ghost clipping": lambda: bench.client_step(ghost)(2).epoch_seconds[-1], "hooks": timed_hooks}
+             "trainer (book-keeping)": lambda: bench.client_step(private)(2).epoch_seconds[-1],
+             "ghost clipping": timed(ghost_step), "hooks": timed(hooks_step)}
     flops = {"plain": count_flops(lambda: bench.client_step(plain)(1)),
-             "ghost clipping": count_flops(lambda: bench.client_step(ghost)(1)), "hooks": count_flops(hooks_step)}
+             "trainer (book-keeping)": count_flops(lambda: bench.client_step(private)(1)),
+             "ghost clipping": count_flops(ghost_step), "hooks": count_flops(hooks_step)}
     seconds = {key: [] for key in steps}
     for _ in range(rounds):
         for key, step in steps.items():
             seconds[key].append(step())
     base = statistics.median(seconds["plain"])
     for key, values in seconds.items():
-        print(f"{key:15} median {statistics.median(values):.3f} s ({statistics.median(values) / base:.2f}x), "
+        print(f"{key:22} median {statistics.median(values):.3f} s ({statistics.median(values) / base:.2f}x), "
               f"{flops[key] / 1e9:.1f} GFLOP ({flops[key] / flops['plain']:.2f}x)")
 
 
@@ -138,7 +163,10 @@ def main() -> None:
     parser.add_argument("--compare-attention", type=int, default=0, metavar="ROUNDS",
                         help="instead of profiling, time fused vs unfused attention over ROUNDS interleaved steps")
     parser.add_argument("--compare-dp", type=int, default=0, metavar="ROUNDS",
-                        help="instead of profiling, time DP-SGD with ghost clipping vs hooks over ROUNDS steps")
+                        help="instead of profiling, time the trainer's DP-SGD step vs opacus' ghost clipping and "
+                             "hooks over ROUNDS interleaved steps")
+    parser.add_argument("--dp", action="store_true",
+                        help="profile eftvit r_m 0.75 with DP-SGD against without (instead of fedavg against eftvit)")
     args = parser.parse_args()
     cfg = TrainConfig()
     data = run_dataset(cfg.dataset, "", args.model, cfg.train_samples, 0, 0)
@@ -151,9 +179,13 @@ def main() -> None:
         compare_attention(args.model, data.num_classes, images, labels, args.compare_attention)
         return
     rows = {}
-    for method, ratio in (("fedavg", 0.0), ("eftvit", 0.75)):
+    dp = DPSGD(1.0, cfg.max_grad_norm, 1.0, 0)  # sample rate 1: the same batch as the plain step
+    columns = [("eftvit", 0.75, dp), ("eftvit", 0.75, None)] if args.dp else [("fedavg", 0.0, None),
+                                                                               ("eftvit", 0.75, None)]
+    for method, ratio, private in columns:
         model = build_model(args.model, data.num_classes, cfg.local_layers)
-        rows[f"{method} r_m {ratio:g}"] = profile_step(method, ratio, images, labels, model, args.steps)
+        rows[f"{method} r_m {ratio:g}" + (" dp-sgd" if private else "")] = profile_step(
+            method, ratio, images, labels, model, args.steps, private)
     names = sorted({g for row in rows.values() for g in row})
     print(f"self CPU seconds per step ({args.model}, batch {args.batch_size}, {torch.get_num_threads()} threads)")
     print(f"{'group':34}" + "".join(f"{k:>18}" for k in rows) + f"{'ratio':>10}")

@@ -99,8 +99,9 @@ def test_short_bench_writes_every_documented_key(tmp_path, capsys):
     assert eftvit["upload_bytes"]["features"] > clients["eftvit r_m 0.9"]["upload_bytes"]["features"] > 0
     assert eftvit["memory_bytes"]["activations"] < fedavg["memory_bytes"]["activations"]
     assert result["dp"]["eftvit"]["step_seconds"]["n"] == 2 and result["config"]["steps"] == 2
-    # ghost clipping: a second backward pass (through the frozen global module too) on top of the plain step
-    assert 1.2 < result["dp"]["eftvit"]["flop_ratio"] < 2
+    # per-sample clipping: norms and clipped sums of phi and h on top of the plain step (ghost clipping's second
+    # backward pass, through the frozen global module too, made it 1.56x)
+    assert 1 < result["dp"]["eftvit"]["flop_ratio"] < 1.25
     assert "fedavg" in capsys.readouterr().out
 
 

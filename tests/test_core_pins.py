@@ -79,21 +79,21 @@ def test_an_unreachable_target_is_refused_with_the_noise_ceiling_and_the_steps_n
 
 
 def test_dp_training_clips_linear_layers_by_ghost_norms_without_per_sample_gradients(tiny_model, monkeypatch):
-    """Ghost clipping (what training uses) computes a Linear layer's per-sample gradient norms directly; the other
-    mode materialises a batch of per-sample gradients per parameter (same step, batch-size times the memory)."""
-    from opacus.grad_sample import grad_sample_module_fast_gradient_clipping as fast
+    """Per-sample clipping (what training uses) computes a Linear layer's per-sample gradient norms directly; the
+    other layers get a batch of per-sample gradients per parameter (batch-size times the memory)."""
+    from defenses import dp
 
     materialised = []
-    original = fast.create_or_accumulate_grad_sample
-    monkeypatch.setattr(fast, "create_or_accumulate_grad_sample",
-                        lambda *, param, **kw: materialised.append(param) or original(param=param, **kw))
+    original = dp._per_sample_gradients
+    monkeypatch.setattr(dp, "_per_sample_gradients",
+                        lambda layer, *args: materialised.append(layer) or original(layer, *args))
     model = copy.deepcopy(tiny_model)
     images, labels = images_and_labels(4)
     train_local(model, images, labels, "eftvit", 0.75, OptimConfig(1, 4, 1e-3, 0.0),
                 torch.Generator().manual_seed(0), dp=DPSGD(1.0, 1.0, 1.0, 0))
-    linear = [p for m in model.modules() if type(m) is nn.Linear for p in m.parameters() if p.requires_grad]
+    linear = [m for m in model.modules() if type(m) is nn.Linear and any(p.requires_grad for p in m.parameters())]
     assert len(linear) > 2 and materialised  # patch embedding and norms still get per-sample gradients
-    assert not any(p is q for p in materialised for q in linear)
+    assert not any(type(layer) is nn.Linear for layer in materialised)
 
 
 # --- feature noise ----------------------------------------------------------------------------------------------

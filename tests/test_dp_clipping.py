@@ -1,0 +1,144 @@
+"""DP-SGD's per-sample clipping (defenses.dp.PerSampleClipping): the clipped gradient sum against a one-sample-at-a-
+time reference, the cost of getting it (the frozen global module is traversed once), and the layers it refuses."""
+
+import pytest
+import torch
+from torch import nn
+
+from conftest import MICRO_PRESET
+from defenses.dp import DPSGD, make_private
+from eftguard.bench import count_flops
+from eftguard.masking import random_keep_ids
+from eftguard.methods import METHODS
+from eftguard.model import build_model
+from eftguard.training import OptimConfig, train_local
+
+BATCH = 4
+
+
+def seeded_batch(masked: bool):
+    g = torch.Generator().manual_seed(0)
+    images = torch.randint(0, 256, (BATCH, 32, 32, 3), generator=g, dtype=torch.uint8)
+    labels = torch.randint(0, 10, (BATCH,), generator=g)
+    return images, labels, random_keep_ids(BATCH, 64, 0.75, g) if masked else None
+
+
+def one_sample_at_a_time(model, x, labels, keep, trained):
+    """Brute force: each sample's gradient of its own loss, one forward and backward per sample."""
+    grads = []
+    for i in range(len(labels)):
+        model.zero_grad(set_to_none=True)
+        nn.functional.cross_entropy(model(x[i:i + 1], None if keep is None else keep[i:i + 1]),
+                                    labels[i:i + 1]).backward()
+        grads.append({name: p.grad.clone() for name, p in trained})
+    model.zero_grad(set_to_none=True)
+    return grads
+
+
+@pytest.mark.parametrize("method", ["eftvit", "fedavg"])
+def test_the_clipped_gradient_sum_is_the_sum_of_each_samples_clipped_gradient(micro_preset, method):
+    """eftvit: phi and h trained on masked images through the frozen theta; fedavg's case: every parameter trained,
+    so the gradient flows from the loss through the whole model. The clip lies between the middle two of the four
+    per-sample norms (over all trained parameters jointly): two samples are clipped, two are not."""
+    spec = METHODS[method]
+    model = build_model(MICRO_PRESET, 10, 2, seed=0).train()
+    for name, p in model.named_parameters():
+        p.requires_grad_(spec.trains_parameter(name))
+    trained = [(name, p) for name, p in model.named_parameters() if p.requires_grad]
+    images, labels, keep = seeded_batch(spec.masked)
+    x = model.normalize(images)
+    reference = one_sample_at_a_time(model, x, labels, keep, trained)
+    norms = torch.stack([sum((g * g).sum() for g in r.values()).sqrt() for r in reference])
+    clip = float(norms.sort().values[1:3].mean())
+    factors = (clip / norms).clamp(max=1.0)
+    assert (factors < 1).sum() == 2
+
+    optimizer = torch.optim.SGD([p for _, p in trained], lr=0.0)
+    wrapped, dp_optimizer, criterion, _ = make_private(model, optimizer, DPSGD(0.0, clip, 1.0, 0), BATCH)
+    try:
+        criterion(wrapped(x, keep), labels).backward()
+        clipped_sums = {name: p.grad.clone() for name, p in trained}
+        dp_optimizer.step()
+    finally:
+        wrapped.to_standard_module()
+    for name, p in trained:
+        expected = sum(r[name] * f for r, f in zip(reference, factors))
+        torch.testing.assert_close(clipped_sums[name], expected, rtol=1e-4, atol=1e-6, msg=name)
+        assert torch.equal(p.grad, clipped_sums[name] / BATCH), name  # zero noise: the sum over the batch size
+
+
+def eftvit_dp_step(model, dp: bool):
+    images, labels, _ = seeded_batch(masked=False)
+    return train_local(model, images, labels, "eftvit", 0.75, OptimConfig(1, BATCH, 1e-3, 0.0),
+                       torch.Generator().manual_seed(0), dp=DPSGD(1.0, 1.0, 1.0, 0) if dp else None)
+
+
+def test_a_dp_step_backpropagates_through_the_frozen_global_module_once(micro_preset):
+    """Ghost clipping's second backward pass, of sum_i c_i loss_i from the loss, went through theta again; now the
+    clipped sums start at the trained layers' outputs."""
+    model = build_model(MICRO_PRESET, 10, 2, seed=0)
+    backward_calls = []
+    model.global_module.blocks[0].register_full_backward_hook(lambda *args: backward_calls.append(1))
+    eftvit_dp_step(model, dp=False)
+    assert len(backward_calls) == 1
+    eftvit_dp_step(model, dp=True)
+    assert len(backward_calls) == 2
+
+
+def test_a_dp_step_costs_few_more_flops_than_a_plain_step(tiny_model):
+    """vit-tiny-32, M = 2, r_m 0.75 (the bench's eftvit row): ghost clipping cost 1.56x a plain step's FLOPs (its
+    second pass through theta); the per-sample norms and clipped sums add the phi-sized work only."""
+    plain = count_flops(lambda: eftvit_dp_step(tiny_model, dp=False))
+    private = count_flops(lambda: eftvit_dp_step(tiny_model, dp=True))
+    assert plain < private < 1.25 * plain
+
+
+def clip_one_batch(model: nn.Module):
+    x, labels = torch.randn(BATCH, 4), torch.arange(BATCH) % 2
+    wrapped, _, criterion, _ = make_private(model, torch.optim.SGD(model.parameters(), lr=0.0),
+                                            DPSGD(0.0, 1.0, 1.0, 0), BATCH)
+    try:
+        criterion(wrapped(x), labels).backward()
+    finally:
+        wrapped.to_standard_module()
+
+
+def test_a_layer_that_runs_twice_is_refused():
+    """Its per-sample norm would be two norms instead of the norm of the sum."""
+    shared = nn.Linear(4, 4)
+    with pytest.raises(NotImplementedError, match="Linear ran twice in one step"):
+        clip_one_batch(nn.Sequential(shared, nn.Tanh(), shared, nn.Linear(4, 2)))
+
+
+def test_a_layer_output_changed_in_place_is_refused():
+    """An in-place ReLU rewrites the Linear's output: the gradient read there would be the ReLU output's."""
+    model = nn.Sequential(nn.Linear(4, 4), nn.ReLU(inplace=True), nn.Linear(4, 2))
+    with pytest.raises(RuntimeError, match="the output of Linear was changed in place"):
+        clip_one_batch(model)
+    assert all(p.grad is None for p in model.parameters())
+
+
+class SharedTokens(nn.Module):
+    """A learned offset returned without a batch dimension and broadcast by the caller: the gradient at its
+    output is summed over the batch, so no per-sample norm can be read off it."""
+
+    def __init__(self):
+        super().__init__()
+        self.offset = nn.Parameter(torch.zeros(1, 2))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.offset
+
+
+class WithSharedTokens(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.linear, self.tokens = nn.Linear(4, 2), SharedTokens()
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.linear(x) + self.tokens(x)
+
+
+def test_a_layer_output_without_the_batch_dimension_first_is_refused():
+    with pytest.raises(NotImplementedError, match=r"SharedTokens maps \(4, 4\) to \(1, 2\) for 4 samples"):
+        clip_one_batch(WithSharedTokens())
