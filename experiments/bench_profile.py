@@ -5,6 +5,7 @@ the optimizer, masking and data handling, and the rest. Findings: docs/bench.md 
     python experiments/bench_profile.py [--model vit-tiny-32] [--steps 5] [--batch-size 64]
     python experiments/bench_profile.py --dp                    # eftvit r_m 0.75 with DP-SGD against without
     python experiments/bench_profile.py --compare-attention 6   # fused vs unfused attention, interleaved steps
+    python experiments/bench_profile.py --compare-compile 5     # eager vs torch.compile'd blocks, interleaved steps
     python experiments/bench_profile.py --compare-dp 5          # DP-SGD: the trainer's clipping vs opacus' modes
 """
 
@@ -79,6 +80,33 @@ def compare_attention(model_name: str, num_classes: int, images, labels, rounds:
     for (method, ratio, fused), values in seconds.items():
         print(f"{method} r_m {ratio:g} {'fused' if fused else 'unfused'} attention: median "
               f"{statistics.median(values):.3f} s, min {min(values):.3f} s")
+
+
+def compare_compile(model_name: str, num_classes: int, images, labels, rounds: int) -> None:
+    """Median step time with eager blocks and with torch.compile'd blocks (inductor fuses the element-wise
+    work), interleaved; the first (compiling) step of each is reported apart."""
+    models = {}
+    for method, ratio in (("fedavg", 0.0), ("eftvit", 0.75)):
+        for compiled in (False, True):
+            model = build_model(model_name, num_classes, TrainConfig().local_layers)
+            if compiled:
+                for block in [*model.local_module.blocks, *model.global_module.blocks]:
+                    block.compile()
+            models[(method, ratio, compiled)] = model
+    seconds = {key: [] for key in models}
+    for _ in range(rounds + 1):
+        for (method, ratio, compiled), model in models.items():
+            start = time.perf_counter()
+            train_local(model, images, labels, method, ratio, OptimConfig(1, len(labels), 1e-3, 0.05),
+                        torch.Generator().manual_seed(0))
+            seconds[(method, ratio, compiled)].append(time.perf_counter() - start)
+    medians = {key: statistics.median(values[1:]) for key, values in seconds.items()}
+    for (method, ratio, compiled), values in seconds.items():
+        print(f"{method} r_m {ratio:g} {'compiled' if compiled else 'eager'}: first step {values[0]:.1f} s, "
+              f"median {medians[(method, ratio, compiled)]:.3f} s")
+    for compiled in (False, True):
+        print(f"{'compiled' if compiled else 'eager'} speed-up eftvit r_m 0.75 over fedavg: "
+              f"{medians[('fedavg', 0.0, compiled)] / medians[('eftvit', 0.75, compiled)]:.2f}x")
 
 
 def compare_dp(images, labels, rounds: int) -> None:
@@ -162,6 +190,8 @@ def main() -> None:
     parser.add_argument("--batch-size", type=int, default=64)
     parser.add_argument("--compare-attention", type=int, default=0, metavar="ROUNDS",
                         help="instead of profiling, time fused vs unfused attention over ROUNDS interleaved steps")
+    parser.add_argument("--compare-compile", type=int, default=0, metavar="ROUNDS",
+                        help="instead of profiling, time eager vs torch.compile'd transformer blocks over ROUNDS steps")
     parser.add_argument("--compare-dp", type=int, default=0, metavar="ROUNDS",
                         help="instead of profiling, time the trainer's DP-SGD step vs opacus' ghost clipping and "
                              "hooks over ROUNDS interleaved steps")
@@ -174,6 +204,9 @@ def main() -> None:
     labels = torch.from_numpy(data.train.labels[:args.batch_size])
     if args.compare_dp:
         compare_dp(images, labels, args.compare_dp)
+        return
+    if args.compare_compile:
+        compare_compile(args.model, data.num_classes, images, labels, args.compare_compile)
         return
     if args.compare_attention:
         compare_attention(args.model, data.num_classes, images, labels, args.compare_attention)

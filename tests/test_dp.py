@@ -67,8 +67,8 @@ def test_per_sample_gradients_match_one_sample_loop(frozen_theta):
 
 
 @pytest.mark.parametrize("clip_at", ["below_all", "median", "above_all"])
-def test_ghost_clipping_step_equals_mean_of_clipped_per_sample_gradients(frozen_theta, clip_at):
-    """Per-sample gradients in the mode training uses (ghost clipping, through make_private), at zero noise,
+def test_the_dp_step_equals_mean_of_clipped_per_sample_gradients(frozen_theta, clip_at):
+    """Per-sample gradients in the mode training uses (per-sample clipping, through make_private), at zero noise,
     against a one-sample-at-a-time loop: every sample clipped, some clipped, none clipped."""
     images, labels, keep = batch()
     x = frozen_theta.normalize(images)

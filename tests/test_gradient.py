@@ -138,7 +138,7 @@ def test_head_bias_gives_the_labels(photos):
 # --- the probe is the client's step ------------------------------------------------------------------------
 
 def opacus_step_gradient(model, names, images, labels, keep, dp: DPNoise, seed=0):
-    """The gradient the client's DP-SGD step applies to one batch: defenses.dp.make_private (ghost clipping,
+    """The gradient the client's DP-SGD step applies to one batch: defenses.dp.make_private (per-sample clipping,
     Opacus' noise) as eftguard.training uses it, read off the parameters after a zero-learning-rate step."""
     named = dict(model.named_parameters())
     model.train().global_module.requires_grad_(False)

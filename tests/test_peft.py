@@ -254,7 +254,7 @@ def seeded_batch(size: int = 4) -> tuple[torch.Tensor, torch.Tensor]:
 
 @pytest.mark.parametrize("method", (*PEFT, "headprune-lora"))
 def test_the_dp_step_of_each_peft_method_is_the_mean_of_its_clipped_per_sample_gradients(method):
-    """Ghost clipping as the client trains (make_private), at zero noise, against a one-sample-at-a-time loop, with
+    """Per-sample clipping as the client trains (make_private), at zero noise, against a one-sample-at-a-time loop, with
     a clipping norm between the middle two of four per-sample norms: a wrong norm clips the wrong samples. LoRA's
     B factors are drawn non-zero so that every factor has a gradient; headprune-lora keeps head 0 of each layer."""
     spec = method_spec(method)
