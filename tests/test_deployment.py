@@ -8,6 +8,7 @@ import subprocess
 import sys
 import textwrap
 import tomllib
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import httpx
@@ -98,30 +99,6 @@ def flwr_ls(federation, address):
     (home / "config.toml").write_text(connection_config(address, federation.ca_cert, insecure=False))
     return subprocess.run([str(Path(sys.executable).with_name("flwr")), "ls", "eftguard"], capture_output=True,
                           text=True, env={**federation.env, "FLWR_HOME": str(home)}, timeout=120)
-
-
-@pytest.mark.slow
-def test_control_api_is_reachable_on_loopback_only(tmp_path):
-    """With --node-auth, someone holding the public ca.crt at the SuperLink's public port can neither register a
-    key nor list runs: the Control API is a separate port bound to 127.0.0.1, the public one is the Fleet gateway."""
-    with LocalDeployment(tmp_path, node_auth=True) as federation:
-        superlink = federation.started[0].process
-        fleet_port = int(federation.fleet_address.rsplit(":", 1)[1])
-        control_port = int(federation.control_address.rsplit(":", 1)[1])
-        sockets = listening(superlink)
-        assert fleet_port != control_port
-        assert {(ip, port) for ip, port, pid in sockets if pid == superlink.pid} == {("127.0.0.1", fleet_port)}
-        assert {(ip, port) for ip, port, pid in sockets if pid != superlink.pid} == {("127.0.0.1", control_port)}
-
-        outsider = flwr_ls(federation, federation.fleet_address)
-        assert outsider.returncode != 0 and "404" in outsider.stdout + outsider.stderr
-        operator = flwr_ls(federation, federation.control_address)
-        assert operator.returncode == 0, operator.stdout + operator.stderr
-        _, intruder = write_node_key(tmp_path / "keys" / "intruder")
-        with pytest.raises(subprocess.CalledProcessError) as refused:
-            federation.eftguard("register-node", str(intruder), "--superlink", federation.fleet_address,
-                                "--root-certificates", str(federation.ca_cert))
-        assert refused.value.returncode == 2 and "registering" in refused.value.stderr
 
 
 def test_superlink_refuses_a_taken_control_port_or_a_certificate_without_the_control_address(certs, capsys,
@@ -346,39 +323,71 @@ def test_connection_config_names_tls_or_plaintext(tmp_path):
 
 # --- whole deployments (real Flower processes) -------------------------------------------------------------
 
+def check_the_control_api_listens_on_loopback_only(federation):
+    """The Control API is a separate port bound to 127.0.0.1; the public port is the Fleet gateway's."""
+    superlink = federation.started[0].process
+    fleet_port = int(federation.fleet_address.rsplit(":", 1)[1])
+    control_port = int(federation.control_address.rsplit(":", 1)[1])
+    sockets = listening(superlink)
+    assert fleet_port != control_port
+    assert {(ip, port) for ip, port, pid in sockets if pid == superlink.pid} == {("127.0.0.1", fleet_port)}
+    assert {(ip, port) for ip, port, pid in sockets if pid != superlink.pid} == {("127.0.0.1", control_port)}
+
+
+def check_an_outsider_can_neither_list_runs_nor_register_a_key(federation, keys):
+    """Someone holding the public ca.crt at the SuperLink's public port gets nowhere; the operator on loopback does."""
+    outsider = flwr_ls(federation, federation.fleet_address)
+    assert outsider.returncode != 0 and "404" in outsider.stdout + outsider.stderr
+    operator = flwr_ls(federation, federation.control_address)
+    assert operator.returncode == 0, operator.stdout + operator.stderr
+    _, intruder = write_node_key(keys / "intruder")
+    with pytest.raises(subprocess.CalledProcessError) as refused:
+        federation.eftguard("register-node", str(intruder), "--superlink", federation.fleet_address,
+                            "--root-certificates", str(federation.ca_cert))
+    assert refused.value.returncode == 2 and "registering" in refused.value.stderr
+
+
+def start_a_supernode_trusting_another_ca(federation, folder):
+    trusted, federation.ca_cert = federation.ca_cert, write_certificates(folder).ca_cert
+    try:
+        return federation.start_supernode(0, 2, log="wrong-ca.log")
+    finally:
+        federation.ca_cert = trusted
+
+
 @pytest.mark.slow
-def test_eftvit_rounds_over_tls_with_node_authentication(tmp_path):
-    """TLS with node authentication on: it covers plain TLS too, and each deployment costs about 100 s."""
+def test_eftvit_rounds_over_tls_with_node_auth_while_the_control_api_stays_on_loopback_and_strangers_are_refused(
+        tmp_path):
+    """One deployment (each costs about 100 s), TLS with node authentication on (it covers plain TLS too): two
+    EFTViT rounds train while, meanwhile, the Control API is shown to be on loopback only (--node-auth with an
+    outsider holding the public ca.crt), an unregistered SuperNode is refused and one trusting another CA fails with
+    one clear error. The refusals run while the rounds wait on their clients: they cost no extra deployment."""
     with LocalDeployment(tmp_path, node_auth=True) as federation:
-        for k in range(2):
-            federation.start_supernode(k, 2, "--auth-key", str(federation.registered_key(f"node{k}")))
+        check_the_control_api_listens_on_loopback_only(federation)
+        with ThreadPoolExecutor(2) as both:  # each registration and start waits on a process's start-up
+            list(both.map(lambda k: federation.start_supernode(k, 2, "--auth-key",
+                                                               str(federation.registered_key(f"node{k}"))), range(2)))
         out = tmp_path / "run"
-        result = subprocess.run(
-            [sys.executable, "-m", "eftguard.cli", "train", "--federation", "deployment", "--superlink",
-             federation.control_address, "--root-certificates", str(federation.ca_cert), "--out", str(out),
-             "--clients", "2", "--rounds", "2", "--train-samples", "100", "--test-samples", "40", "--batch-size", "32"],
-            env=federation.env, capture_output=True, text=True, timeout=400)
-        logs = "".join((tmp_path / f).read_text()[-1500:] for f in ("superlink.log", "supernode0.log"))
-        assert result.returncode == 0, result.stderr[-3000:] + logs
+        with open(tmp_path / "train.log", "w") as training_log:  # a file: a full pipe would stall the training
+            training = subprocess.Popen(
+                [sys.executable, "-m", "eftguard.cli", "train", "--federation", "deployment", "--superlink",
+                 federation.control_address, "--root-certificates", str(federation.ca_cert), "--out", str(out),
+                 "--clients", "2", "--rounds", "2", "--train-samples", "100", "--test-samples", "40",
+                 "--batch-size", "32"], env=federation.env, stdout=training_log, stderr=training_log)
+        try:
+            check_an_outsider_can_neither_list_runs_nor_register_a_key(federation, tmp_path / "keys")
+            stranger_key, _ = write_node_key(tmp_path / "keys" / "stranger")
+            stranger = federation.start_supernode(0, 2, "--auth-key", str(stranger_key), log="stranger.log")
+            wrong_ca = start_a_supernode_trusting_another_ca(federation, tmp_path / "other")
+            assert stranger.wait(seconds=120) == 2 and wrong_ca.wait(seconds=120) == 2
+            training.wait(timeout=400)
+        finally:
+            training.kill()  # a no-op once it ended
+            training.wait()
+        logs = "".join((tmp_path / f).read_text()[-1500:] for f in ("train.log", "superlink.log", "supernode0.log"))
+        assert training.returncode == 0, logs
+    assert "its key is not registered" in (tmp_path / "stranger.log").read_text()
+    assert "TLS verification failed" in (tmp_path / "wrong-ca.log").read_text()
     records = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
     assert [r["round"] for r in records] == [1, 2] and all(r["dropped"] == {} for r in records)
     assert (out / "observed/round-0002/client-01/features.safetensors").exists()
-
-
-@pytest.mark.slow
-def test_supernode_with_another_ca_fails_with_one_clear_error(tmp_path):
-    with LocalDeployment(tmp_path) as federation:
-        federation.ca_cert = write_certificates(tmp_path / "other").ca_cert
-        node = federation.start_supernode(0, 2, log="wrong-ca.log")
-        assert node.wait(seconds=120) == 2
-    assert "TLS verification failed" in (tmp_path / "wrong-ca.log").read_text()
-
-
-@pytest.mark.slow
-def test_unregistered_supernode_is_refused(tmp_path):
-    with LocalDeployment(tmp_path, node_auth=True) as federation:
-        federation.registered_key("registered")
-        stranger, _ = write_node_key(tmp_path / "keys" / "stranger")
-        node = federation.start_supernode(0, 2, "--auth-key", str(stranger), log="stranger.log")
-        assert node.wait(seconds=120) == 2
-    assert "its key is not registered" in (tmp_path / "stranger.log").read_text()

@@ -233,10 +233,12 @@ def test_a_client_naming_foreign_canaries_or_bits_that_are_not_coins_is_dropped(
 
 
 @pytest.mark.slow
-def test_a_dp_run_with_canaries_keeps_every_upload_and_its_bound_stays_below_the_claim(tmp_path):
+def test_a_dp_run_with_canaries_keeps_every_upload_and_its_bound_stays_below_the_claim(tmp_path, micro_preset):
     # canaries grow a client's data past the DP schedule the server sent (sample rate and steps of its own images);
-    # a client that rescheduled for them was dropped by the server's check of what DP-SGD applied
-    run = RunDirectory.open(train_in_process(tmp_path / "dp", canaries=32, local_epochs=2, dp_eps=8), None)
+    # a client that rescheduled for them was dropped by the server's check of what DP-SGD applied. The DP schedule
+    # and the claim do not depend on the model's size: the micro ViT
+    run = RunDirectory.open(train_in_process(tmp_path / "dp", canaries=32, local_epochs=2, dp_eps=8,
+                                             model=micro_preset), None)
     assert run.uploaded_partitions(1) == [0, 1]
     for channel in ("parameters", "features"):
         report = run_attack(run.path, "dp-audit", channel=channel)
@@ -276,8 +278,9 @@ def test_the_update_gives_away_the_gradient_canaries_it_was_trained_on(tmp_path,
 
 
 @pytest.mark.slow
-def test_under_strong_dp_noise_the_gradient_canaries_are_at_chance_and_below_the_claim(tmp_path, monkeypatch):
-    run, report, auc = gradient_canary_audit(tmp_path, monkeypatch, dp_eps=1)
+def test_under_strong_dp_noise_the_gradient_canaries_are_at_chance_and_below_the_claim(tmp_path, monkeypatch,
+                                                                                      micro_preset):
+    run, report, auc = gradient_canary_audit(tmp_path, monkeypatch, dp_eps=1, model=micro_preset)
     assert run.uploaded_partitions(1) == [0, 1]  # gradient canaries join DP-SGD's data, not the feature release
     assert abs(auc - 0.5) < 0.15
     assert report.figures()["epsilon_lower_bound"] <= report.figures()["claimed.epsilon_lower_bound"] < 0.5

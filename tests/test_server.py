@@ -218,13 +218,21 @@ DP_CFG = TrainConfig(model=MICRO_PRESET, clients=3, clients_per_round=2, rounds=
                      batch_size=16, dp_eps=3.0, feature_clip=2.0)
 
 
-def test_dp_run_records_epsilon_per_client_within_budget(tmp_path):
+@pytest.fixture(scope="module")
+def finished_dp(tmp_path_factory, micro_preset):
+    """The DP_CFG run, uninterrupted (the DP accountant's noise search makes it the dearest run here: shared, and
+    tests must not modify it)."""
+    run = RunDirectory.create(tmp_path_factory.mktemp("runs") / "dp", DP_CFG.resolved())
+    with task_identity():
+        run_server(FakeGrid(3), run.path)
+    return run
+
+
+def test_dp_run_records_epsilon_per_client_within_budget(finished_dp):
     from eftguard.federation.client import select_clients
     cfg = DP_CFG.resolved()
     assert [select_clients(cfg, r) for r in (1, 2, 3)] == [[1, 2], [1, 2], [0, 2]]
-    run = RunDirectory.create(tmp_path / "run", cfg)
-    run_server(FakeGrid(3), run.path)
-    records = run.metrics()
+    records = finished_dp.metrics()
     assert [sorted(r["epsilon"]) for r in records] == [["1", "2"], ["1", "2"], ["0", "2"]]
     assert all(r["dropped"] == {} for r in records)
     # Each client's epsilon grows with the rounds it took part in and ends within the budget; each channel ends
@@ -240,15 +248,13 @@ def test_dp_run_records_epsilon_per_client_within_budget(tmp_path):
     assert records[0]["noise_multiplier"]["2"] == records[2]["noise_multiplier"]["2"]  # fixed for the whole run
 
 
-def test_dp_run_with_feature_noise_resumes_exactly(tmp_path, monkeypatch):
+def test_dp_run_with_feature_noise_resumes_exactly(finished_dp, tmp_path, monkeypatch):
     """The server dies before sending round 2: the resumed run equals the uninterrupted one. (A server that dies
     after a client trained re-sends that round, which the client pays again: see test_ledger.py.)"""
     from eftguard.federation import server
 
-    cfg = DP_CFG.resolved()
-    full = RunDirectory.create(tmp_path / "full", cfg)
-    run_server(FakeGrid(3), full.path)
-    cut = RunDirectory.create(tmp_path / "cut", cfg)
+    full = finished_dp
+    cut = RunDirectory.create(tmp_path / "cut", DP_CFG.resolved())
     real_exchange = server.exchange
 
     def die_before_round_2(grid, messages, *args):

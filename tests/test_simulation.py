@@ -141,21 +141,13 @@ def test_ctrl_c_keeps_finished_rounds_and_leaves_no_ray_processes(tmp_path):
     assert alive == [], [p.pid for p in alive]
 
 
-def test_fedavg_reference_through_the_same_apps(tmp_path):
-    out = tmp_path / "run"
-    result = eftguard("train", "--out", str(out), "--method", "fedavg", *TINY[:-4], "--rounds", "1",
-                      "--batch-size", "32")
-    assert result.returncode == 0, result.stderr[-3000:]
-    update = load_file(str(out / "observed/round-0001/client-00/update.safetensors"))
-    assert any(k.startswith("global_module.") for k in update)
-    assert not (out / "observed/round-0001/client-00/features.safetensors").exists()
-
-
 DEMO_TINY = ["--rounds", "1", "--train-samples", "120", "--test-samples", "40", "--attack-steps", "2",
              "--lpips-backend", "stlpips-alex"]  # offline by construction: never tries a download
 
 
-def test_demo_compares_both_methods(tmp_path):
+def test_demo_compares_both_methods_and_its_fedavg_reference_uploads_whole_models(tmp_path):
+    """The demo trains both methods through Flower's simulation: its Fed-Full run is the fedavg reference run
+    through the same apps (no separate simulation for it)."""
     result = eftguard("demo", "--out", str(tmp_path / "demo"), *DEMO_TINY)
     assert result.returncode == 0, result.stderr[-3000:]
     assert "eftvit" in result.stdout and "fedavg" in result.stdout and "client s/epoch" in result.stdout
@@ -171,6 +163,10 @@ def test_demo_compares_both_methods(tmp_path):
     for method in ("eftvit", "fedavg"):
         run = tmp_path / "demo" / configurations[f"method={method}"]["run"]
         assert json.loads((run / "metrics.jsonl").read_text().splitlines()[0])["method"] == method
+    fedavg_client = tmp_path / "demo" / configurations["method=fedavg"]["run"] / "observed/round-0001/client-00"
+    update = load_file(str(fedavg_client / "update.safetensors"))
+    assert any(k.startswith("global_module.") for k in update)
+    assert not (fedavg_client / "features.safetensors").exists()
     page = (tmp_path / "demo" / "report.html").read_text()
     assert "uploaded features" in page and "not applicable" in page  # the verdict, per configuration
 
