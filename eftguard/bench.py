@@ -269,9 +269,9 @@ class Bench:
             generator = torch.Generator().manual_seed(self.cfg.seed)
             with warnings.catch_warnings():  # opacus warns on every step that the input needs no gradient
                 warnings.filterwarnings("ignore", "Full backward hook is firing")
+                optim = self.optim(epochs, METHODS[setting.method].default_lr)  # what a client without --lr uses
                 return train_local(self.models[setting.method], self.inputs.images, self.inputs.labels,
-                                   setting.method, setting.mask_ratio, self.optim(epochs, self.default.lr), generator,
-                                   dp=dp)
+                                   setting.method, setting.mask_ratio, optim, generator, dp=dp)
         return run
 
     def server_step(self, spec: MethodSpec) -> Callable[[int], TrainResult]:

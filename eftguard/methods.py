@@ -60,6 +60,7 @@ class MethodSpec:
     no_dp_reason: str = ""  # dp_sgd False: why, for the refusal of --dp-eps
     prunes_heads: bool = False  # clients keep their most important heads, upload only those (+ importances); the
     # server averages each head's factors over the clients that kept it, weighted by importance (eftguard.headprune)
+    default_lr: float = 1e-3  # the client lr where --lr is not given (measured per method: docs/peft.md)
 
     def __post_init__(self):
         if self.server_trains and not self.uploads_features:

@@ -99,7 +99,7 @@ def compare_dp(images, labels, rounds: int) -> None:
     for name, parameter in model.named_parameters():
         parameter.requires_grad_(spec.trains_parameter(name))
     wrapped = GradSampleModule(model, batch_first=True, loss_reduction="mean")
-    optimizer = DPOptimizer(torch.optim.AdamW(spec.trained_parameters(model), lr=default.lr), noise_multiplier=1.0,
+    optimizer = DPOptimizer(torch.optim.AdamW(spec.trained_parameters(model), lr=spec.default_lr), noise_multiplier=1.0,
                             max_grad_norm=1.0, expected_batch_size=len(labels))
     generator = torch.Generator().manual_seed(0)
 
