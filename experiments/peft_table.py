@@ -1,11 +1,12 @@
 """The method table of docs/peft.md from an audit of experiments/peft.toml and an `eftguard bench --out` file.
 
-    python experiments/peft_table.py AUDIT_DIR BENCH.json
+    python experiments/peft_table.py AUDIT_DIR BENCH.json [--earlier OLDER_AUDIT_DIR]
 
 Accuracy per round and the bytes each client uploaded come from the audit's runs (metrics.jsonl), the accuracy
 before any round from each method's round-0 checkpoint, the client lr from the run's configuration, client step
 FLOPs and time from the bench, gradient leakage from the audit's iDLG reports; then headprune-lora against fed-lora
-with the same client selection, and each headprune-lora ablation against the main row, at each beta.
+with the same client selection, and each headprune-lora ablation against the main row, at each beta. A row and
+beta the audit lacks is taken from an --earlier audit of the same file (configurations it did not run again).
 """
 
 from __future__ import annotations
@@ -64,17 +65,20 @@ def leakage(configuration: dict) -> str:
             f"({figures[f'baseline{kept}.lpips']:.2f}), label {figures.get('label_accuracy', float('nan')):.0%}")
 
 
-def table(audit: Path, bench: dict) -> tuple[list[str], dict]:
-    summary = json.loads((audit / "summary.json").read_text())
+def table(audits: list[Path], bench: dict) -> tuple[list[str], dict]:
+    """The table's lines and its rows; a row's figures at a beta come from the first audit that has them."""
     rows: dict[str, dict] = {}
-    for configuration in summary["configurations"]:
-        if configuration["status"] != "done":
-            continue
-        label = variant(configuration["varied"])
-        row = rows.setdefault(label, {"method": configuration["varied"]["method"]})
-        row[configuration["varied"]["beta"]] = {**run_figures(audit, configuration), "leak": leakage(configuration)}
-        if "start" not in row:  # the same checkpoint and test images at every beta
-            row["start"] = start_accuracy(audit, configuration)
+    for audit in audits:
+        for configuration in json.loads((audit / "summary.json").read_text())["configurations"]:
+            if configuration["status"] != "done":
+                continue
+            label, beta = variant(configuration["varied"]), configuration["varied"]["beta"]
+            row = rows.setdefault(label, {"method": configuration["varied"]["method"]})
+            if beta in row:
+                continue
+            row[beta] = {**run_figures(audit, configuration), "leak": leakage(configuration)}
+            if "start" not in row:  # the same checkpoint and test images at every beta
+                row["start"] = start_accuracy(audit, configuration)
     clients = bench["clients"]
     order = sorted(rows, key=lambda label: (METHODS.index(rows[label]["method"]), label))
     lines = ["| method | client lr | accuracy before round 1 | accuracy β 0.1 (rounds 1, 2, 3) | accuracy β 1.0 "
@@ -121,8 +125,10 @@ def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("audit", type=Path, help="the --out folder of eftguard audit experiments/peft.toml")
     parser.add_argument("bench", type=Path, help="the --out file of eftguard bench")
+    parser.add_argument("--earlier", type=Path, action="append", default=[],
+                        help="an earlier audit of experiments/peft.toml, for the rows and beta the audit lacks")
     args = parser.parse_args()
-    lines, rows = table(args.audit, json.loads(args.bench.read_text()))
+    lines, rows = table([args.audit, *args.earlier], json.loads(args.bench.read_text()))
     print("\n".join(lines + [""] + comparison(rows, json.loads(args.bench.read_text()))))
     return 0
 
