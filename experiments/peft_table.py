@@ -66,19 +66,26 @@ def leakage(configuration: dict) -> str:
 
 
 def table(audits: list[Path], bench: dict) -> tuple[list[str], dict]:
-    """The table's lines and its rows; a row's figures at a beta come from the first audit that has them."""
+    """The table's lines and its rows. A later audit only completes a row of the first at a beta it lacks, and only
+    with a run at the row's lr."""
     rows: dict[str, dict] = {}
-    for audit in audits:
+    starts: dict[str, float] = {}  # per method: the same checkpoint, added parameters and test images in every run
+    for index, audit in enumerate(audits):
         for configuration in json.loads((audit / "summary.json").read_text())["configurations"]:
             if configuration["status"] != "done":
                 continue
-            label, beta = variant(configuration["varied"]), configuration["varied"]["beta"]
-            row = rows.setdefault(label, {"method": configuration["varied"]["method"]})
-            if beta in row:
+            label, beta, method = variant(configuration["varied"]), configuration["varied"]["beta"], \
+                configuration["varied"]["method"]
+            figures = run_figures(audit, configuration)
+            if label not in rows and index == 0:
+                rows[label] = {"method": method, "lr": figures["lr"]}
+            row = rows.get(label)
+            if row is None or beta in row or figures["lr"] != row["lr"]:
                 continue
-            row[beta] = {**run_figures(audit, configuration), "leak": leakage(configuration)}
-            if "start" not in row:  # the same checkpoint and test images at every beta
-                row["start"] = start_accuracy(audit, configuration)
+            row[beta] = {**figures, "leak": leakage(configuration)}
+            if method not in starts:
+                starts[method] = start_accuracy(audit, configuration)
+            row["start"] = starts[method]
     clients = bench["clients"]
     order = sorted(rows, key=lambda label: (METHODS.index(rows[label]["method"]), label))
     lines = ["| method | client lr | accuracy before round 1 | accuracy β 0.1 (rounds 1, 2, 3) | accuracy β 1.0 "
@@ -91,8 +98,7 @@ def table(audits: list[Path], bench: dict) -> tuple[list[str], dict]:
         accuracy = {beta: ", ".join(f"{a:.3f}" for a in row[beta]["accuracy"]) if beta in row else "–"
                     for beta in (0.1, 1.0)}
         upload = statistics.mean(row[beta]["upload"] for beta in (0.1, 1.0) if beta in row)
-        lrs = " / ".join(sorted({f"{row[beta]['lr']:g}" for beta in (0.1, 1.0) if beta in row}))
-        lines.append(f"| {label} | {lrs} | {row['start']:.3f} | {accuracy[0.1]} | {accuracy[1.0]} | "
+        lines.append(f"| {label} | {row['lr']:g} | {row['start']:.3f} | {accuracy[0.1]} | {accuracy[1.0]} | "
                      f"{cost['flops'] / 1e9:.1f} | {cost['step_seconds']['median']:.3f} | {upload:,.0f} | "
                      f"{row.get(0.1, {}).get('leak', '–')} |")
     return lines, rows
