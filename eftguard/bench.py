@@ -266,8 +266,9 @@ class Bench:
 
         def run(epochs: int) -> TrainResult:
             generator = torch.Generator().manual_seed(self.cfg.seed)
+            optim = self.optim(epochs, METHODS[setting.method].default_lr)  # what a client without --lr uses
             return train_local(self.models[setting.method], self.inputs.images, self.inputs.labels, setting.method,
-                               setting.mask_ratio, self.optim(epochs, self.default.lr), generator, dp=dp)
+                               setting.mask_ratio, optim, generator, dp=dp)
         return run
 
     def server_step(self, spec: MethodSpec) -> Callable[[int], TrainResult]:

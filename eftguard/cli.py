@@ -58,7 +58,8 @@ TRAIN_HELP = {
     "local_epochs": "client epochs per round (E)",
     "server_epochs": "server epochs on the uploaded features per round (S; 0: theta is never trained on them)",
     "batch_size": "batch size, clients and server",
-    "lr": "client learning rate (AdamW)",
+    "lr": "client learning rate (AdamW); 0: the method's own default (docs/peft.md, learning rate per method): "
+          + ", ".join(f"{name} {spec.default_lr:g}" for name, spec in METHOD_SPECS.items()),
     "server_lr": "server learning rate for the global module (AdamW)",
     "warmup_rounds": "rounds of linear learning-rate warm-up (client and server: round t of W uses t/W of the rate)",
     "lr_schedule": "after the warm-up, the client and server learning rates per round: constant, or cosine (decay "

@@ -52,7 +52,7 @@ class TrainConfig:
     local_epochs: int = 1
     server_epochs: int = 1  # 0: theta is never trained on the uploaded features (a baseline)
     batch_size: int = 64
-    lr: float = 1e-3
+    lr: float = 0.0  # 0: the method's default_lr (eftguard.methods)
     server_lr: float = 1e-3
     warmup_rounds: int = 0  # rounds of linear warm-up of --lr and --server-lr
     lr_schedule: str = "constant"  # after the warm-up: constant, or cosine decay toward 1% (eftguard.schedule)
@@ -86,6 +86,7 @@ class TrainConfig:
         cfg = dataclasses.replace(self)
         if cfg.clients_per_round == 0:
             cfg.clients_per_round = cfg.clients
+        cfg.lr = cfg.client_lr
         if cfg.threat == "malicious" and cfg.tamper_round == 0:
             cfg.tamper_round = cfg.rounds
         cfg.validate()
@@ -175,6 +176,11 @@ class TrainConfig:
                               "drop --no-record-truth")
         if self.canaries:
             canary_set(self)  # CanaryError (a ConfigError) when the held-out pool is too small
+
+    @property
+    def client_lr(self) -> float:
+        """--lr, or where it is not given (0) the method's own default: the PEFT methods want a larger rate."""
+        return self.lr or method_spec(self.method).default_lr
 
     def lr_factor(self, round_number: int) -> float:
         """The factor of --lr and --server-lr in a round (1-based): --warmup-rounds, then --lr-schedule."""

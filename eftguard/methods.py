@@ -60,6 +60,7 @@ class MethodSpec:
     no_dp_reason: str = ""  # dp_sgd False: why, for the refusal of --dp-eps
     prunes_heads: bool = False  # clients keep their most important heads, upload only those (+ importances); the
     # server averages each head's factors over the clients that kept it, weighted by importance (eftguard.headprune)
+    default_lr: float = 1e-3  # the client lr where --lr is not given (from a pretrained checkpoint: docs/peft.md)
 
     def __post_init__(self):
         if self.server_trains and not self.uploads_features:
@@ -104,13 +105,14 @@ METHODS: dict[str, MethodSpec] = {spec.name: spec for spec in (
     MethodSpec("fedavg", "Fed-Full reference: plain FedAvg of the whole ViT on unmasked images",
                trains=(), masked=False, uploads_features=False, dp_sgd=False, server_trains=False),
     MethodSpec("fed-head", "linear probing: only the classifier head trained and uploaded, on unmasked images",
-               trains=("head.",), masked=False, uploads_features=False, dp_sgd=True, server_trains=False),
+               trains=("head.",), masked=False, uploads_features=False, dp_sgd=True, server_trains=False,
+               default_lr=1e-4),
     MethodSpec("fed-bias", "BitFit: only the bias terms and the head trained and uploaded",
                trains=("head.",), trains_suffixes=(".bias",), masked=False, uploads_features=False, dp_sgd=True,
                server_trains=False),
     MethodSpec("fed-prompt", "visual prompt tuning: learned prompt tokens after the cls token, and the head",
                trains=("head.", "local_module.prompt_tokens."), masked=False, uploads_features=False, dp_sgd=True,
-               server_trains=False, adapt=prompt_hook),
+               server_trains=False, adapt=prompt_hook, default_lr=1e-4),
     MethodSpec("fed-lora", "LoRA factors on every block's attention projections (qkv, proj) and the head; "
                            "FedAvg of the factors",
                trains=("head.",), trains_suffixes=(".lora_a", ".lora_b"), masked=False, uploads_features=False,

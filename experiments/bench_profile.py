@@ -143,11 +143,11 @@ def compare_dp(images, labels, rounds: int) -> None:
         if ghost:
             wrapped = GradSampleModuleFastGradientClipping(model, batch_first=True, loss_reduction="mean",
                                                            max_grad_norm=1.0, use_ghost_clipping=True)
-            optimizer = DPOptimizerFastGradientClipping(torch.optim.AdamW(params, lr=default.lr), **options)
+            optimizer = DPOptimizerFastGradientClipping(torch.optim.AdamW(params, lr=spec.default_lr), **options)
             criterion = DPLossFastGradientClipping(wrapped, optimizer, nn.CrossEntropyLoss(), loss_reduction="mean")
         else:
             wrapped = GradSampleModule(model, batch_first=True, loss_reduction="mean")
-            optimizer = DPOptimizer(torch.optim.AdamW(params, lr=default.lr), **options)
+            optimizer = DPOptimizer(torch.optim.AdamW(params, lr=spec.default_lr), **options)
             criterion = nn.functional.cross_entropy
 
         def step() -> None:

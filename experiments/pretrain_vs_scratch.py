@@ -37,7 +37,8 @@ def main() -> None:
     parser.add_argument("--test-samples", type=int, default=500)
     parser.add_argument("--beta", type=float, default=0.1)
     parser.add_argument("--seed", type=int, default=0)
-    parser.add_argument("--lr", type=float, default=TrainConfig.lr, help="client learning rate")
+    parser.add_argument("--lr", type=float, default=TrainConfig.lr,
+                        help="client learning rate (0: the method's default)")
     parser.add_argument("--server-lr", type=float, default=TrainConfig.server_lr, help="server learning rate")
     args = parser.parse_args()
     results = {}

@@ -102,8 +102,8 @@ class ClientSettings:
     def from_config(cls, cfg: TrainConfig, round_number: int, noise_multiplier: float = 0.0,
                     run_id: str = "", feature_noise_multiplier: float = 0.0) -> "ClientSettings":
         given = {"round": round_number, "noise_multiplier": noise_multiplier, "run_id": run_id,
-                 "feature_noise_multiplier": feature_noise_multiplier, "lr": cfg.lr * cfg.lr_factor(round_number),
-                 "peak_lr": cfg.lr}
+                 "feature_noise_multiplier": feature_noise_multiplier,
+                 "lr": cfg.client_lr * cfg.lr_factor(round_number), "peak_lr": cfg.client_lr}
         return cls(**given, **{k: getattr(cfg, k) for k in cls.__dataclass_fields__ if k not in given})
 
     def to_record(self) -> ConfigRecord:
