@@ -46,16 +46,18 @@ def whole_number(minimum: int, maximum: int | None = None) -> Callable[[str], in
     return parse
 
 
-def finite_number(above: float, at_most: float = math.inf) -> Callable[[str], float]:
-    """A finite float in (above, at_most]; NaN and infinities are refused."""
-    bounds = f"> {above}" if at_most == math.inf else f"in ({above}, {at_most}]"
+def finite_number(above: float, at_most: float = math.inf, zero_allowed: bool = False) -> Callable[[str], float]:
+    """A finite float in (above, at_most], or [0, at_most] with zero_allowed and above 0; NaN and infinities
+    are refused."""
+    low = "[0" if zero_allowed and above == 0 else f"({above}"
+    bounds = (">= 0" if low == "[0" else f"> {above}") if at_most == math.inf else f"in {low}, {at_most}]"
 
     def parse(text: str) -> float:
         try:
             value = float(text)
         except ValueError:
             value = math.nan
-        if not (math.isfinite(value) and above < value <= at_most):
+        if not (math.isfinite(value) and (above < value or (low == "[0" and value == 0)) and value <= at_most):
             raise ValueError(f"must be a finite number {bounds}, got '{text}'")
         return value
     return parse

@@ -302,7 +302,7 @@ class InvertingGradients:
     restarts: int = option(1, "independent random starts, the best gradient match wins", whole_number(1))
     tv: float = option(1e-4, "weight of the total-variation image prior beside the cosine distance (ig: the "
                              "reference's 1e-4; 0.1 measured best on PEFT probes, docs/peft.md)",
-                       finite_number(-1e-12))
+                       finite_number(0, zero_allowed=True))
     start: str = option("noise", "noise: uniform random pixels; prior: the observation's prior (the mean public "
                                  "image), each further restart with noise of std 0.1 added",
                         name_value, choices=("noise", "prior"))

@@ -150,9 +150,9 @@ class UpdateInversion:
                                    "every one of them, each step)", whole_number(1))
     softness: float = option(1.0, "added to AdamW's simulated denominator, times the step's mean |gradient|, so "
                                   "that the sign-like first step has a gradient (0: the exact simulation)",
-                             finite_number(-1e-12))
+                             finite_number(0, zero_allowed=True))
     tv: float = option(0.3, "weight of the total-variation image prior beside the update's cosine distance "
-                            "(docs/attacks.md: 0.3 measured best from 2 images on)", finite_number(-1e-12))
+                            "(docs/attacks.md: 0.3 measured best from 2 images on)", finite_number(0, zero_allowed=True))
     lr: float = 0.1
     seed: int = 0
 

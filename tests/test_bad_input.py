@@ -288,3 +288,17 @@ def test_hostile_report_json_reaches_the_page_only_as_text(feature_run, tmp_path
         assert images and not [src for src in images if src.startswith("x")]
     assert page.count("&lt;img src=x onerror=alert(1)&gt;") >= 6  # shown as text: title, caps, metric, details...
     assert "<img src=x" not in page and "<script>" not in page and "<svg onload" not in page
+
+
+def test_a_weight_that_may_be_zero_is_refused_below_zero_with_its_real_bound():
+    """--tv and the like: 0 switches the term off and is accepted; a negative or NaN weight is one message that
+    names the bound a user can type (">= 0", not an epsilon below zero)."""
+    from attacks.base import finite_number
+
+    parse = finite_number(0, zero_allowed=True)
+    assert parse("0") == 0.0 and parse("0.3") == 0.3
+    for text in ("-1", "-1e-13", "nan", "inf"):
+        with pytest.raises(ValueError, match=r"must be a finite number >= 0, got"):
+            parse(text)
+    with pytest.raises(ValueError, match=r"> 0, got '0'"):
+        finite_number(0)("0")
