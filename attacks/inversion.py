@@ -34,6 +34,7 @@ from defenses.feature_dp import clip_rows
 from defenses.feature_noise import release_features
 from eftguard.masking import random_keep_ids
 from eftguard.model import EFTViT, LocalModule
+from eftguard.precision import PRECISIONS, computing_in
 
 INVERT = Registry("invert", default="decoder")
 
@@ -61,6 +62,12 @@ class RoundFeatures:
     feature_clip: float = 0.0  # the run's feature-release defense, public in config.toml
     feature_noise: float = 0.0  # noise std in units of feature_clip
     clip_per_image: bool = False  # --dp-eps clips each image's row of tokens, --feature-clip each token
+    precision: str = "fp32"  # the run's: the clients computed their features in it (eftguard.precision)
+
+    def features_of(self, local: LocalModule, images01: torch.Tensor, keep: torch.Tensor) -> torch.Tensor:
+        """phi_k(mask(x)) as a client computes it (in the run's precision), before the release."""
+        with computing_in(local, self.precision):
+            return local(to_model_input(self.model, images01), keep).float()
 
     def clipped(self, features: torch.Tensor) -> torch.Tensor:
         """The release's deterministic part: what an upload's features were clipped to."""
@@ -132,8 +139,7 @@ class AuxFeatures:
         flip = torch.rand(size, generator=self.generator) < 0.5
         images = torch.where(flip.view(-1, 1, 1, 1), images.flip(2), images)
         keep = random_keep_ids(size, local.num_patches, self.rf.mask_ratio, self.generator)
-        features = local(to_model_input(self.rf.model, images), keep)
-        return images, self.rf.released(features, self.generator), keep
+        return images, self.rf.released(self.rf.features_of(local, images, keep), self.generator), keep
 
 
 class PositionProbe(nn.Module):
@@ -201,7 +207,7 @@ class InversionDecoder(nn.Module):
         """features [B, 1 + keep, D], keep [B, keep] -> images [B, H, W, 3] (unclamped, ~[0, 1])."""
         tokens = self.embed(self.in_norm(features))
         b, num_patches = tokens.shape[0], self.pos.shape[1] - 1
-        slots = self.mask_token.expand(b, num_patches, -1).clone()
+        slots = self.mask_token.to(tokens.dtype).expand(b, num_patches, -1).clone()  # bf16 under autocast
         slots.scatter_(1, keep.unsqueeze(-1).expand(-1, -1, tokens.shape[-1]), tokens[:, 1:])
         x = torch.cat([tokens[:, :1], slots], dim=1) + self.pos
         x = self.norm(self.blocks(x))
@@ -251,6 +257,9 @@ class DecoderInversion:
     depth: int = 2
     probe_steps: int = 300
     seed: int = 0
+    precision: str = option("fp32", "of the decoder's training and inference: fp32, or bf16 (bfloat16 matrix "
+                                    "products; about 1.6x faster where the CPU has AMX tiles, the same PSNR on the "
+                                    "demo's run: docs/attacks.md)", str, choices=PRECISIONS)
 
     def reconstruct(self, observation: RoundFeatures, progress: Progress | None = None
                     ) -> dict[int, ImageReconstruction]:
@@ -271,7 +280,9 @@ class DecoderInversion:
             for group in optimizer.param_groups:
                 group["lr"] = _cosine_lr(step, self.steps, self.lr, warmup=min(100, self.steps // 10 + 1))
             images, features, keep = aux.batch(self.batch_size)
-            loss = nn.functional.mse_loss(decoder(features, keep), images)
+            with computing_in(decoder, self.precision):
+                predicted = decoder(features, keep).float()
+            loss = nn.functional.mse_loss(predicted, images)
             optimizer.zero_grad(set_to_none=True)
             loss.backward()
             optimizer.step()
@@ -280,10 +291,11 @@ class DecoderInversion:
                 progress("decoder", step + 1, self.steps)
         decoder.eval()
         results = {}
-        with torch.no_grad():
+        with torch.no_grad(), computing_in(decoder, self.precision):
             for client in observation.clients:
                 keep = _positions(client, probe)
-                images = torch.cat([decoder(f, k) for f, k in zip(client.features.split(256), keep.split(256))])
+                images = torch.cat([decoder(f, k).float() for f, k in zip(client.features.split(256),
+                                                                          keep.split(256))])
                 results[client.partition] = ImageReconstruction(
                     images.clamp(0, 1).numpy(), rows=np.arange(len(images)), kept_ids=keep.numpy(),
                     details={"decoder_train_mse": final_loss})
@@ -310,7 +322,7 @@ class OptimizationInversion:
                          keep: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
         """Per image: squared feature error relative to the target's energy. The release's clipping is
         deterministic, so the candidate's features are clipped the same way."""
-        features = observation.clipped(local(to_model_input(observation.model, images01), keep))
+        features = observation.clipped(observation.features_of(local, images01, keep))
         return ((features - target) ** 2).sum(dim=(1, 2)) / (target ** 2).sum(dim=(1, 2)).clamp_min(1e-12)
 
     def reconstruct(self, observation: RoundFeatures, progress: Progress | None = None

@@ -37,6 +37,7 @@ from attacks.base import (AttackError, ImageReconstruction, Progress, ThreatMode
 from attacks.gradient import (GRADIENT, HEAD_BIAS, GradientObservation, cosine_distance, prepare_numerics,
                               recover_labels)
 from eftguard.masking import random_keep_ids
+from eftguard.precision import computing_in
 
 ADAM_BETAS = (0.9, 0.999)  # torch.optim.AdamW's defaults, which eftguard.training uses
 ADAM_EPS = 1e-8
@@ -62,6 +63,7 @@ class LocalTraining:
     num_patches: int
     mask_ratio: float | None
     schedule: list[Step] | None = None
+    precision: str = "fp32"  # of the client's forward passes (the run's, eftguard.precision)
 
     @property
     def steps(self) -> int:
@@ -100,17 +102,20 @@ def _sqrt(values: torch.Tensor) -> torch.Tensor:
 
 def simulate_local_training(model: nn.Module, start: dict[str, torch.Tensor], images: torch.Tensor,
                             labels: torch.Tensor, schedule: list[Step], lr: float, weight_decay: float,
-                            create_graph: bool = False, softness: float = 0.0) -> dict[str, torch.Tensor]:
+                            create_graph: bool = False, softness: float = 0.0, precision: str = "fp32"
+                            ) -> dict[str, torch.Tensor]:
     """The parameters after AdamW on `schedule` from `start` (names of the trained parameters; the model's other
-    parameters stay as they are): normalised images [n, 3, H, W], hard labels [n]. Differentiable in the images
-    when create_graph."""
+    parameters stay as they are): normalised images [n, 3, H, W], hard labels [n], forward passes in the client's
+    precision. Differentiable in the images when create_graph."""
     params = {name: value.detach().requires_grad_(True) for name, value in start.items()}
     exp_avg = {name: torch.zeros_like(value) for name, value in start.items()}
     exp_avg_sq = {name: torch.zeros_like(value) for name, value in start.items()}
     beta1, beta2 = ADAM_BETAS
     for step, (batch, keep) in enumerate(schedule, start=1):
         inputs = (images[batch],) if keep is None else (images[batch], keep)
-        loss = nn.functional.cross_entropy(functional_call(model, params, inputs), labels[batch])
+        with computing_in(model, precision):
+            logits = functional_call(model, params, inputs).float()
+        loss = nn.functional.cross_entropy(logits, labels[batch])
         grads = torch.autograd.grad(loss, list(params.values()), create_graph=create_graph)
         step_size = lr / (1 - beta1 ** step)
         bias_correction2_sqrt = (1 - beta2 ** step) ** 0.5
@@ -174,7 +179,8 @@ class UpdateInversion:
 
         def distance(images: torch.Tensor) -> torch.Tensor:
             final = simulate_local_training(obs.model, start, images, labels, schedule, training.lr,
-                                            training.weight_decay, create_graph=True, softness=self.softness)
+                                            training.weight_decay, create_graph=True, softness=self.softness,
+                                            precision=training.precision)
             return cosine_distance([final[name] - start[name] for name in start], observed, observed_norm)
 
         images = obs.to_input(self._start_pixels(obs, n, generator)).requires_grad_(True)

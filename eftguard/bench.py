@@ -35,6 +35,7 @@ from eftguard.federation.client import run_dataset
 from eftguard.masking import kept_token_count, random_keep_ids
 from eftguard.methods import METHODS, MethodSpec, method_spec
 from eftguard.model import PRESETS, EFTViT, build_model
+from eftguard.precision import PRECISIONS
 from eftguard.sampling import balanced_indices
 from eftguard.training import OptimConfig, TrainResult, extract_features, train_global, train_local
 
@@ -56,6 +57,7 @@ class BenchConfig:
     batch_size: int = 64
     attack_steps: int = 10  # timed decoder steps / Inverting-Gradients iterations
     seed: int = 0
+    precision: str = "fp32"  # of the client and server steps and the decoder (eftguard.precision)
 
     def validate(self) -> None:
         """Every bad option as one ConfigError, before any work."""
@@ -63,6 +65,8 @@ class BenchConfig:
             raise ConfigError(f"--model: unknown preset '{self.model}', choose {', '.join(PRESETS)}")
         for name in self.methods:
             method_spec(name)
+        if self.precision not in PRECISIONS:
+            raise ConfigError(f"--precision: unknown precision '{self.precision}', choose {', '.join(PRECISIONS)}")
         if REFERENCE not in self.methods:
             raise ConfigError(f"--methods must include {REFERENCE}: every speed-up is relative to it")
         if not self.mask_ratios:
@@ -98,8 +102,11 @@ def client_settings(cfg: BenchConfig) -> list[Setting]:
 
 
 def dp_settings(cfg: BenchConfig) -> list[tuple[Setting, Setting]]:
-    """(non-DP, DP-SGD) pairs at the trainer's default mask ratio, for every benched method with DP-SGD."""
+    """(non-DP, DP-SGD) pairs at the trainer's default mask ratio, for every benched method with DP-SGD (none
+    outside fp32: DP-SGD runs in fp32 only)."""
     ratio = TrainConfig().mask_ratio
+    if cfg.precision != "fp32":
+        return []
     return [(Setting(m, METHODS[m].mask_ratio(ratio)), Setting(m, METHODS[m].mask_ratio(ratio), dp=True))
             for m in dict.fromkeys(cfg.methods) if METHODS[m].dp_sgd]
 
@@ -268,17 +275,17 @@ class Bench:
             generator = torch.Generator().manual_seed(self.cfg.seed)
             optim = self.optim(epochs, METHODS[setting.method].default_lr)  # what a client without --lr uses
             return train_local(self.models[setting.method], self.inputs.images, self.inputs.labels, setting.method,
-                               setting.mask_ratio, optim, generator, dp=dp)
+                               setting.mask_ratio, optim, generator, dp=dp, precision=self.cfg.precision)
         return run
 
     def server_step(self, spec: MethodSpec) -> Callable[[int], TrainResult]:
         """epochs -> train_global on a batch of features the method's clients upload at the default mask ratio."""
         model = self.models[spec.name]
         features, _ = extract_features(model, self.inputs.images, spec.mask_ratio(self.default.mask_ratio),
-                                       torch.Generator().manual_seed(self.cfg.seed))
+                                       torch.Generator().manual_seed(self.cfg.seed), precision=self.cfg.precision)
         labels, lr, seed = self.inputs.labels, self.default.server_lr, self.cfg.seed
         return lambda epochs: train_global(model, features, labels, self.optim(epochs, lr),
-                                           torch.Generator().manual_seed(seed))
+                                           torch.Generator().manual_seed(seed), precision=self.cfg.precision)
 
     def client_row(self, setting: Setting) -> dict:
         """The untimed figures of a client configuration: FLOPs, memory and upload of one step."""
@@ -337,7 +344,7 @@ def run_bench(cfg: BenchConfig, progress: Progress | None = None) -> dict:
         "config": {"model": cfg.model, "methods": list(cfg.methods), "mask_ratios": list(cfg.mask_ratios),
                    "steps": cfg.steps, "warmup": cfg.warmup, "batch_size": cfg.batch_size,
                    "attack_steps": cfg.attack_steps, "seed": cfg.seed, "local_layers": default.local_layers,
-                   "reference": REFERENCE},
+                   "reference": REFERENCE, "precision": cfg.precision},
         "clients": clients,
         "dp": {plain.method: dp_row(bench, plain, dp, times) for plain, dp in pairs},
     }
@@ -360,15 +367,17 @@ def machine(load_before: tuple[float, float, float]) -> dict:
 
 
 def attack_costs(model: EFTViT, spec: MethodSpec, inputs: BenchInputs, mask_ratio: float, cfg: BenchConfig) -> dict:
-    """Seconds per 100 decoder-training steps and for one Inverting-Gradients image (its default iterations at
-    batch 1), both from the median of `attack_steps` timed steps of the attacks' own code (after `warmup`)."""
+    """Seconds per 100 decoder-training steps (in the bench's precision, on features of a run in it) and for one
+    Inverting-Gradients image (its default iterations at batch 1; fp32), both from the median of `attack_steps`
+    timed steps of the attacks' own code (after `warmup`)."""
     generator = torch.Generator().manual_seed(cfg.seed)
     images, labels = inputs.images, inputs.labels
-    features, keep = extract_features(model, images, mask_ratio, generator)
+    features, keep = extract_features(model, images, mask_ratio, generator, precision=cfg.precision)
     local_state = {k: v for k, v in model.state_dict().items() if k.startswith("local_module.")}
     observation = RoundFeatures(0, [ClientFeatures(0, features, labels, local_state, keep)], model, mask_ratio,
-                                inputs.public)
-    decoder = DecoderInversion(ThreatModel(positions_known=True), steps=cfg.warmup + cfg.attack_steps + 1)
+                                inputs.public, precision=cfg.precision)
+    decoder = DecoderInversion(ThreatModel(positions_known=True), steps=cfg.warmup + cfg.attack_steps + 1,
+                               precision=cfg.precision)
     stamps: list[float] = []
     decoder.reconstruct(observation, lambda stage, done, total: stamps.append(time.perf_counter()))
     decoder_steps = step_times(stamps)[cfg.warmup:]
@@ -404,7 +413,7 @@ def print_tables(result: dict, console=None) -> None:
     console = console or Console(width=None if Console().is_terminal else 160)  # a log file gets whole rows
     m = result["machine"]
     table = Table(title=f"client step, {result['config']['model']}, batch {result['config']['batch_size']}, "
-                        f"median of {result['config']['steps']} (load {m['loadavg_before'][0]:.1f}, "
+                        f"{result['config']['precision']}, median of {result['config']['steps']} (load {m['loadavg_before'][0]:.1f}, "
                         f"{m['torch_threads']} torch threads)")
     for column in ("configuration", "step s", "IQR s", "GFLOP", "speed-up", "FLOP ratio", "of bound", "peak MiB",
                    "activ. MiB", "optim. MiB", "upload MiB"):
@@ -416,6 +425,8 @@ def print_tables(result: dict, console=None) -> None:
                       _mib(memory["peak"]), _mib(memory["activations"]), _mib(memory["optimizer_state"]),
                       _mib(row["upload_bytes"]["total"]))
     console.print(table)
+    if not result["dp"]:
+        console.print(f"DP-SGD: not benched ({result['config']['precision']}: DP-SGD runs in fp32 only)")
     for method, dp in result["dp"].items():
         console.print(f"DP-SGD ({method}, r_m {dp['mask_ratio']:g}, per-sample clipping): step "
                       f"{dp['step_seconds']['median']:.4f} s, {dp['ratio']:.2f}x the non-DP step "

@@ -23,6 +23,7 @@ from eftguard.federation.errors import FederationError, Interrupted
 from eftguard.methods import METHODS as METHOD_SPECS, method_spec
 from eftguard.metrics import LPIPS_BACKENDS, MetricError
 from eftguard.model import PRESETS, ModelError
+from eftguard.precision import PRECISIONS, resolve_precision
 from eftguard.pretrain import OBJECTIVES, PretrainConfig, PretrainError
 from eftguard.rundir import RunDirectory, RunError, check_new_run_path
 from eftguard.sampling import BALANCE_MODES
@@ -106,6 +107,9 @@ TRAIN_HELP = {
     "model_check": "simulated clients check every model they receive against the one they received before and "
                    "refuse (upload nothing) a round whose model moved further than the run's local and server "
                    "training can move it (defenses/model_check.py)",
+    "precision": "of every forward pass in training, feature extraction and evaluation: fp32, or bf16 (bfloat16 "
+                 "matrix products, float32 weights, optimizer and uploads; about 2-3x faster where the CPU has AMX "
+                 "tiles, slower where it has not; not with --dp-eps; docs/training.md)",
 }
 PRETRAIN_HELP = {
     "objective": "supervised (labels of the public split), mae (reconstruct the pixels of masked patches; no labels "
@@ -123,7 +127,7 @@ PRETRAIN_HELP = {
 CHOICES = {"method": METHODS, "balance": BALANCE_MODES, "federation": FEDERATIONS, "model": tuple(PRESETS),
            "accountant": ACCOUNTANTS, "head_pruning": HEAD_PRUNING, "head_weighting": HEAD_WEIGHTING,
            "client_selection": CLIENT_SELECTION, "lr_schedule": SCHEDULES,
-           "canary_kind": CANARY_KINDS, "threat": THREATS, "tamper": tuple(TAMPERINGS)}
+           "canary_kind": CANARY_KINDS, "threat": THREATS, "tamper": tuple(TAMPERINGS), "precision": PRECISIONS}
 
 
 def _add_train_options(parser: argparse.ArgumentParser) -> None:
@@ -265,6 +269,10 @@ def build_parser() -> argparse.ArgumentParser:
                       help="LPIPS network of the audit: lpips-alex (standard, needs the AlexNet weights), "
                            "stlpips-alex (shift-tolerant, ships its weights, works offline) or auto (the first "
                            "that loads) (default: auto)")
+    demo.add_argument("--precision", choices=("auto", *PRECISIONS), default="auto",
+                      help="of the trainings and the inversion decoder: bf16 (bfloat16 matrix products, float32 "
+                           "weights and uploads), fp32, or auto: bf16 where the CPU multiplies bfloat16 in hardware "
+                           "(AMX tiles), else fp32 (default: auto)")
     demo.add_argument("--shard", default=None, help=argparse.SUPPRESS)  # one configuration's process (demo_processes)
 
     audit = sub.add_parser("audit", parents=[logs], help="train a grid of configurations, attack every run, compare",
@@ -303,6 +311,9 @@ def build_parser() -> argparse.ArgumentParser:
     bench.add_argument("--batch-size", type=int, help="client batch size (default: 64)")
     bench.add_argument("--attack-steps", type=int,
                        help="timed decoder steps and Inverting-Gradients iterations (default: 10)")
+    bench.add_argument("--precision", choices=PRECISIONS,
+                       help="of the client and server steps and the decoder: fp32, or bf16 (bfloat16 matrix "
+                            "products; no DP-SGD rows: DP-SGD runs in fp32) (default: fp32)")
     bench.add_argument("--out", type=Path, default=None, help="write the results as JSON to this file")
 
     add_attack_parser(sub)
@@ -495,6 +506,7 @@ def summarize(run_dir: Path) -> list[dict]:
 
 
 DEMO_METHODS = {"eftvit": "r_m {mask_ratio}, M {local_layers}", "fedavg": "Fed-Full"}  # method -> column note
+DEMO_REFERENCE_NICENESS = 10  # a CPU share of about 1/10 against a busy nice-0 process (Linux CFS weights)
 
 
 def check_out_folder(out: Path, what: str) -> None:
@@ -515,10 +527,10 @@ def demo_audit(args: argparse.Namespace):
     attacks = [{"family": "labels"}]
     if args.attack_steps > 0:
         attacks.insert(0, {"family": "invert", "method": "decoder", "steps": args.attack_steps, "max_images": 32,
-                           "lpips_backend": args.lpips_backend})
+                           "lpips_backend": args.lpips_backend, "precision": resolve_precision(args.precision)})
     return parse_audit({"title": "demo: EFTViT vs Fed-Full on the bundled photos",
                         "train": {"rounds": args.rounds, "train_samples": args.train_samples,
-                                  "test_samples": args.test_samples},
+                                  "test_samples": args.test_samples, "precision": resolve_precision(args.precision)},
                         "grid": {"method": list(DEMO_METHODS)}, "attack": attacks}, "eftguard demo")
 
 
@@ -538,7 +550,7 @@ def cmd_demo(args: argparse.Namespace) -> None:
     check_out_folder(out, "the demo")
     check_data_and_model(audit, audit.configurations, out)
     print(f"{audit.title}: {len(audit.configurations)} configurations side by side, {len(audit.attacks)} attacks "
-          f"each -> {out}", file=sys.stderr)
+          f"each, training in {audit.defaults.precision} -> {out}", file=sys.stderr)
     failed = demo_processes(args, audit, out)
     summary = finish_audit(audit, out, [])
     drop_earlier_uploads(summary, out)
@@ -546,14 +558,14 @@ def cmd_demo(args: argparse.Namespace) -> None:
     results = {method: RunDirectory.open(out / c["run"]).metrics() for method, c in trained.items()}
     cfg = audit.defaults
     table = Table(title=f"photos, {cfg.clients} clients, beta {cfg.beta}, {args.train_samples or 'all'} training "
-                        f"images: test accuracy per round ({out})")
+                        f"images, {cfg.precision}: test accuracy per round ({out})")
     table.add_column("round")
     for method in results:
         table.add_column(f"{method} ({DEMO_METHODS[method].format(**dataclasses.asdict(cfg))})")
     for index in range(args.rounds):
         table.add_row(str(index + 1), *[f"{records[index]['test_accuracy']:.3f}" for records in results.values()])
     table.add_row("wall s", *[f"{trained[m]['train_seconds']:.0f}" for m in results])
-    table.add_row("client s/epoch", *[f"{_mean_epoch_seconds(records):.2f}" for records in results.values()])
+    table.add_row("client CPU s/epoch", *[f"{_mean_epoch_cpu_seconds(records):.2f}" for records in results.values()])
     Console().print(table)
     print_summary(summary)
     for line in failed:
@@ -566,20 +578,25 @@ def cmd_demo(args: argparse.Namespace) -> None:
 def demo_processes(args: argparse.Namespace, audit, out: Path) -> list[str]:
     """Train and attack every configuration of the demo in its own process, all at once, one thread each: on
     two cores the two trainings, and the inversion attack of the first, overlap instead of queueing (in one
-    process, Ray's start-up, the server's serial steps and the attack each left a core idle). Each child's output
-    is relayed line by line, prefixed with its method. Returns one line per child that failed."""
+    process, Ray's start-up, the server's serial steps and the attack each left a core idle). A configuration the
+    demo's attacks do not apply to (Fed-Full uploads no features) has nothing to do after its training, so it runs
+    at a lower priority (nice DEMO_REFERENCE_NICENESS, inherited by its Ray workers) and yields the cores to the
+    training whose attacks wait for it. Each child's output is relayed line by line, prefixed with its method.
+    Returns one line per child that failed."""
     import subprocess
     import threading
 
     options = ["--out", str(out), "--rounds", str(args.rounds), "--train-samples", str(args.train_samples),
                "--test-samples", str(args.test_samples), "--attack-steps", str(args.attack_steps),
-               "--lpips-backend", args.lpips_backend] + (["--verbose"] if args.verbose else [])
+               "--lpips-backend", args.lpips_backend, "--precision", resolve_precision(args.precision)
+               ] + (["--verbose"] if args.verbose else [])
     environment = {**os.environ, "PYTHONUNBUFFERED": "1", "OMP_NUM_THREADS": os.environ.get("OMP_NUM_THREADS", "1")}
     count = len(audit.configurations)
     children = [subprocess.Popen([sys.executable, "-m", "eftguard.cli", "demo", *options, "--shard", f"{index}/{count}"],
                                  stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=environment,
-                                 preexec_fn=_die_with_parent if sys.platform == "linux" else None)
-                for index in range(1, count + 1)]
+                                 preexec_fn=_demo_child(not method_spec(c.config.method).uploads_features)
+                                 if sys.platform == "linux" else None)
+                for index, c in enumerate(audit.configurations, start=1)]
     relays = [threading.Thread(target=_relay_lines, args=(child.stdout, f"[{configuration.varied['method']}] "))
               for child, configuration in zip(children, audit.configurations)]
     for relay in relays:
@@ -602,14 +619,19 @@ def demo_processes(args: argparse.Namespace, audit, out: Path) -> list[str]:
             for c, code in zip(audit.configurations, codes) if code != 0]
 
 
-def _die_with_parent() -> None:
-    """In a demo child (Linux): killed when the demo's process dies (SIGKILL, a CI timeout), so it never trains on
-    alone. A kill, not a Ctrl-C: with its output pipe gone, the child's graceful stop could not even print. Ray
-    ends the dead driver's actors; its idle helpers are stopped by the next eftguard run (stop_ray_leftovers)."""
+def _demo_child(yields: bool):
+    """The start of a demo child (Linux): at nice DEMO_REFERENCE_NICENESS if it yields, and killed when the demo's
+    process dies (SIGKILL, a CI timeout), so it never trains on alone. A kill, not a Ctrl-C: with its output pipe
+    gone, the child's graceful stop could not even print. Ray ends the dead driver's actors; its idle helpers are
+    stopped by the next eftguard run (stop_ray_leftovers)."""
     import ctypes
     import signal
 
-    ctypes.CDLL(None).prctl(1, signal.SIGKILL)  # 1: PR_SET_PDEATHSIG
+    def start() -> None:
+        if yields:
+            os.nice(DEMO_REFERENCE_NICENESS)
+        ctypes.CDLL(None).prctl(1, signal.SIGKILL)  # 1: PR_SET_PDEATHSIG
+    return start
 
 
 def _relay_lines(stream, prefix: str) -> None:
@@ -628,8 +650,10 @@ def drop_earlier_uploads(summary: dict, out: Path) -> None:
             run.drop_uploads_before(run.completed_rounds())
 
 
-def _mean_epoch_seconds(records: list[dict]) -> float:
-    values = [s for r in records for s in r["client_epoch_seconds"].values()]
+def _mean_epoch_cpu_seconds(records: list[dict]) -> float:
+    """A client epoch's cost: CPU time, not wall time, which depends on what ran beside it (the two
+    configurations share the cores, the reference at a lower priority)."""
+    values = [s for r in records for s in r["client_epoch_cpu_seconds"].values()]
     return sum(values) / max(len(values), 1)
 
 

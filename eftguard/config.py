@@ -80,6 +80,7 @@ class TrainConfig:
     tamper: str = ""  # the tampering of a malicious server (attacks.tamper.TAMPERINGS)
     tamper_round: int = 0  # the round the server tampers with (0: the last)
     model_check: bool = True  # simulated clients check the model they receive (defenses.model_check)
+    precision: str = "fp32"  # of the forward passes: fp32, or bf16 matrix products (eftguard.precision)
 
     def resolved(self) -> "TrainConfig":
         """A validated copy with defaults that depend on other fields filled in."""
@@ -113,6 +114,7 @@ class TrainConfig:
         if self.accountant not in ACCOUNTANTS:
             raise ConfigError(f"--accountant: unknown accountant '{self.accountant}', choose {', '.join(ACCOUNTANTS)}")
         self._check_head_pruning()
+        self._check_precision()
         if self.dp_eps < 0:
             raise ConfigError(f"--dp-eps must be >= 0 (0: no DP-SGD), got {self.dp_eps}")
         if not 0.0 <= self.dp_delta < 1.0:
@@ -163,6 +165,15 @@ class TrainConfig:
         if self.data_dir and not Path(self.data_dir).is_dir():
             raise ConfigError(f"--data-dir {self.data_dir} does not exist: create it or point to your dataset copy")
         self._check_canaries()
+
+    def _check_precision(self) -> None:
+        from eftguard.precision import PRECISIONS
+
+        if self.precision not in PRECISIONS:
+            raise ConfigError(f"--precision: unknown precision '{self.precision}', choose {', '.join(PRECISIONS)}")
+        if self.precision != "fp32" and self.dp_eps > 0:
+            raise ConfigError(f"--precision {self.precision} with --dp-eps: DP-SGD runs in fp32 (its clipping "
+                              "bound needs exact per-sample norms); drop --precision or --dp-eps")
 
     def _check_canaries(self) -> None:
         from eftguard.canaries import CANARY_KINDS, canary_set

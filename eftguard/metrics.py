@@ -181,15 +181,30 @@ def identifiability_ranks(recon: np.ndarray, truth: np.ndarray, candidates: np.n
     identifiability precision (IIP) of breaching, here in pixel space (the squared error the auditor also matches
     by) rather than LPIPS: cheap over thousands of pairs, and a reconstruction must look like its own image, not
     merely be closer to it than to its neighbours in some learned feature space."""
-    pool = np.unique(np.concatenate([truth, candidates]).reshape(len(truth) + len(candidates), -1), axis=0)
-    pool = pool.reshape(-1, *truth.shape[1:])
+    pool = distinct_images(np.concatenate([truth, candidates]))
     own = squared_errors(truth, pool).argmin(axis=1)  # each true image's place in the pool
-    if weights is None:
-        distances = squared_errors(recon, pool)
-    else:
-        distances = np.stack([((pool[:, w > 0] - r[w > 0]) ** 2).sum(axis=(1, 2)) for r, w in zip(recon, weights)])
+    distances = squared_errors(recon, pool) if weights is None else masked_squared_errors(recon, pool, weights)
     closer = distances < distances[np.arange(len(recon)), own][:, None]
     return 1 + closer.sum(axis=1), len(pool)
+
+
+def distinct_images(images: np.ndarray) -> np.ndarray:
+    """The images with exact repeats removed (first occurrence kept, order kept): by their bytes, which is
+    hundreds of times faster than np.unique(axis=0) on thousands of images."""
+    flat = np.ascontiguousarray(images).reshape(len(images), -1)
+    first = {}
+    for index, row in enumerate(flat):
+        first.setdefault(row.tobytes(), index)
+    return images[sorted(first.values())]
+
+
+def masked_squared_errors(a: np.ndarray, b: np.ndarray, weights: np.ndarray) -> np.ndarray:
+    """[len(a), len(b)] summed squared differences between a[i] and every b[k], over the pixels where
+    weights[i] [H, W] > 0 only (every channel), as matrix products: sum m (b - a)^2 = m.b^2 - 2 (m a).b + m.a^2."""
+    mask = np.repeat((weights > 0).reshape(len(weights), -1).astype(np.float64), a.shape[-1], axis=1)
+    x = a.reshape(len(a), -1).astype(np.float64) * mask
+    y = b.reshape(len(b), -1).astype(np.float64)
+    return mask @ (y ** 2).T - 2 * x @ y.T + (x ** 2).sum(1)[:, None]
 
 
 def label_hits(predicted: np.ndarray, true: np.ndarray) -> np.ndarray:

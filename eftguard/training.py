@@ -17,6 +17,7 @@ from defenses.dp import DPSGD, make_private, noise_only_step, poisson_batch
 from eftguard.masking import random_keep_ids
 from eftguard.methods import method_spec, methods_with
 from eftguard.model import EFTViT
+from eftguard.precision import computing_in
 
 Progress = Callable[[int, int], None]  # (done, total) -> None
 KeepIds = Callable[[int], "torch.Tensor | None"]  # batch size -> the patches each image keeps (None: all, in order)
@@ -34,7 +35,9 @@ class OptimConfig:
 class TrainResult:
     loss: float
     steps: int
-    epoch_seconds: list[float] = field(default_factory=list)
+    epoch_seconds: list[float] = field(default_factory=list)  # wall time per epoch
+    epoch_cpu_seconds: list[float] = field(default_factory=list)  # this process's CPU time per epoch: the cost,
+    # whatever else shares the cores (wall time is not, where runs share a machine: eftguard demo, audit shards)
     dp_applied: list[tuple[float, float, int]] = field(default_factory=list)  # (noise, sample rate, steps) taken
 
     @property
@@ -49,9 +52,9 @@ def _batches(n: int, batch_size: int, generator: torch.Generator) -> list[torch.
 def _fit(params: list[nn.Parameter], n: int, optim: OptimConfig, generator: torch.Generator,
          loss_of_batch: Callable[[torch.Tensor], torch.Tensor], progress: Progress | None) -> TrainResult:
     optimizer = torch.optim.AdamW(params, lr=optim.lr, weight_decay=optim.weight_decay)
-    total, steps, epoch_seconds = 0.0, 0, []
+    total, steps, epoch_seconds, epoch_cpu_seconds = 0.0, 0, [], []
     for epoch in range(optim.epochs):
-        start = time.perf_counter()
+        start, start_cpu = time.perf_counter(), time.process_time()
         for batch in _batches(n, optim.batch_size, generator):
             loss = loss_of_batch(batch)
             optimizer.zero_grad(set_to_none=True)
@@ -60,9 +63,10 @@ def _fit(params: list[nn.Parameter], n: int, optim: OptimConfig, generator: torc
             total += float(loss.detach())
             steps += 1
         epoch_seconds.append(time.perf_counter() - start)
+        epoch_cpu_seconds.append(time.process_time() - start_cpu)
         if progress:
             progress(epoch + 1, optim.epochs)
-    return TrainResult(total / max(steps, 1), steps, epoch_seconds)
+    return TrainResult(total / max(steps, 1), steps, epoch_seconds, epoch_cpu_seconds)
 
 
 def _fit_private(model: EFTViT, params: list[nn.Parameter], images: torch.Tensor, labels: torch.Tensor,
@@ -74,10 +78,10 @@ def _fit_private(model: EFTViT, params: list[nn.Parameter], images: torch.Tensor
     expected = min(optim.batch_size, n)
     optimizer = torch.optim.AdamW(params, lr=optim.lr, weight_decay=optim.weight_decay)
     wrapped, dp_optimizer, criterion, applied = make_private(model, optimizer, dp, expected)
-    total, seen, steps, epoch_seconds = 0.0, 0, 0, []
+    total, seen, steps, epoch_seconds, epoch_cpu_seconds = 0.0, 0, 0, [], []
     try:
         for epoch in range(optim.epochs):
-            start = time.perf_counter()
+            start, start_cpu = time.perf_counter(), time.process_time()
             for _ in range(dp.steps_per_epoch or math.ceil(n / optim.batch_size)):
                 batch = poisson_batch(n, dp.sample_rate, generator)
                 dp_optimizer.zero_grad(set_to_none=True)
@@ -91,23 +95,27 @@ def _fit_private(model: EFTViT, params: list[nn.Parameter], images: torch.Tensor
                     seen += len(batch)
                 steps += 1
             epoch_seconds.append(time.perf_counter() - start)
+            epoch_cpu_seconds.append(time.process_time() - start_cpu)
             if progress:
                 progress(epoch + 1, optim.epochs)
     finally:
         wrapped.to_standard_module()  # removes the hooks; the model is used again for feature extraction
-    return TrainResult(total / max(seen, 1), steps, epoch_seconds, list(applied.history))
+    return TrainResult(total / max(seen, 1), steps, epoch_seconds, epoch_cpu_seconds, list(applied.history))
 
 
 def train_local(model: EFTViT, images: torch.Tensor, labels: torch.Tensor, method: str, mask_ratio: float,
                 optim: OptimConfig, generator: torch.Generator, progress: Progress | None = None,
-                dp: DPSGD | None = None) -> TrainResult:
+                dp: DPSGD | None = None, precision: str = "fp32") -> TrainResult:
     """Client training of the parameters the method trains (the rest frozen: they get no gradients), on
     masked images if the method masks, with DP-SGD when dp is given (eftvit: phi and h on masked images
-    through the frozen theta; fedavg: the whole model on full images)."""
+    through the frozen theta; fedavg: the whole model on full images); forward passes in `precision`
+    (eftguard.precision; DP-SGD in fp32 only)."""
     spec = method_spec(method)
     if dp is not None and not spec.dp_sgd:
         scope = ", ".join(f"{m.name}'s {m.trained_parts}" for m in methods_with("dp_sgd"))
         raise ValueError(f"DP-SGD is implemented for {scope} only")
+    if dp is not None and precision != "fp32":
+        raise ValueError(f"DP-SGD runs in fp32 only (its clipping bound needs exact norms), not {precision}")
     model.train()
     frozen = [p for name, p in model.named_parameters() if not spec.trains_parameter(name) and p.requires_grad]
     for parameter in frozen:
@@ -120,7 +128,9 @@ def train_local(model: EFTViT, images: torch.Tensor, labels: torch.Tensor, metho
 
     def loss_of_batch(batch: torch.Tensor) -> torch.Tensor:
         x = model.normalize(images[batch])
-        return nn.functional.cross_entropy(model(x, keep_ids(len(batch))), labels[batch])
+        with computing_in(model, precision):
+            logits = model(x, keep_ids(len(batch))).float()
+        return nn.functional.cross_entropy(logits, labels[batch])
 
     try:
         if dp is not None:
@@ -133,23 +143,27 @@ def train_local(model: EFTViT, images: torch.Tensor, labels: torch.Tensor, metho
 
 @torch.no_grad()
 def extract_features(model: EFTViT, images: torch.Tensor, mask_ratio: float, generator: torch.Generator,
-                     batch_size: int = 256) -> tuple[torch.Tensor, torch.Tensor]:
-    """phi(mask(x)) for every image, each under a fresh mask: features [n, 1 + keep, D], keep ids [n, keep]."""
+                     batch_size: int = 256, precision: str = "fp32") -> tuple[torch.Tensor, torch.Tensor]:
+    """phi(mask(x)) for every image, each under a fresh mask: features [n, 1 + keep, D] (float32), keep ids
+    [n, keep]."""
     model.eval()
     keep_ids = random_keep_ids(len(images), model.local_module.num_patches, mask_ratio, generator)
-    features = [model.local_module(model.normalize(images[i:i + batch_size]), keep_ids[i:i + batch_size])
-                for i in range(0, len(images), batch_size)]
+    with computing_in(model, precision):
+        features = [model.local_module(model.normalize(images[i:i + batch_size]), keep_ids[i:i + batch_size]).float()
+                    for i in range(0, len(images), batch_size)]
     return torch.cat(features).contiguous(), keep_ids
 
 
 def train_global(model: EFTViT, features: torch.Tensor, labels: torch.Tensor, optim: OptimConfig,
-                 generator: torch.Generator, progress: Progress | None = None) -> TrainResult:
+                 generator: torch.Generator, progress: Progress | None = None, precision: str = "fp32") -> TrainResult:
     """Server training of theta on pooled uploaded features, with the (aggregated) head frozen."""
     model.train()
     model.head.requires_grad_(False)
 
     def loss_of_batch(batch: torch.Tensor) -> torch.Tensor:
-        return nn.functional.cross_entropy(model.classify(features[batch]), labels[batch])
+        with computing_in(model, precision):
+            logits = model.classify(features[batch]).float()
+        return nn.functional.cross_entropy(logits, labels[batch])
 
     try:
         return _fit(list(model.global_module.parameters()), len(labels), optim, generator, loss_of_batch, progress)
@@ -171,21 +185,26 @@ def keep_if_not_worse(module: nn.Module, train: Callable[[], TrainResult],
 
 
 @torch.no_grad()
-def evaluate(model: EFTViT, images: torch.Tensor, labels: torch.Tensor, batch_size: int = 256) -> float:
+def evaluate(model: EFTViT, images: torch.Tensor, labels: torch.Tensor, batch_size: int = 256,
+             precision: str = "fp32") -> float:
     """Top-1 accuracy of the assembled model on full, unmasked images."""
     model.eval()
     correct = 0
-    for i in range(0, len(labels), batch_size):
-        correct += int((model(model.normalize(images[i:i + batch_size])).argmax(1) == labels[i:i + batch_size]).sum())
+    with computing_in(model, precision):
+        for i in range(0, len(labels), batch_size):
+            logits = model(model.normalize(images[i:i + batch_size])).float()
+            correct += int((logits.argmax(1) == labels[i:i + batch_size]).sum())
     return correct / max(len(labels), 1)
 
 
 @torch.no_grad()
-def mean_loss(model: EFTViT, images: torch.Tensor, labels: torch.Tensor, batch_size: int = 256) -> float:
+def mean_loss(model: EFTViT, images: torch.Tensor, labels: torch.Tensor, batch_size: int = 256,
+              precision: str = "fp32") -> float:
     """The assembled model's mean cross-entropy on full, unmasked images (uint8, as evaluate)."""
     model.eval()
     total = 0.0
     for i in range(0, len(labels), batch_size):
-        logits = model(model.normalize(images[i:i + batch_size]))
+        with computing_in(model, precision):
+            logits = model(model.normalize(images[i:i + batch_size])).float()
         total += float(nn.functional.cross_entropy(logits, labels[i:i + batch_size], reduction="sum"))
     return total / max(len(labels), 1)

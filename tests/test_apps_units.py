@@ -38,7 +38,7 @@ def rounds(monkeypatch):
                       "secret": secret, "ledger": ledger, "model_check": model_check})
         report = {"dp-steps": 4} if settings.dp_eps else None
         features = None if settings.method == "fedavg" else FEATURES
-        return ClientUpload(UPDATE, features, TRUTH, 60, 1.25, [0.5, 0.25], 0.125, report)
+        return ClientUpload(UPDATE, features, TRUTH, 60, 1.25, [0.5, 0.25], [0.375, 0.125], 0.125, report)
 
     monkeypatch.setattr(apps, "client_round", client_round)
     return calls
@@ -62,7 +62,8 @@ def test_reply_carries_the_upload_and_its_metrics(rounds):
     assert np.array_equal(from_record(reply.content["update"], "update")["head.bias"], UPDATE["head.bias"])
     assert np.array_equal(from_record(reply.content["features"], "features")["labels"], FEATURES["labels"])
     assert dict(reply.content["metrics"]) == {"partition-id": 1, "num-examples": 60, "loss": 1.25,
-                                              "epoch-seconds": [0.5, 0.25], "feature-seconds": 0.125}
+                                              "epoch-seconds": [0.5, 0.25], "epoch-cpu-seconds": [0.375, 0.125],
+                                              "feature-seconds": 0.125}
 
 
 def test_dp_round_reports_what_dp_sgd_applied(rounds):

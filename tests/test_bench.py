@@ -105,6 +105,16 @@ def test_short_bench_writes_every_documented_key(tmp_path, capsys):
     assert "fedavg" in capsys.readouterr().out
 
 
+def test_a_bf16_bench_records_its_precision_and_benches_no_dp_sgd(tmp_path, capsys):
+    out = tmp_path / "bench.json"
+    main(["bench", "--methods", "fedavg", "eftvit", "--precision", "bf16", "--steps", "1", "--warmup", "0",
+          "--batch-size", "4", "--attack-steps", "1", "--mask-ratios", "0.75", "--out", str(out)])
+    result = json.loads(out.read_text())
+    assert result["config"]["precision"] == "bf16" and result["dp"] == {}
+    assert set(result["clients"]) == {"fedavg", "eftvit r_m 0.75"}
+    assert "DP-SGD: not benched (bf16: DP-SGD runs in fp32 only)" in capsys.readouterr().out
+
+
 @pytest.mark.parametrize("argv, message", [
     (["--mask-ratios", "1.0"], "--mask-ratios: 1.0 is not in [0, 1) (fraction of patches dropped)"),
     (["--mask-ratios", "nan"], "--mask-ratios: nan is not in [0, 1) (fraction of patches dropped)"),

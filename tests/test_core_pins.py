@@ -469,6 +469,25 @@ def test_epochs_report_progress_and_their_own_duration(model, path):
     assert result.seconds == pytest.approx(result.epoch_seconds[0] + result.epoch_seconds[1])
 
 
+@pytest.mark.parametrize("path", ["plain", "dp-sgd"])
+def test_epoch_cpu_time_counts_this_process_working_not_waiting(model, path, monkeypatch):
+    """An epoch that waits 1 s (as it would for a core another process holds) reports the wait in its wall time
+    and not in its CPU time, which is the epoch's cost."""
+    images, labels = images_and_labels(4)
+    sleeping = torch.nn.Module.__call__
+
+    def slow_call(module, *args, **kwargs):
+        if module is model:
+            time.sleep(1.0)
+        return sleeping(module, *args, **kwargs)
+
+    monkeypatch.setattr(torch.nn.Module, "__call__", slow_call)
+    result = train_local(model, images, labels, "eftvit", 0.75, OptimConfig(1, 4, 1e-3, 0.0),
+                         torch.Generator().manual_seed(0), dp=DPSGD(1.0, 1.0, 1.0, 0) if path == "dp-sgd" else None)
+    [wall], [cpu] = result.epoch_seconds, result.epoch_cpu_seconds
+    assert wall >= 1.0 and 0 < cpu < wall - 0.7
+
+
 def test_features_are_extracted_in_batches_exactly_as_in_one(model):
     images, _ = images_and_labels(7)
     features, keep_ids = extract_features(model, images, 0.75, torch.Generator().manual_seed(4), batch_size=3)

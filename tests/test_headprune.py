@@ -193,8 +193,8 @@ def honest(micro_preset):
     upload = client_round(ClientSettings.from_config(cfg, 1), {k: v.numpy() for k, v in model.state_dict().items()},
                           1, cfg.clients)
     metrics = {"partition-id": 1, "num-examples": upload.num_examples, "loss": upload.loss,
-               "epoch-seconds": upload.epoch_seconds, "feature-seconds": upload.feature_seconds,
-               "global-loss": upload.global_loss}
+               "epoch-seconds": upload.epoch_seconds, "epoch-cpu-seconds": upload.epoch_cpu_seconds,
+               "feature-seconds": upload.feature_seconds, "global-loss": upload.global_loss}
     content = {"update": upload.update, "heads": upload.heads, "metrics": metrics}
     return content, upload_spec(model, cfg, dataset), upload
 

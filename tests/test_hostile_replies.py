@@ -110,6 +110,8 @@ METRIC_POISON = {
     "num-examples": ["40", 0, -5, 2 ** 62, 10 ** 6, True, 3.5, [1], float("nan")],
     "loss": ["abc", float("nan"), float("inf"), -float("inf"), -1.0, 1e30, True, [1.0], b"1", 10 ** 400],
     "epoch-seconds": [5, 5.0, "5", [], [1.0, 2.0], ["a"], [float("nan")], [float("inf")], [-1.0], [1e9], [True]],
+    "epoch-cpu-seconds": [5, "5", [], [1.0, 2.0], ["a"], [float("nan")], [float("inf")], [-1.0], [1e9], [True],
+                          [10 ** 400]],
     "feature-seconds": ["0", float("nan"), -1.0, 1e9, [0.1], True],
 }
 
@@ -217,7 +219,8 @@ def honest(micro_preset):
     state = {k: v.numpy() for k, v in model.state_dict().items()}
     upload = client_round(ClientSettings.from_config(CFG.resolved(), 1), state, 1, CFG.clients)
     metrics = {"partition-id": 1, "num-examples": upload.num_examples, "loss": upload.loss,
-               "epoch-seconds": upload.epoch_seconds, "feature-seconds": upload.feature_seconds}
+               "epoch-seconds": upload.epoch_seconds, "epoch-cpu-seconds": upload.epoch_cpu_seconds,
+               "feature-seconds": upload.feature_seconds}
     content = encode({"update": upload.update, "features": upload.features, "truth": upload.truth,
                       "metrics": metrics})
     metadata = Metadata(run_id=1, message_id="m", src_node_id=101, dst_node_id=0, reply_to_message_id="q",

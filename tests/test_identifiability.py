@@ -53,6 +53,40 @@ def test_a_perfect_reconstruction_is_identified_and_the_mean_image_is_chance(ima
     assert chance <= 1 / len(client)  # one image at most is nearest to the mean image
 
 
+def brute_force_ranks(recon, truth, candidates, weights=None):
+    """The definition, one pair at a time: distinct candidates by value, distance over the weighted pixels."""
+    pool = []
+    for image in np.concatenate([truth, candidates]):
+        if not any(np.array_equal(image, seen) for seen in pool):
+            pool.append(image)
+    ranks = []
+    for i, (r, t) in enumerate(zip(recon, truth)):
+        where = np.ones(r.shape[:2], bool) if weights is None else weights[i] > 0
+        distances = [((p[where].astype(np.float64) - r[where]) ** 2).sum() for p in pool]
+        own = ((t[where].astype(np.float64) - r[where]) ** 2).sum()
+        ranks.append(1 + sum(d < own for d in distances))
+    return np.array(ranks), len(pool)
+
+
+def test_ranks_match_a_one_pair_at_a_time_reference(images):
+    """Kept-patch weights, repeated images and reconstructions at every distance, against the definition."""
+    client, public = images
+    generator = np.random.default_rng(2)
+    truth = np.concatenate([client, client[:3]])  # three images uploaded twice
+    candidates = np.concatenate([public, client[5:7]])
+    recon = np.clip(truth + generator.normal(0, 1, (len(truth), 1, 1, 1)) * generator.normal(0, 0.3, truth.shape),
+                    0, 1).astype(np.float32)
+    recon[4] = public[0]  # shows a public image
+    kept_ids = np.sort(np.stack([generator.choice(64, 16, replace=False) for _ in truth]), axis=1)
+    weights = metrics.kept_pixels(kept_ids, 32, 4)
+    for w in (None, weights):
+        ranks, count = metrics.identifiability_ranks(recon, truth, candidates, w)
+        expected, expected_count = brute_force_ranks(recon, truth, candidates, w)
+        assert count == expected_count == 48
+        assert ranks.tolist() == expected.tolist()
+        assert ranks[4] >= 2 and 1 in ranks and ranks.max() > 2  # the comparison is not vacuous
+
+
 def scored(client, public, recon, kept=None):
     return scoring.score_client(0, ImageReconstruction(recon, rows=np.arange(len(recon))), client, kept, public,
                                 FAKE_LPIPS, 4)

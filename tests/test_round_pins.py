@@ -184,12 +184,13 @@ TICK = 0.123456789  # seconds per reading of the test's clock
 def test_round_record_reports_each_clients_seconds_and_the_weighted_loss(tmp_path, micro_preset, monkeypatch):
     """Durations read from a clock that advances TICK per reading: each recorded duration is a whole number of
     ticks, kept to the record's precision (4 decimals, 3 for the elapsed time), whatever the machine's load."""
-    reported = {}
+    reported, cpu = {}, {}
 
     def remember(node, reply):
         if reply.metadata.message_type == "train":
             m = reply.content["metrics"]
             reported[str(node - 100)] = (m["loss"], m["num-examples"], list(m["epoch-seconds"]))
+            cpu[str(node - 100)] = list(m["epoch-cpu-seconds"])
         return reply
 
     readings = iter(range(1, 10**6))
@@ -201,6 +202,7 @@ def test_round_record_reports_each_clients_seconds_and_the_weighted_loss(tmp_pat
     assert record["client_loss"] == sum(loss * n for loss, n, _ in reported.values()) / total
     assert record["client_seconds"] == {k: round(sum(s), 4) for k, (_, _, s) in reported.items()}
     assert record["client_epoch_seconds"] == {k: round(sum(s) / 2, 4) for k, (_, _, s) in reported.items()}
+    assert record["client_epoch_cpu_seconds"] == {k: round(sum(s) / 2, 4) for k, s in cpu.items()}
     assert record["eval_seconds"] == round(TICK, 4)  # one reading before and one after the evaluation
     for key, digits in (("server_seconds", 4), ("elapsed_seconds", 3)):
         ticks = round(record[key] / TICK)

@@ -150,7 +150,7 @@ def test_demo_compares_both_methods_and_its_fedavg_reference_uploads_whole_model
     through the same apps (no separate simulation for it)."""
     result = eftguard("demo", "--out", str(tmp_path / "demo"), *DEMO_TINY)
     assert result.returncode == 0, result.stderr[-3000:]
-    assert "eftvit" in result.stdout and "fedavg" in result.stdout and "client s/epoch" in result.stdout
+    assert "eftvit" in result.stdout and "fedavg" in result.stdout and "client CPU s/epoch" in result.stdout
     # each configuration in its own process, side by side: each one's output starts before the other's ends
     lines = result.stderr.splitlines()
     eftvit = [i for i, line in enumerate(lines) if line.startswith("[eftvit] ")]
@@ -186,6 +186,9 @@ def test_a_killed_demo_leaves_no_process_training_on(tmp_path):
             if len(training) == 2:
                 break
         assert process.poll() is None, "the demo ended before it could be killed"
+        # the Fed-Full reference, which no demo attack applies to, yields the cores to EFTViT's training and attacks
+        nice = {child.cmdline()[-1]: child.nice() for child in psutil.Process(process.pid).children()}
+        assert nice == {"1/2": os.nice(0), "2/2": os.nice(0) + 10}, nice  # shards in the grid's order: eftvit, fedavg
         process.kill()
         process.wait(timeout=30)
     finally:

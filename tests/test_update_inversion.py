@@ -31,7 +31,7 @@ def photos():
     return load_dataset("photos", None, 32)
 
 
-def client_update(micro_preset, photos, indices, method, epochs, batch_size, seed=3):
+def client_update(micro_preset, photos, indices, method, epochs, batch_size, seed=3, precision="fp32"):
     """The real client's training (eftguard.training.train_local) from a seeded micro ViT: (start model, images,
     labels, the uploaded trained parameters, the LocalTraining the server knows with the client's schedule)."""
     start = build_model(micro_preset, 10, 2, seed=0)
@@ -40,13 +40,14 @@ def client_update(micro_preset, photos, indices, method, epochs, batch_size, see
     labels = torch.from_numpy(photos.train.labels[indices])
     masked = method == "eftvit"
     train_local(client, images, labels, method, 0.75, OptimConfig(epochs, batch_size, LR, WEIGHT_DECAY),
-                torch.Generator().manual_seed(seed))
+                torch.Generator().manual_seed(seed), precision=precision)
     trained = dict(client.named_parameters())
     names = [n for n, _ in start.named_parameters() if method == "fedavg" or n.startswith(("local_module.", "head."))]
     uploaded = {n: trained[n].detach().clone() for n in names}
     ratio = 0.75 if masked else None
     schedule = replay_schedule(len(indices), epochs, batch_size, 64, ratio, torch.Generator().manual_seed(seed))
-    training = LocalTraining(uploaded, len(indices), epochs, batch_size, LR, WEIGHT_DECAY, 64, ratio, schedule)
+    training = LocalTraining(uploaded, len(indices), epochs, batch_size, LR, WEIGHT_DECAY, 64, ratio, schedule,
+                             precision)
     return start, images, labels, training
 
 
@@ -78,6 +79,25 @@ def test_simulation_is_the_real_client_training_given_its_images_and_schedule(mi
     swapped = [training.schedule[1], training.schedule[0], *training.schedule[2:]]  # the first two steps swapped
     wrong = simulate_local_training(start, before, start.normalize(images), labels, swapped, LR, WEIGHT_DECAY)
     assert max(float((wrong[n] - v).detach().abs().max()) for n, v in training.uploaded.items()) > 1e-4
+
+
+def test_a_bf16_client_is_replayed_in_bf16(micro_preset, photos):
+    """A client training with --precision bf16 (bfloat16 matrix products, float32 weights and AdamW): the simulation
+    in the run's precision lands on its upload as the fp32 one lands on an fp32 client's; simulated in fp32, the same
+    training misses it by far more than that tolerance, so the precision the server assumes matters."""
+    start, images, labels, training = client_update(micro_preset, photos, [0, 1, 2, 3, 4], "eftvit", 2, 2,
+                                                    precision="bf16")
+    named = dict(start.named_parameters())
+    before = {n: named[n].detach() for n in training.uploaded}
+
+    def worst_error(precision):
+        simulated = simulate_local_training(start, before, start.normalize(images), labels, training.schedule, LR,
+                                            WEIGHT_DECAY, precision=precision)
+        return max(float((without_key_bias(n, simulated[n]) - without_key_bias(n, v)).abs().max())
+                   for n, v in training.uploaded.items())
+
+    assert worst_error("bf16") < 1e-6
+    assert worst_error("fp32") > 1e-5
 
 
 def attacked(micro_preset, photos, indices, method, epochs, batch_size, steps, upload_noise=0.0):

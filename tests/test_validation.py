@@ -37,7 +37,8 @@ def good(tiny_model, dataset):
                 "labels": np.array([0, 1, 2, 3, 9], np.int64)}
     truth = {"sample_ids": dataset.train.ids[[0, 3, 5, 7, 9]].astype(np.int64),
              "kept_ids": np.tile(np.arange(16), (5, 1)).astype(np.int64), "class_counts": np.full(10, 4, np.int64)}
-    metrics = {"partition-id": 2, "num-examples": 40, "loss": 1.0, "epoch-seconds": [0.5], "feature-seconds": 0.1}
+    metrics = {"partition-id": 2, "num-examples": 40, "loss": 1.0, "epoch-seconds": [0.5], "epoch-cpu-seconds": [0.9],
+               "feature-seconds": 0.1}
     return update, features, truth, metrics
 
 
@@ -116,6 +117,10 @@ def test_bad_arrays_are_rejected_with_a_reason(good, spec, corrupt, reason):
     ("epoch-seconds", [-1.0], "outside"),
     ("epoch-seconds", [1e9], r"outside \[0, 3600\]"),
     ("epoch-seconds", [float("nan")], "finite"),
+    ("epoch-cpu-seconds", [0.5, 0.5], "'epoch-cpu-seconds' must list 1 number"),
+    ("epoch-cpu-seconds", [float("inf")], "'epoch-cpu-seconds' must be finite"),
+    ("epoch-cpu-seconds", [-0.1], "'epoch-cpu-seconds' -0.1 outside"),
+    ("epoch-cpu-seconds", [4e6], r"outside \[0, 3686400\] s \(the round timeout on 1024 cores\)"),
     ("feature-seconds", 3599.9, "more than the round timeout"),
     ("feature-seconds", "0", "'feature-seconds' must be a number"),
     ("partition-id", "x", "'partition-id' must be an integer, got str"),

@@ -62,7 +62,7 @@ def observe_features(run: RunDirectory, round_number: int, clients: list[int], m
                                        torch.from_numpy(upload["labels"][rows]), state,
                                        torch.from_numpy(kept) if kept is not None else None))
     return RoundFeatures(round_number, observed, model, cfg.mask_ratio, aux,
-                         *feature_release(run, round_number, clients)), rows_of
+                         *feature_release(run, round_number, clients), precision=cfg.precision), rows_of
 
 
 def feature_release(run: RunDirectory, round_number: int, clients: list[int]) -> tuple[float, float, bool]:
@@ -330,4 +330,5 @@ def local_training(run: RunDirectory, round_number: int, partition: int, model: 
         generator = torch.Generator().manual_seed(seeded(cfg.seed, round_number, partition, 1))
         schedule = replay_schedule(num_examples, cfg.local_epochs, cfg.batch_size, num_patches, mask_ratio, generator)
     return LocalTraining(uploaded, num_examples, cfg.local_epochs, cfg.batch_size,
-                         cfg.lr * cfg.lr_factor(round_number), cfg.weight_decay, num_patches, mask_ratio, schedule)
+                         cfg.lr * cfg.lr_factor(round_number), cfg.weight_decay, num_patches, mask_ratio, schedule,
+                         cfg.precision)

@@ -78,6 +78,7 @@ def train(msg: Message, context: Context, node_defaults: dict | None = None) -> 
         "update": to_record(upload.update),
         "metrics": ConfigRecord({"partition-id": partition, "num-examples": upload.num_examples,
                                  "loss": upload.loss, "epoch-seconds": upload.epoch_seconds,
+                                 "epoch-cpu-seconds": upload.epoch_cpu_seconds,
                                  "feature-seconds": upload.feature_seconds, **(upload.dp_report or {})}),
     }
     if upload.global_loss is not None:

@@ -39,6 +39,7 @@ class ClientUpload:
     num_examples: int
     loss: float  # the mean training loss; 0.0 under --dp-eps (a function of the private data, not noised)
     epoch_seconds: list[float]
+    epoch_cpu_seconds: list[float]
     feature_seconds: float
     dp_report: dict[str, float | int] | None = None  # what DP-SGD applied and the ledger's spend; None without DP
     heads: dict[str, np.ndarray] | None = None  # headprune-lora: {"importance": [layers, heads], "kept": [layers, k]}
@@ -182,10 +183,12 @@ def client_round(settings: ClientSettings, state: dict[str, np.ndarray], partiti
             dp = DPSGD(request[1][0].noise_multiplier, s.max_grad_norm, request[1][0].sample_rate,
                        seeded(s.seed, s.round, partition_id, 6, respent, *private),
                        request[1][0].steps // s.local_epochs)
-        global_loss = mean_loss(model, images, labels) if s.client_selection == "loss-gap" else None
+        global_loss = (mean_loss(model, images, labels, precision=s.precision) if s.client_selection == "loss-gap"
+                       else None)
         kept, heads = choose_heads(s, model, images, partition_id) if method.prunes_heads else (None, None)
         with headprune.pruned(model, kept) if method.prunes_heads else contextlib.nullcontext():
-            result = train_local(model, images, labels, s.method, s.mask_ratio, optim, generator, report, dp)
+            result = train_local(model, images, labels, s.method, s.mask_ratio, optim, generator, report, dp,
+                                  s.precision)
         update = {k: v.numpy().copy() for k, v in method.uploaded_state(model).items()}
         if method.prunes_heads:
             update = headprune.kept_upload(update, kept, headprune.head_index(model))
@@ -212,8 +215,8 @@ def client_round(settings: ClientSettings, state: dict[str, np.ndarray], partiti
             log.info("round %d, client %d: epsilon spent in this run %.3f", s.round, partition_id,
                      dp_applied["dp-epsilon-spent"])
     loss = 0.0 if terms else result.loss  # a DP client reports nothing the mechanisms do not cover
-    return ClientUpload(update, uploaded, truth, len(data), loss, result.epoch_seconds, feature_seconds, dp_applied,
-                        heads, global_loss)
+    return ClientUpload(update, uploaded, truth, len(data), loss, result.epoch_seconds, result.epoch_cpu_seconds,
+                        feature_seconds, dp_applied, heads, global_loss)
 
 
 def choose_heads(s: ClientSettings, model, images: torch.Tensor, partition_id: int
@@ -253,7 +256,8 @@ def dp_released_features(s: ClientSettings, model, images: torch.Tensor, labels:
                          ) -> tuple[dict[str, np.ndarray], np.ndarray]:
     """The feature upload under --dp-eps (defenses.feature_dp): every image once, clipped and noised, with the
     labels decoded from the noisy one-hot; and the kept patch ids for the truth."""
-    features, keep_ids = extract_features(model, images, method_spec(s.method).mask_ratio(s.mask_ratio), generator)
+    features, keep_ids = extract_features(model, images, method_spec(s.method).mask_ratio(s.mask_ratio), generator,
+                                          precision=s.precision)
     features, released_labels = release_rows(features, labels, num_classes, row_clip(s.feature_clip),
                                              s.feature_noise_multiplier, noise)
     return ({"features": features.numpy(), "labels": released_labels.numpy()},
@@ -268,7 +272,8 @@ def median_sampled_features(s: ClientSettings, model, data, num_classes: int, pa
     chosen = balanced_indices(data.labels, num_classes, s.balance,
                               np.random.default_rng(seeded(s.seed, s.round, partition_id, 2)))
     images = torch.from_numpy(data.images[chosen])
-    features, keep_ids = extract_features(model, images, method_spec(s.method).mask_ratio(s.mask_ratio), generator)
+    features, keep_ids = extract_features(model, images, method_spec(s.method).mask_ratio(s.mask_ratio), generator,
+                                          precision=s.precision)
     if s.feature_clip > 0:
         noise = torch.Generator().manual_seed(seeded(s.seed, s.round, partition_id, 5, *private))
         features = release_features(features, s.feature_clip, s.feature_noise, noise)

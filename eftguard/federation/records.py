@@ -97,6 +97,7 @@ class ClientSettings:
     server_epochs: int = 1  # the server's training of theta: bounds how far theta can move (defenses.model_check)
     server_lr: float = 1e-3
     peak_lr: float = 1e-3  # --lr before the round's schedule factor (at most 1): bounds every round's lr
+    precision: str = "fp32"  # of the forward passes (eftguard.precision)
 
     @classmethod
     def from_config(cls, cfg: TrainConfig, round_number: int, noise_multiplier: float = 0.0,

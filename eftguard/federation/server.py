@@ -60,6 +60,7 @@ class AcceptedUpload:
     num_examples: int
     loss: float
     epoch_seconds: list[float]
+    epoch_cpu_seconds: list[float]
     upload_bytes: int
     heads: dict[str, np.ndarray] | None = None  # headprune-lora: the client's head importance and kept head ids
     global_loss: float | None = None  # --client-selection loss-gap: the received model's loss on the client's data
@@ -147,7 +148,7 @@ def parse_reply(reply: Message, partition: int, spec: UploadSpec, method: str,
                                len(features["labels"]) if features else None)
     upload_bytes = sum(a.nbytes for part in (update, features or {}, heads or {}) for a in part.values())
     return AcceptedUpload(partition, update, features, metrics.num_examples, metrics.loss, metrics.epoch_seconds,
-                          upload_bytes, heads, metrics.global_loss), truth
+                          metrics.epoch_cpu_seconds, upload_bytes, heads, metrics.global_loss), truth
 
 
 def check_dp_report(metrics: ConfigRecord, budget: ClientBudget, dp_eps: float) -> dict[str, float]:
@@ -411,20 +412,21 @@ def run_round(grid: Grid, run: RunDirectory, cfg: TrainConfig, model: EFTViT, sp
                 return train_global(model, features, labels,
                                     OptimConfig(cfg.server_epochs, cfg.batch_size,
                                                 cfg.server_lr * cfg.lr_factor(round_number), cfg.weight_decay),
-                                    generator, lambda done, total: progress.update(task, completed=done))
+                                    generator, lambda done, total: progress.update(task, completed=done),
+                                    cfg.precision)
 
             if public is None:
                 result = train()
             else:  # DP rows are mostly noise: keep theta's update only if the server's own public images agree
                 result, server_update_kept = keep_if_not_worse(model.global_module, train,
-                                                               lambda: evaluate(model, *public))
+                                                               lambda: evaluate(model, *public, precision=cfg.precision))
             progress.remove_task(task)
             server_loss, server_seconds = result.loss, result.seconds
     else:
         progress.console.print(f"[red]round {round_number}: no valid upload, the model is unchanged")
 
     eval_start = time.perf_counter()
-    accuracy = evaluate(model, test_images, test_labels)
+    accuracy = evaluate(model, test_images, test_labels, precision=cfg.precision)
     eval_seconds = time.perf_counter() - eval_start
     run.save_checkpoint(round_number, model.state_dict())
     weights = sum(u.num_examples for u in accepted)
@@ -438,6 +440,8 @@ def run_round(grid: Grid, run: RunDirectory, cfg: TrainConfig, model: EFTViT, sp
         "client_seconds": {str(u.partition): round(sum(u.epoch_seconds), 4) for u in accepted},
         "client_epoch_seconds": {str(u.partition): round(sum(u.epoch_seconds) / max(len(u.epoch_seconds), 1), 4)
                                  for u in accepted},
+        "client_epoch_cpu_seconds": {str(u.partition): round(sum(u.epoch_cpu_seconds) /
+                                                             max(len(u.epoch_cpu_seconds), 1), 4) for u in accepted},
         "server_seconds": round(server_seconds, 4),
         "eval_seconds": round(eval_seconds, 4),
         "upload_bytes": {str(u.partition): u.upload_bytes for u in accepted},

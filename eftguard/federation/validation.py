@@ -33,7 +33,10 @@ MAX_IMPORTANCE = 1e4
 # declared payload plus this much is not a numpy array of the declared layout.
 NPY_HEADER_BYTES = 1024
 # What a client reports with its upload (eftguard.federation.apps.train); a reply with other keys is refused.
-METRIC_KEYS = frozenset({"partition-id", "num-examples", "loss", "epoch-seconds", "feature-seconds"})
+METRIC_KEYS = frozenset({"partition-id", "num-examples", "loss", "epoch-seconds", "epoch-cpu-seconds",
+                         "feature-seconds"})
+# CPU seconds per wall second a client can spend (its cores): bounds a reported epoch's CPU time by the round timeout.
+MAX_CLIENT_CORES = 1024
 # What a DP client may add: the DP-SGD its optimizer applied and its ledger's spend. Only their types are checked
 # here; whether they meet the run's budget is the server's DP check.
 DP_REPORT_NUMBERS = frozenset({"dp-noise-multiplier", "dp-sample-rate", "dp-epsilon-spent", "dp-epsilon-parameters",
@@ -67,6 +70,7 @@ class ReplyMetrics:
     num_examples: int
     loss: float
     epoch_seconds: list[float]
+    epoch_cpu_seconds: list[float]
     global_loss: float | None = None
 
 
@@ -95,11 +99,22 @@ def _finite(what: str, value) -> float:
     return number
 
 
-def _seconds(what: str, value, spec: UploadSpec) -> float:
+def _seconds(what: str, value, spec: UploadSpec, cores: int = 1) -> float:
+    """Seconds of a round's work: at most the round timeout (of wall time), times `cores` (of CPU time)."""
     seconds = _finite(what, value)
-    if not 0 <= seconds <= spec.round_seconds:
-        raise UploadError(f"{what} {seconds} outside [0, {spec.round_seconds:g}] s (the round timeout)")
+    limit = spec.round_seconds * cores
+    if not 0 <= seconds <= limit:
+        reason = "the round timeout" if cores == 1 else f"the round timeout on {cores} cores"
+        raise UploadError(f"{what} {seconds} outside [0, {limit:.10g}] s ({reason})")
     return seconds
+
+
+def _per_epoch(key: str, record, spec: UploadSpec, cores: int = 1) -> list[float]:
+    epochs = record[key]
+    if not isinstance(epochs, list) or len(epochs) != spec.local_epochs:
+        raise UploadError(f"metrics '{key}' must list {spec.local_epochs} number(s), one per local epoch, "
+                          f"got {type(epochs).__name__} {epochs!r:.40}")
+    return [_seconds(f"metrics '{key}'", s, spec, cores) for s in epochs]
 
 
 def _check_names(what: str, record, names, kind=ArrayRecord, optional=frozenset()) -> None:
@@ -126,15 +141,12 @@ def validate_metrics(record, partition: int, spec: UploadSpec) -> ReplyMetrics:
                           "(the run's training set)")
     loss, global_loss = (_loss(f"metrics '{key}'", record[key]) if key in required else None
                          for key in ("loss", "global-loss"))
-    epochs = record["epoch-seconds"]
-    if not isinstance(epochs, list) or len(epochs) != spec.local_epochs:
-        raise UploadError(f"metrics 'epoch-seconds' must list {spec.local_epochs} number(s), one per local epoch, "
-                          f"got {type(epochs).__name__} {epochs!r:.40}")
-    epoch_seconds = [_seconds("metrics 'epoch-seconds'", s, spec) for s in epochs]
+    epoch_seconds = _per_epoch("epoch-seconds", record, spec)
+    epoch_cpu_seconds = _per_epoch("epoch-cpu-seconds", record, spec, MAX_CLIENT_CORES)
     spent = sum(epoch_seconds) + _seconds("metrics 'feature-seconds'", record["feature-seconds"], spec)
     if spent > spec.round_seconds:
         raise UploadError(f"metrics claim {spent:g} s of work, more than the round timeout {spec.round_seconds:g} s")
-    return ReplyMetrics(num_examples, loss, epoch_seconds, global_loss)
+    return ReplyMetrics(num_examples, loss, epoch_seconds, epoch_cpu_seconds, global_loss)
 
 
 def _loss(what: str, value) -> float:
