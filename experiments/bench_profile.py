@@ -7,6 +7,7 @@ the optimizer, masking and data handling, and the rest. Findings: docs/bench.md 
     python experiments/bench_profile.py --compare-attention 6   # fused vs unfused attention, interleaved steps
     python experiments/bench_profile.py --compare-compile 5     # eager vs torch.compile'd blocks, interleaved steps
     python experiments/bench_profile.py --compare-dp 5          # DP-SGD: the trainer's clipping vs opacus' modes
+    python experiments/bench_profile.py --compare-precision 5   # fp32 vs bf16 (the trainer's, and with fused attention)
 """
 
 from __future__ import annotations
@@ -80,6 +81,25 @@ def compare_attention(model_name: str, num_classes: int, images, labels, rounds:
     for (method, ratio, fused), values in seconds.items():
         print(f"{method} r_m {ratio:g} {'fused' if fused else 'unfused'} attention: median "
               f"{statistics.median(values):.3f} s, min {min(values):.3f} s")
+
+
+def compare_precision(model_name: str, num_classes: int, images, labels, rounds: int) -> None:
+    """Median step time in fp32, in bf16 as the trainer runs it (--precision bf16: autocast, attention unfused,
+    eftguard.precision) and in bf16 under a plain autocast that keeps timm's fused attention, interleaved."""
+    variants = {"fp32": ("fp32", False), "bf16 (--precision bf16)": ("bf16", False),
+                "bf16, fused attention kept": ("fp32", True)}
+    models = {(method, ratio, name): build_model(model_name, num_classes, TrainConfig().local_layers)
+              for method, ratio in (("fedavg", 0.0), ("eftvit", 0.75)) for name in variants}
+    seconds = {key: [] for key in models}
+    for _ in range(rounds):
+        for (method, ratio, name), model in models.items():
+            precision, outer_autocast = variants[name]
+            with torch.autocast("cpu", dtype=torch.bfloat16, enabled=outer_autocast):
+                result = train_local(model, images, labels, method, ratio, OptimConfig(2, len(labels), 1e-3, 0.05),
+                                     torch.Generator().manual_seed(0), precision=precision)
+            seconds[(method, ratio, name)].append(result.epoch_seconds[-1])
+    for (method, ratio, name), values in seconds.items():
+        print(f"{method} r_m {ratio:g} {name}: median {statistics.median(values):.3f} s, min {min(values):.3f} s")
 
 
 def compare_compile(model_name: str, num_classes: int, images, labels, rounds: int) -> None:
@@ -195,6 +215,9 @@ def main() -> None:
     parser.add_argument("--compare-dp", type=int, default=0, metavar="ROUNDS",
                         help="instead of profiling, time the trainer's DP-SGD step vs opacus' ghost clipping and "
                              "hooks over ROUNDS interleaved steps")
+    parser.add_argument("--compare-precision", type=int, default=0, metavar="ROUNDS",
+                        help="instead of profiling, time fp32 vs bf16 steps (the trainer's, and with fused "
+                             "attention) over ROUNDS interleaved steps")
     parser.add_argument("--dp", action="store_true",
                         help="profile eftvit r_m 0.75 with DP-SGD against without (instead of fedavg against eftvit)")
     args = parser.parse_args()
@@ -210,6 +233,9 @@ def main() -> None:
         return
     if args.compare_attention:
         compare_attention(args.model, data.num_classes, images, labels, args.compare_attention)
+        return
+    if args.compare_precision:
+        compare_precision(args.model, data.num_classes, images, labels, args.compare_precision)
         return
     rows = {}
     dp = DPSGD(1.0, cfg.max_grad_norm, 1.0, 0)  # sample rate 1: the same batch as the plain step

@@ -188,7 +188,8 @@ def test_a_killed_demo_leaves_no_process_training_on(tmp_path):
         assert process.poll() is None, "the demo ended before it could be killed"
         # the Fed-Full reference, which no demo attack applies to, yields the cores to EFTViT's training and attacks
         nice = {child.cmdline()[-1]: child.nice() for child in psutil.Process(process.pid).children()}
-        assert nice == {"1/2": os.nice(0), "2/2": os.nice(0) + 10}, nice  # shards in the grid's order: eftvit, fedavg
+        base = os.nice(0)  # shards in the grid's order: eftvit, fedavg; niceness stops at 19
+        assert nice == {"1/2": base, "2/2": min(base + 10, 19)}, nice
         process.kill()
         process.wait(timeout=30)
     finally:
