@@ -258,8 +258,8 @@ class DecoderInversion:
     probe_steps: int = 300
     seed: int = 0
     precision: str = option("fp32", "of the decoder's training and inference: fp32, or bf16 (bfloat16 matrix "
-                                    "products; about 1.6x faster where the CPU has AMX tiles, the same PSNR on the "
-                                    "demo's run: docs/attacks.md)", str, choices=PRECISIONS)
+                                    "products; the attack about 1.4x faster where the CPU has AMX tiles, the same "
+                                    "figures on the demo's run: docs/attacks.md)", str, choices=PRECISIONS)
 
     def reconstruct(self, observation: RoundFeatures, progress: Progress | None = None
                     ) -> dict[int, ImageReconstruction]:

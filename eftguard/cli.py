@@ -578,25 +578,25 @@ def cmd_demo(args: argparse.Namespace) -> None:
 def demo_processes(args: argparse.Namespace, audit, out: Path) -> list[str]:
     """Train and attack every configuration of the demo in its own process, all at once, one thread each: on
     two cores the two trainings, and the inversion attack of the first, overlap instead of queueing (in one
-    process, Ray's start-up, the server's serial steps and the attack each left a core idle). A configuration the
-    demo's attacks do not apply to (Fed-Full uploads no features) has nothing to do after its training, so it runs
-    at a lower priority (nice DEMO_REFERENCE_NICENESS, inherited by its Ray workers) and yields the cores to the
-    training whose attacks wait for it. Each child's output is relayed line by line, prefixed with its method.
-    Returns one line per child that failed."""
+    process, Ray's start-up, the server's serial steps and the attack each left a core idle); a configuration with
+    time to spare yields the cores (yields_cores). Each child's output is relayed line by line, prefixed with its
+    method. Returns one line per child that failed."""
     import subprocess
     import threading
 
     options = ["--out", str(out), "--rounds", str(args.rounds), "--train-samples", str(args.train_samples),
                "--test-samples", str(args.test_samples), "--attack-steps", str(args.attack_steps),
-               "--lpips-backend", args.lpips_backend, "--precision", resolve_precision(args.precision)
+               "--lpips-backend", args.lpips_backend, "--precision", audit.defaults.precision
                ] + (["--verbose"] if args.verbose else [])
+    yielding = [yields_cores(c.config) for c in audit.configurations]
     environment = {**os.environ, "PYTHONUNBUFFERED": "1", "OMP_NUM_THREADS": os.environ.get("OMP_NUM_THREADS", "1")}
+    if any(yielding):  # Ray starts its workers at nice 15, below the yielding driver: at their driver's instead
+        environment["RAY_worker_niceness"] = "0"
     count = len(audit.configurations)
     children = [subprocess.Popen([sys.executable, "-m", "eftguard.cli", "demo", *options, "--shard", f"{index}/{count}"],
                                  stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=environment,
-                                 preexec_fn=_demo_child(not method_spec(c.config.method).uploads_features)
-                                 if sys.platform == "linux" else None)
-                for index, c in enumerate(audit.configurations, start=1)]
+                                 preexec_fn=_demo_child(yields) if sys.platform == "linux" else None)
+                for index, yields in enumerate(yielding, start=1)]
     relays = [threading.Thread(target=_relay_lines, args=(child.stdout, f"[{configuration.varied['method']}] "))
               for child, configuration in zip(children, audit.configurations)]
     for relay in relays:
@@ -617,6 +617,16 @@ def demo_processes(args: argparse.Namespace, audit, out: Path) -> list[str]:
         raise SystemExit(130)
     return [f"the process of configuration {c.id} exited with code {code} (its output is above)"
             for c, code in zip(audit.configurations, codes) if code != 0]
+
+
+def yields_cores(cfg: TrainConfig) -> bool:
+    """Whether a demo configuration runs at nice DEMO_REFERENCE_NICENESS (with its Ray workers): one the demo's
+    attacks do not apply to (Fed-Full uploads no features) has nothing to do after its training, and in bf16 the
+    chain that waits for the cores is EFTViT's training and then its single-threaded attacks. Measured idle
+    (docs/measurements.md, "Under 3 minutes"): yielding took the bf16 demo from 166 s to 138-162 s. In fp32 the
+    reference's training is the longer chain (218 s of a 239 s demo when it yielded; 220 and 239 s without), so
+    there it does not yield."""
+    return cfg.precision == "bf16" and not method_spec(cfg.method).uploads_features
 
 
 def _demo_child(yields: bool):

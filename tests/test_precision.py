@@ -151,3 +151,11 @@ def test_the_demo_trains_and_decodes_in_the_resolved_precision(monkeypatch, hard
     assert decoder.options["precision"] == expected
     forced = demo_audit(build_parser().parse_args(["demo", "--precision", "fp32"]))
     assert forced.defaults.precision == "fp32"
+
+
+def test_only_a_bf16_configuration_the_demo_does_not_attack_yields_the_cores():
+    from eftguard.cli import yields_cores
+
+    assert yields_cores(TrainConfig(method="fedavg", precision="bf16"))
+    assert not yields_cores(TrainConfig(method="eftvit", precision="bf16"))  # its attacks wait for its training
+    assert not yields_cores(TrainConfig(method="fedavg", precision="fp32"))  # in fp32 its training is the long pole
