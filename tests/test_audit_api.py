@@ -58,7 +58,7 @@ def test_reports_round_trip_and_name_their_figures(feature_run, tmp_path):
     loaded = read_attack_report(folder)
     assert loaded.to_json() == report.to_json() == read_attack_report(folder / "report.json").to_json()
     assert loaded.options == {"positions": "known", "aux": "public", "aux_data_dir": None, "max_images": 2,
-                              "steps": 2, "seed": 0}
+                              "steps": 2, "seed": 0, "precision": "fp32"}
     figures = loaded.figures()
     assert figures["psnr_kept"] == report.groups["metrics_kept"]["psnr"]["mean"]
     assert figures["baseline_kept.psnr"] == report.groups["baseline_kept"]["psnr"]["mean"]

@@ -350,13 +350,14 @@ def test_a_changed_config_under_the_same_id_is_not_taken_from_the_old_results(tm
 
 def test_the_demo_is_an_audit_of_both_methods(monkeypatch):
     args = cli.build_parser().parse_args(["demo", "--rounds", "2", "--attack-steps", "7", "--lpips-backend",
-                                          "stlpips-alex"])
+                                          "stlpips-alex", "--precision", "fp32"])  # auto: tests/test_precision.py
     audit = cli.demo_audit(args)
     assert [c.id for c in audit.configurations] == ["method=eftvit", "method=fedavg"]
     assert {(c.config.rounds, c.config.train_samples, c.config.test_samples) for c in audit.configurations} == {
         (2, 1500, 500)}
     assert [(a.name, a.options) for a in audit.attacks] == [
-        ("invert-decoder", {"steps": 7, "max_images": 32, "lpips_backend": "stlpips-alex"}), ("labels-head", {})]
+        ("invert-decoder", {"steps": 7, "max_images": 32, "lpips_backend": "stlpips-alex", "precision": "fp32"}),
+        ("labels-head", {})]
     no_inversion = cli.demo_audit(cli.build_parser().parse_args(["demo", "--attack-steps", "0"]))
     assert [a.name for a in no_inversion.attacks] == ["labels-head"]
 
