@@ -524,13 +524,14 @@ def demo_audit(args: argparse.Namespace):
     if args.attack_steps < 0:
         raise ConfigError(f"--attack-steps {args.attack_steps}: give the decoder's steps, "
                           "or 0 to skip the inversion attack")
+    precision = resolve_precision(args.precision)
     attacks = [{"family": "labels"}]
     if args.attack_steps > 0:
         attacks.insert(0, {"family": "invert", "method": "decoder", "steps": args.attack_steps, "max_images": 32,
-                           "lpips_backend": args.lpips_backend, "precision": resolve_precision(args.precision)})
+                           "lpips_backend": args.lpips_backend, "precision": precision})
     return parse_audit({"title": "demo: EFTViT vs Fed-Full on the bundled photos",
                         "train": {"rounds": args.rounds, "train_samples": args.train_samples,
-                                  "test_samples": args.test_samples, "precision": resolve_precision(args.precision)},
+                                  "test_samples": args.test_samples, "precision": precision},
                         "grid": {"method": list(DEMO_METHODS)}, "attack": attacks}, "eftguard demo")
 
 
@@ -623,9 +624,9 @@ def yields_cores(cfg: TrainConfig) -> bool:
     """Whether a demo configuration runs at nice DEMO_REFERENCE_NICENESS (with its Ray workers): one the demo's
     attacks do not apply to (Fed-Full uploads no features) has nothing to do after its training, and in bf16 the
     chain that waits for the cores is EFTViT's training and then its single-threaded attacks. Measured idle
-    (docs/measurements.md, "Under 3 minutes"): yielding took the bf16 demo from 166 s to 138-162 s. In fp32 the
-    reference's training is the longer chain (218 s of a 239 s demo when it yielded; 220 and 239 s without), so
-    there it does not yield."""
+    (docs/measurements.md, "Under 3 minutes"): yielding took the bf16 demo from 166 s to 138-167 s (median 159 s
+    of four). In fp32 the reference's training is the longer chain (218 s of a 239 s demo when it yielded; 220 and
+    239 s without), so there it does not yield."""
     return cfg.precision == "bf16" and not method_spec(cfg.method).uploads_features
 
 
