@@ -1,9 +1,10 @@
 """Where a client step's time goes that FLOPs do not explain: torch.profiler over the trainer's own step
-(eftguard.training.train_local) for fedavg and eftvit at r_m 0.75, ops grouped into matrix products, attention,
-the optimizer, masking and data handling, and the rest. Findings: docs/bench.md ("Where the time goes").
+(eftguard.training.train_local) for fedavg and eftvit at r_m 0.75 (--mask-ratio), ops grouped into matrix products,
+attention, the optimizer, masking and data handling, and the rest, with the products' throughput. Findings:
+docs/bench.md ("Where the time goes").
 
-    python experiments/bench_profile.py [--model vit-tiny-32] [--steps 5] [--batch-size 64]
-    python experiments/bench_profile.py --dp                    # eftvit r_m 0.75 with DP-SGD against without
+    python experiments/bench_profile.py [--model vit-tiny-32] [--steps 5] [--batch-size 64] [--mask-ratio 0.75]
+    python experiments/bench_profile.py --dp                    # eftvit with DP-SGD against without
     python experiments/bench_profile.py --compare-attention 6   # fused vs unfused attention, interleaved steps
     python experiments/bench_profile.py --compare-compile 5     # eager vs torch.compile'd blocks, interleaved steps
     python experiments/bench_profile.py --compare-dp 5          # DP-SGD: the trainer's clipping vs opacus' modes
@@ -45,12 +46,17 @@ def group_of(name: str) -> str:
 
 def profile_step(method: str, mask_ratio: float, images, labels, model, steps: int,
                  dp: DPSGD | None = None) -> dict[str, float]:
-    """Self CPU seconds per step by group, over `steps` steps after one warm-up call."""
+    """Self CPU seconds per step by group, over `steps` steps after one warm-up call, and the products' GFLOP/s
+    (eftguard.bench's FLOP count of one step over the matmul and attention groups' time: small products run
+    slower per FLOP)."""
+    from eftguard.bench import count_flops
+
     def run(epochs: int):
         return train_local(model, images, labels, method, mask_ratio,
                            OptimConfig(epochs, len(labels), 1e-3, 0.05), torch.Generator().manual_seed(0), dp=dp)
 
     run(2)
+    flops = count_flops(lambda: run(1))
     with profile(activities=[ProfilerActivity.CPU]) as prof:
         result = run(steps)
     groups: dict[str, float] = defaultdict(float)
@@ -59,6 +65,7 @@ def profile_step(method: str, mask_ratio: float, images, labels, model, steps: i
             continue
         groups[group_of(event.key)] += event.self_cpu_time_total / 1e6 / steps
     groups["wall (train_local epoch_seconds)"] = sum(result.epoch_seconds) / steps
+    groups["products GFLOP/s (matmul + attention)"] = flops / 1e9 / (groups["matmul"] + groups["attention"])
     return dict(groups)
 
 
@@ -208,6 +215,7 @@ def main() -> None:
     parser.add_argument("--model", default="vit-tiny-32")
     parser.add_argument("--steps", type=int, default=5)
     parser.add_argument("--batch-size", type=int, default=64)
+    parser.add_argument("--mask-ratio", type=float, default=0.75, help="eftvit's r_m in the profile (default 0.75)")
     parser.add_argument("--compare-attention", type=int, default=0, metavar="ROUNDS",
                         help="instead of profiling, time fused vs unfused attention over ROUNDS interleaved steps")
     parser.add_argument("--compare-compile", type=int, default=0, metavar="ROUNDS",
@@ -219,7 +227,7 @@ def main() -> None:
                         help="instead of profiling, time fp32 vs bf16 steps (the trainer's, and with fused "
                              "attention) over ROUNDS interleaved steps")
     parser.add_argument("--dp", action="store_true",
-                        help="profile eftvit r_m 0.75 with DP-SGD against without (instead of fedavg against eftvit)")
+                        help="profile eftvit with DP-SGD against without (instead of fedavg against eftvit)")
     args = parser.parse_args()
     cfg = TrainConfig()
     data = run_dataset(cfg.dataset, "", args.model, cfg.train_samples, 0, 0)
@@ -239,8 +247,9 @@ def main() -> None:
         return
     rows = {}
     dp = DPSGD(1.0, cfg.max_grad_norm, 1.0, 0)  # sample rate 1: the same batch as the plain step
-    columns = [("eftvit", 0.75, dp), ("eftvit", 0.75, None)] if args.dp else [("fedavg", 0.0, None),
-                                                                               ("eftvit", 0.75, None)]
+    ratio = args.mask_ratio
+    columns = [("eftvit", ratio, dp), ("eftvit", ratio, None)] if args.dp else [("fedavg", 0.0, None),
+                                                                                 ("eftvit", ratio, None)]
     for method, ratio, private in columns:
         model = build_model(args.model, data.num_classes, cfg.local_layers)
         rows[f"{method} r_m {ratio:g}" + (" dp-sgd" if private else "")] = profile_step(
