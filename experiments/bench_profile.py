@@ -287,18 +287,12 @@ def main() -> None:
     if args.compare_dp:
         compare_dp(images, labels, args.compare_dp)
         return
-    if args.compare_compile:
-        compare_compile(args.model, data.num_classes, images, labels, args.compare_compile)
-        return
-    if args.compare_attention:
-        compare_attention(args.model, data.num_classes, images, labels, args.compare_attention)
-        return
-    if args.compare_precision:
-        compare_precision(args.model, data.num_classes, images, labels, args.compare_precision)
-        return
-    if args.compare_kept_embedding:
-        compare_kept_embedding(args.model, data.num_classes, images, labels, args.compare_kept_embedding)
-        return
+    comparisons = {compare_compile: args.compare_compile, compare_attention: args.compare_attention,
+                   compare_precision: args.compare_precision, compare_kept_embedding: args.compare_kept_embedding}
+    for compare, rounds in comparisons.items():
+        if rounds:
+            compare(args.model, data.num_classes, images, labels, rounds)
+            return
     rows = {}
     dp = DPSGD(1.0, cfg.max_grad_norm, 1.0, 0)  # sample rate 1: the same batch as the plain step
     ratio = args.mask_ratio
