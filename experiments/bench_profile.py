@@ -18,13 +18,14 @@ import argparse
 import statistics
 import time
 from collections import defaultdict
-from typing import Callable
+from typing import Callable, Hashable
 
 import torch
 from torch import nn
 from torch.profiler import ProfilerActivity, profile
 
 from defenses.dp import DPSGD
+from eftguard.bench import count_flops
 from eftguard.config import TrainConfig
 from eftguard.federation.client import run_dataset
 from eftguard.model import LocalModule, build_model
@@ -50,8 +51,6 @@ def profile_step(method: str, mask_ratio: float, images, labels, model, steps: i
     """Self CPU seconds per step by group, over `steps` steps after one warm-up call, and the products' GFLOP/s
     (eftguard.bench's FLOP count of one step over the matmul and attention groups' time: small products run
     slower per FLOP)."""
-    from eftguard.bench import count_flops
-
     def run(epochs: int):
         return train_local(model, images, labels, method, mask_ratio,
                            OptimConfig(epochs, len(labels), 1e-3, 0.05), torch.Generator().manual_seed(0), dp=dp)
@@ -70,6 +69,21 @@ def profile_step(method: str, mask_ratio: float, images, labels, model, steps: i
     return dict(groups)
 
 
+def trainer_step(model, images, labels, method: str, ratio: float, precision: str = "fp32", epochs: int = 2) -> float:
+    """Seconds of the last of `epochs` one-step epochs of the trainer's own step (the first warms up)."""
+    return train_local(model, images, labels, method, ratio, OptimConfig(epochs, len(labels), 1e-3, 0.05),
+                       torch.Generator().manual_seed(0), precision=precision).epoch_seconds[-1]
+
+
+def interleaved(steps: dict[Hashable, Callable[[], float]], rounds: int) -> dict[Hashable, list[float]]:
+    """Each step's seconds over `rounds` rounds, every step once a round, so that load changes hit all alike."""
+    seconds = {key: [] for key in steps}
+    for _ in range(rounds):
+        for key, step in steps.items():
+            seconds[key].append(step())
+    return seconds
+
+
 def compare_attention(model_name: str, num_classes: int, images, labels, rounds: int) -> None:
     """Median step time with timm's fused attention kernel and with explicit matrix products, interleaved."""
     models = {}
@@ -80,12 +94,8 @@ def compare_attention(model_name: str, num_classes: int, images, labels, rounds:
                 if hasattr(module, "fused_attn"):
                     module.fused_attn = fused
             models[(method, ratio, fused)] = model
-    seconds = {key: [] for key in models}
-    for _ in range(rounds):
-        for (method, ratio, fused), model in models.items():
-            result = train_local(model, images, labels, method, ratio, OptimConfig(2, len(labels), 1e-3, 0.05),
-                                 torch.Generator().manual_seed(0))
-            seconds[(method, ratio, fused)].append(result.epoch_seconds[-1])
+    seconds = interleaved({key: (lambda key=key: trainer_step(models[key], images, labels, *key[:2]))
+                           for key in models}, rounds)
     for (method, ratio, fused), values in seconds.items():
         print(f"{method} r_m {ratio:g} {'fused' if fused else 'unfused'} attention: median "
               f"{statistics.median(values):.3f} s, min {min(values):.3f} s")
@@ -98,14 +108,12 @@ def compare_precision(model_name: str, num_classes: int, images, labels, rounds:
                 "bf16, fused attention kept": ("fp32", True)}
     models = {(method, ratio, name): build_model(model_name, num_classes, TrainConfig().local_layers)
               for method, ratio in (("fedavg", 0.0), ("eftvit", 0.75)) for name in variants}
-    seconds = {key: [] for key in models}
-    for _ in range(rounds):
-        for (method, ratio, name), model in models.items():
-            precision, outer_autocast = variants[name]
-            with torch.autocast("cpu", dtype=torch.bfloat16, enabled=outer_autocast):
-                result = train_local(model, images, labels, method, ratio, OptimConfig(2, len(labels), 1e-3, 0.05),
-                                     torch.Generator().manual_seed(0), precision=precision)
-            seconds[(method, ratio, name)].append(result.epoch_seconds[-1])
+
+    def step(method: str, ratio: float, name: str) -> float:
+        precision, outer_autocast = variants[name]
+        with torch.autocast("cpu", dtype=torch.bfloat16, enabled=outer_autocast):
+            return trainer_step(models[(method, ratio, name)], images, labels, method, ratio, precision)
+    seconds = interleaved({key: (lambda key=key: step(*key)) for key in models}, rounds)
     for (method, ratio, name), values in seconds.items():
         print(f"{method} r_m {ratio:g} {name}: median {statistics.median(values):.3f} s, min {min(values):.3f} s")
 
@@ -129,8 +137,6 @@ def embed_kept_patches(local_module, images: torch.Tensor, keep_ids: torch.Tenso
 def compare_kept_embedding(model_name: str, num_classes: int, images, labels, rounds: int) -> None:
     """Median step time and FLOPs of eftvit with the trainer's patch embedding (every patch) and with
     embed_kept_patches, against fedavg, interleaved; the speed-up's fraction of the FLOP bound for each."""
-    from eftguard.bench import count_flops
-
     settings = [("fedavg", 0.0, False)] + [("eftvit", ratio, kept) for ratio in (0.75, 0.9) for kept in (False, True)]
     models = {}
     for setting in settings:
@@ -139,15 +145,10 @@ def compare_kept_embedding(model_name: str, num_classes: int, images, labels, ro
             model.local_module.forward = embed_kept_patches.__get__(model.local_module)
         models[setting] = model
 
-    def step(setting, epochs: int = 2):
-        method, ratio, _ = setting
-        return train_local(models[setting], images, labels, method, ratio, OptimConfig(epochs, len(labels), 1e-3, 0.05),
-                           torch.Generator().manual_seed(0))
-    flops = {setting: count_flops(lambda: step(setting, 1)) for setting in settings}
-    seconds = {setting: [] for setting in settings}
-    for _ in range(rounds):
-        for setting in settings:
-            seconds[setting].append(step(setting).epoch_seconds[-1])
+    flops = {setting: count_flops(lambda: trainer_step(models[setting], images, labels, *setting[:2], epochs=1))
+             for setting in settings}
+    seconds = interleaved({setting: (lambda setting=setting: trainer_step(models[setting], images, labels,
+                                                                          *setting[:2])) for setting in settings}, rounds)
     reference = statistics.median(seconds[settings[0]])
     for setting in settings:
         method, ratio, kept = setting
@@ -168,13 +169,13 @@ def compare_compile(model_name: str, num_classes: int, images, labels, rounds: i
                 for block in [*model.local_module.blocks, *model.global_module.blocks]:
                     block.compile()
             models[(method, ratio, compiled)] = model
-    seconds = {key: [] for key in models}
-    for _ in range(rounds + 1):
-        for (method, ratio, compiled), model in models.items():
-            start = time.perf_counter()
-            train_local(model, images, labels, method, ratio, OptimConfig(1, len(labels), 1e-3, 0.05),
-                        torch.Generator().manual_seed(0))
-            seconds[(method, ratio, compiled)].append(time.perf_counter() - start)
+
+    def call_seconds(key) -> float:
+        """The whole call, so that the first one includes compiling."""
+        start = time.perf_counter()
+        trainer_step(models[key], images, labels, *key[:2], epochs=1)
+        return time.perf_counter() - start
+    seconds = interleaved({key: (lambda key=key: call_seconds(key)) for key in models}, rounds + 1)
     medians = {key: statistics.median(values[1:]) for key, values in seconds.items()}
     for (method, ratio, compiled), values in seconds.items():
         print(f"{method} r_m {ratio:g} {'compiled' if compiled else 'eager'}: first step {values[0]:.1f} s, "
@@ -197,7 +198,7 @@ def compare_dp(images, labels, rounds: int) -> None:
     from opacus.optimizers import DPOptimizer, DPOptimizerFastGradientClipping
     from opacus.utils.fast_gradient_clipping_utils import DPLossFastGradientClipping
 
-    from eftguard.bench import Bench, BenchConfig, BenchInputs, Setting, count_flops
+    from eftguard.bench import Bench, BenchConfig, BenchInputs, Setting
     from eftguard.masking import random_keep_ids
     from eftguard.methods import METHODS
 
@@ -248,10 +249,7 @@ def compare_dp(images, labels, rounds: int) -> None:
     flops = {"plain": count_flops(lambda: bench.client_step(plain)(1)),
              "trainer (book-keeping)": count_flops(lambda: bench.client_step(private)(1)),
              "ghost clipping": count_flops(ghost_step), "hooks": count_flops(hooks_step)}
-    seconds = {key: [] for key in steps}
-    for _ in range(rounds):
-        for key, step in steps.items():
-            seconds[key].append(step())
+    seconds = interleaved(steps, rounds)
     base = statistics.median(seconds["plain"])
     for key, values in seconds.items():
         print(f"{key:22} median {statistics.median(values):.3f} s ({statistics.median(values) / base:.2f}x), "
@@ -295,9 +293,8 @@ def main() -> None:
             return
     rows = {}
     dp = DPSGD(1.0, cfg.max_grad_norm, 1.0, 0)  # sample rate 1: the same batch as the plain step
-    ratio = args.mask_ratio
-    columns = [("eftvit", ratio, dp), ("eftvit", ratio, None)] if args.dp else [("fedavg", 0.0, None),
-                                                                                 ("eftvit", ratio, None)]
+    columns = ([("eftvit", args.mask_ratio, dp), ("eftvit", args.mask_ratio, None)] if args.dp
+               else [("fedavg", 0.0, None), ("eftvit", args.mask_ratio, None)])
     for method, ratio, private in columns:
         model = build_model(args.model, data.num_classes, cfg.local_layers)
         rows[f"{method} r_m {ratio:g}" + (" dp-sgd" if private else "")] = profile_step(
