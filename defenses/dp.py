@@ -23,12 +23,12 @@ from typing import Callable
 import torch
 from opacus.accountants import RDPAccountant, create_accountant
 from opacus.accountants.utils import MAX_SIGMA, get_noise_multiplier
-from opacus.grad_sample import GradSampleModule, GradSampleModuleFastGradientClipping
+from opacus.grad_sample import GradSampleModule, GradSampleModuleFastGradientClipping, register_grad_sampler
 from opacus.optimizers import DPOptimizerFastGradientClipping
 from torch import nn
 from torch.utils.hooks import RemovableHandle
 
-from eftguard.model import TokenEmbedding
+from eftguard.model import PatchProjection, TokenEmbedding
 
 # opacus' PRV accountant bounds epsilon within an absolute eps_error (default 0.01); below epsilon 5 it is
 # recomputed within 0.2% of epsilon, so a reported epsilon stays within 1% of an exact accountant's. The
@@ -205,8 +205,8 @@ class PerSampleClipping:
     A forward hook keeps each trained layer's (layer with parameters of its own that require grad) input and
     output. backward() then runs ONE backward pass, from the summed loss to those outputs only: it yields each
     layer's output gradient per sample and computes no parameter gradient. From (input, output gradient) come the
-    per-sample gradient norms (ghost norms for Linear and the cls/positional embedding, opacus' per-sample
-    gradients for Conv2d and LayerNorm, torch.func for the rest), the clipping factors c_i, and finally each
+    per-sample gradient norms (ghost norms for Linear, the patch projection and the cls/positional embedding,
+    opacus' per-sample gradients for LayerNorm, torch.func for the rest), the clipping factors c_i, and finally each
     layer's clipped gradient sum, as the gradient of that layer's output alone with output gradient c_i * g_i:
     the loss of sample i depends on sample i only, so this is exactly sum_i c_i * grad loss_i. The frozen layers
     (eftvit's theta) are traversed once, where ghost clipping's second pass traversed them again. Layers must
@@ -291,11 +291,39 @@ def _trained_parameters(layer: nn.Module) -> list[nn.Parameter]:
 def _token_embedding_norms(layer: TokenEmbedding, inputs: list[torch.Tensor], output_grad: torch.Tensor
                            ) -> dict[nn.Parameter, torch.Tensor]:
     """The cls/positional embedding's per-sample norms in closed form (torch.func took 20 ms a step for them):
-    sample i's gradient is g_i for pos_embed (slot 0 through the cls token) and g_i's slot 0 for cls_token."""
+    sample i's gradient is g_i for pos_embed (slot 0 through the cls token, each kept patch's token at its own
+    position: distinct slots) and g_i's slot 0 for cls_token."""
     return {layer.cls_token: output_grad[:, 0].norm(dim=-1), layer.pos_embed: output_grad.flatten(1).norm(dim=1)}
 
 
-NORM_SAMPLERS = {**GradSampleModuleFastGradientClipping.NORM_SAMPLERS, TokenEmbedding: _token_embedding_norms}
+NORM_SAMPLERS = {**GradSampleModuleFastGradientClipping.NORM_SAMPLERS, TokenEmbedding: _token_embedding_norms,
+                 PatchProjection: GradSampleModuleFastGradientClipping.NORM_SAMPLERS[nn.Linear]}  # a Linear on patches
+
+
+@register_grad_sampler(TokenEmbedding)
+def _token_embedding_gradients(layer: TokenEmbedding, inputs: list[torch.Tensor], output_grad: torch.Tensor
+                               ) -> dict[nn.Parameter, torch.Tensor]:
+    """Per-sample gradients of the cls/positional embedding, for opacus' GradSampleModule (its functorch fallback
+    would see the patches only, not the kept positions, inputs[1]): g_i's slot 0 for cls_token; for pos_embed, g_i
+    placed at slot 0 and at each kept patch's position."""
+    batch, width = output_grad.shape[0], output_grad.shape[-1]
+    every = torch.arange(1, output_grad.shape[1], device=output_grad.device).expand(batch, -1)
+    positions = inputs[1] + 1 if len(inputs) > 1 else every
+    pos = output_grad.new_zeros(batch, *layer.pos_embed.shape[1:])
+    pos[:, 0] = output_grad[:, 0]
+    pos.scatter_(1, positions.unsqueeze(-1).expand(-1, -1, width), output_grad[:, 1:])
+    grads = {layer.cls_token: output_grad[:, None, :1], layer.pos_embed: pos.unsqueeze(1)}
+    return {param: grad for param, grad in grads.items() if param.requires_grad}
+
+
+@register_grad_sampler(PatchProjection)
+def _patch_projection_gradients(layer: PatchProjection, inputs: list[torch.Tensor], output_grad: torch.Tensor
+                                ) -> dict[nn.Parameter, torch.Tensor]:
+    """opacus' per-sample gradients of a Linear, the weight's in the convolution's shape [D, C, p, p]."""
+    grads = GradSampleModule.GRAD_SAMPLERS[nn.Linear](layer, inputs, output_grad)
+    return {param: grad.view(len(grad), *param.shape) for param, grad in grads.items()}
+
+
 SAME_AS_BASE_CLASS = {"timm.layers.norm.LayerNorm"}  # subclasses that compute what their base computes (a faster
 # kernel, the same function), by name: importing timm here would slow every import of this module
 
@@ -321,7 +349,7 @@ def _squared_norms(layer: nn.Module, inputs: torch.Tensor, output_grad: torch.Te
 
 
 def _per_sample_gradients(layer: nn.Module, inputs: torch.Tensor, output_grad: torch.Tensor) -> list[torch.Tensor]:
-    """Per-sample gradients of the layer's own trained parameters: opacus' where it has them (Conv2d, LayerNorm),
+    """Per-sample gradients of the layer's own trained parameters: opacus' where it has them (LayerNorm),
     else by torch.func on the layer (opacus' functorch helper would differentiate every parameter, a LoRA layer's
     frozen base too)."""
     sampler = _sampler(GradSampleModule.GRAD_SAMPLERS, layer)

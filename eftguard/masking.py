@@ -1,4 +1,5 @@
-"""Random patch masking: each image keeps a random subset of its patch tokens (cls is always kept)."""
+"""Random patch masking: each image keeps a random subset of its patches (the cls token is always kept); the
+local module embeds only those (eftguard.model.PatchEmbedding)."""
 
 from __future__ import annotations
 
@@ -17,11 +18,3 @@ def random_keep_ids(batch: int, num_patches: int, mask_ratio: float, generator: 
     noise = torch.rand(batch, num_patches, generator=generator, device=device)
     return noise.argsort(dim=1)[:, :keep].sort(dim=1).values
 
-
-def keep_tokens(tokens: torch.Tensor, keep_ids: torch.Tensor) -> torch.Tensor:
-    """Select the cls token and the kept patch tokens: [B, 1 + L, D] -> [B, 1 + keep, D].
-
-    Positional embeddings are added before this, so every kept token still carries its position.
-    """
-    patches = torch.gather(tokens[:, 1:], 1, keep_ids.unsqueeze(-1).expand(-1, -1, tokens.shape[-1]))
-    return torch.cat([tokens[:, :1], patches], dim=1)

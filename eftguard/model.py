@@ -4,9 +4,9 @@
     global module theta  last N blocks + final norm                                        (server)
     head          h      linear classifier on the cls token                                 (both)
 
-Masking happens in the local module's own forward, after the positional embedding is added, and
-the cls token and positional embedding live in a small leaf module (TokenEmbedding): with that
-layout Opacus computes per-sample gradients with hooks for every other layer.
+Masking happens in the local module's own forward: only the kept patches are embedded (PatchEmbedding), each
+with its own position, and the cls token and positional embedding live in a small leaf module (TokenEmbedding):
+with that layout per-sample gradients come from hooks on every layer (defenses.dp).
 """
 
 from __future__ import annotations
@@ -20,7 +20,6 @@ from typing import Callable
 import torch
 from torch import nn
 
-from eftguard.masking import keep_tokens
 from eftguard.methods import METHODS
 
 
@@ -42,17 +41,70 @@ PRESETS = {
 }
 
 
+def patch_pixels(images: torch.Tensor, patch_size: int) -> torch.Tensor:
+    """[B, C, H, W] -> [B, patches, C p p]: patches in row-major order, each patch's pixels in the patch
+    convolution's weight order (channel, row, column)."""
+    b, c, h, w = images.shape
+    rows, cols = h // patch_size, w // patch_size
+    patches = images.reshape(b, c, rows, patch_size, cols, patch_size).permute(0, 2, 4, 1, 3, 5)
+    return patches.reshape(b, rows * cols, c * patch_size * patch_size)
+
+
+class PatchProjection(nn.Module):
+    """The patch convolution as a matrix product over patch pixels: [B, L, C p p] -> [B, L, D]. Its weight keeps
+    the convolution's shape [D, C, p, p], so timm checkpoints load unchanged (key patch_embed.proj.weight)."""
+
+    def __init__(self, conv: nn.Conv2d):
+        super().__init__()
+        self.weight, self.bias = conv.weight, conv.bias  # the convolution's parameters, shared
+
+    def forward(self, pixels: torch.Tensor) -> torch.Tensor:
+        return nn.functional.linear(pixels, self.weight.flatten(1), self.bias)
+
+
+class PatchEmbedding(nn.Module):
+    """timm's PatchEmbed (a convolution with stride = kernel = patch size) that embeds only the patches an image
+    keeps: images [B, C, H, W] -> tokens [B, L, D], or [B, keep, D] for the patches in keep_ids. A masked client
+    step does not embed the patches it drops (r_m 0.9: 58 of 64 patches)."""
+
+    def __init__(self, timm_patch_embed: nn.Module):
+        super().__init__()
+        conv = timm_patch_embed.proj
+        if not (isinstance(conv, nn.Conv2d) and conv.kernel_size == conv.stride and conv.padding == (0, 0)
+                and conv.kernel_size[0] == conv.kernel_size[1] and getattr(timm_patch_embed, "flatten", False)
+                and not getattr(timm_patch_embed, "dynamic_img_pad", False)):
+            raise ModelError("only ViTs whose patch embedding is a square, non-overlapping convolution can be split")
+        self.patch_size, self.img_size = tuple(conv.kernel_size), tuple(timm_patch_embed.img_size)
+        self.num_patches = timm_patch_embed.num_patches
+        self.proj = PatchProjection(conv)
+        self.norm = timm_patch_embed.norm
+
+    def forward(self, images: torch.Tensor, keep_ids: torch.Tensor | None = None) -> torch.Tensor:
+        if tuple(images.shape[-2:]) != self.img_size:
+            raise ModelError(f"images of {tuple(images.shape[-2:])} pixels given to a model of {self.img_size}: "
+                             "resize them, or pick the --model preset of that size")
+        pixels = patch_pixels(images, self.patch_size[0])
+        if keep_ids is not None:
+            pixels = torch.gather(pixels, 1, keep_ids.unsqueeze(-1).expand(-1, -1, pixels.shape[-1]))
+        return self.norm(self.proj(pixels))
+
+
 class TokenEmbedding(nn.Module):
-    """cls token and positional embedding, applied to patch tokens: [B, L, D] -> [B, 1 + L, D]."""
+    """cls token and positional embedding, applied to patch tokens: [B, L, D] -> [B, 1 + L, D], or to the kept
+    patches' tokens [B, keep, D] (each at its own position, keep_ids) -> [B, 1 + keep, D]."""
 
     def __init__(self, cls_token: torch.Tensor, pos_embed: torch.Tensor):
         super().__init__()
         self.cls_token = nn.Parameter(cls_token.detach().clone())
         self.pos_embed = nn.Parameter(pos_embed.detach().clone())
 
-    def forward(self, patches: torch.Tensor) -> torch.Tensor:
+    def forward(self, patches: torch.Tensor, keep_ids: torch.Tensor | None = None) -> torch.Tensor:
         cls = (self.cls_token + self.pos_embed[:, :1]).expand(patches.shape[0], -1, -1)
-        return torch.cat([cls, patches + self.pos_embed[:, 1:]], dim=1)
+        positions = self.pos_embed[:, 1:]
+        if keep_ids is not None:  # index_select: its backward sums in a fixed order on CPU, where advanced
+            # indexing's did not with two threads (a resumed run must equal an uninterrupted one bit for bit)
+            positions = positions[0].index_select(0, keep_ids.flatten()).view(*keep_ids.shape, -1)
+        return torch.cat([cls, patches + positions], dim=1)
 
 
 class LocalModule(nn.Module):
@@ -72,9 +124,11 @@ class LocalModule(nn.Module):
         return self.token_embedding.pos_embed.shape[1] - 1
 
     def forward(self, images: torch.Tensor, keep_ids: torch.Tensor | None = None) -> torch.Tensor:
-        tokens = self.token_embedding(self.patch_embed(images))
-        if keep_ids is not None:
-            tokens = keep_tokens(tokens, keep_ids)
+        """keep_ids [B, keep]: the patches each image keeps (eftguard.masking); None: every patch, in order."""
+        patches = self.patch_embed(images, keep_ids)
+        # keep_ids positional and only when given: a forward hook sees it as the layer's second input (per-sample
+        # gradients of the positional embedding need it, defenses.dp) and would choke on a None
+        tokens = self.token_embedding(patches) if keep_ids is None else self.token_embedding(patches, keep_ids)
         if self.prompt_tokens is not None:
             tokens = self.prompt_tokens(tokens)
         return self.blocks(self.norm_pre(tokens))
@@ -116,9 +170,7 @@ class EFTViT(nn.Module):
         return self.classify(self.local_module(images, keep_ids))
 
     def normalize(self, images_uint8: torch.Tensor) -> torch.Tensor:
-        """uint8 [B, H, W, 3] -> normalised float [B, 3, H, W] as the model expects.
-
-        Contiguous (not channels-last): opacus' per-sample Conv2d gradients are wrong for channels-last input."""
+        """uint8 [B, H, W, 3] -> normalised float [B, 3, H, W] (contiguous) as the model expects."""
         return self.standardize(images_uint8.permute(0, 3, 1, 2).contiguous().float().div_(255.0))
 
     def standardize(self, images01: torch.Tensor) -> torch.Tensor:
@@ -156,7 +208,7 @@ def split_timm_vit(vit: nn.Module, local_layers: int, preset: str) -> EFTViT:
     if getattr(vit, "global_pool", "token") != "token" or getattr(vit, "reg_token", None) is not None \
             or getattr(vit, "no_embed_class", False) or getattr(vit, "attn_pool", None) is not None:
         raise ModelError("only class-token ViTs (global_pool='token', no register tokens) can be split")
-    local = LocalModule(vit.patch_embed, TokenEmbedding(vit.cls_token, vit.pos_embed), vit.norm_pre,
+    local = LocalModule(PatchEmbedding(vit.patch_embed), TokenEmbedding(vit.cls_token, vit.pos_embed), vit.norm_pre,
                         list(vit.blocks[:local_layers]))
     global_ = GlobalModule(list(vit.blocks[local_layers:]), vit.norm)
     cfg = vit.pretrained_cfg

@@ -1,6 +1,8 @@
+import pytest
 import torch
 
-from eftguard.masking import keep_tokens, kept_token_count, random_keep_ids
+from eftguard.masking import kept_token_count, random_keep_ids
+from eftguard.model import PRESETS, ModelError, build_model, create_timm_vit, to_timm_state
 
 
 def test_kept_count_follows_ratio_and_keeps_at_least_one():
@@ -25,25 +27,37 @@ def test_masks_are_fresh_per_sample_and_per_call():
     assert not any(torch.equal(a, b) for a, b in zip(first, second))  # every sample's mask is drawn again
 
 
-def test_keep_tokens_keeps_cls_and_positions():
-    tokens = torch.randn(4, 65, 8)
-    ids = random_keep_ids(4, 64, 0.75, torch.Generator().manual_seed(2))
-    kept = keep_tokens(tokens, ids)
-    assert kept.shape == (4, 17, 8)
-    assert torch.equal(kept[:, 0], tokens[:, 0])
-    for b in range(4):
-        assert torch.equal(kept[b, 1:], tokens[b, 1 + ids[b]])
-
-
-def test_local_module_masks_after_positional_embedding(tiny_model):
-    images = torch.randn(2, 3, 32, 32)
-    ids = random_keep_ids(2, 64, 0.75, torch.Generator().manual_seed(3))
-    local = tiny_model.local_module
-    with torch.no_grad():
-        embedded = local.token_embedding(local.patch_embed(images))
-        # Block-free check: the first block sees exactly the kept, position-embedded tokens.
-        seen = {}
-        hook = local.blocks[0].register_forward_pre_hook(lambda m, args: seen.setdefault("x", args[0]))
-        local(images, ids)
+def tokens_seen_by_the_first_block(local, images, ids):
+    seen = {}
+    hook = local.blocks[0].register_forward_pre_hook(lambda m, args: seen.setdefault("x", args[0]))
+    try:
+        with torch.no_grad():
+            local(images, ids)
+    finally:
         hook.remove()
-    assert torch.allclose(seen["x"], keep_tokens(embedded, ids))
+    return seen["x"]
+
+
+@pytest.mark.parametrize("preset", ["vit-tiny-32", "vit-b16-224"])
+def test_the_first_block_sees_timms_tokens_of_the_kept_patches_at_their_positions(preset):
+    """Only the kept patches are embedded (a matrix product over their pixels); the reference is timm's own
+    convolution over the whole image, its positional embedding added, then the kept tokens picked out."""
+    model = build_model(preset, 10, 2, seed=4)
+    timm_vit = create_timm_vit(preset, 10)
+    timm_vit.load_state_dict(to_timm_state(model.state_dict()))
+    size, patches = PRESETS[preset].image_size, model.local_module.num_patches
+    images = torch.randn(3, 3, size, size)
+    ids = random_keep_ids(3, patches, 0.75, torch.Generator().manual_seed(3))
+    with torch.no_grad():
+        every = timm_vit.patch_embed(images) + timm_vit.pos_embed[:, 1:]  # [B, L, D]
+        cls = (timm_vit.cls_token + timm_vit.pos_embed[:, :1]).expand(3, -1, -1)
+    for keep in (ids, None):  # masked, and every patch in order
+        kept = every if keep is None else torch.stack([every[b, keep[b]] for b in range(3)])
+        seen = tokens_seen_by_the_first_block(model.local_module, images, keep)
+        torch.testing.assert_close(seen, torch.cat([cls, kept], dim=1), rtol=1e-4, atol=1e-4)
+    assert seen.shape == (3, 1 + patches, timm_vit.embed_dim)
+
+
+def test_images_of_another_size_are_refused_in_one_line(tiny_model):
+    with pytest.raises(ModelError, match=r"images of \(64, 64\) pixels given to a model of \(32, 32\)"):
+        tiny_model.local_module(torch.zeros(1, 3, 64, 64))
