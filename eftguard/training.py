@@ -13,7 +13,7 @@ from typing import Callable
 import torch
 from torch import nn
 
-from defenses.dp import DPSGD, make_private, noise_only_step, poisson_batch
+from defenses.dp import DPSGD, poisson_batch
 from eftguard.masking import random_keep_ids
 from eftguard.methods import method_spec, methods_with
 from eftguard.model import EFTViT
@@ -74,10 +74,12 @@ def _fit_private(model: EFTViT, params: list[nn.Parameter], images: torch.Tensor
                  progress: Progress | None) -> TrainResult:
     """DP-SGD: Poisson-sampled batches (expected size batch_size), per-sample clipping, noise; batches and
     masks come from `generator`, the noise from dp.noise_seed. ceil(n / batch_size) steps make an epoch."""
+    from defenses import clipping  # Opacus: seconds to import, needed by DP-SGD alone
+
     n = len(labels)
     expected = min(optim.batch_size, n)
     optimizer = torch.optim.AdamW(params, lr=optim.lr, weight_decay=optim.weight_decay)
-    wrapped, dp_optimizer, criterion, applied = make_private(model, optimizer, dp, expected)
+    wrapped, dp_optimizer, criterion, applied = clipping.make_private(model, optimizer, dp, expected)
     total, seen, steps, epoch_seconds, epoch_cpu_seconds = 0.0, 0, 0, [], []
     try:
         for epoch in range(optim.epochs):
@@ -86,7 +88,7 @@ def _fit_private(model: EFTViT, params: list[nn.Parameter], images: torch.Tensor
                 batch = poisson_batch(n, dp.sample_rate, generator)
                 dp_optimizer.zero_grad(set_to_none=True)
                 if len(batch) == 0:
-                    noise_only_step(dp_optimizer)
+                    clipping.noise_only_step(dp_optimizer)
                 else:
                     loss = criterion(wrapped(model.normalize(images[batch]), keep_ids(len(batch))), labels[batch])
                     loss.backward()

@@ -27,6 +27,7 @@ MODULES=(
   "training|eftguard/training.py|tests/test_core_pins.py tests/test_model.py tests/test_dp.py tests/test_sampling.py tests/test_dp_server_training.py --deselect=tests/test_model.py::test_paper_preset_splits_like_timm"
   "validation|eftguard/federation/validation.py|tests/test_validation.py tests/test_core_pins.py"
   "dp|defenses/dp.py|tests/test_dp.py tests/test_core_pins.py"
+  "clipping|defenses/clipping.py|tests/test_dp.py tests/test_dp_clipping.py tests/test_core_pins.py"
   "ledger|defenses/ledger.py|tests/test_ledger_pins.py tests/test_ledger.py::test_ledger_of_another_run_or_partition_is_not_accepted tests/test_ledger.py::test_composition_of_equal_rounds_equals_one_long_run"
   "at_rest|defenses/at_rest.py|tests/test_security_pins.py"
   "node_auth|defenses/node_auth.py|tests/test_security_pins.py"

@@ -13,6 +13,7 @@ import pytest
 import torch
 from torch import nn
 
+from defenses import clipping
 from defenses.dp import DPSGD, PrivacyBudgetError, check_feasible, epsilon_spent
 from defenses.feature_noise import release_features
 from eftguard import metrics, training
@@ -81,18 +82,18 @@ def test_an_unreachable_target_is_refused_with_the_noise_ceiling_and_the_steps_n
 def test_dp_training_clips_linear_layers_by_ghost_norms_without_per_sample_gradients(tiny_model, monkeypatch):
     """Per-sample clipping (what training uses) computes a Linear layer's per-sample gradient norms directly; the
     other layers get a batch of per-sample gradients per parameter (batch-size times the memory)."""
-    from defenses import dp
+    from defenses import clipping
 
     materialised = []
-    original = dp._per_sample_gradients
-    monkeypatch.setattr(dp, "_per_sample_gradients",
+    original = clipping._per_sample_gradients
+    monkeypatch.setattr(clipping, "_per_sample_gradients",
                         lambda layer, *args: materialised.append(layer) or original(layer, *args))
     model = copy.deepcopy(tiny_model)
     images, labels = images_and_labels(4)
     train_local(model, images, labels, "eftvit", 0.75, OptimConfig(1, 4, 1e-3, 0.0),
                 torch.Generator().manual_seed(0), dp=DPSGD(1.0, 1.0, 1.0, 0))
     linear = [m for m in model.modules() if type(m) is nn.Linear and any(p.requires_grad for p in m.parameters())]
-    assert len(linear) > 2 and materialised  # patch embedding and norms still get per-sample gradients
+    assert len(linear) > 2 and materialised  # the layer norms still get per-sample gradients
     assert not any(type(layer) is nn.Linear for layer in materialised)
 
 
@@ -413,8 +414,8 @@ def test_dp_noise_is_scaled_to_the_expected_batch_size(model, monkeypatch):
     """Opacus divides the summed noisy gradient by the expected batch size: it must be the Poisson batch's mean
     size, min(batch_size, n), or the noise per sample is wrong."""
     seen = []
-    make_private = training.make_private
-    monkeypatch.setattr(training, "make_private",
+    make_private = clipping.make_private
+    monkeypatch.setattr(clipping, "make_private",
                         lambda m, o, dp, expected: seen.append((dp, expected)) or make_private(m, o, dp, expected))
     images, labels = images_and_labels(6)
     dp = DPSGD(1.0, 1.0, 0.5, 0)

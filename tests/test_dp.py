@@ -11,7 +11,8 @@ from opacus.optimizers import DPOptimizerFastGradientClipping
 from torch import nn
 
 from conftest import MICRO_PRESET
-from defenses.dp import DPSGD, PrivacyBudgetError, check_feasible, client_budget, epsilon_spent, make_private
+from defenses.clipping import make_private
+from defenses.dp import DPSGD, PrivacyBudgetError, check_feasible, client_budget, epsilon_spent
 from defenses.ledger import PrivacyLedger
 from eftguard.cli import prepare
 from eftguard.config import ConfigError, TrainConfig
@@ -226,3 +227,16 @@ def test_dp_client_really_trains_through_opacus_with_the_sent_noise(dp_round, tm
     assert plain.dp_report is None and len(noised) == steps
     key = "head.weight"
     assert np.abs(private.update[key] - plain.update[key]).max() > 1e-3
+
+
+def test_a_run_without_dp_sgd_never_imports_opacus():
+    """Opacus takes seconds to import (torch.distributed, scipy.stats): the client and server apps, the trainer and the
+    CLI load it only where DP-SGD runs (defenses.clipping), so every process of a run without it starts faster."""
+    import subprocess
+    import sys
+
+    code = ("import sys, eftguard.cli, eftguard.federation.apps, eftguard.federation.server, eftguard.training; "
+            "print(sorted({m.split('.')[0] for m in sys.modules} & {'opacus', 'defenses'}))")
+    result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert result.returncode == 0, result.stderr[-2000:]
+    assert result.stdout.strip() == "['defenses']"  # defenses.dp (accounting) is loaded, Opacus is not

@@ -1,4 +1,4 @@
-"""DP-SGD's per-sample clipping (defenses.dp.PerSampleClipping): the clipped gradient sum against a one-sample-at-a-
+"""DP-SGD's per-sample clipping (defenses.clipping.PerSampleClipping): the clipped gradient sum against a one-sample-at-a-
 time reference, the cost of getting it (the frozen global module is traversed once), and the layers it refuses."""
 
 import pytest
@@ -6,7 +6,8 @@ import torch
 from torch import nn
 
 from conftest import MICRO_PRESET
-from defenses.dp import DPSGD, make_private
+from defenses.clipping import make_private
+from defenses.dp import DPSGD
 from eftguard.bench import count_flops
 from eftguard.masking import random_keep_ids
 from eftguard.methods import METHODS

@@ -12,7 +12,8 @@ from attacks.gradient import (AnalyticAttack, DLGAttack, GradientObservation, ID
                               kept_positions,
                               prepare_numerics, recover_labels)
 from attacks.base import ThreatModel
-from defenses.dp import DPSGD, client_budget, make_private
+from defenses.clipping import make_private
+from defenses.dp import DPSGD, client_budget
 from eftguard import metrics
 from eftguard.config import TrainConfig
 from eftguard.data import load_dataset
@@ -138,7 +139,7 @@ def test_head_bias_gives_the_labels(photos):
 # --- the probe is the client's step ------------------------------------------------------------------------
 
 def opacus_step_gradient(model, names, images, labels, keep, dp: DPNoise, seed=0):
-    """The gradient the client's DP-SGD step applies to one batch: defenses.dp.make_private (per-sample clipping,
+    """The gradient the client's DP-SGD step applies to one batch: defenses.clipping.make_private (per-sample clipping,
     Opacus' noise) as eftguard.training uses it, read off the parameters after a zero-learning-rate step."""
     named = dict(model.named_parameters())
     model.train().global_module.requires_grad_(False)

@@ -13,7 +13,8 @@ import pytest
 import torch
 from safetensors.torch import save_file
 
-from defenses.dp import DPSGD, make_private
+from defenses.clipping import make_private
+from defenses.dp import DPSGD
 from defenses.ledger import PrivacyLedger
 from eftguard.cli import main
 from eftguard.federation.apps import default_ledger_dir
