@@ -9,6 +9,7 @@ charge the attack for pixels that were never sent; the SSIM / LPIPS maps are the
 
 from __future__ import annotations
 
+import sys
 from dataclasses import dataclass
 
 import numpy as np
@@ -133,6 +134,9 @@ def load_lpips(backend: str = "auto") -> LPIPS:
                     f"standard LPIPS needs torchvision's AlexNet weights ({ALEXNET_WEIGHTS}) and they are neither in "
                     f"{torch.hub.get_dir()}/checkpoints nor downloadable ({type(exc).__name__}). Copy them there, or "
                     "use --lpips-backend stlpips-alex (weights shipped, works offline)") from None
+            print(f"LPIPS: the standard network's AlexNet weights ({ALEXNET_WEIGHTS}) are not in "
+                  f"{torch.hub.get_dir()}/checkpoints and could not be downloaded ({type(exc).__name__}): scoring with "
+                  "stlpips-alex (shift-tolerant LPIPS, weights shipped); every report names it", file=sys.stderr)
             metric = LPIPS("stlpips-alex", _shift_tolerant_lpips())
     _LOADED[backend] = metric
     return metric

@@ -69,7 +69,7 @@ def test_lpips_map_weighted_by_kept_pixels_discounts_damage_elsewhere(photos, lp
     assert lpips(damaged, photos, kept).mean() < 0.9 * lpips(damaged, photos).mean()
 
 
-def test_standard_lpips_offline_without_alexnet_weights_is_a_clear_error(monkeypatch, tmp_path):
+def test_standard_lpips_offline_without_alexnet_weights_is_a_clear_error(monkeypatch, tmp_path, capsys):
     monkeypatch.setattr(torch.hub, "get_dir", lambda: str(tmp_path))
     monkeypatch.setenv("TORCH_HOME", str(tmp_path))
     monkeypatch.setattr(metrics, "_LOADED", {})
@@ -80,7 +80,10 @@ def test_standard_lpips_offline_without_alexnet_weights_is_a_clear_error(monkeyp
     monkeypatch.setattr(metrics, "_standard_lpips", offline)
     with pytest.raises(metrics.MetricError, match="stlpips-alex"):
         metrics.load_lpips("lpips-alex")
+    capsys.readouterr()
     assert metrics.load_lpips("auto").name == "stlpips-alex"
+    said = capsys.readouterr().err  # auto says that it fell back, and why, in one line
+    assert said.count("\n") == 1 and "could not be downloaded (OSError): scoring with stlpips-alex" in said
     with pytest.raises(metrics.MetricError, match="unknown LPIPS backend"):
         metrics.load_lpips("vgg")
 
