@@ -51,7 +51,9 @@ for entry in "${MODULES[@]}"; do
   git ls-files -co --exclude-standard -z eftguard defenses attacks tests pyproject.toml | xargs -0 cp --parents -t "$work"
   {
     printf '[mutmut]\nsource_paths =\n    eftguard\n    defenses\n    attacks\nonly_mutate = %s\n' "$file"
-    printf 'pytest_add_cli_args =\n    -q\n    -p\n    no:cacheprovider\n    -m\n    not slow\n'
+    # -n 0: in mutmut's own process, where it records which tests call which function (pyproject.toml asks for
+    # two pytest-xdist workers)
+    printf 'pytest_add_cli_args =\n    -q\n    -p\n    no:cacheprovider\n    -n\n    0\n    -m\n    not slow\n'
     printf 'pytest_add_cli_args_test_selection =\n'
     for t in $tests; do [[ -e ${t%%::*} || $t == -* ]] && printf "    %s\n" "$t"; done
   } >"$work/setup.cfg"

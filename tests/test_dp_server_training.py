@@ -22,7 +22,7 @@ def fit(model: nn.Module, x: torch.Tensor, y: torch.Tensor, lr: float, steps: in
         optimizer.zero_grad()
         loss.backward()
         optimizer.step()
-    return TrainResult(float(loss), steps)
+    return TrainResult(float(loss.detach()), steps)
 
 
 def accuracy(model: nn.Module, x: torch.Tensor, y: torch.Tensor) -> float:
