@@ -64,7 +64,9 @@ def without_key_bias(name, value):
 def test_simulation_is_the_real_client_training_given_its_images_and_schedule(micro_preset, photos, method):
     """5 images, batch 2, 2 epochs: 6 AdamW steps of the real client, masked for eftvit, through the frozen global
     module. The functional simulation on the true images and replayed schedule lands on the uploaded weights; the
-    same images in another order do not."""
+    same images in another order do not. Most weights agree to 1e-8; AdamW divides by the gradient's own size, so a
+    coordinate whose gradient is rounding-sized moves by rounding: on an AVX-512 CPU one position-embedding coordinate,
+    whose gradient was 1.9e-8 (AdamW's eps: 1e-8) in the one step of six that kept its patch, missed by 2.7e-6."""
     start, images, labels, training = client_update(micro_preset, photos, [0, 1, 2, 3, 4], method, 2, 2)
     named = dict(start.named_parameters())
     before = {n: named[n].detach() for n in training.uploaded}
@@ -73,7 +75,7 @@ def test_simulation_is_the_real_client_training_given_its_images_and_schedule(mi
     moved = 0.0
     for name, value in training.uploaded.items():
         torch.testing.assert_close(without_key_bias(name, simulated[name]), without_key_bias(name, value), rtol=1e-5,
-                                   atol=1e-6)  # float rounding: 1e-3 of one step
+                                   atol=1e-5)  # float rounding: 1e-2 of one step (docstring)
         moved = max(moved, float((value - before[name]).abs().max()))
     assert moved > 5 * LR  # six steps moved the weights well beyond the tolerance
     swapped = [training.schedule[1], training.schedule[0], *training.schedule[2:]]  # the first two steps swapped
