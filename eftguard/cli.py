@@ -108,8 +108,8 @@ TRAIN_HELP = {
                    "refuse (upload nothing) a round whose model moved further than the run's local and server "
                    "training can move it (defenses/model_check.py)",
     "precision": "of every forward pass in training, feature extraction and evaluation: fp32, or bf16 (bfloat16 "
-                 "matrix products, float32 weights, optimizer and uploads; about 2-3x faster where the CPU has AMX "
-                 "tiles, slower where it has not; not with --dp-eps; docs/training.md)",
+                 "matrix products, float32 weights, optimizer and uploads; about 2-2.5x faster where the CPU has AMX "
+                 "tiles or AVX-512 BF16, far slower where it has neither; not with --dp-eps; docs/training.md)",
 }
 PRETRAIN_HELP = {
     "objective": "supervised (labels of the public split), mae (reconstruct the pixels of masked patches; no labels "
@@ -272,7 +272,7 @@ def build_parser() -> argparse.ArgumentParser:
     demo.add_argument("--precision", choices=("auto", *PRECISIONS), default="auto",
                       help="of the trainings and the inversion decoder: bf16 (bfloat16 matrix products, float32 "
                            "weights and uploads), fp32, or auto: bf16 where the CPU multiplies bfloat16 in hardware "
-                           "(AMX tiles), else fp32 (default: auto)")
+                           "(AMX tiles or AVX-512 BF16), else fp32 (default: auto)")
     demo.add_argument("--shard", default=None, help=argparse.SUPPRESS)  # one configuration's process (demo_processes)
 
     audit = sub.add_parser("audit", parents=[logs], help="train a grid of configurations, attack every run, compare",

@@ -1,11 +1,11 @@
 """Mixed precision: the matrix products of training, feature extraction and evaluation in bfloat16 (torch's CPU
 autocast), everything that is kept or sent in float32 (weights, gradients, optimiser state, uploads, logits).
 
-On a CPU with AMX tiles (Intel Xeon 4th generation and later) a bfloat16 matrix product is about 5x a float32 one;
-without them bfloat16 is emulated and slower than float32, hence `auto` (`eftguard demo`). Attention runs unfused
-in bfloat16: torch's CPU flash-attention backward in bfloat16 took 6x its float32 time (docs/bench.md). DP-SGD stays
-in float32: its privacy rests on every per-sample gradient norm being at most the clipping bound, which bfloat16's
-three significant digits cannot promise."""
+On a CPU with AMX tiles (Intel Xeon 4th generation and later) a bfloat16 matrix product is about 5x a float32 one,
+with AVX-512 BF16 (AMD Zen 4 and later, Intel Cooper Lake) about 2.8x; without either, bfloat16 is emulated and far
+slower than float32, hence `auto` (`eftguard demo`). Attention runs unfused in bfloat16: torch's CPU flash-attention
+backward in bfloat16 took 6x its float32 time (docs/bench.md). DP-SGD stays in float32: its privacy rests on every
+per-sample gradient norm being at most the clipping bound, which bfloat16's three significant digits cannot promise."""
 
 from __future__ import annotations
 
@@ -18,9 +18,14 @@ PRECISIONS = ("fp32", "bf16")
 
 
 def fast_bf16() -> bool:
-    """Whether this CPU multiplies bfloat16 matrices in hardware (AMX tiles)."""
+    """Whether this CPU multiplies bfloat16 matrices in hardware (AMX tiles or AVX-512 BF16: oneDNN's kernels for
+    torch's bfloat16 products use either)."""
+    return _cpu_has("_is_amx_tile_supported") or _cpu_has("_is_avx512_bf16_supported")
+
+
+def _cpu_has(probe: str) -> bool:
     try:
-        return bool(torch.cpu._is_amx_tile_supported())
+        return bool(getattr(torch.cpu, probe)())
     except (AttributeError, RuntimeError):  # a torch without the probe: assume not
         return False
 

@@ -95,8 +95,15 @@ def test_encrypted_runs_need_their_key(tmp_path, capsys, micro_preset):
     assert (run / "reports" / "report.html").exists()
 
 
-def test_fedavg_runs_have_no_features_to_invert(tmp_path, capsys, micro_preset):
+def test_fedavg_runs_have_no_features_to_invert(tmp_path, capsys, micro_preset, monkeypatch):
+    """Refused before LPIPS loads (seconds, and the demo's Fed-Full process waits for it at its end)."""
+    from eftguard import metrics
+
+    def no_lpips(backend):
+        raise AssertionError(f"LPIPS {backend} loaded for an attack that does not apply")
+
     run = train_in_process(tmp_path / "fedavg", model=MICRO_PRESET, method="fedavg", train_samples=80)
+    monkeypatch.setattr(metrics, "load_lpips", no_lpips)
     with pytest.raises(SystemExit):
         run_cli("attack", "invert", "--features", run, *FAST)
     assert "uploads no patch features" in capsys.readouterr().err

@@ -130,6 +130,18 @@ def test_a_bf16_client_round_uploads_valid_float32_records(micro_preset):
     assert np.abs(upload.update[key] - plain.update[key]).mean() < 0.2 * np.abs(plain.update[key] - state[key]).mean()
 
 
+@pytest.mark.parametrize("amx, avx512_bf16, expected", [(True, False, True), (False, True, True),
+                                                         (False, False, False), (None, None, False)])
+def test_bf16_counts_as_fast_with_amx_tiles_or_avx512_bf16(monkeypatch, amx, avx512_bf16, expected):
+    """torch's CPU probes decide; a torch without them (None: the probe is missing) counts as no hardware."""
+    for probe, present in (("_is_amx_tile_supported", amx), ("_is_avx512_bf16_supported", avx512_bf16)):
+        if present is None:
+            monkeypatch.delattr(torch.cpu, probe, raising=False)
+        else:
+            monkeypatch.setattr(torch.cpu, probe, lambda present=present: present)
+    assert precision.fast_bf16() is expected
+
+
 @pytest.mark.parametrize("hardware, expected", [(True, "bf16"), (False, "fp32")])
 def test_auto_is_bf16_only_where_the_cpu_multiplies_bf16_in_hardware(monkeypatch, hardware, expected):
     monkeypatch.setattr(precision, "fast_bf16", lambda: hardware)

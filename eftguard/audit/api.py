@@ -45,14 +45,16 @@ def run_attack(run: str | Path | RunDirectory, family: str, method: str | None =
     family_options, method_options = resolve_options(chosen, cls, options)
     seed = checked("seed", SEED, seed)
     round_number = None if round_number is None else checked("round_number", ROUND, round_number)
-    run_dir, round_number, picked = open_round(run, key, round_number, clients, chosen,
-                                               lpips_backend if chosen.image_metrics else None)
+    run_dir, round_number, picked = open_round(run, key, round_number, clients, chosen)
     folder = out_root(run_dir, out) if out is not None else None
     ran_with = {**family_options, **method_options, **({"seed": seed} if chosen.seeded else {})}
     job = Job(run_dir, round_number, picked, seed, lpips_backend if chosen.image_metrics else None, family_options,
               ran_with)
     attack = chosen.attack(cls, job, method_options)
-    observed = chosen.observe(job, attack)
+    observed = chosen.observe(job, attack)  # refuses a run without the channel ("not applicable")
+    if chosen.image_metrics:
+        from eftguard.metrics import load_lpips
+        load_lpips(lpips_backend)  # before the attack, which may run for minutes; cached: the scoring reuses it
     start = time.perf_counter()
     result = attack.reconstruct(observed.observation, progress)  # the attack phase: the observation only
     report = chosen.score(job, attack, observed, result, time.perf_counter() - start)
@@ -192,17 +194,13 @@ def check_model_loads(run: RunDirectory, round_number: int) -> None:
 
 
 def open_round(path: str | Path | RunDirectory, key: Path | None, round_number: int | None,
-               choice: str | list[int], family: Family, lpips_backend: str | None = None
-               ) -> tuple[RunDirectory, int, list[int]]:
-    """Every check an attack needs before it starts: the run, its round, the chosen clients with uploads,
-    intact files, weights that load, and the LPIPS backend of image attacks."""
+               choice: str | list[int], family: Family) -> tuple[RunDirectory, int, list[int]]:
+    """The checks of the run an attack needs before it starts: the run, its round, the chosen clients with
+    uploads, intact files, weights that load."""
     run = open_run(path, key)
     round_number = resolve_round(run, round_number)
     clients = family.pick_clients(round_clients(run, round_number, choice), choice)
     check_intact(run, round_number, clients)
     check_round_record(run, round_number, clients)
     check_model_loads(run, round_number)
-    if lpips_backend is not None:
-        from eftguard.metrics import load_lpips
-        load_lpips(lpips_backend)  # cached: the scoring later reuses it
     return run, round_number, clients
