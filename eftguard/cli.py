@@ -832,8 +832,12 @@ def run() -> None:
         if thread is not threading.main_thread() and not thread.daemon:
             thread.join()
     atexit._run_exitfuncs()
-    sys.stdout.flush()
-    sys.stderr.flush()
+    for stream in (sys.stdout, sys.stderr):
+        try:
+            if stream is not None:
+                stream.flush()
+        except (OSError, ValueError):  # the reader has gone (`eftguard ... | head`): 120, as Python's own exit
+            code = 120
     os._exit(code or 0)
 
 

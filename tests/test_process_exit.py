@@ -29,16 +29,23 @@ EXIT_SCRIPT = textwrap.dedent("""
         def main():
             raise SystemExit("a message instead of a status")
         cli.main = main
+    if sys.argv[2] == "late-output":  # printed after the reader has gone
+        def main():
+            time.sleep(0.5)
+            print("output nobody reads")
+        cli.main = main
     sys.argv = ["eftguard", *sys.argv[3:]]
     cli.run()
     print("not reached")
 """)
 
 
+BUFFERED = {k: v for k, v in os.environ.items() if k != "PYTHONUNBUFFERED"}  # piped output waits for a flush
+
+
 def run_script(tmp_path, mode, *argv):
-    buffered = {k: v for k, v in os.environ.items() if k != "PYTHONUNBUFFERED"}  # piped output waits for a flush
     return subprocess.run([sys.executable, "-c", EXIT_SCRIPT, str(tmp_path), mode, *argv], capture_output=True,
-                          text=True, timeout=120, env=buffered)
+                          text=True, timeout=120, env=BUFFERED)
 
 
 def test_the_command_is_run():
@@ -65,6 +72,16 @@ def test_an_exit_with_a_message_prints_it_and_exits_1(tmp_path):
     result = run_script(tmp_path, "message")
     assert result.returncode == 1
     assert result.stderr.strip() == "a message instead of a status"
+
+
+def test_output_to_a_reader_that_has_gone_exits_120_without_a_traceback(tmp_path):
+    """`eftguard ... | head`: Python's own exit status for an unflushable stdout, and no traceback."""
+    process = subprocess.Popen([sys.executable, "-c", EXIT_SCRIPT, str(tmp_path), "late-output"],
+                               stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=BUFFERED)
+    process.stdout.close()
+    _, err = process.communicate(timeout=120)
+    assert process.returncode == 120 and err == ""
+    assert (tmp_path / "atexit").read_text() == "ran"
 
 
 SLEEPER = [sys.executable, "-c", "import time; time.sleep(300)"]
