@@ -12,11 +12,18 @@ from cryptography.hazmat.primitives import serialization
 from cryptography.hazmat.primitives.asymmetric import ec
 
 from defenses.tls import CertificateError
+from eftguard.paths import file_in_the_way
 
 
 def write_node_key(path: Path, force: bool = False) -> tuple[Path, Path]:
     """Write PATH (private key, mode 0600) and PATH.pub (public key to register)."""
     private_path, public_path = Path(path), Path(f"{path}.pub")
+    for existing in (private_path, public_path):
+        if existing.is_dir():
+            raise CertificateError(f"{existing} is a folder: give --out a file path for the node's key")
+    blocker = file_in_the_way(private_path.parent)
+    if blocker is not None:
+        raise CertificateError(f"--out {path} is under {blocker}, which is a file: give a path in a folder")
     for existing in (private_path, public_path):
         if existing.exists() and not force:
             raise CertificateError(f"{existing} already exists: pass --force to replace it (then register the new key)")

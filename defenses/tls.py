@@ -19,6 +19,8 @@ from cryptography.hazmat.primitives import hashes, serialization
 from cryptography.hazmat.primitives.asymmetric import ec
 from cryptography.x509.oid import ExtendedKeyUsageOID, NameOID
 
+from eftguard.paths import file_in_the_way
+
 LOOPBACK = "127.0.0.1"
 DEFAULT_SANS = (LOOPBACK, "localhost", "::1")
 CA_DAYS, SERVER_DAYS = 3650, 825
@@ -149,8 +151,10 @@ def certificate_names(sans: tuple[str, ...]) -> tuple[str, ...]:
 
 def write_certificates(folder: Path, sans: tuple[str, ...] = DEFAULT_SANS, force: bool = False) -> CertificateFiles:
     files = CertificateFiles(Path(folder))
-    if files.folder.exists() and not files.folder.is_dir():
-        raise CertificateError(f"--out {folder} is a file: give a folder for the certificate files")
+    blocker = file_in_the_way(files.folder)
+    if blocker is not None:
+        where = "is a file" if blocker == files.folder else f"is under {blocker}, which is a file"
+        raise CertificateError(f"--out {folder} {where}: give a folder for the certificate files")
     existing = [p for p in files.all() if p.exists()]
     if existing and not force:
         raise CertificateError(f"{existing[0]} already exists: pass --force to replace the certificates "

@@ -25,9 +25,10 @@ from eftguard.federation.errors import FederationError, Interrupted
 from eftguard.methods import METHODS as METHOD_SPECS, method_spec
 from eftguard.metrics import LPIPS_BACKENDS, MetricError
 from eftguard.model import PRESETS, ModelError
+from eftguard.paths import file_in_the_way, output_file_problem
 from eftguard.precision import PRECISIONS, resolve_precision
 from eftguard.pretrain import OBJECTIVES, PretrainConfig, PretrainError
-from eftguard.rundir import RunDirectory, RunError, check_new_run_path
+from eftguard.rundir import RunDirectory, RunError, atomic_write, check_new_run_path
 from eftguard.sampling import BALANCE_MODES
 from eftguard.schedule import SCHEDULES
 
@@ -513,7 +514,7 @@ DEMO_REFERENCE_NICENESS = 10  # a CPU share of about 1/10 against a busy nice-0 
 
 def check_out_folder(out: Path, what: str) -> None:
     """--out must be (or become) a folder: a file at it or above it is one line, before any work."""
-    blocked = next((p for p in (out, *out.parents) if p.exists() and not p.is_dir()), None)
+    blocked = file_in_the_way(out)
     if blocked is not None:
         raise ConfigError(f"--out {out}: {blocked} is a file: give a folder for {what}")
 
@@ -743,12 +744,13 @@ def cmd_bench(args: argparse.Namespace) -> None:
     cfg = BenchConfig(**{name: tuple(value) if isinstance(value, list) else value
                          for name, value in given.items() if value is not None})
     cfg.validate()
-    if args.out is not None and not args.out.parent.is_dir():
-        raise ConfigError(f"--out: folder {args.out.parent} does not exist")
+    problem = None if args.out is None else output_file_problem(args.out, "the bench's JSON")
+    if problem:
+        raise ConfigError(f"--out {args.out} {problem}")
     result = run_bench(cfg, progress=lambda message: print(f"bench: {message}", file=sys.stderr))
     print_tables(result)
     if args.out is not None:
-        args.out.write_text(json.dumps(result, indent=2) + "\n")
+        atomic_write(args.out, lambda tmp: tmp.write_text(json.dumps(result, indent=2) + "\n"))
         print(f"wrote {args.out}", file=sys.stderr)
 
 

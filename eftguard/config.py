@@ -163,7 +163,8 @@ class TrainConfig:
         if self.dataset in ("cifar10", "cifar100") and not self.data_dir:
             raise ConfigError(f"--dataset {self.dataset} needs --data-dir DIR (a local copy, or where to download it)")
         if self.data_dir and not Path(self.data_dir).is_dir():
-            raise ConfigError(f"--data-dir {self.data_dir} does not exist: create it or point to your dataset copy")
+            where = "is not a folder" if Path(self.data_dir).exists() else "does not exist"
+            raise ConfigError(f"--data-dir {self.data_dir} {where}: create it or point to your dataset copy")
         self._check_canaries()
 
     def _check_precision(self) -> None:
@@ -270,6 +271,10 @@ def read_toml(path: Path, what: str) -> dict:
         return tomllib.loads(Path(path).read_text())
     except FileNotFoundError:
         raise ConfigError(f"{what} {path} does not exist") from None
+    except IsADirectoryError:
+        raise ConfigError(f"{what} {path} is a folder: give the TOML file itself") from None
+    except OSError as exc:  # unreadable, or under a file
+        raise ConfigError(f"{what} {path} cannot be read ({exc.strerror}): give a readable TOML file") from None
     except (tomllib.TOMLDecodeError, UnicodeDecodeError) as exc:
         raise ConfigError(f"{what} {path} is not valid TOML: {exc}") from None
 

@@ -25,6 +25,7 @@ from eftguard.config import ConfigError
 from eftguard.data import ImageSet
 from eftguard.masking import random_keep_ids
 from eftguard.model import PRESETS, EFTViT, to_timm_state
+from eftguard.paths import file_in_the_way
 from eftguard.schedule import lr_factor
 
 OBJECTIVES = ("supervised", "mae", "both")
@@ -226,9 +227,9 @@ def check_out_path(out: Path, force: bool) -> None:
         raise ConfigError(f"--out {out} is a folder: give a file path ending in .safetensors")
     if out.exists() and not force:
         raise ConfigError(f"--out {out} already exists: pick another path, or pass --force to replace it")
-    existing = next(p for p in out.parents if p.exists())
-    if not existing.is_dir():
-        raise ConfigError(f"--out {out} is under {existing}, which is a file: give a path in a folder")
+    blocker = file_in_the_way(out.parent)
+    if blocker is not None:
+        raise ConfigError(f"--out {out} is under {blocker}, which is a file: give a path in a folder")
 
 
 def save_pretrained(model: EFTViT, out: Path, cfg: PretrainConfig, dataset: str, class_names: tuple[str, ...]) -> None:

@@ -33,6 +33,7 @@ from safetensors.torch import load_file as load_torch, save_file as save_torch
 
 from defenses import at_rest
 from eftguard.config import ConfigError, TrainConfig
+from eftguard.paths import file_in_the_way
 
 FORMAT = "eftguard-run"
 FORMAT_VERSION = 1
@@ -90,10 +91,10 @@ def round_number_of(name: str) -> int | None:
 def check_new_run_path(path: Path) -> None:
     """Refuse, before any work, a path a new run cannot be written to (a file, under a file, not empty)."""
     path = Path(path)
-    for parent in [path, *path.parents]:
-        if parent.exists() and not parent.is_dir():
-            where = "is a file" if parent == path else f"is under {parent}, which is a file"
-            raise RunError(f"{path} {where}: give --out a folder path (new or empty)")
+    blocker = file_in_the_way(path)
+    if blocker is not None:
+        where = "is a file" if blocker == path else f"is under {blocker}, which is a file"
+        raise RunError(f"{path} {where}: give --out a folder path (new or empty)")
     if path.is_dir() and any(path.iterdir()):
         raise RunError(f"{path} already exists and is not empty: pick another --name/--out, "
                        f"or continue it with --resume {path}")

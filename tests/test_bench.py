@@ -122,7 +122,8 @@ def test_a_bf16_bench_records_its_precision_and_benches_no_dp_sgd(tmp_path, caps
     (["--warmup", "-1"], "--warmup must be >= 0, got -1"),
     (["--batch-size", "0"], "--batch-size must be >= 1, got 0"),
     (["--methods", "eftvit"], "--methods must include fedavg: every speed-up is relative to it"),
-    (["--out", "/nonexistent/folder/bench.json"], "--out: folder /nonexistent/folder does not exist"),
+    (["--out", "/nonexistent/folder/bench.json"], "--out /nonexistent/folder/bench.json is in /nonexistent/folder, which "
+                                                 "does not exist: create that folder, or give a path in an existing one"),
 ])
 def test_bad_bench_options_are_one_line_before_any_work(capsys, tmp_path, argv, message):
     with pytest.raises(SystemExit) as exit_info:

@@ -49,6 +49,8 @@ def load_cifar(name: str, data_dir: Path | None) -> Dataset:
     if data_dir is None:
         raise DataError(f"{name} needs --data-dir DIR: the folder that holds (or will receive) {layout['folder']}/")
     data_dir = Path(data_dir)
+    if data_dir.exists() and not data_dir.is_dir():
+        raise DataError(f"{data_dir} is a file: give the folder that holds (or will receive) {layout['folder']}/")
     folder = data_dir / layout["folder"]
     if not folder.is_dir():
         _download(name, data_dir)

@@ -24,6 +24,7 @@ def configure_ray_and_flower(verbose: bool) -> None:
     # first driver (one per CPU, 0.5 CPU s each) would be started only to be stopped unused
     os.environ.setdefault("RAY_prestart_worker_first_driver", "0")
     if not verbose:
+        import flwr.common.logger  # noqa: F401  its import sets the "flwr" logger to DEBUG: quieten it after that
         logging.getLogger("flwr").setLevel(logging.ERROR)
         warnings.filterwarnings("ignore", category=FutureWarning, module="ray")
 

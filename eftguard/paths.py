@@ -1,0 +1,30 @@
+"""Output paths checked before any work: a run, a bench or a key that fails to be written at the end loses
+everything computed before it."""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+
+def file_in_the_way(path: Path) -> Path | None:
+    """The nearest existing non-folder at path or above it (None when there is none): what stops path from
+    becoming a folder, or a file from being written under it."""
+    path = Path(path)
+    return next((p for p in (path, *path.parents) if p.exists() and not p.is_dir()), None)
+
+
+def output_file_problem(path: Path, what: str) -> str | None:
+    """Why `what` cannot be written to the file path (a folder, under a file, in a missing or read-only folder), as
+    the rest of a sentence that starts with the path; None when it can."""
+    path = Path(path)
+    if path.is_dir():
+        return f"is a folder: give a file path for {what}"
+    blocker = file_in_the_way(path.parent)
+    if blocker is not None:
+        return f"is under {blocker}, which is a file: give a path in a folder for {what}"
+    if not path.parent.is_dir():
+        return f"is in {path.parent}, which does not exist: create that folder, or give a path in an existing one"
+    if not os.access(path.parent, os.W_OK | os.X_OK):
+        return f"is in {path.parent}, which is not writable: give a path in a folder you can write to"
+    return None
