@@ -360,7 +360,9 @@ STYLE = ("body{font-family:sans-serif;max-width:1100px;margin:2em auto;color:#22
          "th{background:#f3f3f3}img{image-rendering:pixelated;max-width:100%}img.plot{image-rendering:auto}"
          "code{background:#f3f3f3}summary{cursor:pointer;margin:0.5em 0}details details{margin-left:1.5em}"
          "td.high{background:#f8d0cc}td.medium{background:#fbe7b5}td.low{background:#d6efd5}"
-         "td.none{background:#e4e4e4}td.failed{background:#f8d0cc}")
+         "td.none{background:#e4e4e4}td.failed{background:#f8d0cc}"
+         ".grids{display:flex;flex-wrap:wrap;gap:1.5em;align-items:flex-start}"
+         "figure{margin:0.5em 0;max-width:520px}figcaption{font-size:0.9em;margin-bottom:0.3em}")
 
 
 def page_html(title: str, body: list[str]) -> str:
@@ -767,6 +769,66 @@ def figure_rows(configurations: list[dict]) -> list[list[str]]:
     return rows
 
 
+PNG_SIGNATURE = b"\x89PNG\r\n\x1a\n"
+GRID_LIMIT_BYTES = 20 * 2 ** 20  # a grid of a few dozen 32 px images is well under 1 MB
+IMAGE_FAMILIES = ("invert", "gradient")  # the channels whose attacks draw an image grid
+RECONSTRUCTIONS_NOTE = ("Per configuration group (its first configuration that has one), the image grid of the "
+                        "strongest attack on each image channel: the client's original, what the client sent (the "
+                        "kept patches), and what the attack reconstructed, with each row's PSNR. Each attack's "
+                        "report.md beside its grid has the full tables.")
+
+
+def attack_grid(out: Path, entry: dict | None) -> Path | None:
+    """The grid.png beside an attack's report in an audit folder, None when there is none. summary.json may have
+    been edited by anyone, so the path it names must stay inside the audit folder and hold a PNG of sane size."""
+    report = entry.get("report") if isinstance(entry, dict) else None
+    if not isinstance(report, str) or not report:
+        return None
+    root = Path(out).resolve()
+    grid = ((root / report).parent / "grid.png").resolve()  # a link out of the folder is followed, then refused
+    try:
+        if not grid.is_relative_to(root) or not grid.is_file() or grid.stat().st_size > GRID_LIMIT_BYTES:
+            return None
+        with grid.open("rb") as file:
+            return grid if file.read(len(PNG_SIGNATURE)) == PNG_SIGNATURE else None
+    except OSError:
+        return None
+
+
+def reconstruction_grids(configurations: list[dict], out: Path) -> list[tuple[str, verdict.ChannelVerdict, Path]]:
+    """(configuration id, channel verdict, grid.png) for the strongest attack of each image channel, one per
+    configuration group: the group's first finished configuration whose strongest attack left a grid."""
+    found: dict[tuple[str, str], tuple[str, verdict.ChannelVerdict, Path]] = {}
+    for configuration in filter(is_done, configurations):
+        group = str(configuration.get("group", configuration.get("id")))
+        for channel in verdict.verdict_of_attacks(attacks_of(configuration)):
+            if channel.family not in IMAGE_FAMILIES or channel.attack is None or (group, channel.family) in found:
+                continue
+            grid = attack_grid(out, attack_entry(configuration, channel.attack))
+            if grid is not None:
+                found[group, channel.family] = (str(configuration.get("id")), channel, grid)
+    return list(found.values())
+
+
+def reconstruction_html(grids: list[tuple[str, verdict.ChannelVerdict, Path]]) -> list[str]:
+    figures = "".join(
+        f'<figure><figcaption><b>{html.escape(cid)}</b>: {html.escape(channel.attack)}, '
+        f'{html.escape(channel.sentence)}</figcaption><img alt="{html.escape(cid)}: {html.escape(channel.attack)}: '
+        f'original | what was sent | reconstruction | PSNR per row" src="{_png_data_uri(grid.read_bytes())}"></figure>'
+        for cid, channel, grid in grids)
+    return ["<h2>Reconstructions</h2>", f"<p>{html.escape(RECONSTRUCTIONS_NOTE)}</p>", f'<div class="grids">{figures}</div>']
+
+
+def reconstruction_markdown(grids: list[tuple[str, verdict.ChannelVerdict, Path]], out: Path) -> list[str]:
+    lines = ["## Reconstructions", "", RECONSTRUCTIONS_NOTE, ""]
+    root = Path(out).resolve()
+    for cid, channel, grid in grids:
+        lines += [f"**{md(cid)}**: {md(channel.attack)}, {md(channel.sentence)}", "",
+                  f"![{md(cid)}: original, what was sent, reconstruction]"
+                  f"({quote(grid.relative_to(root).as_posix())})", ""]
+    return lines
+
+
 def write_audit_report(summary: dict, out: Path) -> list[Path]:
     """out/report.html (self-contained, plots inlined) and out/report.md for an audit's summary.json: the
     verdict per configuration first, then the gates, privacy–utility plots, failures and the configurations."""
@@ -782,6 +844,7 @@ def write_audit_report(summary: dict, out: Path) -> list[Path]:
     gate_table, gate_classes = gate_rows(gates)
     plots = privacy_utility_plots(configurations)
     figures_table = figure_rows(configurations)
+    grids = reconstruction_grids(configurations, out)
     setup_rows = [["configuration", "group", "varied options", "run", "training seconds"]] + [
         [str(c.get("id")), str(c.get("group")), json.dumps(c.get("varied")), str(c.get("run")),
          number_text(c.get("train_seconds"), 1)] for c in configurations]
@@ -792,7 +855,7 @@ def write_audit_report(summary: dict, out: Path) -> list[Path]:
             f"<p>{html.escape(THRESHOLDS)}</p>", f"<p>{html.escape(DP_SCOPE)}</p>", "<h2>Gates</h2>",
             _html_table(gate_table, gate_classes) if gates else "<p>No gates were given (--gate).</p>",
             "<h2>Figures per configuration</h2>", _html_table(figures_table), f"<p>{html.escape(FIGURES_NOTE)}</p>",
-            "<h2>Privacy–utility</h2>"]
+            *(reconstruction_html(grids) if grids else []), "<h2>Privacy–utility</h2>"]
     body += [plot_html(png, caption) + f"<p>{html.escape(caption)}</p>" for caption, png in plots] or \
         ["<p>No configuration finished with both an accuracy and an attack figure.</p>"]
     if not any(verdict.finite(c.get("epsilon")) for c in configurations):
@@ -808,6 +871,8 @@ def write_audit_report(summary: dict, out: Path) -> list[Path]:
              markdown_table(verdict_table), "", md(THRESHOLDS), "", DP_SCOPE, "", "## Gates", "",
              markdown_table(gate_table) if gates else "No gates were given (--gate).", "",
              "## Figures per configuration", "", markdown_table(figures_table), "", md(FIGURES_NOTE), ""]
+    if grids:
+        lines += reconstruction_markdown(grids, out)
     if failed:
         lines += ["## Failed configurations", "", markdown_table(failure_rows(configurations)), ""]
     lines += ["## Configurations", "", markdown_table(setup_rows), "", "Training defaults of the audit:", "",

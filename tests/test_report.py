@@ -440,3 +440,101 @@ def test_the_levels_sentence_states_every_channels_thresholds_from_the_verdict_t
     families = {channel.family for channel in verdict.CHANNELS}
     named = {"invert": "images", "gradient": "images", "labels": "labels", "membership": "membership"}
     assert families <= set(named) and all(named[f] in THRESHOLDS for f in families)
+
+
+# --- reconstructions in the audit report ------------------------------------------------------------------
+
+def grid_png(seed):
+    """A small real PNG with its own pixels, as an attack writes grid.png."""
+    import io
+
+    from PIL import Image
+
+    pixels = np.random.default_rng(seed).integers(0, 256, (12, 9, 3), dtype=np.uint8)
+    buffer = io.BytesIO()
+    Image.fromarray(pixels).save(buffer, format="PNG")
+    return buffer.getvalue()
+
+
+def attack_folder(out, cid, attack, grid=b""):
+    """out/reports/<cid>/<attack>/report.json (and grid.png when given); the summary's "report" path to it."""
+    folder = out / "reports" / cid / attack
+    folder.mkdir(parents=True)
+    (folder / "report.json").write_text("{}")
+    if grid:
+        (folder / "grid.png").write_bytes(grid)
+    return f"reports/{cid}/{attack}/report.json"
+
+
+def image_attack(report, psnr_kept, family="invert"):
+    return {"family": family, "report": report, "status": "done",
+            "figures": {"psnr": 15.0, "baseline.psnr": 12.0, "psnr_kept": psnr_kept, "baseline_kept.psnr": 12.0}}
+
+
+def inlined(page):
+    import base64
+
+    return [base64.b64decode(s.split(",", 1)[1]) for s in page.sources() if s.startswith("data:image/png")]
+
+
+def test_audit_report_shows_the_strongest_attacks_grid_per_group_and_image_channel(tmp_path):
+    out = tmp_path / "audit"
+    grids = {name: grid_png(i) for i, name in enumerate(["s0-decoder", "s0-weak", "s0-gradient", "s1-decoder", "b"])}
+    seed0 = {"invert-decoder": image_attack(attack_folder(out, "g,seed=0", "invert-decoder", grids["s0-decoder"]), 25.0),
+             "invert-weak": image_attack(attack_folder(out, "g,seed=0", "invert-weak", grids["s0-weak"]), 14.0),
+             "gradient-x": image_attack(attack_folder(out, "g,seed=0", "gradient-x", grids["s0-gradient"]), 30.0,
+                                        family="gradient")}
+    seed1 = {"invert-decoder": image_attack(attack_folder(out, "g,seed=1", "invert-decoder", grids["s1-decoder"]), 26.0)}
+    no_grid = {"invert-decoder": image_attack(attack_folder(out, "nogrid", "invert-decoder"), 20.0)}
+    other = {"invert-decoder": image_attack(attack_folder(out, "b", "invert-decoder", grids["b"]), 13.0)}
+    data = {"configurations": [configuration("g,seed=0", "g", 0.4, seed0), configuration("g,seed=1", "g", 0.4, seed1),
+                               configuration("nogrid", "nogrid", 0.3, no_grid), configuration("b", "b", 0.2, other)]}
+    html_file, md_file = write_audit_report(data, out)
+    text = html_file.read_text()
+    shown = inlined(Page(text))
+    # one grid per group and image channel, from its strongest attack: not the weaker inversion, not seed 1
+    assert grids["s0-decoder"] in shown and grids["s0-gradient"] in shown and grids["b"] in shown
+    assert grids["s0-weak"] not in shown and grids["s1-decoder"] not in shown
+    assert text.index("<h2>Reconstructions</h2>") < text.index("<h2>Privacy–utility</h2>")
+    assert "g,seed=0</b>: invert-decoder, uploaded features: kept patches recovered: 25.0 dB vs 12.0 dB" in text
+    assert "b</b>: invert-decoder, uploaded features: kept patches recovered: 13.0 dB vs 12.0 dB for the mean image: low" in text
+    markdown = md_file.read_text()
+    links = [line.split("](")[1].rstrip(")") for line in markdown.splitlines() if line.startswith("![")]
+    assert sorted(links) == sorted(["reports/g%2Cseed%3D0/invert-decoder/grid.png",
+                                    "reports/g%2Cseed%3D0/gradient-x/grid.png", "reports/b/invert-decoder/grid.png"])
+
+
+def test_audit_report_without_grids_has_no_reconstruction_section(tmp_path):
+    text = write_audit_report(summary(), tmp_path / "audit")[0].read_text()
+    assert "Reconstructions" not in text
+
+
+@pytest.mark.parametrize("case", ["outside the audit folder", "a link out of it", "not a PNG", "too large",
+                                  "a folder", "not a path"])
+def test_a_grid_a_hand_edited_summary_points_elsewhere_is_not_inlined(tmp_path, monkeypatch, case):
+    """summary.json may be edited by anyone: it must not make the report inline a file from outside the audit
+    folder, or anything that is not a PNG."""
+    import eftguard.report
+
+    out, secret = tmp_path / "audit", grid_png(7)
+    report = attack_folder(out, "c", "invert-decoder")
+    grid = out / "reports" / "c" / "invert-decoder" / "grid.png"
+    if case == "outside the audit folder":
+        (tmp_path / "elsewhere").mkdir()
+        (tmp_path / "elsewhere" / "grid.png").write_bytes(secret)
+        report = "../elsewhere/report.json"
+    elif case == "a link out of it":
+        (tmp_path / "secret.png").write_bytes(secret)
+        grid.symlink_to(tmp_path / "secret.png")
+    elif case == "not a PNG":
+        grid.write_bytes(b"<script>alert(1)</script>" + secret)
+    elif case == "too large":
+        grid.write_bytes(secret)
+        monkeypatch.setattr(eftguard.report, "GRID_LIMIT_BYTES", len(secret) - 1)
+    elif case == "a folder":
+        grid.mkdir()
+    else:
+        report = ["reports", "c"]
+    data = {"configurations": [configuration("c", "c", 0.4, {"invert-decoder": image_attack(report, 25.0)})]}
+    text = write_audit_report(data, out)[0].read_text()
+    assert "Reconstructions" not in text and secret not in inlined(Page(text))

@@ -1,5 +1,6 @@
 """End to end through Flower's simulation engine (Ray), as a user runs it: the CLI in a subprocess."""
 
+import base64
 import contextlib
 import json
 import os
@@ -7,6 +8,7 @@ import signal
 import subprocess
 import sys
 import uuid
+from pathlib import Path
 
 import numpy as np
 import psutil
@@ -170,6 +172,8 @@ def test_demo_compares_both_methods_and_its_fedavg_reference_uploads_whole_model
     assert not (fedavg_client / "features.safetensors").exists()
     page = (tmp_path / "demo" / "report.html").read_text()
     assert "uploaded features" in page and "not applicable" in page  # the verdict, per configuration
+    grid = tmp_path / "demo" / Path(configurations["method=eftvit"]["attacks"]["invert-decoder"]["report"]).parent / "grid.png"
+    assert base64.b64encode(grid.read_bytes()).decode() in page  # the reconstructions themselves, inlined
 
 
 def test_a_killed_demo_leaves_no_process_training_on(tmp_path):
