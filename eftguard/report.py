@@ -66,7 +66,13 @@ def is_stat(value) -> bool:
 
 
 def detail_text(value) -> str:
-    return format_stat(value) if is_stat(value) else str(value)
+    """A detail as a reader wants it: a statistic as "mean ± std (n)", a float to 4 significant digits (a decoder's
+    training MSE is not worth 17), anything else as it is."""
+    if is_stat(value):
+        return format_stat(value)
+    if isinstance(value, float) and abs(value) < 1e4:
+        return f"{value:.4g}"
+    return str(value)
 
 
 def is_stat_group(value) -> bool:

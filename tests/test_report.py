@@ -538,3 +538,12 @@ def test_a_grid_a_hand_edited_summary_points_elsewhere_is_not_inlined(tmp_path, 
     data = {"configurations": [configuration("c", "c", 0.4, {"invert-decoder": image_attack(report, 25.0)})]}
     text = write_audit_report(data, out)[0].read_text()
     assert "Reconstructions" not in text and secret not in inlined(Page(text))
+
+
+@pytest.mark.parametrize("value, shown", [(0.10817354917526245, "0.1082"), (62.83, "62.83"), (1000.0, "1000"),
+                                          (123456.7, "123456.7"), (math.nan, "nan"), (3, "3"), ("known", "known"),
+                                          ({"clip": 0.0}, "{'clip': 0.0}")])
+def test_details_show_floats_to_four_significant_digits(value, shown):
+    from eftguard.report import detail_text
+
+    assert detail_text(value) == shown
