@@ -47,8 +47,10 @@ def add_report_parser(sub: argparse._SubParsersAction) -> None:
     report = sub.add_parser("report", help="gather a run's attack reports into report.html and report.md",
                             description="Writes report.html (self-contained, images inlined), report.md and "
                                         "report.json with the run's configuration, accuracy per round and every "
-                                        "attack report found under --reports.")
-    report.add_argument("run", type=path_arg, metavar="RUN", help="run directory")
+                                        "attack report found under --reports. Given an audit's folder (eftguard "
+                                        "audit --out, or the demo's), writes its report.html and report.md again "
+                                        "from its summary.json, training and attacking nothing.")
+    report.add_argument("run", type=path_arg, metavar="RUN", help="run directory, or an audit's folder")
     report.add_argument("--reports", type=path_arg, default=None,
                         help="folder of attack reports, where the run report is written too (default: RUN/reports)")
     report.add_argument("--key", type=path_arg, metavar="KEYFILE", help="at-rest key of a run trained with --encrypt-at-rest")
@@ -58,11 +60,37 @@ def cmd_report(args: argparse.Namespace) -> None:
     from eftguard.audit.api import open_run, out_root
     from eftguard.report import write_run_report
 
+    if is_audit_folder(args.run):
+        rewrite_audit_report(args)
+        return
     run = open_run(args.run, args.key)
     reports_dir = out_root(run, args.reports, "--reports")
     files = write_run_report(run.path, (run.path / "config.toml").read_text(), run.metrics(), reports_dir)
     for file in files:
         console.print(f"wrote {file}")
+
+
+def is_audit_folder(path: Path) -> bool:
+    return path.is_dir() and (path / "summary.json").is_file() and not (path / "manifest.json").exists()
+
+
+def rewrite_audit_report(args: argparse.Namespace) -> None:
+    """An audit's report.html and report.md written again from its summary.json, with this eftguard's report code
+    (e.g. after an upgrade), without training or attacking anything."""
+    import json
+
+    from eftguard.audit.grid import write_report
+    from eftguard.rundir import RunError
+
+    if args.reports is not None or args.key is not None:
+        raise RunError(f"{args.run} is an audit's folder: --reports and --key are for a run; the audit report is "
+                       "written beside its summary.json")
+    try:
+        summary = json.loads((args.run / "summary.json").read_text())
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as exc:
+        raise RunError(f"{args.run / 'summary.json'} cannot be read ({exc}): run the audit again with the same --out "
+                       "to write it again (finished runs and attacks are reused)") from None
+    write_report(summary, args.run)
 
 
 # --- eftguard attack ... ----------------------------------------------------------------------------------

@@ -28,7 +28,7 @@ from PIL import Image, ImageDraw, ImageFont
 
 from eftguard import verdict
 from eftguard.metrics import psnr
-from eftguard.rundir import RunError
+from eftguard.rundir import RunError, atomic_write
 
 # Column order of the summary tables; any other {"metric": {"mean", "std", "n"}} group follows these.
 GROUP_TITLES = {
@@ -212,16 +212,24 @@ def write_attack_report(out_root: Path, report: dict, grid: Image.Image | None =
     """<out_root>/<attack>/report.json, report.md, grid.png and ranking.png; returns the folder."""
     folder = Path(out_root) / report["attack"]
     folder.mkdir(parents=True, exist_ok=True)
-    (folder / "report.json").write_text(json.dumps(report, indent=2) + "\n")
-    if grid is not None:
-        grid.save(folder / "grid.png")
-    if isinstance(report.get("details", {}).get(ROC_DETAILS), dict):
-        (folder / ROC_PLOT).write_bytes(roc_plot(report["details"][ROC_DETAILS], report["attack"]))
-    if ranking is not None:
-        ranking.save(folder / "ranking.png")
-    (folder / "report.md").write_text(attack_markdown(report, "grid.png" if grid is not None else None,
-                                                      "ranking.png" if ranking is not None else None))
+    roc = report.get("details", {}).get(ROC_DETAILS)
+    pictures = {"grid.png": None if grid is None else (lambda tmp: grid.save(tmp, format="PNG")),
+                "ranking.png": None if ranking is None else (lambda tmp: ranking.save(tmp, format="PNG")),
+                ROC_PLOT: (lambda tmp: tmp.write_bytes(roc_plot(roc, report["attack"]))) if isinstance(roc, dict) else None}
+    for name, write in pictures.items():  # a picture this run of the attack did not draw is not left from the last
+        if write is None:
+            (folder / name).unlink(missing_ok=True)
+        else:
+            atomic_write(folder / name, write)
+    write_text(folder / "report.md", attack_markdown(report, "grid.png" if grid is not None else None,
+                                                     "ranking.png" if ranking is not None else None))
+    write_text(folder / "report.json", json.dumps(report, indent=2) + "\n")  # last: its presence means complete
     return folder
+
+
+def write_text(path: Path, text: str) -> None:
+    """Reports are rewritten in place: a crash mid-write leaves the previous file, never a torn one."""
+    atomic_write(path, lambda tmp: tmp.write_text(text))
 
 
 # --- the run report ---------------------------------------------------------------------------------------
@@ -511,10 +519,10 @@ def write_run_report(run_path: Path, config_toml: str, metrics: list[dict], repo
     out = Path(reports_dir)
     out.mkdir(parents=True, exist_ok=True)
     files = [out / "report.html", out / "report.md", out / "report.json"]
-    files[0].write_text(page_html(f"eftguard audit: {run_path}", body))
-    files[1].write_text("\n".join(lines) + "\n")
-    files[2].write_text(json.dumps({"run": str(run_path), "verdict": verdict_json(verdicts), "metrics": metrics,
-                                    "attacks": [r for r, _ in reports]}, indent=2) + "\n")
+    write_text(files[0], page_html(f"eftguard audit: {run_path}", body))
+    write_text(files[1], "\n".join(lines) + "\n")
+    write_text(files[2], json.dumps({"run": str(run_path), "verdict": verdict_json(verdicts), "metrics": metrics,
+                                     "attacks": [r for r, _ in reports]}, indent=2) + "\n")
     return files
 
 
@@ -886,6 +894,6 @@ def write_audit_report(summary: dict, out: Path) -> list[Path]:
     out = Path(out)
     out.mkdir(parents=True, exist_ok=True)
     files = [out / "report.html", out / "report.md"]
-    files[0].write_text(page_html(title, body))
-    files[1].write_text("\n".join(lines) + "\n")
+    write_text(files[0], page_html(title, body))
+    write_text(files[1], "\n".join(lines) + "\n")
     return files

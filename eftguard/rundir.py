@@ -116,6 +116,17 @@ def client_name(partition: int) -> str:
     return f"client-{partition:02d}"
 
 
+def where_the_runs_are(folder: Path) -> str:
+    """For a folder given as a run that is not one: where its runs are, when it holds some (an audit's or the
+    demo's folder keeps them in runs/), as the end of the error message; "" when it holds none."""
+    runs = sorted({p.parent for pattern in ("*/manifest.json", "runs/*/manifest.json") for p in folder.glob(pattern)})
+    if not runs:
+        return ""
+    kind = "an audit's folder (eftguard audit or demo)" if (folder / "summary.json").is_file() else "a folder of runs"
+    count = f" ({len(runs)} in all)" if len(runs) > 1 else ""
+    return f". It is {kind}: give one of its runs, e.g. {runs[0]}{count}"
+
+
 class RunDirectory:
     """A run directory; key decrypts uploads stored encrypted at rest (None: plaintext run or no key)."""
 
@@ -161,7 +172,8 @@ class RunDirectory:
         try:
             manifest = run.manifest()
         except (OSError, json.JSONDecodeError) as exc:
-            raise RunError(f"{path} is not an eftguard run directory: manifest.json is missing or corrupt ({exc})") from None
+            raise RunError(f"{path} is not an eftguard run directory: manifest.json is missing or corrupt ({exc})"
+                           f"{where_the_runs_are(path)}") from None
         if manifest.get("format") != FORMAT:
             raise RunError(f"{path} is not an eftguard run directory (manifest format is {manifest.get('format')!r})")
         if manifest.get("format_version", 0) > FORMAT_VERSION:

@@ -547,3 +547,62 @@ def test_details_show_floats_to_four_significant_digits(value, shown):
     from eftguard.report import detail_text
 
     assert detail_text(value) == shown
+
+
+def test_eftguard_report_on_an_audit_folder_writes_its_report_again_from_summary_json(tmp_path, capsys):
+    """After an upgrade, `eftguard report AUDIT_OUT` brings an audit's report up to date (here: the reconstructions
+    an older report lacked) without training or attacking anything."""
+    from conftest import run_cli
+
+    out = tmp_path / "audit"
+    grid = grid_png(3)
+    attacks = {"invert-decoder": image_attack(attack_folder(out, "c", "invert-decoder", grid), 25.0)}
+    (out / "summary.json").write_text(json.dumps({"title": "old audit", "configurations": [
+        configuration("c", "c", 0.4, attacks)]}))
+    (out / "report.html").write_text("<p>an older eftguard's report</p>")
+    code, err = run_cli(capsys, "report", out)
+    assert code == 0, err
+    text = (out / "report.html").read_text()
+    assert "Privacy audit: old audit" in text and grid in inlined(Page(text)) and (out / "report.md").is_file()
+
+    code, err = run_cli(capsys, "report", out, "--key", tmp_path / "k")
+    assert code == 2 and "is an audit's folder: --reports and --key are for a run" in err
+    (out / "summary.json").write_text('{"configurations": [')  # torn
+    code, err = run_cli(capsys, "report", out)
+    assert code == 2 and "summary.json cannot be read" in err and "run the audit again with the same --out" in err
+    (out / "summary.json").write_text("[]")
+    code, err = run_cli(capsys, "report", out)
+    assert code == 2 and "its top level is not a JSON object" in err
+
+
+def test_an_attack_report_written_again_keeps_no_picture_of_the_last_run_and_no_temporary_file(tmp_path):
+    from PIL import Image
+
+    from eftguard.report import write_attack_report
+
+    report = image_report("invert-decoder", 20.0, 12.0)
+    folder = write_attack_report(tmp_path, report, grid=Image.new("RGB", (4, 4)), ranking=Image.new("RGB", (4, 4)))
+    assert {p.name for p in folder.iterdir()} == {"report.json", "report.md", "grid.png", "ranking.png"}
+    assert Image.open(folder / "grid.png").format == "PNG"
+    write_attack_report(tmp_path, report)  # e.g. rerun with --max-images 0: no grid this time
+    assert {p.name for p in folder.iterdir()} == {"report.json", "report.md"}
+    assert "grid.png" not in (folder / "report.md").read_text()
+
+
+def test_a_report_cut_off_mid_write_leaves_the_previous_one_whole(tmp_path, monkeypatch):
+    """A full disk or a kill while a report is rewritten: the previous report.html stays, and no temporary file."""
+    import pathlib
+
+    html_file, _ = write_audit_report(summary(), tmp_path)
+    before = html_file.read_text()
+    real_write_text = pathlib.Path.write_text
+
+    def disk_full(self, text, *args, **kwargs):
+        real_write_text(self, text[:100], *args, **kwargs)
+        raise OSError(28, "No space left on device")
+
+    monkeypatch.setattr(pathlib.Path, "write_text", disk_full)
+    with pytest.raises(OSError, match="No space left"):
+        write_audit_report({"configurations": []}, tmp_path)
+    monkeypatch.undo()
+    assert html_file.read_text() == before and sorted(p.name for p in tmp_path.iterdir()) == ["report.html", "report.md"]

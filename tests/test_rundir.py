@@ -100,3 +100,21 @@ def test_lock_is_reentrant_in_one_process_and_released_after(run):
             fcntl.flock(other, fcntl.LOCK_EX | fcntl.LOCK_NB)
     fcntl.flock(other, fcntl.LOCK_EX | fcntl.LOCK_NB)  # released with the outer block
     os.close(other)
+
+
+def test_a_folder_of_runs_given_as_a_run_names_one_of_its_runs(tmp_path):
+    """The demo's and an audit's folders keep their runs in runs/: a user who gives the folder itself (or runs/) is
+    told which folder to give instead."""
+    audit = tmp_path / "demo"
+    for name in ("method=fedavg-1", "method=eftvit-2"):
+        RunDirectory.create(audit / "runs" / name, TrainConfig(rounds=1).resolved())
+    (audit / "summary.json").write_text("{}")
+    with pytest.raises(RunError, match=r"not an eftguard run directory.*It is an audit's folder \(eftguard audit or "
+                                       r"demo\): give one of its runs, e\.g\. .*runs/method=eftvit-2 \(2 in all\)$"):
+        RunDirectory.open(audit)
+    with pytest.raises(RunError, match=r"It is a folder of runs: give one of its runs, e\.g\. .*method=eftvit-2 \(2 in all\)$"):
+        RunDirectory.open(audit / "runs")
+    (tmp_path / "empty").mkdir()
+    with pytest.raises(RunError) as raised:
+        RunDirectory.open(tmp_path / "empty")
+    assert "It is" not in str(raised.value) and "manifest.json is missing" in str(raised.value)
