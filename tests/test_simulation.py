@@ -163,6 +163,11 @@ def test_demo_compares_both_methods_and_its_fedavg_reference_uploads_whole_model
     configurations = {c["id"]: c for c in json.loads((tmp_path / "demo" / "summary.json").read_text())["configurations"]}
     assert configurations["method=eftvit"]["attacks"]["invert-decoder"]["status"] == "done"
     assert configurations["method=fedavg"]["attacks"]["invert-decoder"]["status"] == "not applicable"
+    # the parameter updates' worst case on both: a FedSGD probe of one image gives Fed-Full's image back whole and
+    # EFTViT's sent patches, so the reference does not pass for the safer method by having nothing audited
+    probes = {m: configurations[f"method={m}"]["attacks"]["gradient-probe"]["figures"] for m in ("eftvit", "fedavg")}
+    assert probes["fedavg"]["psnr"] > 40 > probes["fedavg"]["baseline.psnr"]
+    assert probes["eftvit"]["psnr_kept"] > 40 > probes["eftvit"]["baseline_kept.psnr"]
     for method in ("eftvit", "fedavg"):
         run = tmp_path / "demo" / configurations[f"method={method}"]["run"]
         assert json.loads((run / "metrics.jsonl").read_text().splitlines()[0])["method"] == method
