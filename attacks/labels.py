@@ -48,12 +48,13 @@ FLOOR = "floor"  # LabelEstimate.details key of an attack that raised counts to 
 @dataclass
 class ClientUploads:
     """One client's observed uploads in a round: n_k (reported with the update), the labels and token features
-    of the feature upload (Z [n, 1 + keep, D], y [n]), and its head as uploaded (h_k)."""
+    of the feature upload (Z [n, 1 + keep, D], y [n]; None for a method that uploads no features, e.g. Fed-Full,
+    which only the attacks on the head update alone are given), and its head as uploaded (h_k)."""
 
     partition: int
     num_examples: int
-    labels: np.ndarray
-    features: np.ndarray
+    labels: np.ndarray | None
+    features: np.ndarray | None
     head_weight: np.ndarray
     head_bias: np.ndarray
 

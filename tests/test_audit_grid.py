@@ -357,11 +357,11 @@ def test_the_demo_is_an_audit_of_both_methods(monkeypatch):
         (2, 1500, 500)}
     assert [(a.name, a.options) for a in audit.attacks] == [
         ("invert-decoder", {"steps": 7, "max_images": 32, "lpips_backend": "stlpips-alex", "precision": "fp32"}),
-        ("labels-head", {}),
+        ("labels-head", {}), ("labels-bias-corrected", {}),
         ("gradient-probe", {"observe": "probe", "lpips_backend": "stlpips-alex"})]
-    assert [(a.family, a.method) for a in audit.attacks][2] == ("gradient", "analytic")
+    assert [(a.family, a.method) for a in audit.attacks][3] == ("gradient", "analytic")
     no_inversion = cli.demo_audit(cli.build_parser().parse_args(["demo", "--attack-steps", "0"]))
-    assert [a.name for a in no_inversion.attacks] == ["labels-head", "gradient-probe"]
+    assert [a.name for a in no_inversion.attacks] == ["labels-head", "labels-bias-corrected", "gradient-probe"]
 
 
 @pytest.mark.parametrize("options, expected", [

@@ -168,6 +168,9 @@ def test_demo_compares_both_methods_and_its_fedavg_reference_uploads_whole_model
     probes = {m: configurations[f"method={m}"]["attacks"]["gradient-probe"]["figures"] for m in ("eftvit", "fedavg")}
     assert probes["fedavg"]["psnr"] > 40 > probes["fedavg"]["baseline.psnr"]
     assert probes["eftvit"]["psnr_kept"] > 40 > probes["eftvit"]["baseline_kept.psnr"]
+    assert configurations["method=fedavg"]["attacks"]["labels-head"]["status"] == "not applicable"
+    assert {configurations[f"method={m}"]["attacks"]["labels-bias-corrected"]["status"] for m in ("eftvit", "fedavg")
+            } == {"done"}  # the head update alone: Fed-Full's labels are audited too
     for method in ("eftvit", "fedavg"):
         run = tmp_path / "demo" / configurations[f"method={method}"]["run"]
         assert json.loads((run / "metrics.jsonl").read_text().splitlines()[0])["method"] == method

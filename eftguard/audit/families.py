@@ -180,7 +180,7 @@ class LabelsFamily(Family):
     name = "labels"
     registry = LABELS
     help = "infer each client's class histogram from what the server observed"
-    description = ("Label-distribution inference against an EFTViT run, scored per client against truth/ by L1 and "
+    description = ("Label-distribution inference, scored per client against truth/ by L1 and "
                    "Jensen-Shannon distance of the class proportions, exact-count accuracy per present class and "
                    "over all classes, and presence precision / recall / F1, beside a prior baseline with the "
                    "attack's knowledge (n_k spread uniformly over the classes with uploads, or over all classes for "
@@ -192,15 +192,15 @@ class LabelsFamily(Family):
 
     def observe(self, job: Job, attack: Attack) -> Observed:
         with_model = attack.threat_model.knows_weights  # the weights only where the threat model grants them
-        return Observed(observe.observe_labels(job.run, job.round_number, job.clients, with_model), {})
+        return Observed(observe.observe_labels(job.run, job.round_number, job.clients, with_model,
+                                               attack.uses_upload_labels), {})
 
     def score(self, job: Job, attack: Attack, observed: Observed, result, seconds: float) -> AttackReport:
         cfg = job.run.config()
         observation = observed.observation
         uploads = {c.partition: np.bincount(c.labels, minlength=observation.num_classes) > 0
-                   for c in observation.clients}
-        scores = [scoring.score_labels(job.run, job.round_number, k, result[k],
-                                       uploads[k] if attack.uses_upload_labels else None) for k in job.clients]
+                   for c in observation.clients} if attack.uses_upload_labels else {}
+        scores = [scoring.score_labels(job.run, job.round_number, k, result[k], uploads.get(k)) for k in job.clients]
         details = {"method": attack.name, "attack_seconds": round(seconds, 2), "balance": cfg.balance,
                    "dp_eps": cfg.dp_eps, "beta": cfg.beta, "knowledge": attack.knowledge,
                    "baseline_knowledge": scoring.BASELINE_KNOWLEDGE[attack.uses_upload_labels]}

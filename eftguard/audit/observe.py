@@ -15,6 +15,7 @@ import numpy as np
 import torch
 from torch import nn
 
+from attacks.base import AttackError
 from attacks.dp_audit import CanaryObservation
 from attacks.gradient import GradientObservation, prepare_numerics
 from attacks.inversion import ClientFeatures, RoundFeatures
@@ -80,19 +81,27 @@ def feature_release(run: RunDirectory, round_number: int, clients: list[int]) ->
 
 # --- labels: uploads, n_k and (when the threat model grants it) the start model -----------------------------
 
-def observe_labels(run: RunDirectory, round_number: int, clients: list[int], with_model: bool) -> LabelObservation:
-    """The round as the attacker holds it: uploads, n_k as reported, and (with_model) the start model."""
+def observe_labels(run: RunDirectory, round_number: int, clients: list[int], with_model: bool,
+                   reads_labels: bool = True) -> LabelObservation:
+    """The round as the attacker holds it: uploads, n_k as reported, and (with_model) the start model.
+    reads_labels: the attack reads the uploaded labels and features; the attacks that read the head update alone
+    (LLG, bias-corrected) apply to every method whose clients upload their head, Fed-Full included."""
     cfg = run.config()
-    if not method_spec(cfg.method).uploads_features:
-        raise RunError(f"{run.path} is a {cfg.method} run: it uploads no features or labels to attack")
+    sends_features = method_spec(cfg.method).uploads_features
+    if reads_labels and not sends_features:
+        raise AttackError(f"{run.path} is a {cfg.method} run: it uploads no features or labels to attack; the "
+                          "attacks on the head update alone apply (--method bias-corrected or llg)")
     reported = run.metrics()[round_number - 1]["num_examples"]  # checked before any work (api.check_round_record)
     num_classes = run.load_checkpoint(round_number - 1)["head.weight"].shape[0]
     observed = []
     for partition in clients:
-        features = run.load_upload(round_number, partition, "features")
         update = run.load_upload(round_number, partition, "update")
-        observed.append(ClientUploads(partition, reported[str(partition)], features["labels"],
-                                      features["features"], update["head.weight"], update["head.bias"]))
+        if "head.weight" not in update or "head.bias" not in update:
+            raise AttackError(f"{run.path} is a {cfg.method} run: its clients upload no head, which every label "
+                              "attack reads")
+        features = run.load_upload(round_number, partition, "features") if sends_features else {}
+        observed.append(ClientUploads(partition, reported[str(partition)], features.get("labels"),
+                                      features.get("features"), update["head.weight"], update["head.bias"]))
     model = run.start_model(round_number) if with_model else None
     return LabelObservation(round_number, num_classes, observed, cfg.balance, model,
                             (cfg.local_epochs, cfg.batch_size, cfg.lr, cfg.weight_decay))
