@@ -184,7 +184,8 @@ class LabelsFamily(Family):
                    "Jensen-Shannon distance of the class proportions, exact-count accuracy per present class and "
                    "over all classes, and presence precision / recall / F1, beside a prior baseline with the "
                    "attack's knowledge (n_k spread uniformly over the classes with uploads, or over all classes for "
-                   "an attack that does not read the uploaded labels).")
+                   "an attack that does not read the uploaded labels). Runs that upload no features (fedavg, the "
+                   "PEFT methods) face the attacks on the head update alone: llg and bias-corrected.")
     options_type = NoOptions
     image_metrics = False
     seeded = False  # the label attacks are deterministic
