@@ -65,9 +65,39 @@ def cmd_report(args: argparse.Namespace) -> None:
         return
     run = open_run(args.run, args.key)
     reports_dir = out_root(run, args.reports, "--reports")
+    if args.reports is None and not any(reports_dir.glob("*/report.json")):
+        elsewhere = audit_reports_of(run.path)
+        if elsewhere is not None:
+            console.print(f"{run.path} was attacked by the audit in {elsewhere.parent.parent}, which keeps its attack "
+                          f"reports in {elsewhere}: eftguard report {run.path} --reports {elsewhere} gathers them",
+                          soft_wrap=True)  # a command to copy: not broken inside a path
     files = write_run_report(run.path, (run.path / "config.toml").read_text(), run.metrics(), reports_dir)
     for file in files:
         console.print(f"wrote {file}")
+
+
+def audit_reports_of(run_path: Path) -> Path | None:
+    """Where an audit (or the demo) wrote a run's attack reports, AUDIT/reports/<configuration>, when the run is one
+    of an audit's (AUDIT/runs/NAME and listed in AUDIT/summary.json); None otherwise."""
+    import json
+
+    run_path = run_path.resolve()
+    audit = run_path.parent.parent
+    if run_path.parent.name != "runs" or not is_audit_folder(audit):
+        return None
+    try:
+        configurations = json.loads((audit / "summary.json").read_text()).get("configurations")
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError, AttributeError):
+        return None
+    for configuration in configurations if isinstance(configurations, list) else []:
+        if not isinstance(configuration, dict) or configuration.get("run") != f"runs/{run_path.name}":
+            continue
+        attacks = configuration.get("attacks")
+        for entry in attacks.values() if isinstance(attacks, dict) else []:
+            report = entry.get("report") if isinstance(entry, dict) else None
+            if isinstance(report, str) and (audit / report).is_file():
+                return (audit / report).parent.parent
+    return None
 
 
 def is_audit_folder(path: Path) -> bool:

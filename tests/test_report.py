@@ -606,3 +606,26 @@ def test_a_report_cut_off_mid_write_leaves_the_previous_one_whole(tmp_path, monk
         write_audit_report({"configurations": []}, tmp_path)
     monkeypatch.undo()
     assert html_file.read_text() == before and sorted(p.name for p in tmp_path.iterdir()) == ["report.html", "report.md"]
+
+
+def test_the_report_of_an_audits_run_says_where_the_audit_put_its_attack_reports(tmp_path, capsys):
+    """An audit (and the demo) writes attack reports to AUDIT/reports/<configuration>, not RUN/reports: `eftguard
+    report RUN` on one of its runs says where they are and how to gather them."""
+    from conftest import run_cli
+
+    from eftguard.config import TrainConfig
+    from eftguard.rundir import RunDirectory
+
+    audit = tmp_path / "demo"
+    run = RunDirectory.create(audit / "runs" / "method=eftvit-1a2b", TrainConfig(rounds=1).resolved())
+    report = attack_folder(audit, "method=eftvit", "invert-decoder")
+    (audit / "summary.json").write_text(json.dumps({"configurations": [
+        configuration("method=eftvit", "method=eftvit", 0.4, {"invert-decoder": image_attack(report, 25.0)})
+        | {"run": "runs/method=eftvit-1a2b"}]}))
+    code, err = run_cli(capsys, "report", run.path)
+    assert code == 0, err
+    hint = f"keeps its attack reports in {audit.resolve() / 'reports' / 'method=eftvit'}: eftguard report "
+    assert hint in err and f"--reports {audit.resolve() / 'reports' / 'method=eftvit'} gathers them\n" in err
+    other = RunDirectory.create(tmp_path / "alone", TrainConfig(rounds=1).resolved())
+    code, err = run_cli(capsys, "report", other.path)
+    assert code == 0 and "keeps its attack reports" not in err
