@@ -9,6 +9,7 @@ summary.
 from __future__ import annotations
 
 import argparse
+import json
 from contextlib import contextmanager
 from pathlib import Path
 
@@ -79,8 +80,6 @@ def cmd_report(args: argparse.Namespace) -> None:
 def audit_reports_of(run_path: Path) -> Path | None:
     """Where an audit (or the demo) wrote a run's attack reports, AUDIT/reports/<configuration>, when the run is one
     of an audit's (AUDIT/runs/NAME and listed in AUDIT/summary.json); None otherwise."""
-    import json
-
     run_path = run_path.resolve()
     audit = run_path.parent.parent
     if run_path.parent.name != "runs" or not is_audit_folder(audit):
@@ -107,8 +106,6 @@ def is_audit_folder(path: Path) -> bool:
 def rewrite_audit_report(args: argparse.Namespace) -> None:
     """An audit's report.html and report.md written again from its summary.json, with this eftguard's report code
     (e.g. after an upgrade), without training or attacking anything."""
-    import json
-
     from eftguard.audit.grid import write_report
     from eftguard.rundir import RunError
 

@@ -534,8 +534,8 @@ def demo_audit(args: argparse.Namespace):
                           "or 0 to skip the inversion attack")
     precision = resolve_precision(args.precision)
     attacks = [{"family": "labels"}, {"family": "labels", "method": "bias-corrected"},
-               {"family": "gradient", "method": "analytic", "observe": "probe",
-                                      "name": "gradient-probe", "lpips_backend": args.lpips_backend}]
+               {"family": "gradient", "method": "analytic", "observe": "probe", "name": "gradient-probe",
+                "lpips_backend": args.lpips_backend}]
     if args.attack_steps > 0:
         attacks.insert(0, {"family": "invert", "method": "decoder", "steps": args.attack_steps, "max_images": 32,
                            "lpips_backend": args.lpips_backend, "precision": precision})
@@ -632,10 +632,9 @@ def demo_processes(args: argparse.Namespace, audit, out: Path) -> list[str]:
 def yields_cores(cfg: TrainConfig) -> bool:
     """Whether a demo configuration runs at nice DEMO_REFERENCE_NICENESS (with its Ray workers): one the demo's
     feature attacks do not apply to (Fed-Full uploads no features) has only the attacks on its update (a second
-    each) to do after its training, and in bf16 the
-    chain that waits for the cores is EFTViT's training and then its single-threaded attacks. Measured idle
-    (docs/measurements.md, "Under 3 minutes"): yielding took the bf16 demo from 166 s to 138-167 s (median 159 s
-    of four). In fp32 the reference's training is the longer chain (218 s of a 239 s demo when it yielded; 220 and
+    each) to do after its training, and in bf16 the chain that waits for the cores is EFTViT's training and then
+    its single-threaded attacks. Measured idle (docs/measurements.md, "Under 3 minutes"): yielding took the bf16
+    demo from 166 s to 138-167 s (median 159 s of four). In fp32 the reference's training is the longer chain (218 s of a 239 s demo when it yielded; 220 and
     239 s without), so there it does not yield."""
     return cfg.precision == "bf16" and not method_spec(cfg.method).uploads_features
 
