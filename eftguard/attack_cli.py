@@ -107,6 +107,7 @@ def rewrite_audit_report(args: argparse.Namespace) -> None:
     """An audit's report.html and report.md written again from its summary.json, with this eftguard's report code
     (e.g. after an upgrade), without training or attacking anything."""
     from eftguard.audit.grid import write_report
+    from eftguard.paths import output_file_problem
     from eftguard.rundir import RunError
 
     if args.reports is not None or args.key is not None:
@@ -117,6 +118,10 @@ def rewrite_audit_report(args: argparse.Namespace) -> None:
     except (OSError, UnicodeDecodeError, json.JSONDecodeError) as exc:
         raise RunError(f"{args.run / 'summary.json'} cannot be read ({exc}): run the audit again with the same --out "
                        "to write it again (finished runs and attacks are reused)") from None
+    for name in ("report.html", "report.md"):
+        problem = output_file_problem(args.run / name, "the audit report")
+        if problem:
+            raise RunError(f"{args.run / name} {problem}")
     write_report(summary, args.run)
 
 

@@ -573,6 +573,12 @@ def test_eftguard_report_on_an_audit_folder_writes_its_report_again_from_summary
     (out / "summary.json").write_text("[]")
     code, err = run_cli(capsys, "report", out)
     assert code == 2 and "its top level is not a JSON object" in err
+    (out / "summary.json").write_text("{}")
+    (out / "report.md").unlink()
+    (out / "report.md").mkdir()  # a folder where the report goes: one line before anything is written
+    code, err = run_cli(capsys, "report", out)
+    assert code == 2 and "report.md is a folder: give a file path for the audit report" in err
+    assert (out / "report.html").read_text() == text
 
 
 def test_an_attack_report_written_again_keeps_no_picture_of_the_last_run_and_no_temporary_file(tmp_path):
