@@ -514,11 +514,19 @@ DEMO_METHODS = {"eftvit": "r_m {mask_ratio}, M {local_layers}", "fedavg": "Fed-F
 DEMO_REFERENCE_NICENESS = 10  # a CPU share of about 1/10 against a busy nice-0 process (Linux CFS weights)
 
 
+AUDIT_OUTPUTS = ("summary.json", "report.html", "report.md")  # what an audit (or the demo) writes last, in --out
+
+
 def check_out_folder(out: Path, what: str) -> None:
-    """--out must be (or become) a folder: a file at it or above it is one line, before any work."""
+    """--out must be (or become) a folder, and the files written at the end must be writable there: a file at or
+    above it, or a folder where summary.json or a report goes, is one line before any work, not a crash after it."""
     blocked = file_in_the_way(out)
     if blocked is not None:
         raise ConfigError(f"--out {out}: {blocked} is a file: give a folder for {what}")
+    for name in AUDIT_OUTPUTS:
+        if (out / name).is_dir():
+            raise ConfigError(f"--out {out}: {out / name} is a folder, where {what} writes its {name}: remove it, "
+                              "or give another --out")
 
 
 def demo_audit(args: argparse.Namespace):

@@ -369,16 +369,18 @@ def test_the_demo_is_an_audit_of_both_methods(monkeypatch):
     (["--test-samples", "-5"], "--test-samples"),
     (["--attack-steps", "-1"], "--attack-steps -1"),
     (["--out", "{file}"], "is a file: give a folder for the demo"),
+    (["--out", "{tmp}/old-demo"], "old-demo/report.html is a folder, where the demo writes its report.html"),
 ])
 def test_a_bad_demo_is_one_line_before_any_process_starts(capsys, tmp_path, monkeypatch, options, expected):
     import subprocess
 
     monkeypatch.chdir(tmp_path)
     (tmp_path / "notes.txt").write_text("a file where the demo's folder would go")
+    (tmp_path / "old-demo" / "report.html").mkdir(parents=True)  # where the report goes at the very end
     monkeypatch.setattr(subprocess, "Popen", lambda *a, **k: pytest.fail("the demo started its processes"))
     before = sorted(tmp_path.rglob("*"))
     with pytest.raises(SystemExit) as stop:
-        cli.main(["demo", *[o.format(file=tmp_path / "notes.txt") for o in options]])
+        cli.main(["demo", *[o.format(file=tmp_path / "notes.txt", tmp=tmp_path) for o in options]])
     err = capsys.readouterr().err.strip().splitlines()
     assert stop.value.code == 2 and len(err) == 1 and err[0].startswith("eftguard: error:") and expected in err[0]
     assert sorted(tmp_path.rglob("*")) == before
