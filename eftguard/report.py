@@ -234,6 +234,24 @@ def write_text(path: Path, text: str) -> None:
 
 # --- the run report ---------------------------------------------------------------------------------------
 
+PNG_SIGNATURE = b"\x89PNG\r\n\x1a\n"
+PNG_LIMIT_BYTES = 20 * 2 ** 20  # a grid of a few dozen 32 px images is well under 1 MB
+
+
+def inlinable_png(path: Path, root: Path) -> Path | None:
+    """path, resolved, when it is a PNG of sane size inside root; None otherwise. A report folder or summary.json
+    may have been edited by anyone: a link or a path out of the folder, or a file that is not a PNG, must not be
+    inlined into a report that gets passed around."""
+    root, path = Path(root).resolve(), Path(path).resolve()  # a link is followed, then judged by where it leads
+    try:
+        if not path.is_relative_to(root) or not path.is_file() or path.stat().st_size > PNG_LIMIT_BYTES:
+            return None
+        with path.open("rb") as file:
+            return path if file.read(len(PNG_SIGNATURE)) == PNG_SIGNATURE else None
+    except OSError:
+        return None
+
+
 def report_problem(report) -> str | None:
     """What makes a parsed report.json unusable (None: nothing), checked before any of it is shown."""
     if not isinstance(report, dict):
@@ -465,6 +483,7 @@ def write_run_report(run_path: Path, config_toml: str, metrics: list[dict], repo
     if problem:
         raise RunError(f"{Path(run_path) / 'metrics.jsonl'} is damaged: {problem}: restore it from a backup")
     reports = collect_reports(reports_dir)
+    root = Path(reports_dir).resolve()  # the pictures' links in report.md are relative to it
     verdicts = verdict.verdict([r for r, _ in reports])
     accuracy_rows = [["round", "test accuracy", "epsilon (max over clients)"]] + [
         [str(m["round"]), f"{m['test_accuracy']:.3f}",
@@ -492,15 +511,15 @@ def write_run_report(run_path: Path, config_toml: str, metrics: list[dict], repo
         if details:
             body.append("<ul>" + "".join(f"<li>{html.escape(str(k))}: {html.escape(detail_text(v))}</li>"
                                          for k, v in details.items()) + "</ul>")
-        roc = folder / ROC_PLOT
-        if roc.exists():
-            link = quote(roc.relative_to(reports_dir).as_posix())
+        roc = inlinable_png(folder / ROC_PLOT, reports_dir)
+        if roc:
+            link = quote(roc.relative_to(root).as_posix())
             lines += [f"![{md(report['attack'])}: ROC curve, log-log]({link})", ""]
             body.append(plot_html(roc.read_bytes(), f"{report['attack']}: ROC curve, log-log"))
-        grid = folder / "grid.png"
-        if grid.exists():
+        grid = inlinable_png(folder / "grid.png", reports_dir)
+        if grid:
             lines += [f"![{md(report['attack'])}: original, what was sent, reconstruction, PSNR per row]"
-                      f"({quote(grid.relative_to(reports_dir).as_posix())})", ""]
+                      f"({quote(grid.relative_to(root).as_posix())})", ""]
             body.append(f'<p><img alt="{html.escape(report["attack"])}: original | what was sent | reconstruction '
                         f'| PSNR per row" src="{_png_data_uri(grid.read_bytes())}"></p>')
         if report.get("ranking"):
@@ -508,10 +527,10 @@ def write_run_report(run_path: Path, config_toml: str, metrics: list[dict], repo
                       markdown_table(ranking_table(report)), ""]
             body += [f"<h4>Most exposed images ({html.escape(report['attack'])})</h4>",
                      f"<p>{html.escape(RANKING_TEXT)}</p>", _html_table(ranking_table(report))]
-            ranking = folder / "ranking.png"
-            if ranking.exists():
+            ranking = inlinable_png(folder / "ranking.png", reports_dir)
+            if ranking:
                 lines += [f"![{md(report['attack'])}: most exposed images]"
-                          f"({quote(ranking.relative_to(reports_dir).as_posix())})", ""]
+                          f"({quote(ranking.relative_to(root).as_posix())})", ""]
                 body.append(f'<p><img alt="{html.escape(report["attack"])}: most exposed images, original | '
                             f'reconstruction | exposure" src="{_png_data_uri(ranking.read_bytes())}"></p>')
     lines += config_markdown(config_toml)
@@ -783,8 +802,6 @@ def figure_rows(configurations: list[dict]) -> list[list[str]]:
     return rows
 
 
-PNG_SIGNATURE = b"\x89PNG\r\n\x1a\n"
-GRID_LIMIT_BYTES = 20 * 2 ** 20  # a grid of a few dozen 32 px images is well under 1 MB
 IMAGE_FAMILIES = ("invert", "gradient")  # the channels whose attacks draw an image grid
 RECONSTRUCTIONS_NOTE = ("Per configuration group (its first configuration that has one), the image grid of the "
                         "strongest attack on each image channel: the client's original, what the client sent (the "
@@ -793,20 +810,12 @@ RECONSTRUCTIONS_NOTE = ("Per configuration group (its first configuration that h
 
 
 def attack_grid(out: Path, entry: dict | None) -> Path | None:
-    """The grid.png beside an attack's report in an audit folder, None when there is none. summary.json may have
-    been edited by anyone, so the path it names must stay inside the audit folder and hold a PNG of sane size."""
+    """The grid.png beside an attack's report in an audit folder, None when there is none (or none that may be
+    inlined: see inlinable_png)."""
     report = entry.get("report") if isinstance(entry, dict) else None
     if not isinstance(report, str) or not report:
         return None
-    root = Path(out).resolve()
-    grid = ((root / report).parent / "grid.png").resolve()  # a link out of the folder is followed, then refused
-    try:
-        if not grid.is_relative_to(root) or not grid.is_file() or grid.stat().st_size > GRID_LIMIT_BYTES:
-            return None
-        with grid.open("rb") as file:
-            return grid if file.read(len(PNG_SIGNATURE)) == PNG_SIGNATURE else None
-    except OSError:
-        return None
+    return inlinable_png((Path(out) / report).parent / "grid.png", out)
 
 
 def reconstruction_grids(configurations: list[dict], out: Path) -> list[tuple[str, verdict.ChannelVerdict, Path]]:

@@ -530,7 +530,7 @@ def test_a_grid_a_hand_edited_summary_points_elsewhere_is_not_inlined(tmp_path, 
         grid.write_bytes(b"<script>alert(1)</script>" + secret)
     elif case == "too large":
         grid.write_bytes(secret)
-        monkeypatch.setattr(eftguard.report, "GRID_LIMIT_BYTES", len(secret) - 1)
+        monkeypatch.setattr(eftguard.report, "PNG_LIMIT_BYTES", len(secret) - 1)
     elif case == "a folder":
         grid.mkdir()
     else:
@@ -635,3 +635,25 @@ def test_the_report_of_an_audits_run_says_where_the_audit_put_its_attack_reports
     other = RunDirectory.create(tmp_path / "alone", TrainConfig(rounds=1).resolved())
     code, err = run_cli(capsys, "report", other.path)
     assert code == 0 and "keeps its attack reports" not in err
+
+
+@pytest.mark.parametrize("picture", ["grid.png", "ranking.png", "roc.png"])
+def test_the_run_report_inlines_no_picture_that_leads_out_of_its_folder_or_is_not_a_png(tmp_path, picture):
+    """A reports folder may hold files anyone could have edited: a picture that is a link to another file, or not
+    a PNG, is left out of report.html and report.md; a real one is inlined."""
+    reports = tmp_path / "reports"
+    ranking = [{"client": 0, "image": 3, "psnr": 21.0, "rank": 1, "candidates": 40}]
+    write_reports(reports, [image_report("invert-decoder", 20.0, 12.0) | {"ranking": ranking}])
+    folder = reports / "invert-decoder"
+    secret, real = grid_png(8), grid_png(9)
+    (tmp_path / "secret.png").write_bytes(secret)
+    (folder / picture).symlink_to(tmp_path / "secret.png")
+    html_file, md_file, _ = write_run_report("runs/r", "", [], reports)
+    assert secret not in inlined(Page(html_file.read_text())) and picture not in md_file.read_text()
+    (folder / picture).unlink()
+    (folder / picture).write_bytes(b"<svg onload=alert(1)>" + real)
+    html_file, md_file, _ = write_run_report("runs/r", "", [], reports)
+    assert picture not in md_file.read_text()
+    (folder / picture).write_bytes(real)
+    html_file, md_file, _ = write_run_report("runs/r", "", [], reports)
+    assert real in inlined(Page(html_file.read_text())) and f"(invert-decoder/{picture})" in md_file.read_text()
