@@ -587,6 +587,8 @@ def cmd_demo(args: argparse.Namespace) -> None:
     table.add_row("client CPU s/epoch", *[f"{_mean_epoch_cpu_seconds(records):.2f}" for records in results.values()])
     Console().print(table)
     print_summary(summary)
+    print(f"report: {out / 'report.html'} (the verdict per leakage channel, the figures against their baselines and "
+          "the reconstructed images; report.md beside it)", file=sys.stderr)  # last, where the eye lands
     for line in failed:
         print(f"eftguard: {line}", file=sys.stderr)
     if failed:

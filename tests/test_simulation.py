@@ -180,6 +180,7 @@ def test_demo_compares_both_methods_and_its_fedavg_reference_uploads_whole_model
     assert not (fedavg_client / "features.safetensors").exists()
     page = (tmp_path / "demo" / "report.html").read_text()
     assert "uploaded features" in page and "not applicable" in page  # the verdict, per configuration
+    assert result.stderr.splitlines()[-1].startswith(f"report: {tmp_path / 'demo' / 'report.html'} (the verdict")
     grid = tmp_path / "demo" / Path(configurations["method=eftvit"]["attacks"]["invert-decoder"]["report"]).parent / "grid.png"
     assert base64.b64encode(grid.read_bytes()).decode() in page  # the reconstructions themselves, inlined
 
