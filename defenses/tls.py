@@ -19,7 +19,7 @@ from cryptography.hazmat.primitives import hashes, serialization
 from cryptography.hazmat.primitives.asymmetric import ec
 from cryptography.x509.oid import ExtendedKeyUsageOID, NameOID
 
-from eftguard.paths import file_in_the_way
+from eftguard.paths import file_in_the_way, unwritable_reason
 
 LOOPBACK = "127.0.0.1"
 DEFAULT_SANS = (LOOPBACK, "localhost", "::1")
@@ -155,6 +155,10 @@ def write_certificates(folder: Path, sans: tuple[str, ...] = DEFAULT_SANS, force
     if blocker is not None:
         where = "is a file" if blocker == files.folder else f"is under {blocker}, which is a file"
         raise CertificateError(f"--out {folder} {where}: give a folder for the certificate files")
+    reason = unwritable_reason(files.folder)
+    if reason is not None:
+        raise CertificateError(f"--out {folder}: no file can be created there ({reason}): give a folder you can write "
+                               "to for the certificate files")
     existing = [p for p in files.all() if p.exists()]
     if existing and not force:
         raise CertificateError(f"{existing[0]} already exists: pass --force to replace the certificates "

@@ -25,7 +25,7 @@ from eftguard.federation.errors import FederationError, Interrupted
 from eftguard.methods import METHODS as METHOD_SPECS, method_spec
 from eftguard.metrics import LPIPS_BACKENDS, MetricError
 from eftguard.model import PRESETS, ModelError
-from eftguard.paths import file_in_the_way, output_file_problem
+from eftguard.paths import file_in_the_way, output_file_problem, unwritable_reason
 from eftguard.precision import PRECISIONS, resolve_precision
 from eftguard.pretrain import OBJECTIVES, PretrainConfig, PretrainError
 from eftguard.rundir import RunDirectory, RunError, atomic_write, check_new_run_path
@@ -446,7 +446,7 @@ def check_key_file(cfg: TrainConfig) -> None:
         except (AtRestError, OSError) as exc:
             raise ConfigError(f"--encrypt-at-rest {key}: {getattr(exc, 'strerror', None) or exc}: give a key file "
                               "written by eftguard, or a new file name") from None
-    elif not key.parent.is_dir() or not os.access(key.parent, os.W_OK | os.X_OK):
+    elif not key.parent.is_dir() or unwritable_reason(key.parent) is not None:
         raise ConfigError(f"--encrypt-at-rest {key}: folder {key.parent} does not exist or is not writable, so no "
                           "new key can be created there: create the folder, or give an existing key file")
 
@@ -523,6 +523,10 @@ def check_out_folder(out: Path, what: str) -> None:
     blocked = file_in_the_way(out)
     if blocked is not None:
         raise ConfigError(f"--out {out}: {blocked} is a file: give a folder for {what}")
+    reason = unwritable_reason(out)
+    if reason is not None:
+        raise ConfigError(f"--out {out}: no file can be created there ({reason}): give a folder you can write to "
+                          f"for {what}")
     for name in AUDIT_OUTPUTS:
         if (out / name).is_dir():
             raise ConfigError(f"--out {out}: {out / name} is a folder, where {what} writes its {name}: remove it, "

@@ -3,7 +3,7 @@ everything computed before it."""
 
 from __future__ import annotations
 
-import os
+import tempfile
 from pathlib import Path
 
 
@@ -25,6 +25,21 @@ def output_file_problem(path: Path, what: str) -> str | None:
         return f"is under {blocker}, which is a file: give a path in a folder for {what}"
     if not path.parent.is_dir():
         return f"is in {path.parent}, which does not exist: create that folder, or give a path in an existing one"
-    if not os.access(path.parent, os.W_OK | os.X_OK):
-        return f"is in {path.parent}, which is not writable: give a path in a folder you can write to"
+    reason = unwritable_reason(path.parent)
+    if reason is not None:
+        return f"is in {path.parent}, which is not writable ({reason}): give a path in a folder you can write to"
+    return None
+
+
+def unwritable_reason(folder: Path) -> str | None:
+    """Why no file can be created in folder, in the system's words; None when one can. A folder yet to be made is
+    judged by the nearest one above it that exists. Found by creating and removing a file: os.access says yes to
+    root in a read-only folder, and in /proc."""
+    folder = Path(folder).absolute()
+    try:
+        existing = next(p for p in (folder, *folder.parents) if p.exists())
+        with tempfile.NamedTemporaryFile(dir=existing, prefix=".eftguard-write-check-"):
+            pass
+    except OSError as error:
+        return error.strerror or str(error)
     return None

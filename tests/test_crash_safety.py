@@ -210,6 +210,8 @@ def test_out_on_a_file_is_refused(tmp_path, capsys, where, message):
 @pytest.mark.parametrize("argv, message", [
     (["--superlink", "127.0.0.1:9092"], "need --federation deployment"),
     (["--encrypt-at-rest", "{tmp}/missing/key"], "does not exist or is not writable"),
+    pytest.param(["--encrypt-at-rest", "/proc/key"], "does not exist or is not writable",
+                 marks=pytest.mark.skipif(not os.path.isdir("/proc/self"), reason="needs Linux's /proc")),
     (["--encrypt-at-rest", "{tmp}/notakey"], "not a hex-encoded key"),
     (["--encrypt-at-rest", "{tmp}"], "Is a directory"),
 ])

@@ -6,6 +6,7 @@ import json
 import os
 import subprocess
 import sys
+from pathlib import Path
 
 import pytest
 
@@ -51,6 +52,48 @@ def test_output_file_problem_refuses_a_read_only_folder(places):
         assert "which is not writable" in output_file_problem(places / "adir" / "out.json", "the JSON")
     finally:
         (places / "adir").chmod(0o700)
+
+
+def test_the_write_check_leaves_nothing_behind(places):
+    assert output_file_problem(places / "adir" / "out.json", "the JSON") is None
+    assert sorted(p.name for p in (places / "adir").iterdir()) == ["kept"]
+
+
+LINUX_PROC = pytest.mark.skipif(not os.path.isdir("/proc/self"), reason="needs Linux's /proc")
+
+
+@LINUX_PROC
+def test_a_folder_where_no_file_can_be_created_is_refused_even_to_root(capsys):
+    """/proc takes no new file, whoever asks: the check creates one rather than asking os.access, which says yes
+    to root (the bench ran to its end and then failed to write its JSON)."""
+    assert output_file_problem(Path("/proc/out.json"), "the JSON").startswith("is in /proc, which is not writable (")
+    code, err = run_cli(capsys, "bench", "--out", "/proc/bench.json")
+    assert code == 2 and "--out /proc/bench.json is in /proc, which is not writable" in err
+
+
+@LINUX_PROC
+@pytest.mark.parametrize("argv, message", [
+    (["demo", "--out", "/proc/demo"], "--out /proc/demo: no file can be created there"),
+    (["audit", "{toml}", "--out", "/proc/audit"], "--out /proc/audit: no file can be created there"),
+    (["certs", "--out", "/proc/certs"], "--out /proc/certs: no file can be created there"),
+    (["node-key", "--out", "/proc/node/key"], "--out /proc/node/key: no file can be created in /proc/node"),
+])
+def test_an_out_folder_where_nothing_can_be_created_is_one_line_before_any_work(capsys, tmp_path, argv, message):
+    """Each was a traceback from mkdir (the demo's in each of its training processes)."""
+    toml = tmp_path / "audit.toml"
+    toml.write_text('[grid]\nmask_ratio = [0.75]\n[[attack]]\nfamily = "labels"\n')
+    code, err = run_cli(capsys, *[a.format(toml=toml) for a in argv])
+    assert code == 2 and err.startswith("eftguard: error: ") and err.count("\n") == 1
+    assert message in err
+
+
+@LINUX_PROC
+def test_a_reports_folder_where_nothing_can_be_written_is_refused_before_the_attack():
+    from eftguard.audit.api import out_root
+    from eftguard.rundir import RunError
+
+    with pytest.raises(RunError, match=r"cannot write reports to /proc/reports \(/proc is not writable: "):
+        out_root(None, Path("/proc/reports"))
 
 
 @pytest.mark.parametrize("argv, message", [

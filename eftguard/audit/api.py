@@ -13,7 +13,6 @@ behind. Family-specific steps (observation, scoring) live in eftguard.audit.fami
 from __future__ import annotations
 
 import math
-import os
 import time
 from pathlib import Path
 
@@ -21,6 +20,7 @@ from attacks.base import AttackError, Progress, options_of, whole_number
 from eftguard.audit.families import FAMILIES, Family, Job, family_named
 from eftguard.audit.result import AttackReport
 from eftguard.methods import method_spec
+from eftguard.paths import unwritable_reason
 from eftguard.rundir import RunDirectory, RunError, client_name, round_name
 
 SEED = whole_number(0, 2 ** 32 - 1)
@@ -136,8 +136,10 @@ def out_root(run: RunDirectory, out: Path | None, flag: str = "--out") -> Path:
     if not existing.is_dir():
         where = "exists and is not a folder" if existing == folder.absolute() else f"lies under {existing}, a file"
         raise RunError(f"{folder} {where}: pass {flag} with a folder for the reports")
-    if not os.access(existing, os.W_OK):
-        raise RunError(f"cannot write reports to {folder} ({existing} is not writable): pass {flag} with another folder")
+    reason = unwritable_reason(existing)
+    if reason is not None:
+        raise RunError(f"cannot write reports to {folder} ({existing} is not writable: {reason}): pass {flag} with "
+                       "another folder")
     return folder
 
 
