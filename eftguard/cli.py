@@ -8,6 +8,7 @@ import dataclasses
 import json
 import os
 import shutil
+import signal
 import sys
 import threading
 import time
@@ -625,9 +626,16 @@ def demo_processes(args: argparse.Namespace, audit, out: Path) -> list[str]:
               for child, configuration in zip(children, audit.configurations)]
     for relay in relays:
         relay.start()
+
+    def stop_children(signum, frame):
+        """SIGTERM reaches this process alone (a Ctrl-C, the whole process group): passed on, then stopped alike."""
+        for child in children:
+            child.send_signal(signum)
+        raise KeyboardInterrupt
+    previous = signal.signal(signal.SIGTERM, stop_children)
     try:
         codes = [child.wait() for child in children]
-    except KeyboardInterrupt:  # the children got the Ctrl-C too: they keep what they finished and exit
+    except KeyboardInterrupt:  # the children got the Ctrl-C (or SIGTERM) too: they keep what they finished and exit
         for child in children:
             child.wait()
         for relay in relays:
@@ -635,6 +643,8 @@ def demo_processes(args: argparse.Namespace, audit, out: Path) -> list[str]:
         print(f"interrupted: finished runs and attacks are kept; run the same eftguard demo command again "
               f"(same --out {out}) to continue", file=sys.stderr)
         raise SystemExit(130) from None
+    finally:
+        signal.signal(signal.SIGTERM, previous)
     for relay in relays:
         relay.join()
     if 130 in codes:
@@ -659,7 +669,6 @@ def _demo_child(yields: bool):
     gone, the child's graceful stop could not even print. Ray ends the dead driver's actors; its idle helpers are
     stopped by the next eftguard run (stop_ray_leftovers)."""
     import ctypes
-    import signal
 
     def start() -> None:
         if yields:
@@ -842,12 +851,17 @@ def run() -> None:
     torch, timm, Flower and Ray loaded takes 1.5-2.4 s per process (docs/measurements.md) and is on the demo's
     critical path twice. What an exit must do still happens: threads are joined, the atexit handlers run (Ray's
     shutdown, logging's flush, weakref finalizers) and the output is flushed. An unexpected exception exits the
-    usual way, with its traceback."""
+    usual way, with its traceback. SIGTERM (a scheduler's or `kill`'s stop) stops a command as Ctrl-C does; one with
+    no stop of its own ends on one line, not a traceback (its files are written whole or not at all)."""
+    signal.signal(signal.SIGTERM, signal.default_int_handler)
     try:
         main()
         code = 0
     except SystemExit as stop:
         code = stop.code
+    except KeyboardInterrupt:
+        print("\neftguard: interrupted", file=sys.stderr)
+        code = 130
     if code is not None and not isinstance(code, int):  # SystemExit("message"): printed, status 1
         print(code, file=sys.stderr)
         code = 1

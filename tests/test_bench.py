@@ -131,3 +131,30 @@ def test_bad_bench_options_are_one_line_before_any_work(capsys, tmp_path, argv, 
     err = capsys.readouterr().err
     assert exit_info.value.code == 2
     assert err.strip().splitlines() == [f"eftguard: error: {message}"]  # one line, no progress: nothing measured
+
+
+@pytest.mark.slow
+def test_sigterm_stops_a_command_on_one_line_and_writes_nothing(tmp_path):
+    """SIGTERM (a scheduler's or `kill`'s stop) acts as Ctrl-C: a command without a stop of its own, the bench here,
+    ends with one line and status 130, not a traceback, and writes no half of its JSON."""
+    import os
+    import signal
+    import subprocess
+    import sys
+
+    out = tmp_path / "bench.json"
+    process = subprocess.Popen([sys.executable, "-m", "eftguard.cli", "bench", "--steps", "1000", "--out", str(out)],
+                               env={**os.environ, "HF_HUB_OFFLINE": "1"}, stdout=subprocess.DEVNULL,
+                               stderr=subprocess.PIPE, text=True)
+    try:
+        for line in process.stderr:  # wait for the bench to be at work, not on a clock
+            if line.startswith("bench: "):
+                process.send_signal(signal.SIGTERM)
+                break
+        err = process.stderr.read()
+        assert process.wait(timeout=60) == 130, err[-3000:]
+    finally:
+        if process.poll() is None:
+            process.kill()
+    assert err.strip().splitlines()[-1] == "eftguard: interrupted" and "Traceback" not in err
+    assert list(tmp_path.iterdir()) == []

@@ -123,7 +123,10 @@ def test_a_failed_run_leaves_no_ray_processes(tmp_path):
     assert alive == [], [p.pid for p in alive]
 
 
-def test_ctrl_c_keeps_finished_rounds_and_leaves_no_ray_processes(tmp_path):
+@pytest.mark.parametrize("stop", [signal.SIGINT, signal.SIGTERM])
+def test_ctrl_c_or_sigterm_keeps_finished_rounds_and_leaves_no_ray_processes(tmp_path, stop):
+    """SIGTERM (a scheduler's or `kill`'s stop) was turned by Ray into a stack dump and an abort (exit 134) with no
+    word of what was kept; now it stops the run as Ctrl-C does."""
     tag = uuid.uuid4().hex
     out = tmp_path / "run"
     process = subprocess.Popen([sys.executable, "-m", "eftguard.cli", "train", "--out", str(out), *TINY],
@@ -132,10 +135,11 @@ def test_ctrl_c_keeps_finished_rounds_and_leaves_no_ray_processes(tmp_path):
     try:
         for line in process.stderr:  # wait for the event, not on a clock: round 1 is reported done
             if line.startswith("round 1/2"):
-                process.send_signal(signal.SIGINT)
+                process.send_signal(stop)
                 break
         err = process.stderr.read()
         assert process.wait(timeout=120) == 130, err[-3000:]
+        assert "SIGTERM received" not in err and "Aborted" not in err
     finally:
         if process.poll() is None:
             process.kill()
@@ -146,6 +150,31 @@ def test_ctrl_c_keeps_finished_rounds_and_leaves_no_ray_processes(tmp_path):
 
 DEMO_TINY = ["--rounds", "1", "--train-samples", "120", "--test-samples", "40", "--attack-steps", "2",
              "--lpips-backend", "stlpips-alex"]  # offline by construction: never tries a download
+
+
+def test_sigterm_to_the_demo_is_passed_on_to_its_processes_which_stop_as_on_ctrl_c(tmp_path):
+    """SIGTERM reaches the demo's own process alone (a Ctrl-C reaches the whole process group): it passes it on, and
+    each configuration's process stops keeping what it finished. Before, the demo died at once, its children were
+    killed with it, and Ray printed a stack dump."""
+    tag = uuid.uuid4().hex
+    process = subprocess.Popen([sys.executable, "-m", "eftguard.cli", "demo", "--out", str(tmp_path / "demo"),
+                                *DEMO_TINY, "--rounds", "2"], env={**ENV, "EFTGUARD_TEST_RUN": tag},
+                               stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+    try:
+        for line in process.stderr:  # wait for the event, not on a clock: a configuration's round 1 is done
+            if " round 1/2" in line:
+                process.send_signal(signal.SIGTERM)
+                break
+        err = process.stderr.read()
+        assert process.wait(timeout=120) == 130, err[-3000:]
+    finally:
+        if process.poll() is None:
+            process.kill()
+    assert "interrupted: finished runs and attacks are kept" in err
+    assert "[eftvit] interrupted" in err and "[fedavg] interrupted" in err  # both children were told, and stopped
+    assert "Traceback" not in err and "SIGTERM received" not in err
+    _, alive = psutil.wait_procs(tagged_processes(tag), timeout=20)
+    assert alive == [], [p.pid for p in alive]
 
 
 def test_demo_compares_both_methods_and_its_fedavg_reference_uploads_whole_models(tmp_path):

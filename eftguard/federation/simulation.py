@@ -23,6 +23,9 @@ def configure_ray_and_flower(verbose: bool) -> None:
     # Flower's actors start in workers of their own runtime environment: the idle workers Ray prestarts for the
     # first driver (one per CPU, 0.5 CPU s each) would be started only to be stopped unused
     os.environ.setdefault("RAY_prestart_worker_first_driver", "0")
+    # Ray's C++ failure handler catches SIGTERM too: it printed a stack dump and aborted the driver (exit 134) in the
+    # middle of a round; without it a SIGTERM stops the run as Ctrl-C does (run_simulated)
+    os.environ.setdefault("RAY_DISABLE_FAILURE_SIGNAL_HANDLER", "1")
     if not verbose:
         import flwr.common.logger  # noqa: F401  its import sets the "flwr" logger to DEBUG: quieten it after that
         logging.getLogger("flwr").setLevel(logging.ERROR)
@@ -122,8 +125,9 @@ def run_simulated(run_dir: Path, cfg: TrainConfig, verbose: bool = False) -> Non
 
     Ray runs as a fresh local instance in its own temp folder, so helpers left by an earlier driver that was
     killed (SIGKILL) cannot be joined; those leftovers of earlier eftguard drivers are stopped first, and this
-    run's own Ray processes are stopped whatever way it ends (done, error, Ctrl-C)."""
+    run's own Ray processes are stopped whatever way it ends (done, error, Ctrl-C or SIGTERM)."""
     configure_ray_and_flower(verbose)
+    import ray._private.utils as ray_utils
     from flwr.simulation import run_simulation
 
     from eftguard.federation.apps import build_client_app, build_server_app
@@ -131,10 +135,11 @@ def run_simulated(run_dir: Path, cfg: TrainConfig, verbose: bool = False) -> Non
     from eftguard.federation.server import STOP_REQUESTED
 
     def request_stop(signum, frame):
-        """First Ctrl-C: stop after the current poll, keeping finished rounds; a second one kills."""
+        """First Ctrl-C or SIGTERM (a scheduler's or `kill`'s stop): stop after the current poll, keeping finished
+        rounds; a second one kills."""
         STOP_REQUESTED.set()
-        signal.signal(signal.SIGINT, previous)
-        print("\nstopping (Ctrl-C again to kill) ...", flush=True)
+        signal.signal(signum, previous[signum])
+        print(f"\nstopping ({'Ctrl-C' if signum == signal.SIGINT else 'SIGTERM'} again to kill) ...", flush=True)
 
     stop_ray_leftovers()
     tag = _driver_tag(psutil.Process())
@@ -145,7 +150,9 @@ def run_simulated(run_dir: Path, cfg: TrainConfig, verbose: bool = False) -> Non
                       "include_dashboard": False, "address": "local", "_temp_dir": ray_dir},
     }
     STOP_REQUESTED.clear()
-    previous = signal.signal(signal.SIGINT, request_stop)
+    previous = {signum: signal.signal(signum, request_stop) for signum in (signal.SIGINT, signal.SIGTERM)}
+    sets_sigterm = ray_utils.set_sigterm_handler  # ray.init's would make SIGTERM a sys.exit in the middle of a round
+    ray_utils.set_sigterm_handler = lambda handler: None
     os.environ[RAY_SESSION_VARIABLE] = tag
     try:
         run_simulation(server_app=build_server_app(Path(run_dir).resolve()),
@@ -156,7 +163,9 @@ def run_simulated(run_dir: Path, cfg: TrainConfig, verbose: bool = False) -> Non
         import ray
 
         ray.shutdown()  # a no-op when Flower already shut it down
-        signal.signal(signal.SIGINT, previous)
+        ray_utils.set_sigterm_handler = sets_sigterm
+        for signum, handler in previous.items():
+            signal.signal(signum, handler)
         os.environ.pop(RAY_SESSION_VARIABLE, None)
         # what ray.shutdown leaves are the actors' processes, done and tearing their interpreters down (1-2 s):
         # a SIGKILL at once, nothing of the run is left to write
