@@ -339,7 +339,9 @@ def add_pretrain_parser(sub) -> None:
     pretrain.add_argument("--data-dir", default=None, help=TRAIN_HELP["data_dir"])
     pretrain.add_argument("--model", default="vit-tiny-32", choices=tuple(PRESETS),
                           help=TRAIN_HELP["model"] + " (default: 'vit-tiny-32')")
-    pretrain.add_argument("--out", type=Path, required=True, metavar="CKPT.safetensors", help="checkpoint to write")
+    pretrain.add_argument("--out", type=Path, required=True, metavar="CKPT.safetensors",
+                          help="checkpoint to write; until then, CKPT.safetensors.resume keeps the state after each "
+                               "finished epoch, and the same command continues from it")
     pretrain.add_argument("--force", action="store_true", help="replace an existing --out file")
     defaults = PretrainConfig()
     for field in dataclasses.fields(PretrainConfig):
@@ -708,7 +710,7 @@ def cmd_pretrain(args: argparse.Namespace) -> None:
 
     from eftguard.data import load_dataset
     from eftguard.model import build_model
-    from eftguard.pretrain import check_out_path, pretrain, public_loss, save_pretrained
+    from eftguard.pretrain import check_out_path, pretrain, public_loss, resume_path, save_pretrained
     from eftguard.training import evaluate
 
     cfg = PretrainConfig(**{f.name: getattr(args, f.name) for f in dataclasses.fields(PretrainConfig)})
@@ -719,6 +721,9 @@ def cmd_pretrain(args: argparse.Namespace) -> None:
     console = Console(stderr=True)
     console.print(f"pretraining {args.model} on the public split of {args.dataset}: {len(dataset.public)} images "
                   f"(the clients' {len(dataset.train)} training images are not used), objective {cfg.objective}")
+    resume = resume_path(args.out)
+    if resume.exists():
+        console.print(f"continuing the interrupted pretraining kept in {resume} (remove it to start over)")
     bar = Progress(TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(),
                    TextColumn("loss {task.fields[loss]:.4f}"), TimeElapsedColumn(), console=console)
     epochs = bar.add_task("epochs", total=cfg.epochs, loss=float("nan"))
@@ -727,10 +732,14 @@ def cmd_pretrain(args: argparse.Namespace) -> None:
         with bar:
             pretrain(model, dataset.public, cfg,
                      progress=lambda done, total, loss: bar.update(steps, completed=done, total=total, loss=loss),
-                     epoch_done=lambda done, loss: bar.update(epochs, completed=done, loss=loss))
+                     epoch_done=lambda done, loss: bar.update(epochs, completed=done, loss=loss),
+                     resume=resume, identity={"dataset": args.dataset, "model": args.model})
         save_pretrained(model, args.out, cfg, args.dataset, dataset.class_names)
+        resume.unlink(missing_ok=True)
     except KeyboardInterrupt:
-        print(f"\ninterrupted; nothing was written to {args.out}", file=sys.stderr)
+        kept = (f"the finished epochs are kept in {resume}: run the same command again to continue"
+                if resume.exists() else "no epoch had finished")
+        print(f"\ninterrupted; nothing was written to {args.out}; {kept}", file=sys.stderr)
         raise SystemExit(130) from None
     summary = f"wrote {args.out}: public-split loss {public_loss(model, dataset.public):.3f}"
     if cfg.uses_labels:

@@ -25,7 +25,7 @@ from eftguard.config import ConfigError
 from eftguard.data import ImageSet
 from eftguard.masking import random_keep_ids
 from eftguard.model import PRESETS, EFTViT, to_timm_state
-from eftguard.paths import file_in_the_way
+from eftguard.paths import file_in_the_way, unwritable_reason
 from eftguard.schedule import lr_factor
 
 OBJECTIVES = ("supervised", "mae", "both")
@@ -150,11 +150,21 @@ def mae_loss(model: EFTViT, decoder: PatchDecoder, images: torch.Tensor, mask_ra
     return (((predicted - target) ** 2).mean(-1) * hidden).sum() / hidden.sum()
 
 
+def resume_path(out: Path) -> Path:
+    """Where `eftguard pretrain --out OUT` keeps its state after each finished epoch until OUT is written."""
+    return out.with_name(out.name + ".resume")
+
+
 def pretrain(model: EFTViT, public: ImageSet, cfg: PretrainConfig, progress: EpochProgress | None = None,
-             epoch_done: Callable[[int, float], None] | None = None) -> list[float]:
+             epoch_done: Callable[[int, float], None] | None = None, resume: Path | None = None,
+             identity: dict[str, str] | None = None) -> list[float]:
     """Train the whole model in place on the public split; returns the mean training loss of every epoch.
 
-    Stops with a PretrainError when the loss, or the trained model's output, is not finite (nothing is saved)."""
+    With `resume`, the whole training state is written there after each finished epoch, and a state found there
+    is continued from (it must have been written for the same `identity`: dataset, model and recipe), so that an
+    interrupted pretraining loses at most the epoch it was in, and ends with the very weights an uninterrupted one
+    gives. Stops with a PretrainError when the loss, or the trained model's output, is not finite (nothing is
+    saved)."""
     cfg.check()
     if len(public) == 0:
         raise PretrainError("the dataset's public split is empty: nothing to pretrain on")
@@ -171,11 +181,17 @@ def pretrain(model: EFTViT, public: ImageSet, cfg: PretrainConfig, progress: Epo
     steps_per_epoch = math.ceil(len(labels) / cfg.batch_size)
     schedule = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda step: lr_factor(
         step, cfg.warmup_epochs * steps_per_epoch, cfg.epochs * steps_per_epoch, "cosine"))
+    modules = {"model": model, "optimizer": optimizer, "schedule": schedule, **({"decoder": decoder} if decoder else {})}
+    key = {**(identity or {}), **{k: str(v) for k, v in asdict(cfg).items()}, "public_images": str(len(labels))}
+    history = []
+    if resume is not None and resume.exists():
+        history = load_state(resume, key, modules, generator)
+        if epoch_done:
+            epoch_done(len(history), history[-1])
     model.train()
     if decoder:
         decoder.train()
-    history = []
-    for epoch in range(cfg.epochs):
+    for epoch in range(len(history), cfg.epochs):
         total = 0.0
         for step, batch in enumerate(torch.randperm(len(labels), generator=generator).split(cfg.batch_size)):
             x = model.normalize(images[batch])
@@ -187,7 +203,7 @@ def pretrain(model: EFTViT, public: ImageSet, cfg: PretrainConfig, progress: Epo
             if decoder:
                 loss = loss + mae_loss(model, decoder, x, cfg.mask_ratio, generator)
             if not torch.isfinite(loss):
-                raise diverged(f"the loss became {float(loss)} in epoch {epoch + 1}", cfg)
+                raise diverged(f"the loss became {float(loss)} in epoch {epoch + 1}", cfg, resume)
             optimizer.zero_grad(set_to_none=True)
             loss.backward()
             optimizer.step()
@@ -196,16 +212,61 @@ def pretrain(model: EFTViT, public: ImageSet, cfg: PretrainConfig, progress: Epo
             if progress:
                 progress(step + 1, steps_per_epoch, total / (step + 1))
         history.append(total / steps_per_epoch)
+        if resume is not None:
+            save_state(resume, key, modules, generator, history)
         if epoch_done:
             epoch_done(epoch + 1, history[-1])
     model.eval()
     with torch.no_grad():
         if not model(model.normalize(images[:cfg.batch_size])).isfinite().all():
-            raise diverged("the trained model's outputs are not finite", cfg)
+            raise diverged("the trained model's outputs are not finite", cfg, resume)
     return history
 
 
-def diverged(what: str, cfg: PretrainConfig) -> PretrainError:
+def save_state(path: Path, key: dict[str, str], modules: dict, generator: torch.Generator,
+               history: list[float]) -> None:
+    """Everything the next epoch depends on, written atomically (torch.save of tensors and plain values only)."""
+    from eftguard.rundir import atomic_write
+
+    state = {"format": "eftguard-pretrain-resume", "key": key, "history": history,
+             "generator": generator.get_state(), **{name: m.state_dict() for name, m in modules.items()}}
+    atomic_write(path, lambda tmp: torch.save(state, tmp))
+
+
+def load_state(path: Path, key: dict[str, str], modules: dict, generator: torch.Generator) -> list[float]:
+    """Restore what save_state wrote (weights_only: no pickled objects) for the same key; returns the finished
+    epochs' losses."""
+    try:
+        state = torch.load(path, weights_only=True)
+    except Exception:  # torch's own words would suggest weights_only=False: never for a file found on disk
+        state = None
+    if not isinstance(state, dict) or state.get("format") != "eftguard-pretrain-resume":
+        raise PretrainError(f"{path} cannot be resumed from (not a pretraining state written by eftguard: torn, or "
+                            "another file): remove it to start over")
+    try:
+        if state["key"] != key:
+            differs = sorted(k for k in key.keys() | state["key"].keys() if key.get(k) != state["key"].get(k))
+            raise PretrainError(f"{path} holds an interrupted pretraining with other settings ({', '.join(differs)}): "
+                                "run its own command again to finish it, or remove the file to start this one")
+        for name, module in modules.items():
+            module.load_state_dict(state[name])
+        generator.set_state(state["generator"])
+        history = [float(loss) for loss in state["history"]]
+        if not 0 < len(history) <= int(key["epochs"]):  # all of them: stopped while the checkpoint was written
+            raise ValueError(f"{len(history)} finished epochs of {key['epochs']}")
+    except PretrainError:
+        raise
+    except Exception as exc:  # altered: named, never half-loaded into a run that goes on
+        first_line = str(exc).strip().splitlines()[0][:200] if str(exc).strip() else ""
+        raise PretrainError(f"{path} cannot be resumed from ({type(exc).__name__}: {first_line}): remove it to "
+                            "start over") from None
+    return history
+
+
+def diverged(what: str, cfg: PretrainConfig, resume: Path | None) -> PretrainError:
+    """The error to stop with; the kept state is removed, as the changed options it calls for could not use it."""
+    if resume is not None:
+        resume.unlink(missing_ok=True)
     return PretrainError(f"{what}: lower --lr (now {cfg.lr}) or raise --warmup-epochs")
 
 
@@ -230,6 +291,10 @@ def check_out_path(out: Path, force: bool) -> None:
     blocker = file_in_the_way(out.parent)
     if blocker is not None:
         raise ConfigError(f"--out {out} is under {blocker}, which is a file: give a path in a folder")
+    reason = unwritable_reason(out.parent)
+    if reason is not None:
+        raise ConfigError(f"--out {out}: no file can be created in {out.parent} ({reason}): give a path in a folder "
+                          "you can write to")
 
 
 def save_pretrained(model: EFTViT, out: Path, cfg: PretrainConfig, dataset: str, class_names: tuple[str, ...]) -> None:

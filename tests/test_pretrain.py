@@ -1,6 +1,8 @@
 """eftguard pretrain: trains on the public split only, its checkpoint starts federated training with the very
 model it trained, and neither an interruption nor a bad option leaves anything behind."""
 
+from pathlib import Path
+
 import numpy as np
 import pytest
 import safetensors.torch
@@ -10,7 +12,8 @@ from PIL import Image
 from eftguard.cli import main
 from eftguard.data import Dataset, ImageSet
 from eftguard.model import PRESETS, build_model
-from eftguard.pretrain import PretrainConfig, patchify, pretrain, public_loss, save_pretrained
+from eftguard.pretrain import (PretrainConfig, PretrainError, patchify, pretrain, public_loss, resume_path,
+                               save_pretrained)
 
 QUICK = ["--epochs", "1", "--warmup-epochs", "0", "--batch-size", "8"]
 
@@ -103,7 +106,7 @@ def test_patchify_follows_the_patch_embedding_order():
     torch.testing.assert_close(tokens, conv(images), rtol=1e-4, atol=1e-4)
 
 
-def test_ctrl_c_while_training_or_saving_leaves_no_file(tmp_path, monkeypatch):
+def test_ctrl_c_in_the_first_epoch_leaves_no_file_and_while_saving_keeps_the_epochs(tmp_path, monkeypatch, capsys):
     write_class_tree(tmp_path / "ucm")
     out = tmp_path / "ckpt.safetensors"
     args = ["pretrain", "--dataset", f"imagefolder:{tmp_path / 'ucm'}", "--out", str(out), *QUICK]
@@ -119,16 +122,68 @@ def test_ctrl_c_while_training_or_saving_leaves_no_file(tmp_path, monkeypatch):
     with pytest.raises(SystemExit) as stopped:
         main(args)
     assert stopped.value.code == 130 and list(tmp_path.iterdir()) == [tmp_path / "ucm"]
+    assert "no epoch had finished" in capsys.readouterr().err
 
     def write_half_then_interrupt(tensors, path, metadata=None):
         with open(path, "wb") as f:
             f.write(b"\0" * 100)
         raise KeyboardInterrupt
 
-    monkeypatch.setattr(safetensors.torch, "save_file", write_half_then_interrupt)
+    with monkeypatch.context() as saving:
+        saving.setattr(safetensors.torch, "save_file", write_half_then_interrupt)
+        with pytest.raises(SystemExit) as stopped:
+            main(args)
+    assert stopped.value.code == 130 and "run the same command again to continue" in capsys.readouterr().err
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["ckpt.safetensors.resume", "ucm"]  # no torn checkpoint
+    main(args)  # the one epoch is not trained again: the checkpoint is written, the kept state removed
+    assert "continuing the interrupted pretraining" in capsys.readouterr().err
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["ckpt.safetensors", "ucm"]
+
+
+@pytest.mark.parametrize("objective", ["supervised", "both"])
+def test_an_interrupted_pretraining_resumed_ends_with_the_uninterrupted_weights(tmp_path, objective):
+    """Stopped after epoch 1 of 3 and continued from its kept state (a fresh model, as a new process builds it):
+    the same weights, bit for bit, as three epochs in one go (schedule, optimizer moments, batch order, crops and
+    MAE masks all continue)."""
+    cfg = PretrainConfig(objective=objective, epochs=3, warmup_epochs=1, batch_size=8)
+    public, identity = two_colour_set(24), {"dataset": "two-colour", "model": "vit-tiny-32"}
+    whole = build_model("vit-tiny-32", 2, local_layers=2, seed=0)
+    history = pretrain(whole, public, cfg)
+
+    resume = tmp_path / "ckpt.safetensors.resume"
+    stopped = build_model("vit-tiny-32", 2, local_layers=2, seed=0)
+    with pytest.raises(KeyboardInterrupt):
+        pretrain(stopped, public, cfg, resume=resume, identity=identity,
+                 epoch_done=lambda done, loss: (_ for _ in ()).throw(KeyboardInterrupt) if done == 1 else None)
+    resumed = build_model("vit-tiny-32", 2, local_layers=2, seed=0)
+    assert pretrain(resumed, public, cfg, resume=resume, identity=identity) == history
+    for (name, a), b in zip(whole.state_dict().items(), resumed.state_dict().values()):
+        assert torch.equal(a, b), name
+    # a state kept for other settings is not continued from, and not removed
+    other = PretrainConfig(objective=objective, epochs=3, warmup_epochs=1, batch_size=8, lr=5e-4)
+    with pytest.raises(PretrainError, match=r"other settings \(lr\): run its own command again"):
+        pretrain(build_model("vit-tiny-32", 2, local_layers=2, seed=0), public, other, resume=resume,
+                 identity=identity)
+    assert resume.exists()
+    # one of its parts missing (the state altered by hand): named, not trained on
+    state = torch.load(resume, weights_only=True)
+    del state["optimizer"]
+    torch.save(state, resume)
+    with pytest.raises(PretrainError, match=r"cannot be resumed from \(KeyError: 'optimizer'\): remove it"):
+        pretrain(build_model("vit-tiny-32", 2, local_layers=2, seed=0), public, cfg, resume=resume, identity=identity)
+
+
+@pytest.mark.parametrize("content", [b"", b"\0" * 100, b"not a torch file"])
+def test_a_torn_or_foreign_kept_state_is_one_line_and_no_training(tmp_path, capsys, content):
+    write_class_tree(tmp_path / "ucm")
+    out = tmp_path / "ckpt.safetensors"
+    resume_path(out).write_bytes(content)
     with pytest.raises(SystemExit) as stopped:
-        main(args)
-    assert stopped.value.code == 130 and list(tmp_path.iterdir()) == [tmp_path / "ucm"]
+        main(["pretrain", "--dataset", f"imagefolder:{tmp_path / 'ucm'}", "--out", str(out), *QUICK])
+    assert stopped.value.code == 2
+    last = capsys.readouterr().err.strip().splitlines()[-1]
+    assert last.startswith(f"eftguard: error: {resume_path(out)} cannot be resumed from") and "remove it" in last
+    assert not out.exists() and resume_path(out).read_bytes() == content
 
 
 def test_diverging_loss_stops_with_one_line_and_no_file(tmp_path, capsys):
@@ -153,6 +208,8 @@ def test_diverging_loss_stops_with_one_line_and_no_file(tmp_path, capsys):
     (["--out", "EXISTING"], "already exists: pick another path, or pass --force"),
     (["--out", "FOLDER"], "is a folder"),
     (["--dataset", "imagefolder:MISSING"], "is not a folder"),
+    pytest.param(["--out", "/proc/ckpt.safetensors"], "no file can be created in /proc",
+                 marks=pytest.mark.skipif(not Path("/proc/self").is_dir(), reason="needs Linux's /proc")),
 ])
 def test_bad_options_are_one_line_errors(tmp_path, capsys, flags, message):
     (tmp_path / "existing.safetensors").write_bytes(b"keep me")
