@@ -279,8 +279,11 @@ def read_toml(path: Path, what: str) -> dict:
         raise ConfigError(f"{what} {path} is not valid TOML: {exc}") from None
 
 
+TOML_TYPE_NAMES = {"str": "a string", "bool": "true or false", "int": "a whole number", "float": "a number"}
+
+
 def _coerce(value, type_name: str, where: str):
     expected = {"str": str, "bool": bool, "int": int, "float": (int, float)}[type_name]
     if isinstance(value, bool) and type_name != "bool" or not isinstance(value, expected):
-        raise ConfigError(f"{where} must be a {type_name}, got {value!r}")
+        raise ConfigError(f"{where} must be {TOML_TYPE_NAMES[type_name]}, got {value!r}")
     return float(value) if type_name == "float" else value
