@@ -104,6 +104,18 @@ def test_ledger_folder_that_is_a_file_is_refused(tmp_path):
     (tmp_path / "ledger").write_text("x")
     with pytest.raises(ConfigError, match=rf"^--ledger-dir {tmp_path / 'ledger'} is a file: give a folder"):
         node_config(0, 2, ledger_dir=tmp_path / "ledger")
+    with pytest.raises(ConfigError, match=rf"^--ledger-dir {tmp_path / 'ledger' / 'node'} is under "
+                                          rf"{tmp_path / 'ledger'}, which is a file: give a folder"):
+        node_config(0, 2, ledger_dir=tmp_path / "ledger" / "node")
+    assert "ledger-dir=" in node_config(0, 2, ledger_dir=tmp_path / "new" / "ledger")  # made by the node when needed
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["ledger"]  # the check wrote nothing
+
+
+@pytest.mark.skipif(not Path("/proc/self").is_dir(), reason="needs Linux's /proc")
+def test_ledger_folder_where_nothing_can_be_written_is_refused_before_the_node_starts():
+    """Each round would have failed on the node instead, which records its privacy spending before it uploads."""
+    with pytest.raises(ConfigError, match=r"^--ledger-dir /proc/ledger: no file can be created there \("):
+        node_config(0, 2, ledger_dir=Path("/proc/ledger"))
 
 
 def test_flower_commands_come_from_this_environment_first(monkeypatch):

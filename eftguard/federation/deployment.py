@@ -32,6 +32,7 @@ from pathlib import Path
 
 from eftguard.config import ConfigError
 from eftguard.federation.errors import FederationError
+from eftguard.paths import file_in_the_way, unwritable_reason
 from eftguard.rundir import RunDirectory
 
 APP_DIR = Path(__file__).parent / "flwr_app"
@@ -220,8 +221,14 @@ def node_config(partition: int, clients: int, noise_secret: int | None = None, s
         entries.append(f"noise-secret={noise_secret}")
     if ledger_dir is not None:
         ledger_dir = Path(ledger_dir).expanduser().resolve()
-        if ledger_dir.exists() and not ledger_dir.is_dir():
-            raise ConfigError(f"--ledger-dir {ledger_dir} is a file: give a folder for the node's privacy ledger")
+        blocker = file_in_the_way(ledger_dir)
+        if blocker is not None:
+            where = "is a file" if blocker == ledger_dir else f"is under {blocker}, which is a file"
+            raise ConfigError(f"--ledger-dir {ledger_dir} {where}: give a folder for the node's privacy ledger")
+        reason = unwritable_reason(ledger_dir)
+        if reason is not None:  # else every round would fail on the node, which records its spending before it uploads
+            raise ConfigError(f"--ledger-dir {ledger_dir}: no file can be created there ({reason}): give a folder "
+                              "you can write to for the node's privacy ledger")
         if any(c in str(ledger_dir) for c in '"\n\r'):
             raise ConfigError(f"--ledger-dir {ledger_dir!r}: Flower's --node-config cannot carry a path with "
                               "quotes or line breaks; choose another folder")
