@@ -21,6 +21,7 @@ import torch
 from torch import nn
 
 from eftguard.methods import METHODS
+from eftguard.paths import input_file_problem
 
 
 class ModelError(ValueError):
@@ -285,17 +286,21 @@ def to_timm_state(state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
 
 def read_state_file(path: Path) -> dict[str, torch.Tensor]:
     """Read weights from .safetensors, or a .pt/.pth/.bin file with torch.load(weights_only=True)."""
-    if not path.is_file():
-        raise ModelError(f"checkpoint {path} does not exist")
+    problem = input_file_problem(path)
+    if problem is not None:
+        raise ModelError(f"checkpoint {path} {problem}: give the checkpoint file (.safetensors, or a state dict saved "
+                         "with torch.save)")
     try:
         if path.suffix == ".safetensors":
             from safetensors.torch import load_file
             state = load_file(str(path))
         else:
             state = torch.load(path, map_location="cpu", weights_only=True)
-    except Exception as exc:
-        raise ModelError(f"cannot read checkpoint {path}: {exc}. Give a .safetensors file or a plain "
-                         "state dict saved with torch.save") from exc
+    except Exception as exc:  # torch's own words advise weights_only=False: never here
+        why = (str(exc).strip().splitlines() or [type(exc).__name__])[0][:200] if path.suffix == ".safetensors" else (
+            "not a torch.save file of tensors alone: eftguard unpickles nothing else")
+        raise ModelError(f"cannot read checkpoint {path} ({why}): give a .safetensors file or a plain state dict of "
+                         "tensors saved with torch.save") from None
     if isinstance(state, dict) and "state_dict" in state and isinstance(state["state_dict"], dict):
         state = state["state_dict"]
     if not isinstance(state, dict) or not all(isinstance(v, torch.Tensor) for v in state.values()):

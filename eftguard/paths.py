@@ -14,6 +14,19 @@ def file_in_the_way(path: Path) -> Path | None:
     return next((p for p in (path, *path.parents) if p.exists() and not p.is_dir()), None)
 
 
+def input_file_problem(path: Path) -> str | None:
+    """Why path cannot be read as a file, as the rest of a sentence that starts with the path: missing, a folder, or
+    not a regular file (a device such as /dev/null, a pipe); None when it can."""
+    path = Path(path)
+    if not path.exists():
+        return "does not exist"
+    if path.is_dir():
+        return "is a folder"
+    if not path.is_file():
+        return "is not a regular file"
+    return None
+
+
 def output_file_problem(path: Path, what: str) -> str | None:
     """Why `what` cannot be written to the file path (a folder, under a file, in a missing or read-only folder), as
     the rest of a sentence that starts with the path; None when it can."""

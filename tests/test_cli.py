@@ -1,6 +1,7 @@
 """Bad input ends in one clear line and exit code 2, before any federation starts."""
 
 import dataclasses
+from pathlib import Path
 
 import pytest
 import torch
@@ -26,13 +27,18 @@ def run_cli(capsys, *argv):
     (["--dataset", "cifar10", "--data-dir", "/nonexistent/data"], "--data-dir /nonexistent/data does not exist"),
     (["--clients-per-round", "9"], "--clients-per-round must be between 1 and --clients"),
     (["--checkpoint", "/nonexistent/w.safetensors"], "checkpoint /nonexistent/w.safetensors does not exist"),
+    (["--checkpoint", "/dev/null"], "checkpoint /dev/null is not a regular file: give the checkpoint file"),
+    (["--checkpoint", "{tmp}"], "checkpoint {tmp} is a folder: give the checkpoint file"),
+    (["--checkpoint", "{tmp}/objects.pt"], "cannot read checkpoint {tmp}/objects.pt (not a torch.save file of tensors "
+                                           "alone: eftguard unpickles nothing else)"),
     (["--dp-eps", "0.01", "--accountant", "rdp", "--rounds", "2"], "--dp-eps 0.01 cannot be met"),
     (["--feature-noise", "1.0"], "set --feature-clip C > 0 too"),
 ])
 def test_bad_training_options(capsys, tmp_path, argv, message):
-    code, err = run_cli(capsys, "train", "--out", str(tmp_path / "run"), *argv)
+    torch.save({"weights": torch.zeros(2), "note": Path("x")}, tmp_path / "objects.pt")  # a pickled object
+    code, err = run_cli(capsys, "train", "--out", str(tmp_path / "run"), *[a.format(tmp=tmp_path) for a in argv])
     assert code == 2
-    assert message in err and "Traceback" not in err
+    assert message.format(tmp=tmp_path) in err and "Traceback" not in err and "weights_only=False" not in err
     assert not (tmp_path / "run").exists()
 
 

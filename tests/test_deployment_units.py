@@ -76,6 +76,8 @@ def test_supernode_trusts_the_given_ca_unless_plaintext_is_asked_for(tmp_path, f
     with pytest.raises(ConfigError, match=rf"^--auth-key {tmp_path / 'absent'} does not exist \(create one with "
                                           r"eftguard node-key\)$"):
         supernode_command("fl:9092", None, True, 9094, "c", auth_key=tmp_path / "absent")
+    with pytest.raises(ConfigError, match=rf"^--auth-key {tmp_path} is a folder \(create one with eftguard node-key\)$"):
+        supernode_command("fl:9092", None, True, 9094, "c", auth_key=tmp_path)
 
 
 def test_node_config_carries_the_nodes_own_settings(tmp_path):
@@ -607,6 +609,8 @@ def test_register_node_checks_its_input_before_running_flwr(tmp_path, monkeypatc
     with pytest.raises(ConfigError, match=rf"^public key {tmp_path / 'absent.pub'} does not exist \(eftguard "
                                           r"node-key writes KEY and KEY.pub\)$"):
         deployment.register_node(tmp_path / "absent.pub", "127.0.0.1:9093", None, insecure=True)
+    with pytest.raises(ConfigError, match=r"^public key /dev/null is not a regular file \(eftguard node-key writes"):
+        deployment.register_node(Path("/dev/null"), "127.0.0.1:9093", None, insecure=True)
     with pytest.raises(ConfigError, match="TLS is the default"):
         deployment.register_node(tmp_path / "absent.pub", "127.0.0.1:9093", None, insecure=False)
     assert calls == []

@@ -81,5 +81,6 @@ def _download(name: str, data_dir: Path) -> None:
     except Exception as exc:  # network errors come in many types
         raise DataError(
             f"{name} is not in {data_dir} and could not be downloaded ({type(exc).__name__}). "
-            f"Put the official '{LAYOUTS[name]['folder']}' folder into {data_dir} and pass --data-dir {data_dir}"
+            f"Put the official '{LAYOUTS[name]['folder']}' folder into {data_dir} (the folder given as --data-dir, or "
+            f"as --aux-data-dir for an attack's --aux)"
         ) from exc

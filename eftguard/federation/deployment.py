@@ -32,7 +32,7 @@ from pathlib import Path
 
 from eftguard.config import ConfigError
 from eftguard.federation.errors import FederationError
-from eftguard.paths import file_in_the_way, unwritable_reason
+from eftguard.paths import file_in_the_way, input_file_problem, unwritable_reason
 from eftguard.rundir import RunDirectory
 
 APP_DIR = Path(__file__).parent / "flwr_app"
@@ -62,7 +62,7 @@ def check_tls_choice(root_certificates: Path | None, insecure: bool, flag: str =
         raise ConfigError(f"choose either --insecure or {flag}, not both")
     if not insecure and not root_certificates:
         raise ConfigError(f"TLS is the default: pass {flag} (or --insecure for plaintext on a trusted network)")
-    if root_certificates and not Path(root_certificates).exists():
+    if root_certificates and not Path(root_certificates).exists():  # a file (SuperNode) or a folder (SuperLink)
         raise ConfigError(f"{flag} {root_certificates} does not exist (create certificates with eftguard certs)")
     if root_certificates and flag == "--root-certificates":
         from defenses.tls import read_ca_certificates
@@ -251,8 +251,9 @@ def supernode_command(superlink: str, root_certificates: Path | None, insecure: 
     command = [flower_executable("flower-supernode"), "--superlink", superlink, "--port", str(port),
                "--node-config", config]
     if auth_key:
-        if not Path(auth_key).is_file():
-            raise ConfigError(f"--auth-key {auth_key} does not exist (create one with eftguard node-key)")
+        problem = input_file_problem(auth_key)
+        if problem is not None:
+            raise ConfigError(f"--auth-key {auth_key} {problem} (create one with eftguard node-key)")
         command += ["--auth-supernode-private-key", str(auth_key)]
     return command + (["--insecure"] if insecure else ["--root-certificates", str(root_certificates)])
 
@@ -338,8 +339,9 @@ def connection_config(superlink: str, root_certificates: Path | None, insecure: 
 def register_node(public_key: Path, superlink: str, root_certificates: Path | None, insecure: bool) -> None:
     """Register a SuperNode's public key with a SuperLink started with node auth (flwr supernode register)."""
     check_tls_choice(root_certificates, insecure)
-    if not Path(public_key).is_file():
-        raise ConfigError(f"public key {public_key} does not exist (eftguard node-key writes KEY and KEY.pub)")
+    problem = input_file_problem(public_key)
+    if problem is not None:
+        raise ConfigError(f"public key {public_key} {problem} (eftguard node-key writes KEY and KEY.pub)")
     with tempfile.TemporaryDirectory(prefix="eftguard-flwr-") as home:
         (Path(home) / "config.toml").write_text(connection_config(superlink, root_certificates, insecure))
         result = subprocess.run([flower_executable("flwr"), "supernode", "register", str(public_key), "eftguard"],
