@@ -16,6 +16,7 @@ from pathlib import Path
 from rich.console import Console
 
 from attacks.base import AttackError, Option, options_of, path_value
+from eftguard.paths import output_file_problem, read_text_file
 
 console = Console(stderr=True)
 
@@ -85,7 +86,7 @@ def audit_reports_of(run_path: Path) -> Path | None:
     if run_path.parent.name != "runs" or not is_audit_folder(audit):
         return None
     try:
-        configurations = json.loads((audit / "summary.json").read_text()).get("configurations")
+        configurations = json.loads(read_text_file(audit / "summary.json")).get("configurations")
     except (OSError, UnicodeDecodeError, json.JSONDecodeError, AttributeError):
         return None
     for configuration in configurations if isinstance(configurations, list) else []:
@@ -107,14 +108,13 @@ def rewrite_audit_report(args: argparse.Namespace) -> None:
     """An audit's report.html and report.md written again from its summary.json, with this eftguard's report code
     (e.g. after an upgrade), without training or attacking anything."""
     from eftguard.audit.grid import write_report
-    from eftguard.paths import output_file_problem
     from eftguard.rundir import RunError
 
     if args.reports is not None or args.key is not None:
         raise RunError(f"{args.run} is an audit's folder: --reports and --key are for a run; the audit report is "
                        "written beside its summary.json")
     try:
-        summary = json.loads((args.run / "summary.json").read_text())
+        summary = json.loads(read_text_file(args.run / "summary.json"))
     except (OSError, UnicodeDecodeError, json.JSONDecodeError) as exc:
         raise RunError(f"{args.run / 'summary.json'} cannot be read ({exc}): run the audit again with the same --out "
                        "to write it again (finished runs and attacks are reused)") from None

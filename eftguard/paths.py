@@ -27,6 +27,23 @@ def input_file_problem(path: Path) -> str | None:
     return None
 
 
+JSON_LIMIT_BYTES = 256 * 2 ** 20  # far above any report, summary or manifest eftguard writes
+
+
+def read_text_file(path: Path, limit_bytes: int = JSON_LIMIT_BYTES) -> str:
+    """The text of a file eftguard wrote and reads back (a report, a summary): an OSError naming the problem when it
+    is not a regular file (a link to /dev/zero or a named pipe would be read forever) or is over limit_bytes."""
+    path = Path(path)
+    problem = input_file_problem(path)
+    if problem is not None:
+        raise OSError(f"{path} {problem}")
+    with path.open("rb") as file:
+        data = file.read(limit_bytes + 1)
+    if len(data) > limit_bytes:
+        raise OSError(f"{path} is over {limit_bytes // 2 ** 20} MiB")
+    return data.decode("utf-8")
+
+
 def output_file_problem(path: Path, what: str) -> str | None:
     """Why `what` cannot be written to the file path (a folder, under a file, in a missing or read-only folder), as
     the rest of a sentence that starts with the path; None when it can."""

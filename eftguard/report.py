@@ -28,6 +28,7 @@ from PIL import Image, ImageDraw, ImageFont
 
 from eftguard import verdict
 from eftguard.metrics import psnr
+from eftguard.paths import read_text_file
 from eftguard.rundir import RunError, atomic_write
 
 # Column order of the summary tables; any other {"metric": {"mean", "std", "n"}} group follows these.
@@ -289,7 +290,7 @@ def ranking_is_valid(ranking) -> bool:
 def read_report(file: Path) -> dict:
     """One attack's report.json, refused with a one-line error naming it when it is not a valid report."""
     try:
-        report = json.loads(file.read_text())
+        report = json.loads(read_text_file(file))
     except (OSError, UnicodeDecodeError, json.JSONDecodeError, RecursionError) as exc:
         raise RunError(f"{file} is not readable JSON ({exc}): rerun the attack, or remove its folder") from None
     problem = report_problem(report)

@@ -6,6 +6,7 @@ files where folders belong, bad keys, truncated files, a hand-edited config.toml
 """
 
 import json
+import os
 import shutil
 from html.parser import HTMLParser
 from pathlib import Path
@@ -125,6 +126,17 @@ def write_report(report) -> callable:
     return damage
 
 
+def endless_report(kind: str) -> callable:
+    """report.json as a link to /dev/zero, or a named pipe no one writes: read as a file, neither ever ends."""
+    def damage(run: Path) -> None:
+        (run / "reports" / "x").mkdir(parents=True)
+        if kind == "fifo":
+            os.mkfifo(run / "reports" / "x" / "report.json")
+        else:
+            (run / "reports" / "x" / "report.json").symlink_to("/dev/zero")
+    return damage
+
+
 def rewrite_metrics(**record):
     def damage(run: Path) -> None:
         (run / "metrics.jsonl").write_text(json.dumps({"round": 1, "test_accuracy": 0.5, **record}) + "\n")
@@ -156,6 +168,10 @@ DAMAGED_RUNS = [
     (LABELS, lambda run: (run / "manifest.json").write_text("{"), "manifest.json is missing or corrupt"),
     (REPORT, write_report("{not json"), "reports/x/report.json is not readable JSON"),
     (REPORT, write_report([VALID_REPORT]), "report.json is not an attack report: its top level is not a JSON object"),
+    (REPORT, endless_report("zero"), "reports/x/report.json is not readable JSON ({run}/reports/x/report.json is not a "
+                                     "regular file)"),
+    (REPORT, endless_report("fifo"), "reports/x/report.json is not readable JSON ({run}/reports/x/report.json is not a "
+                                     "regular file)"),
     (REPORT, write_report({**VALID_REPORT, "round": "<img src=x onerror=alert(1)>"}),
      'report.json is not an attack report: "round" is missing or not a round number'),
     (REPORT, write_report({k: v for k, v in VALID_REPORT.items() if k != "attack"}), '"attack" is missing'),

@@ -13,7 +13,7 @@ import pytest
 from eftguard.cli import main
 from eftguard.data.cifar import load_cifar
 from eftguard.data import DataError
-from eftguard.paths import file_in_the_way, output_file_problem
+from eftguard.paths import file_in_the_way, output_file_problem, read_text_file
 
 
 def run_cli(capsys, *argv):
@@ -52,6 +52,19 @@ def test_output_file_problem_refuses_a_read_only_folder(places):
         assert "which is not writable" in output_file_problem(places / "adir" / "out.json", "the JSON")
     finally:
         (places / "adir").chmod(0o700)
+
+
+def test_a_file_read_back_must_be_a_regular_file_within_the_limit(places):
+    (places / "adir" / "big.json").write_text("x" * 11)
+    assert read_text_file(places / "adir" / "kept") == "still here\n"
+    assert read_text_file(places / "adir" / "big.json", limit_bytes=11) == "x" * 11
+    with pytest.raises(OSError, match=r"big.json is over 0 MiB"):
+        read_text_file(places / "adir" / "big.json", limit_bytes=10)
+    os.mkfifo(places / "pipe")  # read as a file, a pipe no one writes would block forever
+    for path, problem in ((places / "pipe", "is not a regular file"), (places / "adir", "is a folder"),
+                          (places / "missing", "does not exist")):
+        with pytest.raises(OSError, match=problem):
+            read_text_file(path)
 
 
 def test_the_write_check_leaves_nothing_behind(places):

@@ -32,6 +32,7 @@ from eftguard.audit.families import FAMILIES
 from eftguard.config import ConfigError, TrainConfig, read_toml
 from eftguard.data import DataError
 from eftguard.model import ModelError
+from eftguard.paths import read_text_file
 from eftguard.rundir import RunDirectory, RunError, atomic_write
 
 SCHEMA_VERSION = 1
@@ -249,7 +250,7 @@ def result_file(out: Path, configuration: Configuration) -> Path:
 def read_json(path: Path) -> dict | None:
     """A JSON object written by this module, or None when it is missing or damaged (it is then made again)."""
     try:
-        data = json.loads(path.read_text())
+        data = json.loads(read_text_file(path))
     except (OSError, UnicodeDecodeError, json.JSONDecodeError):
         return None
     return data if isinstance(data, dict) else None

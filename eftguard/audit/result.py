@@ -14,6 +14,7 @@ import numpy as np
 
 from attacks.base import AttackError
 from eftguard.figures import FIGURE_DIRECTION, figure_direction, figures_of
+from eftguard.paths import read_text_file
 from eftguard.rundir import RunError
 
 SCHEMA_VERSION = 1
@@ -105,7 +106,7 @@ def read_attack_report(folder_or_file: Path) -> AttackReport:
     path = Path(folder_or_file)
     file = path / "report.json" if path.is_dir() else path
     try:
-        data = json.loads(file.read_text())
+        data = json.loads(read_text_file(file))
     except (OSError, UnicodeDecodeError, json.JSONDecodeError, RecursionError) as exc:
         raise RunError(f"{file} is not readable JSON ({exc}): rerun the attack, or remove its folder") from None
     try:
