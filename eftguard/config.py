@@ -13,6 +13,7 @@ import tomli_w
 from eftguard import schedule
 from eftguard.data.registry import check_dataset_name
 from eftguard.methods import METHODS as METHOD_SPECS, method_spec, methods_with
+from eftguard.paths import input_file_problem
 from eftguard.sampling import BALANCE_MODES
 
 METHODS = tuple(METHOD_SPECS)
@@ -267,6 +268,8 @@ class TrainConfig:
 
 def read_toml(path: Path, what: str) -> dict:
     """A TOML file's content; a missing or malformed file is a ConfigError naming it ("config file PATH ...")."""
+    if input_file_problem(Path(path)) == "is not a regular file":  # a device or a named pipe: read forever
+        raise ConfigError(f"{what} {path} is not a regular file: give the TOML file itself")
     try:
         return tomllib.loads(Path(path).read_text())
     except FileNotFoundError:

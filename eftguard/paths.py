@@ -30,7 +30,7 @@ def input_file_problem(path: Path) -> str | None:
 JSON_LIMIT_BYTES = 256 * 2 ** 20  # far above any report, summary or manifest eftguard writes
 
 
-def read_text_file(path: Path, limit_bytes: int = JSON_LIMIT_BYTES) -> str:
+def read_text_file(path: Path, limit_bytes: int = JSON_LIMIT_BYTES, errors: str = "strict") -> str:
     """The text of a file eftguard wrote and reads back (a report, a summary): an OSError naming the problem when it
     is not a regular file (a link to /dev/zero or a named pipe would be read forever) or is over limit_bytes."""
     path = Path(path)
@@ -41,7 +41,7 @@ def read_text_file(path: Path, limit_bytes: int = JSON_LIMIT_BYTES) -> str:
         data = file.read(limit_bytes + 1)
     if len(data) > limit_bytes:
         raise OSError(f"{path} is over {limit_bytes // 2 ** 20} MiB")
-    return data.decode("utf-8")
+    return data.decode("utf-8", errors)
 
 
 def output_file_problem(path: Path, what: str) -> str | None:

@@ -33,6 +33,7 @@ from safetensors.torch import load_file as load_torch, save_file as save_torch
 
 from defenses import at_rest
 from eftguard.config import ConfigError, TrainConfig
+from eftguard.paths import input_file_problem, read_text_file
 from eftguard.paths import file_in_the_way
 
 FORMAT = "eftguard-run"
@@ -106,6 +107,12 @@ def sha256_of(path: Path) -> str:
         for chunk in iter(lambda: f.read(1 << 20), b""):
             digest.update(chunk)
     return digest.hexdigest()
+
+
+def has_sha256(path: Path, digest: str) -> bool:
+    """Whether path is a regular file with this sha256: a link to /dev/zero or a named pipe put in a run's place
+    would be hashed forever."""
+    return input_file_problem(path) is None and sha256_of(path) == digest
 
 
 def round_name(round_number: int) -> str:
@@ -239,7 +246,7 @@ class RunDirectory:
     # --- manifest -------------------------------------------------------------------------------------
 
     def manifest(self) -> dict:
-        return json.loads((self.path / "manifest.json").read_text())
+        return json.loads(read_text_file(self.path / "manifest.json"))
 
     def _write_manifest(self, manifest: dict) -> None:
         atomic_write(self.path / "manifest.json", lambda p: p.write_text(json.dumps(manifest, indent=2) + "\n"))
@@ -256,7 +263,7 @@ class RunDirectory:
         bad = []
         for rel, digest in self.manifest()["artefacts"].items():
             file = self.path / rel
-            if rel.startswith(prefixes) and (not file.exists() or sha256_of(file) != digest):
+            if rel.startswith(prefixes) and not has_sha256(file, digest):
                 bad.append(rel)
         return bad
 
@@ -264,7 +271,7 @@ class RunDirectory:
         """Refuse a config.toml changed outside eftguard (e.g. rounds raised by hand on a DP-SGD run, whose noise
         was calibrated for the original rounds): its sha256 must be the one the manifest recorded."""
         recorded = self.manifest()["artefacts"].get("config.toml")
-        if recorded is None or sha256_of(self.path / "config.toml") != recorded:
+        if recorded is None or not has_sha256(self.path / "config.toml", recorded):
             raise RunError(f"{self.path / 'config.toml'} was changed outside eftguard (its sha256 does not match "
                            "manifest.json): restore it, or start a new run; only --resume --rounds N may change "
                            "the rounds of a run without DP-SGD")
@@ -276,7 +283,11 @@ class RunDirectory:
         if not file.exists():
             return []
         records = []
-        for line in file.read_text(errors="replace").splitlines():
+        try:
+            text = read_text_file(file, errors="replace")
+        except OSError as exc:
+            raise RunError(f"{exc}: restore the run's metrics.jsonl (it records the completed rounds)") from None
+        for line in text.splitlines():
             try:
                 record = json.loads(line)
             except json.JSONDecodeError:

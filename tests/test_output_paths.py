@@ -119,6 +119,7 @@ def test_a_reports_folder_where_nothing_can_be_written_is_refused_before_the_att
                                                                  "file itself"),
     (["train", "--config", "{tmp}/afile/c.toml", "--out", "{tmp}/run"], "config file {tmp}/afile/c.toml cannot be read"),
     (["audit", "{tmp}/adir"], "audit file {tmp}/adir is a folder: give the TOML file itself"),
+    (["audit", "/dev/zero"], "audit file /dev/zero is not a regular file: give the TOML file itself"),  # endless
     (["train", "--dataset", "cifar10", "--data-dir", "{tmp}/afile", "--out", "{tmp}/run"],
      "--data-dir {tmp}/afile is not a folder"),
     (["bench", "--out", "{tmp}/adir"], "--out {tmp}/adir is a folder: give a file path for the bench's JSON"),

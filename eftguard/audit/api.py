@@ -20,7 +20,7 @@ from attacks.base import AttackError, Progress, options_of, whole_number
 from eftguard.audit.families import FAMILIES, Family, Job, family_named
 from eftguard.audit.result import AttackReport
 from eftguard.methods import method_spec
-from eftguard.paths import unwritable_reason
+from eftguard.paths import input_file_problem, unwritable_reason
 from eftguard.rundir import RunDirectory, RunError, client_name, round_name
 
 SEED = whole_number(0, 2 ** 32 - 1)
@@ -157,9 +157,11 @@ def check_intact(run: RunDirectory, round_number: int, clients: list[int]) -> No
               for k in clients for folder, end in (("observed", "/"), ("truth", "."))))
     for name in run.verify(read):
         file = run.path / name
-        if not file.is_file():
-            raise RunError(f"{file} is missing (manifest.json lists it): restore it from a backup, or attack another "
-                           "--round")
+        problem = input_file_problem(file)
+        if problem is not None:
+            missing = "is missing" if problem == "does not exist" else problem
+            raise RunError(f"{file} {missing} (manifest.json lists it as a file): restore it from a backup, or attack "
+                           "another --round")
         raise RunError(f"{file} is damaged: it no longer matches the sha256 manifest.json recorded when it was "
                        "written (truncated or altered). Restore it from a backup, or attack another --round")
 
