@@ -10,7 +10,10 @@ from pathlib import Path
 from cryptography.exceptions import InvalidTag
 from cryptography.hazmat.primitives.ciphers.aead import AESGCM
 
+from eftguard.paths import input_file_problem, read_text_file
+
 KEY_BYTES = 32
+KEY_FILE_LIMIT_BYTES = 4096  # 64 hex digits and a line break; a device or a pipe is refused before any read
 NONCE_BYTES = 12
 MAGIC = b"EFTG-AESGCM-1\n"
 
@@ -29,13 +32,14 @@ def create_key(path: Path) -> bytes:
 
 
 def read_key(path: Path) -> bytes:
+    problem = input_file_problem(Path(path))  # missing, a folder, or a device or a pipe that would be read forever
+    if problem is not None:
+        raise AtRestError(f"key file {path} {problem}")
     try:
-        key = bytes.fromhex(Path(path).read_text().strip())
-    except FileNotFoundError:
-        raise AtRestError(f"key file {path} does not exist") from None
-    except OSError as exc:  # a folder, or unreadable
-        raise AtRestError(f"key file {path} cannot be read ({exc.strerror}): give the key file itself") from None
-    except ValueError:
+        key = bytes.fromhex(read_text_file(path, limit_bytes=KEY_FILE_LIMIT_BYTES).strip())
+    except OSError as exc:  # unreadable, or far too long for a key
+        raise AtRestError(f"key file {path} cannot be read ({exc.strerror or exc})") from None
+    except ValueError:  # not hex, or not UTF-8 at all
         raise AtRestError(f"key file {path} is not a hex-encoded key") from None
     if len(key) != KEY_BYTES:
         raise AtRestError(f"key file {path} holds {len(key)} bytes, expected {KEY_BYTES}")

@@ -39,6 +39,7 @@ from pathlib import Path
 from typing import Iterator
 
 from defenses.dp import PrivacyBudgetError, channel_delta, channel_epsilons, composed_epsilon
+from eftguard.paths import read_text_file
 from eftguard.rundir import atomic_write
 
 FORMAT = "eftguard-privacy-ledger"
@@ -134,7 +135,7 @@ class PrivacyLedger:
         if not path.exists():
             return None, []
         try:
-            data = json.loads(path.read_text())
+            data = json.loads(read_text_file(path))
             if data.get("format") != FORMAT or data.get("run_id") != run_id or data.get("partition") != self.partition:
                 raise ValueError("not this node's ledger of this run")
             terms = Terms(**data["terms"])

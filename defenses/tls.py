@@ -19,10 +19,11 @@ from cryptography.hazmat.primitives import hashes, serialization
 from cryptography.hazmat.primitives.asymmetric import ec
 from cryptography.x509.oid import ExtendedKeyUsageOID, NameOID
 
-from eftguard.paths import file_in_the_way, unwritable_reason
+from eftguard.paths import file_in_the_way, input_file_problem, read_file_bytes, unwritable_reason
 
 LOOPBACK = "127.0.0.1"
 DEFAULT_SANS = (LOOPBACK, "localhost", "::1")
+CERTIFICATE_LIMIT_BYTES = 2 ** 20  # a CA bundle is a few KiB; a device or a pipe is refused before any read
 CA_DAYS, SERVER_DAYS = 3650, 825
 
 
@@ -83,10 +84,13 @@ def _san(entry: str) -> x509.GeneralName:
 def read_ca_certificates(path: Path, flag: str = "--root-certificates") -> list[x509.Certificate]:
     """The CA certificates in a PEM file. Flower reads this file only once it has started, and then hangs
     after an ssl.SSLError: check it before starting anything."""
+    problem = input_file_problem(Path(path))  # missing, a folder, or a device or a pipe that would be read forever
+    if problem is not None:
+        raise CertificateError(f"{flag} {path} {problem}: give the ca.crt written by eftguard certs")
     try:
-        certificates = x509.load_pem_x509_certificates(Path(path).read_bytes())
+        certificates = x509.load_pem_x509_certificates(read_file_bytes(path, limit_bytes=CERTIFICATE_LIMIT_BYTES))
     except (OSError, ValueError) as exc:
-        reason = exc.strerror if isinstance(exc, OSError) else "no PEM certificate in it"
+        reason = (exc.strerror or str(exc)) if isinstance(exc, OSError) else "no PEM certificate in it"
         raise CertificateError(f"{flag} {path} is not a PEM CA certificate ({reason}): give the ca.crt written "
                                "by eftguard certs") from None
     for certificate in certificates:

@@ -446,9 +446,9 @@ def check_key_file(cfg: TrainConfig) -> None:
     if key.exists():
         try:
             read_key(key)
-        except (AtRestError, OSError) as exc:
-            raise ConfigError(f"--encrypt-at-rest {key}: {getattr(exc, 'strerror', None) or exc}: give a key file "
-                              "written by eftguard, or a new file name") from None
+        except AtRestError as exc:
+            raise ConfigError(f"--encrypt-at-rest {key}: {exc}: give a key file written by eftguard, or a new file "
+                              "name") from None
     elif not key.parent.is_dir() or unwritable_reason(key.parent) is not None:
         raise ConfigError(f"--encrypt-at-rest {key}: folder {key.parent} does not exist or is not writable, so no "
                           "new key can be created there: create the folder, or give an existing key file")

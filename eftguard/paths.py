@@ -30,9 +30,10 @@ def input_file_problem(path: Path) -> str | None:
 JSON_LIMIT_BYTES = 256 * 2 ** 20  # far above any report, summary or manifest eftguard writes
 
 
-def read_text_file(path: Path, limit_bytes: int = JSON_LIMIT_BYTES, errors: str = "strict") -> str:
-    """The text of a file eftguard wrote and reads back (a report, a summary): an OSError naming the problem when it
-    is not a regular file (a link to /dev/zero or a named pipe would be read forever) or is over limit_bytes."""
+def read_file_bytes(path: Path, limit_bytes: int = JSON_LIMIT_BYTES) -> bytes:
+    """The bytes of a file eftguard reads whole (a report, a summary, a key, a certificate): an OSError naming the
+    problem when it is not a regular file (a link to /dev/zero or a named pipe would be read forever) or is over
+    limit_bytes."""
     path = Path(path)
     problem = input_file_problem(path)
     if problem is not None:
@@ -40,8 +41,13 @@ def read_text_file(path: Path, limit_bytes: int = JSON_LIMIT_BYTES, errors: str 
     with path.open("rb") as file:
         data = file.read(limit_bytes + 1)
     if len(data) > limit_bytes:
-        raise OSError(f"{path} is over {limit_bytes // 2 ** 20} MiB")
-    return data.decode("utf-8", errors)
+        raise OSError(f"{path} is over {limit_bytes} bytes")
+    return data
+
+
+def read_text_file(path: Path, limit_bytes: int = JSON_LIMIT_BYTES, errors: str = "strict") -> str:
+    """read_file_bytes as UTF-8 text."""
+    return read_file_bytes(path, limit_bytes).decode("utf-8", errors)
 
 
 def output_file_problem(path: Path, what: str) -> str | None:

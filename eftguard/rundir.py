@@ -174,7 +174,8 @@ class RunDirectory:
         try:
             key = at_rest.read_key(Path(key_file)) if key_file else None
         except at_rest.AtRestError as exc:
-            raise RunError(str(exc)) from None
+            raise RunError(f"{exc}: give --key the run's at-rest key file (written by eftguard train "
+                           "--encrypt-at-rest)") from None
         run = cls(path, key)
         try:
             manifest = run.manifest()

@@ -51,7 +51,7 @@ BAD_OPTIONS = [
     (INVERT + ["--aux-data-dir", " "], "argument --aux-data-dir: must be a path, got an empty string"),
     (INVERT + ["--key", "{nothex}"], "is not a hex-encoded key"),
     (INVERT + ["--key", "{tmp}/missing/dir/key"], "key file {tmp}/missing/dir/key does not exist"),
-    (INVERT + ["--key", "{tmp}"], "key file {tmp} cannot be read (Is a directory)"),
+    (INVERT + ["--key", "{tmp}"], "key file {tmp} is a folder: give --key the run's at-rest key file"),
     (INVERT + ["--key", "{key}"], "is not encrypted at rest: drop the key"),
     (["attack", "invert", "--features", "{file}"], "{file} is a file, not a run directory"),
     (["attack", "invert", "--features", "{tmp}/nothing"], "is not a run directory (it does not exist)"),

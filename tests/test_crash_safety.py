@@ -213,13 +213,13 @@ def test_out_on_a_file_is_refused(tmp_path, capsys, where, message):
     pytest.param(["--encrypt-at-rest", "/proc/key"], "does not exist or is not writable",
                  marks=pytest.mark.skipif(not os.path.isdir("/proc/self"), reason="needs Linux's /proc")),
     (["--encrypt-at-rest", "{tmp}/notakey"], "not a hex-encoded key"),
-    (["--encrypt-at-rest", "{tmp}"], "Is a directory"),
+    (["--encrypt-at-rest", "{tmp}"], "key file {tmp} is a folder: give a key file written by eftguard"),
 ])
 def test_bad_start_leaves_nothing_behind(tmp_path, capsys, argv, message):
     (tmp_path / "notakey").write_text("not hex")
     code, err = run_cli(capsys, "train", "--out", tmp_path / "run", *CLI_TINY,
                         *[a.format(tmp=tmp_path) for a in argv])
-    assert code == 2 and err.count("\n") == 1 and message in err
+    assert code == 2 and err.count("\n") == 1 and message.format(tmp=tmp_path) in err
     assert sorted(p.name for p in tmp_path.iterdir()) == ["notakey"]
 
 

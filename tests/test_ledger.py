@@ -165,6 +165,9 @@ def test_torn_ledger_file_is_an_error_naming_it_not_a_fresh_budget(honest, tmp_p
     path.write_bytes(torn)
     assert refused(server.train(2, sigma), f"privacy ledger {path} is damaged")
     assert path.read_bytes() == torn
+    path.unlink()
+    path.symlink_to("/dev/zero")  # read whole, it would never end: refused, not read
+    assert refused(server.train(2, sigma), f"privacy ledger {path} is damaged ({path} is not a regular file)")
 
 
 def test_deployed_node_without_a_secret_draws_noise_the_server_cannot_regenerate(honest, tmp_path):

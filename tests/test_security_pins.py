@@ -8,6 +8,7 @@ import ipaddress
 import os
 import stat
 import time
+from pathlib import Path
 
 import pytest
 from cryptography import x509
@@ -50,15 +51,18 @@ def test_key_file_with_surrounding_whitespace_reads(tmp_path):
 
 @pytest.mark.parametrize("content, message", [
     (None, "key file {path} does not exist$"),
-    ("folder", r"key file {path} cannot be read \(Is a directory\): give the key file itself$"),
+    ("folder", r"key file {path} is a folder$"),
+    ("device", r"key file /dev/zero is not a regular file$"),  # read whole, it would never end
     ("zz-not-hex\n", "key file {path} is not a hex-encoded key$"),
     ("ab" * 16, "key file {path} holds 16 bytes, expected 32$"),
     ("ab" * 33, "key file {path} holds 33 bytes, expected 32$"),
 ])
 def test_unusable_key_file_is_named_with_the_problem(tmp_path, content, message):
-    path = tmp_path / "key"
+    path = Path("/dev/zero") if content == "device" else tmp_path / "key"
     if content == "folder":
         path.mkdir()
+    elif content == "device":
+        pass
     elif content is not None:
         path.write_text(content)
     with pytest.raises(AtRestError, match="^" + message.format(path=path)):
@@ -292,14 +296,15 @@ def test_output_that_is_a_file_is_refused(tmp_path):
         write_certificates(tmp_path / "out")
 
 
-@pytest.mark.parametrize("content, reason", [(None, "No such file or directory"), (b"", "no PEM certificate in it"),
-                                             (b"-----BEGIN CERTIFICATE-----\nxx\n", "no PEM certificate in it")])
-def test_unreadable_ca_file_is_named_with_the_flag(tmp_path, content, reason):
-    path = tmp_path / "ca.crt"
-    if content is not None:
+@pytest.mark.parametrize("content, problem", [
+    (None, "does not exist"), ("device", "is not a regular file"),  # /dev/zero, read whole, would never end
+    (b"", r"is not a PEM CA certificate \(no PEM certificate in it\)"),
+    (b"-----BEGIN CERTIFICATE-----\nxx\n", r"is not a PEM CA certificate \(no PEM certificate in it\)")])
+def test_unreadable_ca_file_is_named_with_the_flag(tmp_path, content, problem):
+    path = Path("/dev/zero") if content == "device" else tmp_path / "ca.crt"
+    if isinstance(content, bytes):
         path.write_bytes(content)
-    with pytest.raises(CertificateError, match=rf"^--ca {path} is not a PEM CA certificate \({reason}\): give the "
-                                               "ca.crt written by eftguard certs$"):
+    with pytest.raises(CertificateError, match=rf"^--ca {path} {problem}: give the ca.crt written by eftguard certs$"):
         read_ca_certificates(path, "--ca")
 
 
