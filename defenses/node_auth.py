@@ -12,7 +12,7 @@ from cryptography.hazmat.primitives import serialization
 from cryptography.hazmat.primitives.asymmetric import ec
 
 from defenses.tls import CertificateError
-from eftguard.paths import file_in_the_way, unwritable_reason
+from eftguard.paths import output_file_problem
 
 
 def write_node_key(path: Path, force: bool = False) -> tuple[Path, Path]:
@@ -21,13 +21,9 @@ def write_node_key(path: Path, force: bool = False) -> tuple[Path, Path]:
     for existing in (private_path, public_path):
         if existing.is_dir():
             raise CertificateError(f"{existing} is a folder: give --out a file path for the node's key")
-    blocker = file_in_the_way(private_path.parent)
-    if blocker is not None:
-        raise CertificateError(f"--out {path} is under {blocker}, which is a file: give a path in a folder")
-    reason = unwritable_reason(private_path.parent)
-    if reason is not None:
-        raise CertificateError(f"--out {path}: no file can be created in {private_path.parent} ({reason}): give a "
-                               "path in a folder you can write to")
+    problem = output_file_problem(private_path, "the node's key", makes_folders=True)
+    if problem is not None:
+        raise CertificateError(f"--out {path} {problem}")
     for existing in (private_path, public_path):
         if existing.exists() and not force:
             raise CertificateError(f"{existing} already exists: pass --force to replace it (then register the new key)")

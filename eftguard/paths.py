@@ -50,16 +50,17 @@ def read_text_file(path: Path, limit_bytes: int = JSON_LIMIT_BYTES, errors: str 
     return read_file_bytes(path, limit_bytes).decode("utf-8", errors)
 
 
-def output_file_problem(path: Path, what: str) -> str | None:
+def output_file_problem(path: Path, what: str, makes_folders: bool = False) -> str | None:
     """Why `what` cannot be written to the file path (a folder, under a file, in a missing or read-only folder), as
-    the rest of a sentence that starts with the path; None when it can."""
+    the rest of a sentence that starts with the path; None when it can. makes_folders: the writer creates missing
+    folders, so a missing one is judged by the nearest folder above it that exists."""
     path = Path(path)
     if path.is_dir():
         return f"is a folder: give a file path for {what}"
     blocker = file_in_the_way(path.parent)
     if blocker is not None:
         return f"is under {blocker}, which is a file: give a path in a folder for {what}"
-    if not path.parent.is_dir():
+    if not makes_folders and not path.parent.is_dir():
         return f"is in {path.parent}, which does not exist: create that folder, or give a path in an existing one"
     reason = unwritable_reason(path.parent)
     if reason is not None:

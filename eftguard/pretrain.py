@@ -25,7 +25,7 @@ from eftguard.config import ConfigError
 from eftguard.data import ImageSet
 from eftguard.masking import random_keep_ids
 from eftguard.model import PRESETS, EFTViT, to_timm_state
-from eftguard.paths import file_in_the_way, unwritable_reason
+from eftguard.paths import output_file_problem
 from eftguard.schedule import lr_factor
 
 OBJECTIVES = ("supervised", "mae", "both")
@@ -288,13 +288,9 @@ def check_out_path(out: Path, force: bool) -> None:
         raise ConfigError(f"--out {out} is a folder: give a file path ending in .safetensors")
     if out.exists() and not force:
         raise ConfigError(f"--out {out} already exists: pick another path, or pass --force to replace it")
-    blocker = file_in_the_way(out.parent)
-    if blocker is not None:
-        raise ConfigError(f"--out {out} is under {blocker}, which is a file: give a path in a folder")
-    reason = unwritable_reason(out.parent)
-    if reason is not None:
-        raise ConfigError(f"--out {out}: no file can be created in {out.parent} ({reason}): give a path in a folder "
-                          "you can write to")
+    problem = output_file_problem(out, "the checkpoint", makes_folders=True)
+    if problem is not None:
+        raise ConfigError(f"--out {out} {problem}")
 
 
 def save_pretrained(model: EFTViT, out: Path, cfg: PretrainConfig, dataset: str, class_names: tuple[str, ...]) -> None:

@@ -89,7 +89,7 @@ def test_a_folder_where_no_file_can_be_created_is_refused_even_to_root(capsys):
     (["demo", "--out", "/proc/demo"], "--out /proc/demo: no file can be created there"),
     (["audit", "{toml}", "--out", "/proc/audit"], "--out /proc/audit: no file can be created there"),
     (["certs", "--out", "/proc/certs"], "--out /proc/certs: no file can be created there"),
-    (["node-key", "--out", "/proc/node/key"], "--out /proc/node/key: no file can be created in /proc/node"),
+    (["node-key", "--out", "/proc/node/key"], "--out /proc/node/key is in /proc/node, which is not writable ("),
 ])
 def test_an_out_folder_where_nothing_can_be_created_is_one_line_before_any_work(capsys, tmp_path, argv, message):
     """Each was a traceback from mkdir (the demo's in each of its training processes)."""
