@@ -25,7 +25,7 @@ from eftguard.config import ConfigError
 from eftguard.data import ImageSet
 from eftguard.masking import random_keep_ids
 from eftguard.model import PRESETS, EFTViT, to_timm_state
-from eftguard.paths import output_file_problem
+from eftguard.paths import input_file_problem, output_file_problem
 from eftguard.schedule import lr_factor
 
 OBJECTIVES = ("supervised", "mae", "both")
@@ -236,8 +236,8 @@ def save_state(path: Path, key: dict[str, str], modules: dict, generator: torch.
 def load_state(path: Path, key: dict[str, str], modules: dict, generator: torch.Generator) -> list[float]:
     """Restore what save_state wrote (weights_only: no pickled objects) for the same key; returns the finished
     epochs' losses."""
-    try:
-        state = torch.load(path, weights_only=True)
+    try:  # a link to /dev/zero or a named pipe would be read forever: refused before any read
+        state = torch.load(path, weights_only=True) if input_file_problem(path) is None else None
     except Exception:  # torch's own words would suggest weights_only=False: never for a file found on disk
         state = None
     if not isinstance(state, dict) or state.get("format") != "eftguard-pretrain-resume":
