@@ -26,7 +26,11 @@ from __future__ import annotations
 
 from typing import Callable
 
+import numpy as np
 import torch
+
+from eftguard.data.partition import seeded
+from eftguard.federation.errors import FederationError
 
 PROBE_SCALE = 1e-10  # label-probe's head input: gradients ~1e-11, far below AdamW's eps (1e-8)
 STEALTH_SCALE = 1e-9  # stealth-embed's stand-in for zero
@@ -116,3 +120,102 @@ def tamper_state(name: str, state: dict[str, torch.Tensor], cfg, seed: int) -> d
     if name not in TAMPERINGS:
         raise TamperError(f"unknown tampering '{name}': choose one of {', '.join(TAMPERINGS)}")
     return TAMPERINGS[name](state, cfg, seed)
+
+
+# --- the server's side: what it sends, round by round (eftguard.federation.server.ServerThreat) ----------------
+
+DRIFT_MARGIN = 0.99  # an adaptive server stays this far inside every bound of the clients' model check
+
+Limits = Callable[[int, dict[str, np.ndarray], int], dict[str, np.ndarray]]
+
+
+def _tamper_or_refuse(name: str, state: dict[str, torch.Tensor], cfg, seed: int) -> dict[str, torch.Tensor]:
+    try:
+        return tamper_state(name, state, cfg, seed)
+    except TamperError as exc:
+        raise FederationError(f"--tamper {name}: {exc}") from None
+
+
+class OneRoundTampering:
+    """--threat malicious: the server's own model, except in --tamper-round, when every client gets its tampering."""
+
+    def __init__(self, cfg):
+        self.cfg = cfg
+
+    def prepare(self, initial: dict[str, torch.Tensor], current: dict[str, torch.Tensor]) -> None:
+        _tamper_or_refuse(self.cfg.tamper, current, self.cfg, 0)
+
+    def tampering(self, round_number: int) -> str | None:
+        return self.cfg.tamper if round_number == self.cfg.tamper_round else None
+
+    def sent(self, round_number: int, partitions: list[int], state: dict[str, torch.Tensor]
+             ) -> dict[int, dict[str, torch.Tensor]]:
+        if round_number == self.cfg.tamper_round:
+            state = _tamper_or_refuse(self.cfg.tamper, state, self.cfg, seeded(self.cfg.seed, round_number, 8))
+        return dict.fromkeys(partitions, state)
+
+    def accepted(self, round_number: int, partitions: list[int]) -> None:
+        pass
+
+
+class AdaptiveTampering:
+    """--threat adaptive: every round each client gets the model closest to the tampering of the server's own
+    model (per coordinate) that its model check accepts: within DRIFT_MARGIN of the bound from the run's initial
+    model and of the bound from the last model it accepted, as the public configuration fixes them (limits). It
+    keeps each client's last accepted model in memory: a resumed adaptive run starts them over from the initial
+    model's bound alone (the check may then refuse a round, which the metrics record)."""
+
+    def __init__(self, cfg, limits: Limits):
+        self.cfg, self.limits = cfg, limits
+        self.initial: dict[str, np.ndarray] = {}
+        self.last: dict[int, tuple[int, dict[str, np.ndarray]]] = {}
+        self.pending: dict[int, dict[str, np.ndarray]] = {}
+
+    def prepare(self, initial: dict[str, torch.Tensor], current: dict[str, torch.Tensor]) -> None:
+        _tamper_or_refuse(self.cfg.tamper, current, self.cfg, 0)
+        self.initial = {k: v.numpy().astype(np.float64) for k, v in initial.items()}
+
+    def tampering(self, round_number: int) -> str | None:
+        return self.cfg.tamper
+
+    def sent(self, round_number: int, partitions: list[int], state: dict[str, torch.Tensor]
+             ) -> dict[int, dict[str, torch.Tensor]]:
+        target = _tamper_or_refuse(self.cfg.tamper, state, self.cfg, seeded(self.cfg.seed, round_number, 8))
+        target = {k: v.numpy().astype(np.float64) for k, v in target.items()}
+        from_initial = (self.initial, self.limits(round_number, self.initial, round_number - 1))
+        out = {}
+        for partition in partitions:
+            boxes = [from_initial]
+            if partition in self.last:
+                held_round, held = self.last[partition]
+                boxes.append((held, self.limits(round_number, held, round_number - held_round)))
+            self.pending[partition] = nearest_within(target, boxes)
+            out[partition] = {k: torch.from_numpy(v.astype(np.float32)) for k, v in self.pending[partition].items()}
+        return out
+
+    def accepted(self, round_number: int, partitions: list[int]) -> None:
+        for partition in partitions:
+            self.last[partition] = (round_number, self.pending[partition])
+        self.pending.clear()
+
+
+def nearest_within(target: dict[str, np.ndarray], boxes: list[tuple[dict[str, np.ndarray], dict[str, np.ndarray]]]
+                   ) -> dict[str, np.ndarray]:
+    """Per coordinate, the value closest to target inside every box (centre, half-width), each half-width shrunk to
+    DRIFT_MARGIN of itself; rounded to float32 as it is sent."""
+    out = {}
+    for key, value in target.items():
+        low = np.max([centre[key] - DRIFT_MARGIN * width[key] for centre, width in boxes], axis=0)
+        high = np.min([centre[key] + DRIFT_MARGIN * width[key] for centre, width in boxes], axis=0)
+        out[key] = np.clip(value, low, np.maximum(low, high)).astype(np.float32).astype(np.float64)
+    return out
+
+
+def server_threat(cfg, limits: Limits | None = None):
+    """The ServerThreat of a --threat run (None for an honest one); --threat adaptive needs the clients' public
+    check bounds (eftguard.federation.client.model_check_limits(cfg))."""
+    if cfg.threat == "malicious":
+        return OneRoundTampering(cfg)
+    if cfg.threat == "adaptive":
+        return AdaptiveTampering(cfg, limits)
+    return None

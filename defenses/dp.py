@@ -1,12 +1,13 @@
 """DP-SGD's privacy accounting for a client's local module and head: Poisson sampling, and accounting (Opacus'
-accountants) that fixes each client's noise multiplier before training, so the client's total privacy loss over
-every round it takes part in stays within (epsilon, delta). The clipping and the noise are defenses.clipping's.
+accountants) that fixes each client's noise before training, so the client's total privacy loss over every round
+it takes part in is (epsilon, delta) under add/remove-one-image adjacency. The clipping and the noise are
+defenses.clipping's.
 
-With a method that uploads patch features, --dp-eps covers them too: the budget is split between the
-parameter channel (DP-SGD) and the feature channel (defenses.feature_dp, one Gaussian release per image and
-round), each calibrated to its share of epsilon at delta / 2, so that by basic composition the client's total
-is within (epsilon, delta); the one accountant composing both channels reports the (tighter) total. The
-argument is in docs/dp.md.
+With a method that uploads patch features, --dp-eps covers them too (defenses.feature_dp, one Gaussian release of
+the client's rows per round). Both channels are calibrated jointly, so that their composition in one accountant
+spends the epsilon asked for (within CALIBRATION_TOLERANCE below it); --dp-feature-share splits the budget between
+them in Gaussian-DP terms. Every schedule quantity (sample rate, steps, rows) comes from the client's public
+schedule size, never from the size of its data. The argument is in docs/dp.md.
 """
 
 from __future__ import annotations
@@ -32,9 +33,14 @@ class PrivacyBudgetError(ValueError):
     """A privacy target cannot be met, or a round would exceed it; the message names the knob."""
 
 
-def default_delta(num_examples: int) -> float:
-    """delta = 1 / (10 n): well below the 1/n at which releasing one record outright would qualify."""
-    return 1.0 / (10 * num_examples)
+DEFAULT_DELTA = 1e-5  # the usual figure for DP-SGD; at most 1 / (100 n) below (default_delta)
+CALIBRATION_TOLERANCE = 0.005  # calibrated noise spends between (1 - this) x epsilon and epsilon
+
+
+def default_delta(schedule_size: int) -> float:
+    """delta = min(1e-5, 1 / (100 n)): far below 1 / n, the delta at which releasing one of the n images outright
+    (chosen at random) would already qualify as (0, delta)-DP."""
+    return min(DEFAULT_DELTA, 1.0 / (100 * schedule_size))
 
 
 def composed_epsilon(history: list[tuple[float, float, int]], delta: float, accountant: str) -> float:
@@ -65,49 +71,112 @@ def epsilon_spent(noise_multiplier: float, sample_rate: float, steps: int, delta
     return composed_epsilon([(noise_multiplier, sample_rate, steps)], delta, accountant)
 
 
-def channel_delta(delta: float, feature_share: float) -> float:
-    """The delta each channel is calibrated at: half of delta when the feature channel shares the budget."""
-    return delta / 2 if feature_share else delta
+def gaussian_dp_mu(epsilon: float, delta: float) -> float:
+    """The mu of mu-Gaussian DP that is exactly (epsilon, delta)-DP (Dong, Roth & Su 2019, Corollary 2.13):
+    delta = Phi(-eps/mu + mu/2) - e^eps Phi(-eps/mu - mu/2)."""
+    from scipy.optimize import brentq
+    from scipy.stats import norm
+
+    def excess(mu: float) -> float:
+        return norm.cdf(-epsilon / mu + mu / 2) - math.exp(epsilon) * norm.cdf(-epsilon / mu - mu / 2) - delta
+
+    return float(brentq(excess, 1e-9, 1e3))
 
 
-def channel_epsilons(epsilon: float, feature_share: float) -> dict[str, float]:
-    """Each channel's share of the budget (no "features" entry without a feature channel)."""
-    if not feature_share:
-        return {"parameters": epsilon}
-    return {"parameters": epsilon * (1 - feature_share), "features": epsilon * feature_share}
+def channel_noise(mu: float, feature_share: float, sample_rate: float, steps: int, releases: int
+                  ) -> tuple[float, float]:
+    """(DP-SGD noise multiplier, feature noise multiplier) that give the two channels mu^2 (1 - share) and
+    mu^2 share of a total of mu-Gaussian DP (Gaussian DP adds up in mu^2 under composition). The feature channel
+    (`releases` Gaussian releases) is exactly Gaussian; DP-SGD (`steps` Poisson-sampled steps) by the central limit
+    theorem of Dong, Roth & Su (mu = q sqrt(T (e^(1/sigma^2) - 1))). Only the split rests on that approximation:
+    the calibration composes both channels in the accountant."""
+    mu_parameters = mu * math.sqrt(1 - feature_share)
+    if sample_rate >= 1:
+        sigma = math.sqrt(steps) / mu_parameters
+    else:
+        sigma = 1 / math.sqrt(math.log1p(mu_parameters ** 2 / (sample_rate ** 2 * steps)))
+    feature_sigma = math.sqrt(releases) / (mu * math.sqrt(feature_share)) if feature_share else 0.0
+    return sigma, feature_sigma
+
+
+def _history(sigma: float, feature_sigma: float, sample_rate: float, steps: int, releases: int
+             ) -> list[tuple[float, float, int]]:
+    return [(sigma, sample_rate, steps)] + ([(feature_sigma, 1.0, releases)] if feature_sigma else [])
 
 
 @functools.lru_cache(maxsize=256)
-def calibrate(epsilon: float, delta: float, sample_rate: float, steps: int, accountant: str) -> float:
-    """The smallest noise multiplier (to opacus' 0.01 tolerance in epsilon) that keeps `steps` steps within
-    (epsilon, delta). Slow (seconds), hence cached."""
-    from opacus.accountants.utils import get_noise_multiplier
+def calibrate(epsilon: float, delta: float, accountant: str, sample_rate: float, steps: int, releases: int = 0,
+              feature_share: float = 0.0) -> tuple[float, float]:
+    """(DP-SGD noise multiplier, feature noise multiplier; 0 without a feature channel) whose composition — `steps`
+    DP-SGD steps at `sample_rate` and `releases` feature releases, in one accountant at delta — spends between
+    (1 - CALIBRATION_TOLERANCE) epsilon and epsilon: the budget asked for, not a fraction of it. The channels share
+    it feature_share : 1 - feature_share in Gaussian-DP terms (channel_noise). Cached: a secant search in log mu
+    from the Gaussian-DP guess, a few accountant calls."""
+    def spent(mu: float) -> tuple[float, tuple[float, float]]:
+        noise = channel_noise(mu, feature_share, sample_rate, steps, releases)
+        return composed_epsilon(_history(*noise, sample_rate, steps, releases), delta, accountant), noise
 
-    try:
-        with warnings.catch_warnings():
-            warnings.simplefilter("ignore")  # opacus notes on log(0) at rate 1, RDP orders
-            return float(get_noise_multiplier(target_epsilon=epsilon, target_delta=delta, sample_rate=sample_rate,
-                                              steps=steps, accountant=accountant))
-    except ValueError as exc:
-        raise PrivacyBudgetError(f"--dp-eps {epsilon} cannot be met at delta {delta:.3g} over {steps} steps "
-                                 f"({exc})") from None
+    _check_reachable(epsilon, delta, accountant, sample_rate, steps, releases, feature_share)
+    low, high = (None, None), (None, None)  # (log mu, epsilon) below and above the target
+    log_mu = math.log(gaussian_dp_mu(epsilon, delta))
+    for _ in range(60):
+        value, noise = spent(math.exp(log_mu))
+        if (1 - CALIBRATION_TOLERANCE) * epsilon <= value <= epsilon:
+            return noise
+        if value < epsilon:
+            low = (log_mu, value)
+        else:
+            high = (log_mu, value)
+        if high[0] is None or low[0] is None:  # no bracket yet: step towards the target
+            step = math.log(epsilon / max(value, 1e-300))
+            log_mu += max(step, 0.1) if value < epsilon else min(step, -0.1)
+        else:  # secant in (log mu, log epsilon), kept inside the bracket
+            guess = low[0] + (high[0] - low[0]) * (math.log(epsilon) - math.log(low[1])) / (
+                math.log(high[1]) - math.log(low[1]))
+            margin = 0.05 * (high[0] - low[0])
+            log_mu = min(max(guess, low[0] + margin), high[0] - margin)
+    raise PrivacyBudgetError(f"--dp-eps {epsilon:g}: the noise calibration did not converge at delta {delta:.3g} "
+                             f"({accountant} accountant); try --accountant prv or another --dp-delta")
+
+
+def _check_reachable(epsilon: float, delta: float, accountant: str, sample_rate: float, steps: int, releases: int,
+                     feature_share: float) -> None:
+    from opacus.accountants.utils import MAX_SIGMA
+
+    least = _history(MAX_SIGMA, MAX_SIGMA if feature_share else 0.0, sample_rate, steps, releases)
+    if composed_epsilon(least, delta, accountant) > epsilon:  # even opacus' largest noise spends more
+        raise PrivacyBudgetError(f"--dp-eps {epsilon:g} cannot be met at delta {delta:.3g} over {steps} DP-SGD "
+                                 f"steps and {releases} feature releases with the {accountant} accountant, even at "
+                                 f"noise multiplier {MAX_SIGMA:g}: raise --dp-eps or --dp-delta, lower --rounds or "
+                                 "--local-epochs, or try --accountant prv")
+
+
+def check_feasible(epsilon: float, delta: float, accountant: str, schedule_size: int, batch_size: int,
+                   local_epochs: int, rounds: tuple[int, ...], feature_share: float = 0.0) -> None:
+    """Fail fast, before a run starts (one accountant call instead of a calibration): a target that even opacus'
+    largest noise multiplier cannot meet raises PrivacyBudgetError naming the knobs."""
+    sample_rate = min(1.0, batch_size / schedule_size)
+    steps = local_epochs * math.ceil(schedule_size / batch_size) * len(rounds)
+    _check_reachable(epsilon, delta or default_delta(schedule_size), accountant, sample_rate, steps, len(rounds),
+                     feature_share)
 
 
 @dataclass(frozen=True)
 class ClientBudget:
-    """One client's schedule for every channel the server observes: the rounds it takes part in are known in
-    advance, so its noise is calibrated once for all of them. Parameter channel: DP-SGD, steps_per_round
-    Poisson-sampled steps per round. Feature channel (feature_share > 0): one Gaussian release per image and
-    round (sample rate 1), noise feature_noise_multiplier times the row sensitivity."""
+    """One client's schedule for every channel the server observes. Everything in it is public: the schedule size
+    n (the client's pool of images, known before round 1, never its data's actual size), the rounds it takes part
+    in (seeded), and the noise calibrated once for all of them. Parameter channel: DP-SGD, steps_per_round
+    Poisson-sampled steps per round at sample rate batch / n. Feature channel (feature_share > 0): one Gaussian
+    release of n rows per round (sample rate 1), noise feature_noise_multiplier times the row sensitivity."""
 
     epsilon: float
     delta: float
     accountant: str
-    sample_rate: float  # batch_size / n_k (Poisson sampling)
+    sample_rate: float  # batch_size / n (Poisson sampling)
     steps_per_round: int
     rounds: tuple[int, ...]  # rounds this client takes part in (up to the last one known)
     noise_multiplier: float
-    feature_share: float = 0.0  # fraction of epsilon for the feature channel; 0: no feature channel
+    feature_share: float = 0.0  # the feature channel's share of the budget (Gaussian DP); 0: no feature channel
     feature_noise_multiplier: float = 0.0
 
     def history(self, round_number: int) -> dict[str, list[tuple[float, float, int]]]:
@@ -120,54 +189,31 @@ class ClientBudget:
         return channels
 
     def channel_epsilons_after(self, round_number: int) -> dict[str, float]:
-        """epsilon per channel (each at its channel_delta) after round_number."""
-        per_channel = channel_delta(self.delta, self.feature_share)
-        return {name: composed_epsilon(history, per_channel, self.accountant)
+        """epsilon of each channel alone (at delta) after round_number: what each would spend by itself."""
+        return {name: composed_epsilon(history, self.delta, self.accountant)
                 for name, history in self.history(round_number).items()}
 
     def epsilon_after(self, round_number: int) -> float:
-        """The total: every channel composed in one accountant, at delta."""
+        """The guarantee: every channel composed in one accountant, at delta."""
         return composed_epsilon(sum(self.history(round_number).values(), []), self.delta, self.accountant)
 
 
-def client_budget(epsilon: float, delta: float, accountant: str, num_examples: int, batch_size: int,
+def client_budget(epsilon: float, delta: float, accountant: str, schedule_size: int, batch_size: int,
                   local_epochs: int, rounds: tuple[int, ...], noise_multiplier: float | None = None,
                   feature_share: float = 0.0, feature_noise_multiplier: float | None = None) -> ClientBudget:
-    """A client's budget; calibrates each channel's noise to its share of epsilon over all of `rounds` unless
-    the noise is given. delta 0 means default_delta(n_k); feature_share 0: parameters only."""
-    sample_rate = min(1.0, batch_size / num_examples)
-    steps_per_round = local_epochs * math.ceil(num_examples / batch_size)
-    delta = delta or default_delta(num_examples)
-    shares, per_channel = channel_epsilons(epsilon, feature_share), channel_delta(delta, feature_share)
+    """A client's budget over all of `rounds`; calibrates both channels jointly to epsilon (calibrate) unless the
+    noise is given. delta 0 means default_delta(schedule_size); feature_share 0: parameters only."""
+    sample_rate = min(1.0, batch_size / schedule_size)
+    steps_per_round = local_epochs * math.ceil(schedule_size / batch_size)
+    delta = delta or default_delta(schedule_size)
+    if feature_share and (noise_multiplier is None) != (feature_noise_multiplier is None):
+        raise ValueError("give the noise of every channel, or none (calibrated jointly)")
     if noise_multiplier is None:
-        noise_multiplier = calibrate(shares["parameters"], per_channel, sample_rate, steps_per_round * len(rounds),
-                                     accountant)
-    if not feature_share:
-        feature_noise_multiplier = 0.0
-    elif feature_noise_multiplier is None:
-        feature_noise_multiplier = calibrate(shares["features"], per_channel, 1.0, len(rounds), accountant)
+        noise_multiplier, feature_noise_multiplier = calibrate(epsilon, delta, accountant, sample_rate,
+                                                               steps_per_round * len(rounds), len(rounds),
+                                                               feature_share)
     return ClientBudget(epsilon, delta, accountant, sample_rate, steps_per_round, tuple(rounds), noise_multiplier,
-                        feature_share, feature_noise_multiplier)
-
-
-def check_feasible(epsilon: float, delta: float, accountant: str, num_examples: int, batch_size: int,
-                   local_epochs: int, rounds: tuple[int, ...], feature_share: float = 0.0) -> None:
-    """Fail fast (one accountant call per channel instead of a calibration): opacus gives up above MAX_SIGMA."""
-    from opacus.accountants.utils import MAX_SIGMA
-
-    budget = client_budget(epsilon, delta, accountant, num_examples, batch_size, local_epochs, rounds, MAX_SIGMA,
-                           feature_share, MAX_SIGMA)
-    shares = channel_epsilons(epsilon, feature_share)
-    releases = {"parameters": f"{budget.steps_per_round * len(rounds)} steps", "features": f"{len(rounds)} releases"}
-    for channel, best in budget.channel_epsilons_after(max(rounds)).items():
-        if best > shares[channel]:
-            share = f" on the {channel} (its share {shares[channel]:.3g})" if feature_share else ""
-            knobs = ", change --dp-feature-share" if feature_share else ""
-            raise PrivacyBudgetError(
-                f"--dp-eps {epsilon} cannot be met: even noise multiplier {MAX_SIGMA:g} spends epsilon {best:.3g}"
-                f"{share} at delta {channel_delta(budget.delta, feature_share):.3g} over {releases[channel]} with "
-                f"the {accountant} accountant; raise --dp-eps or --dp-delta, lower --rounds or --local-epochs{knobs}, "
-                "or try --accountant prv")
+                        feature_share, feature_noise_multiplier if feature_share else 0.0)
 
 
 @dataclass(frozen=True)

@@ -99,12 +99,25 @@ class ClientData(NamedTuple):
     truth: dict[str, np.ndarray]
 
 
+def owned_canaries(cfg, partition_id: int) -> np.ndarray:
+    """The ids of the canaries a client owns (public: the canary set is a function of the configuration)."""
+    if not cfg.canaries:
+        return np.empty(0, np.int64)
+    return np.flatnonzero(canary_set(cfg).owners == partition_id).astype(np.int64)
+
+
+def uploaded_canaries(cfg, partition_id: int) -> int:
+    """How many of a client's owned canaries its feature upload can hold: all of them for mislabelled canaries,
+    none for gradient canaries (never uploaded)."""
+    return len(owned_canaries(cfg, partition_id)) if cfg.canary_kind != "gradient" else 0
+
+
 def with_canaries(cfg, partition_id: int, natural: ImageSet, secret: int = 0) -> ClientData:
     """A client's data with the canaries it owns, each included when its bit is 1."""
     if not cfg.canaries:
         return ClientData(natural, natural, {})
     canaries = canary_set(cfg)
-    owned = np.flatnonzero(canaries.owners == partition_id).astype(np.int64)
+    owned = owned_canaries(cfg, partition_id)
     bits = inclusion_bits(cfg.seed, partition_id, len(owned), secret)
     chosen = owned[bits == 1]
     training = ImageSet(np.concatenate([natural.images, canaries.images[chosen]]),

@@ -104,10 +104,11 @@ TRAIN_HELP = {
                 "client's data with probability 1/2; the inclusion bits go to truth/ only (0: none; docs/dp.md)",
     "canary_kind": "mislabelled (held-out images with a wrong label; every channel) or gradient (noise images for "
                    "the parameter channel)",
-    "threat": "honest, or malicious: the server tampers with the model it sends in --tamper-round (simulation "
-              "only, to measure the tampering attacks and the clients' --model-check; docs/threat-model.md)",
+    "threat": "honest; malicious: the server sends the tampering of its model in --tamper-round; adaptive: every "
+              "round it sends each client the model closest to the tampering that the client's --model-check "
+              "accepts (simulation only, to measure the tampering attacks and the check; docs/threat-model.md)",
     "tamper": "the malicious server's tampering: " + "; ".join(TAMPERINGS),
-    "tamper_round": "the round whose model the malicious server tampers with (0: the last)",
+    "tamper_round": "the round whose model the malicious server tampers with (0: the last; not with adaptive)",
     "model_check": "simulated clients check every model they receive against the one they received before and "
                    "refuse (upload nothing) a round whose model moved further than the run's local and server "
                    "training can move it (defenses/model_check.py)",
@@ -246,12 +247,19 @@ def build_parser() -> argparse.ArgumentParser:
                                 "checks before every round whatever the server says (default: $EFTGUARD_HOME/ledger, "
                                 "EFTGUARD_HOME defaulting to ~/.eftguard)")
     supernode.add_argument("--model-check", action=argparse.BooleanOptionalAction, default=True,
-                           help="check every model the server sends against the last one this node accepted and "
-                                "refuse (upload nothing for) a round whose model honest training cannot have "
-                                "produced: a malicious server's crafted weights (default: on)")
-    supernode.add_argument("--model-sha256", default="", metavar="HEX",
-                           help="sha256 of the run's first model, where the deployment publishes it: the first "
-                                "model this node receives must match it")
+                           help="check every model and the settings the server sends and refuse (upload nothing "
+                                "for) a round whose model honest training cannot have produced from the run's "
+                                "initial model and the last model this node accepted (a malicious server's crafted "
+                                "weights), or whose settings changed mid-run (default: on)")
+    supernode.add_argument("--initial-model", type=Path, metavar="CKPT",
+                           help="this node's copy of the checkpoint the run starts from (--checkpoint of eftguard "
+                                "train): the model check rebuilds the run's initial model from it. Without it the "
+                                "node rebuilds the seeded initialisation of the run's configuration, so a run from "
+                                "a checkpoint is refused in round 1")
+    supernode.add_argument("--trust-first-model", action="store_true",
+                           help="anchor the model check on the first model the server sends instead of rebuilding "
+                                "the initial model (trust on first use: a crafted first model that passes the "
+                                "structural checks is then accepted)")
     supernode.add_argument("--max-epsilon", type=float, metavar="E",
                            help="this node's own privacy ceiling per run: it refuses any round that would take its "
                                 "spend above E (or above the first --dp-eps the server declared, if lower); "
@@ -365,27 +373,26 @@ def config_from_args(args: argparse.Namespace) -> TrainConfig:
 
 def prepare(cfg: TrainConfig) -> None:
     """Fail fast, before any process starts: the data loads and the model (and checkpoint) fits."""
-    from eftguard.federation.client import client_partition, feature_share, participation, run_dataset
+    from eftguard.federation.client import (client_partition, feature_share, participation, run_dataset,
+                                             schedule_size)
     from eftguard.model import build_model
 
     dataset = run_dataset(cfg.dataset, cfg.data_dir, cfg.model, cfg.train_samples, cfg.test_samples, cfg.seed)
     try:
-        parts = client_partition(cfg.dataset, cfg.data_dir, cfg.model, cfg.train_samples, cfg.seed, cfg.clients,
-                                 cfg.beta)
+        client_partition(cfg.dataset, cfg.data_dir, cfg.model, cfg.train_samples, cfg.seed, cfg.clients, cfg.beta)
     except ValueError as exc:
         raise ConfigError(str(exc)) from None
     if cfg.dp_eps > 0:
         from defenses.dp import PrivacyBudgetError, check_feasible
 
-        for k, part in enumerate(parts):
-            rounds = participation(cfg, k, cfg.rounds)
+        for k in range(cfg.clients):
+            rounds, size = participation(cfg, k, cfg.rounds), schedule_size(cfg, k)
             try:
                 if rounds:
-                    check_feasible(cfg.dp_eps, cfg.dp_delta, cfg.accountant, len(part), cfg.batch_size,
-                                   cfg.local_epochs, rounds,
-                                   feature_share(cfg))
+                    check_feasible(cfg.dp_eps, cfg.dp_delta, cfg.accountant, size, cfg.batch_size, cfg.local_epochs,
+                                   rounds, feature_share(cfg))
             except PrivacyBudgetError as exc:
-                raise ConfigError(f"client {k} ({len(part)} samples, {len(rounds)} rounds): {exc}") from None
+                raise ConfigError(f"client {k} ({size} samples, {len(rounds)} rounds): {exc}") from None
     build_model(cfg.model, dataset.num_classes, cfg.local_layers, cfg.pretrained, cfg.checkpoint or None, cfg.seed,
                 method_spec(cfg.method).model_adapter(cfg))
 
@@ -418,7 +425,7 @@ def train_run(run_dir: Path, verbose: bool, args: argparse.Namespace | None = No
         else:
             from eftguard.federation.simulation import run_simulated
             with run.lock():
-                run_simulated(run_dir, cfg, verbose)
+                run_simulated(run_dir, cfg, verbose, server_threat_of(cfg))
     except BaseException as exc:
         done = run.completed_rounds()
         if undo and done == 0:
@@ -431,6 +438,14 @@ def train_run(run_dir: Path, verbose: bool, args: argparse.Namespace | None = No
             print(f"\ninterrupted after round {done}; finished rounds are kept. Continue with: "
                   f"eftguard train --resume {run_dir}", file=sys.stderr)
         raise SystemExit(130) from None
+
+
+def server_threat_of(cfg: TrainConfig):
+    """What a --threat run's server sends instead of its model (None: an honest run)."""
+    from attacks.tamper import server_threat
+    from eftguard.federation.client import model_check_limits
+
+    return server_threat(cfg, model_check_limits(cfg)) if cfg.threat != "honest" else None
 
 
 def check_train_flags(args: argparse.Namespace, cfg: TrainConfig) -> None:
@@ -821,7 +836,7 @@ def cmd_supernode(args: argparse.Namespace) -> None:
 
     check_tls_choice(args.root_certificates, args.insecure)
     config = node_config(args.partition, args.clients, args.noise_secret, args.share_truth, args.ledger_dir,
-                         args.max_epsilon, args.model_check, args.model_sha256)
+                         args.max_epsilon, args.model_check, args.initial_model, args.trust_first_model)
     port = args.port if args.port is not None else 9100 + args.partition
     command = supernode_command(args.superlink, args.root_certificates, args.insecure, port, config, args.auth_key)
     raise SystemExit(run_supernode(command))

@@ -22,7 +22,9 @@ FEDERATIONS = ("simulation", "deployment")
 HEAD_PRUNING = ("importance", "random")  # headprune-lora: which heads a client keeps
 HEAD_WEIGHTING = ("importance", "samples")  # headprune-lora: each head's average weighted by alpha_c or by n_k
 CLIENT_SELECTION = ("random", "loss-gap")
-THREATS = ("honest", "malicious")  # malicious: the server tampers with one round's model (attacks/tamper.py)
+# malicious: the server tampers with one round's model; adaptive: every round it moves each client's model towards
+# the tampering as far as the clients' model check allows (attacks/tamper.py)
+THREATS = ("honest", "malicious", "adaptive")
 
 
 class ConfigError(ValueError):
@@ -225,11 +227,14 @@ class TrainConfig:
                 raise ConfigError("--tamper and --tamper-round need --threat malicious")
             return
         if self.tamper not in TAMPERINGS:
-            raise ConfigError(f"--threat malicious needs --tamper NAME, one of {', '.join(TAMPERINGS)}; "
+            raise ConfigError(f"--threat {self.threat} needs --tamper NAME, one of {', '.join(TAMPERINGS)}; "
                               f"got {self.tamper!r}")
         if self.federation != "simulation":
-            raise ConfigError("--threat malicious is for measuring attacks in simulation only: use "
+            raise ConfigError(f"--threat {self.threat} is for measuring attacks in simulation only: use "
                               "--federation simulation")
+        if self.threat == "adaptive" and self.tamper_round:
+            raise ConfigError("--tamper-round is for --threat malicious: an adaptive server drifts towards its "
+                              "tampering every round")
         if not method_spec(self.method).uploads_features:
             uploading = ", ".join(m.name for m in methods_with("uploads_features"))
             raise ConfigError(f"--tamper targets the feature and head uploads; --method {self.method} uploads no "

@@ -1,13 +1,21 @@
-"""The malicious-server measurements of docs/threat-model.md ("Tampered models"): the real server and clients over
-the in-process grid of tests/fakegrid.py (no Ray), vit-tiny-32 on photos, 4 clients, 400 training images.
+"""The malicious-server measurements of docs/threat-model.md: the real server and clients over the in-process grid
+of tests/fakegrid.py (no Ray), vit-tiny-32 on photos.
 
-1. each tampering in round 1 without the model check: kept-patch PSNR of `invert --method tampered` and label
-   recovery of `labels --method tampered` (beside `labels --method head`), each with its baseline;
-2. each tampering with the check on: in round 2 (drift against round 1's model), and in round 1 with and without
-   a published hash of the first model;
-3. 20 honest rounds with the check on: refusals (false alarms) and how close the models came to the drift limit.
+1. each tampering in round 1 without the model check (4 clients, 400 training images): kept-patch PSNR of
+   `invert --method tampered` and label recovery of `labels --method tampered` (beside `labels --method head`),
+   each with its baseline;
+2. each tampering with the check on: in round 1 (the node rebuilds the initial model), in round 2 (one round of
+   drift allowed), and in round 1 when the node trusts the first model it receives (trust-first-model);
+3. the adaptive server's campaigns at the defaults of `eftguard train` (8 clients, 2000 training images, B = 64,
+   E = 1, lr 1e-3): each round every client gets the model nearest the tampering (of the initial model) that its
+   check accepts (attacks.tamper.nearest_within, DRIFT_MARGIN inside each bound); the real check verifies every
+   round's model, and the round's upload is attacked at probe rounds: the first round where the tampering's own
+   attack beats its baseline (kept-patch PSNR 6 dB above the mean image's; label L1 at most half the prior's),
+   found by bisection between probes. Without the check the tampering works in round 1 (part 1);
+4. 20 honest rounds with the check on (4 clients): refusals (false alarms) and how close the models came to each
+   drift limit.
 
-    OMP_NUM_THREADS=1 python experiments/malicious_server.py --out /tmp/malicious
+    OMP_NUM_THREADS=1 python experiments/malicious_server.py --out /tmp/malicious [--parts 1 2 3 4]
 """
 
 import argparse
@@ -15,75 +23,202 @@ import json
 import sys
 from pathlib import Path
 
+import numpy as np
+import torch
+
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from attacks.tamper import TAMPERINGS  # noqa: E402
-from defenses.model_check import state_sha256  # noqa: E402
+from attacks.tamper import TAMPERINGS, nearest_within, tamper_state  # noqa: E402
+from defenses.model_check import ModelCheck, ModelCheckError  # noqa: E402
 from eftguard.audit import run_attack  # noqa: E402
+from eftguard.cli import server_threat_of  # noqa: E402
 from eftguard.config import TrainConfig  # noqa: E402
+from eftguard.federation.client import check_schedule, initial_model, model_check_limits  # noqa: E402
+from eftguard.federation.records import ClientSettings  # noqa: E402
 from eftguard.federation.server import run_server  # noqa: E402
+from eftguard.methods import method_spec  # noqa: E402
 from eftguard.model import build_model  # noqa: E402
 from eftguard.rundir import RunDirectory  # noqa: E402
 from fakegrid import FakeGrid, task_identity  # noqa: E402
 from model_check_margin import margins  # noqa: E402
 
 COMMON = {"clients": 4, "train_samples": 400, "test_samples": 100}
+CAMPAIGN_ROUNDS = 400  # the declared rounds of the campaign's run: the clients accept round numbers up to it
+PROBES = (1, 2, 3, 4, 6, 8, 12, 16, 24, 32, 48, 64, 96, 128, 192, 256, 320, 400)
 
 
-def train(path: Path, check: bool, published: bool = False, **changes) -> RunDirectory:
+def train(path: Path, check: bool, node=None, **changes) -> RunDirectory:
     cfg = TrainConfig(**{**COMMON, "model_check": check, **changes}).resolved()
-    node = {"model-check": check}
-    if published:
-        model = build_model(cfg.model, 10, cfg.local_layers, seed=cfg.seed)
-        node["model-sha256"] = state_sha256({k: v.numpy() for k, v in model.state_dict().items()})
     run = RunDirectory.create(path, cfg)
     with task_identity():
-        run_server(FakeGrid(cfg.clients, node_config=node), run.path)
+        run_server(FakeGrid(cfg.clients, node_config={"model-check": check, **(node or {})}), run.path,
+                   server_threat_of(cfg))
     return run
 
 
 def refused(run: RunDirectory, round_number: int) -> str:
     dropped = run.metrics()[round_number - 1]["dropped"]
-    return f"{sum('refuses' in r for r in dropped.values())}/{COMMON['clients']}"
+    return f"{sum('refuses' in r for r in dropped.values())}/{run.config().clients}"
+
+
+def tampered_figures(run: RunDirectory) -> dict:
+    invert = run_attack(run.path, "invert", "tampered", lpips_backend="stlpips-alex", max_images=0).figures()
+    labels = run_attack(run.path, "labels", "tampered").figures()
+    return {"psnr_kept": invert["psnr_kept"], "baseline_kept.psnr": invert["baseline_kept.psnr"],
+            "l1": labels["l1"], "baseline.l1": labels["baseline.l1"]}
+
+
+def succeeded(tamper: str, figures: dict) -> bool:
+    """The tampering's own attack beats its baseline: 6 dB on the kept patches, or half the prior's label error."""
+    if tamper == "label-probe":
+        return figures["l1"] <= figures["baseline.l1"] / 2
+    return figures["psnr_kept"] >= figures["baseline_kept.psnr"] + 6
+
+
+class Fixed:
+    """A server threat that sends one given model to every client (a probe of the campaign's round k)."""
+
+    def __init__(self, state: dict[str, np.ndarray], name: str):
+        self.state, self.name = {k: torch.from_numpy(v.astype(np.float32)) for k, v in state.items()}, name
+
+    def prepare(self, initial, current):
+        pass
+
+    def tampering(self, round_number):
+        return self.name
+
+    def sent(self, round_number, partitions, state):
+        return dict.fromkeys(partitions, self.state)
+
+    def accepted(self, round_number, partitions):
+        pass
+
+
+def probe(out: Path, cfg: TrainConfig, tamper: str, state: dict[str, np.ndarray], round_number: int) -> dict:
+    """One round whose clients receive `state` (the campaign's model of round_number), attacked."""
+    probe_cfg = TrainConfig(**{**cfg.__dict__, "threat": "malicious", "tamper": tamper, "tamper_round": 1,
+                               "rounds": 1, "model_check": False}).resolved()
+    run = RunDirectory.create(out / f"probe-{tamper}-r{round_number}", probe_cfg)
+    with task_identity():
+        run_server(FakeGrid(probe_cfg.clients, node_config={"model-check": False}), run.path, Fixed(state, tamper))
+    return tampered_figures(run)
+
+
+class Campaign:
+    """The adaptive server's models round by round (every client takes part every round at the defaults), each
+    verified by a real client's check before the next is made."""
+
+    def __init__(self, tamper: str, folder: Path):
+        self.cfg = TrainConfig(threat="adaptive", tamper=tamper, rounds=CAMPAIGN_ROUNDS).resolved()
+        model = build_model(self.cfg.model, 10, self.cfg.local_layers, seed=self.cfg.seed)
+        self.initial = {k: v.numpy().astype(np.float64) for k, v in model.state_dict().items()}
+        target = tamper_state(tamper, model.state_dict(), self.cfg, 0)
+        self.target = {k: v.numpy().astype(np.float64) for k, v in target.items()}
+        self.limits = model_check_limits(self.cfg)
+        self.check = ModelCheck(folder, 0, initial_model())
+        self.schedule = check_schedule(self.cfg, 10)
+        self.round, self.state, self.accepted = 0, None, 0
+
+    def advance(self) -> dict[str, np.ndarray]:
+        """The next round's model, after the check accepted it."""
+        self.round += 1
+        boxes = [(self.initial, self.limits(self.round, self.initial, self.round - 1))]
+        if self.state is not None:
+            boxes.append((self.state, self.limits(self.round, self.state, 1)))
+        self.state = nearest_within(self.target, boxes)
+        settings = ClientSettings.from_config(self.cfg, self.round, run_id="a" * 32)
+        self.check.verify(settings, method_spec(self.cfg.method), {k: v.astype(np.float32)
+                                                                   for k, v in self.state.items()}, *self.schedule)
+        self.accepted += 1
+        return self.state
+
+    def remaining(self) -> float:
+        """The largest distance left to the target, over every coordinate."""
+        return max(float(np.abs(self.target[k] - self.state[k]).max()) for k in self.target)
+
+
+def campaign(out: Path, tamper: str) -> dict:
+    work = out / f"campaign-{tamper}"
+    run = Campaign(tamper, work / "nodes")
+    figures, found, last_miss = {}, None, 0
+    try:
+        for round_number in range(1, CAMPAIGN_ROUNDS + 1):
+            state = run.advance()
+            if round_number in PROBES:
+                figures[round_number] = probe(work, run.cfg, tamper, state, round_number)
+                print(json.dumps({tamper: {round_number: figures[round_number]}}), flush=True)
+                if succeeded(tamper, figures[round_number]):
+                    found = round_number
+                    break
+                last_miss = round_number
+    except ModelCheckError as exc:  # the adaptive server left a bound: a bug of the campaign, reported as such
+        return {"error": f"round {run.round} refused by the check: {exc}"}
+    if found is not None and found - last_miss > 1:  # bisect between the probes
+        low, high = last_miss, found
+        while high - low > 1:
+            middle = (low + high) // 2
+            again = Campaign(tamper, work / f"nodes-{middle}")
+            for _ in range(middle):
+                state = again.advance()
+            figures[middle] = probe(work, again.cfg, tamper, state, middle)
+            low, high = (middle, high) if not succeeded(tamper, figures[middle]) else (low, middle)
+        found = high
+    return {"rounds_to_success": found, "declared_rounds": CAMPAIGN_ROUNDS, "rounds_checked": run.accepted,
+            "largest_distance_left": run.remaining(), "figures": {str(k): v for k, v in sorted(figures.items())}}
 
 
 def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--out", type=Path, required=True)
-    out = parser.parse_args().out
-    results = {"attacks": {}, "caught": {}}
-    for tamper in ["none", *TAMPERINGS]:
-        for batch in (64, 256):
-            if batch == 256 and tamper != "label-probe":
-                continue
-            threat = {} if tamper == "none" else {"threat": "malicious", "tamper": tamper}
-            run = train(out / f"attack-{tamper}-b{batch}", False, batch_size=batch, rounds=1, **threat)
-            invert = run_attack(run.path, "invert", "tampered", lpips_backend="stlpips-alex", max_images=0).figures()
-            labels = {m: run_attack(run.path, "labels", m).figures() for m in ("tampered", "head")}
-            results["attacks"][f"{tamper}, B={batch}"] = {
-                "psnr_kept": invert["psnr_kept"], "baseline_kept.psnr": invert["baseline_kept.psnr"],
-                **{f"{m} {k}": v[k] for m, v in labels.items() for k in ("l1", "exact_count_accuracy")},
-                "baseline l1": labels["head"]["baseline.l1"],
-                "baseline exact_count_accuracy": labels["head"]["baseline.exact_count_accuracy"]}
-            print(json.dumps({f"{tamper}, B={batch}": results["attacks"][f"{tamper}, B={batch}"]}), flush=True)
-    for tamper in TAMPERINGS:
-        threat = {"threat": "malicious", "tamper": tamper}
-        results["caught"][tamper] = {
-            "round 2": refused(train(out / f"check-{tamper}-r2", True, rounds=2, tamper_round=2, **threat), 2),
-            "round 1, no hash": refused(train(out / f"check-{tamper}-r1", True, rounds=1, **threat), 1),
-            "round 1, published hash": refused(train(out / f"check-{tamper}-r1-hash", True, True, rounds=1,
-                                                     **threat), 1)}
-        print(json.dumps({tamper: results["caught"][tamper]}), flush=True)
-    honest = train(out / "honest-20", True, True, rounds=20)
-    shares = [share for _, share, _ in margins(honest)]
-    dropped = [reason for r in honest.metrics() for reason in r["dropped"].values()]
-    results["honest"] = {"rounds": 20, "client_rounds": sum(len(r["clients"]) for r in honest.metrics()),
-                         "refusals": sum("refuses" in reason for reason in dropped), "dropped": len(dropped),
-                         "largest_share_of_limit": max(shares),
-                         "median_share_of_limit": sorted(shares)[len(shares) // 2]}
-    print(json.dumps({"honest": results["honest"]}), flush=True)
-    (out / "results.json").write_text(json.dumps(results, indent=1))
+    parser.add_argument("--parts", type=int, nargs="+", default=[1, 2, 3, 4])
+    args = parser.parse_args()
+    out = args.out
+    results_file = out / "results.json"
+    results = json.loads(results_file.read_text()) if results_file.exists() else {}
+    if 1 in args.parts:
+        results["attacks"] = {}
+        for tamper in ["none", *TAMPERINGS]:
+            for batch in (64, 256):
+                if batch == 256 and tamper != "label-probe":
+                    continue
+                threat = {} if tamper == "none" else {"threat": "malicious", "tamper": tamper}
+                run = train(out / f"attack-{tamper}-b{batch}", False, batch_size=batch, rounds=1, **threat)
+                invert = run_attack(run.path, "invert", "tampered", lpips_backend="stlpips-alex",
+                                    max_images=0).figures()
+                labels = {m: run_attack(run.path, "labels", m).figures() for m in ("tampered", "head")}
+                key = f"{tamper}, B={batch}"
+                results["attacks"][key] = {
+                    "psnr_kept": invert["psnr_kept"], "baseline_kept.psnr": invert["baseline_kept.psnr"],
+                    **{f"{m} {k}": v[k] for m, v in labels.items() for k in ("l1", "exact_count_accuracy")},
+                    "baseline l1": labels["head"]["baseline.l1"],
+                    "baseline exact_count_accuracy": labels["head"]["baseline.exact_count_accuracy"]}
+                print(json.dumps({key: results["attacks"][key]}), flush=True)
+    if 2 in args.parts:
+        results["caught"] = {}
+        for tamper in TAMPERINGS:
+            threat = {"threat": "malicious", "tamper": tamper}
+            results["caught"][tamper] = {
+                "round 1": refused(train(out / f"check-{tamper}-r1", True, rounds=1, **threat), 1),
+                "round 2": refused(train(out / f"check-{tamper}-r2", True, rounds=2, tamper_round=2, **threat), 2),
+                "round 1, trust-first-model": refused(train(out / f"check-{tamper}-r1-tofu", True,
+                                                            {"trust-first-model": True}, rounds=1, **threat), 1)}
+            print(json.dumps({tamper: results["caught"][tamper]}), flush=True)
+    if 3 in args.parts:
+        results["adaptive"] = {tamper: campaign(out, tamper) for tamper in TAMPERINGS}
+        print(json.dumps({"adaptive": {t: r.get("rounds_to_success", r) for t, r in results["adaptive"].items()}}))
+    if 4 in args.parts:
+        honest = train(out / "honest-20", True, rounds=20)
+        rows = margins(honest)
+        dropped = [reason for r in honest.metrics() for reason in r["dropped"].values()]
+        results["honest"] = {"rounds": 20, "client_rounds": sum(len(r["clients"]) for r in honest.metrics()),
+                             "refusals": sum("refuses" in reason for reason in dropped), "dropped": len(dropped),
+                             "largest_share_of_limit": max(r[1] for r in rows),
+                             "median_share_of_limit": float(np.median([r[1] for r in rows])),
+                             "largest_share_of_limit_from_initial": max(r[3] for r in rows)}
+        print(json.dumps({"honest": results["honest"]}), flush=True)
+    out.mkdir(parents=True, exist_ok=True)
+    results_file.write_text(json.dumps(results, indent=1))
 
 
 if __name__ == "__main__":

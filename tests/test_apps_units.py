@@ -158,7 +158,7 @@ def test_server_app_runs_the_server_on_its_run_directory(monkeypatch, tmp_path, 
     from eftguard.federation import server
 
     served = []
-    monkeypatch.setattr(server, "run_server", lambda grid, run_dir: served.append((grid, run_dir)))
+    monkeypatch.setattr(server, "run_server", lambda grid, run_dir, threat: served.append((grid, run_dir)))
     app = apps.build_server_app(tmp_path / "bound" if bound else None)
     grid = object()
     app(grid, Context(run_id=1, node_id=0, state=RecordDict({}), run_config={"run-dir": str(tmp_path / "config")},

@@ -13,8 +13,8 @@ import numpy as np
 import pytest
 import torch
 
-from defenses.dp import DPSGD, PrivacyBudgetError, channel_delta, composed_epsilon, epsilon_spent
-from defenses.feature_dp import release_rows, row_clip
+from defenses.dp import DPSGD, PrivacyBudgetError, composed_epsilon, epsilon_spent
+from defenses.feature_dp import null_padded, release_rows, row_clip
 from defenses.feature_noise import release_features
 from defenses.ledger import PrivacyLedger, Spend, Terms
 from eftguard.config import TrainConfig
@@ -190,16 +190,21 @@ def test_adapter_method_round_trains_the_method_model(micro_preset):
 # --- DP ----------------------------------------------------------------------------------------------------------
 
 def dp_reference(s: ClientSettings, state, data, respent: int, *secret: int):
-    """A DP round rebuilt: DP-SGD with the sent noise on the client's own sample rate, then every image's features
-    released through the feature channel with its own seeded noise."""
+    """A DP round rebuilt: DP-SGD with the sent noise on the client's public schedule (its 21 images, no canaries),
+    batches and masks drawn afresh for a re-sent round; then every image's features released through the feature
+    channel, in a random order of the schedule's 21 rows, with the round's own seeded masks, order and noise."""
     n = len(data)
-    dp = DPSGD(SIGMA, CLIP, s.batch_size / n, seeded(s.seed, s.round, CLIENT, 6, respent, *secret))
-    model, _, generator = trained(s, state, data, (s.seed, s.round, CLIENT, 1, *secret), dp)
-    features, keep_ids = extract_features(model, torch.from_numpy(data.images), s.mask_ratio, generator)
+    resend = (respent,) if respent else ()
+    dp = DPSGD(SIGMA, CLIP, s.batch_size / n, seeded(s.seed, s.round, CLIENT, 6, respent, *secret),
+               math.ceil(n / s.batch_size))
+    model, _, _ = trained(s, state, data, (s.seed, s.round, CLIENT, 1, *resend, *secret), dp)
+    release = torch.Generator().manual_seed(seeded(s.seed, s.round, CLIENT, 9, *resend, *secret))
+    features, keep_ids = extract_features(model, torch.from_numpy(data.images), s.mask_ratio, release)
+    padded, labels, order = null_padded(features, torch.from_numpy(data.labels), n, release)
     noise = torch.Generator().manual_seed(seeded(s.seed, s.round, CLIENT, 7, respent, *secret))
-    released, labels = release_rows(features, torch.from_numpy(data.labels), 10, row_clip(s.feature_clip),
-                                    FEATURE_SIGMA, noise)
-    return uploaded_part(model), {"features": released.numpy(), "labels": labels.numpy()}, keep_ids.numpy()
+    released, labels = release_rows(padded, labels, 10, row_clip(s.feature_clip), FEATURE_SIGMA, noise)
+    return (uploaded_part(model), {"features": released.numpy(), "labels": labels.numpy()},
+            keep_ids[order].numpy(), data.ids[order.numpy()])
 
 
 def test_dp_round_trains_through_dp_sgd_with_the_sent_noise_and_reports_the_ledgers_spend(micro_preset, tmp_path,
@@ -210,23 +215,24 @@ def test_dp_round_trains_through_dp_sgd_with_the_sent_noise_and_reports_the_ledg
     caplog.set_level(logging.INFO, logger="eftguard.client")
     upload = client_round(s, state, CLIENT, 2, ledger=ledger)
 
-    update, features, keep_ids = dp_reference(s, state, data, 0)
+    update, features, keep_ids, sample_ids = dp_reference(s, state, data, 0)
     assert_same_arrays(upload.update, update)
     assert_same_arrays(upload.features, features)
-    assert np.array_equal(upload.truth["kept_ids"], keep_ids) and np.array_equal(upload.truth["sample_ids"], data.ids)
+    assert np.array_equal(upload.truth["kept_ids"], keep_ids) and np.array_equal(upload.truth["sample_ids"], sample_ids)
+    assert sorted(sample_ids) == sorted(data.ids) and not np.array_equal(sample_ids, data.ids)  # in a random order
     assert upload.truth["kept_ids"].dtype == upload.truth["sample_ids"].dtype == np.int64
     plain, _, _ = trained(s, state, data, (s.seed, s.round, CLIENT, 1))  # the same batches and masks without DP
     assert not np.allclose(upload.update["head.weight"], plain.head.weight.detach().numpy(), atol=1e-3)
     assert upload.loss == 0.0 and upload.num_examples == 21
+    assert upload.epoch_seconds == upload.epoch_cpu_seconds == [0.0] and upload.feature_seconds == 0.0  # withheld
 
     q, steps = 16 / 21, math.ceil(21 / 16)
-    per_channel = channel_delta(1e-4, 0.5)
     assert upload.dp_report == {
         "dp-noise-multiplier": SIGMA, "dp-sample-rate": q, "dp-steps": steps,
         "dp-epsilon-spent": composed_epsilon([(SIGMA, q, steps), (FEATURE_SIGMA, 1.0, 1)], 1e-4, "rdp"),
-        "dp-epsilon-parameters": epsilon_spent(SIGMA, q, steps, per_channel, "rdp"),
+        "dp-epsilon-parameters": epsilon_spent(SIGMA, q, steps, 1e-4, "rdp"),
         "dp-feature-noise-multiplier": FEATURE_SIGMA,
-        "dp-epsilon-features": epsilon_spent(FEATURE_SIGMA, 1.0, 1, per_channel, "rdp")}
+        "dp-epsilon-features": epsilon_spent(FEATURE_SIGMA, 1.0, 1, 1e-4, "rdp")}
     assert ledger.read(RUN_ID) == (Terms(8.0, 1e-4, "rdp", 0.5),
                                    [Spend(1, SIGMA, q, steps), Spend(1, FEATURE_SIGMA, 1.0, 1, "features")])
     assert [r.getMessage() for r in caplog.records if r.name == "eftguard.client"] == [
@@ -239,9 +245,11 @@ def test_resent_dp_round_gets_fresh_noise_from_the_nodes_secret_and_is_recorded_
     state, data = initial_state(s), own_data(s)
     ledger = PrivacyLedger(tmp_path, CLIENT)
     first, again = (client_round(s, state, CLIENT, 2, secret=9, ledger=ledger) for _ in range(2))
-    update, features, _ = dp_reference(s, state, data, 1, 9)  # the second spend of round 1, with the node's secret
+    update, features, keep_ids, _ = dp_reference(s, state, data, 1, 9)  # the second spend, with the node's secret
     assert_same_arrays(again.update, update)
     assert_same_arrays(again.features, features)
+    assert np.array_equal(again.truth["kept_ids"], keep_ids)
+    assert not np.array_equal(again.truth["kept_ids"], first.truth["kept_ids"])  # fresh masks, not the same sums
     assert not np.array_equal(again.update["head.weight"], first.update["head.weight"])
     assert [(spend.round, spend.channel) for spend in ledger.read(RUN_ID)[1]] == [
         (1, "parameters"), (1, "features"), (1, "parameters"), (1, "features")]

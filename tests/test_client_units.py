@@ -56,9 +56,11 @@ def features(round_number=2, noise_multiplier=2.5):
 
 def test_dp_request_is_read_as_terms_and_the_spend_on_the_clients_own_data():
     assert requested_dp(settings(), 40) == (Terms(3.0, 1e-4, "rdp", 0.5), [Spend(2, 1.5, 0.4, 6), features()])
-    # delta 0 is the default 1 / (10 n) of the client's own n; batch larger than the data: every example, one step
+    # delta 0 is the default min(1e-5, 1 / (100 n)) of the client's schedule size n; batch larger than the
+    # schedule: every example, one step
     assert requested_dp(settings(dp_delta=0.0, batch_size=64, local_epochs=1), 40) == (
-        Terms(3.0, 1 / 400, "rdp", 0.5), [Spend(2, 1.5, 1.0, 1), features()])
+        Terms(3.0, 1e-5, "rdp", 0.5), [Spend(2, 1.5, 1.0, 1), features()])
+    assert requested_dp(settings(dp_delta=0.0, batch_size=64, local_epochs=1), 4000)[0].delta == 1 / 400_000
     assert requested_dp(settings(dp_eps=2, noise_multiplier=3, batch_size=1, local_epochs=1, dp_delta=0.5,
                                  max_grad_norm=1e-9, accountant="prv", dp_feature_share=0.25,
                                  feature_noise_multiplier=1e-9, feature_clip=0.0), 40) == (

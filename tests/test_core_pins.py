@@ -72,11 +72,11 @@ def test_one_dp_step_already_spends_privacy_and_none_spends_nothing():
 
 
 def test_an_unreachable_target_is_refused_with_the_noise_ceiling_and_the_steps_named():
-    with pytest.raises(PrivacyBudgetError, match=r"^--dp-eps 0.01 cannot be met: even noise multiplier 1e\+06 spends "
-                                                 r"epsilon .* at delta 1e-05 over 8 steps with the rdp accountant; "
-                                                 r"raise --dp-eps or --dp-delta, lower --rounds or --local-epochs, "
-                                                 r"or try --accountant prv$"):
-        check_feasible(0.01, 1e-5, "rdp", 250, 64, 1, (1, 2))
+    with pytest.raises(PrivacyBudgetError, match=r"^--dp-eps 0.01 cannot be met at delta 1e-05 over 8 DP-SGD steps "
+                                                 r"and 2 feature releases with the rdp accountant, even at noise "
+                                                 r"multiplier 1e\+06: raise --dp-eps or --dp-delta, lower --rounds or "
+                                                 r"--local-epochs, or try --accountant prv$"):
+        check_feasible(0.01, 1e-5, "rdp", 250, 64, 1, (1, 2), 0.5)
 
 
 def test_dp_training_clips_linear_layers_by_ghost_norms_without_per_sample_gradients(tiny_model, monkeypatch):

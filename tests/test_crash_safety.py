@@ -225,7 +225,7 @@ def test_bad_start_leaves_nothing_behind(tmp_path, capsys, argv, message):
 
 @pytest.mark.parametrize("failure, code", [(FederationError("no client node connected"), 2), (Interrupted(), 130)])
 def test_a_run_that_fails_before_its_first_round_leaves_nothing(tmp_path, capsys, monkeypatch, failure, code):
-    def runtime_fails(run_dir, cfg, verbose):
+    def runtime_fails(run_dir, cfg, verbose, threat):
         assert (Path(run_dir) / "manifest.json").exists()
         raise failure
 

@@ -44,11 +44,12 @@ def pld_epsilon(history: list[tuple[float, float, int]], delta: float) -> float:
     return accountant.get_epsilon(delta)
 
 
-@pytest.mark.parametrize("epsilon", [1.0, pytest.param(8.0, marks=pytest.mark.slow)])  # 8: two PRV calibrations
-def test_composed_epsilon_of_both_channels_matches_dp_accountings_pld_within_1_percent(epsilon):
+@pytest.mark.parametrize("epsilon", [1.0, pytest.param(8.0, marks=pytest.mark.slow)])
+def test_both_channels_are_calibrated_jointly_to_spend_the_budget_asked_for(epsilon):
     """The one accountant (opacus PRV) composing DP-SGD steps and feature releases over all scheduled rounds,
-    as the server calibrates it and as the client's ledger recomposes it, against an independent implementation;
-    and the calibrated total stays within the budget by that implementation too."""
+    as the server calibrates it and as the client's ledger recomposes it, against an independent implementation:
+    the composed total is the epsilon asked for (not a fraction of it) and never above it, and each channel alone
+    spends less."""
     budget = client_budget(epsilon, 1e-4, "prv", 300, 64, 1, (1, 2, 4, 5), feature_share=0.5)
     history = [(budget.noise_multiplier, budget.sample_rate, 4 * budget.steps_per_round),
                (budget.feature_noise_multiplier, 1.0, 4)]
@@ -57,11 +58,11 @@ def test_composed_epsilon_of_both_channels_matches_dp_accountings_pld_within_1_p
     spends = [Spend(r, budget.noise_multiplier, budget.sample_rate, budget.steps_per_round) for r in (1, 2, 4, 5)]
     spends += [Spend(r, budget.feature_noise_multiplier, 1.0, 1, "features") for r in (1, 2, 4, 5)]
     assert compose(spends, 1e-4, "prv") == pytest.approx(independent, rel=0.01)
-    assert independent <= epsilon
-    for channel, (sigma, rate, steps) in zip(("parameters", "features"), history):  # each at delta / 2
-        assert pld_epsilon([(sigma, rate, steps)], 5e-5) == pytest.approx(
-            budget.channel_epsilons_after(5)[channel], rel=0.01)
-        assert pld_epsilon([(sigma, rate, steps)], 5e-5) <= epsilon / 2 * 1.01
+    assert 0.98 * epsilon <= independent <= epsilon * 1.002  # PLD's and PRV's discretisations differ by ~0.2%
+    for channel, (sigma, rate, steps) in zip(("parameters", "features"), history):  # each alone, at delta
+        alone = pld_epsilon([(sigma, rate, steps)], 1e-4)
+        assert alone == pytest.approx(budget.channel_epsilons_after(5)[channel], rel=0.01)
+        assert alone < independent
 
 
 def test_noise_zero_reduces_the_release_to_todays_upload(tiny_model):
@@ -127,17 +128,19 @@ def test_released_row_counts_do_not_depend_on_the_clients_labels(start_state, tm
         private = client_round(dp_settings(CFG), start_state, 0, 2, ledger=ledger)
         median = client_round(ClientSettings.from_config(plain, 1), start_state, 0, 2)
         rows[name] = (len(private.features["labels"]), len(median.features["labels"]))
-        assert np.array_equal(private.truth["sample_ids"], np.sort(private.truth["sample_ids"]))
+        held = run_dataset("photos", "", CFG.model, CFG.train_samples, 0, CFG.seed).train.ids[
+            client_partition("photos", "", CFG.model, CFG.train_samples, CFG.seed, CFG.clients, CFG.beta)[0]]
+        assert sorted(private.truth["sample_ids"]) == sorted(held)  # every image once, in a random order
     assert {dp for dp, _ in rows.values()} == {n}
     assert len({sampled for _, sampled in rows.values()}) > 1, rows
 
 
-def test_client_refuses_a_round_that_would_overspend_the_feature_channel(start_state, tmp_path):
-    """A server that sends the calibrated DP-SGD noise but a quarter of the feature noise: the parameter channel
-    alone would pass, the features would not; the client refuses before training and records nothing."""
+def test_client_refuses_a_round_that_would_overspend_the_budget_through_the_feature_channel(start_state, tmp_path):
+    """A server that sends the calibrated DP-SGD noise but a quarter of the feature noise: the total would pass the
+    budget; the client refuses before training and records nothing."""
     settings = dp_settings(CFG)
     ledger = PrivacyLedger(tmp_path, 0)
-    with pytest.raises(PrivacyBudgetError, match=r"features epsilon \S+ > their share 1.5 of its budget 3"):
+    with pytest.raises(PrivacyBudgetError, match=r"to epsilon \S+ > its budget 3 \(0 rounds recorded"):
         client_round(dataclasses.replace(settings, feature_noise_multiplier=settings.feature_noise_multiplier / 4),
                      start_state, 0, 2, ledger=ledger)
     assert ledger.read(RUN_ID) == (None, [])
@@ -148,37 +151,37 @@ def test_client_refuses_a_round_that_would_overspend_the_feature_channel(start_s
     assert [s.channel for s in ledger.read(RUN_ID)[1]] == ["parameters", "features"]
 
 
-def test_ledger_holds_each_channel_to_its_share(tmp_path):
-    """Not only the total: a round whose total fits but whose parameter channel exceeds its share is refused."""
+def test_ledger_holds_the_composed_total_not_a_split(tmp_path):
+    """The guarantee is the total: a round that spends most of it on one channel is accepted while both composed
+    stay within the budget, and refused as soon as they would not."""
     ledger = PrivacyLedger(tmp_path, 0)
     terms = Terms(4.0, 1e-4, "rdp", 0.5)
-    sigma_features = calibrate(0.5, 5e-5, 1.0, 1, "rdp")  # features far below their share 2
-    sigma_parameters = calibrate(2.5, 5e-5, 0.25, 4, "rdp")  # parameters above theirs
-    planned = [Spend(1, sigma_parameters, 0.25, 4), Spend(1, sigma_features, 1.0, 1, "features")]
-    with pytest.raises(PrivacyBudgetError, match=r"parameters epsilon 2.\d+ > their share 2 of its budget 4"):
-        ledger.authorize(RUN_ID, 1, terms, planned)
-    planned[0] = Spend(1, calibrate(1.9, 5e-5, 0.25, 4, "rdp"), 0.25, 4)
+    lopsided = calibrate(4.0, 1e-4, "rdp", 0.25, 4, 1, 0.05)  # the features get 5% of it
+    planned = [Spend(1, lopsided[0], 0.25, 4), Spend(1, lopsided[1], 1.0, 1, "features")]
     assert ledger.authorize(RUN_ID, 1, terms, planned) == terms
+    greedy = [Spend(1, lopsided[0] * 0.9, 0.25, 4), planned[1]]
+    with pytest.raises(PrivacyBudgetError, match=r"to epsilon 4.\d+ > its budget 4 "):
+        ledger.authorize(RUN_ID, 1, terms, greedy)
 
 
 def test_dp_run_records_epsilon_per_channel_and_uploads_one_row_per_image(tmp_path, capsys):
-    """Through the real server and clients: the per-channel budget is printed before round 1; metrics.jsonl
-    records what each client's ledger spent per channel and in total, within the shares; each client's feature
-    upload has one row per image it holds."""
+    """Through the real server and clients: each client's noise and spend are printed before round 1; metrics.jsonl
+    records what each client's ledger spent per channel alone and in total, the total being the budget; each
+    client's feature upload has one row per image of its schedule."""
     from eftguard.rundir import RunDirectory
 
     path = train_in_process(tmp_path / "run", model=MICRO_PRESET, dp_eps=3.0, accountant="rdp", train_samples=64,
                             batch_size=16)
     printed = capsys.readouterr().err
-    assert "privacy budget per client: epsilon 3 = 1.5 parameters + 1.5 features" in " ".join(printed.split())
-    assert printed.index("ε features") < printed.index("round 1/1")
+    assert "privacy budget per client: epsilon 3 in total over its rounds" in " ".join(printed.split())
+    assert printed.index("feature σ") < printed.index("round 1/1")
     run = RunDirectory.open(path)
     (metrics,) = run.metrics()
     sizes = [len(p) for p in client_partition("photos", "", MICRO_PRESET, 64, 0, 2, 0.1)]
     assert metrics["dropped"] == {} and metrics["feature_sets"] == {str(k): sizes[k] for k in (0, 1)}
     for k in ("0", "1"):
-        assert 1.4 < metrics["epsilon_parameters"][k] <= 1.5 and 1.4 < metrics["epsilon_features"][k] <= 1.5
-        assert max(metrics["epsilon_parameters"][k], metrics["epsilon_features"][k]) < metrics["epsilon"][k] <= 3.0
+        assert max(metrics["epsilon_parameters"][k], metrics["epsilon_features"][k]) < metrics["epsilon"][k]
+        assert 0.995 * 3.0 <= metrics["epsilon"][k] <= 3.0
         assert metrics["epsilon_server"][k] == pytest.approx(metrics["epsilon"][k], rel=1e-9)
         assert metrics["feature_noise_multiplier"][k] > 0 and metrics["noise_multiplier"][k] > 0
     assert math.isfinite(metrics["test_accuracy"])
@@ -186,10 +189,10 @@ def test_dp_run_records_epsilon_per_channel_and_uploads_one_row_per_image(tmp_pa
 
 def test_decoder_inversion_of_kept_patches_falls_to_the_mean_image_under_the_feature_channel():
     """The calibration pair of tests/test_inversion.py (whose undefended half puts the kept patches 6+ dB above
-    the mean image with this decoder) under the DP feature release: from rows released with the noise --dp-eps 8
-    calibrates (half of 8 for the features, 3 rounds, delta / 2 = 5e-5) the same decoder learns nothing but an
-    average image, even knowing the mechanism (it trains on auxiliary features with the same clipping scale and
-    per-coordinate noise)."""
+    the mean image with this decoder) under the DP feature release: from rows released with the feature noise
+    --dp-eps 8 calibrates (3 rounds, a client of 250 images, delta 1e-5, batch 64) the same decoder learns nothing
+    but an average image, even knowing the mechanism (it trains on auxiliary features with the same clipping scale
+    and per-coordinate noise)."""
     from attacks.base import ThreatModel
     from attacks.inversion import DecoderInversion, RoundFeatures
     from defenses.feature_dp import DEFAULT_CLIP
@@ -200,7 +203,7 @@ def test_decoder_inversion_of_kept_patches_falls_to_the_mean_image_under_the_fea
     model = build_model("vit-tiny-32", photos.num_classes, local_layers=2, seed=0)
     targets = photos.train.images[::50][:32]
     client, keep = observe(model, targets, mask_ratio=0.75, positions_known=True)
-    sigma = calibrate(4.0, 5e-5, 1.0, 3, "rdp")
+    sigma = calibrate(8.0, 1e-5, "rdp", 64 / 250, 12, 3, 0.5)[1]
     client.features, _ = release_rows(client.features, client.labels, 10, DEFAULT_CLIP, sigma,
                                       torch.Generator().manual_seed(1))
     per_coordinate = sigma * sensitivity(DEFAULT_CLIP) / DEFAULT_CLIP

@@ -3,6 +3,7 @@ under-count what it spent, or trust a file it should not. Fast enough for the mu
 defenses/ledger.py (docs/mutation.md); tests/test_ledger.py tries the same ledger through real rounds."""
 
 import fcntl
+import hashlib
 import json
 import math
 import re
@@ -16,17 +17,31 @@ RUN_ID = "feedfacecafebeef0123456789abcdef"
 TERMS = Terms(3.0, 1e-3, "rdp")
 ROUND_1 = Spend(1, 1.0, 0.25, 4)  # epsilon 3.17 at delta 1e-3 (rdp): over TERMS' budget on its own
 QUIET = Spend(1, 2.0, 0.25, 4)  # well within TERMS
-SPLIT = Terms(3.0, 1e-3, "rdp", 0.5)  # a run that uploads features: each channel gets half, at delta / 2
+SPLIT = Terms(3.0, 1e-3, "rdp", 0.5)  # a run that uploads features: both channels share the budget
 RELEASE = Spend(1, 3.0, 1.0, 1, "features")  # one Gaussian release of every image
 
 
 def spent(spends, terms=TERMS):
-    """What record returns: each channel composed at its channel delta, the total at delta."""
-    if not terms.feature_share:
-        return {"parameters": compose(spends, terms.delta, terms.accountant),
-                "total": compose(spends, terms.delta, terms.accountant)}
-    return {channel: compose([s for s in spends if s.channel == channel], terms.delta / 2, terms.accountant)
-            for channel in ("parameters", "features")} | {"total": compose(spends, terms.delta, terms.accountant)}
+    """What record returns: each channel alone and the total, all at the run's delta."""
+    channels = ("parameters", "features") if terms.feature_share else ("parameters",)
+    return {channel: compose([s for s in spends if s.channel == channel], terms.delta, terms.accountant)
+            for channel in channels} | {"total": compose(spends, terms.delta, terms.accountant)}
+
+
+def sha256_of(value) -> str:
+    return hashlib.sha256(json.dumps(value, sort_keys=True).encode()).hexdigest()
+
+
+def chained(entries, terms=TERMS, partition=0):
+    """Ledger entries as a node writes them: each names the sha256 of the one before (of its sorted JSON), the
+    first the sha256 of [run id, partition, terms] (written out here, independently of the ledger's helpers)."""
+    previous = sha256_of([RUN_ID, partition, {"declared_epsilon": terms.declared_epsilon, "delta": terms.delta,
+                                              "accountant": terms.accountant, "feature_share": terms.feature_share}])
+    out = []
+    for entry in entries:
+        out.append({**entry, "previous": previous})
+        previous = sha256_of(out[-1])
+    return out
 
 
 def ledger_json(ledger, run_id=RUN_ID):
@@ -64,29 +79,32 @@ def test_ledger_file_holds_the_terms_and_every_spend_with_its_running_epsilon(tm
     path = tmp_path / f"{RUN_ID}-client-03.json"
     assert ledger.path(RUN_ID) == path and path.read_text().endswith("}\n")
     assert json.loads(path.read_text()) == {
-        "format": "eftguard-privacy-ledger", "format_version": 1, "run_id": RUN_ID, "partition": 3,
+        "format": "eftguard-privacy-ledger", "format_version": 2, "run_id": RUN_ID, "partition": 3,
         "terms": {"declared_epsilon": 3.0, "delta": 1e-3, "accountant": "rdp", "feature_share": 0.0},
-        "entries": [
+        "entries": chained([
             {"spend": {"round": 1, "noise_multiplier": 2.0, "sample_rate": 0.25, "steps": 4, "channel": "parameters"},
              "delta": 1e-3, "epsilon_after": compose([QUIET], 1e-3, "rdp")},
             {"spend": {"round": 2, "noise_multiplier": 2.0, "sample_rate": 0.25, "steps": 3, "channel": "parameters"},
-             "delta": 1e-3, "epsilon_after": compose([QUIET, second], 1e-3, "rdp")}]}
+             "delta": 1e-3, "epsilon_after": compose([QUIET, second], 1e-3, "rdp")}], partition=3)}
     assert ledger.read(RUN_ID) == (TERMS, [QUIET, second])
-    assert [p.name for p in tmp_path.iterdir()] == [path.name]  # no temp file left behind
+    assert [p.name for p in tmp_path.iterdir()] == [path.name]  # no temp file left behind; the mark is elsewhere
+    mark = json.loads(ledger.mark_path(RUN_ID).read_text())
+    assert not ledger.mark_path(RUN_ID).is_relative_to(tmp_path)
+    assert (mark["entries"], mark["head"]) == (2, sha256_of(json.loads(path.read_text())["entries"][-1]))
 
 
 def test_a_round_of_a_split_run_records_every_channel_with_the_runs_total(tmp_path):
     ledger = PrivacyLedger(tmp_path, 3)
     total = compose([QUIET, RELEASE], 1e-3, "rdp")
     assert ledger.record(RUN_ID, SPLIT, [QUIET, RELEASE]) == {
-        "parameters": compose([QUIET], 5e-4, "rdp"), "features": compose([RELEASE], 5e-4, "rdp"), "total": total}
+        "parameters": compose([QUIET], 1e-3, "rdp"), "features": compose([RELEASE], 1e-3, "rdp"), "total": total}
     data = ledger_json(ledger)
     assert data["terms"] == {"declared_epsilon": 3.0, "delta": 1e-3, "accountant": "rdp", "feature_share": 0.5}
-    assert data["entries"] == [
+    assert data["entries"] == chained([
         {"spend": {"round": 1, "noise_multiplier": 2.0, "sample_rate": 0.25, "steps": 4, "channel": "parameters"},
          "delta": 1e-3, "epsilon_after": total},
         {"spend": {"round": 1, "noise_multiplier": 3.0, "sample_rate": 1.0, "steps": 1, "channel": "features"},
-         "delta": 1e-3, "epsilon_after": total}]
+         "delta": 1e-3, "epsilon_after": total}], SPLIT, partition=3)
     assert ledger.read(RUN_ID) == (SPLIT, [QUIET, RELEASE])
 
 
@@ -219,17 +237,113 @@ def test_torn_or_foreign_ledger_bytes_are_refused(tmp_path, content):
 
 
 def test_limits_of_a_valid_spend_are_accepted(tmp_path):
-    """Zero steps, zero noise (spends infinity), sampling everything and a file written before the feature channel
-    (no channel: parameters) are records, not damage."""
+    """Zero steps, zero noise (spends infinity), sampling everything and an entry without a channel (parameters) are
+    records, not damage."""
     ledger = PrivacyLedger(tmp_path, 0)
     edge = [Spend(1, 2.0, 1.0, 0), Spend(2, 0.0, 0.25, 4)]
-    write_ledger(ledger, entries=[{"spend": {"round": s.round, "noise_multiplier": s.noise_multiplier,
-                                             "sample_rate": s.sample_rate, "steps": s.steps}} for s in edge])
+    entries = chained([{"spend": {"round": s.round, "noise_multiplier": s.noise_multiplier,
+                                  "sample_rate": s.sample_rate, "steps": s.steps}} for s in edge])
+    ledger.path(RUN_ID).write_text(json.dumps({"format": "eftguard-privacy-ledger", "format_version": 2,
+                                               "run_id": RUN_ID, "partition": 0, "terms": TERMS.__dict__,
+                                               "entries": entries}))
     assert ledger.read(RUN_ID) == (TERMS, edge)
     assert ledger.record(RUN_ID, TERMS, [QUIET]) == {"parameters": math.inf, "total": math.inf}
     split = PrivacyLedger(tmp_path / "split", 0)
     split.record(RUN_ID, SPLIT, [Spend(1, 2.0, 0.25, 4, "features"), Spend(1, 0.0, 1.0, 1, "features")])
     assert split.record(RUN_ID, SPLIT, []) == {"parameters": 0.0, "features": math.inf, "total": math.inf}
+
+
+# --- a shortened history is refused (issue 34, item 3) ------------------------------------------------------
+
+def three_rounds(tmp_path):
+    ledger = PrivacyLedger(tmp_path, 0)
+    for number in (1, 2, 3):
+        ledger.record(RUN_ID, TERMS, [Spend(number, 8.0, 0.25, 4)])
+    return ledger
+
+
+def rewrite(ledger, entries):
+    """A hand edit that keeps the file well formed and its hash chain intact (anyone can recompute it)."""
+    data = ledger_json(ledger)
+    data["entries"] = chained([{k: v for k, v in e.items() if k != "previous"} for e in entries])
+    ledger.path(RUN_ID).write_text(json.dumps(data))
+
+
+@pytest.mark.parametrize("edit", ["drop the last round", "drop the first round", "lower a round's steps"])
+def test_a_shortened_or_edited_history_is_refused_even_with_its_hash_chain_recomputed(tmp_path, edit):
+    ledger = three_rounds(tmp_path)
+    entries = ledger_json(ledger)["entries"]
+    if edit == "drop the last round":
+        entries = entries[:-1]
+    elif edit == "drop the first round":
+        entries = entries[1:]
+    else:
+        entries[0]["spend"]["steps"] = 1
+    rewrite(ledger, entries)
+    with pytest.raises(LedgerError, match=r"is damaged \(its mark .* records 3 spends that the file no longer holds "
+                                          r"as written\)"):
+        ledger.read(RUN_ID)
+    with pytest.raises(LedgerError):  # and the node does not train on it
+        ledger.authorize(RUN_ID, 4, TERMS, [Spend(4, 8.0, 0.25, 4)])
+
+
+def test_an_entry_edited_without_its_chain_is_refused(tmp_path):
+    ledger = three_rounds(tmp_path)
+    data = ledger_json(ledger)
+    data["entries"][1]["spend"]["noise_multiplier"] = 80.0
+    ledger.path(RUN_ID).write_text(json.dumps(data))
+    with pytest.raises(LedgerError, match=r"entry 2 does not follow the one before it \(hash chain broken\)"):
+        ledger.read(RUN_ID)
+
+
+def test_a_deleted_ledger_is_refused_while_its_mark_remains(tmp_path):
+    ledger = three_rounds(tmp_path)
+    ledger.path(RUN_ID).unlink()
+    with pytest.raises(LedgerError, match=rf"^privacy ledger {re.escape(str(ledger.path(RUN_ID)))} is missing, but "
+                                          r"its mark .* records 3 spends in this run: restore the ledger"):
+        ledger.authorize(RUN_ID, 4, TERMS, [Spend(4, 8.0, 0.25, 4)])
+
+
+def test_a_ledger_ahead_of_its_mark_reads_a_crash_between_the_two_writes(tmp_path):
+    """The ledger is written before its mark: a crash in between leaves the ledger ahead, which must read (the
+    crash over-counts, never under-counts), and the next record brings the mark up."""
+    ledger = three_rounds(tmp_path)
+    mark = ledger.mark_path(RUN_ID).read_text()
+    ledger.record(RUN_ID, TERMS, [Spend(4, 8.0, 0.25, 4)])
+    ledger.mark_path(RUN_ID).write_text(mark)  # the mark of three rounds beside a ledger of four
+    assert len(ledger.read(RUN_ID)[1]) == 4
+    ledger.record(RUN_ID, TERMS, [Spend(5, 8.0, 0.25, 4)])
+    assert json.loads(ledger.mark_path(RUN_ID).read_text())["entries"] == 5
+
+
+def test_a_lost_mark_is_rewritten_from_the_ledger_and_a_damaged_one_is_refused(tmp_path):
+    ledger = three_rounds(tmp_path)
+    ledger.mark_path(RUN_ID).unlink()
+    assert len(ledger.read(RUN_ID)[1]) == 3
+    ledger.record(RUN_ID, TERMS, [Spend(4, 8.0, 0.25, 4)])
+    assert json.loads(ledger.mark_path(RUN_ID).read_text())["entries"] == 4
+    ledger.mark_path(RUN_ID).write_text("{")
+    with pytest.raises(LedgerError, match=r"^privacy ledger mark .* is damaged"):
+        ledger.read(RUN_ID)
+
+
+def test_two_ledger_folders_keep_their_own_marks(tmp_path):
+    """Two nodes on one host (or two tests) with the same run id and partition in different folders."""
+    first, second = three_rounds(tmp_path / "a"), PrivacyLedger(tmp_path / "b", 0)
+    assert first.mark_path(RUN_ID) != second.mark_path(RUN_ID)
+    assert second.read(RUN_ID) == (None, [])
+
+
+def test_a_ledger_written_before_the_hash_chain_is_refused_not_trusted(tmp_path):
+    ledger = PrivacyLedger(tmp_path, 0)
+    ledger.record(RUN_ID, TERMS, [QUIET])
+    data = ledger_json(ledger)
+    data["format_version"] = 1
+    for entry in data["entries"]:
+        del entry["previous"]
+    ledger.path(RUN_ID).write_text(json.dumps(data))
+    with pytest.raises(LedgerError, match=r"format version 1, not 2 \(hash-chained\)"):
+        ledger.read(RUN_ID)
 
 
 # --- authorising a round ----------------------------------------------------------------------------------------
@@ -252,15 +366,12 @@ def test_node_with_a_ceiling_refuses_every_round_without_dp(tmp_path):
         PrivacyLedger(tmp_path, 0, 5.0).authorize(RUN_ID, 1, None, None)
 
 
-def over_budget(round_number, planned, spent, budget, recorded, ledger, shares=None):
-    """The refusal: the total first, then every channel over its share (parameters-only: its share is the budget)."""
+def over_budget(round_number, planned, spent, budget, recorded, ledger):
+    """The refusal: the total, both channels composed, above the budget."""
     sigmas = ", ".join(f"{p.noise_multiplier:.4f} ({p.channel})" for p in planned)
-    over = [f"epsilon {spent['total']:.3f} > its budget {budget:g}"] if spent["total"] > budget else []
-    over += [f"{name} epsilon {spent[name]:.3f} > their share {limit:.3g} of its budget {budget:g}"
-             for name, limit in (shares or {"parameters": budget}).items() if spent[name] > limit]
     return re.escape(f"round {round_number} with noise multiplier {sigmas} would bring this node's recorded spend "
-                     f"in run {RUN_ID} to {' and '.join(over)} ({recorded} rounds recorded in {ledger.path(RUN_ID)}"
-                     "): refused")
+                     f"in run {RUN_ID} to epsilon {spent['total']:.3f} > its budget {budget:g} ({recorded} rounds "
+                     f"recorded in {ledger.path(RUN_ID)}): refused")
 
 
 def test_round_spending_exactly_the_budget_is_allowed_and_any_more_is_refused(tmp_path):
@@ -275,40 +386,24 @@ def test_round_spending_exactly_the_budget_is_allowed_and_any_more_is_refused(tm
         ledger.authorize(RUN_ID, 2, exact, more)
 
 
-LOUD = {"parameters": Spend(1, 2.0, 0.25, 4), "features": RELEASE}  # the channel brought to its share
-FAINT = {"parameters": Spend(1, 8.0, 0.25, 4), "features": Spend(1, 12.0, 1.0, 1, "features")}  # far from it
-OVER = {"parameters": Spend(2, 2.0, 0.25, 5), "features": Spend(2, 2.9, 1.0, 1, "features")}  # a little more
-
-
-@pytest.mark.parametrize("channel", ["parameters", "features"])
-def test_channel_spending_exactly_its_share_is_allowed_and_any_more_is_refused(tmp_path, channel):
-    """Each channel is held to its share at delta / 2, as calibrated, even while the total is well within
-    budget: a server that sends the calibrated noise on one channel and too little on the other is refused."""
-    other = "features" if channel == "parameters" else "parameters"
-
-    def round_of(number, spends):
-        return sorted((Spend(number, s.noise_multiplier, s.sample_rate, s.steps, s.channel) for s in spends),
-                      key=lambda s: s.channel != "parameters")
-
-    first = round_of(1, [LOUD[channel], FAINT[other]])
-    exact = Terms(2 * compose(round_of(1, [LOUD[channel]]) * 2, 5e-4, "rdp"), 1e-3, "rdp", 0.5)
+def test_the_budget_is_the_composed_total_whatever_the_split_between_channels(tmp_path):
+    """Two rounds spending nearly everything on one channel and little on the other fit while their composition
+    does; one step more on the loud channel does not."""
+    loud, faint = Spend(1, 2.0, 0.25, 4), Spend(1, 12.0, 1.0, 1, "features")
+    exact = Terms(compose([loud, faint, loud, faint], 1e-3, "rdp"), 1e-3, "rdp", 0.5)
     ledger = PrivacyLedger(tmp_path, 0)
-    assert ledger.authorize(RUN_ID, 1, exact, first) == exact
-    ledger.record(RUN_ID, exact, first)
-    assert ledger.authorize(RUN_ID, 2, exact, round_of(2, [LOUD[channel], FAINT[other]])) == exact
-    more = round_of(2, [OVER[channel], FAINT[other]])
-    spent_then = spent(first + more, exact)
-    assert spent_then["total"] < exact.declared_epsilon  # only the share is exceeded
-    shares = {"parameters": exact.declared_epsilon / 2, "features": exact.declared_epsilon / 2}
-    refusal = over_budget(2, more, spent_then, exact.declared_epsilon, 1, ledger, shares)
-    with pytest.raises(PrivacyBudgetError, match=rf"^{refusal}$") as refused:
+    assert ledger.authorize(RUN_ID, 1, exact, [loud, faint]) == exact
+    ledger.record(RUN_ID, exact, [loud, faint])
+    second = [Spend(2, 2.0, 0.25, 4), Spend(2, 12.0, 1.0, 1, "features")]
+    assert ledger.authorize(RUN_ID, 2, exact, second) == exact
+    more = [Spend(2, 2.0, 0.25, 5), second[1]]
+    refusal = over_budget(2, more, spent([loud, faint] + more, exact), exact.declared_epsilon, 1, ledger)
+    with pytest.raises(PrivacyBudgetError, match=rf"^{refusal}$"):
         ledger.authorize(RUN_ID, 2, exact, more)
-    assert f"{channel} epsilon" in str(refused.value) and f"{other} epsilon" not in str(refused.value)
 
 
 def test_first_round_over_the_declared_budget_is_refused(tmp_path):
-    with pytest.raises(PrivacyBudgetError, match=r"to epsilon 3.171 > its budget 3 and parameters epsilon 3.171 > "
-                                                 r"their share 3 of its budget 3 \(0 rounds recorded"):
+    with pytest.raises(PrivacyBudgetError, match=r"to epsilon 3.171 > its budget 3 \(0 rounds recorded"):
         PrivacyLedger(tmp_path, 0).authorize(RUN_ID, 1, TERMS, [ROUND_1])
 
 
@@ -321,7 +416,7 @@ def test_the_first_rounds_terms_bind_the_run_whatever_the_server_asks_later(tmp_
     looser = [Terms(30.0, 1e-3, "rdp"), Terms(3.0, 0.2, "rdp"), Terms(3.0, 1e-3, "prv")]
     assert [compose([QUIET] + later, t.delta, t.accountant) < 3.0 for t in looser] == [False, True, True]
     for requested in looser:
-        with pytest.raises(PrivacyBudgetError, match=r"> its budget 3 and parameters epsilon .* \(1 rounds recorded"):
+        with pytest.raises(PrivacyBudgetError, match=r"> its budget 3 \(1 rounds recorded"):
             ledger.authorize(RUN_ID, 2, requested, later)
     with pytest.raises(PrivacyBudgetError, match=rf"^the server asks for feature share 0.5, but run {RUN_ID} began "
                                                   rf"with 0.0: refused$"):
@@ -334,19 +429,6 @@ def test_budget_is_the_lower_of_the_nodes_ceiling_and_the_declared_epsilon(tmp_p
     with pytest.raises(PrivacyBudgetError, match=rf"> its budget {budget} "):
         PrivacyLedger(tmp_path, 0, ceiling).authorize(RUN_ID, 1, TERMS, [ROUND_1])
     assert PrivacyLedger(tmp_path, 0, 5.0).authorize(RUN_ID, 1, TERMS, [QUIET]) == TERMS
-
-
-@pytest.mark.parametrize("ceiling, share", [(1.0, "0.5"), (5.0, "1.5")])
-def test_each_channels_share_is_of_the_lower_budget(tmp_path, ceiling, share):
-    """A feature release at 0.6 < 1 < 1.5 (its share of 3): refused under a node ceiling of 1, allowed without."""
-    release = [Spend(1, 4.0, 1.0, 1, "features")]
-    assert 0.5 < compose(release, 5e-4, "rdp") < 1.5
-    ledger = PrivacyLedger(tmp_path, 0, ceiling)
-    if ceiling < 3:
-        with pytest.raises(PrivacyBudgetError, match=rf"features epsilon \S+ > their share {share} of its budget 1 "):
-            ledger.authorize(RUN_ID, 1, SPLIT, release)
-    else:
-        assert ledger.authorize(RUN_ID, 1, SPLIT, release) == SPLIT
 
 
 def test_refused_round_leaves_no_ledger_file(tmp_path):

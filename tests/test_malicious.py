@@ -1,6 +1,7 @@
 """A malicious server (issue 15, item 2): it tampers with the model it sends in one round (attacks/tamper.py), the
 clients train and upload as usual over the real server and the in-process grid, and the attack reads what came
-back; the clients' model check (defenses/model_check.py) refuses every tampering and passes honest rounds."""
+back; the clients' model check (defenses/model_check.py) refuses every tampering and every mid-run change of the
+settings, and passes honest rounds."""
 
 import dataclasses
 import json
@@ -13,9 +14,8 @@ from attacks.labels import TamperedHeadAttack
 from attacks.tamper import TAMPERINGS
 from conftest import attacks_guarded
 from eftguard.audit import run_attack
-from eftguard.cli import main
+from eftguard.cli import main, server_threat_of
 from eftguard.config import TrainConfig
-from defenses.model_check import state_sha256
 from eftguard.federation.errors import FederationError
 from eftguard.federation.server import run_server
 from eftguard.federation.simulation import forget_received_models
@@ -38,7 +38,7 @@ def config(micro, **changes) -> TrainConfig:
 
 def train(path, cfg) -> RunDirectory:
     run = RunDirectory.create(path, cfg)
-    run_server(FakeGrid(cfg.clients, node_config={"model-check": cfg.model_check}), run.path)
+    run_server(FakeGrid(cfg.clients, node_config={"model-check": cfg.model_check}), run.path, server_threat_of(cfg))
     return run
 
 
@@ -80,21 +80,16 @@ def test_the_model_check_passes_honest_rounds_under_an_lr_schedule_and_with_cana
     assert len([r for r in caplog.records if "passed the check" in r.getMessage()]) == 6
 
 
-def first_model_sha256(cfg) -> str:
-    """What a deployment would publish: the hash of the run's first model (seeded, from the configuration)."""
-    model = build_model(cfg.model, 10, cfg.local_layers, seed=cfg.seed)
-    return state_sha256({k: v.numpy() for k, v in model.state_dict().items()})
-
-
 @pytest.mark.parametrize("tamper", sorted(TAMPERINGS))
 @pytest.mark.parametrize("tamper_round", [1, 2])
 def test_the_model_check_refuses_every_tampering_and_a_refused_round_uploads_nothing(tmp_path, micro_preset, tamper,
                                                                                       tamper_round):
-    """Round 1 is the first model a node sees: checked against the published hash; round 2 against round 1's
-    model. Every node refuses, the server records why, nothing of the round is stored, the other round is fine."""
+    """Round 1 must send the run's initial model, which each node rebuilds itself from the configuration; round 2
+    may have moved one round of training from it and from round 1's model. Every node refuses, the server records
+    why, nothing of the round is stored, the other round is fine."""
     cfg = config(micro_preset, rounds=2, threat="malicious", tamper=tamper, tamper_round=tamper_round)
     run = RunDirectory.create(tmp_path / "run", cfg)
-    run_server(FakeGrid(2, node_config={"model-check": True, "model-sha256": first_model_sha256(cfg)}), run.path)
+    run_server(FakeGrid(2, node_config={"model-check": True}), run.path, server_threat_of(cfg))
     records = run.metrics()
     assert records[tamper_round - 1]["tampered"] == tamper
     reasons = records[tamper_round - 1]["dropped"]
@@ -104,13 +99,37 @@ def test_the_model_check_refuses_every_tampering_and_a_refused_round_uploads_not
     assert records[2 - tamper_round]["dropped"] == {}
 
 
-def test_without_a_published_hash_only_a_crude_first_model_is_refused(tmp_path, micro_preset):
-    """The limit of the check: a first model that avoids exact zeros and isometries passes (stealth-embed), a crude
-    one does not (identity-embed)."""
-    crude, stealthy = (train(tmp_path / name, config(micro_preset, threat="malicious", tamper=name, tamper_round=1))
+def test_trusting_the_first_model_refuses_only_a_crude_one(tmp_path, micro_preset):
+    """The limit of trust on first use (trust-first-model): a first model that avoids exact zeros and isometries
+    passes (stealth-embed), a crude one does not (identity-embed). By default the node rebuilds the initial model
+    and refuses both (above)."""
+    crude, stealthy = (RunDirectory.create(tmp_path / name, config(micro_preset, threat="malicious", tamper=name,
+                                                                  tamper_round=1))
                        for name in ("identity-embed", "stealth-embed"))
+    for run in (crude, stealthy):
+        run_server(FakeGrid(2, node_config={"model-check": True, "trust-first-model": True}), run.path,
+                   server_threat_of(run.config()))
     assert sorted(crude.metrics()[0]["dropped"]) == ["0", "1"]
     assert stealthy.metrics()[0]["dropped"] == {}
+
+
+def test_a_run_from_a_checkpoint_needs_the_nodes_copy_of_it(tmp_path, micro_preset):
+    """The initial model a node rebuilds from the configuration is the seeded one: a run that starts from a
+    checkpoint is refused in round 1 unless the node holds that checkpoint (initial-model), as simulated nodes do."""
+    from safetensors.torch import save_file
+
+    checkpoint = tmp_path / "start.safetensors"
+    save_file({k: v.contiguous() for k, v in build_model(micro_preset, 10, 2, seed=7).state_dict().items()},
+              checkpoint)
+    cfg = config(micro_preset, checkpoint=str(checkpoint))
+    for name, node in (("blind", {}), ("holder", {"initial-model": str(checkpoint)})):
+        run = RunDirectory.create(tmp_path / name, cfg)
+        run_server(FakeGrid(2, node_config={"model-check": True, **node}), run.path)
+        dropped = run.metrics()[0]["dropped"]
+        if name == "blind":
+            assert sorted(dropped) == ["0", "1"] and "copy: initial-model" in dropped["0"]
+        else:
+            assert dropped == {}
 
 
 def test_a_label_probe_round_gives_the_class_counts_away_and_an_honest_round_does_not(tmp_path, micro_preset,
@@ -160,13 +179,17 @@ def test_bad_threat_flags_are_one_clear_error_before_any_work(capsys, tmp_path, 
     assert len(err.strip().splitlines()[-1]) and not (tmp_path / "run").exists()
 
 
-def test_a_bad_published_hash_is_one_clear_error_before_the_node_starts(capsys):
+@pytest.mark.parametrize("extra, message", [
+    (["--initial-model", "/nonexistent/start.safetensors"], "--initial-model /nonexistent/start.safetensors does not "
+                                                            "exist"),
+    (["--initial-model", "/dev/null", "--trust-first-model"], "--initial-model and --trust-first-model exclude "
+                                                               "each other"),
+])
+def test_a_bad_initial_model_is_one_clear_error_before_the_node_starts(capsys, extra, message):
     with pytest.raises(SystemExit) as exit_info:
-        main(["supernode", "--superlink", "127.0.0.1:1", "--insecure", "--partition", "0", "--clients", "2",
-              "--model-sha256", "abc"])
+        main(["supernode", "--superlink", "127.0.0.1:1", "--insecure", "--partition", "0", "--clients", "2", *extra])
     err = capsys.readouterr().err
-    assert exit_info.value.code == 2
-    assert err.strip().splitlines()[-1] == "eftguard: error: --model-sha256 must be 64 hex digits (a sha256), got 'abc'"
+    assert exit_info.value.code == 2 and message in err.strip().splitlines()[-1] and "Traceback" not in err
 
 
 def test_adams_step_bound_holds_for_gradients_built_to_break_it():
@@ -214,7 +237,7 @@ def test_a_tampering_the_model_cannot_take_fails_before_any_round(tmp_path, micr
     cfg = config(micro_preset, threat="malicious", tamper="identity-embed")
     run = RunDirectory.create(tmp_path / "run", cfg)
     with pytest.raises(FederationError, match="^--tamper identity-embed: identity-embed needs a ViT without"):
-        run_server(FakeGrid(2), run.path)
+        run_server(FakeGrid(2), run.path, server_threat_of(cfg))
     assert run.metrics() == []
 
 
@@ -239,17 +262,18 @@ def test_a_resent_round_must_be_unchanged_and_training_settings_must_not_change_
 
     settings = ClientSettings.from_config(TrainConfig(), 1, run_id="0" * 32)
     state = {"head.weight": np.full((2, 3), 0.1, dtype=np.float32)}
-    check = ModelCheck(tmp_path, 0)
+    check = ModelCheck(tmp_path, 0, initial_model=None)  # trust on first use: round 1's model is the anchor
 
     def verify(round_settings, received):
         return check.verify(round_settings, method_spec("eftvit"), received, [100, 50], 400)
 
     verify(settings, state)
     verify(settings, state)  # re-sent, unchanged
-    with pytest.raises(ModelCheckError, match="'head.weight' moved by up to 0.001 in 0 round"):
+    with pytest.raises(ModelCheckError, match="'head.weight' moved by up to 0.001 from the first model this node "
+                                              "trusted, more than 0 round"):
         verify(settings, {"head.weight": state["head.weight"] + np.float32(1e-3)})
     raised = dataclasses.replace(settings, round=2, lr=1.0, peak_lr=1.0)
-    with pytest.raises(ModelCheckError, match=r"the server changed the training settings \['peak_lr'\] mid-run"):
+    with pytest.raises(ModelCheckError, match=r"the server changed the settings \['peak_lr'\] mid-run"):
         verify(raised, state)
     with pytest.raises(ModelCheckError, match=r"the round's lr 1.0 exceeds the run's --lr 0.001"):
         verify(dataclasses.replace(settings, round=2, lr=1.0), state)

@@ -158,9 +158,9 @@ def test_peft_sizes_that_cannot_work_are_refused_in_one_line(capsys, tmp_path, a
 def in_process_simulation(monkeypatch):
     """`eftguard train` with the in-process grid instead of Ray: the CLI's parsing, checks and run directory, and
     the real server and client code."""
-    def simulate(run_dir, cfg, verbose):
+    def simulate(run_dir, cfg, verbose, threat):
         with task_identity():
-            run_server(FakeGrid(cfg.clients), run_dir)
+            run_server(FakeGrid(cfg.clients), run_dir, threat)
     monkeypatch.setattr("eftguard.federation.simulation.run_simulated", simulate)
 
 

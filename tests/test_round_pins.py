@@ -434,7 +434,7 @@ def test_dp_round_sends_each_client_its_noise_and_records_what_it_reports(tmp_pa
 
 @pytest.mark.parametrize("lie, reason", [
     ({"dp-noise-multiplier": 0.01}, r"^the client applied noise multiplier 0.01, below the \d\.\d{4} sent$"),
-    ({"dp-epsilon-features": 2.9}, r"^the client reports features epsilon 2.9 spent, outside \(0, 1.5\]"),
+    ({"dp-epsilon-features": 3.1}, r"^the client reports features epsilon 3.1 spent, outside \(0, 3\]"),
     ({"dp-steps": 10**6}, r"^the client reports 1000000 DP-SGD steps"),
 ])
 def test_dp_client_reporting_less_than_it_must_is_dropped_through_the_round(tmp_path, micro_preset, lie, reason):

@@ -235,14 +235,14 @@ def test_dp_run_records_epsilon_per_client_within_budget(finished_dp):
     records = finished_dp.metrics()
     assert [sorted(r["epsilon"]) for r in records] == [["1", "2"], ["1", "2"], ["0", "2"]]
     assert all(r["dropped"] == {} for r in records)
-    # Each client's epsilon grows with the rounds it took part in and ends within the budget; each channel ends
-    # near its share (half of 3 by default), the total composed in one accountant below their sum.
+    # Each client's epsilon grows with the rounds it took part in and ends at the budget (calibrated to spend it
+    # all over its rounds); each channel alone spends less than both composed.
     eps = {k: [r["epsilon"][k] for r in records if k in r["epsilon"]] for k in "012"}
     assert [len(spent) for spent in eps.values()] == [1, 2, 3]
     for k, spent in eps.items():
-        assert spent == sorted(set(spent)) and spent[-1] <= 3.0, (k, spent)
+        assert spent == sorted(set(spent)) and 0.995 * 3.0 <= spent[-1] <= 3.0, (k, spent)
         last = next(r for r in reversed(records) if k in r["epsilon"])
-        assert 1.4 < last["epsilon_parameters"][k] <= 1.5 and 1.4 < last["epsilon_features"][k] <= 1.5, (k, last)
+        assert max(last["epsilon_parameters"][k], last["epsilon_features"][k]) < spent[-1], (k, last)
     sigmas = {k: r["noise_multiplier"][k] for r in records for k in r["noise_multiplier"]}
     assert set(sigmas) == {"0", "1", "2"} and all(s > 0.3 for s in sigmas.values())
     assert records[0]["noise_multiplier"]["2"] == records[2]["noise_multiplier"]["2"]  # fixed for the whole run

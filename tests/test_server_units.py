@@ -228,10 +228,9 @@ def test_dp_report_of_a_parameters_only_budget_needs_no_feature_keys():
     assert check_dp_report(ConfigRecord(report), parameters_only, 3.0) == {"total": 2.0, "parameters": 1.4}
 
 
-def out_of_range(channel: str, value: float, limit: float) -> str:
-    """The refusal naming the channel, its reported spend and its limit (its share of --dp-eps 3 at share 0.5)."""
-    return (f"^the client reports {channel} epsilon {value} spent, outside " + r"\(0, " + f"{limit}" +
-            r"\] \(--dp-eps 3.0, feature share 0.5\)$")
+def out_of_range(channel: str, value: float) -> str:
+    """The refusal naming the channel and its reported spend: no channel, and no total, above --dp-eps 3."""
+    return f"^the client reports {channel} epsilon {value} spent, outside " + r"\(0, 3\] \(--dp-eps 3.0\)$"
 
 
 @pytest.mark.parametrize("change, message", [
@@ -243,9 +242,9 @@ def out_of_range(channel: str, value: float, limit: float) -> str:
     ({"dp-steps": 3}, r"^the client reports 3 DP-SGD steps"),
     ({"dp-sample-rate": 0.2501}, r"^the client reports 4 DP-SGD steps at sample rate 0.2501, its schedule is 4 at "
                                  r"0.25$"),
-    ({"dp-epsilon-spent": 3.0 * (1 + 1e-8)}, out_of_range("total", 3.00000003, 3)),
-    ({"dp-epsilon-parameters": 3.0 * (1 + 1e-8)}, out_of_range("parameters", 3.00000003, 1.5)),
-    ({"dp-epsilon-features": 3.0 * (1 + 1e-8)}, out_of_range("features", 3.00000003, 1.5)),
+    ({"dp-epsilon-spent": 3.0 * (1 + 1e-8)}, out_of_range("total", 3.00000003)),
+    ({"dp-epsilon-parameters": 3.0 * (1 + 1e-8)}, out_of_range("parameters", 3.00000003)),
+    ({"dp-epsilon-features": 3.0 * (1 + 1e-8)}, out_of_range("features", 3.00000003)),
     ({"dp-epsilon-spent": -1.0}, "outside"), ({"dp-epsilon-spent": 0.0}, "outside"), ({"dp-epsilon-spent": math.inf}, "outside"),
     ({"dp-epsilon-parameters": 0.0}, "outside"), ({"dp-epsilon-features": 0.0}, "outside"),
     ({"dp-epsilon-features": math.nan}, "outside"),
@@ -263,13 +262,11 @@ def test_dp_report_that_claims_less_is_refused_naming_the_gap(change, message):
 
 
 @pytest.mark.parametrize("channel", ["parameters", "features"])
-def test_dp_report_of_a_channel_over_its_share_is_refused(channel):
-    """Each channel is calibrated to, and refused by the client's ledger beyond, its share of --dp-eps (1.5 of 3 at
-    share 0.5, at delta / 2); a reply claiming more on one channel is a client that did not hold to the run's
-    terms, even when its total is within --dp-eps."""
-    report = {**HONEST_REPORT, CHANNELS[channel]: 1.5 * (1 + 1e-8)}
-    with pytest.raises(UploadError, match=rf"{channel}.*1.500000015.*outside"):
-        check_dp_report(ConfigRecord(report), BUDGET, 3.0)
+def test_dp_report_of_one_channel_spending_most_of_the_budget_is_accepted(channel):
+    """The budget is the total: a client whose spend sits mostly on one channel (the calibration's split is a
+    utility choice, not part of the guarantee) is within the run's terms."""
+    report = {**HONEST_REPORT, CHANNELS[channel]: 2.9}
+    assert check_dp_report(ConfigRecord(report), BUDGET, 3.0)[channel] == 2.9
 
 
 # --- loading the average ----------------------------------------------------------------------------------------
@@ -414,3 +411,21 @@ def test_round_record_reports_the_clients_weighted_mean_loss_and_their_counts(tm
     assert record["num_examples"] == {k: n for k, (_, n) in reported.items()} and weights == 40
     assert record["upload_bytes"] == {k: sum(a.nbytes for a in run.load_upload(1, int(k), "update").values())
                                       for k in reported}
+
+
+@pytest.mark.parametrize("reason, spent", [
+    ("client refuses [epsilon spent in this run: 2.5]: round 3 with noise ...", 2.5),
+    ("client refuses [epsilon spent in this run: 3.0001]: x", None),  # above --dp-eps 3: not believed
+    ("client refuses [epsilon spent in this run: nan]: x", None), ("client refuses [epsilon spent in this run: -1]: x",
+                                                                   None),
+    ("client refuses [epsilon spent in this run: 1e400]: x", None), ("client refuses: round 3 ...", None),
+    ("something else [epsilon spent in this run: 2.5]", None), ("client refuses [epsilon spent in this run: 1.2.3]: x",
+                                                                 None),
+])
+def test_a_refusal_reports_the_nodes_spend_only_when_it_is_a_sensible_number(reason, spent):
+    """A node that refuses a DP round says what it has spent in the run, so metrics.jsonl's epsilon stays the
+    truth; whatever else a reply's error says is not read as a spend."""
+    with task_identity():
+        reply = Message(error=Error(0, reason), reply_to=Message(RecordDict({}), 100, "train"))
+    assert server.refusal_spend(reply, 3.0) == spent
+    assert server.refusal_spend(reply, 0.0) is None  # a run without DP records no epsilon

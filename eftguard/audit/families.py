@@ -366,7 +366,7 @@ class DPAuditFamily(Family):
         sources, options, cfg = observed.auditor["sources"], job.options, job.run.config()
         bits = scoring.canary_bits(job.run, sources)
         guesses = scoring.guess_inclusion(result.scores, bits, *self.guess_counts(options, len(bits)))
-        claimed, delta = scoring.claimed_privacy(job.run, options["channel"], sources)
+        claimed, delta = scoring.claimed_privacy(job.run, sources)
         bound = scoring.epsilon_lower_bound(guesses.canaries, guesses.guesses, guesses.correct, delta,
                                             options["confidence"])
         details = {"channel": options["channel"], "canary_kind": cfg.canary_kind, "score": result.details["score"],
@@ -375,8 +375,9 @@ class DPAuditFamily(Family):
                    "delta": delta, "confidence": options["confidence"], **vars(guesses),
                    "attack_seconds": round(seconds, 2)}
         if claimed is not None and bound > claimed:
-            details["warning"] = (f"the epsilon lower bound {bound:.3f} exceeds the claimed {options['channel']} "
-                                  f"epsilon {claimed:.3f}: the trainer's DP guarantee does not hold (a bug)")
+            details["warning"] = (f"the epsilon lower bound {bound:.3f} from the {options['channel']} channel exceeds "
+                                  f"the claimed total epsilon {claimed:.3f}: the trainer's DP guarantee does not "
+                                  "hold (a bug)")
         right = np.r_[np.ones(guesses.correct), np.zeros(guesses.guesses - guesses.correct)]
         groups = {"metrics": {"epsilon_lower_bound": metrics.summarize(np.array([bound])),
                               "guess_accuracy": metrics.summarize(right)}}

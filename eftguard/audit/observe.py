@@ -54,8 +54,9 @@ def observe_features(run: RunDirectory, round_number: int, clients: list[int], m
     observed, rows_of = [], {}
     for partition in clients:
         upload = run.load_upload(round_number, partition, "features")
-        n = len(upload["labels"])
-        rows = np.arange(n) if max_images <= 0 or n <= max_images else np.sort(rng.choice(n, max_images, replace=False))
+        scored = scoring.image_rows(run, round_number, partition, len(upload["labels"]))
+        n = len(scored)
+        rows = scored if max_images <= 0 or n <= max_images else np.sort(rng.choice(scored, max_images, replace=False))
         rows_of[partition] = rows
         state = {k: torch.from_numpy(v) for k, v in run.load_upload(round_number, partition, "update").items()}
         kept = scoring.granted_positions(run, round_number, partition)[rows] if positions_known else None

@@ -162,6 +162,14 @@ def granted_positions(run: RunDirectory, round_number: int, partition: int) -> n
     return truth["kept_ids"]
 
 
+def image_rows(run: RunDirectory, round_number: int, partition: int, rows: int) -> np.ndarray:
+    """The uploaded rows that hold an image, which the auditor scores: all of them, except under --dp-eps the null
+    rows of the release (truth sample id -1), which hold noise alone."""
+    if run.config().dp_eps <= 0:
+        return np.arange(rows)
+    return np.flatnonzero(run.load_truth(round_number, partition)["sample_ids"] >= 0)
+
+
 def score_upload_reconstruction(run: RunDirectory, round_number: int, partition: int, rows: np.ndarray,
                                 recon: ImageReconstruction, dataset, public_images: np.ndarray,
                                 lpips: metrics.LPIPS, patch_size: int) -> ClientScores:
@@ -273,27 +281,23 @@ def canary_bits(run: RunDirectory, sources: dict[int, tuple[int, int]]) -> np.nd
     return np.array([bits[c] for c in sources], dtype=np.int64)
 
 
-CLAIM_KEYS = {"parameters": "epsilon_parameters", "features": "epsilon_features", "model": "epsilon"}
-
-
-def claimed_privacy(run: RunDirectory, channel: str, sources: dict[int, tuple[int, int]]) -> tuple[float | None, float]:
-    """The (epsilon, delta) the run claims for a channel towards the canaries' owners, from metrics.jsonl: the
-    largest epsilon any owner reported spent by the round the audit reads (None: the run has no DP), and the
-    largest delta (the run's --dp-delta, else 1 / (10 n_k), n_k without canaries as the server scheduled it; per
-    channel at half of it when the features share the budget). A run without DP gets the delta it would have claimed, so that bounds compare across a grid."""
-    from defenses.dp import channel_delta, default_delta
-    from eftguard.federation.client import client_partition, feature_share
+def claimed_privacy(run: RunDirectory, sources: dict[int, tuple[int, int]]) -> tuple[float | None, float]:
+    """The (epsilon, delta) the run claims towards the canaries' owners, from metrics.jsonl: the largest total
+    epsilon (both channels composed: every channel's score may use what the other released, the uploaded phi
+    and the parameters trained after earlier releases) any owner reported spent by the round the audit reads
+    (None: the run has no DP), and the largest delta (the run's --dp-delta, else default_delta of the owner's
+    public schedule size). A run without DP gets the delta it would have claimed, so that bounds compare across a
+    grid."""
+    from defenses.dp import default_delta
+    from eftguard.federation.client import schedule_size
 
     cfg = run.config()
     records = run.metrics()
-    parts = client_partition(cfg.dataset, cfg.data_dir, cfg.model, cfg.train_samples, cfg.seed, cfg.clients, cfg.beta)
     epsilons, deltas = [], []
     for partition, round_number in set(sources.values()):
-        record = records[round_number - 1]
-        total = cfg.dp_delta or default_delta(len(parts[partition]))  # n_k of the schedule: the client's own data
-        deltas.append(total if channel == "model" else channel_delta(total, feature_share(cfg)))
+        deltas.append(cfg.dp_delta or default_delta(schedule_size(cfg, partition)))
         if cfg.dp_eps > 0:
-            epsilons.append(float(record[CLAIM_KEYS[channel]][str(partition)]))
+            epsilons.append(float(records[round_number - 1]["epsilon"][str(partition)]))
     return (max(epsilons) if epsilons else None), max(deltas)
 
 
@@ -417,6 +421,7 @@ def membership_members(run: RunDirectory, round_number: int, partition: int, tar
     if target == "upload":
         full = load_dataset(cfg.dataset, cfg.data_dir or None, PRESETS[cfg.model].image_size)
         ids = np.unique(run.load_truth(round_number, partition)["sample_ids"])
+        ids = ids[ids >= 0]  # not the null rows of a DP release
         return full.train.subset(ids), (f"the {len(ids)} distinct images behind client {partition}'s uploaded "
                                         f"feature sets of round {round_number}")
     trained = sorted({k for r in range(1, round_number + 1) for k in select_clients(cfg, r)})

@@ -1,4 +1,4 @@
-"""Seeded Dirichlet(beta) non-IID partition of the training split over clients."""
+"""Seeded Dirichlet(beta) non-IID partition of the training split over clients, and the seeds of a run's draws."""
 
 from __future__ import annotations
 
@@ -6,6 +6,11 @@ import numpy as np
 
 MIN_PER_CLIENT = 2
 MAX_ATTEMPTS = 1000
+
+
+def seeded(*key: int) -> int:
+    """A 63-bit seed from a tuple of ints, independent of everything that ran before."""
+    return int(np.random.SeedSequence([int(k) for k in key]).generate_state(2, np.uint64)[0] >> np.uint64(1))
 
 
 def dirichlet_partition(labels: np.ndarray, num_clients: int, beta: float, seed: int) -> list[np.ndarray]:

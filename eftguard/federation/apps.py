@@ -4,15 +4,19 @@ and on a deployed SuperLink; the ServerApp finds its run directory in the run co
 What a node does is the node operator's decision (Flower's --node-config), never the server's:
   share-truth  send auditor-only ground truth when the run asks for it (default: off)
   ledger-dir   where the node keeps its privacy ledger (default: $EFTGUARD_HOME/ledger, ~/.eftguard/ledger)
+  ledger-mark-dir where it keeps its ledgers' high-water marks, apart from the ledger (default:
+               $EFTGUARD_HOME/ledger-marks)
   max-epsilon  the node's own privacy ceiling per run (default: none; set, it also refuses rounds without DP)
   noise-secret mixed into the node's random seeds, so the server (which knows the run's seed) cannot regenerate
                the DP noise (default: a fresh secret from the OS every round; 0: seeds from the run's seed alone,
                as simulated nodes do)
-  model-check  check every received model against the last one the node accepted (defenses.model_check) and
-               refuse the round if honest training cannot have produced it (default: off; eftguard supernode and
-               simulated runs turn it on)
-  model-sha256 the sha256 (defenses.model_check.state_sha256) of the run's first model, where the deployment
-               publishes it
+  model-check  check every received model and the settings with it (defenses.model_check) and refuse the round
+               if honest training cannot have produced it, or the settings changed mid-run (default: off;
+               eftguard supernode and simulated runs turn it on)
+  initial-model the node's copy of the checkpoint the run starts from: the model check rebuilds the run's
+               initial model from it (default: none, the seeded initialisation of the run's configuration)
+  trust-first-model the model check anchors on the first model the node receives instead of rebuilding the
+               initial model (trust on first use; default: false)
 """
 
 from __future__ import annotations
@@ -27,9 +31,9 @@ from flwr.common.constant import ErrorCode
 from flwr.serverapp import Grid, ServerApp
 
 from defenses.dp import PrivacyBudgetError
-from defenses.ledger import LedgerError, PrivacyLedger
+from defenses.ledger import SPENT_NOTE, LedgerError, PrivacyLedger, spent_per_channel
 from defenses.model_check import ModelCheck, ModelCheckError
-from eftguard.federation.client import client_round
+from eftguard.federation.client import ClientUpload, client_round, initial_model
 from eftguard.federation.records import ClientSettings, from_record, to_record
 
 
@@ -65,15 +69,39 @@ def train(msg: Message, context: Context, node_defaults: dict | None = None) -> 
     settings = ClientSettings.from_record(msg.content["settings"])
     secret = int(node["noise-secret"]) if "noise-secret" in node else secrets.randbelow(2**62) + 1
     share_truth = _node_flag(node.get("share-truth", False))
+    ledger = None
     try:
         folder = Path(str(node.get("ledger-dir") or default_ledger_dir()))
-        ledger = PrivacyLedger(folder, partition, float(node.get("max-epsilon", 0.0)))
-        check = (ModelCheck(folder / "received", partition, str(node.get("model-sha256", "")))
-                 if _node_flag(node.get("model-check", False), "model-check") else None)
+        ledger = PrivacyLedger(folder, partition, float(node.get("max-epsilon", 0.0)),
+                               node.get("ledger-mark-dir") or None)
+        check = None
+        if _node_flag(node.get("model-check", False), "model-check"):
+            trust_first = _node_flag(node.get("trust-first-model", False), "trust-first-model")
+            check = ModelCheck(folder / "received", partition,
+                               None if trust_first else initial_model(str(node.get("initial-model", ""))))
         upload = client_round(settings, from_record(msg.content["model"], "model"), partition, partitions, secret,
                               ledger, check)
     except (PrivacyBudgetError, LedgerError, ModelCheckError) as exc:  # a refusal: recorded by the server as dropped
-        return Message(error=Error(ErrorCode.CLIENT_APP_RAISED_EXCEPTION, f"client refuses: {exc}"), reply_to=msg)
+        return Message(error=Error(ErrorCode.CLIENT_APP_RAISED_EXCEPTION,
+                                   f"client refuses{spent_note(ledger, settings.run_id)}: {exc}"), reply_to=msg)
+    return Message(RecordDict(reply_content(upload, partition, settings.record_truth and share_truth)),
+                   reply_to=msg)
+
+
+def spent_note(ledger: PrivacyLedger | None, run_id: str) -> str:
+    """What a refusing node has spent in the run so far, for the server's record (metrics.jsonl's epsilon stays the
+    truth when a node refuses, say, a round it had already trained in before the server crashed): " [epsilon spent
+    in this run: E]", or "" when it spent nothing or its ledger cannot be read."""
+    try:
+        terms, spends = ledger.read(run_id) if ledger else (None, [])
+    except (LedgerError, PrivacyBudgetError):
+        return ""
+    return f" [{SPENT_NOTE} {spent_per_channel(spends, terms)['total']!r}]" if terms and spends else ""
+
+
+def reply_content(upload: ClientUpload, partition: int, send_truth: bool) -> dict:
+    """Everything a node's reply to a train message holds; the auditor-only truth only when the run asks for it
+    and the node grants it (send_truth)."""
     content = {
         "update": to_record(upload.update),
         "metrics": ConfigRecord({"partition-id": partition, "num-examples": upload.num_examples,
@@ -87,9 +115,9 @@ def train(msg: Message, context: Context, node_defaults: dict | None = None) -> 
         content["features"] = to_record(upload.features)
     if upload.heads is not None:
         content["heads"] = to_record(upload.heads)
-    if settings.record_truth and share_truth:  # the run's request, granted only by the node
+    if send_truth:
         content["truth"] = to_record(upload.truth)
-    return Message(RecordDict(content), reply_to=msg)
+    return content
 
 
 def build_client_app(node_defaults: dict | None = None) -> ClientApp:
@@ -107,15 +135,16 @@ def build_client_app(node_defaults: dict | None = None) -> ClientApp:
 client_app = build_client_app()
 
 
-def build_server_app(run_dir: Path | None = None) -> ServerApp:
-    """A ServerApp bound to run_dir (simulation) or reading "run-dir" from the run config (deployment)."""
+def build_server_app(run_dir: Path | None = None, threat=None) -> ServerApp:
+    """A ServerApp bound to run_dir (simulation) or reading "run-dir" from the run config (deployment); threat: what
+    a simulated --threat run's server sends instead of its model (eftguard.federation.server.ServerThreat)."""
     app = ServerApp()
 
     @app.main()
     def main(grid: Grid, context: Context) -> None:
         from eftguard.federation.server import run_server
 
-        run_server(grid, run_dir or Path(str(context.run_config["run-dir"])))
+        run_server(grid, run_dir or Path(str(context.run_config["run-dir"])), threat)
 
     return app
 

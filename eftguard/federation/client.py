@@ -8,24 +8,26 @@ import logging
 import math
 import time
 from dataclasses import dataclass
+from typing import Callable
 
 import numpy as np
 import torch
 
 from defenses.dp import DPSGD, ClientBudget, PrivacyBudgetError, client_budget
-from defenses.feature_dp import release_rows, row_clip
+from defenses.feature_dp import null_padded, release_rows, row_clip
 from defenses.feature_noise import release_features
 from defenses.ledger import PrivacyLedger, Spend, Terms
 from eftguard import headprune
-from eftguard.canaries import with_canaries
-from defenses.model_check import ModelCheck, ModelCheckError
+from eftguard.canaries import ClientData, owned_canaries, uploaded_canaries, with_canaries
+from defenses.model_check import ModelCheck, ModelCheckError, Schedule, drift_limits
 from eftguard.config import ACCOUNTANTS
-from eftguard.data import Dataset, dirichlet_partition, load_dataset
+from eftguard.data import Dataset, ImageSet, dirichlet_partition, load_dataset, seeded
 from eftguard.federation.records import ClientSettings
 from eftguard.federation.validation import max_feature_sets
 from eftguard.methods import method_spec
 from eftguard.model import PRESETS, build_model
 from eftguard.sampling import balanced_indices
+from eftguard.masking import random_keep_ids
 from eftguard.training import OptimConfig, extract_features, mean_loss, train_local
 
 log = logging.getLogger("eftguard.client")
@@ -38,17 +40,12 @@ class ClientUpload:
     truth: dict[str, np.ndarray]  # auditor-only ground truth
     num_examples: int
     loss: float  # the mean training loss; 0.0 under --dp-eps (a function of the private data, not noised)
-    epoch_seconds: list[float]
+    epoch_seconds: list[float]  # under --dp-eps all timings are 0.0: they depend on the data's size
     epoch_cpu_seconds: list[float]
     feature_seconds: float
     dp_report: dict[str, float | int] | None = None  # what DP-SGD applied and the ledger's spend; None without DP
     heads: dict[str, np.ndarray] | None = None  # headprune-lora: {"importance": [layers, heads], "kept": [layers, k]}
     global_loss: float | None = None  # --client-selection loss-gap: the received model's loss on the client's data
-
-
-def seeded(*key: int) -> int:
-    """A 63-bit seed from a tuple of ints, independent of everything that ran before."""
-    return int(np.random.SeedSequence([int(k) for k in key]).generate_state(2, np.uint64)[0] >> np.uint64(1))
 
 
 def select_clients(cfg, round_number: int) -> list[int]:
@@ -69,13 +66,30 @@ def feature_share(cfg) -> float:
     return cfg.dp_feature_share if method_spec(cfg.method).uploads_features else 0.0
 
 
-def dp_budget(cfg, partition_id: int, num_examples: int, last_round: int,
+def dp_budget(cfg, partition_id: int, size: int, last_round: int,
               noise_multiplier: float | None = None, feature_noise_multiplier: float | None = None) -> ClientBudget:
-    """A client's budget over its rounds up to last_round, for every channel its method uploads (calibrated
-    unless the noise is given). cfg: a TrainConfig or ClientSettings."""
-    return client_budget(cfg.dp_eps, cfg.dp_delta, cfg.accountant, num_examples, cfg.batch_size, cfg.local_epochs,
+    """A client's budget over its rounds up to last_round, for every channel its method uploads, on its public
+    schedule size (schedule_size; calibrated unless the noise is given). cfg: a TrainConfig or ClientSettings."""
+    return client_budget(cfg.dp_eps, cfg.dp_delta, cfg.accountant, size, cfg.batch_size, cfg.local_epochs,
                          participation(cfg, partition_id, last_round), noise_multiplier, feature_share(cfg),
                          feature_noise_multiplier)
+
+
+def schedule_size(cfg, partition_id: int) -> int:
+    """A client's public schedule size n: its data partition plus every canary it owns, included or not. Under
+    --dp-eps, DP-SGD's sample rate and steps and the reported num-examples come from it, never from the size of
+    the client's data (which adding or removing one image changes). cfg: a TrainConfig or ClientSettings."""
+    partitions = client_partition(cfg.dataset, cfg.data_dir, cfg.model, cfg.train_samples, cfg.seed, cfg.clients,
+                                  cfg.beta)
+    return len(partitions[partition_id]) + len(owned_canaries(cfg, partition_id))
+
+
+def release_size(cfg, partition_id: int) -> int:
+    """How many feature rows a DP client releases each round, whatever its data: its partition plus the canaries
+    its upload can hold (defenses.feature_dp.null_padded)."""
+    partitions = client_partition(cfg.dataset, cfg.data_dir, cfg.model, cfg.train_samples, cfg.seed, cfg.clients,
+                                  cfg.beta)
+    return len(partitions[partition_id]) + uploaded_canaries(cfg, partition_id)
 
 
 def run_dataset(dataset: str, data_dir: str, model: str, train_samples: int, test_samples: int, seed: int) -> Dataset:
@@ -91,10 +105,11 @@ def client_partition(dataset: str, data_dir: str, model: str, train_samples: int
     return dirichlet_partition(train.labels, clients, beta, seed)
 
 
-def requested_dp(s: ClientSettings, num_examples: int) -> tuple[Terms, list[Spend]] | None:
-    """The server's DP request for this round, as terms and the spends it implies for this client's own data,
-    one per channel (None: no DP requested). A request that is not a valid DP configuration is refused, never
-    read as "no DP", and so is one that leaves an uploaded channel without noise."""
+def requested_dp(s: ClientSettings, size: int) -> tuple[Terms, list[Spend]] | None:
+    """The server's DP request for this round, as terms and the spends it implies on this client's public
+    schedule size, one per channel (None: no DP requested). A request that is not a valid DP configuration is
+    refused, never read as "no DP", and so is one that leaves an uploaded channel without noise or asks for an
+    output no mechanism covers."""
     eps, sigma, delta, clip = (_number(v) for v in (s.dp_eps, s.noise_multiplier, s.dp_delta, s.max_grad_norm))
     if eps == 0:
         return None
@@ -113,12 +128,29 @@ def requested_dp(s: ClientSettings, num_examples: int) -> tuple[Terms, list[Spen
                                  f"{s.accountant!r}, method {s.method!r}, feature share {s.dp_feature_share!r}, "
                                  f"feature noise multiplier {s.feature_noise_multiplier!r}, feature clip "
                                  f"{s.feature_clip!r}: refused")
-    budget = client_budget(eps, delta, s.accountant, num_examples, s.batch_size, s.local_epochs, (s.round,), sigma,
+    unaccounted = unaccounted_outputs(s)
+    if unaccounted:
+        raise PrivacyBudgetError(f"the server asks for {unaccounted[0]} in a DP round: no mechanism covers it, so "
+                                 "this node does not send it: refused")
+    budget = client_budget(eps, delta, s.accountant, size, s.batch_size, s.local_epochs, (s.round,), sigma,
                            share if features else 0.0, feature_sigma if features else None)
     planned = [Spend(s.round, sigma, budget.sample_rate, budget.steps_per_round)]
     if features:
         planned.append(Spend(s.round, feature_sigma, 1.0, 1, "features"))
     return Terms(eps, budget.delta, s.accountant, budget.feature_share), planned
+
+
+def unaccounted_outputs(s: ClientSettings) -> list[str]:
+    """What the server's settings would make this client send that no DP mechanism covers (a DP round refuses
+    them): the client decides what leaves it, not the server."""
+    reasons = []
+    if s.client_selection != "random":
+        reasons.append(f"client_selection {s.client_selection!r} (the received model's loss on this node's data)")
+    if method_spec(s.method).prunes_heads:
+        reasons.append(f"method {s.method!r} (head importances computed from this node's data)")
+    if s.precision != "fp32":
+        reasons.append(f"precision {s.precision!r} (per-sample norms from bfloat16 products could pass the clip)")
+    return reasons
 
 
 def _number(value) -> float:
@@ -153,33 +185,40 @@ def client_round(settings: ClientSettings, state: dict[str, np.ndarray], partiti
     if not 0 <= partition_id < num_partitions:
         raise ValueError(f"partition-id {partition_id} outside [0, {num_partitions})")
     s = settings
-    method = method_spec(s.method)
     dataset = run_dataset(s.dataset, s.data_dir, s.model, s.train_samples, 0, s.seed)
     mine = client_partition(s.dataset, s.data_dir, s.model, s.train_samples, s.seed, s.clients, s.beta)[partition_id]
-    natural = dataset.train.subset(mine)
-    data, uploading, canary_truth = with_canaries(s, partition_id, natural, secret)
-    images, labels = torch.from_numpy(data.images), torch.from_numpy(data.labels)
+    data = with_canaries(s, partition_id, dataset.train.subset(mine), secret)
     if model_check:
         check_received_model(s, state, model_check, dataset.num_classes, partition_id)
+    return train_and_upload(s, state, partition_id, data, dataset.num_classes, secret, ledger)
 
-    model = build_model(s.model, dataset.num_classes, s.local_layers, adapt=method.model_adapter(s))
+
+def train_and_upload(s: ClientSettings, state: dict[str, np.ndarray], partition_id: int, data: ClientData,
+                     num_classes: int, secret: int = 0, ledger: PrivacyLedger | None = None) -> ClientUpload:
+    """The round on the client's data (its images and canaries, `data`): train, then upload. Under --dp-eps
+    everything the upload holds besides the mechanisms' outputs is public (the schedule's sizes, zeros for the
+    loss and the timings), so neighbouring datasets give replies of identical keys, shapes and counts."""
+    method = method_spec(s.method)
+    images, labels = torch.from_numpy(data.training.images), torch.from_numpy(data.training.labels)
+    model = build_model(s.model, num_classes, s.local_layers, adapt=method.model_adapter(s))
     model.load_state_dict({k: torch.from_numpy(v) for k, v in state.items()})
     private = (secret,) if secret else ()
-    generator = torch.Generator().manual_seed(seeded(s.seed, s.round, partition_id, 1, *private))
     optim = OptimConfig(s.local_epochs, s.batch_size, s.lr, s.weight_decay)
 
     def report(epoch: int, total: int) -> None:
         log.info("round %d, client %d: local epoch %d/%d done", s.round, partition_id, epoch, total)
 
-    request = requested_dp(s, len(natural))  # the server's schedule: canaries join the data, not the schedule
+    request = requested_dp(s, schedule_size(s, partition_id))
     if request and ledger is None:
         raise PrivacyBudgetError("a DP-SGD round needs the node's privacy ledger (--ledger-dir): refused")
-    class_counts = np.bincount(data.labels, minlength=dataset.num_classes).astype(np.int64)
+    class_counts = np.bincount(data.training.labels, minlength=num_classes).astype(np.int64)
     with ledger.locked(s.run_id) if ledger and request else contextlib.nullcontext():  # a DP round only writes
         terms = ledger.authorize(s.run_id, s.round, *(request or (None, None))) if ledger else None
+        respent = ledger.times_spent(s.run_id, s.round) if terms else 0
+        resend = (respent,) if respent else ()  # a re-sent round draws fresh batches, masks and noise
+        generator = torch.Generator().manual_seed(seeded(s.seed, s.round, partition_id, 1, *resend, *private))
         dp = None
         if terms:
-            respent = ledger.times_spent(s.run_id, s.round)  # a re-sent round gets fresh noise
             dp = DPSGD(request[1][0].noise_multiplier, s.max_grad_norm, request[1][0].sample_rate,
                        seeded(s.seed, s.round, partition_id, 6, respent, *private),
                        request[1][0].steps // s.local_epochs)
@@ -192,17 +231,17 @@ def client_round(settings: ClientSettings, state: dict[str, np.ndarray], partiti
         update = {k: v.numpy().copy() for k, v in method.uploaded_state(model).items()}
         if method.prunes_heads:
             update = headprune.kept_upload(update, kept, headprune.head_index(model))
-        truth = {"sample_ids": data.ids.astype(np.int64), "class_counts": class_counts, **canary_truth}
+        truth = {"sample_ids": data.training.ids.astype(np.int64), "class_counts": class_counts, **data.truth}
         start = time.perf_counter()
         uploaded = None
         if method.uploads_features and terms:
+            release = torch.Generator().manual_seed(seeded(s.seed, s.round, partition_id, 9, *resend, *private))
             noise = torch.Generator().manual_seed(seeded(s.seed, s.round, partition_id, 7, respent, *private))
-            uploaded, truth["kept_ids"] = dp_released_features(s, model, torch.from_numpy(uploading.images),
-                                                               torch.from_numpy(uploading.labels),
-                                                               dataset.num_classes, generator, noise)
-            truth["sample_ids"] = uploading.ids.astype(np.int64)  # one per released row: no gradient canary
+            uploaded, released = dp_released_features(s, model, data.uploading, release_size(s, partition_id),
+                                                      num_classes, release, noise)
+            truth |= released  # one sample id per released row (-1: a null row; no gradient canary)
         elif method.uploads_features:
-            uploaded, sampled = median_sampled_features(s, model, uploading, dataset.num_classes, partition_id,
+            uploaded, sampled = median_sampled_features(s, model, data.uploading, num_classes, partition_id,
                                                         generator, private)
             truth |= sampled
         feature_seconds = time.perf_counter() - start
@@ -214,9 +253,11 @@ def client_round(settings: ClientSettings, state: dict[str, np.ndarray], partiti
             dp_applied = dp_report(applied, ledger.record(s.run_id, terms, applied))
             log.info("round %d, client %d: epsilon spent in this run %.3f", s.round, partition_id,
                      dp_applied["dp-epsilon-spent"])
-    loss = 0.0 if terms else result.loss  # a DP client reports nothing the mechanisms do not cover
-    return ClientUpload(update, uploaded, truth, len(data), loss, result.epoch_seconds, result.epoch_cpu_seconds,
-                        feature_seconds, dp_applied, heads, global_loss)
+    if terms:  # a DP client reports nothing the mechanisms do not cover: its public size, no loss, no timing
+        return ClientUpload(update, uploaded, truth, schedule_size(s, partition_id), 0.0, [0.0] * s.local_epochs,
+                            [0.0] * s.local_epochs, 0.0, dp_applied, heads, global_loss)
+    return ClientUpload(update, uploaded, truth, len(data.training), result.loss, result.epoch_seconds,
+                        result.epoch_cpu_seconds, feature_seconds, dp_applied, heads, global_loss)
 
 
 def choose_heads(s: ClientSettings, model, images: torch.Tensor, partition_id: int
@@ -237,13 +278,10 @@ def choose_heads(s: ClientSettings, model, images: torch.Tensor, partition_id: i
 
 def check_received_model(s: ClientSettings, state: dict[str, np.ndarray], model_check: ModelCheck,
                          num_classes: int, partition_id: int) -> None:
-    """The node's check of the round's model, before it trains on it; a refusal is logged with its reason."""
-    canaries = math.ceil(s.canaries / s.clients)  # the most any client holds (eftguard.canaries spreads them evenly)
-    sizes = [len(p) + canaries for p in client_partition(s.dataset, s.data_dir, s.model, s.train_samples, s.seed,
-                                                         s.clients, s.beta)]
-    feature_sets = sum(max_feature_sets(s.balance, num_classes, n) for n in sizes)
+    """The node's check of the round's model and settings, before it trains on it; a refusal is logged with its
+    reason."""
     try:
-        used = model_check.verify(s, method_spec(s.method), state, sizes, feature_sets)
+        used = model_check.verify(s, method_spec(s.method), state, *check_schedule(s, num_classes))
     except ModelCheckError as exc:
         log.warning("round %d, client %d: refusing the received model: %s", s.round, partition_id, exc)
         raise
@@ -251,17 +289,71 @@ def check_received_model(s: ClientSettings, state: dict[str, np.ndarray], model_
              partition_id, 100 * used)
 
 
-def dp_released_features(s: ClientSettings, model, images: torch.Tensor, labels: torch.Tensor, num_classes: int,
+def check_schedule(s, num_classes: int) -> tuple[list[int], int]:
+    """The public schedule the model check bounds honest training by: every client's schedule size, and the most
+    feature rows all clients can upload in a round (the release sizes under --dp-eps, median sampling's bound
+    otherwise). s: a ClientSettings or TrainConfig."""
+    sizes = [schedule_size(s, k) for k in range(s.clients)]
+    if _number(s.dp_eps) > 0:
+        return sizes, sum(release_size(s, k) for k in range(s.clients))
+    return sizes, sum(max_feature_sets(s.balance, num_classes, n) for n in sizes)
+
+
+def model_check_limits(cfg) -> Callable[[int, dict[str, np.ndarray], int], dict[str, np.ndarray]]:
+    """What every client's model check accepts, as a server can compute it from the public configuration:
+    limits(round, start, rounds) -> per parameter, how far `rounds` rounds of honest training can move each
+    coordinate of `start` (defenses.model_check.drift_limits). cfg: the run's TrainConfig."""
+    def limits(round_number: int, start: dict[str, np.ndarray], rounds: int) -> dict[str, np.ndarray]:
+        s = ClientSettings.from_config(cfg, round_number)
+        schedule = Schedule.of(s, *check_schedule(s, start["head.weight"].shape[0]))
+        return drift_limits(s, method_spec(s.method), start, schedule, rounds)
+    return limits
+
+
+def initial_model(checkpoint: str = "") -> Callable[[ClientSettings], dict[str, np.ndarray]]:
+    """The node's own rebuild of a run's initial model, the model check's anchor: the seeded initialisation of the
+    public configuration, from the node's copy of the run's starting checkpoint where it has one."""
+    def rebuild(s: ClientSettings) -> dict[str, np.ndarray]:
+        return _initial_state(s, checkpoint)
+    return rebuild
+
+
+def _initial_state(s: ClientSettings, checkpoint: str) -> dict[str, np.ndarray]:
+    key = (s.method, s.dataset, s.data_dir, s.model, s.local_layers, s.pretrained, checkpoint, s.seed,
+           s.prompt_tokens, s.lora_rank)
+    if key not in _INITIAL_STATES:
+        num_classes = run_dataset(s.dataset, s.data_dir, s.model, s.train_samples, 0, s.seed).num_classes
+        model = build_model(s.model, num_classes, s.local_layers, s.pretrained, checkpoint or None, s.seed,
+                            method_spec(s.method).model_adapter(s))
+        _INITIAL_STATES.clear()  # one run at a time: the state of a ViT-B is 350 MB
+        _INITIAL_STATES[key] = {k: v.numpy() for k, v in model.state_dict().items()}
+    return _INITIAL_STATES[key]
+
+
+_INITIAL_STATES: dict[tuple, dict[str, np.ndarray]] = {}
+
+
+def dp_released_features(s: ClientSettings, model, data: ImageSet, rows: int, num_classes: int,
                          generator: torch.Generator, noise: torch.Generator
-                         ) -> tuple[dict[str, np.ndarray], np.ndarray]:
-    """The feature upload under --dp-eps (defenses.feature_dp): every image once, clipped and noised, with the
-    labels decoded from the noisy one-hot; and the kept patch ids for the truth."""
-    features, keep_ids = extract_features(model, images, method_spec(s.method).mask_ratio(s.mask_ratio), generator,
+                         ) -> tuple[dict[str, np.ndarray], dict[str, np.ndarray]]:
+    """The feature upload under --dp-eps (defenses.feature_dp): `rows` rows, the public count, whatever the data's
+    size: every image once, clipped and noised, the rest null rows, in a random order, with the labels decoded
+    from the noisy one-hot; and the truth: the sample id behind each row (-1: a null row) and its kept patch ids."""
+    n = len(data)
+    if n > rows:
+        raise PrivacyBudgetError(f"this node's upload holds {n} images, more than the {rows} rows of its public "
+                                 "schedule: refused")
+    mask_ratio = method_spec(s.method).mask_ratio(s.mask_ratio)
+    features, keep_ids = extract_features(model, torch.from_numpy(data.images), mask_ratio, generator,
                                           precision=s.precision)
-    features, released_labels = release_rows(features, labels, num_classes, row_clip(s.feature_clip),
+    null_keep_ids = random_keep_ids(rows - n, model.local_module.num_patches, mask_ratio, generator)
+    padded, labels, order = null_padded(features, torch.from_numpy(data.labels), rows, generator)
+    released, released_labels = release_rows(padded, labels, num_classes, row_clip(s.feature_clip),
                                              s.feature_noise_multiplier, noise)
-    return ({"features": features.numpy(), "labels": released_labels.numpy()},
-            keep_ids.numpy().astype(np.int64))
+    ids = np.concatenate([data.ids.astype(np.int64), np.full(rows - n, -1, np.int64)])[order.numpy()]
+    kept = torch.cat([keep_ids, null_keep_ids])[order]
+    return ({"features": released.numpy(), "labels": released_labels.numpy()},
+            {"sample_ids": ids, "kept_ids": kept.numpy().astype(np.int64)})
 
 
 def median_sampled_features(s: ClientSettings, model, data, num_classes: int, partition_id: int,

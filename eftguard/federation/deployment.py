@@ -18,7 +18,6 @@ import json
 import math
 import os
 import queue
-import re
 import shutil
 import signal
 import socket
@@ -212,7 +211,7 @@ def _stop(process: subprocess.Popen) -> None:
 
 def node_config(partition: int, clients: int, noise_secret: int | None = None, share_truth: bool = False,
                 ledger_dir: Path | None = None, max_epsilon: float | None = None, model_check: bool = True,
-                model_sha256: str = "") -> str:
+                initial_model: Path | None = None, trust_first_model: bool = False) -> str:
     """The --node-config string of a SuperNode (keys: see the node's ClientApp in eftguard.federation.apps)."""
     if not 0 <= partition < clients:
         raise ConfigError(f"--partition must be between 0 and --clients - 1 ({clients - 1}), got {partition}")
@@ -229,20 +228,31 @@ def node_config(partition: int, clients: int, noise_secret: int | None = None, s
         if reason is not None:  # else every round would fail on the node, which records its spending before it uploads
             raise ConfigError(f"--ledger-dir {ledger_dir}: no file can be created there ({reason}): give a folder "
                               "you can write to for the node's privacy ledger")
-        if any(c in str(ledger_dir) for c in '"\n\r'):
-            raise ConfigError(f"--ledger-dir {ledger_dir!r}: Flower's --node-config cannot carry a path with "
-                              "quotes or line breaks; choose another folder")
-        entries.append(f"ledger-dir={json.dumps(str(ledger_dir))}")
+        entries.append(f"ledger-dir={_config_path('--ledger-dir', ledger_dir)}")
     if max_epsilon is not None:
         if not (math.isfinite(max_epsilon) and max_epsilon > 0):
             raise ConfigError(f"--max-epsilon must be a positive finite number, got {max_epsilon}")
         entries.append(f"max-epsilon={max_epsilon!r}")
     entries.append(f"model-check={str(model_check).lower()}")
-    if model_sha256:
-        if not re.fullmatch(r"[0-9a-fA-F]{64}", model_sha256):
-            raise ConfigError(f"--model-sha256 must be 64 hex digits (a sha256), got {model_sha256!r}")
-        entries.append(f'model-sha256="{model_sha256.lower()}"')
+    if initial_model is not None:
+        if trust_first_model:
+            raise ConfigError("--initial-model and --trust-first-model exclude each other: the node rebuilds the "
+                              "run's initial model from the file, or trusts the first model it receives")
+        problem = input_file_problem(Path(initial_model))
+        if problem is not None:
+            raise ConfigError(f"--initial-model {initial_model} {problem}: give the node's copy of the checkpoint "
+                              "the run starts from")
+        entries.append(f"initial-model={_config_path('--initial-model', Path(initial_model).resolve())}")
+    if trust_first_model:
+        entries.append("trust-first-model=true")
     return " ".join(entries)
+
+
+def _config_path(flag: str, path: Path) -> str:
+    if any(c in str(path) for c in '"\n\r'):
+        raise ConfigError(f"{flag} {str(path)!r}: Flower's --node-config cannot carry a path with quotes or line "
+                          "breaks; choose another place")
+    return json.dumps(str(path))
 
 
 def supernode_command(superlink: str, root_certificates: Path | None, insecure: bool, port: int, config: str,

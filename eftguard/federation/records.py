@@ -98,6 +98,8 @@ class ClientSettings:
     server_lr: float = 1e-3
     peak_lr: float = 1e-3  # --lr before the round's schedule factor (at most 1): bounds every round's lr
     precision: str = "fp32"  # of the forward passes (eftguard.precision)
+    rounds: int = 0  # the run's declared rounds: a node accepts round numbers 1..rounds only (defenses.model_check)
+    pretrained: bool = False  # the run starts from timm's pretrained weights: how a node rebuilds the initial model
 
     @classmethod
     def from_config(cls, cfg: TrainConfig, round_number: int, noise_multiplier: float = 0.0,

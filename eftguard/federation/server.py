@@ -5,10 +5,12 @@ from __future__ import annotations
 
 import logging
 import math
+import re
 import threading
 import time
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Protocol
 
 import numpy as np
 import torch
@@ -18,14 +20,14 @@ from rich.console import Console
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 from rich.table import Table
 
-from attacks.tamper import TamperError, tamper_state
-from defenses.dp import ClientBudget, channel_epsilons
+from defenses.dp import ClientBudget
+from defenses.ledger import SPENT_NOTE
 from eftguard import headprune
 from eftguard.canaries import canary_set
 from eftguard.config import TrainConfig
 from eftguard.data import Dataset
 from eftguard.federation.aggregate import fedavg
-from eftguard.federation.client import (client_partition, dp_budget, participation, run_dataset, seeded,
+from eftguard.federation.client import (dp_budget, participation, release_size, run_dataset, schedule_size, seeded,
                                          select_clients)
 from eftguard.federation.errors import FederationError, Interrupted
 from eftguard.federation.records import ClientSettings, UploadError, to_record
@@ -45,6 +47,26 @@ GUARD_IMAGES = 500  # public images scored before and after server training unde
 
 
 STOP_REQUESTED = threading.Event()  # set by the runtime on Ctrl-C; the server stops at the next poll
+
+State = dict[str, torch.Tensor]
+
+
+class ServerThreat(Protocol):
+    """What a malicious server sends instead of its own model (simulation only, to measure attacks and the
+    clients' model check): attacks/tamper.py builds one for --threat, and the server is given it (run_server)."""
+
+    def prepare(self, initial: State, current: State) -> None:
+        """Before round 1: the run's initial model, and the model the server holds now; raises FederationError
+        when this model cannot be tampered with."""
+
+    def tampering(self, round_number: int) -> str | None:
+        """The name the round's metrics.jsonl records under "tampered" (None: an honest round)."""
+
+    def sent(self, round_number: int, partitions: list[int], state: State) -> dict[int, State]:
+        """The model each client gets in the round, from the server's own `state`."""
+
+    def accepted(self, round_number: int, partitions: list[int]) -> None:
+        """The clients that trained on what they were sent (they did not refuse it)."""
 
 
 def check_stop() -> None:
@@ -84,7 +106,8 @@ def upload_spec(model: EFTViT, cfg: TrainConfig, dataset: Dataset) -> UploadSpec
                                                                                                    canary_ids])),
         balance=cfg.balance, local_epochs=cfg.local_epochs, round_seconds=cfg.round_timeout,
         head_index=headprune.head_index(model) if method.prunes_heads else None, heads=heads,
-        reports_global_loss=cfg.client_selection == "loss-gap", canaries=cfg.canaries)
+        reports_global_loss=cfg.client_selection == "loss-gap", canaries=cfg.canaries,
+        dp_sizes={k: (schedule_size(cfg, k), release_size(cfg, k)) for k in range(cfg.clients)} if cfg.dp_eps else None)
 
 
 def discover_nodes(grid: Grid, clients: int, timeout: float) -> dict[int, int]:
@@ -138,7 +161,8 @@ def parse_reply(reply: Message, partition: int, spec: UploadSpec, method: str,
         raise UploadError(f"reply has wrong records (missing {missing}, unexpected {[k[:40] for k in extra[:3]]})")
     metrics = validate_metrics(content["metrics"], partition, spec)
     # Features first: the one part whose size the client chooses, refused before anything is decoded if too large.
-    features = validate_features(content["features"], spec, metrics.num_examples) if uploads_features else None
+    rows = spec.dp_sizes[partition][1] if spec.dp_sizes else None
+    features = validate_features(content["features"], spec, metrics.num_examples, rows) if uploads_features else None
     heads = validate_heads(content["heads"], spec) if prunes_heads else None
     kept = headprune.kept_mask(heads["kept"], spec.heads[1]) if heads else None
     update = validate_update(content["update"], spec, kept)
@@ -176,12 +200,10 @@ def check_dp_report(metrics: ConfigRecord, budget: ClientBudget, dp_eps: float) 
     if isinstance(steps, bool) or steps != budget.steps_per_round or not math.isclose(rate, budget.sample_rate):
         raise UploadError(f"the client reports {steps} DP-SGD steps at sample rate {rate}, its schedule is "
                           f"{budget.steps_per_round} at {budget.sample_rate:.4g}")
-    limits = {"total": dp_eps, **channel_epsilons(dp_eps, budget.feature_share)}
-    for channel, value in spent.items():  # each channel is calibrated to, and held by the ledger to, its share
-        if not 0 < value <= limits[channel] * (1 + 1e-9):
-            raise UploadError(f"the client reports {channel} epsilon {value} spent, outside (0, {limits[channel]:.6g}]"
-                              f" (--dp-eps {dp_eps}" + (f", feature share {budget.feature_share})"
-                                                        if budget.feature_share else ")"))
+    for channel, value in spent.items():  # the budget is the total; each channel alone spends no more than it
+        if not 0 < value <= dp_eps * (1 + 1e-9):
+            raise UploadError(f"the client reports {channel} epsilon {value} spent, outside (0, {dp_eps:.6g}] "
+                              f"(--dp-eps {dp_eps})")
     return spent
 
 
@@ -201,15 +223,19 @@ def exchange(grid: Grid, messages: dict[int, Message], timeout: float, progress:
     return replies
 
 
-def run_server(grid: Grid, run_dir: Path) -> None:
+def run_server(grid: Grid, run_dir: Path, threat: ServerThreat | None = None) -> None:
+    """Serve the run's rounds; threat: what a --threat run's server sends instead of its model (None: honest)."""
     cfg = RunDirectory.open(run_dir).config()
     cfg.validate()  # a config.toml edited by hand (dp_eps = nan) must not reach the rounds
+    if (cfg.threat != "honest") != (threat is not None):
+        raise FederationError(f"--threat {cfg.threat} needs its server threat (attacks.tamper.server_threat), an "
+                              "honest run none")
     run = RunDirectory.open(run_dir, cfg.encrypt_at_rest or None)
     with run.lock():
-        serve_rounds(grid, run, cfg)
+        serve_rounds(grid, run, cfg, threat)
 
 
-def serve_rounds(grid: Grid, run: RunDirectory, cfg: TrainConfig) -> None:
+def serve_rounds(grid: Grid, run: RunDirectory, cfg: TrainConfig, threat: ServerThreat | None = None) -> None:
     """The rounds still to run, from the last intact completed round on (run locked by the caller)."""
     done = run.resume()
     dataset = run_dataset(cfg.dataset, cfg.data_dir, cfg.model, cfg.train_samples, cfg.test_samples, cfg.seed)
@@ -226,11 +252,8 @@ def serve_rounds(grid: Grid, run: RunDirectory, cfg: TrainConfig) -> None:
     if done >= cfg.rounds:
         console.print(f"{run.path} already has all {cfg.rounds} rounds")
         return
-    if cfg.threat == "malicious":  # a tampering this model cannot take fails here, before any round
-        try:
-            tamper_state(cfg.tamper, model.state_dict(), cfg, 0)
-        except TamperError as exc:
-            raise FederationError(f"--tamper {cfg.tamper}: {exc}") from None
+    if threat:  # a tampering this model cannot take fails here, before any round
+        threat.prepare(run.load_checkpoint(0), model.state_dict())
     spec = upload_spec(model, cfg, dataset)
     budgets = dp_budgets(cfg)
     public = guard_images(dataset, cfg.seed) if budgets else None
@@ -242,7 +265,7 @@ def serve_rounds(grid: Grid, run: RunDirectory, cfg: TrainConfig) -> None:
         for round_number in range(done + 1, cfg.rounds + 1):
             check_stop()
             record = run_round(grid, run, cfg, model, spec, nodes, round_number, test_images, test_labels, progress,
-                               budgets, public)
+                               budgets, public, threat)
             record["elapsed_seconds"] = round(time.perf_counter() - started, 3)
             run.append_metrics(record)
             progress.update(rounds_task, completed=round_number)
@@ -266,26 +289,25 @@ def round_summary(record: dict, rounds: int) -> str:
 
 def dp_budgets(cfg: TrainConfig) -> dict[int, ClientBudget]:
     """Each client's budget over all its rounds of the run, every channel ({} without DP): fixed before round 1
-    (and printed) and recomputed identically on resume, since client selection and partition sizes are seeded."""
+    (and printed) and recomputed identically on resume, since client selection and schedule sizes are seeded."""
     if cfg.dp_eps == 0:
         return {}
-    sizes = [len(p) for p in client_partition(cfg.dataset, cfg.data_dir, cfg.model, cfg.train_samples, cfg.seed,
-                                              cfg.clients, cfg.beta)]
-    with console.status("calibrating the DP noise per client and channel"):
-        budgets = {k: dp_budget(cfg, k, sizes[k], cfg.rounds) for k in range(cfg.clients)
+    with console.status("calibrating the DP noise per client"):
+        budgets = {k: dp_budget(cfg, k, schedule_size(cfg, k), cfg.rounds) for k in range(cfg.clients)
                    if participation(cfg, k, cfg.rounds)}
     console.print(budget_table(budgets, cfg))
     return budgets
 
 
 def budget_table(budgets: dict[int, ClientBudget], cfg: TrainConfig) -> Table:
-    """The per-channel budget each client is calibrated to, printed before round 1."""
-    shares = channel_epsilons(cfg.dp_eps, next(iter(budgets.values())).feature_share)
-    table = Table(box=None, pad_edge=False, title=f"privacy budget per client: epsilon {cfg.dp_eps:g} = "
-                        + " + ".join(f"{eps:g} {channel}" for channel, eps in shares.items())
-                        + " (each channel at delta/2, total composed at delta)")
-    columns = ["client", "rounds", "delta", "DP-SGD σ", "ε params"]
-    columns += ["feature σ", "ε features"] if "features" in shares else []
+    """The noise each client is calibrated to and what it spends, printed before round 1: the total (both channels
+    composed: the guarantee) is --dp-eps; each channel alone spends less."""
+    features = next(iter(budgets.values())).feature_share > 0
+    split = f" (features' share {cfg.dp_feature_share:g} in Gaussian-DP terms)" if features else ""
+    table = Table(box=None, pad_edge=False, title=f"privacy budget per client: epsilon {cfg.dp_eps:g} in total over "
+                                                  f"its rounds, at its delta{split}")
+    columns = ["client", "rounds", "delta", "DP-SGD σ", "ε params alone"]
+    columns += ["feature σ", "ε features alone"] if features else []
     for column in columns + ["ε total"]:
         table.add_column(column, justify="right")
     for k, budget in budgets.items():
@@ -293,24 +315,38 @@ def budget_table(budgets: dict[int, ClientBudget], cfg: TrainConfig) -> Table:
         spent = budget.channel_epsilons_after(last)
         row = [str(k), str(len(budget.rounds)), f"{budget.delta:.2g}", f"{budget.noise_multiplier:.3f}",
                f"{spent['parameters']:.3f}"]
-        row += [f"{budget.feature_noise_multiplier:.3f}", f"{spent['features']:.3f}"] if "features" in spent else []
+        row += [f"{budget.feature_noise_multiplier:.3f}", f"{spent['features']:.3f}"] if features else []
         table.add_row(*row, f"{budget.epsilon_after(last):.3f}")
     return table
 
 
+def refusal_spend(reply: Message, dp_eps: float) -> float | None:
+    """The epsilon a refusing DP node says it has spent in the run (apps.spent_note), when it says so sensibly."""
+    if not (dp_eps and reply.has_error()):
+        return None
+    found = re.match(rf"client refuses \[{re.escape(SPENT_NOTE)} ([0-9.e+-]{{1,30}})\]", str(reply.error.reason))
+    try:
+        spent = float(found.group(1)) if found else math.nan
+    except ValueError:
+        return None
+    return spent if 0 < spent <= dp_eps * (1 + 1e-9) else None
+
+
 def privacy_metrics(budgets: dict[int, ClientBudget], selected: list[int], round_number: int,
                     reported: dict[str, dict[str, float]]) -> dict:
-    """metrics.jsonl's privacy keys. epsilon: the total each accepted client reports (its ledger);
-    epsilon_parameters / epsilon_features: the same per channel; epsilon_server: the server's own total; the
-    noise multipliers sent per channel. All None without DP."""
+    """metrics.jsonl's privacy keys. epsilon: the total each client reports it has spent in the run (its ledger:
+    with its upload, or with its refusal); epsilon_parameters / epsilon_features: each channel alone, as accepted
+    clients report them; epsilon_server: the server's own total; the noise multipliers sent per channel. All None
+    without DP."""
     if not budgets:
         return dict.fromkeys(("epsilon", "epsilon_parameters", "epsilon_features", "epsilon_server",
                               "noise_multiplier", "feature_noise_multiplier"))
     features = any(b.feature_share for b in budgets.values())
     return {
         "epsilon": {p: spent["total"] for p, spent in reported.items()},
-        "epsilon_parameters": {p: spent["parameters"] for p, spent in reported.items()},
-        "epsilon_features": {p: spent["features"] for p, spent in reported.items()} if features else None,
+        "epsilon_parameters": {p: spent["parameters"] for p, spent in reported.items() if "parameters" in spent},
+        "epsilon_features": {p: spent["features"] for p, spent in reported.items() if "features" in spent}
+        if features else None,
         "epsilon_server": {str(p): budgets[p].epsilon_after(round_number) for p in selected},
         "noise_multiplier": {str(p): budgets[p].noise_multiplier for p in selected},
         "feature_noise_multiplier": {str(p): budgets[p].feature_noise_multiplier for p in selected}
@@ -358,29 +394,37 @@ def average(cfg: TrainConfig, spec: UploadSpec, model: EFTViT, accepted: list[Ac
 def run_round(grid: Grid, run: RunDirectory, cfg: TrainConfig, model: EFTViT, spec: UploadSpec,
               nodes: dict[int, int], round_number: int, test_images: torch.Tensor, test_labels: torch.Tensor,
               progress: Progress, budgets: dict[int, ClientBudget],
-              public: tuple[torch.Tensor, torch.Tensor] | None = None) -> dict:
+              public: tuple[torch.Tensor, torch.Tensor] | None = None, threat: ServerThreat | None = None) -> dict:
     """One round. public: the server's own labelled images, given under DP, where theta's update on the noisy
-    feature rows is kept only if their accuracy did not fall (None: always kept)."""
+    feature rows is kept only if their accuracy did not fall (None: always kept). threat: what a --threat run's
+    server sends instead of its model; it keeps aggregating into its own model either way."""
     selected = round_clients(cfg, round_number, run.metrics())
-    tampered = cfg.tamper if cfg.threat == "malicious" and round_number == cfg.tamper_round else None
-    model_record = to_record(sent_state(model, cfg, round_number, tampered))
+    state = model.state_dict()
+    sent = threat.sent(round_number, selected, state) if threat else dict.fromkeys(selected, state)
+    records = {id(s): to_record(s) for s in sent.values()}  # one record per distinct model
     messages = {}
     for p in selected:
         sigma, feature_sigma = (budgets[p].noise_multiplier, budgets[p].feature_noise_multiplier) if budgets else (0, 0)
         settings = ClientSettings.from_config(cfg, round_number, float(sigma), run.run_id,
                                               float(feature_sigma)).to_record()
-        messages[p] = Message(RecordDict({"model": model_record, "settings": settings}), nodes[p], MessageType.TRAIN)
+        messages[p] = Message(RecordDict({"model": records[id(sent[p])], "settings": settings}), nodes[p],
+                              MessageType.TRAIN)
     task = progress.add_task(f"round {round_number}: client training", total=len(selected))
     replies = exchange(grid, messages, cfg.round_timeout, progress, task)
     progress.remove_task(task)
+    if threat:
+        threat.accepted(round_number, sorted(p for p, reply in replies.items() if not reply.has_error()))
 
     accepted: list[AcceptedUpload] = []
-    epsilon: dict[str, dict[str, float]] = {}  # what each accepted DP client reports it has spent (its ledger)
+    epsilon: dict[str, dict[str, float]] = {}  # what each DP client reports it has spent (its ledger)
     dropped: dict[str, str] = {}
     for partition in selected:
         if partition not in replies:
             dropped[str(partition)] = f"no reply within {cfg.round_timeout:.0f} s"
             continue
+        refused_spend = refusal_spend(replies[partition], cfg.dp_eps)
+        if refused_spend is not None:
+            epsilon[str(partition)] = {"total": refused_spend}
         try:
             upload, truth = parse_reply(replies[partition], partition, spec, cfg.method, cfg.record_truth)
             if budgets:
@@ -437,11 +481,7 @@ def run_round(grid: Grid, run: RunDirectory, cfg: TrainConfig, model: EFTViT, sp
         "client_loss": sum(u.loss * u.num_examples for u in accepted) / weights if accepted and not budgets else None,
         "server_loss": server_loss,
         "server_update_kept": server_update_kept,
-        "client_seconds": {str(u.partition): round(sum(u.epoch_seconds), 4) for u in accepted},
-        "client_epoch_seconds": {str(u.partition): round(sum(u.epoch_seconds) / max(len(u.epoch_seconds), 1), 4)
-                                 for u in accepted},
-        "client_epoch_cpu_seconds": {str(u.partition): round(sum(u.epoch_cpu_seconds) /
-                                                             max(len(u.epoch_cpu_seconds), 1), 4) for u in accepted},
+        **client_timings(accepted, withheld=bool(budgets)),
         "server_seconds": round(server_seconds, 4),
         "eval_seconds": round(eval_seconds, 4),
         "upload_bytes": {str(u.partition): u.upload_bytes for u in accepted},
@@ -452,12 +492,18 @@ def run_round(grid: Grid, run: RunDirectory, cfg: TrainConfig, model: EFTViT, sp
         **privacy_metrics(budgets, selected, round_number, epsilon),
         "clients": selected,
         "dropped": dropped,
-        "tampered": tampered,
+        "tampered": threat.tampering(round_number) if threat else None,
     }
 
 
-def sent_state(model: EFTViT, cfg: TrainConfig, round_number: int, tampered: str | None) -> dict[str, torch.Tensor]:
-    """The model the clients receive: the server's own, or under --threat malicious in --tamper-round its
-    tampering (attacks/tamper.py); the server keeps aggregating into its own model either way."""
-    state = model.state_dict()
-    return tamper_state(tampered, state, cfg, seeded(cfg.seed, round_number, 8)) if tampered else state
+def client_timings(accepted: list[AcceptedUpload], withheld: bool) -> dict:
+    """metrics.jsonl's client timings; None under --dp-eps, where clients withhold them (they depend on the size of
+    the client's data)."""
+    if withheld:
+        return dict.fromkeys(("client_seconds", "client_epoch_seconds", "client_epoch_cpu_seconds"))
+    return {"client_seconds": {str(u.partition): round(sum(u.epoch_seconds), 4) for u in accepted},
+            "client_epoch_seconds": {str(u.partition): round(sum(u.epoch_seconds) / max(len(u.epoch_seconds), 1), 4)
+                                     for u in accepted},
+            "client_epoch_cpu_seconds": {str(u.partition): round(sum(u.epoch_cpu_seconds) /
+                                                                 max(len(u.epoch_cpu_seconds), 1), 4)
+                                         for u in accepted}}

@@ -105,10 +105,10 @@ def _runs(process: psutil.Process) -> bool:
 def simulated_node_defaults(run_dir: Path, cfg: TrainConfig) -> dict:
     """The operator runs every simulated node: they share ground truth when the run records it, keep their
     privacy ledgers (and the last model each accepted, for --model-check) in the run directory (nodes/), so a
-    resumed simulation sees what they spent, and seed from the run's seed alone (noise-secret 0), so simulations
-    are reproducible."""
+    resumed simulation sees what they spent, rebuild the initial model from the run's own checkpoint, and seed from
+    the run's seed alone (noise-secret 0), so simulations are reproducible."""
     return {"share-truth": cfg.record_truth, "ledger-dir": str(Path(run_dir).resolve() / "nodes"), "noise-secret": 0,
-            "model-check": cfg.model_check}
+            "model-check": cfg.model_check, "initial-model": cfg.checkpoint}
 
 
 def forget_received_models(run_dir: Path, cfg: TrainConfig) -> None:
@@ -120,7 +120,7 @@ def forget_received_models(run_dir: Path, cfg: TrainConfig) -> None:
         shutil.rmtree(Path(run_dir) / "nodes" / "received", ignore_errors=True)
 
 
-def run_simulated(run_dir: Path, cfg: TrainConfig, verbose: bool = False) -> None:
+def run_simulated(run_dir: Path, cfg: TrainConfig, verbose: bool = False, threat=None) -> None:
     """Run the ServerApp against cfg.clients simulated SuperNodes, one Ray actor per cfg.cpus_per_client.
 
     Ray runs as a fresh local instance in its own temp folder, so helpers left by an earlier driver that was
@@ -155,7 +155,7 @@ def run_simulated(run_dir: Path, cfg: TrainConfig, verbose: bool = False) -> Non
     ray_utils.set_sigterm_handler = lambda handler: None
     os.environ[RAY_SESSION_VARIABLE] = tag
     try:
-        run_simulation(server_app=build_server_app(Path(run_dir).resolve()),
+        run_simulation(server_app=build_server_app(Path(run_dir).resolve(), threat),
                        client_app=build_client_app(simulated_node_defaults(run_dir, cfg)),
                        num_supernodes=cfg.clients, backend_config=backend_config, verbose_logging=verbose)
         forget_received_models(run_dir, cfg)

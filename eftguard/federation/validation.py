@@ -63,6 +63,8 @@ class UploadSpec:
     heads: tuple[int, int, int] | None = None  # headprune-lora: (layers, heads per layer, heads a client keeps)
     reports_global_loss: bool = False  # --client-selection loss-gap: each reply carries metrics 'global-loss'
     canaries: int = 0  # the run's canary count: truth then names the client's canaries and their inclusion bits
+    dp_sizes: dict[int, tuple[int, int]] | None = None  # --dp-eps: per partition, the num-examples and feature rows
+    # its public schedule fixes (client.schedule_size, client.release_size), which a DP reply must report exactly
 
 
 @dataclass(frozen=True)
@@ -139,6 +141,9 @@ def validate_metrics(record, partition: int, spec: UploadSpec) -> ReplyMetrics:
     if not 1 <= num_examples <= len(spec.train_ids):
         raise UploadError(f"metrics 'num-examples' {num_examples} outside 1..{len(spec.train_ids)} "
                           "(the run's training set)")
+    if spec.dp_sizes and num_examples != spec.dp_sizes[partition][0]:
+        raise UploadError(f"metrics 'num-examples' {num_examples} is not the {spec.dp_sizes[partition][0]} of this "
+                          "client's public schedule (under --dp-eps a client reports its schedule, not its data)")
     loss, global_loss = (_loss(f"metrics '{key}'", record[key]) if key in required else None
                          for key in ("loss", "global-loss"))
     epoch_seconds = _per_epoch("epoch-seconds", record, spec)
@@ -215,11 +220,12 @@ def validate_heads(record, spec: UploadSpec) -> dict[str, np.ndarray]:
     return decoded
 
 
-def validate_features(record, spec: UploadSpec, num_examples: int) -> dict[str, np.ndarray]:
-    """Z_k and y_k: at most as many sets as median sampling draws from num_examples samples."""
-    most = max_feature_sets(spec.balance, spec.num_classes, num_examples)
+def validate_features(record, spec: UploadSpec, num_examples: int, rows: int | None = None) -> dict[str, np.ndarray]:
+    """Z_k and y_k: at most as many sets as median sampling draws from num_examples samples; exactly `rows` when
+    given (--dp-eps: the public count of released rows)."""
+    low, most = (rows, rows) if rows else (1, max_feature_sets(spec.balance, spec.num_classes, num_examples))
     _check_names("features", record, ("features", "labels"))
-    sets = _declared_rows("features 'features'", record["features"], 1, most)
+    sets = _declared_rows("features 'features'", record["features"], low, most)
     _check_layout("features", record, {"features": ("float32", (sets, spec.tokens, spec.width)),
                                        "labels": ("int64", (sets,))})
     features = from_record(record, "features")
@@ -233,9 +239,13 @@ def validate_features(record, spec: UploadSpec, num_examples: int) -> dict[str, 
 def validate_truth(record, spec: UploadSpec, num_examples: int, feature_sets: int | None) -> dict[str, np.ndarray]:
     """The auditor-only record must be consistent too, or the audit would score against garbage: exactly the
     expected arrays, one sample id per feature set (per sample for a method without features), ids of this
-    run's training images, kept patches distinct and in range, class counts summing to num_examples."""
-    layout: Layout = {"sample_ids": ("int64", (feature_sets if feature_sets is not None else num_examples,)),
-                      "class_counts": ("int64", (spec.num_classes,))}
+    run's training images, kept patches distinct and in range, class counts summing to num_examples. Under
+    --dp-eps (spec.dp_sizes) num_examples is the public schedule: the counts sum to at most it, and a null row's
+    sample id is -1."""
+    samples = feature_sets if feature_sets is not None else num_examples
+    if feature_sets is None and spec.dp_sizes and isinstance(record, ArrayRecord) and "sample_ids" in record:
+        samples = _declared_rows("truth 'sample_ids'", record["sample_ids"], 1, num_examples)  # its data, not n
+    layout: Layout = {"sample_ids": ("int64", (samples,)), "class_counts": ("int64", (spec.num_classes,))}
     if feature_sets is not None:
         layout["kept_ids"] = ("int64", (feature_sets, spec.tokens - 1))
     if spec.canaries:
@@ -245,9 +255,13 @@ def validate_truth(record, spec: UploadSpec, num_examples: int, feature_sets: in
     _check_layout("truth", record, layout)
     truth = from_record(record, "truth")
     counts = truth["class_counts"]
-    if (counts < 0).any() or (counts > num_examples).any() or counts.sum() != num_examples:  # no int64 wrap-around
-        raise UploadError(f"truth 'class_counts' must be non-negative and sum to num-examples ({num_examples})")
+    total = counts.sum() if not (counts < 0).any() and not (counts > num_examples).any() else -1  # no wrap-around
+    if not (0 < total <= num_examples if spec.dp_sizes else total == num_examples):
+        raise UploadError(f"truth 'class_counts' must be non-negative and sum to {'at most ' * bool(spec.dp_sizes)}"
+                          f"num-examples ({num_examples})")
     ids = truth["sample_ids"]
+    if spec.dp_sizes and feature_sets is not None:
+        ids = ids[ids != -1]  # null rows of the DP release
     position = np.searchsorted(spec.train_ids, ids).clip(max=len(spec.train_ids) - 1)
     if (spec.train_ids[position] != ids).any():
         raise UploadError("truth 'sample_ids' name images outside this run's training set")
