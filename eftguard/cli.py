@@ -7,7 +7,6 @@ import atexit
 import dataclasses
 import json
 import os
-import shutil
 import signal
 import sys
 import threading
@@ -390,22 +389,8 @@ def prepare(cfg: TrainConfig) -> None:
                 method_spec(cfg.method).model_adapter(cfg))
 
 
-def undo_new_run(run_dir: Path):
-    """Before a new run is created in run_dir: a function that removes what creating it adds (the folders it
-    makes, or the contents of the empty folder it was given), so a start that fails leaves nothing behind."""
-    created = next((p for p in reversed([run_dir, *run_dir.parents]) if not p.exists()), None)
-
-    def undo() -> None:
-        if created is not None:
-            shutil.rmtree(created, ignore_errors=True)
-        else:
-            for item in run_dir.iterdir():
-                shutil.rmtree(item) if item.is_dir() else item.unlink()
-    return undo
-
-
 def train_run(run_dir: Path, verbose: bool, args: argparse.Namespace | None = None, undo=None) -> None:
-    """Train the run in run_dir, holding its lock; a new run ends with undo() (from undo_new_run) when it stops
+    """Train the run in run_dir, holding its lock; a new run ends with undo() (from create_run) when it stops
     before its first round completes."""
     run = RunDirectory.open(run_dir)
     cfg = run.config()
@@ -456,7 +441,8 @@ def check_key_file(cfg: TrainConfig) -> None:
 
 def create_run(run_dir: Path, cfg: TrainConfig):
     """Everything before a new run's first round (eftguard train and audit): refuse a used folder, check the
-    at-rest key, load the data and build the model, then create the run. Returns undo_new_run's undo."""
+    at-rest key, load the data and build the model, then create the run. Returns the undo of its creation
+    (RunDirectory.undo_create)."""
     check_new_run_path(run_dir)
     if cfg.encrypt_at_rest:
         cfg.encrypt_at_rest = str(Path(cfg.encrypt_at_rest).resolve())
@@ -467,9 +453,7 @@ def create_run(run_dir: Path, cfg: TrainConfig):
         create_key(Path(cfg.encrypt_at_rest))
         print(f"created a new at-rest key in {cfg.encrypt_at_rest}: keep it, the uploads cannot be read "
               "without it", file=sys.stderr)
-    undo = undo_new_run(run_dir)
-    RunDirectory.create(run_dir, cfg)
-    return undo
+    return RunDirectory.create(run_dir, cfg).undo_create
 
 
 def cmd_train(args: argparse.Namespace) -> None:
