@@ -13,6 +13,7 @@ leaves at most a partial round behind, which resume discards. One process writes
 from __future__ import annotations
 
 import contextlib
+import errno
 import fcntl
 import hashlib
 import json
@@ -98,6 +99,20 @@ def atomic_write(path: Path, write) -> None:
         tmp.unlink(missing_ok=True)
         raise
     _fsync_dir(path.parent)
+
+
+DISK_FULL = (errno.ENOSPC, errno.EDQUOT)
+
+
+def is_disk_full(error: BaseException) -> bool:
+    """Whether error, or an error that caused it, is a full disk (or quota): an OSError, or another writer's error
+    (safetensors') in the system's words for one."""
+    while error is not None:
+        if isinstance(error, OSError) and error.errno in DISK_FULL or any(os.strerror(code) in str(error)
+                                                                          for code in DISK_FULL):
+            return True
+        error = error.__cause__ or error.__context__
+    return False
 
 
 def round_number_of(name: str) -> int | None:
@@ -192,10 +207,13 @@ class RunDirectory:
                                      "run_id": run.created_id,
                                      "versions": _versions(), "encrypted_at_rest": encryption, "artefacts": {}})
                 run.record_artefact(path / "config.toml")
-        except BaseException:  # a full disk, Ctrl-C: what was made goes; a run that claimed the folder first stays
+        except BaseException as exc:  # a full disk, Ctrl-C: what was made goes; a run that claimed the folder stays
             if claimed:
                 run._remove_files()
             _remove_empty_folders(run.made_folders)
+            if is_disk_full(exc):
+                raise RunError(f"the disk is full ({exc}): nothing of {path} was kept; free space, then start "
+                               "again") from None
             raise
         return run
 

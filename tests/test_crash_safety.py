@@ -265,6 +265,34 @@ def test_a_run_undoing_its_start_removes_only_what_it_made_and_still_owns(tmp_pa
     assert finished.completed_rounds() == 1 and finished.verify() == []
 
 
+def test_a_full_disk_during_a_round_is_one_line_and_the_run_resumes(tmp_path, capsys, monkeypatch, micro_preset):
+    """Issue 34: the disk fills while round 2's uploads are written (the writer raises ENOSPC, as a full disk
+    does): one line that keeps round 1 and says how to go on, no traceback; once there is space, --resume
+    discards the partial round and finishes the run."""
+    run, micro = tmp_path / "run", tmp_path / "micro.toml"
+    micro.write_text(f'model = "{micro_preset}"\n')
+    monkeypatch.setattr("eftguard.federation.simulation.run_simulated", in_process_runtime)
+    save_upload = RunDirectory.save_upload
+
+    def disk_fills_in_round_2(self, round_number, partition, kind, arrays):
+        if round_number == 2 and partition == 1:
+            raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC), str(self.upload_path(round_number, partition, kind)))
+        save_upload(self, round_number, partition, kind, arrays)
+
+    monkeypatch.setattr(RunDirectory, "save_upload", disk_fills_in_round_2)
+    code, err = run_cli(capsys, "train", "--out", run, "--config", micro, *CLI_TINY, "--rounds", "2")
+    upload = run / "observed/round-0002/client-01/update.safetensors"
+    assert code == 2 and "Traceback" not in err and err.count("eftguard: error:") == 1
+    assert err.splitlines()[-1] == (f"eftguard: error: the disk is full ([Errno 28] No space left on device: "
+                                    f"'{upload}'): {run} keeps its 1 completed rounds; free space, then continue with "
+                                    f"eftguard train --resume {run}")
+    assert RunDirectory.open(run).completed_rounds() == 1
+    monkeypatch.setattr(RunDirectory, "save_upload", save_upload)  # space again
+    main(["train", "--resume", str(run)])
+    resumed = RunDirectory.open(run)
+    assert resumed.completed_rounds() == 2 and resumed.verify() == [] and len(resumed.round_files(2)) == 7
+
+
 def test_of_two_runs_created_in_one_folder_at_once_the_second_is_refused_and_removes_nothing(tmp_path, monkeypatch):
     """Both passed the emptiness check before either wrote: the run is claimed under its lock, so the second
     creation is refused, and the first run's files and folders stay."""
@@ -282,7 +310,8 @@ def test_a_creation_that_fails_half_way_leaves_nothing(tmp_path, monkeypatch):
     monkeypatch.setattr("eftguard.rundir._versions", disk_full)
     (tmp_path / "empty").mkdir()
     for out in ("new/folders/run", "empty"):
-        with pytest.raises(OSError, match="No space left"):
+        with pytest.raises(RunError, match=rf"^the disk is full \(\[Errno 28\] No space left on device\): nothing of "
+                                           rf"{tmp_path / out} was kept; free space, then start again$"):
             RunDirectory.create(tmp_path / out, TrainConfig(**TINY).resolved())
     assert sorted(p.name for p in tmp_path.iterdir()) == ["empty"] and not any((tmp_path / "empty").iterdir())
 
