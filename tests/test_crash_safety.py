@@ -13,7 +13,7 @@ import numpy as np
 import psutil
 import pytest
 
-from conftest import MICRO_PRESET, train_in_process
+from conftest import MICRO_PRESET, OWN_PID_NAMESPACE, can_make_pid_namespaces, train_in_process
 from eftguard.audit.api import round_clients
 from eftguard.cli import main
 from eftguard.config import TrainConfig
@@ -326,16 +326,6 @@ with ray_session() as session:
     helper.kill()
     helper.wait()
 """
-OWN_PID_NAMESPACE = ["unshare", "--user", "--map-root-user", "--pid", "--fork", "--mount-proc", "--kill-child"]
-
-
-def can_make_pid_namespaces() -> bool:
-    try:
-        return subprocess.run([*OWN_PID_NAMESPACE, "true"], capture_output=True, timeout=30).returncode == 0
-    except (OSError, subprocess.TimeoutExpired):
-        return False
-
-
 def start_session(namespace: list[str]) -> tuple[subprocess.Popen, str, list[psutil.Process]]:
     """A driver holding a Ray session (in its own PID namespace if namespace is given) and a helper process that
     inherited the session's tag: (driver, tag, the helper as this process sees it)."""
@@ -380,9 +370,10 @@ def test_only_helpers_of_a_session_whose_driver_is_gone_are_stopped(tmp_path, na
     left alone too."""
     live, live_tag, live_helpers = start_session(namespace)
     killed, killed_tag, orphans = start_session([])
+    unseen, killed_folder = tmp_path / "eftguard-ray-elsewhere", killed_tag.partition(":")[2]
     strangers = [subprocess.Popen([sys.executable, "-c", "import time; time.sleep(300)"],
                                   env={**os.environ, RAY_SESSION_VARIABLE: tag})
-                 for tag in (f"0123:{tmp_path / 'elsewhere'}", f"wrong-token:{killed_tag.partition(':')[2]}")]
+                 for tag in (f"0123:{unseen}", f"wrong-token:{killed_folder}")]
     try:
         killed.kill()  # SIGKILL: the driver's lock goes with it, its helper stays
         killed.wait(timeout=30)

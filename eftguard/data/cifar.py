@@ -46,7 +46,7 @@ def _read_batch(path: Path) -> dict:
         with open(path, "rb") as f:
             batch = _ArrayOnlyUnpickler(f, encoding="latin1").load()
     except Exception as exc:  # noqa: BLE001 - a damaged or hostile pickle fails in many ways, none of them code run
-        raise DataError(f"{path} is not a readable CIFAR batch file ({exc}); delete it and re-download") from exc
+        raise DataError(f"{path} is not a readable CIFAR batch file ({exc}); delete it and download it again") from exc
     if not isinstance(batch, dict):
         raise _not_cifar(path, f"it holds a {type(batch).__name__}, not a dictionary")
     return {k.decode() if isinstance(k, bytes) else k: v for k, v in batch.items()}

@@ -37,6 +37,7 @@ def configure_ray_and_flower(verbose: bool) -> None:
 
 
 RAY_SESSION_VARIABLE = "EFTGUARD_RAY_SESSION"  # inherited by every Ray process a run starts: "TOKEN:FOLDER"
+SESSION_PREFIX = "eftguard-ray-"  # of the session folder's name, in the temp folder
 SESSION_LOCK = "driver.lock"  # in the session folder: holds TOKEN, locked (flock) by the driver while it lives
 
 
@@ -57,7 +58,7 @@ def ray_session():
     """A RaySession whose lock this driver holds until the block ends, named in os.environ meanwhile (so every
     process the run starts inherits it); the folder is removed after. The kernel releases the lock when the driver
     dies, even by SIGKILL, in whatever PID namespace it runs: an unlocked session is one whose driver is gone."""
-    folder = Path(tempfile.mkdtemp(prefix="eftguard-ray-"))
+    folder = Path(tempfile.mkdtemp(prefix=SESSION_PREFIX))
     token = secrets.token_hex(16)
     lock = os.open(folder / SESSION_LOCK, os.O_RDWR | os.O_CREAT, 0o600)
     try:
@@ -88,8 +89,10 @@ def _ray_processes() -> dict[psutil.Process, str]:
 def _abandoned(tag: str) -> bool:
     """Whether tag names a session of this machine whose driver is gone: its folder is here, its lock file holds
     the tag's token and nobody holds the lock. Anything else (a live driver, a folder this process cannot see,
-    another token) is not ours to stop."""
+    another token, a folder that is no session's) is not ours to stop."""
     token, _, folder = tag.partition(":")
+    if not Path(folder).name.startswith(SESSION_PREFIX):
+        return False
     try:
         lock = os.open(Path(folder) / SESSION_LOCK, os.O_RDONLY)
     except OSError:
