@@ -85,8 +85,8 @@ def _san(entry: str) -> x509.GeneralName:
 
 
 def read_ca_certificates(path: Path, flag: str = "--root-certificates") -> list[x509.Certificate]:
-    """The CA certificates in a PEM file. Flower reads this file only once it has started, and then hangs
-    after an ssl.SSLError: check it before starting anything."""
+    """The CA certificates in a PEM file, at least one of them within its validity period. Flower reads this file
+    only once it has started, and then hangs after an ssl.SSLError: check it before starting anything."""
     problem = input_file_problem(Path(path))  # missing, a folder, or a device or a pipe that would be read forever
     if problem is not None:
         raise CertificateError(f"{flag} {path} {problem}: give the ca.crt written by eftguard certs")
@@ -96,14 +96,20 @@ def read_ca_certificates(path: Path, flag: str = "--root-certificates") -> list[
         reason = (exc.strerror or str(exc)) if isinstance(exc, OSError) else "no PEM certificate in it"
         raise CertificateError(f"{flag} {path} is not a PEM CA certificate ({reason}): give the ca.crt written "
                                "by eftguard certs") from None
+    outside = []
     for certificate in certificates:
-        check_valid_now(certificate, f"{flag} {path}")
+        try:
+            check_valid_now(certificate, f"{flag} {path}")
+        except CertificateError as exc:
+            outside.append(exc)
         try:
             if not certificate.extensions.get_extension_for_class(x509.BasicConstraints).value.ca:
                 raise CertificateError(f"{flag} {path} is an end-entity certificate, not a CA: give the ca.crt "
                                        "that signed the SuperLink's certificate, not server.pem")
         except x509.ExtensionNotFound:
             pass
+    if len(outside) == len(certificates):  # a bundle may hold expired roots beside valid ones: not all of them
+        raise outside[0]
     return certificates
 
 
