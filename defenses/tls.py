@@ -65,16 +65,19 @@ def _name(common_name: str) -> x509.Name:
 DNS_LABEL = re.compile(r"(?!-)[A-Za-z0-9-]{1,63}(?<!-)")
 
 
-def _san(entry: str) -> x509.GeneralName:
-    """An IP address, or a DNS host name by RFC 1123 (letters, digits, hyphens; labels of 1-63 characters).
+def is_host_name(entry: str) -> bool:
+    """A DNS host name by RFC 1123, whose last label is not all digits (that is a mistyped IP address)."""
+    labels = entry.split(".")
+    return len(entry) <= 253 and all(DNS_LABEL.fullmatch(label) for label in labels) and not labels[-1].isdigit()
 
-    A name whose last label is all digits is rejected: it is a mistyped IP address (999.1.1.1), not a host."""
+
+def _san(entry: str) -> x509.GeneralName:
+    """An IP address, or a DNS host name (is_host_name: letters, digits, hyphens; labels of 1-63 characters)."""
     try:
         return x509.IPAddress(ipaddress.ip_address(entry))
     except ValueError:
         pass
-    labels = entry.split(".")
-    if (len(entry) > 253 or not all(DNS_LABEL.fullmatch(label) for label in labels) or labels[-1].isdigit()):
+    if not is_host_name(entry):
         raise CertificateError(f"--san {entry!r} is neither an IP address nor a DNS host name (dot-separated labels "
                                "of letters, digits and inner hyphens; no scheme, path or port): give the address "
                                "SuperNodes use, e.g. --san fl.example.org or --san 10.0.0.5")
@@ -82,8 +85,8 @@ def _san(entry: str) -> x509.GeneralName:
 
 
 def read_ca_certificates(path: Path, flag: str = "--root-certificates") -> list[x509.Certificate]:
-    """The CA certificates in a PEM file. Flower reads this file only once it has started, and then hangs
-    after an ssl.SSLError: check it before starting anything."""
+    """The CA certificates in a PEM file, at least one of them within its validity period. Flower reads this file
+    only once it has started, and then hangs after an ssl.SSLError: check it before starting anything."""
     problem = input_file_problem(Path(path))  # missing, a folder, or a device or a pipe that would be read forever
     if problem is not None:
         raise CertificateError(f"{flag} {path} {problem}: give the ca.crt written by eftguard certs")
@@ -93,14 +96,33 @@ def read_ca_certificates(path: Path, flag: str = "--root-certificates") -> list[
         reason = (exc.strerror or str(exc)) if isinstance(exc, OSError) else "no PEM certificate in it"
         raise CertificateError(f"{flag} {path} is not a PEM CA certificate ({reason}): give the ca.crt written "
                                "by eftguard certs") from None
+    outside = []
     for certificate in certificates:
+        try:
+            check_valid_now(certificate, f"{flag} {path}")
+        except CertificateError as exc:
+            outside.append(exc)
         try:
             if not certificate.extensions.get_extension_for_class(x509.BasicConstraints).value.ca:
                 raise CertificateError(f"{flag} {path} is an end-entity certificate, not a CA: give the ca.crt "
                                        "that signed the SuperLink's certificate, not server.pem")
         except x509.ExtensionNotFound:
             pass
+    if len(outside) == len(certificates):  # a bundle may hold expired roots beside valid ones: not all of them
+        raise outside[0]
     return certificates
+
+
+def check_valid_now(certificate: x509.Certificate, named: str) -> None:
+    """Refuse a certificate outside its validity period: a SuperLink would serve it and every client refuse it
+    (or, verifying nothing, accept it)."""
+    now = dt.datetime.now(dt.timezone.utc)
+    if now > certificate.not_valid_after_utc:
+        raise CertificateError(f"{named} expired on {certificate.not_valid_after_utc:%Y-%m-%d %H:%M} UTC: recreate "
+                               "the certificates with eftguard certs --force")
+    if now < certificate.not_valid_before_utc:
+        raise CertificateError(f"{named} is not valid before {certificate.not_valid_before_utc:%Y-%m-%d %H:%M} UTC: "
+                               "check this host's clock, or recreate the certificates with eftguard certs --force")
 
 
 def issue_certificates(sans: tuple[str, ...] = DEFAULT_SANS, now: dt.datetime | None = None):

@@ -62,6 +62,16 @@ def _canary_set(dataset: str, data_dir: str, model: str, train_samples: int, see
     from eftguard.model import PRESETS
 
     full = load_dataset(dataset, data_dir or None, PRESETS[model].image_size)
+    if kind == "gradient" and count > len(full.train):
+        raise CanaryError(f"--canaries {count} is more than the {len(full.train)} training images of {dataset}: "
+                          "canaries are a small part of the data; lower --canaries")
+    if kind == "mislabelled":  # counted before anything is drawn: --canaries 10^9 is one line, not an allocation
+        used = run_dataset(dataset, data_dir, model, train_samples, 0, seed).train.ids
+        pool = np.setdiff1d(np.arange(len(full.train)), used)
+        if len(pool) < count:
+            raise CanaryError(f"--canaries {count} needs {count} held-out training images, but --train-samples "
+                              f"{train_samples} leaves {len(pool)} of {dataset}'s {len(full.train)}: lower --canaries "
+                              "or --train-samples")
     rng = np.random.default_rng([seed, 0xCA1A])
     owners = (rng.permutation(count) % clients).astype(np.int64)
     num_classes = full.num_classes
@@ -71,12 +81,6 @@ def _canary_set(dataset: str, data_dir: str, model: str, train_samples: int, see
         labels = rng.integers(0, num_classes, size=count).astype(np.int64)
         ids = len(full.train) + np.arange(count, dtype=np.int64)
         return CanarySet(images, labels, ids, owners, kind)
-    used = run_dataset(dataset, data_dir, model, train_samples, 0, seed).train.ids
-    pool = np.setdiff1d(np.arange(len(full.train)), used)
-    if len(pool) < count:
-        raise CanaryError(f"--canaries {count} needs {count} held-out training images, but --train-samples "
-                          f"{train_samples} leaves {len(pool)} of {dataset}'s {len(full.train)}: lower --canaries "
-                          "or --train-samples")
     ids = np.sort(rng.choice(pool, size=count, replace=False)).astype(np.int64)
     wrong = (full.train.labels[ids] + rng.integers(1, num_classes, size=count)) % num_classes
     return CanarySet(full.train.images[ids], wrong.astype(np.int64), ids, owners, kind)

@@ -6,8 +6,8 @@ import argparse
 import atexit
 import dataclasses
 import json
+import math
 import os
-import shutil
 import signal
 import sys
 import threading
@@ -29,7 +29,7 @@ from eftguard.model import PRESETS, ModelError
 from eftguard.paths import file_in_the_way, output_file_problem, unwritable_reason
 from eftguard.precision import PRECISIONS, resolve_precision
 from eftguard.pretrain import OBJECTIVES, PretrainConfig, PretrainError
-from eftguard.rundir import RunDirectory, RunError, atomic_write, check_new_run_path
+from eftguard.rundir import RunDirectory, RunError, atomic_write, check_new_run_path, is_disk_full
 from eftguard.sampling import BALANCE_MODES
 from eftguard.schedule import SCHEDULES
 
@@ -372,9 +372,9 @@ def config_from_args(args: argparse.Namespace) -> TrainConfig:
 
 
 def prepare(cfg: TrainConfig) -> None:
-    """Fail fast, before any process starts: the data loads and the model (and checkpoint) fits."""
-    from eftguard.federation.client import (client_partition, feature_share, participation, run_dataset,
-                                             schedule_size)
+    """Fail fast, before any process starts: the data loads, every client's privacy budget can be met and the model
+    (and checkpoint) fits."""
+    from eftguard.federation.client import client_partition, run_dataset, schedule_size
     from eftguard.model import build_model
 
     dataset = run_dataset(cfg.dataset, cfg.data_dir, cfg.model, cfg.train_samples, cfg.test_samples, cfg.seed)
@@ -383,36 +383,51 @@ def prepare(cfg: TrainConfig) -> None:
     except ValueError as exc:
         raise ConfigError(str(exc)) from None
     if cfg.dp_eps > 0:
-        from defenses.dp import PrivacyBudgetError, check_feasible
-
-        for k in range(cfg.clients):
-            rounds, size = participation(cfg, k, cfg.rounds), schedule_size(cfg, k)
-            try:
-                if rounds:
-                    check_feasible(cfg.dp_eps, cfg.dp_delta, cfg.accountant, size, cfg.batch_size, cfg.local_epochs,
-                                   rounds, feature_share(cfg))
-            except PrivacyBudgetError as exc:
-                raise ConfigError(f"client {k} ({size} samples, {len(rounds)} rounds): {exc}") from None
+        check_privacy_budgets(cfg, [schedule_size(cfg, k) for k in range(cfg.clients)])
     build_model(cfg.model, dataset.num_classes, cfg.local_layers, cfg.pretrained, cfg.checkpoint or None, cfg.seed,
                 method_spec(cfg.method).model_adapter(cfg))
 
 
-def undo_new_run(run_dir: Path):
-    """Before a new run is created in run_dir: a function that removes what creating it adds (the folders it
-    makes, or the contents of the empty folder it was given), so a start that fails leaves nothing behind."""
-    created = next((p for p in reversed([run_dir, *run_dir.parents]) if not p.exists()), None)
+# DP-SGD steps per client the PRV accountant checks and calibrates in about half a minute (measured here: 33 s at
+# 30,000 steps, 4 minutes at 100,000, growing faster than the steps)
+PRV_STEPS_LIMIT = 30_000
 
-    def undo() -> None:
-        if created is not None:
-            shutil.rmtree(created, ignore_errors=True)
-        else:
-            for item in run_dir.iterdir():
-                shutil.rmtree(item) if item.is_dir() else item.unlink()
-    return undo
+
+def check_privacy_budgets(cfg: TrainConfig, sizes: list[int]) -> None:
+    """Each client's noise calibrated as the server calibrates it (a simulated run's server then reuses the result),
+    a line of progress per client: a budget no noise meets, an accountant that cannot work at --dp-delta, or
+    PRV accounting of more steps than it can finish, is one ConfigError before any work."""
+    from rich.console import Console
+
+    from defenses.dp import PrivacyBudgetError, check_feasible
+    from eftguard.federation.client import dp_budget, feature_share, participation
+
+    with Console(stderr=True).status("calibrating the DP noise") as status:
+        for k, size in enumerate(sizes):
+            rounds = participation(cfg, k, cfg.rounds)
+            if not rounds:
+                continue
+            where = f"client {k} ({size} samples, {len(rounds)} rounds)"
+            status.update(f"calibrating the DP noise of {where}, {k + 1} of {len(sizes)}")
+            steps = cfg.local_epochs * math.ceil(size / cfg.batch_size) * len(rounds)
+            if cfg.accountant == "prv" and steps > PRV_STEPS_LIMIT:
+                raise ConfigError(f"{where}: {steps} DP-SGD steps are more than the prv accountant calibrates in "
+                                  f"reasonable time ({PRV_STEPS_LIMIT}): use --accountant rdp, or lower "
+                                  "--local-epochs or --rounds")
+            try:
+                check_feasible(cfg.dp_eps, cfg.dp_delta, cfg.accountant, size, cfg.batch_size, cfg.local_epochs,
+                               rounds, feature_share(cfg))
+                dp_budget(cfg, k, size, cfg.rounds)
+            except PrivacyBudgetError as exc:
+                raise ConfigError(f"{where}: {exc}") from None
+            except (ValueError, RuntimeError) as exc:  # the accountant's own numerics give up (a delta of 1e-300)
+                raise ConfigError(f"{where}: the {cfg.accountant} accountant cannot work at --dp-delta "
+                                  f"{cfg.dp_delta:g} ({exc}): raise --dp-delta (0: min(1e-5, 1 / (100 n)) per client), or try "
+                                  "the other --accountant") from None
 
 
 def train_run(run_dir: Path, verbose: bool, args: argparse.Namespace | None = None, undo=None) -> None:
-    """Train the run in run_dir, holding its lock; a new run ends with undo() (from undo_new_run) when it stops
+    """Train the run in run_dir, holding its lock; a new run ends with undo() (from create_run) when it stops
     before its first round completes."""
     run = RunDirectory.open(run_dir)
     cfg = run.config()
@@ -428,11 +443,17 @@ def train_run(run_dir: Path, verbose: bool, args: argparse.Namespace | None = No
                 run_simulated(run_dir, cfg, verbose, server_threat_of(cfg))
     except BaseException as exc:
         done = run.completed_rounds()
-        if undo and done == 0:
+        undone = undo is not None and done == 0
+        if undone:
             undo()
+        if is_disk_full(exc):
+            raise RunError(f"the disk is full ({exc}): " + (
+                f"nothing of {run_dir} was kept; free space, then start again" if undone else
+                f"{run_dir} keeps its {done} completed rounds; free space, then continue with eftguard train "
+                f"--resume {run_dir}")) from None
         if not isinstance(exc, (KeyboardInterrupt, Interrupted)):
             raise
-        if undo and done == 0:
+        if undone:
             print(f"\ninterrupted before round 1 completed; nothing of {run_dir} was kept", file=sys.stderr)
         else:
             print(f"\ninterrupted after round {done}; finished rounds are kept. Continue with: "
@@ -449,8 +470,12 @@ def server_threat_of(cfg: TrainConfig):
 
 
 def check_train_flags(args: argparse.Namespace, cfg: TrainConfig) -> None:
+    from eftguard.federation.deployment import check_address
+
     if cfg.federation != "deployment" and (args.superlink or args.root_certificates or args.insecure):
         raise ConfigError("--superlink, --root-certificates and --insecure need --federation deployment")
+    if args.superlink:
+        check_address(args.superlink)
 
 
 def check_key_file(cfg: TrainConfig) -> None:
@@ -471,7 +496,8 @@ def check_key_file(cfg: TrainConfig) -> None:
 
 def create_run(run_dir: Path, cfg: TrainConfig):
     """Everything before a new run's first round (eftguard train and audit): refuse a used folder, check the
-    at-rest key, load the data and build the model, then create the run. Returns undo_new_run's undo."""
+    at-rest key, load the data and build the model, then create the run. Returns the undo of its creation
+    (RunDirectory.undo_create)."""
     check_new_run_path(run_dir)
     if cfg.encrypt_at_rest:
         cfg.encrypt_at_rest = str(Path(cfg.encrypt_at_rest).resolve())
@@ -482,9 +508,7 @@ def create_run(run_dir: Path, cfg: TrainConfig):
         create_key(Path(cfg.encrypt_at_rest))
         print(f"created a new at-rest key in {cfg.encrypt_at_rest}: keep it, the uploads cannot be read "
               "without it", file=sys.stderr)
-    undo = undo_new_run(run_dir)
-    RunDirectory.create(run_dir, cfg)
-    return undo
+    return RunDirectory.create(run_dir, cfg).undo_create
 
 
 def cmd_train(args: argparse.Namespace) -> None:

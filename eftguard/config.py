@@ -25,6 +25,9 @@ CLIENT_SELECTION = ("random", "loss-gap")
 # malicious: the server tampers with one round's model; adaptive: every round it moves each client's model towards
 # the tampering as far as the clients' model check allows (attacks/tamper.py)
 THREATS = ("honest", "malicious", "adaptive")
+SEED_LIMIT = 2 ** 32 - 1  # the largest --seed of training and of the attacks
+DP_EPS_LIMIT = 100.0  # above it e^epsilon bounds nothing, and the accountants' noise search does not end
+DP_ROUNDS_LIMIT = 10_000  # with --dp-eps, every client's rounds are listed and accounted for before round 1
 
 
 class ConfigError(ValueError):
@@ -118,8 +121,13 @@ class TrainConfig:
             raise ConfigError(f"--accountant: unknown accountant '{self.accountant}', choose {', '.join(ACCOUNTANTS)}")
         self._check_head_pruning()
         self._check_precision()
-        if self.dp_eps < 0:
-            raise ConfigError(f"--dp-eps must be >= 0 (0: no DP-SGD), got {self.dp_eps}")
+        if not 0 <= self.dp_eps <= DP_EPS_LIMIT:
+            raise ConfigError(f"--dp-eps must be in [0, {DP_EPS_LIMIT:g}] (0: no DP-SGD; above {DP_EPS_LIMIT:g} the "
+                              f"guarantee e^epsilon bounds nothing), got {self.dp_eps}")
+        if self.dp_eps > 0 and self.rounds > DP_ROUNDS_LIMIT:
+            raise ConfigError(f"--rounds {self.rounds} with --dp-eps: each client's noise is calibrated for all its "
+                              f"rounds before round 1, which does not end in reasonable time above {DP_ROUNDS_LIMIT} "
+                              "rounds: lower --rounds")
         if not 0.0 <= self.dp_delta < 1.0:
             raise ConfigError(f"--dp-delta must be in [0, 1) (0: 1 / (10 n) per client), got {self.dp_delta}")
         if self.dp_eps > 0 and not method.dp_sgd:
@@ -153,6 +161,8 @@ class TrainConfig:
         for name in ("train_samples", "test_samples", "weight_decay", "seed", "server_epochs"):
             if getattr(self, name) < 0:
                 raise ConfigError(f"--{name.replace('_', '-')} must be >= 0, got {getattr(self, name)}")
+        if self.seed > SEED_LIMIT:
+            raise ConfigError(f"--seed must be a whole number in 0..{SEED_LIMIT}, got {self.seed}")
         if self.lr_schedule not in schedule.SCHEDULES:
             raise ConfigError(f"--lr-schedule: unknown schedule '{self.lr_schedule}', choose "
                               f"{', '.join(schedule.SCHEDULES)}")

@@ -285,7 +285,8 @@ def to_timm_state(state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
 
 
 def read_state_file(path: Path) -> dict[str, torch.Tensor]:
-    """Read weights from .safetensors, or a .pt/.pth/.bin file with torch.load(weights_only=True)."""
+    """Read weights from .safetensors, or a .pt/.pth/.bin file with torch.load(weights_only=True); every floating
+    value finite."""
     problem = input_file_problem(path)
     if problem is not None:
         raise ModelError(f"checkpoint {path} {problem}: give the checkpoint file (.safetensors, or a state dict saved "
@@ -305,6 +306,10 @@ def read_state_file(path: Path) -> dict[str, torch.Tensor]:
         state = state["state_dict"]
     if not isinstance(state, dict) or not all(isinstance(v, torch.Tensor) for v in state.values()):
         raise ModelError(f"checkpoint {path} is not a state dict of tensors")
+    broken = next((k for k, v in state.items() if v.is_floating_point() and not torch.isfinite(v).all()), None)
+    if broken is not None:  # every upload trained from it would be NaN and dropped, the accuracy that of chance
+        raise ModelError(f"checkpoint {path} holds NaN or infinite values (in '{broken}'): give the checkpoint of a "
+                         "training that did not diverge")
     return state
 
 

@@ -153,9 +153,16 @@ class PromptTokens(nn.Module):
         return torch.cat([tokens[:, :1], prompts, tokens[:, 1:]], dim=1)
 
 
+PROMPTS_PER_PATCH = 4  # VPT's ablations went to about one prompt per patch token
+
+
 def add_prompts(model: EFTViT, count: int) -> None:
-    if count < 1:
-        raise ModelError(f"--prompt-tokens must be >= 1, got {count}")
+    """A count beyond PROMPTS_PER_PATCH per patch token is refused: prompts would be most of every sequence, and
+    a count like 10^8 an allocation error (77 GB)."""
+    limit = PROMPTS_PER_PATCH * model.local_module.num_patches
+    if not 1 <= count <= limit:
+        raise ModelError(f"--prompt-tokens must be between 1 and {limit} ({PROMPTS_PER_PATCH} per patch token of "
+                         f"{model.preset}), got {count}")
     width = model.local_module.token_embedding.pos_embed.shape[-1]
     model.local_module.prompt_tokens = PromptTokens(count, width)
 

@@ -21,7 +21,7 @@ import torch
 from torch import nn
 from torch.nn import functional as F
 
-from eftguard.config import ConfigError
+from eftguard.config import SEED_LIMIT, ConfigError
 from eftguard.data import ImageSet
 from eftguard.masking import random_keep_ids
 from eftguard.model import PRESETS, EFTViT, to_timm_state
@@ -71,6 +71,8 @@ class PretrainConfig:
         if not 0 < self.mask_ratio < 1:
             raise ConfigError(f"--mask-ratio must be in (0, 1) (fraction of patches the MAE objective hides), "
                               f"got {self.mask_ratio}")
+        if not 0 <= self.seed <= SEED_LIMIT:
+            raise ConfigError(f"--seed must be a whole number in 0..{SEED_LIMIT}, got {self.seed}")
 
     @property
     def uses_labels(self) -> bool:

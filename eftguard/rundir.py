@@ -13,6 +13,7 @@ leaves at most a partial round behind, which resume discards. One process writes
 from __future__ import annotations
 
 import contextlib
+import errno
 import fcntl
 import hashlib
 import json
@@ -58,13 +59,30 @@ def _fsync_dir(folder: Path) -> None:
         os.close(fd)
 
 
-def _make_dirs(folder: Path) -> None:
-    """mkdir -p, making each new folder's entry durable in its parent."""
+def _make_dirs(folder: Path) -> list[Path]:
+    """mkdir -p, making each new folder's entry durable in its parent. Returns the folders this call made, outermost
+    first: one that another process made meanwhile is not among them."""
     if folder.is_dir():
-        return
-    _make_dirs(folder.parent)
-    folder.mkdir(exist_ok=True)
+        return []
+    made = _make_dirs(folder.parent)
+    try:
+        folder.mkdir()
+    except FileExistsError:
+        if not folder.is_dir():
+            raise
+        return made
     _fsync_dir(folder.parent)
+    return [*made, folder]
+
+
+def _remove_empty_folders(folders: list[Path]) -> None:
+    """Remove folders, innermost first, each only while it is empty; stops at the first that is not (it holds
+    what is not ours, and so do the folders above it)."""
+    for folder in reversed(folders):
+        try:
+            folder.rmdir()
+        except OSError:
+            return
 
 
 def atomic_write(path: Path, write) -> None:
@@ -81,6 +99,20 @@ def atomic_write(path: Path, write) -> None:
         tmp.unlink(missing_ok=True)
         raise
     _fsync_dir(path.parent)
+
+
+DISK_FULL = (errno.ENOSPC, errno.EDQUOT)
+
+
+def is_disk_full(error: BaseException) -> bool:
+    """Whether error, or an error that caused it, is a full disk (or quota): an OSError, or another writer's error
+    (safetensors') in the system's words for one."""
+    while error is not None:
+        if isinstance(error, OSError) and error.errno in DISK_FULL or any(os.strerror(code) in str(error)
+                                                                          for code in DISK_FULL):
+            return True
+        error = error.__cause__ or error.__context__
+    return False
 
 
 def round_number_of(name: str) -> int | None:
@@ -140,11 +172,16 @@ class RunDirectory:
     def __init__(self, path: Path, key: bytes | None = None):
         self.path = Path(path)
         self.key = key
+        self.made_folders: list[Path] = []  # what `create` made for this run (for undo_create): its folders,
+        self.created_id = ""  # outermost first, and its run id
 
     # --- creation and opening -------------------------------------------------------------------------
 
     @classmethod
     def create(cls, path: Path, config: TrainConfig) -> "RunDirectory":
+        """A new run in path (a new or empty folder). The folders it makes are recorded (made_folders) for
+        undo_create, and the run is claimed under its lock: of two processes creating the same run at once, the
+        second is refused and removes nothing."""
         path = Path(path)
         check_new_run_path(path)
         try:
@@ -153,17 +190,48 @@ class RunDirectory:
             raise RunError(f"--encrypt-at-rest: {exc}") from None
         run = cls(path, key)
         try:
-            _make_dirs(path)
+            run.made_folders = _make_dirs(path)
         except OSError as exc:
             raise RunError(f"cannot create {path}: {exc.strerror}; give --out a writable folder path") from None
-        atomic_write(path / "config.toml", lambda p: p.write_text(config.to_toml()))
-        encryption = {"algorithm": "AES-256-GCM", "key_fingerprint": at_rest.fingerprint(key)} if key else None
-        run._write_manifest({"format": FORMAT, "format_version": FORMAT_VERSION,
-                             "created": time.strftime("%Y-%m-%dT%H:%M:%S%z"), "seed": config.seed,
-                             "run_id": uuid.uuid4().hex,
-                             "versions": _versions(), "encrypted_at_rest": encryption, "artefacts": {}})
-        run.record_artefact(path / "config.toml")
+        claimed = False
+        try:
+            with run.lock():
+                if any(item.name != LOCK_FILE for item in path.iterdir()):
+                    raise RunError(f"{path} was taken by another run while this one was created: pick another "
+                                   "--name/--out")
+                claimed, run.created_id = True, uuid.uuid4().hex
+                atomic_write(path / "config.toml", lambda p: p.write_text(config.to_toml()))
+                encryption = {"algorithm": "AES-256-GCM", "key_fingerprint": at_rest.fingerprint(key)} if key else None
+                run._write_manifest({"format": FORMAT, "format_version": FORMAT_VERSION,
+                                     "created": time.strftime("%Y-%m-%dT%H:%M:%S%z"), "seed": config.seed,
+                                     "run_id": run.created_id,
+                                     "versions": _versions(), "encrypted_at_rest": encryption, "artefacts": {}})
+                run.record_artefact(path / "config.toml")
+        except BaseException as exc:  # a full disk, Ctrl-C: what was made goes; a run that claimed the folder stays
+            if claimed:
+                run._remove_files()
+            _remove_empty_folders(run.made_folders)
+            if is_disk_full(exc):
+                raise RunError(f"the disk is full ({exc}): nothing of {path} was kept; free space, then start "
+                               "again") from None
+            raise
         return run
+
+    def undo_create(self) -> None:
+        """Remove what `create` made, and only what is still this run's: its files while manifest.json still holds
+        its run id, then the folders create made while they are empty. A parent folder that another run has
+        meanwhile written into stays, with that run."""
+        try:
+            ours = bool(self.created_id) and self.manifest().get("run_id") == self.created_id
+        except (OSError, json.JSONDecodeError):
+            ours = False
+        if ours:
+            self._remove_files()
+        _remove_empty_folders(self.made_folders)
+
+    def _remove_files(self) -> None:
+        for item in self.path.iterdir():
+            shutil.rmtree(item) if item.is_dir() and not item.is_symlink() else item.unlink()
 
     @classmethod
     def open(cls, path: Path, key_file: Path | str | None = None) -> "RunDirectory":

@@ -184,12 +184,14 @@ def main() -> None:
                     continue
                 threat = {} if tamper == "none" else {"threat": "malicious", "tamper": tamper}
                 run = train(out / f"attack-{tamper}-b{batch}", False, batch_size=batch, rounds=1, **threat)
+                tampered = tamper != "none"  # the tampered attacks refuse a round nobody tampered with
                 invert = run_attack(run.path, "invert", "tampered", lpips_backend="stlpips-alex",
-                                    max_images=0).figures()
-                labels = {m: run_attack(run.path, "labels", m).figures() for m in ("tampered", "head")}
+                                    max_images=0).figures() if tampered else {}
+                labels = {m: run_attack(run.path, "labels", m).figures()
+                          for m in (("tampered", "head") if tampered else ("head",))}
                 key = f"{tamper}, B={batch}"
                 results["attacks"][key] = {
-                    "psnr_kept": invert["psnr_kept"], "baseline_kept.psnr": invert["baseline_kept.psnr"],
+                    "psnr_kept": invert.get("psnr_kept"), "baseline_kept.psnr": invert.get("baseline_kept.psnr"),
                     **{f"{m} {k}": v[k] for m, v in labels.items() for k in ("l1", "exact_count_accuracy")},
                     "baseline l1": labels["head"]["baseline.l1"],
                     "baseline exact_count_accuracy": labels["head"]["baseline.exact_count_accuracy"]}

@@ -1,6 +1,7 @@
 import builtins
 import io
 import os
+import subprocess
 from collections import Counter
 from contextlib import contextmanager
 from pathlib import Path
@@ -209,6 +210,18 @@ def attacks_guarded(monkeypatch, run_path, *attack_classes) -> list[str]:
                 return _original(self, *args, **kwargs)
         monkeypatch.setattr(cls, "reconstruct", reconstruct)
     return calls
+
+
+# a command prefix that runs a process in its own PID namespace (as in a container), unprivileged where the
+# kernel allows user namespaces; --kill-child: its processes end with it
+OWN_PID_NAMESPACE = ["unshare", "--user", "--map-root-user", "--pid", "--fork", "--mount-proc", "--kill-child"]
+
+
+def can_make_pid_namespaces() -> bool:
+    try:
+        return subprocess.run([*OWN_PID_NAMESPACE, "true"], capture_output=True, timeout=30).returncode == 0
+    except (OSError, subprocess.TimeoutExpired):
+        return False
 
 
 def train_in_process(path, **config):

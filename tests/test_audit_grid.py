@@ -160,6 +160,14 @@ def test_no_grid_is_one_configuration_of_the_defaults():
     ("[[attack]]\nfamily = \"labels\"\nround = 0\n", "sweep.toml [[attack]] #1: round must be a whole number >= 1"),
     ("gird = 1\n", "sweep.toml: unknown key 'gird'"),
     ("[train\n", "audit file"),
+    # issue 34: a name that is the parent folder (two configurations would share one report), a grid too large to
+    # train whose last value is invalid (it took minutes to reach), a seed torch cannot take
+    ("[[attack]]\nfamily = \"labels\"\nname = \"..\"\n", "sweep.toml [[attack]] #1: name must be letters, digits "
+                                                      "and . _ = , + -, not dots alone (it names a folder), got '..'"),
+    ("[[attack]]\nfamily = \"labels\"\nname = \".\"\n", "not dots alone (it names a folder), got '.'"),
+    ("[grid]\nseed = [" + ", ".join(map(str, range(2000))) + "]\nmask_ratio = [" + ", ".join(["0.5"] * 499 + ["2.0"])
+     + "]\n", "sweep.toml: the grid has 1000000 configurations, more than an audit can train (10000): split it"),
+    ("[grid]\nseed = [18446744073709551616]\n", "--seed must be a whole number in 0..4294967295"),
 ])
 def test_a_bad_audit_file_is_one_line_before_any_training(capsys, tmp_path, monkeypatch, text, expected):
     fakes = Fakes(monkeypatch)

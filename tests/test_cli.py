@@ -9,6 +9,7 @@ from safetensors.torch import save_file
 
 from eftguard.cli import main
 from eftguard.config import TrainConfig
+from eftguard.model import build_model
 
 
 def run_cli(capsys, *argv):
@@ -33,12 +34,34 @@ def run_cli(capsys, *argv):
                                            "alone: eftguard unpickles nothing else)"),
     (["--dp-eps", "0.01", "--accountant", "rdp", "--rounds", "2"], "--dp-eps 0.01 cannot be met"),
     (["--feature-noise", "1.0"], "set --feature-clip C > 0 too"),
+    # issue 34: each was a traceback, a hang, or a run that trained from nothing
+    (["--seed", str(2 ** 64)], "--seed must be a whole number in 0..4294967295, got 18446744073709551616"),
+    (["--config", "{tmp}/big-seed.toml"], "--seed must be a whole number in 0..4294967295"),
+    (["--dp-eps", "1e-9", "--rounds", "1"], "client 0 (33 samples, 1 rounds): --dp-eps 5e-10 cannot be met"),
+    (["--dp-eps", "1e300"], "--dp-eps must be in [0, 100] (0: no DP-SGD; above 100 the guarantee"),
+    (["--dp-eps", "8", "--dp-delta", "1e-300"], "the prv accountant cannot work at --dp-delta 1e-300"),
+    (["--dp-eps", "8", "--rounds", "1000000000"], "--rounds 1000000000 with --dp-eps: each client's noise"),
+    (["--dp-eps", "8", "--local-epochs", "100000000"], "DP-SGD steps are more than the prv accountant calibrates"),
+    (["--method", "fed-prompt", "--prompt-tokens", "100000000"], "--prompt-tokens must be between 1 and 256 (4 per "
+                                                                 "patch token of vit-tiny-32), got 100000000"),
+    (["--canaries", "1000000000"], "--canaries 1000000000 needs 1000000000 held-out training images"),
+    (["--canaries", "1000000000", "--canary-kind", "gradient"], "--canaries 1000000000 is more than the"),
+    (["--checkpoint", "{tmp}/diverged.safetensors"], "checkpoint {tmp}/diverged.safetensors holds NaN or infinite "
+                                                     "values (in 'head.bias'): give the checkpoint of a training"),
+    (["--federation", "deployment", "--insecure", "--superlink", "not an address"],
+     "--superlink 'not an address' is not HOST:PORT"),
+    (["--federation", "deployment", "--insecure", "--superlink", "127.0.0.1:70000"], "is not HOST:PORT"),
 ])
 def test_bad_training_options(capsys, tmp_path, argv, message):
     torch.save({"weights": torch.zeros(2), "note": Path("x")}, tmp_path / "objects.pt")  # a pickled object
+    (tmp_path / "big-seed.toml").write_text(f"seed = {2 ** 64}\n")
+    diverged = build_model("vit-tiny-32", 10, 2).state_dict()
+    diverged["head.bias"][3] = float("nan")
+    save_file(diverged, str(tmp_path / "diverged.safetensors"))
     code, err = run_cli(capsys, "train", "--out", str(tmp_path / "run"), *[a.format(tmp=tmp_path) for a in argv])
     assert code == 2
     assert message.format(tmp=tmp_path) in err and "Traceback" not in err and "weights_only=False" not in err
+    assert err.startswith("eftguard: error: ") and err.count("\n") == 1, err
     assert not (tmp_path / "run").exists()
 
 

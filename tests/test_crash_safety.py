@@ -1,6 +1,7 @@
 """Accidents to a run directory: power loss mid-write (torn checkpoint, upload, truth or metrics line), a second
 process writing the same run, config.toml edited by hand, stray files, and starts that fail half-way."""
 
+import errno
 import os
 import select
 import shutil
@@ -12,13 +13,13 @@ import numpy as np
 import psutil
 import pytest
 
-from conftest import MICRO_PRESET, train_in_process
+from conftest import MICRO_PRESET, OWN_PID_NAMESPACE, can_make_pid_namespaces, train_in_process
 from eftguard.audit.api import round_clients
 from eftguard.cli import main
 from eftguard.config import TrainConfig
 from eftguard.federation.errors import FederationError, Interrupted
 from eftguard.federation.server import run_server
-from eftguard.federation.simulation import RAY_SESSION_VARIABLE, stop_ray_leftovers
+from eftguard.federation.simulation import RAY_SESSION_VARIABLE, stop_processes, stop_ray_leftovers
 from eftguard.rundir import RunDirectory, RunError
 from fakegrid import FakeGrid, task_identity
 
@@ -237,19 +238,152 @@ def test_a_run_that_fails_before_its_first_round_leaves_nothing(tmp_path, capsys
     assert sorted(p.name for p in tmp_path.iterdir()) == ["empty"] and not any((tmp_path / "empty").iterdir())
 
 
-SLEEPER = [sys.executable, "-c", "import time; time.sleep(300)"]
+def in_process_runtime(run_dir, cfg, verbose):
+    """The simulation replaced by the real server over the in-process grid (no Ray)."""
+    with task_identity():
+        run_server(FakeGrid(cfg.clients), Path(run_dir))
 
 
-def test_ray_helpers_of_a_killed_driver_are_stopped_and_a_live_drivers_are_not():
-    orphan = subprocess.Popen(SLEEPER, env={**os.environ, RAY_SESSION_VARIABLE: "1:0.0"})  # its driver is gone
-    alive_driver = f"{os.getpid()}:{psutil.Process().create_time()}"  # this test process
-    ours = subprocess.Popen(SLEEPER, env={**os.environ, RAY_SESSION_VARIABLE: alive_driver})
+def test_a_run_undoing_its_start_removes_only_what_it_made_and_still_owns(tmp_path, capsys, monkeypatch,
+                                                                          micro_preset):
+    """Issue 34, item 1: two trainings under a new parent X. While a (which made X) is in round 1, b is created
+    beside it and finishes; a, interrupted, undoes its start: X/runs/a goes, X and b's finished run stay."""
+    parent, micro = tmp_path / "X", tmp_path / "micro.toml"
+    micro.write_text(f'model = "{micro_preset}"\n')  # a preset --model's choices do not list
+
+    def runtime(run_dir, cfg, verbose):
+        if Path(run_dir).name == "a":
+            main(["train", "--out", str(parent / "runs" / "b"), "--config", str(micro), *CLI_TINY])
+            raise Interrupted()
+        in_process_runtime(run_dir, cfg, verbose)
+
+    monkeypatch.setattr("eftguard.federation.simulation.run_simulated", runtime)
+    code, err = run_cli(capsys, "train", "--out", parent / "runs" / "a", "--config", micro, *CLI_TINY)
+    assert code == 130 and f"nothing of {parent / 'runs' / 'a'} was kept" in err
+    assert sorted(p.name for p in (parent / "runs").iterdir()) == ["b"]
+    finished = RunDirectory.open(parent / "runs" / "b")
+    assert finished.completed_rounds() == 1 and finished.verify() == []
+
+
+def test_a_full_disk_during_a_round_is_one_line_and_the_run_resumes(tmp_path, capsys, monkeypatch, micro_preset):
+    """Issue 34: the disk fills while round 2's uploads are written (the writer raises ENOSPC, as a full disk
+    does): one line that keeps round 1 and says how to go on, no traceback; once there is space, --resume
+    discards the partial round and finishes the run."""
+    run, micro = tmp_path / "run", tmp_path / "micro.toml"
+    micro.write_text(f'model = "{micro_preset}"\n')
+    monkeypatch.setattr("eftguard.federation.simulation.run_simulated", in_process_runtime)
+    save_upload = RunDirectory.save_upload
+
+    def disk_fills_in_round_2(self, round_number, partition, kind, arrays):
+        if round_number == 2 and partition == 1:
+            raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC), str(self.upload_path(round_number, partition, kind)))
+        save_upload(self, round_number, partition, kind, arrays)
+
+    monkeypatch.setattr(RunDirectory, "save_upload", disk_fills_in_round_2)
+    code, err = run_cli(capsys, "train", "--out", run, "--config", micro, *CLI_TINY, "--rounds", "2")
+    upload = run / "observed/round-0002/client-01/update.safetensors"
+    assert code == 2 and "Traceback" not in err and err.count("eftguard: error:") == 1
+    assert err.splitlines()[-1] == (f"eftguard: error: the disk is full ([Errno 28] No space left on device: "
+                                    f"'{upload}'): {run} keeps its 1 completed rounds; free space, then continue with "
+                                    f"eftguard train --resume {run}")
+    assert RunDirectory.open(run).completed_rounds() == 1
+    monkeypatch.setattr(RunDirectory, "save_upload", save_upload)  # space again
+    main(["train", "--resume", str(run)])
+    resumed = RunDirectory.open(run)
+    assert resumed.completed_rounds() == 2 and resumed.verify() == [] and len(resumed.round_files(2)) == 7
+
+
+def test_of_two_runs_created_in_one_folder_at_once_the_second_is_refused_and_removes_nothing(tmp_path, monkeypatch):
+    """Both passed the emptiness check before either wrote: the run is claimed under its lock, so the second
+    creation is refused, and the first run's files and folders stay."""
+    monkeypatch.setattr("eftguard.rundir.check_new_run_path", lambda path: None)
+    first = RunDirectory.create(tmp_path / "new" / "run", TrainConfig(**TINY).resolved())
+    with pytest.raises(RunError, match="was taken by another run while this one was created"):
+        RunDirectory.create(tmp_path / "new" / "run", TrainConfig(**TINY).resolved())
+    assert RunDirectory.open(first.path).run_id == first.created_id and first.verify() == []
+
+
+def test_a_creation_that_fails_half_way_leaves_nothing(tmp_path, monkeypatch):
+    def disk_full():
+        raise OSError(errno.ENOSPC, "No space left on device")
+
+    monkeypatch.setattr("eftguard.rundir._versions", disk_full)
+    (tmp_path / "empty").mkdir()
+    for out in ("new/folders/run", "empty"):
+        with pytest.raises(RunError, match=rf"^the disk is full \(\[Errno 28\] No space left on device\): nothing of "
+                                           rf"{tmp_path / out} was kept; free space, then start again$"):
+            RunDirectory.create(tmp_path / out, TrainConfig(**TINY).resolved())
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["empty"] and not any((tmp_path / "empty").iterdir())
+
+
+SESSION_HOLDER = """
+import subprocess, sys
+from eftguard.federation.simulation import ray_session
+with ray_session() as session:
+    helper = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(300)"])
+    print(session.tag, flush=True)
+    sys.stdin.read()  # until the test closes our stdin (or kills us)
+    helper.kill()
+    helper.wait()
+"""
+def start_session(namespace: list[str]) -> tuple[subprocess.Popen, str, list[psutil.Process]]:
+    """A driver holding a Ray session (in its own PID namespace if namespace is given) and a helper process that
+    inherited the session's tag: (driver, tag, the helper as this process sees it)."""
+    driver = subprocess.Popen([*namespace, sys.executable, "-c", SESSION_HOLDER], stdin=subprocess.PIPE,
+                              stdout=subprocess.PIPE, text=True, env={**os.environ, "PYTHONPATH": str(REPOSITORY)})
+    ready, _, _ = select.select([driver.stdout], [], [], 120)
+    assert ready, "the session holder did not start"
+    tag = driver.stdout.readline().strip()
+    helpers = [p for p in psutil.process_iter() if environ_of(p).get(RAY_SESSION_VARIABLE) == tag and
+               p.cmdline()[-1:] == ["import time; time.sleep(300)"]]
+    assert len(helpers) == 1
+    return driver, tag, helpers
+
+
+def environ_of(process: psutil.Process) -> dict:
     try:
-        stopped = [p.pid for p in stop_ray_leftovers()]
-        assert orphan.pid in stopped and ours.pid not in stopped
-        assert orphan.wait(timeout=10) is not None and ours.poll() is None
+        return process.environ()
+    except psutil.Error:
+        return {}
+
+
+def stop_session(driver: subprocess.Popen, helpers: list[psutil.Process]) -> None:
+    driver.stdin.close()
+    driver.stdout.close()
+    try:
+        driver.wait(timeout=30)
     finally:
-        orphan.kill()
-        ours.kill()
-        orphan.wait(timeout=10)
-        ours.wait(timeout=10)
+        driver.kill()
+        driver.wait(timeout=30)
+        stop_processes(helpers, grace_seconds=0)
+
+
+@pytest.mark.parametrize("namespace", [
+    pytest.param([], id="same PID namespace"),
+    pytest.param(OWN_PID_NAMESPACE, id="own PID namespace", marks=pytest.mark.skipif(
+        not can_make_pid_namespaces(), reason="unprivileged user and PID namespaces are off here")),
+])
+def test_only_helpers_of_a_session_whose_driver_is_gone_are_stopped(tmp_path, namespace):
+    """Issue 34, item 2: a live run's Ray processes are never taken for leftovers, even where their driver's
+    process id means nothing here (a container: its own PID namespace); a killed driver's are stopped, and the
+    session folder it left goes with them. Tags naming a folder this process cannot see, or another token, are
+    left alone too."""
+    live, live_tag, live_helpers = start_session(namespace)
+    killed, killed_tag, orphans = start_session([])
+    unseen, killed_folder = tmp_path / "eftguard-ray-elsewhere", killed_tag.partition(":")[2]
+    strangers = [subprocess.Popen([sys.executable, "-c", "import time; time.sleep(300)"],
+                                  env={**os.environ, RAY_SESSION_VARIABLE: tag})
+                 for tag in (f"0123:{unseen}", f"wrong-token:{killed_folder}")]
+    try:
+        killed.kill()  # SIGKILL: the driver's lock goes with it, its helper stays
+        killed.wait(timeout=30)
+        stopped = stop_ray_leftovers()
+        assert [p.pid for p in stopped] == [orphans[0].pid]
+        assert not Path(killed_tag.partition(":")[2]).exists() and Path(live_tag.partition(":")[2]).is_dir()
+        assert all(helper.is_running() for helper in live_helpers) and all(s.poll() is None for s in strangers)
+    finally:
+        for stranger in strangers:
+            stranger.kill()
+            stranger.wait(timeout=30)
+        stop_session(live, live_helpers)
+        stop_session(killed, orphans)

@@ -757,3 +757,65 @@ def test_a_server_certificate_not_from_eftguard_certs_is_refused(tmp_path, flowe
     with pytest.raises(ConfigError, match=rf"^{files.server_cert} is not a server certificate from eftguard certs: "
                                           r"recreate it$"):
         superlink_command(tmp_path, False, "127.0.0.1", 9093)
+
+
+# --- issue 34: what Flower would serve regardless, or retry forever -----------------------------------------------
+
+def write_issued(folder: Path, days_ago: float):
+    """The files of eftguard certs, their certificates issued `days_ago` days ago (negative: in the future); the
+    CA is valid for 3650 days, the server certificate for 825."""
+    import datetime as dt
+
+    from cryptography.hazmat.primitives.serialization import Encoding
+
+    from defenses.tls import DEFAULT_SANS, certificate_names, issue_certificates
+
+    files = write_certificates(folder)
+    now = dt.datetime.now(dt.timezone.utc) - dt.timedelta(days=days_ago)
+    _, ca_cert, _, server_cert = issue_certificates(certificate_names(DEFAULT_SANS), now=now)
+    files.ca_cert.write_bytes(ca_cert.public_bytes(Encoding.PEM))
+    files.server_cert.write_bytes(server_cert.public_bytes(Encoding.PEM))
+    return files
+
+
+@pytest.mark.parametrize("days_ago, which, message", [
+    (900, "server.pem", r"^{path} expired on \d{4}-\d\d-\d\d \d\d:\d\d UTC: recreate the certificates with eftguard "
+                        r"certs --force$"),
+    (3700, "ca.crt", r"^--certs {path} expired on .* UTC: recreate the certificates with eftguard certs --force$"),
+    (-10, "ca.crt", r"^--certs {path} is not valid before .* UTC: check this host's clock, or recreate"),
+])
+def test_a_superlink_certificate_outside_its_validity_is_refused_not_served(tmp_path, flower, days_ago, which,
+                                                                              message):
+    write_issued(tmp_path, days_ago)
+    with pytest.raises(CertificateError, match=message.replace("{path}", re.escape(str(tmp_path / which)))):
+        superlink_command(tmp_path, False, "127.0.0.1", 9093)
+
+
+def test_an_expired_ca_is_refused_by_every_command_that_trusts_it(tmp_path, capsys):
+    from conftest import run_cli
+
+    files = write_issued(tmp_path, 3700)
+    for argv in (["superlink", "--certs", tmp_path],
+                 ["supernode", "--superlink", "127.0.0.1:9092", "--root-certificates", files.ca_cert,
+                  "--partition", "0", "--clients", "2"],
+                 ["register-node", files.ca_cert, "--root-certificates", files.ca_cert]):
+        code, err = run_cli(capsys, *argv)
+        assert code == 2 and err.count("\n") == 1 and f"{files.ca_cert} expired on " in err, err
+
+
+@pytest.mark.parametrize("address", ["not an address", "127.0.0.1:70000", "127.0.0.1:0", "127.0.0.1", "::1:9092",
+                                     "[fl.example.org]:9092", "999.1.1.1:9092", ":9092", "fl.example.org:port"])
+def test_an_address_flower_would_retry_forever_is_refused_before_it_starts(tmp_path, capsys, monkeypatch, address):
+    from conftest import run_cli
+
+    monkeypatch.setattr(subprocess, "Popen", lambda *args, **kwargs: pytest.fail("a process was started"))
+    files = write_certificates(tmp_path)
+    code, err = run_cli(capsys, "supernode", "--superlink", address, "--root-certificates", files.ca_cert,
+                        "--partition", "0", "--clients", "2")
+    assert code == 2 and err == (f"eftguard: error: --superlink {address!r} is not HOST:PORT (an IP address, [IPv6 "
+                                 "address] or host name, and a port in 1..65535), e.g. 127.0.0.1:9092\n")
+
+
+@pytest.mark.parametrize("address", ["127.0.0.1:9092", "[::1]:9092", "fl.example.org:1", "localhost:65535"])
+def test_every_form_of_address_flower_takes_is_accepted(address):
+    deployment.check_address(address)

@@ -208,6 +208,8 @@ def test_diverging_loss_stops_with_one_line_and_no_file(tmp_path, capsys):
     (["--mask-ratio", "1"], "--mask-ratio must be in (0, 1)"),
     (["--label-smoothing", "-0.1"], "--label-smoothing must be in [0, 1)"),
     (["--lr", "nan"], "--lr must be a positive number"),
+    (["--seed", str(2 ** 64)], "--seed must be a whole number in 0..4294967295, got 18446744073709551616"),
+    (["--seed", "-1"], "--seed must be a whole number in 0..4294967295, got -1"),
     (["--out", "ckpt.pt"], "give a path ending in .safetensors"),
     (["--out", "EXISTING"], "already exists: pick another path, or pass --force"),
     (["--out", "FOLDER"], "is a folder"),

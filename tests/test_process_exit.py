@@ -14,26 +14,35 @@ import psutil
 
 from eftguard.federation.simulation import stop_processes
 
-# run in a fresh interpreter: cli.run() ends the process
+# run in a fresh interpreter: cli.run() ends the process. Ordered by events, not by clocks: the thread can only finish
+# once main has returned, so the exit must have waited for it; the atexit handler records whether it ran after it.
 EXIT_SCRIPT = textwrap.dedent("""
-    import atexit, sys, threading, time
+    import atexit, sys, threading
     from pathlib import Path
     from eftguard import cli
     folder = Path(sys.argv[1])
-    atexit.register(lambda: (folder / "atexit").write_text("ran"))
+    atexit.register(lambda: (folder / "atexit").write_text(
+        "ran after the thread" if (folder / "thread").exists() else "ran before the thread finished"))
+    main_returned = threading.Event()
     def late_writer():
-        time.sleep(0.5)
+        main_returned.wait()
         (folder / "thread").write_text("finished")
     threading.Thread(target=late_writer).start()
     if sys.argv[2] == "message":
-        def main():
+        def command():
             raise SystemExit("a message instead of a status")
-        cli.main = main
-    if sys.argv[2] == "late-output":  # printed after the reader has gone
-        def main():
-            time.sleep(0.5)
+    elif sys.argv[2] == "late-output":  # printed once the test has closed its end of our stdout (then our stdin)
+        def command():
+            sys.stdin.read()
             print("output nobody reads")
-        cli.main = main
+    else:
+        command = cli.main
+    def main():
+        try:
+            command()
+        finally:
+            main_returned.set()
+    cli.main = main
     sys.argv = ["eftguard", *sys.argv[3:]]
     cli.run()
     print("not reached")
@@ -41,11 +50,12 @@ EXIT_SCRIPT = textwrap.dedent("""
 
 
 BUFFERED = {k: v for k, v in os.environ.items() if k != "PYTHONUNBUFFERED"}  # piped output waits for a flush
+STARTS_IN = 300  # seconds a fresh interpreter may take to import torch and Flower on a loaded machine
 
 
 def run_script(tmp_path, mode, *argv):
     return subprocess.run([sys.executable, "-c", EXIT_SCRIPT, str(tmp_path), mode, *argv], capture_output=True,
-                          text=True, timeout=120, env=BUFFERED)
+                          text=True, timeout=STARTS_IN, env=BUFFERED)
 
 
 def test_the_command_is_run():
@@ -57,15 +67,15 @@ def test_a_finished_command_flushes_its_output_runs_atexit_and_joins_threads(tmp
     result = run_script(tmp_path, "plain", "demo", "--help")
     assert result.returncode == 0, result.stderr
     assert result.stdout.startswith("usage: eftguard demo") and "not reached" not in result.stdout
-    assert (tmp_path / "atexit").read_text() == "ran"
     assert (tmp_path / "thread").read_text() == "finished"
+    assert (tmp_path / "atexit").read_text() == "ran after the thread"
 
 
 def test_an_error_keeps_its_exit_status_and_message(tmp_path):
     result = run_script(tmp_path, "plain", "demo", "--attack-steps", "-1")
     assert result.returncode == 2
     assert "eftguard: error: --attack-steps -1" in result.stderr and "Traceback" not in result.stderr
-    assert (tmp_path / "atexit").read_text() == "ran" and (tmp_path / "thread").exists()
+    assert (tmp_path / "atexit").read_text() == "ran after the thread"
 
 
 def test_an_exit_with_a_message_prints_it_and_exits_1(tmp_path):
@@ -77,11 +87,12 @@ def test_an_exit_with_a_message_prints_it_and_exits_1(tmp_path):
 def test_output_to_a_reader_that_has_gone_exits_120_without_a_traceback(tmp_path):
     """`eftguard ... | head`: Python's own exit status for an unflushable stdout, and no traceback."""
     process = subprocess.Popen([sys.executable, "-c", EXIT_SCRIPT, str(tmp_path), "late-output"],
-                               stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=BUFFERED)
+                               stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                               env=BUFFERED)
     process.stdout.close()
-    _, err = process.communicate(timeout=120)
+    _, err = process.communicate(timeout=STARTS_IN)  # closes its stdin: it prints now, to no reader
     assert process.returncode == 120 and err == ""
-    assert (tmp_path / "atexit").read_text() == "ran"
+    assert (tmp_path / "atexit").read_text() == "ran after the thread"
 
 
 SLEEPER = [sys.executable, "-c", "import time; time.sleep(300)"]

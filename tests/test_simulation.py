@@ -7,6 +7,8 @@ import os
 import signal
 import subprocess
 import sys
+import threading
+import time
 import uuid
 from pathlib import Path
 
@@ -15,6 +17,7 @@ import psutil
 import pytest
 from safetensors.numpy import load_file
 
+from conftest import OWN_PID_NAMESPACE, can_make_pid_namespaces
 from eftguard.federation.simulation import stop_processes
 from eftguard.rundir import RunDirectory
 
@@ -246,3 +249,59 @@ def test_a_killed_demo_leaves_no_process_training_on(tmp_path):
                 and ("eftguard.cli" in p.cmdline() or "ClientApp" in " ".join(p.cmdline()))]
     stop_processes(alive)  # Ray's idle helpers of the killed children (the next eftguard run stops them too)
     assert training == []
+
+
+def drain(stream, lines: list[str]) -> threading.Thread:
+    """Read a process's output on a thread into lines, so that it never blocks on a full pipe."""
+    thread = threading.Thread(target=lambda: lines.extend(stream), daemon=True)
+    thread.start()
+    return thread
+
+
+def test_two_runs_side_by_side_one_interrupted_the_other_finishes(tmp_path):
+    """Issue 34, items 1 and 2: two trainings under a new parent X. b, in its own PID namespace where the kernel
+    allows it (a container: its driver's process id means nothing here), has trained a round and is held (SIGSTOP)
+    while a starts, cleans up Ray leftovers and is interrupted in its round 1: a undoes its start, removing its own
+    folder and leaving X; its clean-up left b's processes alone, and b, let go, finishes."""
+    parent, tags = tmp_path / "X", {"a": uuid.uuid4().hex, "b": uuid.uuid4().hex}
+    namespace = OWN_PID_NAMESPACE if can_make_pid_namespaces() else []
+    b = subprocess.Popen([*namespace, sys.executable, "-m", "eftguard.cli", "train", "--out", str(parent / "runs" / "b"),
+                          *TINY, "--rounds", "3"], env={**ENV, "EFTGUARD_TEST_RUN": tags["b"]},
+                         stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+    driver = a = None
+    try:
+        for line in b.stderr:  # b's Ray runs: its round 1 is done
+            if line.startswith("round 1/3"):
+                break
+        b_said = []
+        b_reader = drain(b.stderr, b_said)
+        (driver,) = [p for p in tagged_processes(tags["b"]) if p.cmdline()[1:3] == ["-m", "eftguard.cli"]]
+        driver.suspend()  # b cannot finish before a has started (and cleaned up) and stopped
+        a = subprocess.Popen([sys.executable, "-m", "eftguard.cli", "train", "--out", str(parent / "runs" / "a"), *TINY,
+                              "--local-epochs", "3"], env={**ENV, "EFTGUARD_TEST_RUN": tags["a"]},
+                             stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+        a_said = []
+        a_reader = drain(a.stderr, a_said)
+        started = parent / "runs" / "a" / "checkpoints" / "round-0000.safetensors"  # a's server is in round 1
+        while not started.exists() and a.poll() is None:
+            time.sleep(0.05)
+        a.send_signal(signal.SIGINT)
+        assert a.wait(timeout=300) == 130, "".join(a_said)[-3000:]
+        a_reader.join(timeout=30)
+        assert f"nothing of {parent / 'runs' / 'a'} was kept" in "".join(a_said), "".join(a_said)[-3000:]
+        driver.resume()
+        assert b.wait(timeout=600) == 0, "".join(b_said)[-3000:]
+        b_reader.join(timeout=30)
+    finally:
+        if driver is not None and driver.is_running():
+            driver.resume()
+        for process in (a, b):
+            if process is not None and process.poll() is None:
+                process.kill()
+                process.wait(timeout=30)
+    assert sorted(p.name for p in (parent / "runs").iterdir()) == ["b"]
+    finished = RunDirectory.open(parent / "runs" / "b")
+    assert finished.completed_rounds() == 3 and finished.verify() == []
+    for tag in tags.values():
+        _, alive = psutil.wait_procs(tagged_processes(tag), timeout=20)
+        assert alive == [], [p.pid for p in alive]

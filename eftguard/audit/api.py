@@ -19,11 +19,12 @@ from pathlib import Path
 from attacks.base import AttackError, Progress, options_of, whole_number
 from eftguard.audit.families import FAMILIES, Family, Job, family_named
 from eftguard.audit.result import AttackReport
+from eftguard.config import SEED_LIMIT
 from eftguard.methods import method_spec
 from eftguard.paths import input_file_problem, unwritable_reason
 from eftguard.rundir import RunDirectory, RunError, client_name, round_name
 
-SEED = whole_number(0, 2 ** 32 - 1)
+SEED = whole_number(0, SEED_LIMIT)
 ROUND = whole_number(1)
 
 
@@ -46,6 +47,7 @@ def run_attack(run: str | Path | RunDirectory, family: str, method: str | None =
     seed = checked("seed", SEED, seed)
     round_number = None if round_number is None else checked("round_number", ROUND, round_number)
     run_dir, round_number, picked = open_round(run, key, round_number, clients, chosen)
+    check_tampered(run_dir, round_number, cls)
     folder = out_root(run_dir, out) if out is not None else None
     ran_with = {**family_options, **method_options, **({"seed": seed} if chosen.seeded else {})}
     job = Job(run_dir, round_number, picked, seed, lpips_backend if chosen.image_metrics else None, family_options,
@@ -195,6 +197,23 @@ def check_model_loads(run: RunDirectory, round_number: int) -> None:
         first = next((line.strip() for line in str(exc).splitlines()[1:] if line.strip()), str(exc))
         raise RunError(f"{run.path}/config.toml does not match {run.checkpoint_path(round_number - 1).name} "
                        f"({first[:160]}): restore the config.toml the run was trained with") from None
+
+
+def check_tampered(run: RunDirectory, round_number: int, cls: type) -> None:
+    """A malicious server's attack (threat model server "malicious") reads a round whose model the server crafted:
+    on a round that was not tampered with, its figures would measure nothing, so it is refused, saying so."""
+    threat = getattr(cls, "threat_model", None)
+    if threat is None or threat.server != "malicious":
+        return
+    records = run.metrics()
+    if records[round_number - 1].get("tampered") is None:
+        tampered = [record.get("round") for record in records if record.get("tampered")]
+        if not tampered:
+            raise AttackError(f"{run.path} was never tampered with: the {cls.name} method reads a round whose model "
+                              "a malicious server crafted (eftguard train --threat malicious --tamper NAME); use "
+                              "another --method")
+        raise AttackError(f"round {round_number} of {run.path} was not tampered with: the {cls.name} method reads the "
+                          f"round a malicious server crafted; attack --round {tampered[0]}")
 
 
 def open_round(path: str | Path | RunDirectory, key: Path | None, round_number: int | None,

@@ -17,6 +17,7 @@ import functools
 import hashlib
 import itertools
 import json
+import math
 import os
 import re
 import time
@@ -43,7 +44,8 @@ RESERVED_ATTACK_KEYS = ("run", "key", "out", "progress")
 COMMON_ATTACK_KEYS = ("round_number", "clients", "seed", "lpips_backend")
 # first figure of these an attack reports is its column in the final table (the families' headline figures)
 TABLE_FIGURES = ("psnr_kept", "psnr", "l1", "auc", "epsilon_lower_bound")  # the console line's headline, first found
-SAFE_NAME = re.compile(r"[A-Za-z0-9._=,+-]{1,100}")
+SAFE_NAME = re.compile(r"(?!\.+$)[A-Za-z0-9._=,+-]{1,100}")  # a folder name, and never . or .. (this or the parent)
+GRID_LIMIT = 10_000  # configurations of one audit: each is a training of minutes (--shard spreads one over machines)
 
 console = Console(stderr=True, soft_wrap=True, markup=False, highlight=False)  # ids and errors printed as they are
 
@@ -146,6 +148,10 @@ def expand_grid(grid, defaults: TrainConfig, source: str) -> list[Configuration]
                                   f"{key} = [{json.dumps(getattr(defaults, name))}]")
             options[name] = values
         products.append((options, where))
+    count = sum(math.prod(len(values) for values in options.values()) for options, _ in products)
+    if count > GRID_LIMIT:
+        raise ConfigError(f"{source}: the grid has {count} configurations, more than an audit can train "
+                          f"({GRID_LIMIT}): split it into smaller audits")
     varied_names = sorted({name for options, _ in products for name in options})
     configurations = {}
     for options, where in products:
@@ -178,7 +184,8 @@ def attack_entries(tables, source: str) -> list[AttackEntry]:
         method = method or FAMILIES[family].registry.default
         name = name if name is not None else f"{family}-{method}"
         if not isinstance(name, str) or not SAFE_NAME.fullmatch(name):
-            raise ConfigError(f"{where}: name must be letters, digits and . _ = , + - (it names a folder), got {name!r}")
+            raise ConfigError(f"{where}: name must be letters, digits and . _ = , + -, not dots alone (it names a "
+                              f"folder), got {name!r}")
         if name in entries:
             raise ConfigError(f"{where}: a second attack named '{name}': give each a distinct name = \"...\"")
         options = {key.replace("-", "_"): value for key, value in table.items() if key not in ("family", "method", "name")}

@@ -7,12 +7,14 @@ held out as public.
 
 from __future__ import annotations
 
+import warnings
 from pathlib import Path
 
 import numpy as np
 from PIL import Image, UnidentifiedImageError
 
 from eftguard.data.base import DataError, Dataset, ImageSet, resize_square, to_rgb
+from eftguard.paths import input_file_problem
 
 EXTENSIONS = {".jpg", ".jpeg", ".png", ".bmp", ".tif", ".tiff", ".gif", ".webp"}
 SPLIT_FRACTIONS = {"train": 0.6, "test": 0.2, "public": 0.2}
@@ -51,14 +53,44 @@ def _read_split(root: Path, classes: tuple[str, ...], image_size: int) -> ImageS
         if not files:
             raise DataError(f"imagefolder: class folder {root / name} has no images ({', '.join(sorted(EXTENSIONS))})")
         for file in files:
-            try:
-                with Image.open(file) as im:
-                    array = to_rgb(np.asarray(im.convert("RGBA") if im.mode in ("P", "LA") else im))
-            except (UnidentifiedImageError, OSError) as exc:
-                raise DataError(f"imagefolder: cannot read {file}: {exc}") from exc
-            images.append(resize_square(array, image_size))
+            images.append(resize_square(read_image(file), image_size))
             labels.append(label)
     return ImageSet(np.stack(images), np.asarray(labels, dtype=np.int64))
+
+
+UNSCALED_MODES = {"I": "32-bit integer", "F": "floating-point"}  # Pillow modes whose pixel scale is not fixed
+
+
+def read_image(file: Path) -> np.ndarray:
+    """An image file as RGB uint8 [H, W, 3], whatever Pillow mode it has: transparency composited on white,
+    16-bit grey scaled to 8 bits, CMYK, YCbCr and LAB converted as colours (never a band read as alpha). A
+    DataError naming the file and the fix for what cannot be read: not an image, a decompression bomb (over
+    Pillow's pixel limit), or 32-bit integer or floating-point pixels, whose scale no file states; and a named
+    pipe or device, which would be read forever."""
+    problem = input_file_problem(file)
+    if problem is not None:
+        raise DataError(f"imagefolder: {file} {problem}: give image files only")
+    try:
+        with warnings.catch_warnings():
+            warnings.simplefilter("error", Image.DecompressionBombWarning)
+            with Image.open(file) as image:
+                return _rgb_of(image, file)
+    except DataError:
+        raise
+    except (Image.DecompressionBombError, Image.DecompressionBombWarning) as exc:
+        raise DataError(f"imagefolder: {file} is refused as a decompression bomb ({exc}): remove it, or shrink it "
+                        "to a size a ViT reads") from None
+    except (UnidentifiedImageError, OSError, ValueError) as exc:  # ValueError: a mode Pillow cannot convert
+        raise DataError(f"imagefolder: cannot read {file}: {exc}: convert it to an 8-bit RGB image") from None
+
+
+def _rgb_of(image: Image.Image, file: Path) -> np.ndarray:
+    if image.mode in UNSCALED_MODES:
+        raise DataError(f"imagefolder: {file} has {UNSCALED_MODES[image.mode]} pixels (Pillow mode {image.mode}), "
+                        "whose scale is not fixed: convert it to 8- or 16-bit RGB or greyscale")
+    if image.mode.startswith("I;16"):
+        return to_rgb(np.round(np.asarray(image, dtype=np.float64) / 257).astype(np.uint8))
+    return to_rgb(np.asarray(image.convert("RGBA" if image.has_transparency_data else "RGB")))
 
 
 def _split(images: ImageSet, fractions: dict[str, float]) -> dict[str, ImageSet]:

@@ -71,6 +71,23 @@ def check_tls_choice(root_certificates: Path | None, insecure: bool, flag: str =
         print("eftguard: warning: --insecure: uploads travel unencrypted", file=sys.stderr)
 
 
+def check_address(address: str, flag: str = "--superlink") -> None:
+    """HOST:PORT as Flower reads it (HOST an IP address, [IPv6] or a host name; PORT in 1..65535), refused in one
+    line before any process starts: Flower retries an address it cannot reach forever."""
+    from defenses.tls import is_host_name
+
+    host, colon, port = address.rpartition(":")
+    bracketed = host.startswith("[") and host.endswith("]")
+    try:
+        ipaddress.ip_address(host.strip("[]"))
+        valid_host = bracketed == (":" in host.strip("[]"))  # an IPv6 address in brackets, any other without
+    except ValueError:
+        valid_host = not bracketed and is_host_name(host)
+    if not (colon and valid_host and port.isascii() and port.isdigit() and 1 <= int(port) <= 65535):
+        raise ConfigError(f"{flag} {address!r} is not HOST:PORT (an IP address, [IPv6 address] or host name, and a "
+                          "port in 1..65535), e.g. 127.0.0.1:9092")
+
+
 def is_loopback(host: str) -> bool:
     try:
         return ipaddress.ip_address(host.strip("[]")).is_loopback
@@ -129,14 +146,18 @@ def superlink_command(certs: Path | None, insecure: bool, control_host: str, con
 
 
 def _check_names_control_host(server_cert: Path, control_host: str) -> None:
-    """`flwr run` and Flower's SuperExec verify the certificate against the Control address."""
+    """`flwr run` and Flower's SuperExec verify the certificate against the Control address, and every client
+    against the time: an expired one is refused here, not served."""
     from cryptography import x509
+
+    from defenses.tls import check_valid_now
 
     try:
         certificate = x509.load_pem_x509_certificate(server_cert.read_bytes())
         names = certificate.extensions.get_extension_for_class(x509.SubjectAlternativeName).value
     except (ValueError, x509.ExtensionNotFound):
         raise ConfigError(f"{server_cert} is not a server certificate from eftguard certs: recreate it") from None
+    check_valid_now(certificate, str(server_cert))
     addresses = {str(ip) for ip in names.get_values_for_type(x509.IPAddress)}
     if control_host.strip("[]") not in addresses | set(names.get_values_for_type(x509.DNSName)):
         raise ConfigError(f"{server_cert} does not name the Control address {control_host}: recreate the "
@@ -257,6 +278,7 @@ def _config_path(flag: str, path: Path) -> str:
 
 def supernode_command(superlink: str, root_certificates: Path | None, insecure: bool, port: int, config: str,
                       auth_key: Path | None = None) -> list[str]:
+    check_address(superlink)
     check_port_free("127.0.0.1", port, "--port")
     command = [flower_executable("flower-supernode"), "--superlink", superlink, "--port", str(port),
                "--node-config", config]
@@ -348,6 +370,7 @@ def connection_config(superlink: str, root_certificates: Path | None, insecure: 
 
 def register_node(public_key: Path, superlink: str, root_certificates: Path | None, insecure: bool) -> None:
     """Register a SuperNode's public key with a SuperLink started with node auth (flwr supernode register)."""
+    check_address(superlink)
     check_tls_choice(root_certificates, insecure)
     problem = input_file_problem(public_key)
     if problem is not None:

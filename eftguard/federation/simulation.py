@@ -2,13 +2,17 @@
 
 from __future__ import annotations
 
+import contextlib
+import fcntl
 import logging
 import os
+import secrets
 import shutil
 import signal
 import tempfile
 import time
 import warnings
+from dataclasses import dataclass
 from pathlib import Path
 
 import psutil
@@ -32,37 +36,87 @@ def configure_ray_and_flower(verbose: bool) -> None:
         warnings.filterwarnings("ignore", category=FutureWarning, module="ray")
 
 
-RAY_SESSION_VARIABLE = "EFTGUARD_RAY_DRIVER"  # inherited by every Ray process a run starts: "pid:start-time"
+RAY_SESSION_VARIABLE = "EFTGUARD_RAY_SESSION"  # inherited by every Ray process a run starts: "TOKEN:FOLDER"
+SESSION_PREFIX = "eftguard-ray-"  # of the session folder's name, in the temp folder
+SESSION_LOCK = "driver.lock"  # in the session folder: holds TOKEN, locked (flock) by the driver while it lives
 
 
-def _driver_tag(process: psutil.Process) -> str:
-    return f"{process.pid}:{process.create_time()}"
+@dataclass(frozen=True)
+class RaySession:
+    """One run's own Ray session: a fresh folder (Ray's temp folder, so nothing of another driver is joined) whose
+    lock file holds a random token, and the tag "TOKEN:FOLDER" every Ray process of the run inherits."""
+
+    folder: Path
+    tag: str
+
+    def processes(self) -> list[psutil.Process]:
+        return [process for process, tag in _ray_processes().items() if tag == self.tag]
 
 
-def _ray_processes(belongs) -> list[psutil.Process]:
-    """This user's processes whose environment carries a driver tag for which belongs(tag) is true."""
-    found = []
+@contextlib.contextmanager
+def ray_session():
+    """A RaySession whose lock this driver holds until the block ends, named in os.environ meanwhile (so every
+    process the run starts inherits it); the folder is removed after. The kernel releases the lock when the driver
+    dies, even by SIGKILL, in whatever PID namespace it runs: an unlocked session is one whose driver is gone."""
+    folder = Path(tempfile.mkdtemp(prefix=SESSION_PREFIX))
+    token = secrets.token_hex(16)
+    lock = os.open(folder / SESSION_LOCK, os.O_RDWR | os.O_CREAT, 0o600)
+    try:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        os.write(lock, token.encode())
+        session = RaySession(folder, f"{token}:{folder}")
+        os.environ[RAY_SESSION_VARIABLE] = session.tag
+        yield session
+    finally:
+        os.environ.pop(RAY_SESSION_VARIABLE, None)
+        os.close(lock)
+        shutil.rmtree(folder, ignore_errors=True)
+
+
+def _ray_processes() -> dict[psutil.Process, str]:
+    """This user's processes (but this one) whose environment carries a session tag, with their tag."""
+    found = {}
     for process in psutil.process_iter():
         try:
             tag = process.environ().get(RAY_SESSION_VARIABLE)
         except (psutil.Error, OSError):
             continue  # another user's process, or gone
-        if tag and process.pid != os.getpid() and belongs(tag):
-            found.append(process)
+        if tag and process.pid != os.getpid():
+            found[process] = tag
     return found
 
 
-def _driver_is_gone(tag: str) -> bool:
+def _abandoned(tag: str) -> bool:
+    """Whether tag names a session of this machine whose driver is gone: its folder is here, its lock file holds
+    the tag's token and nobody holds the lock. Anything else (a live driver, a folder this process cannot see,
+    another token, a folder that is no session's) is not ours to stop."""
+    token, _, folder = tag.partition(":")
+    if not Path(folder).name.startswith(SESSION_PREFIX):
+        return False
     try:
-        return _driver_tag(psutil.Process(int(tag.partition(":")[0]))) != tag
-    except (psutil.Error, ValueError):
+        lock = os.open(Path(folder) / SESSION_LOCK, os.O_RDONLY)
+    except OSError:
+        return False
+    try:
+        if os.read(lock, 64).decode(errors="replace") != token:
+            return False
+        fcntl.flock(lock, fcntl.LOCK_EX | fcntl.LOCK_NB)
         return True
+    except BlockingIOError:  # its driver holds the lock: alive
+        return False
+    finally:
+        os.close(lock)
 
 
 def stop_ray_leftovers() -> list[psutil.Process]:
-    """Stop the Ray processes that earlier eftguard drivers left running when they were killed (SIGKILL)."""
-    leftovers = _ray_processes(_driver_is_gone)
+    """Stop the Ray processes of eftguard sessions whose driver was killed (SIGKILL), and remove their folders;
+    never a process of a session whose driver lives, whatever it looks like."""
+    tags = _ray_processes()
+    abandoned = {tag for tag in set(tags.values()) if _abandoned(tag)}
+    leftovers = [process for process, tag in tags.items() if tag in abandoned]
     stop_processes(leftovers)
+    for tag in abandoned:
+        shutil.rmtree(tag.partition(":")[2], ignore_errors=True)
     return leftovers
 
 
@@ -123,9 +177,9 @@ def forget_received_models(run_dir: Path, cfg: TrainConfig) -> None:
 def run_simulated(run_dir: Path, cfg: TrainConfig, verbose: bool = False, threat=None) -> None:
     """Run the ServerApp against cfg.clients simulated SuperNodes, one Ray actor per cfg.cpus_per_client.
 
-    Ray runs as a fresh local instance in its own temp folder, so helpers left by an earlier driver that was
-    killed (SIGKILL) cannot be joined; those leftovers of earlier eftguard drivers are stopped first, and this
-    run's own Ray processes are stopped whatever way it ends (done, error, Ctrl-C or SIGTERM)."""
+    Ray runs as a fresh local instance in the run's own session folder (ray_session), so helpers left by an earlier
+    driver that was killed (SIGKILL) cannot be joined; the leftovers of sessions whose driver is gone are stopped
+    first, and this run's own Ray processes are stopped whatever way it ends (done, error, Ctrl-C or SIGTERM)."""
     configure_ray_and_flower(verbose)
     import ray._private.utils as ray_utils
     from flwr.simulation import run_simulation
@@ -142,32 +196,28 @@ def run_simulated(run_dir: Path, cfg: TrainConfig, verbose: bool = False, threat
         print(f"\nstopping ({'Ctrl-C' if signum == signal.SIGINT else 'SIGTERM'} again to kill) ...", flush=True)
 
     stop_ray_leftovers()
-    tag = _driver_tag(psutil.Process())
-    ray_dir = tempfile.mkdtemp(prefix="eftguard-ray-")
-    backend_config = {
-        "client_resources": {"num_cpus": cfg.cpus_per_client, "num_gpus": 0.0},
-        "init_args": {"logging_level": "WARNING" if verbose else "ERROR", "log_to_driver": verbose,
-                      "include_dashboard": False, "address": "local", "_temp_dir": ray_dir},
-    }
-    STOP_REQUESTED.clear()
-    previous = {signum: signal.signal(signum, request_stop) for signum in (signal.SIGINT, signal.SIGTERM)}
-    sets_sigterm = ray_utils.set_sigterm_handler  # ray.init's would make SIGTERM a sys.exit in the middle of a round
-    ray_utils.set_sigterm_handler = lambda handler: None
-    os.environ[RAY_SESSION_VARIABLE] = tag
-    try:
-        run_simulation(server_app=build_server_app(Path(run_dir).resolve(), threat),
-                       client_app=build_client_app(simulated_node_defaults(run_dir, cfg)),
-                       num_supernodes=cfg.clients, backend_config=backend_config, verbose_logging=verbose)
-        forget_received_models(run_dir, cfg)
-    finally:
-        import ray
+    with ray_session() as session:
+        backend_config = {
+            "client_resources": {"num_cpus": cfg.cpus_per_client, "num_gpus": 0.0},
+            "init_args": {"logging_level": "WARNING" if verbose else "ERROR", "log_to_driver": verbose,
+                          "include_dashboard": False, "address": "local", "_temp_dir": str(session.folder)},
+        }
+        STOP_REQUESTED.clear()
+        previous = {signum: signal.signal(signum, request_stop) for signum in (signal.SIGINT, signal.SIGTERM)}
+        sets_sigterm = ray_utils.set_sigterm_handler  # ray.init's would make SIGTERM a sys.exit mid-round
+        ray_utils.set_sigterm_handler = lambda handler: None
+        try:
+            run_simulation(server_app=build_server_app(Path(run_dir).resolve(), threat),
+                           client_app=build_client_app(simulated_node_defaults(run_dir, cfg)),
+                           num_supernodes=cfg.clients, backend_config=backend_config, verbose_logging=verbose)
+            forget_received_models(run_dir, cfg)
+        finally:
+            import ray
 
-        ray.shutdown()  # a no-op when Flower already shut it down
-        ray_utils.set_sigterm_handler = sets_sigterm
-        for signum, handler in previous.items():
-            signal.signal(signum, handler)
-        os.environ.pop(RAY_SESSION_VARIABLE, None)
-        # what ray.shutdown leaves are the actors' processes, done and tearing their interpreters down (1-2 s):
-        # a SIGKILL at once, nothing of the run is left to write
-        stop_processes(_ray_processes(lambda found: found == tag), grace_seconds=0)
-        shutil.rmtree(ray_dir, ignore_errors=True)
+            ray.shutdown()  # a no-op when Flower already shut it down
+            ray_utils.set_sigterm_handler = sets_sigterm
+            for signum, handler in previous.items():
+                signal.signal(signum, handler)
+            # what ray.shutdown leaves are the actors' processes, done and tearing their interpreters down (1-2 s):
+            # a SIGKILL at once, nothing of the run is left to write
+            stop_processes(session.processes(), grace_seconds=0)
