@@ -16,6 +16,7 @@ from pathlib import Path
 from rich.console import Console
 
 from attacks.base import AttackError, Option, options_of, path_value
+from eftguard.attack_report import AttackReport
 from eftguard.paths import output_file_problem, read_text_file
 
 console = Console(stderr=True)
@@ -252,7 +253,7 @@ def cmd_attack(args: argparse.Namespace) -> None:
                 raise
             console.print(f"skipped --method {method}: {exc}")
             continue
-        print_summary(report.to_json(), out / report.attack)
+        print_summary(report, out / report.attack)
 
 
 def curious_methods(registry, observe: str | None = None) -> tuple[str, ...]:
@@ -294,14 +295,15 @@ def stage_progress():
             bar.stop()
 
 
-def print_summary(report: dict, folder: Path) -> None:
+def print_summary(report: AttackReport, folder: Path) -> None:
+    """The attack's score table, as its report.md has it, on the console."""
     from rich.table import Table
 
     from eftguard.report import summary_table
 
     rows = summary_table(report)
-    table = Table(title=f"{report['attack']}, round {report['round']}"
-                        + (f", LPIPS: {report['lpips_backend']}" if report.get("lpips_backend") else ""))
+    table = Table(title=f"{report.attack}, round {report.round}"
+                        + (f", LPIPS: {report.lpips_backend}" if report.lpips_backend else ""))
     for column in rows[0]:
         table.add_column(column)
     for row in rows[1:]:

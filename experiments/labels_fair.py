@@ -11,7 +11,8 @@ import argparse
 import json
 from pathlib import Path
 
-from eftguard.report import markdown_table, number_text
+from eftguard.document import markdown_table
+from eftguard.report import number_text
 
 COLUMNS = (  # (heading, figure of the attack, figure of the baseline it is read against)
     ("L1", "l1", "baseline.l1"),

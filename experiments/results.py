@@ -19,7 +19,8 @@ import shutil
 import sys
 from pathlib import Path
 
-from eftguard.report import FIGURES_NOTE, figure_rows, markdown_table, number_text
+from eftguard.document import markdown_table
+from eftguard.report import FIGURES_NOTE, figure_rows, number_text
 
 ROOT = Path(__file__).resolve().parent.parent
 STORED = ROOT / "experiments" / "results"

@@ -10,13 +10,17 @@ from typing import ClassVar
 import numpy as np
 import pytest
 
-from attacks.base import LabelEstimate, ThreatModel, finite_number, option
+from attacks.base import LabelEstimate, Registry, ThreatModel, finite_number, option
 from attacks.labels import LABELS
 from eftguard.attack_cli import the_run
 from eftguard.audit import SCHEMA_VERSION, AttackReport, attack_names, read_attack_report, run_attack
-from eftguard.audit.families import FAMILIES
-from eftguard.audit.result import FIGURE_DIRECTION, figure_direction
+from eftguard.audit.families import FAMILIES, Family, Job, NoOptions, Observed
+from eftguard.audit.scoring import Summary
+from eftguard.channels import CHANNELS, Channel, Headline, Levels, Plot
 from eftguard.cli import USER_ERRORS, build_parser, main
+from eftguard.figures import figure_direction, figure_directions
+from eftguard.metrics import summarize
+from eftguard.report import write_attack_report
 from eftguard.rundir import RunError
 
 FAST = {"invert": {"steps": 2, "max_images": 3}, "labels": {}, "gradient": {"observe": "probe"},
@@ -53,7 +57,7 @@ def test_the_api_and_the_cli_write_the_same_report(feature_run, tmp_path, family
 def test_reports_round_trip_and_name_their_figures(feature_run, tmp_path):
     report = run_attack(feature_run, "invert", lpips_backend="stlpips-alex", steps=2, max_images=2)
     assert not any(tmp_path.iterdir())  # out=None writes nothing
-    folder = report.save(tmp_path)
+    folder = write_attack_report(tmp_path, report)
     assert (folder / "grid.png").stat().st_size > 0 and folder == tmp_path / "invert-decoder"
     loaded = read_attack_report(folder)
     assert loaded.to_json() == report.to_json() == read_attack_report(folder / "report.json").to_json()
@@ -63,7 +67,7 @@ def test_reports_round_trip_and_name_their_figures(feature_run, tmp_path):
     assert figures["psnr_kept"] == report.groups["metrics_kept"]["psnr"]["mean"]
     assert figures["baseline_kept.psnr"] == report.groups["baseline_kept"]["psnr"]["mean"]
     assert figures["position_accuracy"] == 1.0  # positions granted
-    assert all(name in FIGURE_DIRECTION or "." in name for name in figures)
+    assert all(name in figure_directions() or "." in name for name in figures)
     assert figure_direction("baseline_kept.lpips") == -1 and figure_direction("psnr_kept") == 1
 
 
@@ -100,6 +104,12 @@ def test_wrong_names_and_values_are_one_error_listing_the_valid_ones(feature_run
         run_attack(feature_run, family, method, out=tmp_path / "reports", **options)
     assert listed in str(error.value)
     assert not (tmp_path / "reports").exists()  # refused before any work
+
+
+def test_every_family_has_its_channel_and_every_channel_a_family():
+    """The reports know a family by its channel (eftguard/channels.py): one without would be left out of them."""
+    assert list(CHANNELS) == ["invert", "gradient", "labels", "membership", "dp-audit"]  # the verdict's order
+    assert set(CHANNELS) == set(FAMILIES) and all(f.channel is CHANNELS[name] for name, f in FAMILIES.items())
 
 
 def test_every_registered_attack_is_named():
@@ -162,3 +172,85 @@ def test_a_method_registered_in_one_place_is_on_the_cli_and_runs(feature_run, mo
     assert without_timing(from_api.to_json()) == without_timing(from_cli.to_json())
     figures = from_api.figures()  # an even split over the right classes: the prior baseline's proportions
     assert figures["presence_f1"] == 1.0 and figures["l1"] == figures["baseline.l1"] > 0
+
+
+# --- a new family: a registry, a Family and a Channel, nothing else --------------------------------------------
+
+TOY = Registry("toy", default="count")
+
+
+@TOY.register
+@dataclass
+class CountGuess:
+    """A toy attack: guesses each attacked client's number of training images from nothing but their ids."""
+
+    name = "count"
+    summary = "guesses each client's number of training images"
+    threat_model: ClassVar[ThreatModel] = ThreatModel(knows_weights=False, aux_data=None)
+
+    def reconstruct(self, observation, progress=None):
+        return {client: 100 for client in observation}
+
+
+class ToyFamily(Family):
+    """attacks/NEW.py holds the registry and the attacks; the observation builder would live in
+    eftguard/audit/observe.py, the scoring in eftguard/audit/scoring.py: a toy needs neither."""
+
+    name = "toy"
+    registry = TOY
+    help = "guess each client's number of training images"
+    description = "A toy family: its hit rate is scored against a coin."
+    options_type = NoOptions
+    image_metrics = False
+    seeded = False
+    cli_method = "count"
+
+    def observe(self, job: Job, attack) -> Observed:
+        return Observed(list(job.clients), {})
+
+    def score(self, job: Job, attack, observed: Observed, result, seconds: float) -> AttackReport:
+        groups = {"metrics": {"hits": summarize(np.array([0.9]))}, "chance": {"hits": summarize(np.array([0.5]))}}
+        return self.report(job, attack, Summary(groups, {}, {"guesses": len(result)}), None)
+
+
+TOY_CHANNEL = Channel("toy", "toy channel", {"hits": 1},
+                      (Headline("hits", "chance.hits", "client sizes guessed", "hit rate", "a coin", "",
+                                Levels("toys", "hit rate above a coin", 0.1, 0.3)),),
+                      Plot("toy guessing", "toy attack", "hit rate (higher = more leakage)", "coin (baseline)"))
+
+
+def test_a_family_added_through_the_registries_gets_its_verdict_row_and_plot(feature_run, monkeypatch, tmp_path):
+    """docs/add-an-attack.md: a new family is an attack registry (attacks/NEW.py), a Family with its observation and
+    scoring (eftguard/audit/families.py, observe.py, scoring.py) and its Channel (eftguard/channels.py). Registered
+    there and nowhere else, it runs from the CLI, its figures gate, and the run report and the audit report give it
+    its verdict row, its figure column and its plots."""
+    from eftguard.audit.gate import check_before_training, parse_gate
+    from eftguard.report import write_audit_report
+    from test_report import Page, markdown_tables
+
+    monkeypatch.setitem(FAMILIES, "toy", ToyFamily())
+    monkeypatch.setitem(CHANNELS, "toy", TOY_CHANNEL)
+    reports = tmp_path / "reports"
+    main(["attack", "toy", str(feature_run), "--out", str(reports)])
+    report = read_attack_report(reports / "toy-count")
+    assert (report.family, report.figures(), FAMILIES["toy"].channel) == ("toy", {"hits": 0.9, "chance.hits": 0.5},
+                                                                         TOY_CHANNEL)
+    check_before_training([parse_gate("toy.hits < 0.5"), parse_gate("toy.chance.hits < 0.6")], {"toy"}, set())
+
+    main(["report", str(feature_run), "--reports", str(reports)])
+    run_html = (reports / "report.html").read_text()
+    run_page = Page(run_html)
+    row = ["toy channel", "toy-count", "client sizes guessed: 0.900 vs 0.500 for a coin", "high"]
+    assert row in run_page.tables[0] and row in markdown_tables((reports / "report.md").read_text())[0]
+    assert "toys, hit rate above a coin: under 0.1 low, 0.1–0.3 medium, over 0.3 high" in run_html
+
+    entry = {"family": "toy", "status": "done", "report": "reports/toy-count/report.json", "figures": report.figures()}
+    configurations = [{"id": f"seed={seed}", "group": "toy", "status": "done", "accuracy": 0.4, "epsilon": 2.0 + seed,
+                       "attacks": {"toy-count": entry}} for seed in (0, 1)]
+    audit_page = Page(write_audit_report({"configurations": configurations}, tmp_path)[0].read_text())
+    verdicts, figures = audit_page.tables[0], audit_page.tables[1]  # no gates: verdict, then figures
+    assert verdicts[0][-1] == "toy channel" and verdicts[1][-1] == "hit rate 0.900 vs 0.500, toy-count: high"
+    assert figures[0][-1] == "hit rate" and figures[1][-1] == "0.900 ± 0.000 (0.500)"
+    assert [attrs["alt"] for tag, attrs in audit_page.tags if tag == "img"] == [
+        "Test accuracy against the strongest toy attack (hit rate), one point per configuration group",
+        "Toy guessing against the DP-SGD budget ε (DP configurations only)"]

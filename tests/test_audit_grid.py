@@ -13,6 +13,7 @@ from eftguard import audit as audit_api, cli
 from eftguard.audit import AttackReport, grid
 from eftguard.audit.grid import parse_audit
 from eftguard.config import ConfigError
+from eftguard.report import write_attack_report
 from eftguard.rundir import RunDirectory
 
 SWEEP = """
@@ -79,7 +80,7 @@ class Fakes:
                   {"metrics": stats(l1=0.2 + cfg.mask_ratio / 10), "baseline": stats(l1=0.9)})
         report = AttackReport(family, method, f"{family}-{method}", str(run), cfg.rounds, [0, 1], {}, options, groups,
                               {}, {})
-        report.save(Path(out))
+        write_attack_report(Path(out), report)
         return report
 
 
@@ -478,9 +479,12 @@ def test_the_epsilon_of_each_channel_is_its_weakest_clients():
 
 def test_the_console_line_names_each_familys_headline_figure():
     """Every family's report leads its console line with its headline figure, never "no figures"."""
-    assert grid.headline_text({"psnr": 14.2, "psnr_kept": 22.5}) == "psnr_kept 22.500"
-    assert grid.headline_text({"l1": 0.4, "linf": 0.2}) == "l1 0.400"
-    assert grid.headline_text({"auc": 0.991, "tpr_at_1pct_fpr": None}) == "auc 0.991"
-    assert grid.headline_text({"epsilon_lower_bound": 0.38}) == "epsilon_lower_bound 0.380"
-    assert grid.headline_text({"auc": float("nan")}) == "auc nan"
-    assert grid.headline_text({"tpr_at_1pct_fpr": 0.1}) == "no figures"
+    assert grid.headline_text("invert", {"psnr": 14.2, "psnr_kept": 22.5}) == "psnr_kept 22.500"
+    assert grid.headline_text("gradient", {"psnr": 14.2}) == "psnr 14.200"  # no masking: the whole image
+    assert grid.headline_text("labels", {"l1": 0.4, "linf": 0.2}) == "l1 0.400"
+    assert grid.headline_text("membership", {"auc": 0.991, "tpr_at_1pct_fpr": None}) == "auc 0.991"
+    assert grid.headline_text("dp-audit", {"epsilon_lower_bound": 0.38}) == "epsilon_lower_bound 0.380"
+    assert grid.headline_text("membership", {"auc": float("nan")}) == "auc nan"
+    assert grid.headline_text("membership", {"tpr_at_1pct_fpr": 0.1}) == "no figures"
+    assert grid.headline_text("labels", {"psnr": 14.2}) == "no figures"  # another family's headline is not its
+    assert grid.headline_text("unknown", {"psnr": 14.2}) == "no figures"

@@ -10,7 +10,7 @@ import torch
 from attacks.base import ImageReconstruction
 from eftguard import metrics
 from eftguard.audit import AttackReport, scoring
-from eftguard.report import write_run_report
+from eftguard.report import write_attack_report, write_run_report
 from test_report import METRICS, Page
 
 
@@ -138,7 +138,7 @@ def test_the_reports_show_the_ranking(images, tmp_path):
     report = AttackReport("invert", "decoder", "invert-decoder", "runs/r", 1, [0], {}, {}, summary.groups,
                           summary.per_client, summary.details, "squared-error", None, None, summary.ranking,
                           summary.ranking_rows)
-    folder = report.save(tmp_path / "reports")
+    folder = write_attack_report(tmp_path / "reports", report)
     saved = json.loads((folder / "report.json").read_text())
     assert saved["ranking"] == summary.ranking and saved["metrics"]["iip"]["mean"] == 0.5
     assert (folder / "ranking.png").exists() and "## Most exposed images" in (folder / "report.md").read_text()
@@ -151,10 +151,10 @@ def test_the_reports_show_the_ranking(images, tmp_path):
 
 
 def test_a_report_with_a_damaged_ranking_is_refused(tmp_path):
-    from eftguard.report import read_report
+    from eftguard.attack_report import read_attack_report
     from eftguard.rundir import RunError
 
     file = tmp_path / "report.json"
     file.write_text(json.dumps({"attack": "invert-decoder", "round": 1, "ranking": [{"client": 0, "image": "x"}]}))
     with pytest.raises(RunError, match='"ranking" is not a list'):
-        read_report(file)
+        read_attack_report(file, older=True)

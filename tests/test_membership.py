@@ -10,7 +10,7 @@ import torch
 
 from attacks.membership import MEMBERSHIP, LiRAAttack, LossAttack, MembershipObservation, RMIAAttack
 from conftest import attacks_guarded, train_in_process
-from eftguard.audit import run_attack
+from eftguard.audit import AttackReport, run_attack
 from eftguard.audit import scoring
 from eftguard.cli import main
 from eftguard.model import build_model
@@ -176,7 +176,7 @@ def test_cli_writes_the_report_and_its_roc_plot(eftvit_run, tmp_path, capsys):
     assert curve["fpr"][0] == curve["tpr"][0] == 0 and curve["fpr"][-1] == curve["tpr"][-1] == 1
     assert "roc.png" in (folder / "report.md").read_text() and '"fpr"' not in (folder / "report.md").read_text()
     assert report["metrics"]["tpr_at_0.1pct_fpr"]["mean"] is None  # 30 non-members resolve no 0.1% FPR
-    membership = next(v for v in verdict([report]) if v.family == "membership")
+    membership = next(v for v in verdict([AttackReport.from_json(report)]) if v.family == "membership")
     assert membership.figure == "auc" and membership.baseline == 0.5
 
 

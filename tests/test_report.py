@@ -8,7 +8,8 @@ from html.parser import HTMLParser
 import numpy as np
 import pytest
 
-from eftguard import verdict
+from eftguard import channels, verdict
+from eftguard.attack_report import AttackReport
 from eftguard.report import image_grid, write_audit_report, write_run_report
 from eftguard.rundir import RunError
 
@@ -16,7 +17,8 @@ HOSTILE = '"><script>alert(1)</script>'
 
 
 def stat(mean):
-    return {"mean": mean, "std": 0.5, "n": 4}
+    """{"mean", "std", "n"}; a missing mean as metrics.summarize writes it for no scored value."""
+    return {"mean": mean, "std": 0.5, "n": 4} if mean is not None else {"mean": None, "std": None, "n": 0}
 
 
 def image_report(attack, psnr, baseline, psnr_kept=None, baseline_kept=None, family=None):
@@ -39,13 +41,18 @@ def by_channel(verdicts):
     return {v.channel: v for v in verdicts}
 
 
+def typed(*reports):
+    """report.json dicts as the run report reads them (written before schema_version, as these are)."""
+    return [AttackReport.from_json(report, older=True) for report in reports]
+
+
 # --- verdict ----------------------------------------------------------------------------------------------
 
 @pytest.mark.parametrize("gain, level", [(-3.0, "low"), (1.99, "low"), (2.0, "medium"), (2.01, "medium"),
                                          (6.0, "medium"), (6.01, "high"), (30.0, "high")])
 def test_image_levels_at_and_around_each_threshold(gain, level):
-    verdicts = by_channel(verdict.verdict([image_report("invert-decoder", 0, 0, 12.0 + gain, 12.0),
-                                           image_report("gradient-analytic", 12.0 + gain, 12.0)]))
+    verdicts = by_channel(verdict.verdict(typed(image_report("invert-decoder", 0, 0, 12.0 + gain, 12.0),
+                                                 image_report("gradient-analytic", 12.0 + gain, 12.0))))
     assert verdicts["uploaded features"].level == level
     assert verdicts["parameter updates"].level == level
 
@@ -57,13 +64,13 @@ def test_image_levels_at_and_around_each_threshold(gain, level):
     (0.0, 0.0, "low"),  # the prior is already exact: the attack adds nothing
 ])
 def test_label_levels_relative_to_the_prior(l1, baseline, level):
-    assert by_channel(verdict.verdict([label_report("labels-head", l1, baseline)]))["labels"].level == level
+    assert by_channel(verdict.verdict(typed(label_report("labels-head", l1, baseline))))["labels"].level == level
 
 
 def test_a_channel_without_an_attack_is_not_audited_never_safe():
-    verdicts = verdict.verdict([label_report("labels-head", 0.1, 0.9)])
+    verdicts = verdict.verdict(typed(label_report("labels-head", 0.1, 0.9)))
     assert [v.channel for v in verdicts] == ["uploaded features", "parameter updates", "labels",
-                                              "membership"]
+                                              "membership", "DP audit (canaries)"]
     for channel in ("uploaded features", "parameter updates"):
         v = by_channel(verdicts)[channel]
         assert v.level == "not audited" and v.attack is None
@@ -73,7 +80,7 @@ def test_a_channel_without_an_attack_is_not_audited_never_safe():
 
 def test_nan_and_missing_figures_are_not_scored_not_graded():
     reports = [image_report("invert-decoder", math.nan, 12.0, math.nan, 12.0), label_report("labels-head", 0.2, None)]
-    verdicts = by_channel(verdict.verdict(reports))
+    verdicts = by_channel(verdict.verdict(typed(*reports)))
     assert verdicts["uploaded features"].level == verdicts["labels"].level == "not scored"
     assert verdicts["parameter updates"].level == "not audited"
 
@@ -97,7 +104,7 @@ def test_the_strongest_attack_of_each_channel_leads():
                image_report("invert-optimize", 19.0, 12.0, 40.6, 11.7),
                label_report("labels-presence", 0.93, 0.93), label_report("labels-head", 0.42, 0.93),
                label_report("labels-linkage", 0.65, 0.93)]
-    verdicts = by_channel(verdict.verdict(reports))
+    verdicts = by_channel(verdict.verdict(typed(*reports)))
     features, labels = verdicts["uploaded features"], verdicts["labels"]
     assert (features.attack, features.figure, features.value, features.level) == \
         ("invert-optimize", "psnr_kept", 40.6, "high")  # higher PSNR = stronger
@@ -111,12 +118,12 @@ def test_parameter_updates_lead_with_the_kept_patches_too():
     """The closed-form attack on a masked probe returns every sent patch exactly; the whole image, mostly never
     sent, stays near the mean image. The verdict must not call that low."""
     exact = image_report("gradient-analytic", 18.4, 16.9, 60.0, 16.1)
-    v = by_channel(verdict.verdict([exact, image_report("gradient-ig", 19.0, 16.9, 20.0, 16.1)]))["parameter updates"]
+    v = by_channel(verdict.verdict(typed(exact, image_report("gradient-ig", 19.0, 16.9, 20.0, 16.1))))["parameter updates"]
     assert (v.attack, v.figure, v.level) == ("gradient-analytic", "psnr_kept", "high")
 
 
 def test_whole_image_figure_when_the_run_has_no_masking():
-    v = by_channel(verdict.verdict([image_report("invert-decoder", 29.8, 12.0)]))["uploaded features"]
+    v = by_channel(verdict.verdict(typed(image_report("invert-decoder", 29.8, 12.0))))["uploaded features"]
     assert (v.figure, v.value, v.baseline) == ("psnr", 29.8, 12.0)
     assert v.summary.startswith("images recovered: 29.8 dB")
 
@@ -124,15 +131,25 @@ def test_whole_image_figure_when_the_run_has_no_masking():
 def test_family_is_taken_from_the_report_or_the_attack_name():
     # a report that names its family is filed under it whatever its name says
     renamed = image_report("my-inverter", 30.0, 12.0, family="gradient")
-    verdicts = by_channel(verdict.verdict([renamed, image_report("invert-decoder", 14.0, 12.0)]))
+    verdicts = by_channel(verdict.verdict(typed(renamed, image_report("invert-decoder", 14.0, 12.0))))
     assert verdicts["parameter updates"].attack == "my-inverter"
     assert verdicts["uploaded features"].attack == "invert-decoder"
+
+
+def test_a_figure_leaks_the_same_way_in_every_family_that_reports_it():
+    from eftguard.figures import figure_direction
+
+    declared = [(figure, direction) for channel in channels.CHANNELS.values()
+                for figure, direction in channel.directions.items()]
+    assert all(direction in (1, -1) and figure_direction(figure) == direction for figure, direction in declared)
+    for channel in channels.CHANNELS.values():  # every headline is one of the family's own figures
+        assert all(h.figure in channel.directions for h in channel.headlines)
 
 
 def test_figures_follow_attack_report_names():
     report = image_report("invert-decoder", 20.0, 12.0, 26.0, 11.0)
     report["baseline_blur"] = {"psnr": stat(23.0)}
-    assert verdict.report_figures(report) == {"psnr": 20.0, "baseline.psnr": 12.0, "psnr_kept": 26.0,
+    assert typed(report)[0].figures() == {"psnr": 20.0, "baseline.psnr": 12.0, "psnr_kept": 26.0,
                                               "baseline_kept.psnr": 11.0, "baseline_blur.psnr": 23.0}
 
 
@@ -302,17 +319,22 @@ def test_audit_report_tables_plots_and_failures(tmp_path):
     text = html_file.read_text()
     page = Page(text)
     assert_self_contained(page)
-    assert len(page.sources()) == 3  # accuracy vs PSNR, accuracy vs label error, ε vs PSNR
+    # accuracy vs PSNR, accuracy vs label error, ε vs PSNR, ε vs label error: each family of the audit, and ε
+    assert [tag[1]["alt"] for tag in page.tags if tag[0] == "img"] == [
+        "Test accuracy against the strongest inversion (kept patches, whole image), one point per configuration group",
+        "Test accuracy against the strongest label attack (L1), one point per configuration group",
+        "Feature inversion and gradient leakage against the DP-SGD budget ε (DP configurations only)",
+        "Label-histogram inference against the DP-SGD budget ε (DP configurations only)"]
     for heading in ("Verdict per configuration", "Gates", "Privacy–utility", "Failed configurations"):
         assert f"<h2>{heading}</h2>" in text
     assert text.index("Verdict per configuration") < text.index("<h2>Gates") < text.index("Privacy–utility")
 
     verdicts = {row[0]: row for row in page.tables[0][1:]}
     assert page.tables[0][0] == ["configuration", "test accuracy", "ε", "uploaded features", "parameter updates",
-                                 "labels", "membership"]
+                                 "labels", "membership", "DP audit (canaries)"]
     assert verdicts["mask_ratio=0.5,seed=0"][1:] == [
         "0.410", "off", "kept patches 28.0 dB vs 12.0 dB, invert-decoder: high", "not audited",
-        "L1 0.300 vs 0.900, labels-head: high", "not audited"]
+        "L1 0.300 vs 0.900, labels-head: high", "not audited", "not audited"]
     assert verdicts["mask_ratio=0.9,seed=0"][5] == "not audited"
     assert verdicts["mask_ratio=0.9,seed=1"][1] == "–" and verdicts["mask_ratio=0.9,seed=1"][3].startswith(
         "whole image 20.0 dB")  # NaN kept figure: the whole-image figure stands in
@@ -372,9 +394,10 @@ def test_audit_report_shows_hostile_strings_as_text(tmp_path):
 
 
 def test_privacy_utility_points_are_group_means_with_spread_over_seeds():
-    from eftguard.report import KEPT, accuracy_of, group_points, headline_value
+    from eftguard.report import accuracy_of, group_points, strongest_value
 
-    points = {p[0]: p[1:] for p in group_points(summary()["configurations"], headline_value(KEPT, "invert"),
+    kept = channels.CHANNELS["invert"].headlines[0]
+    points = {p[0]: p[1:] for p in group_points(summary()["configurations"], strongest_value("invert", kept),
                                                 accuracy_of)}
     assert points["mask_ratio=0.5"] == pytest.approx((27.0, math.sqrt(2), 0.40, math.sqrt(2) * 0.01))
     assert points["mask_ratio=0.9"] == (15.0, 0.0, 0.35, 0.0)  # the seed with no accuracy and a NaN figure is left out
@@ -411,8 +434,8 @@ def test_garbage_inside_a_summary_is_shown_as_missing_not_a_crash(tmp_path):
     html_file, _ = write_audit_report({"configurations": garbage, "gates": gates}, tmp_path)
     page = Page(html_file.read_text())
     assert [row[1:] for row in page.tables[0][1:]] == [
-        ["–", "off", "not audited", "not audited", "not audited", "not audited"],
-        ["–", "2.00", "not scored", "not audited", "not scored", "not audited"]]
+        ["–", "off", "not audited", "not audited", "not audited", "not audited", "not audited"],
+        ["–", "2.00", "not scored", "not audited", "not scored", "not audited", "not audited"]]
     assert page.tables[1][1] == ["None", "FAILED", "None: None = –"]  # only a literal true passes a gate
     assert len(page.sources()) == 0  # nothing finite to plot
     figures = {row[0]: row for row in page.tables[2][1:] if row[0]}
@@ -420,26 +443,39 @@ def test_garbage_inside_a_summary_is_shown_as_missing_not_a_crash(tmp_path):
 
 
 def test_groups_on_one_spot_share_one_label():
-    from eftguard.report import point_labels
+    from eftguard.plots import LABEL_LIMIT, point_labels
 
     points = [("dp_eps=1", 0.458, 0.0, 0.125, 0.0), ("dp_eps=8", 0.453, 0.0, 0.125, 0.0),
               ("mask_ratio=0.5", 0.28, 0.1, 0.31, 0.1), ("mask_ratio=0.75", 0.3, 0.1, 0.21, 0.1)]
     assert point_labels(points) == [("dp_eps=1, dp_eps=8", 0.458, 0.125), ("mask_ratio=0.5", 0.28, 0.31),
                                     ("mask_ratio=0.75", 0.3, 0.21)]
+    # many long names on one spot: broken into lines, so that the plot keeps its width (matplotlib collapses it)
+    crowd = [(f"tamper={name}-embed,threat=malicious", 1.1, 0.0, 0.14, 0.0) for name in ("identity", "stealth", "label")]
+    (label, _, _), = point_labels(crowd)
+    assert label.split("\n") == [f"tamper={name}-embed,threat=malicious," for name in ("identity", "stealth")] + [
+        "tamper=label-embed,threat=malicious"]
+    assert max(map(len, label.split("\n"))) <= LABEL_LIMIT
 
 
 def test_the_levels_sentence_states_every_channels_thresholds_from_the_verdict_table():
     """The sentence under each verdict table is the reader's key to low / medium / high: it must quote the
     thresholds the verdict actually applies, for every channel with a headline."""
-    from eftguard.report import THRESHOLDS
+    from eftguard.report import thresholds_text
 
-    for low, high in (verdict.PSNR_GAIN_DB, verdict.MEMBERSHIP_AUC_GAIN):
-        assert f"under {low:g}" in THRESHOLDS and f"over {high:g}" in THRESHOLDS
-    low, high = (round(100 * share) for share in verdict.LABEL_ERROR_REMOVED)
-    assert f"under {low} %" in THRESHOLDS and f"over {high} %" in THRESHOLDS
-    families = {channel.family for channel in verdict.CHANNELS}
-    named = {"invert": "images", "gradient": "images", "labels": "labels", "membership": "membership"}
-    assert families <= set(named) and all(named[f] in THRESHOLDS for f in families)
+    key = thresholds_text()
+    for low, high in (channels.PSNR_GAIN_DB, channels.MEMBERSHIP_AUC_GAIN, channels.DP_AUDIT_EPSILON):
+        assert f"under {low:g} " in key and f"{low:g}–{high:g}" in key and f"over {high:g} " in key
+    low, high = (round(100 * share) for share in channels.LABEL_ERROR_REMOVED)
+    assert f"under {low} %" in key and f"over {high} %" in key
+    for channel in channels.CHANNELS.values():
+        for headline in channel.headlines:
+            levels = headline.levels
+            assert f"{levels.subject}, {levels.gain}: under " in key
+            baseline = headline.baseline if isinstance(headline.baseline, float) else 1.0
+            for gain, level in ((levels.medium_from / 2, "low"), ((levels.medium_from + levels.high_above) / 2, "medium"),
+                                (1.2 * levels.high_above, "high")):  # the thresholds quoted are the ones applied
+                value = baseline + gain if verdict.higher_leaks(headline) else baseline * (1 - gain)
+                assert verdict.level(headline, value, baseline) == level
 
 
 # --- reconstructions in the audit report ------------------------------------------------------------------
@@ -582,12 +618,16 @@ def test_eftguard_report_on_an_audit_folder_writes_its_report_again_from_summary
 
 
 def test_an_attack_report_written_again_keeps_no_picture_of_the_last_run_and_no_temporary_file(tmp_path):
+    import dataclasses
+
     from PIL import Image
 
     from eftguard.report import write_attack_report
 
-    report = image_report("invert-decoder", 20.0, 12.0)
-    folder = write_attack_report(tmp_path, report, grid=Image.new("RGB", (4, 4)), ranking=Image.new("RGB", (4, 4)))
+    report = typed(image_report("invert-decoder", 20.0, 12.0))[0]
+    rows = [[np.zeros((4, 4, 3)), np.ones((4, 4, 3))]]
+    ranking = [{"client": 0, "image": 0, "psnr": 20.0, "rank": 1, "candidates": 9}]
+    folder = write_attack_report(tmp_path, dataclasses.replace(report, grid=rows, ranking=ranking, ranking_rows=rows))
     assert {p.name for p in folder.iterdir()} == {"report.json", "report.md", "grid.png", "ranking.png"}
     assert Image.open(folder / "grid.png").format == "PNG"
     write_attack_report(tmp_path, report)  # e.g. rerun with --max-images 0: no grid this time
@@ -656,4 +696,8 @@ def test_the_run_report_inlines_no_picture_that_leads_out_of_its_folder_or_is_no
     assert picture not in md_file.read_text()
     (folder / picture).write_bytes(real)
     html_file, md_file, _ = write_run_report("runs/r", "", [], reports)
-    assert real in inlined(Page(html_file.read_text())) and f"(invert-decoder/{picture})" in md_file.read_text()
+    page = Page(html_file.read_text())
+    assert real in inlined(page) and f"(invert-decoder/{picture})" in md_file.read_text()
+    # a chart is scaled smoothly, an image grid keeps its pixels
+    assert [attrs.get("class") for tag, attrs in page.tags if tag == "img"] == [
+        "plot" if picture == "roc.png" else None]

@@ -17,11 +17,12 @@ import time
 from pathlib import Path
 
 from attacks.base import AttackError, Progress, options_of, whole_number
+from eftguard.attack_report import AttackReport
 from eftguard.audit.families import FAMILIES, Family, Job, family_named
-from eftguard.audit.result import AttackReport
 from eftguard.config import SEED_LIMIT
 from eftguard.methods import method_spec
 from eftguard.paths import input_file_problem, unwritable_reason
+from eftguard.report import write_attack_report
 from eftguard.rundir import RunDirectory, RunError, client_name, round_name
 
 SEED = whole_number(0, SEED_LIMIT)
@@ -61,7 +62,7 @@ def run_attack(run: str | Path | RunDirectory, family: str, method: str | None =
     result = attack.reconstruct(observed.observation, progress)  # the attack phase: the observation only
     report = chosen.score(job, attack, observed, result, time.perf_counter() - start)
     if folder is not None:
-        report.save(folder)
+        write_attack_report(folder, report)
     return report
 
 

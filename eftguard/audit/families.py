@@ -1,9 +1,10 @@
-"""The three attack families, one object each: its options, how its observation is built, how its attack is
-constructed and how its result is scored into an AttackReport. Everything else (checks, timing, writing) is
-shared, in eftguard.audit.api.
+"""The attack families, one object each: its options, how its observation is built, how its attack is constructed,
+how its result is scored into an AttackReport, and its leakage channel (`channel`: the figures, verdict row and
+plots of eftguard.channels). Everything else (checks, timing, writing) is shared, in eftguard.audit.api.
 
 Adding a method to a family is one registered class in attacks/; adding a family is a registry there, an
-observation builder in eftguard.audit.observe and a Family here (docs/add-an-attack.md).
+observation builder in eftguard.audit.observe, a Family here and its Channel in eftguard.channels
+(docs/add-an-attack.md).
 """
 
 from __future__ import annotations
@@ -23,9 +24,9 @@ from attacks.inversion import INVERT
 from attacks.labels import LABELS
 from attacks.membership import MEMBERSHIP, TARGETS, LossAttack
 from attacks.update_inversion import first_masks
-from eftguard import metrics
+from eftguard import channels, metrics
+from eftguard.attack_report import AttackReport
 from eftguard.audit import observe, scoring
-from eftguard.audit.result import AttackReport, json_ready
 from eftguard.methods import method_spec
 from eftguard.rundir import RunDirectory
 
@@ -67,6 +68,11 @@ class Family:
     def options(self) -> tuple[Option, ...]:
         return options_of(self.options_type)
 
+    @property
+    def channel(self) -> channels.Channel:
+        """What the family measures and how the verdict, gates and reports show it (its eftguard.channels entry)."""
+        return channels.CHANNELS[self.name]
+
     def pick_clients(self, clients: list[int], choice: str | list[int]) -> list[int]:
         """The attacked clients among those chosen (--clients) with uploads in the round."""
         return clients
@@ -96,6 +102,15 @@ class Family:
                             {k: json_ready(v) for k, v in job.ran_with.items()}, summary.groups, summary.per_client,
                             summary.details, lpips_backend, summary.histograms, grid, summary.ranking,
                             summary.ranking_rows)
+
+
+def json_ready(value):
+    """Option values as report.json holds them: paths as text, numpy scalars as numbers."""
+    if isinstance(value, Path):
+        return str(value)
+    if isinstance(value, np.generic):
+        return value.item()
+    return value
 
 
 def public_images(run: RunDirectory) -> np.ndarray:

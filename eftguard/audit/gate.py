@@ -12,9 +12,8 @@ import operator
 import re
 from dataclasses import dataclass
 
-from eftguard.audit.result import FIGURE_DIRECTION
-from eftguard.figures import metric_of
 from eftguard.config import ConfigError
+from eftguard.figures import figure_directions, metric_of
 
 OPERATORS = {"<": operator.lt, "<=": operator.le, ">": operator.gt, ">=": operator.ge}
 GATE_SYNTAX = re.compile(r"\s*([A-Za-z0-9_-]+)\.([A-Za-z0-9_.]+?)\s*(<=|>=|<|>)\s*(\S+)\s*")
@@ -56,9 +55,9 @@ def check_before_training(gates: list[Gate], families: set[str], attack_names: s
         if gate.subject not in families | attack_names:
             raise ConfigError(f"--gate '{gate.expression}': '{gate.subject}' is neither an attack family nor an "
                               f"attack of this audit; choose from {', '.join(sorted(families | attack_names))}")
-        if metric_of(gate.figure) not in FIGURE_DIRECTION:
+        if metric_of(gate.figure) not in figure_directions():
             raise ConfigError(f"--gate '{gate.expression}': no attack reports a figure '{gate.figure}'; figures: "
-                              f"{', '.join(FIGURE_DIRECTION)}, and baselines as baseline.psnr, baseline_kept.psnr")
+                              f"{', '.join(figure_directions())}, and baselines as baseline.psnr, baseline_kept.psnr")
 
 
 def matching_attacks(gate: Gate, attacks: dict) -> dict:

@@ -42,8 +42,6 @@ AUDIT_KEYS = ("title", "train", "grid", "attack")
 RESERVED_ATTACK_KEYS = ("run", "key", "out", "progress")
 # run_attack arguments every family takes; any other key of an [[attack]] table is a family or method option
 COMMON_ATTACK_KEYS = ("round_number", "clients", "seed", "lpips_backend")
-# first figure of these an attack reports is its column in the final table (the families' headline figures)
-TABLE_FIGURES = ("psnr_kept", "psnr", "l1", "auc", "epsilon_lower_bound")  # the console line's headline, first found
 SAFE_NAME = re.compile(r"(?!\.+$)[A-Za-z0-9._=,+-]{1,100}")  # a folder name, and never . or .. (this or the parent)
 GRID_LIMIT = 10_000  # configurations of one audit: each is a training of minutes (--shard spreads one over machines)
 
@@ -333,7 +331,7 @@ def run_one_attack(run_dir: Path, attack: AttackEntry, out: Path, reports: Path,
         console.print(f"  {attack.name}: not applicable: {one_line(exc)}")
         return {"family": attack.family, "status": "not applicable", "reason": one_line(exc), "fingerprint": fingerprint}
     figures = report.figures()
-    console.print(f"  {attack.name}: {headline_text(figures)} ({time.perf_counter() - start:.0f} s)")
+    console.print(f"  {attack.name}: {headline_text(report.family, figures)} ({time.perf_counter() - start:.0f} s)")
     report_path = reports / report.attack / "report.json"
     return {"family": report.family, "method": report.method, "status": "done",
             "report": os.path.relpath(report_path, out), "figures": figures, "fingerprint": fingerprint}
@@ -352,8 +350,10 @@ def reusable(previous: dict, out: Path) -> bool:
         return False
 
 
-def headline_text(figures: dict) -> str:
-    name = next((f for f in TABLE_FIGURES if f in figures), None)
+def headline_text(family: str, figures: dict) -> str:
+    """The first of the family's headline figures the attack reported (its console line and final table cell)."""
+    headlines = FAMILIES[family].channel.headlines if family in FAMILIES else ()
+    name = next((h.figure for h in headlines if h.figure in figures), None)
     value = figures.get(name) if name else None
     return f"{name} {value:.3f}" if isinstance(value, (int, float)) else "no figures"
 
@@ -551,7 +551,7 @@ def print_summary(summary: dict) -> None:
 def attack_cell(entry: dict | None) -> str:
     if entry is None:
         return "–"
-    return headline_text(entry["figures"]) if entry["status"] == "done" else entry["status"]
+    return headline_text(entry["family"], entry["figures"]) if entry["status"] == "done" else entry["status"]
 
 
 def number_text(value, digits: int = 3) -> str:
