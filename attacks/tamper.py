@@ -125,6 +125,7 @@ def tamper_state(name: str, state: dict[str, torch.Tensor], cfg, seed: int) -> d
 # --- the server's side: what it sends, round by round (eftguard.federation.server.ServerThreat) ----------------
 
 DRIFT_MARGIN = 0.99  # an adaptive server stays this far inside every bound of the clients' model check
+DISGUISE_SCALE = 1e-14  # an adaptive server's stand-in for a weight its tampering zeroes (the check refuses zeros)
 
 Limits = Callable[[int, dict[str, np.ndarray], int], dict[str, np.ndarray]]
 
@@ -160,7 +161,7 @@ class OneRoundTampering:
 
 class AdaptiveTampering:
     """--threat adaptive: every round each client gets the model closest to the tampering of the server's own
-    model (per coordinate) that its model check accepts: within DRIFT_MARGIN of the bound from the run's initial
+    model (per coordinate, with the weights it zeroes disguised) that its model check accepts: within DRIFT_MARGIN of the bound from the run's initial
     model and of the bound from the last model it accepted, as the public configuration fixes them (limits). It
     keeps each client's last accepted model in memory: a resumed adaptive run starts them over from the initial
     model's bound alone (the check may then refuse a round, which the metrics record)."""
@@ -181,7 +182,7 @@ class AdaptiveTampering:
     def sent(self, round_number: int, partitions: list[int], state: dict[str, torch.Tensor]
              ) -> dict[int, dict[str, torch.Tensor]]:
         target = _tamper_or_refuse(self.cfg.tamper, state, self.cfg, seeded(self.cfg.seed, round_number, 8))
-        target = {k: v.numpy().astype(np.float64) for k, v in target.items()}
+        target = disguised({k: v.numpy().astype(np.float64) for k, v in target.items()}, self.initial)
         from_initial = (self.initial, self.limits(round_number, self.initial, round_number - 1))
         out = {}
         for partition in partitions:
@@ -197,6 +198,13 @@ class AdaptiveTampering:
         for partition in partitions:
             self.last[partition] = (round_number, self.pending[partition])
         self.pending.clear()
+
+
+def disguised(target: dict[str, np.ndarray], initial: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
+    """A tampering aimed at past the model check's structural tells: every weight it zeroes becomes DISGUISE_SCALE
+    times the initial weight (not all zero, and still far below anything the tampering's attack notices)."""
+    return {k: DISGUISE_SCALE * initial[k] if k.endswith("weight") and not v.any() and initial[k].any() else v
+            for k, v in target.items()}
 
 
 def nearest_within(target: dict[str, np.ndarray], boxes: list[tuple[dict[str, np.ndarray], dict[str, np.ndarray]]]

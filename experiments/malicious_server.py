@@ -7,8 +7,9 @@ of tests/fakegrid.py (no Ray), vit-tiny-32 on photos.
 2. each tampering with the check on: in round 1 (the node rebuilds the initial model), in round 2 (one round of
    drift allowed), and in round 1 when the node trusts the first model it receives (trust-first-model);
 3. the adaptive server's campaigns at the defaults of `eftguard train` (8 clients, 2000 training images, B = 64,
-   E = 1, lr 1e-3): each round every client gets the model nearest the tampering (of the initial model) that its
-   check accepts (attacks.tamper.nearest_within, DRIFT_MARGIN inside each bound); the real check verifies every
+   E = 1, lr 1e-3): each round every client gets the model nearest the tampering (of the initial model, the weights
+   it zeroes disguised: attacks.tamper.disguised) that its check accepts (attacks.tamper.nearest_within,
+   DRIFT_MARGIN inside each bound); the real check verifies every
    round's model, and the round's upload is attacked at probe rounds: the first round where the tampering's own
    attack beats its baseline (kept-patch PSNR 6 dB above the mean image's; label L1 at most half the prior's),
    found by bisection between probes. Without the check the tampering works in round 1 (part 1);
@@ -29,7 +30,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from attacks.tamper import TAMPERINGS, nearest_within, tamper_state  # noqa: E402
+from attacks.tamper import TAMPERINGS, disguised, nearest_within, tamper_state  # noqa: E402
 from defenses.model_check import ModelCheck, ModelCheckError  # noqa: E402
 from eftguard.audit import run_attack  # noqa: E402
 from eftguard.cli import server_threat_of  # noqa: E402
@@ -114,7 +115,7 @@ class Campaign:
         model = build_model(self.cfg.model, 10, self.cfg.local_layers, seed=self.cfg.seed)
         self.initial = {k: v.numpy().astype(np.float64) for k, v in model.state_dict().items()}
         target = tamper_state(tamper, model.state_dict(), self.cfg, 0)
-        self.target = {k: v.numpy().astype(np.float64) for k, v in target.items()}
+        self.target = disguised({k: v.numpy().astype(np.float64) for k, v in target.items()}, self.initial)
         self.limits = model_check_limits(self.cfg)
         self.check = ModelCheck(folder, 0, initial_model())
         self.schedule = check_schedule(self.cfg, 10)
@@ -152,8 +153,8 @@ def campaign(out: Path, tamper: str) -> dict:
                     found = round_number
                     break
                 last_miss = round_number
-    except ModelCheckError as exc:  # the adaptive server left a bound: a bug of the campaign, reported as such
-        return {"error": f"round {run.round} refused by the check: {exc}"}
+    except ModelCheckError as exc:  # the check refused the campaign's model (a structural tell it cannot avoid)
+        return {"refused_in_round": run.round, "reason": str(exc), "figures": {str(k): v for k, v in figures.items()}}
     if found is not None and found - last_miss > 1:  # bisect between the probes
         low, high = last_miss, found
         while high - low > 1:
@@ -208,7 +209,8 @@ def main() -> None:
             print(json.dumps({tamper: results["caught"][tamper]}), flush=True)
     if 3 in args.parts:
         results["adaptive"] = {tamper: campaign(out, tamper) for tamper in TAMPERINGS}
-        print(json.dumps({"adaptive": {t: r.get("rounds_to_success", r) for t, r in results["adaptive"].items()}}))
+        print(json.dumps({"adaptive": {t: r.get("rounds_to_success", r.get("reason"))
+                                       for t, r in results["adaptive"].items()}}))
     if 4 in args.parts:
         honest = train(out / "honest-20", True, rounds=20)
         rows = margins(honest)

@@ -37,7 +37,7 @@ def run_cli(capsys, *argv):
     # issue 34: each was a traceback, a hang, or a run that trained from nothing
     (["--seed", str(2 ** 64)], "--seed must be a whole number in 0..4294967295, got 18446744073709551616"),
     (["--config", "{tmp}/big-seed.toml"], "--seed must be a whole number in 0..4294967295"),
-    (["--dp-eps", "1e-9", "--rounds", "1"], "client 0 (33 samples, 1 rounds): --dp-eps 5e-10 cannot be met"),
+    (["--dp-eps", "1e-9", "--rounds", "1"], "client 0 (33 samples, 1 rounds): --dp-eps 1e-09 cannot be met"),
     (["--dp-eps", "1e300"], "--dp-eps must be in [0, 100] (0: no DP-SGD; above 100 the guarantee"),
     (["--dp-eps", "8", "--dp-delta", "1e-300"], "the prv accountant cannot work at --dp-delta 1e-300"),
     (["--dp-eps", "8", "--rounds", "1000000000"], "--rounds 1000000000 with --dp-eps: each client's noise"),

@@ -238,7 +238,7 @@ def test_a_run_that_fails_before_its_first_round_leaves_nothing(tmp_path, capsys
     assert sorted(p.name for p in tmp_path.iterdir()) == ["empty"] and not any((tmp_path / "empty").iterdir())
 
 
-def in_process_runtime(run_dir, cfg, verbose):
+def in_process_runtime(run_dir, cfg, verbose, threat=None):
     """The simulation replaced by the real server over the in-process grid (no Ray)."""
     with task_identity():
         run_server(FakeGrid(cfg.clients), Path(run_dir))
@@ -251,7 +251,7 @@ def test_a_run_undoing_its_start_removes_only_what_it_made_and_still_owns(tmp_pa
     parent, micro = tmp_path / "X", tmp_path / "micro.toml"
     micro.write_text(f'model = "{micro_preset}"\n')  # a preset --model's choices do not list
 
-    def runtime(run_dir, cfg, verbose):
+    def runtime(run_dir, cfg, verbose, threat=None):
         if Path(run_dir).name == "a":
             main(["train", "--out", str(parent / "runs" / "b"), "--config", str(micro), *CLI_TINY])
             raise Interrupted()

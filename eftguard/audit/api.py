@@ -16,7 +16,7 @@ import math
 import time
 from pathlib import Path
 
-from attacks.base import AttackError, Progress, options_of, whole_number
+from attacks.base import AttackError, Progress, ThreatModel, options_of, whole_number
 from eftguard.attack_report import AttackReport
 from eftguard.audit.families import FAMILIES, Family, Job, family_named
 from eftguard.config import SEED_LIMIT
@@ -203,8 +203,8 @@ def check_model_loads(run: RunDirectory, round_number: int) -> None:
 def check_tampered(run: RunDirectory, round_number: int, cls: type) -> None:
     """A malicious server's attack (threat model server "malicious") reads a round whose model the server crafted:
     on a round that was not tampered with, its figures would measure nothing, so it is refused, saying so."""
-    threat = getattr(cls, "threat_model", None)
-    if threat is None or threat.server != "malicious":
+    threat = getattr(cls, "threat_model", None)  # a property where an instance's options decide it: not malicious
+    if not isinstance(threat, ThreatModel) or threat.server != "malicious":
         return
     records = run.metrics()
     if records[round_number - 1].get("tampered") is None:
