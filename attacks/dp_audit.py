@@ -27,7 +27,7 @@ import numpy as np
 import torch
 from torch import nn
 
-from attacks.base import Progress, Registry, ThreatModel
+from eftguard.attacks.base import Progress, Registry, ThreatModel
 
 DP_AUDIT = Registry("dp-audit", default="canary")
 CHANNELS = ("parameters", "features", "model")

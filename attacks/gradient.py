@@ -30,11 +30,11 @@ import numpy as np
 import torch
 from torch import nn
 
-from attacks.base import (AttackError, ImageReconstruction, Progress, Registry, ThreatModel, finite_number,
-                          name_value, option, total_variation, whole_number)
+from eftguard.attacks.base import (AttackError, ImageReconstruction, Progress, Registry, ThreatModel, finite_number,
+                                   name_value, option, total_variation, whole_number)
 
 if TYPE_CHECKING:
-    from attacks.update_inversion import LocalTraining
+    from eftguard.attacks.update_inversion import LocalTraining
 
 EFTVIT_POS_EMBED = "local_module.token_embedding.pos_embed"
 EFTVIT_PATCH_WEIGHT = "local_module.patch_embed.proj.weight"

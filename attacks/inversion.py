@@ -28,10 +28,10 @@ import numpy as np
 import torch
 from torch import nn
 
-from attacks.base import (ImageReconstruction, Progress, Registry, ThreatModel, option, total_variation,
-                          whole_number)
-from defenses.feature_dp import clip_rows
-from defenses.feature_noise import release_features
+from eftguard.attacks.base import (ImageReconstruction, Progress, Registry, ThreatModel, option, total_variation,
+                                   whole_number)
+from eftguard.defenses.feature_dp import clip_rows
+from eftguard.defenses.feature_noise import release_features
 from eftguard.masking import random_keep_ids
 from eftguard.model import EFTViT, LocalModule
 from eftguard.precision import PRECISIONS, computing_in

@@ -38,8 +38,8 @@ import numpy as np
 import torch
 from scipy.optimize import nnls
 
-from attacks.base import AttackError, LabelEstimate, Progress, Registry, ThreatModel, finite_number, option
-from attacks.tamper import PROBE_SCALE
+from eftguard.attacks.base import AttackError, LabelEstimate, Progress, Registry, ThreatModel, finite_number, option
+from eftguard.attacks.tamper import PROBE_SCALE
 
 LABELS = Registry("labels", default="head")
 FLOOR = "floor"  # LabelEstimate.details key of an attack that raised counts to one: the classes and counts before

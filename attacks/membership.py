@@ -26,7 +26,7 @@ import numpy as np
 import torch
 from torch import nn
 
-from attacks.base import AttackError, Progress, Registry, ThreatModel
+from eftguard.attacks.base import AttackError, Progress, Registry, ThreatModel
 
 MEMBERSHIP = Registry("membership", default="loss")
 TARGETS = ("global", "upload", "update")

@@ -32,10 +32,10 @@ import torch
 from torch import nn
 from torch.func import functional_call
 
-from attacks.base import (AttackError, ImageReconstruction, Progress, ThreatModel, finite_number, name_value, option,
-                          total_variation, whole_number)
-from attacks.gradient import (GRADIENT, HEAD_BIAS, GradientObservation, cosine_distance, prepare_numerics,
-                              recover_labels)
+from eftguard.attacks.base import (AttackError, ImageReconstruction, Progress, ThreatModel, finite_number, name_value,
+                                   option, total_variation, whole_number)
+from eftguard.attacks.gradient import (GRADIENT, HEAD_BIAS, GradientObservation, cosine_distance, prepare_numerics,
+                                       recover_labels)
 from eftguard.masking import random_keep_ids
 from eftguard.precision import computing_in
 

@@ -2,7 +2,7 @@
 
 Per-sample clipping by book-keeping: one backward pass gives every trained layer's output gradients, from which the
 per-sample norms and then the clipped gradient sum are computed layer by layer; the optimizer adds Gaussian noise
-calibrated by defenses.dp. Imports Opacus (seconds): import this module only where DP-SGD runs.
+calibrated by eftguard.defenses.dp. Imports Opacus (seconds): import this module only where DP-SGD runs.
 """
 
 from __future__ import annotations
@@ -16,7 +16,7 @@ from opacus.optimizers import DPOptimizerFastGradientClipping
 from torch import nn
 from torch.utils.hooks import RemovableHandle
 
-from defenses.dp import DPSGD
+from eftguard.defenses.dp import DPSGD
 from eftguard.model import PatchProjection, TokenEmbedding
 
 

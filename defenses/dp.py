@@ -1,10 +1,10 @@
 """DP-SGD's privacy accounting for a client's local module and head: Poisson sampling, and accounting (Opacus'
 accountants) that fixes each client's noise before training, so the client's total privacy loss over every round
 it takes part in is (epsilon, delta) under add/remove-one-image adjacency. The clipping and the noise are
-defenses.clipping's.
+eftguard.defenses.clipping's.
 
-With a method that uploads patch features, --dp-eps covers them too (defenses.feature_dp, one Gaussian release of
-the client's rows per round). Both channels are calibrated jointly, so that their composition in one accountant
+With a method that uploads patch features, --dp-eps covers them too (eftguard.defenses.feature_dp, one Gaussian
+release of the client's rows per round). Both channels are calibrated jointly, so that their composition in one accountant
 spends the epsilon asked for (within CALIBRATION_TOLERANCE below it); --dp-feature-share splits the budget between
 them in Gaussian-DP terms. Every schedule quantity (sample rate, steps, rows) comes from the client's public
 schedule size, never from the size of its data. The argument is in docs/dp.md.

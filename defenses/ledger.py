@@ -28,8 +28,8 @@ or moving the ledger folder (its marks are keyed by its path), resets it. A node
 reproducible, not private against its own server.
 
 Channels: a run that uploads features records one "features" spend per round (the Gaussian release of
-defenses.feature_dp, sample rate 1) beside the DP-SGD "parameters" spends. The budget is the total, both channels
-composed in one accountant at delta; each channel's own figure (alone, at delta) is reported beside it.
+eftguard.defenses.feature_dp, sample rate 1) beside the DP-SGD "parameters" spends. The budget is the total, both
+channels composed in one accountant at delta; each channel's own figure (alone, at delta) is reported beside it.
 """
 
 from __future__ import annotations
@@ -46,7 +46,7 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Iterator
 
-from defenses.dp import PrivacyBudgetError, composed_epsilon
+from eftguard.defenses.dp import PrivacyBudgetError, composed_epsilon
 from eftguard.paths import read_text_file
 from eftguard.rundir import atomic_write
 

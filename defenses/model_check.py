@@ -38,7 +38,7 @@ from typing import Callable
 
 import numpy as np
 
-from defenses.ledger import RUN_ID
+from eftguard.defenses.ledger import RUN_ID
 from eftguard.rundir import atomic_write
 
 ADAM_BETAS = (0.9, 0.999)  # torch.optim.AdamW's defaults, which eftguard.training uses

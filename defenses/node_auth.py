@@ -11,7 +11,7 @@ from pathlib import Path
 from cryptography.hazmat.primitives import serialization
 from cryptography.hazmat.primitives.asymmetric import ec
 
-from defenses.tls import CertificateError
+from eftguard.defenses.tls import CertificateError
 from eftguard.paths import output_file_problem
 
 

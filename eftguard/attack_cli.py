@@ -15,7 +15,7 @@ from pathlib import Path
 
 from rich.console import Console
 
-from attacks.base import AttackError, Option, options_of, path_value
+from eftguard.attacks.base import AttackError, Option, options_of, path_value
 from eftguard.attack_report import AttackReport
 from eftguard.paths import output_file_problem, read_text_file
 
@@ -32,7 +32,7 @@ class OneLineErrorParser(argparse.ArgumentParser):
 
 
 def cli_type(parse):
-    """An argparse type from an option parser (attacks.base): its "must be ..." message becomes argparse's."""
+    """An argparse type from an option parser (eftguard.attacks.base): its "must be ..." message becomes argparse's."""
     def convert(text: str):
         try:
             return parse(text)

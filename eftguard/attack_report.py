@@ -12,7 +12,7 @@ import json
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from attacks.base import AttackError
+from eftguard.attacks.base import AttackError
 from eftguard.figures import figures_of
 from eftguard.paths import read_text_file
 from eftguard.rundir import RunError

@@ -23,10 +23,10 @@ import torch
 from torch import nn
 from torch.utils.flop_counter import FlopCounterMode, sdpa_backward_flop_count, sdpa_flop_count
 
-from attacks.base import ThreatModel
-from attacks.gradient import GradientObservation, InvertingGradients, prepare_numerics
-from attacks.inversion import ClientFeatures, DecoderInversion, RoundFeatures
-from defenses.dp import DPSGD
+from eftguard.attacks.base import ThreatModel
+from eftguard.attacks.gradient import GradientObservation, InvertingGradients, prepare_numerics
+from eftguard.attacks.inversion import ClientFeatures, DecoderInversion, RoundFeatures
+from eftguard.defenses.dp import DPSGD
 from eftguard import headprune
 from eftguard.audit.observe import model_image_size, probe_gradient, trained_names
 from eftguard.config import ConfigError, TrainConfig

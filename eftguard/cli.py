@@ -14,9 +14,9 @@ import threading
 import time
 from pathlib import Path
 
-from attacks.base import AttackError
-from attacks.tamper import TAMPERINGS
-from defenses.tls import CertificateError
+from eftguard.attacks.base import AttackError
+from eftguard.attacks.tamper import TAMPERINGS
+from eftguard.defenses.tls import CertificateError
 from eftguard.attack_cli import add_attack_parser, add_report_parser, cmd_attack, cmd_report
 from eftguard.canaries import CANARY_KINDS
 from eftguard.config import (ACCOUNTANTS, CLIENT_SELECTION, FEDERATIONS, HEAD_PRUNING, HEAD_WEIGHTING, METHODS,
@@ -399,7 +399,7 @@ def check_privacy_budgets(cfg: TrainConfig, sizes: list[int]) -> None:
     PRV accounting of more steps than it can finish, is one ConfigError before any work."""
     from rich.console import Console
 
-    from defenses.dp import PrivacyBudgetError, check_feasible
+    from eftguard.defenses.dp import PrivacyBudgetError, check_feasible
     from eftguard.federation.client import dp_budget, feature_share, participation
 
     with Console(stderr=True).status("calibrating the DP noise") as status:
@@ -463,7 +463,7 @@ def train_run(run_dir: Path, verbose: bool, args: argparse.Namespace | None = No
 
 def server_threat_of(cfg: TrainConfig):
     """What a --threat run's server sends instead of its model (None: an honest run)."""
-    from attacks.tamper import server_threat
+    from eftguard.attacks.tamper import server_threat
     from eftguard.federation.client import model_check_limits
 
     return server_threat(cfg, model_check_limits(cfg)) if cfg.threat != "honest" else None
@@ -480,7 +480,7 @@ def check_train_flags(args: argparse.Namespace, cfg: TrainConfig) -> None:
 
 def check_key_file(cfg: TrainConfig) -> None:
     """--encrypt-at-rest names a readable key file, or a new one in an existing writable folder."""
-    from defenses.at_rest import AtRestError, read_key
+    from eftguard.defenses.at_rest import AtRestError, read_key
 
     key = Path(cfg.encrypt_at_rest)
     if key.exists():
@@ -504,7 +504,7 @@ def create_run(run_dir: Path, cfg: TrainConfig):
         check_key_file(cfg)
     prepare(cfg)
     if cfg.encrypt_at_rest and not Path(cfg.encrypt_at_rest).exists():
-        from defenses.at_rest import create_key
+        from eftguard.defenses.at_rest import create_key
         create_key(Path(cfg.encrypt_at_rest))
         print(f"created a new at-rest key in {cfg.encrypt_at_rest}: keep it, the uploads cannot be read "
               "without it", file=sys.stderr)
@@ -833,7 +833,7 @@ def cmd_bench(args: argparse.Namespace) -> None:
 
 
 def cmd_certs(args: argparse.Namespace) -> None:
-    from defenses.tls import DEFAULT_SANS, certificate_names, write_certificates
+    from eftguard.defenses.tls import DEFAULT_SANS, certificate_names, write_certificates
 
     files = write_certificates(args.out, tuple(args.san or DEFAULT_SANS), args.force)
     print(f"wrote {files.ca_cert} (give to SuperNodes), {files.server_cert}, {files.server_key} (SuperLink) and "
@@ -867,7 +867,7 @@ def cmd_supernode(args: argparse.Namespace) -> None:
 
 
 def cmd_node_key(args: argparse.Namespace) -> None:
-    from defenses.node_auth import write_node_key
+    from eftguard.defenses.node_auth import write_node_key
 
     private, public = write_node_key(args.out, args.force)
     print(f"wrote {private} (SuperNode: --auth-key) and {public} (SuperLink: eftguard register-node)")

@@ -83,9 +83,9 @@ class TrainConfig:
     canaries: int = 0  # 0: no canaries (eftguard attack dp-audit needs them)
     canary_kind: str = "mislabelled"
     threat: str = "honest"  # malicious: simulation only, to measure the tamperings and the client's model check
-    tamper: str = ""  # the tampering of a malicious server (attacks.tamper.TAMPERINGS)
+    tamper: str = ""  # the tampering of a malicious server (eftguard.attacks.tamper.TAMPERINGS)
     tamper_round: int = 0  # the round the server tampers with (0: the last)
-    model_check: bool = True  # simulated clients check the model they receive (defenses.model_check)
+    model_check: bool = True  # simulated clients check the model they receive (eftguard.defenses.model_check)
     precision: str = "fp32"  # of the forward passes: fp32, or bf16 matrix products (eftguard.precision)
 
     def resolved(self) -> "TrainConfig":
@@ -228,7 +228,7 @@ class TrainConfig:
                               f"--clients-per-round below {self.clients}")
 
     def _check_threat(self) -> None:
-        from attacks.tamper import TAMPERINGS
+        from eftguard.attacks.tamper import TAMPERINGS
 
         if self.threat not in THREATS:
             raise ConfigError(f"--threat: unknown threat '{self.threat}', choose {', '.join(THREATS)}")

@@ -6,7 +6,7 @@
 
 Masking happens in the local module's own forward: only the kept patches are embedded (PatchEmbedding), each
 with its own position, and the cls token and positional embedding live in a small leaf module (TokenEmbedding):
-with that layout per-sample gradients come from hooks on every layer (defenses.dp).
+with that layout per-sample gradients come from hooks on every layer (eftguard.defenses.dp).
 """
 
 from __future__ import annotations
@@ -128,7 +128,7 @@ class LocalModule(nn.Module):
         """keep_ids [B, keep]: the patches each image keeps (eftguard.masking); None: every patch, in order."""
         patches = self.patch_embed(images, keep_ids)
         # keep_ids positional and only when given: a forward hook sees it as the layer's second input (per-sample
-        # gradients of the positional embedding need it, defenses.dp) and would choke on a None
+        # gradients of the positional embedding need it, eftguard.defenses.dp) and would choke on a None
         tokens = self.token_embedding(patches) if keep_ids is None else self.token_embedding(patches, keep_ids)
         if self.prompt_tokens is not None:
             tokens = self.prompt_tokens(tokens)

@@ -32,7 +32,7 @@ from safetensors.numpy import load as load_numpy_bytes, load_file as load_numpy,
     save_file as save_numpy
 from safetensors.torch import load_file as load_torch, save_file as save_torch
 
-from defenses import at_rest
+from eftguard.defenses import at_rest
 from eftguard.config import ConfigError, TrainConfig
 from eftguard.paths import input_file_problem, read_text_file
 from eftguard.paths import file_in_the_way

@@ -13,7 +13,7 @@ from typing import Callable
 import torch
 from torch import nn
 
-from defenses.dp import DPSGD, poisson_batch
+from eftguard.defenses.dp import DPSGD, poisson_batch
 from eftguard.masking import random_keep_ids
 from eftguard.methods import method_spec, methods_with
 from eftguard.model import EFTViT
@@ -74,7 +74,7 @@ def _fit_private(model: EFTViT, params: list[nn.Parameter], images: torch.Tensor
                  progress: Progress | None) -> TrainResult:
     """DP-SGD: Poisson-sampled batches (expected size batch_size), per-sample clipping, noise; batches and
     masks come from `generator`, the noise from dp.noise_seed. ceil(n / batch_size) steps make an epoch."""
-    from defenses import clipping  # Opacus: seconds to import, needed by DP-SGD alone
+    from eftguard.defenses import clipping  # Opacus: seconds to import, needed by DP-SGD alone
 
     n = len(labels)
     expected = min(optim.batch_size, n)

@@ -24,7 +24,7 @@ import torch
 from torch import nn
 from torch.profiler import ProfilerActivity, profile
 
-from defenses.dp import DPSGD
+from eftguard.defenses.dp import DPSGD
 from eftguard.bench import count_flops
 from eftguard.config import TrainConfig
 from eftguard.federation.client import run_dataset

@@ -8,8 +8,8 @@ of tests/fakegrid.py (no Ray), vit-tiny-32 on photos.
    drift allowed), and in round 1 when the node trusts the first model it receives (trust-first-model);
 3. the adaptive server's campaigns at the defaults of `eftguard train` (8 clients, 2000 training images, B = 64,
    E = 1, lr 1e-3): each round every client gets the model nearest the tampering (of the initial model, the weights
-   it zeroes disguised: attacks.tamper.disguised) that its check accepts (attacks.tamper.nearest_within,
-   DRIFT_MARGIN inside each bound); the real check verifies every
+   it zeroes disguised: eftguard.attacks.tamper.disguised) that its check accepts
+   (eftguard.attacks.tamper.nearest_within, DRIFT_MARGIN inside each bound); the real check verifies every
    round's model, and the round's upload is attacked at probe rounds: the first round where the tampering's own
    attack beats its baseline (kept-patch PSNR 6 dB above the mean image's; label L1 at most half the prior's),
    found by bisection between probes. Without the check the tampering works in round 1 (part 1);
@@ -30,8 +30,8 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from attacks.tamper import TAMPERINGS, disguised, nearest_within, tamper_state  # noqa: E402
-from defenses.model_check import ModelCheck, ModelCheckError  # noqa: E402
+from eftguard.attacks.tamper import TAMPERINGS, disguised, nearest_within, tamper_state  # noqa: E402
+from eftguard.defenses.model_check import ModelCheck, ModelCheckError  # noqa: E402
 from eftguard.audit import run_attack  # noqa: E402
 from eftguard.cli import server_threat_of  # noqa: E402
 from eftguard.config import TrainConfig  # noqa: E402

@@ -10,7 +10,7 @@ import sys
 
 import numpy as np
 
-from defenses.model_check import check_drift
+from eftguard.defenses.model_check import check_drift
 from eftguard.federation.client import model_check_limits
 from eftguard.rundir import RunDirectory
 

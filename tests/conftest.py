@@ -156,7 +156,7 @@ def one_torch_thread():
 
 @pytest.fixture(autouse=True)
 def _restore_torch_global_state():
-    """Attacks turn on flush-to-zero (attacks.gradient.prepare_numerics) and tests change threads or dtypes: no
+    """Attacks turn on flush-to-zero (eftguard.attacks.gradient.prepare_numerics) and tests change threads or dtypes: no
     test's numbers may depend on which tests ran before it."""
     with restored_torch_state():
         yield

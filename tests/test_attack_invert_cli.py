@@ -5,8 +5,8 @@ from html.parser import HTMLParser
 
 import pytest
 
-from attacks.base import ThreatModel
-from attacks.inversion import DecoderInversion
+from eftguard.attacks.base import ThreatModel
+from eftguard.attacks.inversion import DecoderInversion
 from conftest import MICRO_PRESET, train_in_process
 from eftguard.audit.observe import observe_features
 from eftguard.cli import main
@@ -81,7 +81,7 @@ def run_dataset_public(run):
 
 
 def test_encrypted_runs_need_their_key(tmp_path, capsys, micro_preset):
-    from defenses.at_rest import create_key
+    from eftguard.defenses.at_rest import create_key
 
     key = tmp_path / "key"
     create_key(key)

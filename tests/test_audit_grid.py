@@ -8,7 +8,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from attacks.base import AttackError
+from eftguard.attacks.base import AttackError
 from eftguard import audit as audit_api, cli
 from eftguard.audit import AttackReport, grid
 from eftguard.audit.grid import parse_audit

@@ -13,14 +13,14 @@ import numpy as np
 import pytest
 import torch
 
-from defenses.dp import DPSGD, PrivacyBudgetError, composed_epsilon, epsilon_spent
-from defenses.feature_dp import null_padded, release_rows, row_clip
-from defenses.feature_noise import release_features
-from defenses.ledger import PrivacyLedger, Spend, Terms
+from eftguard.defenses.dp import DPSGD, PrivacyBudgetError, composed_epsilon, epsilon_spent
+from eftguard.defenses.feature_dp import null_padded, release_rows, row_clip
+from eftguard.defenses.feature_noise import release_features
+from eftguard.defenses.ledger import PrivacyLedger, Spend, Terms
 from eftguard.config import TrainConfig
 from eftguard.data import dirichlet_partition, load_dataset
 from eftguard.federation.client import (client_partition, client_round, feature_share, requested_dp, run_dataset,
-                                       seeded)
+                                        seeded)
 from eftguard.federation.records import ClientSettings
 from eftguard.masking import kept_token_count
 from eftguard.methods import METHODS, MethodSpec, method_spec

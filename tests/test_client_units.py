@@ -6,8 +6,8 @@ import math
 
 import pytest
 
-from defenses.dp import PrivacyBudgetError
-from defenses.ledger import Spend, Terms
+from eftguard.defenses.dp import PrivacyBudgetError
+from eftguard.defenses.ledger import Spend, Terms
 from eftguard.config import TrainConfig
 from eftguard.federation.client import dp_budget, dp_report, participation, requested_dp, seeded, select_clients
 from eftguard.federation.records import ClientSettings

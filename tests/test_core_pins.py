@@ -13,9 +13,9 @@ import pytest
 import torch
 from torch import nn
 
-from defenses import clipping
-from defenses.dp import DPSGD, PrivacyBudgetError, check_feasible, epsilon_spent
-from defenses.feature_noise import release_features
+from eftguard.defenses import clipping
+from eftguard.defenses.dp import DPSGD, PrivacyBudgetError, check_feasible, epsilon_spent
+from eftguard.defenses.feature_noise import release_features
 from eftguard import metrics, training
 from eftguard.federation.aggregate import fedavg
 from eftguard.masking import random_keep_ids
@@ -82,7 +82,7 @@ def test_an_unreachable_target_is_refused_with_the_noise_ceiling_and_the_steps_n
 def test_dp_training_clips_linear_layers_by_ghost_norms_without_per_sample_gradients(tiny_model, monkeypatch):
     """Per-sample clipping (what training uses) computes a Linear layer's per-sample gradient norms directly; the
     other layers get a batch of per-sample gradients per parameter (batch-size times the memory)."""
-    from defenses import clipping
+    from eftguard.defenses import clipping
 
     materialised = []
     original = clipping._per_sample_gradients

@@ -19,8 +19,8 @@ from starlette.responses import Response
 from starlette.routing import Route
 from starlette.testclient import TestClient
 
-from defenses.node_auth import write_node_key
-from defenses.tls import CertificateError, read_ca_certificates, write_certificates
+from eftguard.defenses.node_auth import write_node_key
+from eftguard.defenses.tls import CertificateError, read_ca_certificates, write_certificates
 from eftguard import cli
 from eftguard.config import ConfigError
 from eftguard.federation import deployment

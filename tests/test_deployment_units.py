@@ -21,7 +21,7 @@ from pathlib import Path
 import pytest
 from cryptography import x509
 
-from defenses.tls import CertificateError, write_certificates
+from eftguard.defenses.tls import CertificateError, write_certificates
 from eftguard.config import ConfigError
 from eftguard.federation import deployment
 from eftguard.federation.deployment import SupernodeLogCheck, node_config, superlink_command, supernode_command
@@ -768,7 +768,7 @@ def write_issued(folder: Path, days_ago: float):
 
     from cryptography.hazmat.primitives.serialization import Encoding
 
-    from defenses.tls import DEFAULT_SANS, certificate_names, issue_certificates
+    from eftguard.defenses.tls import DEFAULT_SANS, certificate_names, issue_certificates
 
     files = write_certificates(folder)
     now = dt.datetime.now(dt.timezone.utc) - dt.timedelta(days=days_ago)

@@ -11,9 +11,9 @@ from opacus.optimizers import DPOptimizerFastGradientClipping
 from torch import nn
 
 from conftest import MICRO_PRESET
-from defenses.clipping import make_private
-from defenses.dp import DPSGD, PrivacyBudgetError, check_feasible, client_budget, epsilon_spent
-from defenses.ledger import PrivacyLedger
+from eftguard.defenses.clipping import make_private
+from eftguard.defenses.dp import DPSGD, PrivacyBudgetError, check_feasible, client_budget, epsilon_spent
+from eftguard.defenses.ledger import PrivacyLedger
 from eftguard.cli import prepare
 from eftguard.config import ConfigError, TrainConfig
 from eftguard.federation.client import client_partition, client_round, dp_budget
@@ -54,8 +54,8 @@ def one_at_a_time(model, x, y, keep):
 
 @pytest.mark.parametrize("masked", [True, False], ids=["masked", "every-patch"])
 def test_per_sample_gradients_match_one_sample_loop(frozen_theta, masked):
-    """opacus' per-sample gradients (its hooks mode, with defenses.dp's samplers for the patch projection and the
-    cls/positional embedding) on masked images and on full ones. In float64: float32's batched and one-sample sums
+    """opacus' per-sample gradients (its hooks mode, with eftguard.defenses.dp's samplers for the patch projection and
+    the cls/positional embedding) on masked images and on full ones. In float64: float32's batched and one-sample sums
     differ by rounding that an element-wise tolerance cannot tell from an error on the smallest entries."""
     images, labels, keep = batch()
     keep = keep if masked else None
@@ -233,12 +233,13 @@ def test_dp_client_really_trains_through_opacus_with_the_sent_noise(dp_round, tm
 
 def test_a_run_without_dp_sgd_never_imports_opacus():
     """Opacus takes seconds to import (torch.distributed, scipy.stats): the client and server apps, the trainer and the
-    CLI load it only where DP-SGD runs (defenses.clipping), so every process of a run without it starts faster."""
+    CLI load it only where DP-SGD runs (eftguard.defenses.clipping), so every process of a run without it starts
+    faster."""
     import subprocess
     import sys
 
     code = ("import sys, eftguard.cli, eftguard.federation.apps, eftguard.federation.server, eftguard.training; "
-            "print(sorted({m.split('.')[0] for m in sys.modules} & {'opacus', 'defenses'}))")
+            "print('opacus' in sys.modules, 'eftguard.defenses.dp' in sys.modules)")
     result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
     assert result.returncode == 0, result.stderr[-2000:]
-    assert result.stdout.strip() == "['defenses']"  # defenses.dp (accounting) is loaded, Opacus is not
+    assert result.stdout.strip() == "False True"  # eftguard.defenses.dp (accounting) is loaded, Opacus is not

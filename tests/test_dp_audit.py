@@ -11,7 +11,7 @@ import torch
 from torch import nn
 from scipy.stats import norm
 
-from attacks.dp_audit import CanaryAttack, gradient_alignment
+from eftguard.attacks.dp_audit import CanaryAttack, gradient_alignment
 from eftguard.audit import observe, run_attack, scoring
 from eftguard.audit.families import DPAuditFamily
 from eftguard.audit.scoring import audit_p_value, epsilon_lower_bound, guess_inclusion

@@ -1,13 +1,13 @@
-"""DP-SGD's per-sample clipping (defenses.clipping.PerSampleClipping): the clipped gradient sum against a one-sample-at-a-
-time reference, the cost of getting it (the frozen global module is traversed once), and the layers it refuses."""
+"""DP-SGD's per-sample clipping (eftguard.defenses.clipping.PerSampleClipping): the clipped gradient sum against a
+one-sample-at-a-time reference, the cost of getting it (the frozen global module is traversed once), and the layers it refuses."""
 
 import pytest
 import torch
 from torch import nn
 
 from conftest import MICRO_PRESET
-from defenses.clipping import make_private
-from defenses.dp import DPSGD
+from eftguard.defenses.clipping import make_private
+from eftguard.defenses.dp import DPSGD
 from eftguard.bench import count_flops
 from eftguard.masking import random_keep_ids
 from eftguard.methods import METHODS
@@ -54,7 +54,7 @@ def test_the_clipped_gradient_sum_is_the_sum_of_each_samples_clipped_gradient(mi
     reference = one_sample_at_a_time(model, x, labels, keep, trained)
     norms = torch.stack([sum((g * g).sum() for g in r.values()).sqrt() for r in reference])
     clip = float(norms.sort().values[1:3].mean())
-    factors = (clip / (norms + 1e-6)).clamp(max=1.0)  # opacus' clipping factor, as defenses.dp
+    factors = (clip / (norms + 1e-6)).clamp(max=1.0)  # opacus' clipping factor, as eftguard.defenses.dp
     assert (factors < 1).sum() == 2
 
     optimizer = torch.optim.SGD([p for _, p in trained], lr=0.0)

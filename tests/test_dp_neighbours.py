@@ -14,8 +14,8 @@ import pytest
 from flwr.app import ArrayRecord, ConfigRecord
 from hypothesis import HealthCheck, given, settings, strategies as st
 
-from defenses.dp import PrivacyBudgetError
-from defenses.ledger import PrivacyLedger
+from eftguard.defenses.dp import PrivacyBudgetError
+from eftguard.defenses.ledger import PrivacyLedger
 from eftguard.canaries import ClientData, canary_set, owned_canaries
 from eftguard.config import TrainConfig
 from eftguard.data import ImageSet
@@ -141,7 +141,7 @@ def test_the_release_of_neighbouring_datasets_differs_in_one_row_by_at_most_the_
     longer than C. A sensitivity off by a constant factor (the noise is calibrated to it) fails here."""
     import torch
 
-    from defenses.feature_dp import null_padded, release_rows, sensitivity
+    from eftguard.defenses.feature_dp import null_padded, release_rows, sensitivity
 
     clip, rows = 3.0, 6
     features = torch.randn(4, 5, 8, generator=torch.Generator().manual_seed(0)) * 10  # every row longer than C

@@ -1,5 +1,5 @@
 """End-to-end differential privacy (issue 11): with --dp-eps, everything a client uploads is a DP release —
-its parameters (DP-SGD) and its patch features, labels and row counts (defenses.feature_dp) — composed per
+its parameters (DP-SGD) and its patch features, labels and row counts (eftguard.defenses.feature_dp) — composed per
 client in one accountant, enforced by the client's own ledger, and recorded per channel in metrics.jsonl."""
 
 import dataclasses
@@ -10,9 +10,9 @@ import pytest
 import torch
 
 from conftest import MICRO_PRESET, train_in_process
-from defenses.dp import PrivacyBudgetError, calibrate, client_budget
-from defenses.feature_dp import release_rows, sensitivity
-from defenses.ledger import PrivacyLedger, Spend, Terms, compose
+from eftguard.defenses.dp import PrivacyBudgetError, calibrate, client_budget
+from eftguard.defenses.feature_dp import release_rows, sensitivity
+from eftguard.defenses.ledger import PrivacyLedger, Spend, Terms, compose
 from eftguard.config import TrainConfig
 from eftguard.federation import client as client_module
 from eftguard.federation.client import client_partition, client_round, dp_budget, run_dataset
@@ -193,9 +193,9 @@ def test_decoder_inversion_of_kept_patches_falls_to_the_mean_image_under_the_fea
     --dp-eps 8 calibrates (3 rounds, a client of 250 images, delta 1e-5, batch 64) the same decoder learns nothing
     but an average image, even knowing the mechanism (it trains on auxiliary features with the same clipping scale
     and per-coordinate noise)."""
-    from attacks.base import ThreatModel
-    from attacks.inversion import DecoderInversion, RoundFeatures
-    from defenses.feature_dp import DEFAULT_CLIP
+    from eftguard.attacks.base import ThreatModel
+    from eftguard.attacks.inversion import DecoderInversion, RoundFeatures
+    from eftguard.defenses.feature_dp import DEFAULT_CLIP
     from eftguard.data.registry import load_dataset
     from test_inversion import kept_patch_psnr, mean_image_kept_psnr, observe
 
@@ -250,7 +250,7 @@ def test_the_attack_models_the_runs_feature_release_from_public_values():
     --feature-noise say. An attack that trained on clean features would understate what a DP run leaks."""
     from types import SimpleNamespace
 
-    from defenses.feature_dp import DEFAULT_CLIP
+    from eftguard.defenses.feature_dp import DEFAULT_CLIP
     from eftguard.audit.observe import feature_release
 
     def run(dp_eps, feature_clip=0.0, feature_noise=0.0, multipliers=None):

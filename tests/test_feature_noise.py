@@ -2,7 +2,7 @@
 
 import torch
 
-from defenses.feature_noise import release_features
+from eftguard.defenses.feature_noise import release_features
 
 
 def features():

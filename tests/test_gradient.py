@@ -8,12 +8,11 @@ import pytest
 import torch
 from torch import nn
 
-from attacks.gradient import (AnalyticAttack, DLGAttack, GradientObservation, IDLGAttack, InvertingGradients,
-                              kept_positions,
-                              prepare_numerics, recover_labels)
-from attacks.base import ThreatModel
-from defenses.clipping import make_private
-from defenses.dp import DPSGD, client_budget
+from eftguard.attacks.gradient import (AnalyticAttack, DLGAttack, GradientObservation, IDLGAttack, InvertingGradients,
+                                       kept_positions, prepare_numerics, recover_labels)
+from eftguard.attacks.base import ThreatModel
+from eftguard.defenses.clipping import make_private
+from eftguard.defenses.dp import DPSGD, client_budget
 from eftguard import metrics
 from eftguard.config import TrainConfig
 from eftguard.data import load_dataset
@@ -65,7 +64,7 @@ def singles_out(photos, recon, index, kept=None):
 
 
 def dp_noise_for_epsilon_1(num_examples=300, batch_size=64):
-    """The noise multiplier defenses.dp calibrates for epsilon 1 over one epoch of one round."""
+    """The noise multiplier eftguard.defenses.dp calibrates for epsilon 1 over one epoch of one round."""
     budget = client_budget(1.0, 0.0, "rdp", num_examples, batch_size, 1, (1,))
     return DPNoise(budget.noise_multiplier, 1.0)
 
@@ -139,8 +138,8 @@ def test_head_bias_gives_the_labels(photos):
 # --- the probe is the client's step ------------------------------------------------------------------------
 
 def opacus_step_gradient(model, names, images, labels, keep, dp: DPNoise, seed=0):
-    """The gradient the client's DP-SGD step applies to one batch: defenses.clipping.make_private (per-sample clipping,
-    Opacus' noise) as eftguard.training uses it, read off the parameters after a zero-learning-rate step."""
+    """The gradient the client's DP-SGD step applies to one batch: eftguard.defenses.clipping.make_private
+    (per-sample clipping, Opacus' noise) as eftguard.training uses it, read off the parameters after a zero-learning-rate step."""
     named = dict(model.named_parameters())
     model.train().global_module.requires_grad_(False)
     optimizer = torch.optim.SGD([named[n] for n in names], lr=0.0)
@@ -427,7 +426,7 @@ def test_attacks_never_read_ground_truth(monkeypatch, capsys, eftvit_run, tmp_pa
 
 
 def test_encrypted_run_needs_its_key(capsys, tmp_path, micro_preset):
-    from defenses.at_rest import create_key
+    from eftguard.defenses.at_rest import create_key
 
     key = tmp_path / "at-rest.key"
     create_key(key)

@@ -7,7 +7,7 @@ import numpy as np
 import pytest
 import torch
 
-from attacks.base import ImageReconstruction
+from eftguard.attacks.base import ImageReconstruction
 from eftguard import metrics
 from eftguard.audit import AttackReport, scoring
 from eftguard.report import write_attack_report, write_run_report

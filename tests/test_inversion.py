@@ -9,12 +9,12 @@ import safetensors.numpy
 import safetensors.torch
 import torch
 
-from attacks.base import ImageReconstruction, ThreatModel
-from attacks.inversion import (ClientFeatures, DecoderInversion, OptimizationInversion, RoundFeatures,
-                               monotone_assignment, patchify, unpatchify)
+from eftguard.attacks.base import ImageReconstruction, ThreatModel
+from eftguard.attacks.inversion import (ClientFeatures, DecoderInversion, OptimizationInversion, RoundFeatures,
+                                        monotone_assignment, patchify, unpatchify)
 from eftguard.data.registry import load_dataset
 from eftguard.masking import random_keep_ids
-from defenses.feature_noise import release_features
+from eftguard.defenses.feature_noise import release_features
 from eftguard import metrics
 from eftguard.audit import scoring
 from eftguard.audit.observe import observe_features

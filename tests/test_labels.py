@@ -7,9 +7,9 @@ import numpy as np
 import pytest
 import torch
 
-from attacks.base import LabelEstimate
-from attacks.labels import (BiasCorrectedAttack, ClientUploads, HeadGradientAttack, LabelObservation, LinkageAttack,
-                            LLGAttack, PresenceAttack)
+from eftguard.attacks.base import LabelEstimate
+from eftguard.attacks.labels import (BiasCorrectedAttack, ClientUploads, HeadGradientAttack, LabelObservation,
+                                     LinkageAttack, LLGAttack, PresenceAttack)
 from eftguard.audit import scoring
 from eftguard.audit.observe import observe_labels
 from eftguard.cli import main
@@ -123,7 +123,7 @@ def test_the_fair_baseline_gets_the_same_floor():
 
 
 def test_at_least_one_keeps_the_total():
-    from attacks.labels import at_least_one
+    from eftguard.attacks.labels import at_least_one
 
     counts = at_least_one(np.array([0.2, 9.8, 0.0, 30.0]))
     assert counts.sum() == pytest.approx(40) and counts.min() == 1 and counts[3] > counts[1] > 1
@@ -225,7 +225,7 @@ def test_bad_input_is_one_clear_line(tiny_run, capsys, argv, message):
 
 
 def test_encrypted_run_needs_its_key(tmp_path, capsys, micro_preset):
-    from defenses.at_rest import create_key
+    from eftguard.defenses.at_rest import create_key
 
     create_key(tmp_path / "key")
     run = RunDirectory.open(train_in_process(tmp_path / "run", model=MICRO_PRESET,

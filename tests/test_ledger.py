@@ -10,7 +10,7 @@ import numpy as np
 import pytest
 from flwr.app import Message, MessageType, RecordDict
 
-from defenses.ledger import LedgerError, PrivacyLedger, Spend, Terms, compose
+from eftguard.defenses.ledger import LedgerError, PrivacyLedger, Spend, Terms, compose
 from eftguard.config import TrainConfig
 from eftguard.federation.client import client_partition, dp_budget
 from eftguard.federation.records import ClientSettings, to_record
@@ -194,7 +194,7 @@ def test_ledger_of_another_run_or_partition_is_not_accepted(tmp_path):
 
 def test_composition_of_equal_rounds_equals_one_long_run():
     """Merging equal rounds is exact: the client's spend equals the server's single-history computation."""
-    from defenses.dp import epsilon_spent
+    from eftguard.defenses.dp import epsilon_spent
 
     rounds = [Spend(r, 1.1, 0.2, 5) for r in (1, 2, 3)]
     for accountant in ("rdp", "prv"):
@@ -229,7 +229,7 @@ def test_node_that_does_not_share_truth_sends_none_and_the_round_goes_on(tmp_pat
 
 
 def test_ground_truth_is_encrypted_at_rest(tmp_path):
-    from defenses.at_rest import create_key
+    from eftguard.defenses.at_rest import create_key
 
     create_key(tmp_path / "key")
     cfg = TrainConfig(**{**CFG.__dict__, "dp_eps": 0.0, "encrypt_at_rest": str(tmp_path / "key")})
@@ -358,7 +358,7 @@ def test_dp_run_records_the_clients_own_spend_and_drops_a_client_without_dp(tmp_
 def test_dp_report_that_claims_less_than_the_run_is_dropped(lie, reason):
     from flwr.app import ConfigRecord
 
-    from defenses.dp import client_budget
+    from eftguard.defenses.dp import client_budget
     from eftguard.federation.records import UploadError
     from eftguard.federation.server import check_dp_report
 

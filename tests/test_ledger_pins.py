@@ -10,8 +10,8 @@ import re
 
 import pytest
 
-from defenses.dp import PrivacyBudgetError
-from defenses.ledger import LedgerError, PrivacyLedger, Spend, Terms, compose
+from eftguard.defenses.dp import PrivacyBudgetError
+from eftguard.defenses.ledger import LedgerError, PrivacyLedger, Spend, Terms, compose
 
 RUN_ID = "feedfacecafebeef0123456789abcdef"
 TERMS = Terms(3.0, 1e-3, "rdp")

@@ -9,9 +9,9 @@ import json
 import numpy as np
 import pytest
 
-from attacks.inversion import TamperedInversion
-from attacks.labels import TamperedHeadAttack
-from attacks.tamper import TAMPERINGS
+from eftguard.attacks.inversion import TamperedInversion
+from eftguard.attacks.labels import TamperedHeadAttack
+from eftguard.attacks.tamper import TAMPERINGS
 from conftest import attacks_guarded
 from eftguard.audit import run_attack
 from eftguard.cli import main, server_threat_of
@@ -216,7 +216,7 @@ def test_adams_step_bound_holds_for_gradients_built_to_break_it():
     zeros (Kingma and Ba's worst case), never steps beyond it; the growing gradients reach it."""
     import torch
 
-    from defenses.model_check import ADAM_BETAS, adam_step_bound
+    from eftguard.defenses.model_check import ADAM_BETAS, adam_step_bound
 
     b1, b2 = ADAM_BETAS
     steps = 1000
@@ -246,7 +246,7 @@ def test_method_all_runs_only_what_a_curious_server_can(tmp_path, micro_preset, 
 def test_a_tampering_the_model_cannot_take_fails_before_any_round(tmp_path, micro_preset, monkeypatch):
     """A model with a pre-norm LayerNorm (it would drop each token's mean and scale) cannot be made an identity
     embedding: one clear error, before round 1."""
-    from attacks import tamper
+    from eftguard.attacks import tamper
 
     def pre_norm_found(state):
         raise tamper.TamperError("identity-embed needs a ViT without a pre-norm LayerNorm")
@@ -274,7 +274,7 @@ def test_simulated_nodes_forget_the_models_they_held_once_the_run_is_complete(tm
 def test_a_resent_round_must_be_unchanged_and_training_settings_must_not_change_mid_run(tmp_path):
     """A resumed server re-sends its round unchanged (passes); the same round with other weights, or a next round
     whose learning rate was raised to widen the drift limit, is refused."""
-    from defenses.model_check import ModelCheck, ModelCheckError
+    from eftguard.defenses.model_check import ModelCheck, ModelCheckError
     from eftguard.federation.records import ClientSettings
     from eftguard.methods import method_spec
 

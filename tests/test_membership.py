@@ -8,7 +8,7 @@ import numpy as np
 import pytest
 import torch
 
-from attacks.membership import MEMBERSHIP, LiRAAttack, LossAttack, MembershipObservation, RMIAAttack
+from eftguard.attacks.membership import MEMBERSHIP, LiRAAttack, LossAttack, MembershipObservation, RMIAAttack
 from conftest import attacks_guarded, train_in_process
 from eftguard.audit import AttackReport, run_attack
 from eftguard.audit import scoring

@@ -13,9 +13,9 @@ import pytest
 import torch
 from safetensors.torch import save_file
 
-from defenses.clipping import make_private
-from defenses.dp import DPSGD
-from defenses.ledger import PrivacyLedger
+from eftguard.defenses.clipping import make_private
+from eftguard.defenses.dp import DPSGD
+from eftguard.defenses.ledger import PrivacyLedger
 from eftguard.cli import main
 from eftguard.federation.apps import default_ledger_dir
 from eftguard.federation.aggregate import fedavg

@@ -7,8 +7,8 @@ import numpy as np
 import pytest
 import torch
 
-from attacks.base import AttackError
-from attacks.gradient import GradientObservation, InvertingGradients, prepare_numerics
+from eftguard.attacks.base import AttackError
+from eftguard.attacks.gradient import GradientObservation, InvertingGradients, prepare_numerics
 from eftguard import headprune, metrics
 from eftguard.audit import observe
 from eftguard.audit.observe import probe_gradient, trained_names

@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from conftest import MICRO_PRESET, run_cli
-from defenses.dp import DPSGD
+from eftguard.defenses.dp import DPSGD
 from eftguard import precision
 from eftguard.config import ConfigError, TrainConfig
 from eftguard.data import load_dataset

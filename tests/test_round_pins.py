@@ -381,7 +381,7 @@ def test_too_few_nodes_is_a_clear_error_within_the_round_timeout(tmp_path, micro
 
 
 def test_run_encrypted_at_rest_is_served_with_its_key(tmp_path, micro_preset):
-    from defenses.at_rest import create_key
+    from eftguard.defenses.at_rest import create_key
 
     create_key(tmp_path / "key")
     cfg = config(micro_preset, clients=2, encrypt_at_rest=str(tmp_path / "key"))

@@ -19,10 +19,10 @@ from cryptography.hazmat.primitives.serialization import (Encoding, load_pem_pri
                                                           load_ssh_public_key)
 from cryptography.x509.oid import ExtendedKeyUsageOID, NameOID
 
-from defenses import at_rest, tls
-from defenses.at_rest import AtRestError, create_key, decrypt, encrypt, fingerprint, read_key
-from defenses.node_auth import write_node_key
-from defenses.tls import CertificateError, issue_certificates, read_ca_certificates, write_certificates
+from eftguard.defenses import at_rest, tls
+from eftguard.defenses.at_rest import AtRestError, create_key, decrypt, encrypt, fingerprint, read_key
+from eftguard.defenses.node_auth import write_node_key
+from eftguard.defenses.tls import CertificateError, issue_certificates, read_ca_certificates, write_certificates
 
 
 def mode(path):

@@ -165,7 +165,7 @@ def test_missing_partition_is_a_clear_error(tmp_path):
 
 
 def test_uploads_encrypted_at_rest_need_the_key(tmp_path):
-    from defenses.at_rest import create_key
+    from eftguard.defenses.at_rest import create_key
 
     create_key(tmp_path / "key")
     create_key(tmp_path / "other")

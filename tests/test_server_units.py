@@ -13,7 +13,7 @@ from flwr.app import Array, ArrayRecord, ConfigRecord, Error, Message, RecordDic
 from rich.console import Console
 from rich.progress import Progress
 
-from defenses.dp import client_budget
+from eftguard.defenses.dp import client_budget
 from eftguard.config import TrainConfig
 from eftguard.federation import server
 from eftguard.federation.client import client_partition, dp_budget, participation, run_dataset

@@ -10,9 +10,9 @@ import numpy as np
 import pytest
 import torch
 
-from attacks.gradient import GradientObservation
-from attacks.update_inversion import (LocalTraining, UpdateInversion, replay_schedule, revealed_patches,
-                                      simulate_local_training)
+from eftguard.attacks.gradient import GradientObservation
+from eftguard.attacks.update_inversion import (LocalTraining, UpdateInversion, replay_schedule, revealed_patches,
+                                               simulate_local_training)
 from eftguard import metrics
 from eftguard.data import load_dataset
 from eftguard.model import build_model
@@ -190,7 +190,7 @@ def test_bad_input_is_one_clear_error(capsys, small_run, argv, message):
 
 def test_method_all_leaves_the_updates_attack_out_of_a_probe():
     """It inverts an uploaded update only: `gradient --method all --observe probe` must not end on its refusal."""
-    from attacks.gradient import GRADIENT
+    from eftguard.attacks.gradient import GRADIENT
     from eftguard.attack_cli import curious_methods
 
     assert "updates" not in curious_methods(GRADIENT, "probe")

@@ -16,7 +16,7 @@ import math
 import time
 from pathlib import Path
 
-from attacks.base import AttackError, Progress, ThreatModel, options_of, whole_number
+from eftguard.attacks.base import AttackError, Progress, ThreatModel, options_of, whole_number
 from eftguard.attack_report import AttackReport
 from eftguard.audit.families import FAMILIES, Family, Job, family_named
 from eftguard.config import SEED_LIMIT

@@ -16,14 +16,14 @@ from pathlib import Path
 
 import numpy as np
 
-from attacks.base import (Attack, AttackError, Option, Registry, ThreatModel, finite_number, name_value, option,
-                          options_of, path_value, whole_number)
-from attacks.dp_audit import CHANNELS, DP_AUDIT
-from attacks.gradient import GRADIENT
-from attacks.inversion import INVERT
-from attacks.labels import LABELS
-from attacks.membership import MEMBERSHIP, TARGETS, LossAttack
-from attacks.update_inversion import first_masks
+from eftguard.attacks.base import (Attack, AttackError, Option, Registry, ThreatModel, finite_number, name_value,
+                                   option, options_of, path_value, whole_number)
+from eftguard.attacks.dp_audit import CHANNELS, DP_AUDIT
+from eftguard.attacks.gradient import GRADIENT
+from eftguard.attacks.inversion import INVERT
+from eftguard.attacks.labels import LABELS
+from eftguard.attacks.membership import MEMBERSHIP, TARGETS, LossAttack
+from eftguard.attacks.update_inversion import first_masks
 from eftguard import channels, metrics
 from eftguard.attack_report import AttackReport
 from eftguard.audit import observe, scoring
@@ -59,7 +59,7 @@ class Family:
     registry: Registry
     help: str  # one line: the subcommand in `eftguard attack --help`
     description: str  # the subcommand's --help
-    options_type: type  # a dataclass of the family's own options, declared with attacks.base.option
+    options_type: type  # a dataclass of the family's own options, declared with eftguard.attacks.base.option
     image_metrics: bool  # scored by PSNR / SSIM / LPIPS (takes --lpips-backend)
     seeded: bool  # draws randomness of its own (takes --seed)
     cli_method: str  # --method's default on the command line ("all": every method)

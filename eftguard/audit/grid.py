@@ -27,7 +27,9 @@ from pathlib import Path
 
 from rich.console import Console
 
-from attacks.base import AttackError
+import eftguard.attacks
+import eftguard.defenses
+from eftguard.attacks.base import AttackError
 from eftguard.attack_cli import stage_progress
 from eftguard.audit.families import FAMILIES
 from eftguard.config import ConfigError, TrainConfig, read_toml
@@ -221,18 +223,18 @@ def check_attack_options(family: str, method: str, options: dict, where: str) ->
 
 @functools.cache
 def code_version() -> str:
-    """The package version plus a digest of every source file of eftguard, attacks and defenses: a run or report
-    is reused only when the code that would make it again is the code that made it."""
-    import attacks
-    import defenses
-    import eftguard
-
-    hasher = hashlib.sha256()
-    for package in (eftguard, attacks, defenses):
+    """The package version plus a digest of every source module of eftguard: a run or report is reused only when
+    the code that would make it again is the code that made it. eftguard.attacks and eftguard.defenses have their
+    own folders in the repository and sit inside eftguard's once installed: each module is counted once, by name."""
+    sources = {}
+    for package in (eftguard, eftguard.attacks, eftguard.defenses):
         root = Path(package.__file__).parent
-        for file in sorted(root.rglob("*.py")):
-            hasher.update(f"{package.__name__}/{file.relative_to(root).as_posix()}\n".encode())
-            hasher.update(file.read_bytes())
+        for file in root.rglob("*.py"):
+            sources[".".join((package.__name__, *file.relative_to(root).with_suffix("").parts))] = file
+    hasher = hashlib.sha256()
+    for module, file in sorted(sources.items()):
+        hasher.update(f"{module}\n".encode())
+        hasher.update(file.read_bytes())
     return f"{version('eftguard')}+{hasher.hexdigest()[:12]}"
 
 

@@ -15,14 +15,14 @@ import numpy as np
 import torch
 from torch import nn
 
-from attacks.base import AttackError
-from attacks.dp_audit import CanaryObservation
-from attacks.gradient import GradientObservation, prepare_numerics
-from attacks.inversion import ClientFeatures, RoundFeatures
-from attacks.labels import ClientUploads, LabelObservation
-from attacks.membership import MembershipObservation
-from attacks.update_inversion import LocalTraining, replay_schedule
-from defenses.feature_dp import row_clip, sensitivity
+from eftguard.attacks.base import AttackError
+from eftguard.attacks.dp_audit import CanaryObservation
+from eftguard.attacks.gradient import GradientObservation, prepare_numerics
+from eftguard.attacks.inversion import ClientFeatures, RoundFeatures
+from eftguard.attacks.labels import ClientUploads, LabelObservation
+from eftguard.attacks.membership import MembershipObservation
+from eftguard.attacks.update_inversion import LocalTraining, replay_schedule
+from eftguard.defenses.feature_dp import row_clip, sensitivity
 from eftguard import headprune
 from eftguard.audit import scoring
 from eftguard.masking import random_keep_ids

@@ -19,7 +19,7 @@ from pathlib import Path
 import numpy as np
 from PIL import Image
 
-from attacks.base import Progress
+from eftguard.attacks.base import Progress
 from eftguard.data import ImageSet
 from eftguard.rundir import RunDirectory
 

@@ -14,8 +14,8 @@ from dataclasses import dataclass, field
 import numpy as np
 from scipy.spatial.distance import jensenshannon
 
-from attacks.base import ImageReconstruction, LabelEstimate
-from attacks.labels import FLOOR
+from eftguard.attacks.base import ImageReconstruction, LabelEstimate
+from eftguard.attacks.labels import FLOOR
 from eftguard import metrics
 from eftguard.data import ImageSet
 from eftguard.rundir import RunDirectory, RunError
@@ -288,7 +288,7 @@ def claimed_privacy(run: RunDirectory, sources: dict[int, tuple[int, int]]) -> t
     (None: the run has no DP), and the largest delta (the run's --dp-delta, else default_delta of the owner's
     public schedule size). A run without DP gets the delta it would have claimed, so that bounds compare across a
     grid."""
-    from defenses.dp import default_delta
+    from eftguard.defenses.dp import default_delta
     from eftguard.federation.client import schedule_size
 
     cfg = run.config()

@@ -10,7 +10,7 @@ What a node does is the node operator's decision (Flower's --node-config), never
   noise-secret mixed into the node's random seeds, so the server (which knows the run's seed) cannot regenerate
                the DP noise (default: a fresh secret from the OS every round; 0: seeds from the run's seed alone,
                as simulated nodes do)
-  model-check  check every received model and the settings with it (defenses.model_check) and refuse the round
+  model-check  check every received model and the settings with it (eftguard.defenses.model_check) and refuse the round
                if honest training cannot have produced it, or the settings changed mid-run (default: off;
                eftguard supernode and simulated runs turn it on)
   initial-model the node's copy of the checkpoint the run starts from: the model check rebuilds the run's
@@ -30,9 +30,9 @@ from flwr.clientapp import ClientApp
 from flwr.common.constant import ErrorCode
 from flwr.serverapp import Grid, ServerApp
 
-from defenses.dp import PrivacyBudgetError
-from defenses.ledger import SPENT_NOTE, LedgerError, PrivacyLedger, spent_per_channel
-from defenses.model_check import ModelCheck, ModelCheckError
+from eftguard.defenses.dp import PrivacyBudgetError
+from eftguard.defenses.ledger import SPENT_NOTE, LedgerError, PrivacyLedger, spent_per_channel
+from eftguard.defenses.model_check import ModelCheck, ModelCheckError
 from eftguard.federation.client import ClientUpload, client_round, initial_model
 from eftguard.federation.records import ClientSettings, from_record, to_record
 

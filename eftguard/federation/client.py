@@ -13,13 +13,13 @@ from typing import Callable
 import numpy as np
 import torch
 
-from defenses.dp import DPSGD, ClientBudget, PrivacyBudgetError, client_budget
-from defenses.feature_dp import null_padded, release_rows, row_clip
-from defenses.feature_noise import release_features
-from defenses.ledger import PrivacyLedger, Spend, Terms
+from eftguard.defenses.dp import DPSGD, ClientBudget, PrivacyBudgetError, client_budget
+from eftguard.defenses.feature_dp import null_padded, release_rows, row_clip
+from eftguard.defenses.feature_noise import release_features
+from eftguard.defenses.ledger import PrivacyLedger, Spend, Terms
 from eftguard import headprune
 from eftguard.canaries import ClientData, owned_canaries, uploaded_canaries, with_canaries
-from defenses.model_check import ModelCheck, ModelCheckError, Schedule, drift_limits
+from eftguard.defenses.model_check import ModelCheck, ModelCheckError, Schedule, drift_limits
 from eftguard.config import ACCOUNTANTS
 from eftguard.data import Dataset, ImageSet, dirichlet_partition, load_dataset, seeded
 from eftguard.federation.records import ClientSettings
@@ -86,7 +86,7 @@ def schedule_size(cfg, partition_id: int) -> int:
 
 def release_size(cfg, partition_id: int) -> int:
     """How many feature rows a DP client releases each round, whatever its data: its partition plus the canaries
-    its upload can hold (defenses.feature_dp.null_padded)."""
+    its upload can hold (eftguard.defenses.feature_dp.null_padded)."""
     partitions = client_partition(cfg.dataset, cfg.data_dir, cfg.model, cfg.train_samples, cfg.seed, cfg.clients,
                                   cfg.beta)
     return len(partitions[partition_id]) + uploaded_canaries(cfg, partition_id)
@@ -302,7 +302,7 @@ def check_schedule(s, num_classes: int) -> tuple[list[int], int]:
 def model_check_limits(cfg) -> Callable[[int, dict[str, np.ndarray], int], dict[str, np.ndarray]]:
     """What every client's model check accepts, as a server can compute it from the public configuration:
     limits(round, start, rounds) -> per parameter, how far `rounds` rounds of honest training can move each
-    coordinate of `start` (defenses.model_check.drift_limits). cfg: the run's TrainConfig."""
+    coordinate of `start` (eftguard.defenses.model_check.drift_limits). cfg: the run's TrainConfig."""
     def limits(round_number: int, start: dict[str, np.ndarray], rounds: int) -> dict[str, np.ndarray]:
         s = ClientSettings.from_config(cfg, round_number)
         schedule = Schedule.of(s, *check_schedule(s, start["head.weight"].shape[0]))
@@ -336,8 +336,8 @@ _INITIAL_STATES: dict[tuple, dict[str, np.ndarray]] = {}
 def dp_released_features(s: ClientSettings, model, data: ImageSet, rows: int, num_classes: int,
                          generator: torch.Generator, noise: torch.Generator
                          ) -> tuple[dict[str, np.ndarray], dict[str, np.ndarray]]:
-    """The feature upload under --dp-eps (defenses.feature_dp): `rows` rows, the public count, whatever the data's
-    size: every image once, clipped and noised, the rest null rows, in a random order, with the labels decoded
+    """The feature upload under --dp-eps (eftguard.defenses.feature_dp): `rows` rows, the public count, whatever the
+    data's size: every image once, clipped and noised, the rest null rows, in a random order, with the labels decoded
     from the noisy one-hot; and the truth: the sample id behind each row (-1: a null row) and its kept patch ids."""
     n = len(data)
     if n > rows:

@@ -64,7 +64,7 @@ def check_tls_choice(root_certificates: Path | None, insecure: bool, flag: str =
     if root_certificates and not Path(root_certificates).exists():  # a file (SuperNode) or a folder (SuperLink)
         raise ConfigError(f"{flag} {root_certificates} does not exist (create certificates with eftguard certs)")
     if root_certificates and flag == "--root-certificates":
-        from defenses.tls import read_ca_certificates
+        from eftguard.defenses.tls import read_ca_certificates
 
         read_ca_certificates(Path(root_certificates), flag)
     if insecure:
@@ -74,7 +74,7 @@ def check_tls_choice(root_certificates: Path | None, insecure: bool, flag: str =
 def check_address(address: str, flag: str = "--superlink") -> None:
     """HOST:PORT as Flower reads it (HOST an IP address, [IPv6] or a host name; PORT in 1..65535), refused in one
     line before any process starts: Flower retries an address it cannot reach forever."""
-    from defenses.tls import is_host_name
+    from eftguard.defenses.tls import is_host_name
 
     host, colon, port = address.rpartition(":")
     bracketed = host.startswith("[") and host.endswith("]")
@@ -133,7 +133,7 @@ def superlink_command(certs: Path | None, insecure: bool, control_host: str, con
                "--disable-runtime-dependency-installation"] + (["--enable-supernode-auth"] if node_auth else [])
     if insecure:
         return command + ["--insecure"]
-    from defenses.tls import CertificateFiles, read_ca_certificates
+    from eftguard.defenses.tls import CertificateFiles, read_ca_certificates
 
     files = CertificateFiles(Path(certs))
     for needed in (files.ca_cert, files.server_cert, files.server_key):
@@ -150,7 +150,7 @@ def _check_names_control_host(server_cert: Path, control_host: str) -> None:
     against the time: an expired one is refused here, not served."""
     from cryptography import x509
 
-    from defenses.tls import check_valid_now
+    from eftguard.defenses.tls import check_valid_now
 
     try:
         certificate = x509.load_pem_x509_certificate(server_cert.read_bytes())
@@ -172,7 +172,7 @@ def run_superlink(command: list[str], listener: socket.socket, control_host: str
     import httpx
     import uvicorn
 
-    from defenses.tls import CertificateFiles
+    from eftguard.defenses.tls import CertificateFiles
     from eftguard.federation.fleet_gateway import fleet_gateway
 
     files = CertificateFiles(Path(certs)) if certs else None

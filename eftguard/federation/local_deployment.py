@@ -86,7 +86,7 @@ class LocalDeployment:
         self.fleet_address = self.control_address = ""
 
     def __enter__(self) -> LocalDeployment:
-        from defenses.tls import write_certificates
+        from eftguard.defenses.tls import write_certificates
 
         write_certificates(self.folder / "certs")
         try:
@@ -137,7 +137,7 @@ class LocalDeployment:
 
     def registered_key(self, name: str) -> Path:
         """A new node key pair under folder/keys, its public half registered through the Control API."""
-        from defenses.node_auth import write_node_key
+        from eftguard.defenses.node_auth import write_node_key
 
         private, public = write_node_key(self.folder / "keys" / name)
         self.eftguard("register-node", str(public), "--superlink", self.control_address,

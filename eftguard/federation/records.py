@@ -94,11 +94,11 @@ class ClientSettings:
     feature_noise_multiplier: float = 0.0  # this client's feature channel under --dp-eps; 0.0 without DP
     canaries: int = 0  # the run's canary count (eftguard.canaries); 0: none
     canary_kind: str = "mislabelled"
-    server_epochs: int = 1  # the server's training of theta: bounds how far theta can move (defenses.model_check)
+    server_epochs: int = 1  # the server's training of theta: how far theta can move (eftguard.defenses.model_check)
     server_lr: float = 1e-3
     peak_lr: float = 1e-3  # --lr before the round's schedule factor (at most 1): bounds every round's lr
     precision: str = "fp32"  # of the forward passes (eftguard.precision)
-    rounds: int = 0  # the run's declared rounds: a node accepts round numbers 1..rounds only (defenses.model_check)
+    rounds: int = 0  # the run's declared rounds: a node accepts rounds 1..rounds only (eftguard.defenses.model_check)
     pretrained: bool = False  # the run starts from timm's pretrained weights: how a node rebuilds the initial model
 
     @classmethod

@@ -20,15 +20,15 @@ from rich.console import Console
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 from rich.table import Table
 
-from defenses.dp import ClientBudget
-from defenses.ledger import SPENT_NOTE
+from eftguard.defenses.dp import ClientBudget
+from eftguard.defenses.ledger import SPENT_NOTE
 from eftguard import headprune
 from eftguard.canaries import canary_set
 from eftguard.config import TrainConfig
 from eftguard.data import Dataset
 from eftguard.federation.aggregate import fedavg
 from eftguard.federation.client import (dp_budget, participation, release_size, run_dataset, schedule_size, seeded,
-                                         select_clients)
+                                        select_clients)
 from eftguard.federation.errors import FederationError, Interrupted
 from eftguard.federation.records import ClientSettings, UploadError, to_record
 from eftguard.federation.validation import (UploadSpec, validate_features, validate_heads, validate_metrics,
@@ -228,8 +228,8 @@ def run_server(grid: Grid, run_dir: Path, threat: ServerThreat | None = None) ->
     cfg = RunDirectory.open(run_dir).config()
     cfg.validate()  # a config.toml edited by hand (dp_eps = nan) must not reach the rounds
     if (cfg.threat != "honest") != (threat is not None):
-        raise FederationError(f"--threat {cfg.threat} needs its server threat (attacks.tamper.server_threat), an "
-                              "honest run none")
+        raise FederationError(f"--threat {cfg.threat} needs its server threat (eftguard.attacks.tamper.server_threat), "
+                              "an honest run none")
     run = RunDirectory.open(run_dir, cfg.encrypt_at_rest or None)
     with run.lock():
         serve_rounds(grid, run, cfg, threat)

@@ -166,8 +166,8 @@ def simulated_node_defaults(run_dir: Path, cfg: TrainConfig) -> dict:
 
 
 def forget_received_models(run_dir: Path, cfg: TrainConfig) -> None:
-    """The simulated nodes' copies of the last model each accepted (defenses.model_check, about 21 MB per client
-    for vit-tiny-32) matter only while the run can go on: removed once it has all its rounds."""
+    """The simulated nodes' copies of the last model each accepted (eftguard.defenses.model_check, about 21 MB per
+    client for vit-tiny-32) matter only while the run can go on: removed once it has all its rounds."""
     from eftguard.rundir import RunDirectory
 
     if len(RunDirectory.open(run_dir).metrics()) >= cfg.rounds:
