@@ -24,7 +24,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, ClassVar
+from typing import ClassVar
 
 import numpy as np
 import torch
@@ -32,9 +32,6 @@ from torch import nn
 
 from eftguard.attacks.base import (AttackError, ImageReconstruction, Progress, Registry, ThreatModel, finite_number,
                                    name_value, option, total_variation, whole_number)
-
-if TYPE_CHECKING:
-    from eftguard.attacks.update_inversion import LocalTraining
 
 EFTVIT_POS_EMBED = "local_module.token_embedding.pos_embed"
 EFTVIT_PATCH_WEIGHT = "local_module.patch_embed.proj.weight"
@@ -44,6 +41,33 @@ PUBLISHED_DLG_EVALUATIONS = 300 * LBFGS_ITERATIONS_PER_STEP  # Zhu et al. 2019: 
 
 GRADIENT = Registry("gradient", default="analytic")
 STEPS_HELP = "optimisation steps per restart (gradient evaluations for dlg/idlg)"
+
+Step = tuple[torch.Tensor, "torch.Tensor | None"]  # (indices of the batch's images, their kept patch ids or None)
+
+
+@dataclass
+class LocalTraining:
+    """The client's local training as the server knows it: the upload, n_k and the public run config.
+
+    uploaded: parameter name -> the uploaded value (the trained parameters).
+    mask_ratio: the fraction of patches each image drops (None: the method does not mask).
+    schedule: the client's batches and masks, step by step, when the server can regenerate them; None if not.
+    """
+
+    uploaded: dict[str, torch.Tensor]
+    num_examples: int
+    epochs: int
+    batch_size: int
+    lr: float
+    weight_decay: float
+    num_patches: int
+    mask_ratio: float | None
+    schedule: list[Step] | None = None
+    precision: str = "fp32"  # of the client's forward passes (the run's, eftguard.precision)
+
+    @property
+    def steps(self) -> int:
+        return self.epochs * math.ceil(self.num_examples / self.batch_size)
 
 
 @dataclass

@@ -34,41 +34,13 @@ from torch.func import functional_call
 
 from eftguard.attacks.base import (AttackError, ImageReconstruction, Progress, ThreatModel, finite_number, name_value,
                                    option, total_variation, whole_number)
-from eftguard.attacks.gradient import (GRADIENT, HEAD_BIAS, GradientObservation, cosine_distance, prepare_numerics,
-                                       recover_labels)
+from eftguard.attacks.gradient import (GRADIENT, HEAD_BIAS, GradientObservation, LocalTraining, Step, cosine_distance,
+                                       prepare_numerics, recover_labels)
 from eftguard.masking import random_keep_ids
 from eftguard.precision import computing_in
 
 ADAM_BETAS = (0.9, 0.999)  # torch.optim.AdamW's defaults, which eftguard.training uses
 ADAM_EPS = 1e-8
-
-Step = tuple[torch.Tensor, "torch.Tensor | None"]  # (indices of the batch's images, their kept patch ids or None)
-
-
-@dataclass
-class LocalTraining:
-    """The client's local training as the server knows it: the upload, n_k and the public run config.
-
-    uploaded: parameter name -> the uploaded value (the trained parameters).
-    mask_ratio: the fraction of patches each image drops (None: the method does not mask).
-    schedule: the client's batches and masks, step by step, when the server can regenerate them; None if not.
-    """
-
-    uploaded: dict[str, torch.Tensor]
-    num_examples: int
-    epochs: int
-    batch_size: int
-    lr: float
-    weight_decay: float
-    num_patches: int
-    mask_ratio: float | None
-    schedule: list[Step] | None = None
-    precision: str = "fp32"  # of the client's forward passes (the run's, eftguard.precision)
-
-    @property
-    def steps(self) -> int:
-        return self.epochs * math.ceil(self.num_examples / self.batch_size)
-
 
 def replay_schedule(num_examples: int, epochs: int, batch_size: int, num_patches: int, mask_ratio: float | None,
                     generator: torch.Generator) -> list[Step]:

@@ -30,8 +30,8 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "tests"))
 
-from eftguard.attacks.gradient import GradientObservation  # noqa: E402
-from eftguard.attacks.update_inversion import LocalTraining, UpdateInversion, replay_schedule, revealed_patches  # noqa: E402
+from eftguard.attacks.gradient import GradientObservation, LocalTraining  # noqa: E402
+from eftguard.attacks.update_inversion import UpdateInversion, replay_schedule, revealed_patches  # noqa: E402
 from eftguard import metrics  # noqa: E402
 from eftguard.data import load_dataset  # noqa: E402
 from eftguard.methods import method_spec  # noqa: E402

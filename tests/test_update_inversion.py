@@ -10,9 +10,8 @@ import numpy as np
 import pytest
 import torch
 
-from eftguard.attacks.gradient import GradientObservation
-from eftguard.attacks.update_inversion import (LocalTraining, UpdateInversion, replay_schedule, revealed_patches,
-                                               simulate_local_training)
+from eftguard.attacks.gradient import GradientObservation, LocalTraining
+from eftguard.attacks.update_inversion import UpdateInversion, replay_schedule, revealed_patches, simulate_local_training
 from eftguard import metrics
 from eftguard.data import load_dataset
 from eftguard.model import build_model

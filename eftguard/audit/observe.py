@@ -17,11 +17,11 @@ from torch import nn
 
 from eftguard.attacks.base import AttackError
 from eftguard.attacks.dp_audit import CanaryObservation
-from eftguard.attacks.gradient import GradientObservation, prepare_numerics
+from eftguard.attacks.gradient import GradientObservation, LocalTraining, prepare_numerics
 from eftguard.attacks.inversion import ClientFeatures, RoundFeatures
 from eftguard.attacks.labels import ClientUploads, LabelObservation
 from eftguard.attacks.membership import MembershipObservation
-from eftguard.attacks.update_inversion import LocalTraining, replay_schedule
+from eftguard.attacks.update_inversion import replay_schedule
 from eftguard.defenses.feature_dp import row_clip, sensitivity
 from eftguard import headprune
 from eftguard.audit import scoring
