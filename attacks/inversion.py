@@ -191,7 +191,7 @@ class InversionDecoder(nn.Module):
     """MAE-style decoder: token features at their positions (mask tokens elsewhere) -> per-patch pixels."""
 
     def __init__(self, feature_width: int, num_patches: int, patch: int, width: int, depth: int, heads: int = 4):
-        from timm.models.vision_transformer import Block
+        from timm.models.vision_transformer import Block  # timm (2.3 s): only the decoder attack builds it
 
         super().__init__()
         self.patch = patch

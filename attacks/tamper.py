@@ -1,7 +1,7 @@
 """A malicious server's tamperings: crafted weights sent to the clients in one round (`--threat malicious`).
 
 Each tampering is a function `tamper(model_state, cfg, seed) -> model_state` on the split model's state dict (the
-model the server would have sent), registered in TAMPERINGS. The client trains and uploads as usual; the attacks
+model the server would have sent), registered under its name in eftguard.config.TAMPERINGS. The client trains and uploads as usual; the attacks
 (`eftguard attack invert --method tampered`, `eftguard attack labels --method tampered`) read what comes back.
 
 - identity-embed: the uploaded tokens become an invertible function of the kept patch pixels. The patch embedding
@@ -29,15 +29,16 @@ from typing import Callable
 import numpy as np
 import torch
 
+from eftguard.config import TAMPERINGS
 from eftguard.data.partition import seeded
-from eftguard.federation.errors import FederationError
+from eftguard.errors import FederationError
 
 PROBE_SCALE = 1e-10  # label-probe's head input: gradients ~1e-11, far below AdamW's eps (1e-8)
 STEALTH_SCALE = 1e-9  # stealth-embed's stand-in for zero
 POSITION_CODE_SCALE = 4.0  # norm of each position's code in identity-embed (tokens' pixel part is ~1)
 
 Tamper = Callable[[dict[str, torch.Tensor], object, int], dict[str, torch.Tensor]]
-TAMPERINGS: dict[str, Tamper] = {}
+TAMPER_FUNCTIONS: dict[str, Tamper] = {}  # the function of each name of TAMPERINGS
 
 
 class TamperError(ValueError):
@@ -45,8 +46,12 @@ class TamperError(ValueError):
 
 
 def tampering(name: str) -> Callable[[Tamper], Tamper]:
+    """Registers the function of a tampering that config.TAMPERINGS names (--tamper's choices)."""
+    if name not in TAMPERINGS:
+        raise ValueError(f"tampering '{name}' is not one of eftguard.config.TAMPERINGS: add it there")
+
     def register(function: Tamper) -> Tamper:
-        TAMPERINGS[name] = function
+        TAMPER_FUNCTIONS[name] = function
         return function
     return register
 
@@ -117,9 +122,9 @@ def label_probe(state: dict[str, torch.Tensor], cfg, seed: int) -> dict[str, tor
 
 def tamper_state(name: str, state: dict[str, torch.Tensor], cfg, seed: int) -> dict[str, torch.Tensor]:
     """The state the malicious server sends instead of `state`."""
-    if name not in TAMPERINGS:
-        raise TamperError(f"unknown tampering '{name}': choose one of {', '.join(TAMPERINGS)}")
-    return TAMPERINGS[name](state, cfg, seed)
+    if name not in TAMPER_FUNCTIONS:
+        raise TamperError(f"unknown tampering '{name}': choose one of {', '.join(TAMPER_FUNCTIONS)}")
+    return TAMPER_FUNCTIONS[name](state, cfg, seed)
 
 
 # --- the server's side: what it sends, round by round (eftguard.federation.server.ServerThreat) ----------------

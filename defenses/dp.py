@@ -54,7 +54,7 @@ def _composed_epsilon(history: tuple[tuple[float, float, int], ...], delta: floa
     """Cached: the server, the client's ledger check and its record compose the same histories (PRV: ~1 s each)."""
     if not history:
         return 0.0
-    from opacus.accountants import create_accountant
+    from opacus.accountants import create_accountant  # Opacus (2 s): a run without DP never loads it
 
     acc = create_accountant(mechanism=accountant)
     acc.history = list(history)
@@ -74,6 +74,7 @@ def epsilon_spent(noise_multiplier: float, sample_rate: float, steps: int, delta
 def gaussian_dp_mu(epsilon: float, delta: float) -> float:
     """The mu of mu-Gaussian DP that is exactly (epsilon, delta)-DP (Dong, Roth & Su 2019, Corollary 2.13):
     delta = Phi(-eps/mu + mu/2) - e^eps Phi(-eps/mu - mu/2)."""
+    # scipy.optimize and scipy.stats (1 s): only the calibration of DP noise needs them
     from scipy.optimize import brentq
     from scipy.stats import norm
 
@@ -141,7 +142,7 @@ def calibrate(epsilon: float, delta: float, accountant: str, sample_rate: float,
 
 def _check_reachable(epsilon: float, delta: float, accountant: str, sample_rate: float, steps: int, releases: int,
                      feature_share: float) -> None:
-    from opacus.accountants.utils import MAX_SIGMA
+    from opacus.accountants.utils import MAX_SIGMA  # Opacus (2 s): a run without DP never loads it
 
     least = _history(MAX_SIGMA, MAX_SIGMA if feature_share else 0.0, sample_rate, steps, releases)
     if composed_epsilon(least, delta, accountant) > epsilon:  # even opacus' largest noise spends more

@@ -47,8 +47,7 @@ from pathlib import Path
 from typing import Iterator
 
 from eftguard.defenses.dp import PrivacyBudgetError, composed_epsilon
-from eftguard.paths import read_text_file
-from eftguard.rundir import atomic_write
+from eftguard.paths import atomic_write, read_text_file
 
 FORMAT = "eftguard-privacy-ledger"
 FORMAT_VERSION = 2  # 2: hash-chained entries; a version-1 file (no chain) is refused, never trusted

@@ -39,7 +39,7 @@ from typing import Callable
 import numpy as np
 
 from eftguard.defenses.ledger import RUN_ID
-from eftguard.rundir import atomic_write
+from eftguard.paths import atomic_write
 
 ADAM_BETAS = (0.9, 0.999)  # torch.optim.AdamW's defaults, which eftguard.training uses
 PER_ROUND = ("round", "lr")  # the only settings a server may change between rounds (lr within the pinned peak_lr)

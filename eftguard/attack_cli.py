@@ -10,14 +10,20 @@ from __future__ import annotations
 
 import argparse
 import json
-from contextlib import contextmanager
+import sys
 from pathlib import Path
 
 from rich.console import Console
+from rich.table import Table
 
-from eftguard.attacks.base import AttackError, Option, options_of, path_value
 from eftguard.attack_report import AttackReport
+from eftguard.attacks.base import AttackError, Option, options_of, path_value
+from eftguard.audit.api import ROUND, SEED, open_run, out_root, run_attack, stage_progress
+from eftguard.audit.families import FAMILIES
+from eftguard.metrics import LPIPS_BACKENDS
 from eftguard.paths import output_file_problem, read_text_file
+from eftguard.report import summary_table, write_audit_report, write_run_report
+from eftguard.rundir import RunError
 
 console = Console(stderr=True)
 
@@ -60,9 +66,6 @@ def add_report_parser(sub: argparse._SubParsersAction) -> None:
 
 
 def cmd_report(args: argparse.Namespace) -> None:
-    from eftguard.audit.api import open_run, out_root
-    from eftguard.report import write_run_report
-
     if is_audit_folder(args.run):
         rewrite_audit_report(args)
         return
@@ -108,9 +111,6 @@ def is_audit_folder(path: Path) -> bool:
 def rewrite_audit_report(args: argparse.Namespace) -> None:
     """An audit's report.html and report.md written again from its summary.json, with this eftguard's report code
     (e.g. after an upgrade), without training or attacking anything."""
-    from eftguard.audit.grid import write_report
-    from eftguard.rundir import RunError
-
     if args.reports is not None or args.key is not None:
         raise RunError(f"{args.run} is an audit's folder: --reports and --key are for a run; the audit report is "
                        "written beside its summary.json")
@@ -123,14 +123,13 @@ def rewrite_audit_report(args: argparse.Namespace) -> None:
         problem = output_file_problem(args.run / name, "the audit report")
         if problem:
             raise RunError(f"{args.run / name} {problem}")
-    write_report(summary, args.run)
+    for file in write_audit_report(summary, args.run):
+        print(f"wrote {file}", file=sys.stderr)
 
 
 # --- eftguard attack ... ----------------------------------------------------------------------------------
 
 def add_attack_parser(sub: argparse._SubParsersAction) -> None:
-    from eftguard.audit.families import FAMILIES
-
     attack = sub.add_parser("attack", help="attack a run's observed uploads and score what leaks",
                             description="Attacks read only what the server observed (observed/, the round's "
                                         "weights, public data); the auditor then scores them against truth/.")
@@ -166,9 +165,6 @@ def method_option_help(entries: list[tuple[str, Option]]) -> str:
 
 
 def add_family_parser(kinds: argparse._SubParsersAction, family) -> argparse.ArgumentParser:
-    from eftguard.audit.api import ROUND, SEED
-    from eftguard.metrics import LPIPS_BACKENDS
-
     methods = family.registry.classes
     listing = " ".join(f"{name}: {cls.summary}." for name, cls in methods.items())
     parser = kinds.add_parser(family.name, help=family.help,
@@ -230,9 +226,6 @@ def options_per_method(args: argparse.Namespace, family, methods: tuple[str, ...
 
 
 def cmd_attack(args: argparse.Namespace) -> None:
-    from eftguard.audit import run_attack
-    from eftguard.audit.families import FAMILIES
-
     family = FAMILIES[args.family]
     run = the_run(args)
     methods = curious_methods(family.registry, getattr(args, "observe", None)) if args.method == "all" else \
@@ -270,37 +263,8 @@ def named_only(registry) -> str:
     return f"; a malicious server's {', '.join(left_out)} only when named" if left_out else ""
 
 
-@contextmanager
-def stage_progress():
-    """A (stage, done, total) callback for attacks' long loops, drawn as rich progress bars; the display starts
-    with the first call, so an error before any work prints nothing but its one line."""
-    from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
-
-    bar = Progress(TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn(),
-                   console=console, transient=False)
-    tasks: dict[str, int] = {}
-
-    def update(stage: str, done: int, total: int) -> None:
-        if not tasks:
-            bar.start()
-        if stage not in tasks:
-            tasks[stage] = bar.add_task(stage, total=total)
-        if done == total or done % 10 == 0:
-            bar.update(tasks[stage], completed=done)
-
-    try:
-        yield update
-    finally:
-        if tasks:
-            bar.stop()
-
-
 def print_summary(report: AttackReport, folder: Path) -> None:
     """The attack's score table, as its report.md has it, on the console."""
-    from rich.table import Table
-
-    from eftguard.report import summary_table
-
     rows = summary_table(report)
     table = Table(title=f"{report.attack}, round {report.round}"
                         + (f", LPIPS: {report.lpips_backend}" if report.lpips_backend else ""))

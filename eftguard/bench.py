@@ -20,18 +20,21 @@ from typing import Callable
 
 import numpy as np
 import torch
+from rich.console import Console
+from rich.table import Table
 from torch import nn
 from torch.utils.flop_counter import FlopCounterMode, sdpa_backward_flop_count, sdpa_flop_count
 
+from eftguard import headprune
 from eftguard.attacks.base import ThreatModel
 from eftguard.attacks.gradient import GradientObservation, InvertingGradients, prepare_numerics
 from eftguard.attacks.inversion import ClientFeatures, DecoderInversion, RoundFeatures
-from eftguard.defenses.dp import DPSGD
-from eftguard import headprune
 from eftguard.audit.observe import model_image_size, probe_gradient, trained_names
-from eftguard.config import ConfigError, TrainConfig
+from eftguard.config import TrainConfig
 from eftguard.data import dirichlet_partition
-from eftguard.federation.client import run_dataset
+from eftguard.data.plan import run_dataset
+from eftguard.defenses.dp import DPSGD
+from eftguard.errors import ConfigError
 from eftguard.masking import kept_token_count, random_keep_ids
 from eftguard.methods import METHODS, MethodSpec, method_spec
 from eftguard.model import PRESETS, EFTViT, build_model
@@ -407,9 +410,6 @@ def _mib(count: int) -> str:
 
 def print_tables(result: dict, console=None) -> None:
     """The bench as rich tables: client steps side by side, then DP-SGD, the server and the attacks."""
-    from rich.console import Console
-    from rich.table import Table
-
     console = console or Console(width=None if Console().is_terminal else 160)  # a log file gets whole rows
     m = result["machine"]
     table = Table(title=f"client step, {result['config']['model']}, batch {result['config']['batch_size']}, "

@@ -23,8 +23,10 @@ from typing import NamedTuple
 
 import numpy as np
 
-from eftguard.config import ConfigError
-from eftguard.data import ImageSet
+from eftguard.data import ImageSet, load_dataset
+from eftguard.data.plan import run_dataset
+from eftguard.errors import ConfigError
+from eftguard.model import PRESETS
 
 CANARY_KINDS = ("mislabelled", "gradient")
 
@@ -57,10 +59,6 @@ def canary_set(cfg) -> CanarySet:
 @functools.lru_cache(maxsize=4)
 def _canary_set(dataset: str, data_dir: str, model: str, train_samples: int, seed: int, clients: int, count: int,
                 kind: str) -> CanarySet:
-    from eftguard.data import load_dataset
-    from eftguard.federation.client import run_dataset
-    from eftguard.model import PRESETS
-
     full = load_dataset(dataset, data_dir or None, PRESETS[model].image_size)
     if kind == "gradient" and count > len(full.train):
         raise CanaryError(f"--canaries {count} is more than the {len(full.train)} training images of {dataset}: "

@@ -6,7 +6,6 @@ import argparse
 import atexit
 import dataclasses
 import json
-import math
 import os
 import signal
 import sys
@@ -14,24 +13,33 @@ import threading
 import time
 from pathlib import Path
 
-from eftguard.attacks.base import AttackError
-from eftguard.attacks.tamper import TAMPERINGS
-from eftguard.defenses.tls import CertificateError
+import torch
+from rich.console import Console
+from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
+from rich.table import Table
+
 from eftguard.attack_cli import add_attack_parser, add_report_parser, cmd_attack, cmd_report
+from eftguard.attacks.base import AttackError
+from eftguard.audit.gate import parse_gate
 from eftguard.canaries import CANARY_KINDS
 from eftguard.config import (ACCOUNTANTS, CLIENT_SELECTION, FEDERATIONS, HEAD_PRUNING, HEAD_WEIGHTING, METHODS,
-                             THREATS, ConfigError, TrainConfig)
-from eftguard.data import DATASET_HELP, DataError
-from eftguard.federation.errors import FederationError, Interrupted
-from eftguard.methods import METHODS as METHOD_SPECS, method_spec
+                             TAMPERINGS, THREATS, TrainConfig)
+from eftguard.data import DATASET_HELP, DataError, load_dataset
+from eftguard.defenses.node_auth import write_node_key
+from eftguard.defenses.tls import DEFAULT_SANS, CertificateError, certificate_names, write_certificates
+from eftguard.errors import ConfigError, FederationError
+from eftguard.federation import deployment
+from eftguard.methods import METHODS as METHOD_SPECS
 from eftguard.metrics import LPIPS_BACKENDS, MetricError
-from eftguard.model import PRESETS, ModelError
-from eftguard.paths import file_in_the_way, output_file_problem, unwritable_reason
+from eftguard.model import PRESETS, ModelError, build_model
+from eftguard.paths import atomic_write, file_in_the_way, output_file_problem, unwritable_reason
 from eftguard.precision import PRECISIONS, resolve_precision
-from eftguard.pretrain import OBJECTIVES, PretrainConfig, PretrainError
-from eftguard.rundir import RunDirectory, RunError, atomic_write, check_new_run_path, is_disk_full
+from eftguard.pretrain import (OBJECTIVES, PretrainConfig, PretrainError, check_out_path, pretrain, public_loss,
+                               resume_path, save_pretrained)
+from eftguard.rundir import RunDirectory, RunError
 from eftguard.sampling import BALANCE_MODES
 from eftguard.schedule import SCHEDULES
+from eftguard.training import evaluate
 
 USER_ERRORS = (AttackError, ConfigError, DataError, ModelError, RunError, FederationError, CertificateError,
                MetricError, PretrainError)
@@ -371,147 +379,16 @@ def config_from_args(args: argparse.Namespace) -> TrainConfig:
     return TrainConfig.from_mapping(values, "options").resolved()
 
 
-def prepare(cfg: TrainConfig) -> None:
-    """Fail fast, before any process starts: the data loads, every client's privacy budget can be met and the model
-    (and checkpoint) fits."""
-    from eftguard.federation.client import client_partition, run_dataset, schedule_size
-    from eftguard.model import build_model
-
-    dataset = run_dataset(cfg.dataset, cfg.data_dir, cfg.model, cfg.train_samples, cfg.test_samples, cfg.seed)
-    try:
-        client_partition(cfg.dataset, cfg.data_dir, cfg.model, cfg.train_samples, cfg.seed, cfg.clients, cfg.beta)
-    except ValueError as exc:
-        raise ConfigError(str(exc)) from None
-    if cfg.dp_eps > 0:
-        check_privacy_budgets(cfg, [schedule_size(cfg, k) for k in range(cfg.clients)])
-    build_model(cfg.model, dataset.num_classes, cfg.local_layers, cfg.pretrained, cfg.checkpoint or None, cfg.seed,
-                method_spec(cfg.method).model_adapter(cfg))
-
-
-# DP-SGD steps per client the PRV accountant checks and calibrates in about half a minute (measured here: 33 s at
-# 30,000 steps, 4 minutes at 100,000, growing faster than the steps)
-PRV_STEPS_LIMIT = 30_000
-
-
-def check_privacy_budgets(cfg: TrainConfig, sizes: list[int]) -> None:
-    """Each client's noise calibrated as the server calibrates it (a simulated run's server then reuses the result),
-    a line of progress per client: a budget no noise meets, an accountant that cannot work at --dp-delta, or
-    PRV accounting of more steps than it can finish, is one ConfigError before any work."""
-    from rich.console import Console
-
-    from eftguard.defenses.dp import PrivacyBudgetError, check_feasible
-    from eftguard.federation.client import dp_budget, feature_share, participation
-
-    with Console(stderr=True).status("calibrating the DP noise") as status:
-        for k, size in enumerate(sizes):
-            rounds = participation(cfg, k, cfg.rounds)
-            if not rounds:
-                continue
-            where = f"client {k} ({size} samples, {len(rounds)} rounds)"
-            status.update(f"calibrating the DP noise of {where}, {k + 1} of {len(sizes)}")
-            steps = cfg.local_epochs * math.ceil(size / cfg.batch_size) * len(rounds)
-            if cfg.accountant == "prv" and steps > PRV_STEPS_LIMIT:
-                raise ConfigError(f"{where}: {steps} DP-SGD steps are more than the prv accountant calibrates in "
-                                  f"reasonable time ({PRV_STEPS_LIMIT}): use --accountant rdp, or lower "
-                                  "--local-epochs or --rounds")
-            try:
-                check_feasible(cfg.dp_eps, cfg.dp_delta, cfg.accountant, size, cfg.batch_size, cfg.local_epochs,
-                               rounds, feature_share(cfg))
-                dp_budget(cfg, k, size, cfg.rounds)
-            except PrivacyBudgetError as exc:
-                raise ConfigError(f"{where}: {exc}") from None
-            except (ValueError, RuntimeError) as exc:  # the accountant's own numerics give up (a delta of 1e-300)
-                raise ConfigError(f"{where}: the {cfg.accountant} accountant cannot work at --dp-delta "
-                                  f"{cfg.dp_delta:g} ({exc}): raise --dp-delta (0: min(1e-5, 1 / (100 n)) per client), or try "
-                                  "the other --accountant") from None
-
-
-def train_run(run_dir: Path, verbose: bool, args: argparse.Namespace | None = None, undo=None) -> None:
-    """Train the run in run_dir, holding its lock; a new run ends with undo() (from create_run) when it stops
-    before its first round completes."""
-    run = RunDirectory.open(run_dir)
-    cfg = run.config()
-    try:
-        if cfg.federation == "deployment":
-            from eftguard.federation.deployment import run_deployed
-            with run.lock():
-                pass  # refuse now if another process writes the run; the ServerApp's process locks it for the rounds
-            run_deployed(run_dir, args.superlink, args.root_certificates, args.insecure)
-        else:
-            from eftguard.federation.simulation import run_simulated
-            with run.lock():
-                run_simulated(run_dir, cfg, verbose, server_threat_of(cfg))
-    except BaseException as exc:
-        done = run.completed_rounds()
-        undone = undo is not None and done == 0
-        if undone:
-            undo()
-        if is_disk_full(exc):
-            raise RunError(f"the disk is full ({exc}): " + (
-                f"nothing of {run_dir} was kept; free space, then start again" if undone else
-                f"{run_dir} keeps its {done} completed rounds; free space, then continue with eftguard train "
-                f"--resume {run_dir}")) from None
-        if not isinstance(exc, (KeyboardInterrupt, Interrupted)):
-            raise
-        if undone:
-            print(f"\ninterrupted before round 1 completed; nothing of {run_dir} was kept", file=sys.stderr)
-        else:
-            print(f"\ninterrupted after round {done}; finished rounds are kept. Continue with: "
-                  f"eftguard train --resume {run_dir}", file=sys.stderr)
-        raise SystemExit(130) from None
-
-
-def server_threat_of(cfg: TrainConfig):
-    """What a --threat run's server sends instead of its model (None: an honest run)."""
-    from eftguard.attacks.tamper import server_threat
-    from eftguard.federation.client import model_check_limits
-
-    return server_threat(cfg, model_check_limits(cfg)) if cfg.threat != "honest" else None
-
-
 def check_train_flags(args: argparse.Namespace, cfg: TrainConfig) -> None:
-    from eftguard.federation.deployment import check_address
-
     if cfg.federation != "deployment" and (args.superlink or args.root_certificates or args.insecure):
         raise ConfigError("--superlink, --root-certificates and --insecure need --federation deployment")
     if args.superlink:
-        check_address(args.superlink)
-
-
-def check_key_file(cfg: TrainConfig) -> None:
-    """--encrypt-at-rest names a readable key file, or a new one in an existing writable folder."""
-    from eftguard.defenses.at_rest import AtRestError, read_key
-
-    key = Path(cfg.encrypt_at_rest)
-    if key.exists():
-        try:
-            read_key(key)
-        except AtRestError as exc:
-            raise ConfigError(f"--encrypt-at-rest {key}: {exc}: give a key file written by eftguard, or a new file "
-                              "name") from None
-    elif not key.parent.is_dir() or unwritable_reason(key.parent) is not None:
-        raise ConfigError(f"--encrypt-at-rest {key}: folder {key.parent} does not exist or is not writable, so no "
-                          "new key can be created there: create the folder, or give an existing key file")
-
-
-def create_run(run_dir: Path, cfg: TrainConfig):
-    """Everything before a new run's first round (eftguard train and audit): refuse a used folder, check the
-    at-rest key, load the data and build the model, then create the run. Returns the undo of its creation
-    (RunDirectory.undo_create)."""
-    check_new_run_path(run_dir)
-    if cfg.encrypt_at_rest:
-        cfg.encrypt_at_rest = str(Path(cfg.encrypt_at_rest).resolve())
-        check_key_file(cfg)
-    prepare(cfg)
-    if cfg.encrypt_at_rest and not Path(cfg.encrypt_at_rest).exists():
-        from eftguard.defenses.at_rest import create_key
-        create_key(Path(cfg.encrypt_at_rest))
-        print(f"created a new at-rest key in {cfg.encrypt_at_rest}: keep it, the uploads cannot be read "
-              "without it", file=sys.stderr)
-    return RunDirectory.create(run_dir, cfg).undo_create
+        deployment.check_address(args.superlink)
 
 
 def cmd_train(args: argparse.Namespace) -> None:
+    from eftguard import runs  # Flower (0.4 s): loaded by the commands that train
+
     if args.resume:
         run = RunDirectory.open(args.resume)
         cfg = run.config()
@@ -521,26 +398,17 @@ def cmd_train(args: argparse.Namespace) -> None:
                               + ", ".join("--" + g.replace("_", "-") for g in given or ["config"]))
         check_train_flags(args, cfg)
         undo = None
-        with run.lock():
-            done = run.resume()
-            if args.rounds is not None and args.rounds != cfg.rounds:
-                if cfg.dp_eps > 0:
-                    raise ConfigError(f"--rounds cannot change on a DP-SGD run: each client's noise was calibrated "
-                                      f"for its rounds out of {cfg.rounds} within --dp-eps {cfg.dp_eps}; start a new run")
-                if args.rounds < done:
-                    raise ConfigError(f"--rounds {args.rounds} is below the {done} rounds already done")
-                cfg.rounds = args.rounds
-                run.write_config(cfg)
+        runs.resume_run(run, args.rounds)
         run_dir = run.path
     else:
         cfg = config_from_args(args)
         run_dir = args.out or Path("runs") / (args.name or f"{cfg.method}-{time.strftime('%Y%m%d-%H%M%S')}")
         check_train_flags(args, cfg)
-        undo = create_run(run_dir, cfg)
+        undo = runs.create_run(run_dir, cfg)
     print(f"run directory: {run_dir}", file=sys.stderr)
     print(f"data: {cfg.dataset}, {cfg.train_samples or 'all'} training images over {cfg.clients} clients "
           f"(--train-samples), {cfg.test_samples or 'all'} test images (--test-samples)", file=sys.stderr)
-    train_run(run_dir, args.verbose, args, undo)
+    runs.train_run(run_dir, args.verbose, undo, args.superlink, args.root_certificates, args.insecure)
     summarize(run_dir)
 
 
@@ -553,7 +421,6 @@ def summarize(run_dir: Path) -> list[dict]:
 
 
 DEMO_METHODS = {"eftvit": "r_m {mask_ratio}, M {local_layers}", "fedavg": "Fed-Full"}  # method -> column note
-DEMO_REFERENCE_NICENESS = 10  # a CPU share of about 1/10 against a busy nice-0 process (Linux CFS weights)
 
 
 AUDIT_OUTPUTS = ("summary.json", "report.html", "report.md")  # what an audit (or the demo) writes last, in --out
@@ -581,6 +448,7 @@ def demo_audit(args: argparse.Namespace):
     a FedSGD probe of the parameter updates (the closed-form attack on one gradient of one image, the standard
     worst case). The last two cost a second each and audit Fed-Full's channels too: without them its verdict would
     read "not audited" beside EFTViT's "high", and a reader could take the reference for the safer method."""
+    # Flower (0.4 s), through eftguard.runs: loaded by the commands that train
     from eftguard.audit.grid import parse_audit
 
     if args.attack_steps < 0:
@@ -600,11 +468,10 @@ def demo_audit(args: argparse.Namespace):
 
 
 def cmd_demo(args: argparse.Namespace) -> None:
-    from rich.console import Console
-    from rich.table import Table
-
+    # Flower (0.4 s), through eftguard.runs: loaded by the commands that train
     from eftguard.audit.grid import (audit_configurations, check_data_and_model, finish_audit, parse_shard,
                                      print_summary, select_shard)
+    from eftguard.runs import demo_processes  # Flower (0.4 s): loaded by the commands that train
 
     audit = demo_audit(args)
     if args.shard is not None:  # one of demo_processes' children: train and attack its configuration
@@ -616,7 +483,11 @@ def cmd_demo(args: argparse.Namespace) -> None:
     check_data_and_model(audit, audit.configurations, out)
     print(f"{audit.title}: {len(audit.configurations)} configurations side by side, {len(audit.attacks)} attacks "
           f"each, training in {audit.defaults.precision} -> {out}", file=sys.stderr)
-    failed = demo_processes(args, audit, out)
+    options = ["--out", str(out), "--rounds", str(args.rounds), "--train-samples", str(args.train_samples),
+               "--test-samples", str(args.test_samples), "--attack-steps", str(args.attack_steps),
+               "--lpips-backend", args.lpips_backend, "--precision", audit.defaults.precision
+               ] + (["--verbose"] if args.verbose else [])
+    failed = demo_processes(audit, options, out)
     summary = finish_audit(audit, out, [])
     drop_earlier_uploads(summary, out)
     trained = {c["varied"]["method"]: c for c in summary["configurations"] if c["train_seconds"] is not None}
@@ -642,88 +513,6 @@ def cmd_demo(args: argparse.Namespace) -> None:
     exit_on_problems(summary)
 
 
-def demo_processes(args: argparse.Namespace, audit, out: Path) -> list[str]:
-    """Train and attack every configuration of the demo in its own process, all at once, one thread each: on
-    two cores the two trainings, and the inversion attack of the first, overlap instead of queueing (in one
-    process, Ray's start-up, the server's serial steps and the attack each left a core idle); a configuration with
-    time to spare yields the cores (yields_cores). Each child's output is relayed line by line, prefixed with its
-    method. Returns one line per child that failed."""
-    import subprocess
-
-    options = ["--out", str(out), "--rounds", str(args.rounds), "--train-samples", str(args.train_samples),
-               "--test-samples", str(args.test_samples), "--attack-steps", str(args.attack_steps),
-               "--lpips-backend", args.lpips_backend, "--precision", audit.defaults.precision
-               ] + (["--verbose"] if args.verbose else [])
-    yielding = [yields_cores(c.config) for c in audit.configurations]
-    environment = {**os.environ, "PYTHONUNBUFFERED": "1", "OMP_NUM_THREADS": os.environ.get("OMP_NUM_THREADS", "1")}
-    if any(yielding):  # Ray starts its workers at nice 15, below the yielding driver: at their driver's instead
-        environment["RAY_worker_niceness"] = "0"
-    count = len(audit.configurations)
-    children = [subprocess.Popen([sys.executable, "-m", "eftguard.cli", "demo", *options, "--shard", f"{index}/{count}"],
-                                 stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=environment,
-                                 preexec_fn=_demo_child(yields) if sys.platform == "linux" else None)
-                for index, yields in enumerate(yielding, start=1)]
-    relays = [threading.Thread(target=_relay_lines, args=(child.stdout, f"[{configuration.varied['method']}] "))
-              for child, configuration in zip(children, audit.configurations)]
-    for relay in relays:
-        relay.start()
-
-    def stop_children(signum, frame):
-        """SIGTERM reaches this process alone (a Ctrl-C, the whole process group): passed on, then stopped alike."""
-        for child in children:
-            child.send_signal(signum)
-        raise KeyboardInterrupt
-    previous = signal.signal(signal.SIGTERM, stop_children)
-    try:
-        codes = [child.wait() for child in children]
-    except KeyboardInterrupt:  # the children got the Ctrl-C (or SIGTERM) too: they keep what they finished and exit
-        for child in children:
-            child.wait()
-        for relay in relays:
-            relay.join()
-        print(f"interrupted: finished runs and attacks are kept; run the same eftguard demo command again "
-              f"(same --out {out}) to continue", file=sys.stderr)
-        raise SystemExit(130) from None
-    finally:
-        signal.signal(signal.SIGTERM, previous)
-    for relay in relays:
-        relay.join()
-    if 130 in codes:
-        raise SystemExit(130)
-    return [f"the process of configuration {c.id} exited with code {code} (its output is above)"
-            for c, code in zip(audit.configurations, codes) if code != 0]
-
-
-def yields_cores(cfg: TrainConfig) -> bool:
-    """Whether a demo configuration runs at nice DEMO_REFERENCE_NICENESS (with its Ray workers): one the demo's
-    feature attacks do not apply to (Fed-Full uploads no features) has only the attacks on its update (a second
-    each) to do after its training, and in bf16 the chain that waits for the cores is EFTViT's training and then
-    its single-threaded attacks. Measured idle (docs/measurements.md, "Under 3 minutes"): yielding took the bf16
-    demo from 166 s to 138-167 s (median 159 s of four). In fp32 the reference's training is the longer chain (218 s of a 239 s demo when it yielded; 220 and
-    239 s without), so there it does not yield."""
-    return cfg.precision == "bf16" and not method_spec(cfg.method).uploads_features
-
-
-def _demo_child(yields: bool):
-    """The start of a demo child (Linux): at nice DEMO_REFERENCE_NICENESS if it yields, and killed when the demo's
-    process dies (SIGKILL, a CI timeout), so it never trains on alone. A kill, not a Ctrl-C: with its output pipe
-    gone, the child's graceful stop could not even print. Ray ends the dead driver's actors; its idle helpers are
-    stopped by the next eftguard run (stop_ray_leftovers)."""
-    import ctypes
-
-    def start() -> None:
-        if yields:
-            os.nice(DEMO_REFERENCE_NICENESS)
-        ctypes.CDLL(None).prctl(1, signal.SIGKILL)  # 1: PR_SET_PDEATHSIG
-    return start
-
-
-def _relay_lines(stream, prefix: str) -> None:
-    for line in stream:
-        sys.stderr.write(prefix + line)
-        sys.stderr.flush()
-
-
 def drop_earlier_uploads(summary: dict, out: Path) -> None:
     """The demo attacks the last round of each run: the uploads of the earlier rounds (every Fed-Full client's
     whole 21 MB model per round) are removed once the audit is written, so the demo keeps a fraction of what it
@@ -742,16 +531,6 @@ def _mean_epoch_cpu_seconds(records: list[dict]) -> float:
 
 
 def cmd_pretrain(args: argparse.Namespace) -> None:
-    from rich.console import Console
-    from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
-
-    import torch
-
-    from eftguard.data import load_dataset
-    from eftguard.model import build_model
-    from eftguard.pretrain import check_out_path, pretrain, public_loss, resume_path, save_pretrained
-    from eftguard.training import evaluate
-
     cfg = PretrainConfig(**{f.name: getattr(args, f.name) for f in dataclasses.fields(PretrainConfig)})
     cfg.check()
     check_out_path(args.out, args.force)
@@ -790,7 +569,7 @@ def cmd_pretrain(args: argparse.Namespace) -> None:
 
 
 def cmd_audit(args: argparse.Namespace) -> None:
-    from eftguard.audit.gate import parse_gate
+    # Flower (0.4 s), through eftguard.runs: loaded by the commands that train
     from eftguard.audit.grid import parse_shard, print_summary, read_audit, run_audit
 
     gates = [parse_gate(text) for text in args.gate]
@@ -807,7 +586,7 @@ def cmd_audit(args: argparse.Namespace) -> None:
 
 def exit_on_problems(summary: dict) -> None:
     """Exit 1 naming every failed configuration and every gate crossing."""
-    from eftguard.audit.grid import problems
+    from eftguard.audit.grid import problems  # Flower (0.4 s), through eftguard.runs: loaded by the commands that train
 
     found = problems(summary)
     for line in found:
@@ -816,7 +595,7 @@ def exit_on_problems(summary: dict) -> None:
         raise SystemExit(1)
 
 def cmd_bench(args: argparse.Namespace) -> None:
-    from eftguard.bench import BenchConfig, print_tables, run_bench
+    from eftguard.bench import BenchConfig, print_tables, run_bench  # torch's FLOP counter (0.15 s): bench alone
 
     given = {f.name: getattr(args, f.name, None) for f in dataclasses.fields(BenchConfig)}  # None: the default
     cfg = BenchConfig(**{name: tuple(value) if isinstance(value, list) else value
@@ -833,50 +612,42 @@ def cmd_bench(args: argparse.Namespace) -> None:
 
 
 def cmd_certs(args: argparse.Namespace) -> None:
-    from eftguard.defenses.tls import DEFAULT_SANS, certificate_names, write_certificates
-
     files = write_certificates(args.out, tuple(args.san or DEFAULT_SANS), args.force)
     print(f"wrote {files.ca_cert} (give to SuperNodes), {files.server_cert}, {files.server_key} (SuperLink) and "
           f"{files.ca_key} (keep offline) for {', '.join(certificate_names(args.san or DEFAULT_SANS))}")
 
 
 def cmd_superlink(args: argparse.Namespace) -> None:
-    from eftguard.federation.deployment import (bind_listener, check_port_free, check_tls_choice, is_loopback,
-                                                run_superlink, superlink_command)
-
-    check_tls_choice(args.certs, args.insecure, flag="--certs")
-    if not is_loopback(args.control_host):
+    deployment.check_tls_choice(args.certs, args.insecure, flag="--certs")
+    if not deployment.is_loopback(args.control_host):
         print(f"eftguard: warning: --control-host {args.control_host}: the Control API has no account "
               "authentication; whoever reaches it can register node keys, list and start runs", file=sys.stderr)
-    command = superlink_command(args.certs, args.insecure, args.control_host, args.control_port, args.node_auth)
-    check_port_free(args.control_host, args.control_port, "--control-port")
-    listener = bind_listener(args.host, args.port, "--port")
-    raise SystemExit(run_superlink(command, listener, args.control_host, args.control_port,
-                                   None if args.insecure else args.certs))
+    command = deployment.superlink_command(args.certs, args.insecure, args.control_host, args.control_port,
+                                           args.node_auth)
+    deployment.check_port_free(args.control_host, args.control_port, "--control-port")
+    listener = deployment.bind_listener(args.host, args.port, "--port")
+    raise SystemExit(deployment.run_superlink(command, listener, args.control_host, args.control_port,
+                                              None if args.insecure else args.certs))
 
 
 def cmd_supernode(args: argparse.Namespace) -> None:
-    from eftguard.federation.deployment import check_tls_choice, node_config, run_supernode, supernode_command
-
-    check_tls_choice(args.root_certificates, args.insecure)
-    config = node_config(args.partition, args.clients, args.noise_secret, args.share_truth, args.ledger_dir,
-                         args.max_epsilon, args.model_check, args.initial_model, args.trust_first_model)
+    deployment.check_tls_choice(args.root_certificates, args.insecure)
+    config = deployment.node_config(args.partition, args.clients, args.noise_secret, args.share_truth,
+                                    args.ledger_dir, args.max_epsilon, args.model_check, args.initial_model,
+                                    args.trust_first_model)
     port = args.port if args.port is not None else 9100 + args.partition
-    command = supernode_command(args.superlink, args.root_certificates, args.insecure, port, config, args.auth_key)
-    raise SystemExit(run_supernode(command))
+    command = deployment.supernode_command(args.superlink, args.root_certificates, args.insecure, port, config,
+                                           args.auth_key)
+    raise SystemExit(deployment.run_supernode(command))
 
 
 def cmd_node_key(args: argparse.Namespace) -> None:
-    from eftguard.defenses.node_auth import write_node_key
-
     private, public = write_node_key(args.out, args.force)
     print(f"wrote {private} (SuperNode: --auth-key) and {public} (SuperLink: eftguard register-node)")
 
 
 def cmd_register_node(args: argparse.Namespace) -> None:
-    from eftguard.federation.deployment import register_node
-
-    register_node(args.public_key, args.superlink, args.root_certificates, args.insecure)
+    deployment.register_node(args.public_key, args.superlink, args.root_certificates, args.insecure)
 
 
 def main(argv: list[str] | None = None) -> None:

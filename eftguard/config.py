@@ -11,9 +11,13 @@ from pathlib import Path
 import tomli_w
 
 from eftguard import schedule
+from eftguard.canaries import CANARY_KINDS, canary_set
 from eftguard.data.registry import check_dataset_name
+from eftguard.errors import ConfigError
 from eftguard.methods import METHODS as METHOD_SPECS, method_spec, methods_with
+from eftguard.model import PRESETS, ModelError, check_local_layers
 from eftguard.paths import input_file_problem
+from eftguard.precision import PRECISIONS
 from eftguard.sampling import BALANCE_MODES
 
 METHODS = tuple(METHOD_SPECS)
@@ -25,13 +29,10 @@ CLIENT_SELECTION = ("random", "loss-gap")
 # malicious: the server tampers with one round's model; adaptive: every round it moves each client's model towards
 # the tampering as far as the clients' model check allows (attacks/tamper.py)
 THREATS = ("honest", "malicious", "adaptive")
+TAMPERINGS = ("identity-embed", "stealth-embed", "label-probe")  # --tamper: eftguard.attacks.tamper implements each
 SEED_LIMIT = 2 ** 32 - 1  # the largest --seed of training and of the attacks
 DP_EPS_LIMIT = 100.0  # above it e^epsilon bounds nothing, and the accountants' noise search does not end
 DP_ROUNDS_LIMIT = 10_000  # with --dp-eps, every client's rounds are listed and accounted for before round 1
-
-
-class ConfigError(ValueError):
-    """Bad configuration; the message names the option and what it accepts."""
 
 
 @dataclass
@@ -83,7 +84,7 @@ class TrainConfig:
     canaries: int = 0  # 0: no canaries (eftguard attack dp-audit needs them)
     canary_kind: str = "mislabelled"
     threat: str = "honest"  # malicious: simulation only, to measure the tamperings and the client's model check
-    tamper: str = ""  # the tampering of a malicious server (eftguard.attacks.tamper.TAMPERINGS)
+    tamper: str = ""  # the tampering of a malicious server (TAMPERINGS)
     tamper_round: int = 0  # the round the server tampers with (0: the last)
     model_check: bool = True  # simulated clients check the model they receive (eftguard.defenses.model_check)
     precision: str = "fp32"  # of the forward passes: fp32, or bf16 matrix products (eftguard.precision)
@@ -100,8 +101,6 @@ class TrainConfig:
         return cfg
 
     def validate(self) -> None:
-        from eftguard.model import PRESETS, check_local_layers, ModelError
-
         self._check_finite()
         check_dataset_name(self.dataset)
         if self.model not in PRESETS:
@@ -181,8 +180,6 @@ class TrainConfig:
         self._check_canaries()
 
     def _check_precision(self) -> None:
-        from eftguard.precision import PRECISIONS
-
         if self.precision not in PRECISIONS:
             raise ConfigError(f"--precision: unknown precision '{self.precision}', choose {', '.join(PRECISIONS)}")
         if self.precision != "fp32" and self.dp_eps > 0:
@@ -190,8 +187,6 @@ class TrainConfig:
                               "bound needs exact per-sample norms); drop --precision or --dp-eps")
 
     def _check_canaries(self) -> None:
-        from eftguard.canaries import CANARY_KINDS, canary_set
-
         if self.canary_kind not in CANARY_KINDS:
             raise ConfigError(f"--canary-kind: unknown kind '{self.canary_kind}', choose {', '.join(CANARY_KINDS)}")
         if self.canaries < 0:
@@ -228,8 +223,6 @@ class TrainConfig:
                               f"--clients-per-round below {self.clients}")
 
     def _check_threat(self) -> None:
-        from eftguard.attacks.tamper import TAMPERINGS
-
         if self.threat not in THREATS:
             raise ConfigError(f"--threat: unknown threat '{self.threat}', choose {', '.join(THREATS)}")
         if self.threat == "honest":

@@ -15,7 +15,7 @@ from pathlib import Path
 from jinja2 import Environment, PackageLoader
 from markupsafe import Markup
 
-from eftguard.rundir import atomic_write
+from eftguard.paths import atomic_write
 
 
 @dataclass

@@ -12,7 +12,7 @@ from typing import Iterator
 import numpy as np
 import torch
 
-from eftguard.federation.aggregate import fedavg
+from eftguard.aggregate import fedavg
 from eftguard.model import EFTViT
 from eftguard.peft import HeadPrunedAttention
 

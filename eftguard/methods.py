@@ -5,12 +5,13 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 from functools import partial
-from typing import TYPE_CHECKING, Callable, Protocol
+from typing import Callable, Protocol
 
-if TYPE_CHECKING:  # config imports this module: keep torch out of its import
-    from torch import Tensor, nn
+from torch import Tensor, nn
 
-    from eftguard.model import EFTViT
+from eftguard import peft
+from eftguard.errors import ConfigError
+from eftguard.model import EFTViT
 
 
 class AdapterOptions(Protocol):
@@ -21,23 +22,17 @@ class AdapterOptions(Protocol):
 
 
 def lora_hook(model: EFTViT, options: AdapterOptions) -> None:
-    """fed-lora's model hook (eftguard.peft imports torch: imported here, not at the top)."""
-    from eftguard import peft
-
+    """fed-lora's model hook."""
     peft.add_lora(model, options.lora_rank)
 
 
 def head_lora_hook(model: EFTViT, options: AdapterOptions) -> None:
     """headprune-lora's model hook."""
-    from eftguard import peft
-
     peft.add_head_lora(model, options.lora_rank)
 
 
 def prompt_hook(model: EFTViT, options: AdapterOptions) -> None:
     """fed-prompt's model hook."""
-    from eftguard import peft
-
     peft.add_prompts(model, options.prompt_tokens)
 
 
@@ -130,8 +125,6 @@ METHODS: dict[str, MethodSpec] = {spec.name: spec for spec in (
 def method_spec(name: str) -> MethodSpec:
     """The spec of a --method value (a run's config, a client's settings); a ConfigError listing the table for
     anything else."""
-    from eftguard.config import ConfigError  # config imports this module
-
     try:
         return METHODS[name]
     except (KeyError, TypeError):

@@ -9,7 +9,9 @@ charge the attack for pixels that were never sent; the SSIM / LPIPS maps are the
 
 from __future__ import annotations
 
+import socket
 import sys
+import warnings
 from dataclasses import dataclass
 
 import numpy as np
@@ -92,10 +94,7 @@ DOWNLOAD_TIMEOUT_S = 15  # a machine whose network drops packets would otherwise
 
 
 def _standard_lpips() -> torch.nn.Module:
-    import socket
-    import warnings
-
-    import lpips
+    import lpips  # 1.9 s (torchvision's AlexNet): only where this backend measures
 
     previous = socket.getdefaulttimeout()
     socket.setdefaulttimeout(DOWNLOAD_TIMEOUT_S)  # torch.hub's download passes no timeout of its own
@@ -108,7 +107,7 @@ def _standard_lpips() -> torch.nn.Module:
 
 
 def _shift_tolerant_lpips() -> torch.nn.Module:
-    from stlpips_pytorch import stlpips
+    from stlpips_pytorch import stlpips  # loads IPython: only where this backend measures
 
     return stlpips.LPIPS(net="alex", variant="shift_tolerant", spatial=True, verbose=False).eval()
 

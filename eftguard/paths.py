@@ -1,8 +1,9 @@
-"""Output paths checked before any work: a run, a bench or a key that fails to be written at the end loses
-everything computed before it."""
+"""Paths: output paths checked before any work (a run, a bench or a key that fails to be written at the end loses
+everything computed before it), files read whole with a size limit, and durable writes."""
 
 from __future__ import annotations
 
+import os
 import tempfile
 from pathlib import Path
 
@@ -80,3 +81,43 @@ def unwritable_reason(folder: Path) -> str | None:
     except OSError as error:
         return error.strerror or str(error)
     return None
+
+
+def fsync_dir(folder: Path) -> None:
+    fd = os.open(folder, os.O_RDONLY | os.O_DIRECTORY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def make_dirs(folder: Path) -> list[Path]:
+    """mkdir -p, making each new folder's entry durable in its parent. Returns the folders this call made, outermost
+    first: one that another process made meanwhile is not among them."""
+    if folder.is_dir():
+        return []
+    made = make_dirs(folder.parent)
+    try:
+        folder.mkdir()
+    except FileExistsError:
+        if not folder.is_dir():
+            raise
+        return made
+    fsync_dir(folder.parent)
+    return [*made, folder]
+
+
+def atomic_write(path: Path, write) -> None:
+    """Write to a temp file, fsync it, rename it over path and fsync the folder: after a power loss path holds
+    the old or the new content, never a torn one, and a later write cannot overtake this one on disk."""
+    make_dirs(path.parent)
+    tmp = path.with_name(f".{path.name}.tmp")
+    try:
+        write(tmp)
+        with open(tmp, "rb") as f:
+            os.fsync(f.fileno())
+        os.replace(tmp, path)
+    except BaseException:  # Ctrl-C or a full disk mid-write: no torn temporary file stays behind
+        tmp.unlink(missing_ok=True)
+        raise
+    fsync_dir(path.parent)

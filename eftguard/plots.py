@@ -74,7 +74,7 @@ def plain(label) -> str:
 
 
 def new_plot(title: str, xlabel: str, ylabel: str):
-    from matplotlib.figure import Figure
+    from matplotlib.figure import Figure  # 0.6 s: only reports draw
 
     fig = Figure(figsize=(6.4, 3.8), layout="constrained")
     ax = fig.add_subplot()
@@ -93,7 +93,7 @@ def plot_png(fig) -> bytes:
 
 def accuracy_plot(metrics: list[dict]) -> bytes:
     """Test accuracy per round as a PNG line chart."""
-    from matplotlib.ticker import MaxNLocator
+    from matplotlib.ticker import MaxNLocator  # 0.2 s: only reports draw
 
     fig, ax = new_plot("Test accuracy per round", "round", ACCURACY_AXIS)
     ax.plot([m["round"] for m in metrics], [m["test_accuracy"] for m in metrics], marker="o")

@@ -17,15 +17,17 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Callable
 
+import safetensors.torch
 import torch
 from torch import nn
 from torch.nn import functional as F
 
-from eftguard.config import SEED_LIMIT, ConfigError
+from eftguard.config import SEED_LIMIT
 from eftguard.data import ImageSet
+from eftguard.errors import ConfigError
 from eftguard.masking import random_keep_ids
 from eftguard.model import PRESETS, EFTViT, to_timm_state
-from eftguard.paths import input_file_problem, output_file_problem
+from eftguard.paths import atomic_write, input_file_problem, output_file_problem
 from eftguard.schedule import lr_factor
 
 OBJECTIVES = ("supervised", "mae", "both")
@@ -115,7 +117,7 @@ class PatchDecoder(nn.Module):
     -> pixels of every patch. Only used while pretraining."""
 
     def __init__(self, width: int, num_patches: int, patch_size: int, dim: int = 128, depth: int = 2, heads: int = 4):
-        from timm.models.vision_transformer import Block
+        from timm.models.vision_transformer import Block  # timm (2.3 s): only MAE pretraining builds it
 
         super().__init__()
         self.embed = nn.Linear(width, dim)
@@ -228,8 +230,6 @@ def pretrain(model: EFTViT, public: ImageSet, cfg: PretrainConfig, progress: Epo
 def save_state(path: Path, key: dict[str, str], modules: dict, generator: torch.Generator,
                history: list[float]) -> None:
     """Everything the next epoch depends on, written atomically (torch.save of tensors and plain values only)."""
-    from eftguard.rundir import atomic_write
-
     state = {"format": "eftguard-pretrain-resume", "key": key, "history": history,
              "generator": generator.get_state(), **{name: m.state_dict() for name, m in modules.items()}}
     atomic_write(path, lambda tmp: torch.save(state, tmp))
@@ -298,11 +298,7 @@ def check_out_path(out: Path, force: bool) -> None:
 def save_pretrained(model: EFTViT, out: Path, cfg: PretrainConfig, dataset: str, class_names: tuple[str, ...]) -> None:
     """Write the encoder and head in timm's layout, atomically: out holds the whole checkpoint or nothing, and
     an interruption leaves no temporary file behind either."""
-    from safetensors.torch import save_file
-
-    from eftguard.rundir import atomic_write
-
     tensors = {k: v.detach().contiguous() for k, v in to_timm_state(model.state_dict()).items()}
     metadata = {"format": "eftguard-pretrained", "model": model.preset, "dataset": dataset,
                 "classes": ",".join(class_names), **{k: str(v) for k, v in asdict(cfg).items()}}
-    atomic_write(out, lambda path: save_file(tensors, str(path), metadata=metadata))
+    atomic_write(out, lambda path: safetensors.torch.save_file(tensors, str(path), metadata=metadata))

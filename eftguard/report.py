@@ -27,12 +27,13 @@ import numpy as np
 from eftguard import verdict
 from eftguard.attack_report import GROUP_TITLES, AttackReport, is_number, is_stat, read_attack_report
 from eftguard.channels import CHANNELS, Channel, Headline
-from eftguard.document import (Code, Details, Document, Gallery, Heading, Items, Picture, Span, Table, markdown,
-                               page, text, write_text)
+from eftguard.config import TrainConfig
+from eftguard.document import (Code, Details, Document, Gallery, Heading, Items, Picture, Span, Table, markdown, page,
+                               text, write_text)
 from eftguard.figures import figure_directions
-from eftguard.plots import (ACCURACY_AXIS, accuracy_plot, image_grid, png_of, ranking_grid, roc_plot,
-                            scatter_plot)
-from eftguard.rundir import RunError, atomic_write
+from eftguard.paths import atomic_write
+from eftguard.plots import ACCURACY_AXIS, accuracy_plot, image_grid, png_of, ranking_grid, roc_plot, scatter_plot
+from eftguard.rundir import RunError
 
 ROC_DETAILS, ROC_PLOT = "roc", "roc.png"  # membership reports: ROC curves in details, drawn as roc.png
 DP_SCOPE = ("--dp-eps, when on, bounds everything a client uploads (parameters by DP-SGD; patch features, their "
@@ -227,8 +228,6 @@ def thresholds_text() -> str:
 def config_differences(config_toml: str) -> list[list[str]] | None:
     """Rows of [option, value, default] for what the run set differently from TrainConfig's defaults (options
     TrainConfig does not know are listed too); None when the text is not TOML."""
-    from eftguard.config import TrainConfig
-
     try:
         values = tomllib.loads(config_toml)
     except tomllib.TOMLDecodeError:

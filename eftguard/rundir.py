@@ -24,6 +24,7 @@ import shutil
 import sys
 import time
 import uuid
+from importlib.metadata import PackageNotFoundError, version
 from pathlib import Path
 
 import numpy as np
@@ -32,10 +33,12 @@ from safetensors.numpy import load as load_numpy_bytes, load_file as load_numpy,
     save_file as save_numpy
 from safetensors.torch import load_file as load_torch, save_file as save_torch
 
+from eftguard.config import TrainConfig
 from eftguard.defenses import at_rest
-from eftguard.config import ConfigError, TrainConfig
-from eftguard.paths import input_file_problem, read_text_file
-from eftguard.paths import file_in_the_way
+from eftguard.errors import ConfigError
+from eftguard.methods import method_spec
+from eftguard.model import build_model
+from eftguard.paths import atomic_write, file_in_the_way, fsync_dir, input_file_problem, make_dirs, read_text_file
 
 FORMAT = "eftguard-run"
 FORMAT_VERSION = 1
@@ -51,30 +54,6 @@ CLIENT_FOLDER = re.compile(r"client-(\d{2,})")
 _held_locks: dict[Path, int] = {}  # run directories this process has locked: resolved path -> lock file descriptor
 
 
-def _fsync_dir(folder: Path) -> None:
-    fd = os.open(folder, os.O_RDONLY | os.O_DIRECTORY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
-
-
-def _make_dirs(folder: Path) -> list[Path]:
-    """mkdir -p, making each new folder's entry durable in its parent. Returns the folders this call made, outermost
-    first: one that another process made meanwhile is not among them."""
-    if folder.is_dir():
-        return []
-    made = _make_dirs(folder.parent)
-    try:
-        folder.mkdir()
-    except FileExistsError:
-        if not folder.is_dir():
-            raise
-        return made
-    _fsync_dir(folder.parent)
-    return [*made, folder]
-
-
 def _remove_empty_folders(folders: list[Path]) -> None:
     """Remove folders, innermost first, each only while it is empty; stops at the first that is not (it holds
     what is not ours, and so do the folders above it)."""
@@ -83,22 +62,6 @@ def _remove_empty_folders(folders: list[Path]) -> None:
             folder.rmdir()
         except OSError:
             return
-
-
-def atomic_write(path: Path, write) -> None:
-    """Write to a temp file, fsync it, rename it over path and fsync the folder: after a power loss path holds
-    the old or the new content, never a torn one, and a later write cannot overtake this one on disk."""
-    _make_dirs(path.parent)
-    tmp = path.with_name(f".{path.name}.tmp")
-    try:
-        write(tmp)
-        with open(tmp, "rb") as f:
-            os.fsync(f.fileno())
-        os.replace(tmp, path)
-    except BaseException:  # Ctrl-C or a full disk mid-write: no torn temporary file stays behind
-        tmp.unlink(missing_ok=True)
-        raise
-    _fsync_dir(path.parent)
 
 
 DISK_FULL = (errno.ENOSPC, errno.EDQUOT)
@@ -190,7 +153,7 @@ class RunDirectory:
             raise RunError(f"--encrypt-at-rest: {exc}") from None
         run = cls(path, key)
         try:
-            run.made_folders = _make_dirs(path)
+            run.made_folders = make_dirs(path)
         except OSError as exc:
             raise RunError(f"cannot create {path}: {exc.strerror}; give --out a writable folder path") from None
         claimed = False
@@ -445,7 +408,7 @@ class RunDirectory:
             f.flush()
             os.fsync(f.fileno())
         if created:
-            _fsync_dir(self.path)
+            fsync_dir(self.path)
 
     # --- tensors --------------------------------------------------------------------------------------
 
@@ -464,9 +427,6 @@ class RunDirectory:
     def start_model(self, round_number: int):
         """The model the clients of round t started from (checkpoints/round-(t-1)), in eval mode: the
         public weights every attack of that round works with."""
-        from eftguard.methods import method_spec
-        from eftguard.model import build_model
-
         cfg = self.config()
         state = self.load_checkpoint(round_number - 1)
         model = build_model(cfg.model, int(state["head.weight"].shape[0]), cfg.local_layers, seed=cfg.seed,
@@ -547,8 +507,6 @@ class RunDirectory:
 
 
 def _versions() -> dict[str, str]:
-    from importlib.metadata import PackageNotFoundError, version
-
     found = {"python": platform.python_version()}
     for package in ("eftguard", "torch", "timm", "flwr", "numpy", "safetensors"):
         try:

@@ -24,10 +24,10 @@ import torch
 from torch import nn
 from torch.profiler import ProfilerActivity, profile
 
-from eftguard.defenses.dp import DPSGD
 from eftguard.bench import count_flops
 from eftguard.config import TrainConfig
-from eftguard.federation.client import run_dataset
+from eftguard.data.plan import run_dataset
+from eftguard.defenses.dp import DPSGD
 from eftguard.model import build_model
 from eftguard.training import OptimConfig, train_local
 

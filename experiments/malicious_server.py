@@ -30,11 +30,11 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from eftguard.attacks.tamper import TAMPERINGS, disguised, nearest_within, tamper_state  # noqa: E402
-from eftguard.defenses.model_check import ModelCheck, ModelCheckError  # noqa: E402
+from eftguard.attacks.tamper import disguised, nearest_within, tamper_state  # noqa: E402
 from eftguard.audit import run_attack  # noqa: E402
-from eftguard.cli import server_threat_of  # noqa: E402
-from eftguard.config import TrainConfig  # noqa: E402
+from eftguard.runs import server_threat_of
+from eftguard.config import TAMPERINGS, TrainConfig  # noqa: E402
+from eftguard.defenses.model_check import ModelCheck, ModelCheckError  # noqa: E402
 from eftguard.federation.client import check_schedule, initial_model, model_check_limits  # noqa: E402
 from eftguard.federation.records import ClientSettings  # noqa: E402
 from eftguard.federation.server import run_server  # noqa: E402

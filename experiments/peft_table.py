@@ -19,7 +19,7 @@ from pathlib import Path
 
 import torch
 
-from eftguard.federation.client import run_dataset
+from eftguard.data.plan import run_dataset
 from eftguard.rundir import RunDirectory
 from eftguard.training import evaluate
 

@@ -1,7 +1,7 @@
 import numpy as np
 import pytest
 
-from eftguard.federation.aggregate import fedavg
+from eftguard.aggregate import fedavg
 
 
 def test_fedavg_weights_by_sample_count():

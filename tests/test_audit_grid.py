@@ -8,11 +8,11 @@ from pathlib import Path
 import pytest
 import torch
 
+from eftguard import audit as audit_api, cli, runs
 from eftguard.attacks.base import AttackError
-from eftguard import audit as audit_api, cli
 from eftguard.audit import AttackReport, grid
 from eftguard.audit.grid import parse_audit
-from eftguard.config import ConfigError
+from eftguard.errors import ConfigError
 from eftguard.report import write_attack_report
 from eftguard.rundir import RunDirectory
 
@@ -51,11 +51,11 @@ class Fakes:
     def __init__(self, monkeypatch, interrupt_at=None, fail_at=None):
         self.trained, self.attacked, self.calls = [], [], 0
         self.interrupt_at, self.fail_at = interrupt_at, fail_at
-        monkeypatch.setattr(cli, "prepare", lambda cfg: None)
-        monkeypatch.setattr(cli, "train_run", self.train)
+        monkeypatch.setattr(runs, "prepare", lambda cfg: None)
+        monkeypatch.setattr(runs, "train_run", self.train)
         monkeypatch.setattr(audit_api, "run_attack", self.attack)
 
-    def train(self, run_dir, verbose, args=None, undo=None):
+    def train(self, run_dir, verbose, undo=None):
         run = RunDirectory.open(run_dir)
         cfg = run.config()
         self.calls += 1
@@ -186,7 +186,7 @@ def test_a_configuration_that_cannot_train_is_refused_before_any_training(capsys
     def prepare(cfg):  # what eftguard train's check says of a DP budget the data cannot meet, here for r_m 0.9
         if cfg.mask_ratio == 0.9:
             raise ConfigError("client 0 (12 samples, 2 rounds): epsilon 0.01 is out of reach")
-    monkeypatch.setattr(cli, "prepare", prepare)
+    monkeypatch.setattr(runs, "prepare", prepare)
     code, _, err, summary = audit_cli(capsys, tmp_path)
     assert code == 2 and fakes.trained == [] and summary is None
     assert err == ("eftguard: error: " + str(tmp_path / "sweep.toml") + ": configuration mask_ratio=0.9,method=eftvit: "

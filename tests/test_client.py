@@ -6,7 +6,8 @@ import pytest
 from conftest import MICRO_PRESET
 from eftguard.config import TrainConfig
 from eftguard.data import load_dataset
-from eftguard.federation.client import client_partition, client_round, run_dataset
+from eftguard.data.plan import client_partition, run_dataset
+from eftguard.federation.client import client_round
 from eftguard.federation.records import ClientSettings, to_record
 from eftguard.federation.server import upload_spec
 from eftguard.federation.validation import validate_features, validate_truth, validate_update

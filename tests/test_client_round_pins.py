@@ -13,14 +13,14 @@ import numpy as np
 import pytest
 import torch
 
+from eftguard.config import TrainConfig
+from eftguard.data import dirichlet_partition, load_dataset, seeded
+from eftguard.data.plan import client_partition, run_dataset
 from eftguard.defenses.dp import DPSGD, PrivacyBudgetError, composed_epsilon, epsilon_spent
 from eftguard.defenses.feature_dp import null_padded, release_rows, row_clip
 from eftguard.defenses.feature_noise import release_features
 from eftguard.defenses.ledger import PrivacyLedger, Spend, Terms
-from eftguard.config import TrainConfig
-from eftguard.data import dirichlet_partition, load_dataset
-from eftguard.federation.client import (client_partition, client_round, feature_share, requested_dp, run_dataset,
-                                        seeded)
+from eftguard.federation.client import client_round, feature_share, requested_dp
 from eftguard.federation.records import ClientSettings
 from eftguard.masking import kept_token_count
 from eftguard.methods import METHODS, MethodSpec, method_spec
@@ -350,7 +350,7 @@ def test_the_nodes_data_dir_reaches_every_load_of_the_dataset(micro_preset, monk
         loads.append((name, data_dir, image_size))
         return load_dataset(name, None, image_size)
 
-    monkeypatch.setattr("eftguard.federation.client.load_dataset", load)
+    monkeypatch.setattr("eftguard.data.plan.load_dataset", load)
     s = ClientSettings(**{**settings(micro_preset).__dict__, "data_dir": "/srv/eftguard-data"})
     client_round(s, initial_state(s), CLIENT, 2)
     assert loads == [("photos", "/srv/eftguard-data", 32)] * 2  # the round's dataset and its partition's

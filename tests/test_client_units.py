@@ -6,10 +6,11 @@ import math
 
 import pytest
 
+from eftguard.config import TrainConfig
+from eftguard.data import seeded
 from eftguard.defenses.dp import PrivacyBudgetError
 from eftguard.defenses.ledger import Spend, Terms
-from eftguard.config import TrainConfig
-from eftguard.federation.client import dp_budget, dp_report, participation, requested_dp, seeded, select_clients
+from eftguard.federation.client import dp_budget, dp_report, participation, requested_dp, select_clients
 from eftguard.federation.records import ClientSettings
 
 CFG = TrainConfig(clients=10, clients_per_round=3, rounds=4, seed=5, train_samples=200, batch_size=16, dp_eps=3.0,

@@ -13,11 +13,11 @@ import pytest
 import torch
 from torch import nn
 
+from eftguard import metrics, training
+from eftguard.aggregate import fedavg
 from eftguard.defenses import clipping
 from eftguard.defenses.dp import DPSGD, PrivacyBudgetError, check_feasible, epsilon_spent
 from eftguard.defenses.feature_noise import release_features
-from eftguard import metrics, training
-from eftguard.federation.aggregate import fedavg
 from eftguard.masking import random_keep_ids
 from eftguard.sampling import balanced_indices, class_target
 from eftguard.training import OptimConfig, evaluate, extract_features, train_global, train_local

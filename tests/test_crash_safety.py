@@ -17,7 +17,7 @@ from conftest import MICRO_PRESET, OWN_PID_NAMESPACE, can_make_pid_namespaces, t
 from eftguard.audit.api import round_clients
 from eftguard.cli import main
 from eftguard.config import TrainConfig
-from eftguard.federation.errors import FederationError, Interrupted
+from eftguard.errors import FederationError, Interrupted
 from eftguard.federation.server import run_server
 from eftguard.federation.simulation import RAY_SESSION_VARIABLE, stop_processes, stop_ray_leftovers
 from eftguard.rundir import RunDirectory, RunError
@@ -185,7 +185,7 @@ def test_rounds_raised_by_hand_on_a_dp_run_are_refused(tmp_path, capsys):
 
 def test_resume_with_more_rounds_rewrites_config_and_manifest(tmp_path, capsys, monkeypatch):
     trained = []
-    monkeypatch.setattr("eftguard.cli.train_run", lambda run_dir, *args: trained.append(run_dir))
+    monkeypatch.setattr("eftguard.runs.train_run", lambda run_dir, *args: trained.append(run_dir))
     run = RunDirectory.create(tmp_path / "run", TrainConfig(**TINY).resolved())
     main(["train", "--resume", str(run.path), "--rounds", "5"])
     assert trained == [run.path] and run.config().rounds == 5

@@ -19,13 +19,12 @@ from starlette.responses import Response
 from starlette.routing import Route
 from starlette.testclient import TestClient
 
+from eftguard import cli
 from eftguard.defenses.node_auth import write_node_key
 from eftguard.defenses.tls import CertificateError, read_ca_certificates, write_certificates
-from eftguard import cli
-from eftguard.config import ConfigError
+from eftguard.errors import ConfigError, FederationError
 from eftguard.federation import deployment
 from eftguard.federation.deployment import SupernodeLogCheck, check_tls_choice, connection_config, run_supernode
-from eftguard.federation.errors import FederationError
 from eftguard.federation.fleet_gateway import fleet_gateway
 from eftguard.federation.local_deployment import LocalDeployment
 

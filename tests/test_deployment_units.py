@@ -22,10 +22,9 @@ import pytest
 from cryptography import x509
 
 from eftguard.defenses.tls import CertificateError, write_certificates
-from eftguard.config import ConfigError
+from eftguard.errors import ConfigError, FederationError
 from eftguard.federation import deployment
 from eftguard.federation.deployment import SupernodeLogCheck, node_config, superlink_command, supernode_command
-from eftguard.federation.errors import FederationError
 from eftguard.rundir import RunError
 
 

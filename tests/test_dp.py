@@ -11,12 +11,14 @@ from opacus.optimizers import DPOptimizerFastGradientClipping
 from torch import nn
 
 from conftest import MICRO_PRESET
+from eftguard.runs import prepare
+from eftguard.config import TrainConfig
+from eftguard.data.plan import client_partition
 from eftguard.defenses.clipping import make_private
 from eftguard.defenses.dp import DPSGD, PrivacyBudgetError, check_feasible, client_budget, epsilon_spent
 from eftguard.defenses.ledger import PrivacyLedger
-from eftguard.cli import prepare
-from eftguard.config import ConfigError, TrainConfig
-from eftguard.federation.client import client_partition, client_round, dp_budget
+from eftguard.errors import ConfigError
+from eftguard.federation.client import client_round, dp_budget
 from eftguard.federation.records import ClientSettings
 from eftguard.masking import random_keep_ids
 from eftguard.model import build_model

@@ -311,7 +311,7 @@ def test_the_gradient_alignment_leaves_the_model_unchanged_and_follows_the_step(
 def test_gradient_canaries_are_trained_on_but_never_uploaded_as_features():
     from eftguard.config import TrainConfig
     from eftguard.data import load_dataset
-    from eftguard.federation.client import client_partition, run_dataset
+    from eftguard.data.plan import client_partition, run_dataset
 
     cfg = TrainConfig(clients=2, train_samples=160, canaries=16, canary_kind="gradient").resolved()
     canaries = canary_set(cfg)

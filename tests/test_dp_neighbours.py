@@ -14,14 +14,14 @@ import pytest
 from flwr.app import ArrayRecord, ConfigRecord
 from hypothesis import HealthCheck, given, settings, strategies as st
 
-from eftguard.defenses.dp import PrivacyBudgetError
-from eftguard.defenses.ledger import PrivacyLedger
 from eftguard.canaries import ClientData, canary_set, owned_canaries
 from eftguard.config import TrainConfig
 from eftguard.data import ImageSet
+from eftguard.data.plan import client_partition, run_dataset
+from eftguard.defenses.dp import PrivacyBudgetError
+from eftguard.defenses.ledger import PrivacyLedger
 from eftguard.federation.apps import reply_content
-from eftguard.federation.client import (client_partition, dp_budget, release_size, requested_dp, run_dataset,
-                                        schedule_size, train_and_upload)
+from eftguard.federation.client import dp_budget, release_size, requested_dp, schedule_size, train_and_upload
 from eftguard.federation.records import ClientSettings
 from eftguard.methods import METHODS, method_spec
 from eftguard.model import build_model

@@ -99,7 +99,7 @@ def test_the_guard_images_are_a_seeded_subset_of_the_public_split(micro_preset):
     images for another seed, never more than GUARD_IMAGES, and only from the public split."""
     import numpy as np
 
-    from eftguard.federation.client import run_dataset
+    from eftguard.data.plan import run_dataset
     from eftguard.federation.server import GUARD_IMAGES, guard_images
 
     dataset = run_dataset("photos", "", micro_preset, 64, 16, 0)

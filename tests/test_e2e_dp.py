@@ -10,12 +10,13 @@ import pytest
 import torch
 
 from conftest import MICRO_PRESET, train_in_process
+from eftguard.config import TrainConfig
+from eftguard.data.plan import client_partition, run_dataset
 from eftguard.defenses.dp import PrivacyBudgetError, calibrate, client_budget
 from eftguard.defenses.feature_dp import release_rows, sensitivity
 from eftguard.defenses.ledger import PrivacyLedger, Spend, Terms, compose
-from eftguard.config import TrainConfig
 from eftguard.federation import client as client_module
-from eftguard.federation.client import client_partition, client_round, dp_budget, run_dataset
+from eftguard.federation.client import client_round, dp_budget
 from eftguard.federation.records import ClientSettings
 from eftguard.model import build_model
 from eftguard.training import extract_features
@@ -237,7 +238,7 @@ def test_server_epochs_zero_leaves_theta_as_initialised(tmp_path):
     ({"feature_clip": 2.0, "feature_noise": 0.5}, "with --dp-eps the feature noise is calibrated to the budget"),
 ])
 def test_dp_options_that_would_leave_the_feature_channel_unaccounted_are_config_errors(changes, message):
-    from eftguard.config import ConfigError
+    from eftguard.errors import ConfigError
 
     with pytest.raises(ConfigError, match=message):
         TrainConfig(**{**CFG.__dict__, **changes}).resolved()

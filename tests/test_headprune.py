@@ -14,7 +14,8 @@ from torch.utils.flop_counter import FlopCounterMode
 from eftguard.bench import step_memory, upload_bytes
 from eftguard.cli import main
 from eftguard.config import TrainConfig
-from eftguard.federation.client import client_partition, client_round, run_dataset
+from eftguard.data.plan import client_partition, run_dataset
+from eftguard.federation.client import client_round
 from eftguard.federation.records import ClientSettings, UploadError
 from eftguard.federation.server import parse_reply, run_server, upload_spec
 from eftguard.headprune import keep_only, model_head_importance, pruned

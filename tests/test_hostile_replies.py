@@ -15,7 +15,8 @@ import torch
 from flwr.app import Array, ArrayRecord, ConfigRecord, Error, Message, Metadata, MetricRecord, RecordDict
 
 from eftguard.config import TrainConfig
-from eftguard.federation.client import client_partition, client_round, run_dataset
+from eftguard.data.plan import client_partition, run_dataset
+from eftguard.federation.client import client_round
 from eftguard.federation.records import ClientSettings, UploadError, from_record, to_record
 from eftguard.federation.server import parse_reply, run_server, upload_spec
 from eftguard.model import build_model

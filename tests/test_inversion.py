@@ -9,18 +9,20 @@ import safetensors.numpy
 import safetensors.torch
 import torch
 
+from eftguard import metrics
 from eftguard.attacks.base import ImageReconstruction, ThreatModel
 from eftguard.attacks.inversion import (ClientFeatures, DecoderInversion, OptimizationInversion, RoundFeatures,
                                         monotone_assignment, patchify, unpatchify)
-from eftguard.data.registry import load_dataset
-from eftguard.masking import random_keep_ids
-from eftguard.defenses.feature_noise import release_features
-from eftguard import metrics
 from eftguard.audit import scoring
 from eftguard.audit.observe import observe_features
 from eftguard.cli import main
-from eftguard.federation.client import client_round, run_dataset
+from eftguard.data.plan import run_dataset
+from eftguard.data.registry import load_dataset
+from eftguard.defenses.feature_noise import release_features
+from eftguard.federation.client import client_round
 from eftguard.federation.records import ClientSettings
+from eftguard.masking import random_keep_ids
+from eftguard.methods import method_spec
 from eftguard.model import build_model
 from eftguard.rundir import RunDirectory
 from conftest import attacks_guarded, truth_out_of_reach
@@ -37,7 +39,7 @@ def observe(model, images_uint8, mask_ratio, positions_known, seed=0):
     keep = random_keep_ids(len(images_uint8), model.local_module.num_patches, mask_ratio, generator)
     with torch.no_grad():
         features = model.local_module(model.normalize(torch.from_numpy(images_uint8)), keep)
-    client = ClientFeatures(0, features, torch.zeros(len(features), dtype=torch.long), model.uploaded_state(),
+    client = ClientFeatures(0, features, torch.zeros(len(features), dtype=torch.long), method_spec("eftvit").uploaded_state(model),
                             keep if positions_known else None)
     return client, keep
 
@@ -116,7 +118,7 @@ def test_a_bf16_decoder_recovers_the_kept_patches_as_an_fp32_one_does(photos):
     keep = random_keep_ids(len(targets), model.local_module.num_patches, 0.75, torch.Generator().manual_seed(0))
     with torch.no_grad(), computing_in(model, "bf16"):
         features = model.local_module(model.normalize(torch.from_numpy(targets)), keep).float()
-    client = ClientFeatures(0, features, torch.zeros(len(features), dtype=torch.long), model.uploaded_state(), keep)
+    client = ClientFeatures(0, features, torch.zeros(len(features), dtype=torch.long), method_spec("eftvit").uploaded_state(model), keep)
     observation = RoundFeatures(1, [client], model, 0.75, photos.public.images, precision="bf16")
     truth = targets.astype(np.float32) / 255
     psnr = {}

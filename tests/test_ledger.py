@@ -10,9 +10,10 @@ import numpy as np
 import pytest
 from flwr.app import Message, MessageType, RecordDict
 
-from eftguard.defenses.ledger import LedgerError, PrivacyLedger, Spend, Terms, compose
 from eftguard.config import TrainConfig
-from eftguard.federation.client import client_partition, dp_budget
+from eftguard.data.plan import client_partition
+from eftguard.defenses.ledger import LedgerError, PrivacyLedger, Spend, Terms, compose
+from eftguard.federation.client import dp_budget
 from eftguard.federation.records import ClientSettings, to_record
 from eftguard.federation.server import run_server
 from eftguard.model import build_model
@@ -388,7 +389,7 @@ def test_run_directory_with_nan_dp_eps_is_refused_before_any_round(tmp_path):
     run = RunDirectory.create(tmp_path / "run", TrainConfig(**{**CFG.__dict__, "dp_eps": 0.0}).resolved())
     text = (run.path / "config.toml").read_text().replace("dp_eps = 0.0", "dp_eps = nan")
     (run.path / "config.toml").write_text(text)
-    from eftguard.config import ConfigError
+    from eftguard.errors import ConfigError
     with pytest.raises(ConfigError, match="--dp-eps must be a finite number"):
         run_server(FakeGrid(2), run.path)
     assert run.metrics() == []

@@ -11,12 +11,12 @@ import pytest
 
 from eftguard.attacks.inversion import TamperedInversion
 from eftguard.attacks.labels import TamperedHeadAttack
-from eftguard.attacks.tamper import TAMPERINGS
 from conftest import attacks_guarded
 from eftguard.audit import run_attack
-from eftguard.cli import main, server_threat_of
-from eftguard.config import TrainConfig
-from eftguard.federation.errors import FederationError
+from eftguard.cli import main
+from eftguard.runs import server_threat_of
+from eftguard.config import TAMPERINGS, TrainConfig
+from eftguard.errors import FederationError
 from eftguard.federation.server import run_server
 from eftguard.federation.simulation import forget_received_models
 from eftguard.methods import METHODS

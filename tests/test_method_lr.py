@@ -8,7 +8,8 @@ import pytest
 
 from eftguard.audit.grid import parse_audit
 from eftguard.cli import build_parser, config_from_args
-from eftguard.config import ConfigError, TrainConfig
+from eftguard.config import TrainConfig
+from eftguard.errors import ConfigError
 from eftguard.federation.records import ClientSettings
 from eftguard.methods import METHODS
 

@@ -11,9 +11,10 @@ import pytest
 import torch
 
 from eftguard import methods
+from eftguard.aggregate import fedavg
 from eftguard.cli import build_parser, main
-from eftguard.config import ConfigError, TrainConfig
-from eftguard.federation.aggregate import fedavg
+from eftguard.config import TrainConfig
+from eftguard.errors import ConfigError
 from eftguard.federation.server import run_server
 from eftguard.methods import METHODS, MethodSpec
 from eftguard.rundir import RunDirectory

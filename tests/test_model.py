@@ -3,6 +3,7 @@ import torch
 from safetensors.torch import save_file
 
 from eftguard.masking import random_keep_ids
+from eftguard.methods import method_spec
 from eftguard.model import ModelError, build_model, create_timm_vit, to_timm_state
 from eftguard.training import OptimConfig, train_local
 
@@ -21,7 +22,7 @@ def test_split_equals_unsplit_timm_forward(local_layers):
 
 
 def test_uploaded_state_is_phi_and_head_only(tiny_model):
-    keys = tiny_model.uploaded_state().keys()
+    keys = method_spec("eftvit").uploaded_state(tiny_model).keys()
     assert any(k.startswith("local_module.token_embedding.pos_embed") for k in keys)
     assert any(k.startswith("head.") for k in keys)
     assert not any(k.startswith("global_module.") for k in keys)

@@ -11,7 +11,7 @@ import torch
 from eftguard.attacks.tamper import DRIFT_MARGIN
 from eftguard.defenses.model_check import (PER_ROUND, ModelCheck, ModelCheckError, Schedule, adam_step_bound,
                                            adamw_drift, drift_limits, pinned_settings)
-from eftguard.cli import server_threat_of
+from eftguard.runs import server_threat_of
 from eftguard.config import TrainConfig
 from eftguard.federation.client import model_check_limits
 from eftguard.federation.records import ClientSettings

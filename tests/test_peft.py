@@ -13,12 +13,12 @@ import pytest
 import torch
 from safetensors.torch import save_file
 
+from eftguard.aggregate import fedavg
+from eftguard.cli import main
 from eftguard.defenses.clipping import make_private
 from eftguard.defenses.dp import DPSGD
 from eftguard.defenses.ledger import PrivacyLedger
-from eftguard.cli import main
 from eftguard.federation.apps import default_ledger_dir
-from eftguard.federation.aggregate import fedavg
 from eftguard.federation.server import run_server
 from eftguard.headprune import (head_importance, importance_weighted_average, kept_heads, loss_gap_selection,
                                 model_head_importance, pruned)

@@ -9,14 +9,15 @@ import pytest
 import torch
 
 from conftest import MICRO_PRESET, run_cli
-from eftguard.defenses.dp import DPSGD
 from eftguard import precision
-from eftguard.config import ConfigError, TrainConfig
+from eftguard.config import TrainConfig
 from eftguard.data import load_dataset
+from eftguard.data.plan import run_dataset
+from eftguard.defenses.dp import DPSGD
+from eftguard.errors import ConfigError
 from eftguard.federation.client import client_round
 from eftguard.federation.records import ClientSettings, to_record
 from eftguard.federation.server import upload_spec
-from eftguard.federation.client import run_dataset
 from eftguard.federation.validation import validate_features, validate_update
 from eftguard.model import build_model
 from eftguard.training import OptimConfig, evaluate, extract_features, mean_loss, train_local
@@ -166,7 +167,7 @@ def test_the_demo_trains_and_decodes_in_the_resolved_precision(monkeypatch, hard
 
 
 def test_only_a_bf16_configuration_the_demo_does_not_attack_yields_the_cores():
-    from eftguard.cli import yields_cores
+    from eftguard.runs import yields_cores
 
     assert yields_cores(TrainConfig(method="fedavg", precision="bf16"))
     assert not yields_cores(TrainConfig(method="eftvit", precision="bf16"))  # its attacks wait for its training

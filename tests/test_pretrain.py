@@ -10,8 +10,9 @@ import safetensors.torch
 import torch
 from PIL import Image
 
+from eftguard import cli
 from eftguard.cli import main
-from eftguard.data import Dataset, ImageSet
+from eftguard.data import Dataset, ImageSet, load_dataset
 from eftguard.model import PRESETS, build_model
 from eftguard.pretrain import (PretrainConfig, PretrainError, patchify, pretrain, public_loss, resume_path,
                                save_pretrained)
@@ -58,12 +59,10 @@ def only_line_of(err: str) -> str:
 
 
 def test_pretraining_reads_only_the_public_split_of_an_imagefolder(tmp_path, monkeypatch, capsys):
-    import eftguard.data
-
     write_class_tree(tmp_path / "ucm")
-    real = eftguard.data.load_dataset(f"imagefolder:{tmp_path / 'ucm'}", None, 32)
+    real = load_dataset(f"imagefolder:{tmp_path / 'ucm'}", None, 32)
     guarded = Dataset(real.name, real.class_names, ClientImages(len(real.train)), real.test, real.public)
-    monkeypatch.setattr(eftguard.data, "load_dataset", lambda *args: guarded)
+    monkeypatch.setattr(cli, "load_dataset", lambda *args: guarded)
     out = tmp_path / "ckpt.safetensors"
     main(["pretrain", "--dataset", f"imagefolder:{tmp_path / 'ucm'}", "--out", str(out), *QUICK])
     assert out.is_file()

@@ -11,11 +11,13 @@ import pytest
 import torch
 from flwr.app import Array
 
+from eftguard.aggregate import fedavg
 from eftguard.config import TrainConfig
+from eftguard.data import seeded
+from eftguard.data.plan import client_partition, run_dataset
+from eftguard.errors import FederationError, Interrupted
 from eftguard.federation import server
-from eftguard.federation.aggregate import fedavg
-from eftguard.federation.client import client_partition, dp_budget, participation, run_dataset, seeded, select_clients
-from eftguard.federation.errors import FederationError, Interrupted
+from eftguard.federation.client import dp_budget, participation, select_clients
 from eftguard.federation.records import ClientSettings, from_record, to_record
 from eftguard.federation.server import run_server
 from eftguard.model import build_model

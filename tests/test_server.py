@@ -9,14 +9,14 @@ import pytest
 import torch
 from flwr.app import Array
 
+from eftguard.aggregate import fedavg
 from eftguard.config import TrainConfig
-from eftguard.federation.aggregate import fedavg
-from eftguard.federation.client import run_dataset
+from eftguard.data.plan import run_dataset
 from eftguard.federation.server import FederationError, load_average, run_server
 from eftguard.model import build_model
+from eftguard.rundir import RunDirectory, RunError
 from eftguard.sampling import class_target
 from eftguard.training import evaluate
-from eftguard.rundir import RunDirectory, RunError
 from conftest import MICRO_PRESET, MICRO_WIDTH
 from fakegrid import FakeGrid, task_identity
 

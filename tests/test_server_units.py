@@ -13,15 +13,17 @@ from flwr.app import Array, ArrayRecord, ConfigRecord, Error, Message, RecordDic
 from rich.console import Console
 from rich.progress import Progress
 
-from eftguard.defenses.dp import client_budget
 from eftguard.config import TrainConfig
+from eftguard.data.plan import client_partition, run_dataset
+from eftguard.defenses.dp import client_budget
+from eftguard.errors import FederationError, Interrupted
 from eftguard.federation import server
-from eftguard.federation.client import client_partition, dp_budget, participation, run_dataset
-from eftguard.federation.errors import FederationError, Interrupted
+from eftguard.federation.client import dp_budget, participation
 from eftguard.federation.records import ClientSettings, UploadError, from_record, to_record
 from eftguard.federation.server import (check_dp_report, discover_nodes, dp_budgets, exchange, load_average,
                                         parse_reply, round_summary, upload_spec)
 from eftguard.masking import kept_token_count
+from eftguard.methods import method_spec
 from eftguard.model import build_model
 from fakegrid import FakeGrid, task_identity
 from test_hostile_replies import CFG, encode, honest, plain  # noqa: F401 (honest: a real client's reply)
@@ -170,7 +172,7 @@ def test_upload_spec_is_the_runs_model_and_data(method):
     dataset = replace(loaded, train=replace(loaded.train, ids=loaded.train.ids[::-1]))  # validation needs them sorted
     model = build_model(cfg.model, dataset.num_classes, cfg.local_layers, seed=0)
     spec = upload_spec(model, cfg, dataset)
-    state = model.uploaded_state() if method == "eftvit" else model.state_dict()
+    state = method_spec("eftvit").uploaded_state(model) if method == "eftvit" else model.state_dict()
     assert spec.update_shapes == {k: tuple(v.shape) for k, v in state.items()}
     patches = model.local_module.num_patches
     assert spec.tokens == (1 + kept_token_count(patches, 0.5) if method == "eftvit" else None)

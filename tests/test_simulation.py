@@ -222,7 +222,7 @@ def test_a_killed_demo_leaves_no_process_training_on(tmp_path):
     and their Ray actors, not leave them training on alone."""
     tag = uuid.uuid4().hex
     process = subprocess.Popen([sys.executable, "-m", "eftguard.cli", "demo", "--out", str(tmp_path / "demo"), *DEMO_TINY,
-                                "--precision", "bf16"],  # where the reference yields (eftguard.cli.yields_cores)
+                                "--precision", "bf16"],  # where the reference yields (eftguard.runs.yields_cores)
                                env={**ENV, "EFTGUARD_TEST_RUN": tag}, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE,
                                text=True)
     training, nice = set(), {}

@@ -10,11 +10,12 @@ import pytest
 from flwr.app import Array, ArrayRecord, ConfigRecord, Error, Message, Metadata, RecordDict
 
 from eftguard.config import TrainConfig
-from eftguard.federation.client import run_dataset
+from eftguard.data.plan import run_dataset
 from eftguard.federation.records import UploadError, from_record, to_record
 from eftguard.federation.server import parse_reply, upload_spec
 from eftguard.federation.validation import (MAX_FEATURE_VALUE, MAX_LOSS, MAX_PARAMETER_VALUE, max_feature_sets,
                                             validate_features, validate_metrics, validate_truth)
+from eftguard.methods import method_spec
 from eftguard.sampling import balanced_indices
 
 CFG = TrainConfig(train_samples=200).resolved()
@@ -32,7 +33,7 @@ def spec(tiny_model, dataset):
 
 @pytest.fixture
 def good(tiny_model, dataset):
-    update = {k: v.numpy().copy() for k, v in tiny_model.uploaded_state().items()}
+    update = {k: v.numpy().copy() for k, v in method_spec("eftvit").uploaded_state(tiny_model).items()}
     features = {"features": np.random.default_rng(0).normal(size=(5, 17, 192)).astype(np.float32),
                 "labels": np.array([0, 1, 2, 3, 9], np.int64)}
     truth = {"sample_ids": dataset.train.ids[[0, 3, 5, 7, 9]].astype(np.int64),

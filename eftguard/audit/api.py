@@ -14,10 +14,15 @@ from __future__ import annotations
 
 import math
 import time
+from contextlib import contextmanager
 from pathlib import Path
 
-from eftguard.attacks.base import AttackError, Progress, ThreatModel, options_of, whole_number
+from rich.console import Console
+from rich.progress import BarColumn, MofNCompleteColumn, Progress as ProgressBars, TextColumn, TimeElapsedColumn
+
+from eftguard import metrics
 from eftguard.attack_report import AttackReport
+from eftguard.attacks.base import AttackError, Progress, ThreatModel, options_of, whole_number
 from eftguard.audit.families import FAMILIES, Family, Job, family_named
 from eftguard.config import SEED_LIMIT
 from eftguard.methods import method_spec
@@ -56,8 +61,7 @@ def run_attack(run: str | Path | RunDirectory, family: str, method: str | None =
     attack = chosen.attack(cls, job, method_options)
     observed = chosen.observe(job, attack)  # refuses a run without the channel ("not applicable")
     if chosen.image_metrics:
-        from eftguard.metrics import load_lpips
-        load_lpips(lpips_backend)  # before the attack, which may run for minutes; cached: the scoring reuses it
+        metrics.load_lpips(lpips_backend)  # before the attack, which may run for minutes; cached: the scoring reuses it
     start = time.perf_counter()
     result = attack.reconstruct(observed.observation, progress)  # the attack phase: the observation only
     report = chosen.score(job, attack, observed, result, time.perf_counter() - start)
@@ -228,3 +232,27 @@ def open_round(path: str | Path | RunDirectory, key: Path | None, round_number: 
     check_round_record(run, round_number, clients)
     check_model_loads(run, round_number)
     return run, round_number, clients
+
+
+@contextmanager
+def stage_progress():
+    """A (stage, done, total) callback for run_attack's progress= (the attacks' long loops), drawn as rich progress
+    bars on stderr; the display starts with the first call, so an error before any work prints nothing but its one
+    line."""
+    bar = ProgressBars(TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn(),
+                       console=Console(stderr=True), transient=False)
+    tasks: dict[str, int] = {}
+
+    def update(stage: str, done: int, total: int) -> None:
+        if not tasks:
+            bar.start()
+        if stage not in tasks:
+            tasks[stage] = bar.add_task(stage, total=total)
+        if done == total or done % 10 == 0:
+            bar.update(tasks[stage], completed=done)
+
+    try:
+        yield update
+    finally:
+        if tasks:
+            bar.stop()

@@ -16,6 +16,8 @@ from pathlib import Path
 
 import numpy as np
 
+from eftguard import channels, metrics
+from eftguard.attack_report import AttackReport
 from eftguard.attacks.base import (Attack, AttackError, Option, Registry, ThreatModel, finite_number, name_value,
                                    option, options_of, path_value, whole_number)
 from eftguard.attacks.dp_audit import CHANNELS, DP_AUDIT
@@ -24,10 +26,12 @@ from eftguard.attacks.inversion import INVERT
 from eftguard.attacks.labels import LABELS
 from eftguard.attacks.membership import MEMBERSHIP, TARGETS, LossAttack
 from eftguard.attacks.update_inversion import first_masks
-from eftguard import channels, metrics
-from eftguard.attack_report import AttackReport
 from eftguard.audit import observe, scoring
+from eftguard.audit.references import reference_models
+from eftguard.data import ImageSet
+from eftguard.data.registry import load_dataset
 from eftguard.methods import method_spec
+from eftguard.model import PRESETS
 from eftguard.rundir import RunDirectory
 
 
@@ -150,9 +154,6 @@ class InvertFamily(Family):
         return ThreatModel(aux_data=job.options["aux"], positions_known=job.options["positions"] == "known")
 
     def observe(self, job: Job, attack: Attack) -> Observed:
-        from eftguard.data.registry import load_dataset
-        from eftguard.model import PRESETS
-
         cfg = job.run.config()
         image_size = PRESETS[cfg.model].image_size
         dataset = load_dataset(cfg.dataset, cfg.data_dir, image_size)
@@ -163,8 +164,6 @@ class InvertFamily(Family):
         return Observed(observation, {"rows_of": rows_of, "dataset": dataset})
 
     def score(self, job: Job, attack: Attack, observed: Observed, result, seconds: float) -> AttackReport:
-        from eftguard.model import PRESETS
-
         cfg = job.run.config()
         lpips = metrics.load_lpips(job.lpips_backend)
         public = scoring.as_float_images(observed.auditor["dataset"].public.images)
@@ -475,9 +474,6 @@ class MembershipFamily(Family):
         return super().attack(cls, job, method_options)
 
     def observe(self, job: Job, attack: Attack) -> Observed:
-        from eftguard.audit.references import reference_models
-        from eftguard.data import ImageSet
-
         target, partition = job.options["target"], job.clients[0]
         candidates = scoring.membership_candidates(job.run, job.round_number, partition, target,
                                                    job.options["candidates"], job.seed)

@@ -12,7 +12,7 @@ import operator
 import re
 from dataclasses import dataclass
 
-from eftguard.config import ConfigError
+from eftguard.errors import ConfigError
 from eftguard.figures import figure_directions, metric_of
 
 OPERATORS = {"<": operator.lt, "<=": operator.le, ">": operator.gt, ">=": operator.ge}

@@ -26,17 +26,23 @@ from importlib.metadata import version
 from pathlib import Path
 
 from rich.console import Console
+from rich.table import Table
 
 import eftguard.attacks
 import eftguard.defenses
+from eftguard import audit as api, runs
 from eftguard.attacks.base import AttackError
-from eftguard.attack_cli import stage_progress
+from eftguard.audit import gate as gates_module
+from eftguard.audit.api import ROUND, SEED, checked, resolve_options, stage_progress
 from eftguard.audit.families import FAMILIES
-from eftguard.config import ConfigError, TrainConfig, read_toml
+from eftguard.config import TrainConfig, read_toml
 from eftguard.data import DataError
+from eftguard.errors import ConfigError
+from eftguard.metrics import LPIPS_BACKENDS
 from eftguard.model import ModelError
-from eftguard.paths import read_text_file
-from eftguard.rundir import RunDirectory, RunError, atomic_write
+from eftguard.paths import atomic_write, read_text_file
+from eftguard.report import write_audit_report
+from eftguard.rundir import RunDirectory, RunError
 
 SCHEMA_VERSION = 1
 AUDIT_KEYS = ("title", "train", "grid", "attack")
@@ -203,9 +209,6 @@ def attack_entries(tables, source: str) -> list[AttackEntry]:
 def check_attack_options(family: str, method: str, options: dict, where: str) -> None:
     """Every option checked as run_attack checks it, before any training: at run time an AttackError means
     "does not apply to this run", so a typo must not get that far."""
-    from eftguard.audit.api import ROUND, SEED, checked, resolve_options
-    from eftguard.metrics import LPIPS_BACKENDS
-
     try:
         chosen = FAMILIES[family]
         resolve_options(chosen, chosen.registry.get(method),
@@ -270,8 +273,6 @@ def write_json(path: Path, data: dict) -> None:
 def ensure_trained(run_dir: Path, cfg: TrainConfig, verbose: bool) -> float:
     """A finished run of cfg in run_dir: reused when it is finished, resumed when it is not, trained when absent
     (through `eftguard train`'s code path). Returns its training seconds over every session."""
-    from eftguard import cli
-
     record_file = run_dir.with_name(run_dir.name + ".json")
     record = read_json(record_file)
     if (run_dir / "manifest.json").exists():
@@ -284,17 +285,16 @@ def ensure_trained(run_dir: Path, cfg: TrainConfig, verbose: bool) -> float:
         if done == cfg.rounds:
             console.print(f"  reusing the finished run {run_dir}")
             return record["train_seconds"]
-        with run.lock():
-            done = run.resume()
+        done = runs.resume_run(run)
         console.print(f"  resuming {run_dir} after round {done} of {cfg.rounds}")
         undo = None
     else:
         record = {"code_version": code_version(), "train_seconds": 0.0}
         write_json(record_file, record)
-        undo = cli.create_run(run_dir, cfg)
+        undo = runs.create_run(run_dir, cfg)
         console.print(f"  training {cfg.rounds} rounds, {cfg.clients} clients -> {run_dir}")
     start = time.perf_counter()
-    cli.train_run(run_dir, verbose, undo=undo)
+    runs.train_run(run_dir, verbose, undo=undo)
     record["train_seconds"] += time.perf_counter() - start
     write_json(record_file, record)
     return record["train_seconds"]
@@ -318,8 +318,6 @@ def run_one_attack(run_dir: Path, attack: AttackEntry, out: Path, reports: Path,
                    previous: dict | None) -> dict:
     """One attack's entry in summary.json: reused when the report for the same run state and options exists;
     "not applicable" when the attack refuses the run (invert on a run that uploads no features)."""
-    from eftguard import audit as api
-
     fingerprint = attack_fingerprint(RunDirectory.open(run_dir, key), attack, key)
     if previous and previous.get("fingerprint") == fingerprint and reusable(previous, out):
         console.print(f"  {attack.name}: reusing its report")
@@ -341,8 +339,6 @@ def run_one_attack(run_dir: Path, attack: AttackEntry, out: Path, reports: Path,
 
 def reusable(previous: dict, out: Path) -> bool:
     """A recorded "not applicable", or a report that still reads back with the figures recorded from it."""
-    from eftguard import audit as api
-
     if previous.get("status") == "not applicable":
         return True
     try:
@@ -446,12 +442,10 @@ def check_data_and_model(audit: Audit, configurations: list[Configuration], out:
     """Before any training, what `eftguard train` checks before its first round (the data loads, the model and
     checkpoint fit, DP-SGD is feasible) for every configuration that has no run yet: a grid cell that can never
     train is a bad audit file, not a failure found hours later."""
-    from eftguard import cli
-
     for configuration in configurations:
         if not (run_folder(out, configuration) / "manifest.json").exists():
             try:
-                cli.prepare(configuration.config)
+                runs.prepare(configuration.config)
             except (ConfigError, DataError, ModelError) as exc:
                 raise ConfigError(f"{audit.source}: configuration {configuration.id}: {exc}") from None
 
@@ -461,8 +455,6 @@ def run_audit(audit: Audit, out: Path, gates: list | None = None, shard: tuple[i
     """Run (or continue) an audit into out and write summary.json and the report (a shard: in
     out/shards/I-of-N/, so that shards finishing together do not write one file); returns the summary.
     A gate naming a figure no attack reports raises ConfigError after the summary is written."""
-    from eftguard.audit import gate as gates_module
-
     gates = gates or []
     gates_module.check_before_training(gates, set(FAMILIES), {a.name for a in audit.attacks})
     chosen = select_shard(audit.configurations, shard)
@@ -492,8 +484,6 @@ def audit_configurations(audit: Audit, chosen: list[Configuration], out: Path, k
 
 def finish_audit(audit: Audit, out: Path, gates: list, shard: tuple[int, int] | None = None) -> dict:
     """summary.json and the report of whatever configurations are on disk (see run_audit); returns the summary."""
-    from eftguard.audit import gate as gates_module
-
     results, pending = collect(audit, out)
     summary = {"schema_version": SCHEMA_VERSION, "audit_file": audit.source, "title": audit.title,
                "defaults": dataclasses.asdict(audit.defaults), "code_version": code_version(),
@@ -513,8 +503,6 @@ def finish_audit(audit: Audit, out: Path, gates: list, shard: tuple[int, int] | 
 
 
 def write_report(summary: dict, out: Path) -> None:
-    from eftguard.report import write_audit_report
-
     for file in write_audit_report(summary, out):
         console.print(f"wrote {file}")
 
@@ -530,8 +518,6 @@ def problems(summary: dict) -> list[str]:
 
 def print_summary(summary: dict) -> None:
     """The final table: one row per configuration, one column per attack (its headline figure)."""
-    from rich.table import Table
-
     attacks = list(dict.fromkeys(name for c in summary["configurations"] for name in c["attacks"]))
     table = Table(title=f"{summary['title']}: {len(summary['configurations'])} configurations"
                         + (f", {len(summary['pending'])} pending" if summary["pending"] else ""))

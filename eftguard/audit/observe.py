@@ -15,6 +15,7 @@ import numpy as np
 import torch
 from torch import nn
 
+from eftguard import headprune
 from eftguard.attacks.base import AttackError
 from eftguard.attacks.dp_audit import CanaryObservation
 from eftguard.attacks.gradient import GradientObservation, LocalTraining, prepare_numerics
@@ -22,20 +23,21 @@ from eftguard.attacks.inversion import ClientFeatures, RoundFeatures
 from eftguard.attacks.labels import ClientUploads, LabelObservation
 from eftguard.attacks.membership import MembershipObservation
 from eftguard.attacks.update_inversion import replay_schedule
-from eftguard.defenses.feature_dp import row_clip, sensitivity
-from eftguard import headprune
 from eftguard.audit import scoring
+from eftguard.canaries import canary_set
+from eftguard.data import seeded
+from eftguard.data.plan import run_dataset
+from eftguard.data.registry import check_dataset_name, load_dataset
+from eftguard.defenses.feature_dp import row_clip, sensitivity
 from eftguard.masking import random_keep_ids
 from eftguard.methods import method_spec
 from eftguard.model import EFTViT
-from eftguard.rundir import RunDirectory, RunError
+from eftguard.rundir import RunDirectory, RunError, round_name
 
 # --- invert: uploaded patch features ------------------------------------------------------------------------
 
 def aux_images(choice: str, data_dir, run_dataset, image_size: int) -> np.ndarray:
     """The attacker's auxiliary images: the run dataset's public split, or another dataset's training split."""
-    from eftguard.data.registry import check_dataset_name, load_dataset
-
     if choice == "public":
         return run_dataset.public.images
     check_dataset_name(choice)
@@ -247,8 +249,6 @@ def canary_sources(run: RunDirectory, round_number: int, channel: str, clients: 
     """The canaries a channel of the round can tell anything about, each with its owner and the latest round
     <= round_number in which the owner uploaded (where the auditor finds its bit): the attacked clients' canaries
     for the round's uploads; for the model, those of every client that took part in a round so far."""
-    from eftguard.canaries import canary_set
-
     cfg = run.config()
     if cfg.canaries == 0:
         raise RunError(f"{run.path} has no canaries: train with --canaries M (eftguard train --help) to audit it")
@@ -267,8 +267,6 @@ def observe_canaries(run: RunDirectory, round_number: int, clients: list[int], c
                      canary_ids: np.ndarray) -> CanaryObservation:
     """The canaries canary_ids and the channel's observation: the attacked clients' uploads and the round's start
     model, or the model after the round and the run's initial one."""
-    from eftguard.canaries import canary_set
-
     cfg = run.config()
     canaries = canary_set(cfg)
     images, labels, owners = (a[canary_ids] for a in (canaries.images, canaries.labels, canaries.owners))
@@ -290,8 +288,6 @@ CANARY_REFERENCE_IMAGES = 256  # public images for the per-position mean token o
 
 def run_public_images(cfg) -> np.ndarray:
     """The run dataset's public split (uint8), which every attacker may hold."""
-    from eftguard.federation.client import run_dataset
-
     return run_dataset(cfg.dataset, cfg.data_dir, cfg.model, cfg.train_samples, 0, cfg.seed).public.images
 
 
@@ -299,8 +295,6 @@ def run_public_images(cfg) -> np.ndarray:
 
 def round_model(run: RunDirectory, round_number: int) -> EFTViT:
     """The assembled model after round t (checkpoints/round-t), checked against the manifest first."""
-    from eftguard.rundir import round_name
-
     if run.verify((f"checkpoints/{round_name(round_number)}.",)) or not run.checkpoint_path(round_number).is_file():
         raise RunError(f"{run.checkpoint_path(round_number)} is missing or damaged (it no longer matches "
                        "manifest.json): restore it from a backup, or attack another --round")
@@ -329,8 +323,6 @@ def local_training(run: RunDirectory, round_number: int, partition: int, model: 
     """How the client trained, from the public config and n_k. A simulated node without DP-SGD seeds its batches
     and masks from the run's seed alone (noise-secret 0), so the server regenerates them; a deployed node mixes in
     its own secret and DP-SGD draws Poisson batches: no schedule then."""
-    from eftguard.federation.client import seeded
-
     cfg = run.config()
     spec = method_spec(cfg.method)
     num_patches = model.local_module.num_patches

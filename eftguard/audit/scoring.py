@@ -13,11 +13,16 @@ from dataclasses import dataclass, field
 
 import numpy as np
 from scipy.spatial.distance import jensenshannon
+from scipy.special import expit
 
+from eftguard import metrics
 from eftguard.attacks.base import ImageReconstruction, LabelEstimate
 from eftguard.attacks.labels import FLOOR
-from eftguard import metrics
 from eftguard.data import ImageSet
+from eftguard.data.plan import client_partition, run_dataset
+from eftguard.data.registry import load_dataset
+from eftguard.defenses.dp import default_delta
+from eftguard.model import PRESETS
 from eftguard.rundir import RunDirectory, RunError
 
 GRID_IMAGES = 8
@@ -26,8 +31,6 @@ RANKED_IMAGES = 8  # the most exposed images a report shows
 
 def client_training_set(run: RunDirectory, partition: int) -> ImageSet:
     """The images a client trained on, derived from the run's configuration exactly as the client did."""
-    from eftguard.federation.client import client_partition, run_dataset
-
     cfg = run.config()
     if not 0 <= partition < cfg.clients:
         raise RunError(f"client {partition} does not exist in {run.path} (clients 0..{cfg.clients - 1})")
@@ -288,8 +291,7 @@ def claimed_privacy(run: RunDirectory, sources: dict[int, tuple[int, int]]) -> t
     (None: the run has no DP), and the largest delta (the run's --dp-delta, else default_delta of the owner's
     public schedule size). A run without DP gets the delta it would have claimed, so that bounds compare across a
     grid."""
-    from eftguard.defenses.dp import default_delta
-    from eftguard.federation.client import schedule_size
+    from eftguard.federation.client import schedule_size  # Flower (0.4 s): `eftguard attack` starts without it
 
     cfg = run.config()
     records = run.metrics()
@@ -311,8 +313,7 @@ def audit_p_value(canaries: int, guesses: int, correct: int, epsilon: float, del
 
     m canaries, r guesses, v correct; f(v - i) - f(v) = P[v - i <= B < v]. delta = 0 gives Theorem 1 (pure DP):
     W is dominated by B."""
-    from scipy.special import expit
-    from scipy.stats import binom
+    from scipy.stats import binom  # 0.5 s: only the DP audit's p-value needs it
 
     q = expit(epsilon)  # the accuracy of epsilon-DP randomised response
     tail = float(binom.sf(correct - 1, guesses, q))
@@ -392,10 +393,6 @@ def held_out_images(run: RunDirectory) -> tuple[ImageSet, str]:
     --train-samples (the members' own distribution); only when the run used all of it, the test split beyond
     --test-samples (never evaluated on, but possibly of another distribution: photos cuts its splits from
     different regions of each photograph)."""
-    from eftguard.data.registry import load_dataset
-    from eftguard.federation.client import run_dataset
-    from eftguard.model import PRESETS
-
     cfg = run.config()
     full = load_dataset(cfg.dataset, cfg.data_dir or None, PRESETS[cfg.model].image_size)
     used = run_dataset(cfg.dataset, cfg.data_dir, cfg.model, cfg.train_samples, cfg.test_samples, cfg.seed)
@@ -411,9 +408,7 @@ def membership_members(run: RunDirectory, round_number: int, partition: int, tar
     """global: the training images of every client that took part in rounds 1..t; update: the attacked client's
     training images; upload: the distinct images behind the client's uploaded feature sets of the round (the
     question is "is x among these feature sets?"; median sampling leaves some of a client's images out)."""
-    from eftguard.data.registry import load_dataset
-    from eftguard.federation.client import select_clients
-    from eftguard.model import PRESETS
+    from eftguard.federation.client import select_clients  # Flower (0.4 s): `eftguard attack` starts without it
 
     if target == "update":
         return client_training_set(run, partition), f"the training images of client {partition}"
@@ -435,8 +430,6 @@ def membership_candidates(run: RunDirectory, round_number: int, partition: int, 
     """Up to `count` members and as many held-out non-members with the same labels, a seeded random choice.
     Matching the labels keeps the question to membership: a client of a few classes (non-IID) would otherwise be
     told apart by its classes alone."""
-    from eftguard.federation.client import run_dataset
-
     members, members_from = membership_members(run, round_number, partition, target)
     held_out, held_out_from = held_out_images(run)
     held_out = without_copies_of(members, held_out)

@@ -13,6 +13,7 @@ import os
 from pathlib import Path
 
 import numpy as np
+import skimage.data
 from PIL import Image
 
 from eftguard.data.base import Dataset, ImageSet, to_rgb
@@ -61,8 +62,6 @@ def load_photos() -> Dataset:
 
 
 def build_photos() -> dict[str, np.ndarray]:
-    import skimage.data
-
     rng = np.random.default_rng(20261129)
     out: dict[str, list] = {f"{s}_{k}": [] for s in PER_CLASS for k in ("images", "labels")}
     for label, (_, loader) in enumerate(PHOTOS):

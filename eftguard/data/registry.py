@@ -6,6 +6,9 @@ import functools
 from pathlib import Path
 
 from eftguard.data.base import DataError, Dataset
+from eftguard.data.cifar import load_cifar
+from eftguard.data.imagefolder import load_imagefolder
+from eftguard.data.photos import load_photos
 
 DATASET_HELP = ("photos (bundled, offline), cifar10, cifar100 (need --data-dir), "
                 "imagefolder:PATH (a tree of class folders, e.g. UC Merced Land-Use)")
@@ -21,13 +24,10 @@ def load_dataset(name: str, data_dir: str | None, image_size: int) -> Dataset:
     """Load a dataset by name with images at image_size px (cached per process: clients share it)."""
     check_dataset_name(name)
     if name == "photos":
-        from eftguard.data.photos import load_photos
         dataset = load_photos()
     elif name in ("cifar10", "cifar100"):
-        from eftguard.data.cifar import load_cifar
         dataset = load_cifar(name, Path(data_dir) if data_dir else None)
     else:
-        from eftguard.data.imagefolder import load_imagefolder
         path = name.split(":", 1)[1]
         if not path:
             raise DataError("imagefolder needs a path: --dataset imagefolder:/path/to/classes")

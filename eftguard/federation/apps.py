@@ -33,6 +33,7 @@ from flwr.serverapp import Grid, ServerApp
 from eftguard.defenses.dp import PrivacyBudgetError
 from eftguard.defenses.ledger import SPENT_NOTE, LedgerError, PrivacyLedger, spent_per_channel
 from eftguard.defenses.model_check import ModelCheck, ModelCheckError
+from eftguard.federation import server
 from eftguard.federation.client import ClientUpload, client_round, initial_model
 from eftguard.federation.records import ClientSettings, from_record, to_record
 
@@ -142,9 +143,7 @@ def build_server_app(run_dir: Path | None = None, threat=None) -> ServerApp:
 
     @app.main()
     def main(grid: Grid, context: Context) -> None:
-        from eftguard.federation.server import run_server
-
-        run_server(grid, run_dir or Path(str(context.run_config["run-dir"])), threat)
+        server.run_server(grid, run_dir or Path(str(context.run_config["run-dir"])), threat)
 
     return app
 

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import contextlib
-import functools
 import logging
 import math
 import time
@@ -13,21 +12,22 @@ from typing import Callable
 import numpy as np
 import torch
 
+from eftguard import headprune
+from eftguard.canaries import ClientData, owned_canaries, uploaded_canaries, with_canaries
+from eftguard.config import ACCOUNTANTS
+from eftguard.data import ImageSet, seeded
+from eftguard.data.plan import client_partition, run_dataset
 from eftguard.defenses.dp import DPSGD, ClientBudget, PrivacyBudgetError, client_budget
 from eftguard.defenses.feature_dp import null_padded, release_rows, row_clip
 from eftguard.defenses.feature_noise import release_features
 from eftguard.defenses.ledger import PrivacyLedger, Spend, Terms
-from eftguard import headprune
-from eftguard.canaries import ClientData, owned_canaries, uploaded_canaries, with_canaries
 from eftguard.defenses.model_check import ModelCheck, ModelCheckError, Schedule, drift_limits
-from eftguard.config import ACCOUNTANTS
-from eftguard.data import Dataset, ImageSet, dirichlet_partition, load_dataset, seeded
 from eftguard.federation.records import ClientSettings
 from eftguard.federation.validation import max_feature_sets
-from eftguard.methods import method_spec
-from eftguard.model import PRESETS, build_model
-from eftguard.sampling import balanced_indices
 from eftguard.masking import random_keep_ids
+from eftguard.methods import method_spec
+from eftguard.model import build_model
+from eftguard.sampling import balanced_indices
 from eftguard.training import OptimConfig, extract_features, mean_loss, train_local
 
 log = logging.getLogger("eftguard.client")
@@ -90,19 +90,6 @@ def release_size(cfg, partition_id: int) -> int:
     partitions = client_partition(cfg.dataset, cfg.data_dir, cfg.model, cfg.train_samples, cfg.seed, cfg.clients,
                                   cfg.beta)
     return len(partitions[partition_id]) + uploaded_canaries(cfg, partition_id)
-
-
-def run_dataset(dataset: str, data_dir: str, model: str, train_samples: int, test_samples: int, seed: int) -> Dataset:
-    """The dataset exactly as a run sees it (resized for the model, limited to the requested sizes)."""
-    full = load_dataset(dataset, data_dir or None, PRESETS[model].image_size)
-    return full.limited(train_samples or None, test_samples or None, seed)
-
-
-@functools.lru_cache(maxsize=4)
-def client_partition(dataset: str, data_dir: str, model: str, train_samples: int, seed: int, clients: int,
-                     beta: float) -> list[np.ndarray]:
-    train = run_dataset(dataset, data_dir, model, train_samples, 0, seed).train
-    return dirichlet_partition(train.labels, clients, beta, seed)
 
 
 def requested_dp(s: ClientSettings, size: int) -> tuple[Terms, list[Spend]] | None:

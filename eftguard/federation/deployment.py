@@ -29,8 +29,10 @@ import threading
 import time
 from pathlib import Path
 
-from eftguard.config import ConfigError
-from eftguard.federation.errors import FederationError
+from cryptography import x509
+
+from eftguard.defenses.tls import CertificateFiles, check_valid_now, is_host_name, read_ca_certificates
+from eftguard.errors import ConfigError, FederationError
 from eftguard.paths import file_in_the_way, input_file_problem, unwritable_reason
 from eftguard.rundir import RunDirectory
 
@@ -64,8 +66,6 @@ def check_tls_choice(root_certificates: Path | None, insecure: bool, flag: str =
     if root_certificates and not Path(root_certificates).exists():  # a file (SuperNode) or a folder (SuperLink)
         raise ConfigError(f"{flag} {root_certificates} does not exist (create certificates with eftguard certs)")
     if root_certificates and flag == "--root-certificates":
-        from eftguard.defenses.tls import read_ca_certificates
-
         read_ca_certificates(Path(root_certificates), flag)
     if insecure:
         print("eftguard: warning: --insecure: uploads travel unencrypted", file=sys.stderr)
@@ -74,8 +74,6 @@ def check_tls_choice(root_certificates: Path | None, insecure: bool, flag: str =
 def check_address(address: str, flag: str = "--superlink") -> None:
     """HOST:PORT as Flower reads it (HOST an IP address, [IPv6] or a host name; PORT in 1..65535), refused in one
     line before any process starts: Flower retries an address it cannot reach forever."""
-    from eftguard.defenses.tls import is_host_name
-
     host, colon, port = address.rpartition(":")
     bracketed = host.startswith("[") and host.endswith("]")
     try:
@@ -133,7 +131,6 @@ def superlink_command(certs: Path | None, insecure: bool, control_host: str, con
                "--disable-runtime-dependency-installation"] + (["--enable-supernode-auth"] if node_auth else [])
     if insecure:
         return command + ["--insecure"]
-    from eftguard.defenses.tls import CertificateFiles, read_ca_certificates
 
     files = CertificateFiles(Path(certs))
     for needed in (files.ca_cert, files.server_cert, files.server_key):
@@ -148,10 +145,6 @@ def superlink_command(certs: Path | None, insecure: bool, control_host: str, con
 def _check_names_control_host(server_cert: Path, control_host: str) -> None:
     """`flwr run` and Flower's SuperExec verify the certificate against the Control address, and every client
     against the time: an expired one is refused here, not served."""
-    from cryptography import x509
-
-    from eftguard.defenses.tls import check_valid_now
-
     try:
         certificate = x509.load_pem_x509_certificate(server_cert.read_bytes())
         names = certificate.extensions.get_extension_for_class(x509.SubjectAlternativeName).value
@@ -169,10 +162,10 @@ def run_superlink(command: list[str], listener: socket.socket, control_host: str
     """Run Flower's SuperLink on the Control address and the Fleet gateway on `listener` until either stops
     (certs None: plaintext). Prints one line `eftguard: Fleet API ... Control API ...` once both accept
     connections."""
+    # the Fleet gateway's web stack (0.2 s): the SuperLink alone serves it
     import httpx
     import uvicorn
 
-    from eftguard.defenses.tls import CertificateFiles
     from eftguard.federation.fleet_gateway import fleet_gateway
 
     files = CertificateFiles(Path(certs)) if certs else None

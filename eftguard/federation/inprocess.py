@@ -11,6 +11,9 @@ from flwr.app import Context, Message, Metadata, RecordDict
 from flwr.supercore.task_identity import TaskIdentity
 
 from eftguard.federation import apps
+from eftguard.federation.server import run_server
+from eftguard.federation.simulation import simulated_node_defaults
+from eftguard.rundir import RunDirectory
 
 
 class InProcessGrid:
@@ -74,10 +77,6 @@ def task_identity():
 def train_in_process(run_dir: Path, clients: int) -> None:
     """Train (or resume) the run in run_dir as a simulation would: nodes share truth as the run asks, keep their
     privacy ledgers in the run directory and seed from the run's seed alone."""
-    from eftguard.federation.server import run_server
-    from eftguard.federation.simulation import simulated_node_defaults
-    from eftguard.rundir import RunDirectory
-
     cfg = RunDirectory.open(run_dir).config()
     with task_identity():
         run_server(InProcessGrid(clients, simulated_node_defaults(run_dir, cfg)), Path(run_dir))

@@ -18,6 +18,9 @@ import sys
 import threading
 from pathlib import Path
 
+from eftguard.defenses.node_auth import write_node_key
+from eftguard.defenses.tls import write_certificates
+
 EFTGUARD = [sys.executable, "-m", "eftguard.cli"]
 QUIET = {"HF_HUB_OFFLINE": "1", "FLWR_TELEMETRY_ENABLED": "0", "FLWR_DISABLE_UPDATE_CHECK": "1"}
 READY = re.compile(r"Fleet API for SuperNodes on (\S+); Control API for eftguard train and register-node on (\S+)")
@@ -86,8 +89,6 @@ class LocalDeployment:
         self.fleet_address = self.control_address = ""
 
     def __enter__(self) -> LocalDeployment:
-        from eftguard.defenses.tls import write_certificates
-
         write_certificates(self.folder / "certs")
         try:
             self._start_superlink()
@@ -137,8 +138,6 @@ class LocalDeployment:
 
     def registered_key(self, name: str) -> Path:
         """A new node key pair under folder/keys, its public half registered through the Control API."""
-        from eftguard.defenses.node_auth import write_node_key
-
         private, public = write_node_key(self.folder / "keys" / name)
         self.eftguard("register-node", str(public), "--superlink", self.control_address,
                       "--root-certificates", str(self.ca_cert))

@@ -20,16 +20,16 @@ from rich.console import Console
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 from rich.table import Table
 
-from eftguard.defenses.dp import ClientBudget
-from eftguard.defenses.ledger import SPENT_NOTE
 from eftguard import headprune
+from eftguard.aggregate import fedavg
 from eftguard.canaries import canary_set
 from eftguard.config import TrainConfig
-from eftguard.data import Dataset
-from eftguard.federation.aggregate import fedavg
-from eftguard.federation.client import (dp_budget, participation, release_size, run_dataset, schedule_size, seeded,
-                                        select_clients)
-from eftguard.federation.errors import FederationError, Interrupted
+from eftguard.data import Dataset, seeded
+from eftguard.data.plan import run_dataset
+from eftguard.defenses.dp import ClientBudget
+from eftguard.defenses.ledger import SPENT_NOTE
+from eftguard.errors import FederationError, Interrupted
+from eftguard.federation.client import dp_budget, participation, release_size, schedule_size, select_clients
 from eftguard.federation.records import ClientSettings, UploadError, to_record
 from eftguard.federation.validation import (UploadSpec, validate_features, validate_heads, validate_metrics,
                                             validate_truth, validate_update)

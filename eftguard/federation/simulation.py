@@ -18,6 +18,7 @@ from pathlib import Path
 import psutil
 
 from eftguard.config import TrainConfig
+from eftguard.rundir import RunDirectory
 
 
 def configure_ray_and_flower(verbose: bool) -> None:
@@ -168,8 +169,6 @@ def simulated_node_defaults(run_dir: Path, cfg: TrainConfig) -> dict:
 def forget_received_models(run_dir: Path, cfg: TrainConfig) -> None:
     """The simulated nodes' copies of the last model each accepted (eftguard.defenses.model_check, about 21 MB per
     client for vit-tiny-32) matter only while the run can go on: removed once it has all its rounds."""
-    from eftguard.rundir import RunDirectory
-
     if len(RunDirectory.open(run_dir).metrics()) >= cfg.rounds:
         shutil.rmtree(Path(run_dir) / "nodes" / "received", ignore_errors=True)
 
@@ -181,11 +180,12 @@ def run_simulated(run_dir: Path, cfg: TrainConfig, verbose: bool = False, threat
     driver that was killed (SIGKILL) cannot be joined; the leftovers of sessions whose driver is gone are stopped
     first, and this run's own Ray processes are stopped whatever way it ends (done, error, Ctrl-C or SIGTERM)."""
     configure_ray_and_flower(verbose)
+    # Ray and Flower (2 s): imported once configure_ray_and_flower has quietened them, by a run that simulates
+    import ray
     import ray._private.utils as ray_utils
     from flwr.simulation import run_simulation
 
     from eftguard.federation.apps import build_client_app, build_server_app
-
     from eftguard.federation.server import STOP_REQUESTED
 
     def request_stop(signum, frame):
@@ -212,8 +212,6 @@ def run_simulated(run_dir: Path, cfg: TrainConfig, verbose: bool = False, threat
                            num_supernodes=cfg.clients, backend_config=backend_config, verbose_logging=verbose)
             forget_received_models(run_dir, cfg)
         finally:
-            import ray
-
             ray.shutdown()  # a no-op when Flower already shut it down
             ray_utils.set_sigterm_handler = sets_sigterm
             for signum, handler in previous.items():

@@ -1,4 +1,4 @@
-"""Server-side aggregation."""
+"""Federated averaging of parameter dicts: the server's for every method (headprune's for all but the heads)."""
 
 from __future__ import annotations
 
