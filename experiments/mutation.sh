@@ -6,8 +6,10 @@
 #   MUTANTS="NAME ..." bash experiments/mutation.sh server   # only these mutants of a module (mutmut's names, globs:
 #     MUTANTS="eftguard.federation.server.x_run_round__mutmut_*" for one function's)
 #
-# Each module is mutated in a scratch copy of the working tree (mutation-work/NAME, git-ignored), so the
-# checkout is never touched and the per-module mutmut config lives only there. One worker, one thread:
+# Each module is mutated in a scratch copy of the working tree (mutation-work/NAME, git-ignored), laid out as
+# `pip install .` lays eftguard out (attacks/ and defenses/ inside eftguard/, so eftguard.defenses.dp is the
+# mutated copy, not the checkout's), so the checkout is never touched and the per-module mutmut config lives only
+# there. One worker, one thread:
 # the check is meant to run beside other work on a 2-core machine. Results: mutation-work/NAME/results.txt
 # (every mutant that was not killed), survivors.diff (their diffs) and a summary line per module on stdout.
 # Needs: pip install 'mutmut>=3.8,<4' (a tool for developers, not a project dependency).
@@ -21,7 +23,7 @@ unset PYTHONPATH  # mutmut puts its mutated copy first on sys.path; nothing may 
 MODULES=(
   "sampling|eftguard/sampling.py|tests/test_sampling.py tests/test_core_pins.py"
   "masking|eftguard/masking.py|tests/test_masking.py tests/test_core_pins.py"
-  "aggregate|eftguard/federation/aggregate.py|tests/test_aggregate.py tests/test_core_pins.py"
+  "aggregate|eftguard/aggregate.py|tests/test_aggregate.py tests/test_core_pins.py"
   "feature_noise|defenses/feature_noise.py|tests/test_feature_noise.py tests/test_core_pins.py"
   "metrics|eftguard/metrics.py|tests/test_metrics.py tests/test_core_pins.py"
   "training|eftguard/training.py|tests/test_core_pins.py tests/test_model.py tests/test_dp.py tests/test_sampling.py tests/test_dp_server_training.py --deselect=tests/test_model.py::test_paper_preset_splits_like_timm"
@@ -49,8 +51,10 @@ for entry in "${MODULES[@]}"; do
   work="mutation-work/$name"
   rm -rf "$work" && mkdir -p "$work"
   git ls-files -co --exclude-standard -z eftguard defenses attacks tests pyproject.toml | xargs -0 cp --parents -t "$work"
+  mv "$work/attacks" "$work/defenses" "$work/eftguard/"
+  installed=eftguard/${file#eftguard/}  # defenses/dp.py -> eftguard/defenses/dp.py
   {
-    printf '[mutmut]\nsource_paths =\n    eftguard\n    defenses\n    attacks\nonly_mutate = %s\n' "$file"
+    printf '[mutmut]\nsource_paths =\n    eftguard\nonly_mutate = %s\n' "$installed"
     # -n 0: in mutmut's own process, where it records which tests call which function (pyproject.toml asks for
     # two pytest-xdist workers)
     printf 'pytest_add_cli_args =\n    -q\n    -p\n    no:cacheprovider\n    -n\n    0\n    -m\n    not slow\n'
@@ -64,7 +68,7 @@ for entry in "${MODULES[@]}"; do
     mutmut results >results.txt 2>&1
     mutmut export-cicd-stats >/dev/null
   )
-  python3 experiments/mutation_survivors.py "$work" "$file" >"$work/survivors.diff"
+  python3 experiments/mutation_survivors.py "$work" "$installed" >"$work/survivors.diff"
   python3 - "$work/mutants/mutmut-cicd-stats.json" "$name" $((SECONDS - start)) <<'PY'
 import json, sys
 stats, name, seconds = json.load(open(sys.argv[1])), sys.argv[2], sys.argv[3]

@@ -30,9 +30,10 @@ def main() -> None:
                            capture_output=True, text=True, check=True).stdout.split()
     for file, original, mutant in MUTANTS:
         with tempfile.TemporaryDirectory() as scratch:
-            for name in files:
-                (Path(scratch) / name).parent.mkdir(parents=True, exist_ok=True)
-                shutil.copy2(root / name, Path(scratch) / name)
+            for name in files:  # laid out as installed: attacks/ and defenses/ inside eftguard/
+                copy = Path(scratch) / (f"eftguard/{name}" if name.startswith(("attacks/", "defenses/")) else name)
+                copy.parent.mkdir(parents=True, exist_ok=True)
+                shutil.copy2(root / name, copy)
             target = Path(scratch) / file
             source = target.read_text()
             assert source.count(original) == 1, f"{original!r} is not unique in {file}"
