@@ -9,9 +9,9 @@ tables), regenerated from the audits of experiments/*.toml.
 
 In both pages each generated table sits between `<!-- audit NAME -->` and `<!-- end audit NAME -->`; the prose
 around it is written by hand and may be edited freely. Every stored audit has its block in
-experiments/results/README.md. docs/results.md holds blocks for a few audits only, and a block there may show some
-of the audit's attacks: `<!-- audit NAME attacks=ATTACK,ATTACK -->` (an attack the summary does not have is a
-problem --check reports).
+experiments/results/README.md. docs/results.md holds blocks for a few audits only, without the note on how to read
+them (the page says it once), and a block there may show some of the audit's attacks:
+`<!-- audit NAME attacks=ATTACK,ATTACK -->` (an attack the summary does not have is a problem --check reports).
 """
 
 from __future__ import annotations
@@ -43,9 +43,10 @@ def chosen(summary: dict, attacks: list[str] | None) -> list[dict]:
             for c in summary["configurations"]]
 
 
-def block_text(name: str, summary: dict, page: Path = LOG_PAGE, attacks: list[str] | None = None) -> str:
-    """The generated part: the command, what was run, the table of figures and how to read it. Links are relative
-    to `page`."""
+def block_text(name: str, summary: dict, page: Path = LOG_PAGE, attacks: list[str] | None = None,
+               note: bool = True) -> str:
+    """The generated part: the command, what was run, the table of figures and (with `note`) how to read it. Links
+    are relative to `page`."""
     done = [c for c in summary["configurations"] if c.get("status") == "done"]
     failed = [c for c in summary["configurations"] if c.get("status") != "done"]
     seconds = sum(c.get("train_seconds") or 0 for c in done)
@@ -57,7 +58,7 @@ def block_text(name: str, summary: dict, page: Path = LOG_PAGE, attacks: list[st
              + f"; {number_text(seconds / 60, 0)} min of training; code {summary['code_version']}; "
                f"summary stored as [experiments/results/{name}.json]({stored})."
              + (f" Attacks shown here: {', '.join(attacks)}." if attacks else ""), "",
-             markdown_table(figure_rows(chosen(summary, attacks))), "", FIGURES_NOTE, ""]
+             markdown_table(figure_rows(chosen(summary, attacks))), "", *([FIGURES_NOTE, ""] if note else [])]
     return "\n".join(lines)
 
 
@@ -76,7 +77,8 @@ def render(page: str, summaries: dict[str, dict], path: Path = LOG_PAGE) -> str:
         name = match["name"]
         if name not in summaries:
             return match[0]
-        return match["open"] + block_text(name, summaries[name], path, attacks_named(match)) + match["end"]
+        return match["open"] + block_text(name, summaries[name], path, attacks_named(match),
+                                          note=path != HEADLINE_PAGE) + match["end"]
     return BLOCK.sub(replace, page)
 
 

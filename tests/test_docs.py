@@ -209,6 +209,7 @@ def test_a_headline_table_shows_the_attacks_it_names(tmp_path, monkeypatch):
     assert script.problems() == []
     assert "labels-presence" in log.read_text() and "labels-presence" not in headlines.read_text()
     assert "labels-head" in headlines.read_text()
+    assert "Mean ± standard deviation" in log.read_text() and "Mean ± standard deviation" not in headlines.read_text()
     assert "[experiments/results/x.json](../results/x.json)" in headlines.read_text()
     headlines.write_text(headlines.read_text().replace("attacks=labels-head", "attacks=labels-nothing"))
     assert any("names the attack 'labels-nothing'" in p for p in script.problems())
