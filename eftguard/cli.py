@@ -698,7 +698,7 @@ def yields_cores(cfg: TrainConfig) -> bool:
     """Whether a demo configuration runs at nice DEMO_REFERENCE_NICENESS (with its Ray workers): one the demo's
     feature attacks do not apply to (Fed-Full uploads no features) has only the attacks on its update (a second
     each) to do after its training, and in bf16 the chain that waits for the cores is EFTViT's training and then
-    its single-threaded attacks. Measured idle (docs/measurements.md, "Under 3 minutes"): yielding took the bf16
+    its single-threaded attacks. Measured idle (experiments/results/demo.md, "Under 3 minutes"): yielding took the bf16
     demo from 166 s to 138-167 s (median 159 s of four). In fp32 the reference's training is the longer chain (218 s of a 239 s demo when it yielded; 220 and
     239 s without), so there it does not yield."""
     return cfg.precision == "bf16" and not method_spec(cfg.method).uploads_features
@@ -896,7 +896,7 @@ def main(argv: list[str] | None = None) -> None:
 
 def run() -> None:
     """The `eftguard` command: main, then an exit without the interpreter's teardown of its modules, which with
-    torch, timm, Flower and Ray loaded takes 1.5-2.4 s per process (docs/measurements.md) and is on the demo's
+    torch, timm, Flower and Ray loaded takes 1.5-2.4 s per process (experiments/results/demo.md) and is on the demo's
     critical path twice. What an exit must do still happens: threads are joined, the atexit handlers run (Ray's
     shutdown, logging's flush, weakref finalizers) and the output is flushed. An unexpected exception exits the
     usual way, with its traceback. SIGTERM (a scheduler's or `kill`'s stop) stops a command as Ctrl-C does; one with
