@@ -212,6 +212,7 @@ class AnalyticAttack:
         system, observed = pos[active].T, weight.reshape(width, -1)
         solution = torch.linalg.lstsq(system, observed).solution  # [A, 3 p p]
         residual = system @ solution - observed  # ~0 when the closed form applies (one image, one true gradient)
+        condition = conditioning(system)
         normalised = torch.zeros(grid * grid, channels * patch * patch, dtype=torch.float64)
         normalised[torch.from_numpy(active)] = solution
         image = normalised.reshape(grid, grid, channels, patch, patch).permute(2, 0, 3, 1, 4)
@@ -228,7 +229,28 @@ class AnalyticAttack:
                                    kept_ids=np.repeat(active[None], count, 0),
                                    details={"revealed_positions": int(len(active)),
                                             "relative_residual": float(_norm([residual]) / _norm([observed])),
-                                            "labels": recover_labels(obs).tolist()})
+                                            "condition_number": condition,
+                                            "labels": recover_labels(obs).tolist(),
+                                            **({"warning": ill_posed_warning(condition, width, len(active))}
+                                               if not condition <= ILL_POSED_CONDITION else {})})
+
+
+ILL_POSED_CONDITION = 1e8  # float64 solves lose about log10(condition) of their 16 digits to it
+
+
+def conditioning(system: torch.Tensor) -> float:
+    """The closed form's condition number (largest over smallest singular value of the positional gradients);
+    infinite when there are more positions than the width can tell apart."""
+    if system.shape[0] < system.shape[1]:
+        return math.inf
+    singular = torch.linalg.svdvals(system)
+    return float(singular[0] / singular[-1]) if singular[-1] > 0 else math.inf
+
+
+def ill_posed_warning(condition: float, width: int, positions: int) -> str:
+    return (f"the closed form is ill-posed here (condition number {condition:.3g}, width {width} against {positions} "
+            "positions): a small residual does not mean the images were recovered, and a poor reconstruction does "
+            "not mean they are safe")
 
 
 @GRADIENT.register

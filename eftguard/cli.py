@@ -667,7 +667,7 @@ def main(argv: list[str] | None = None) -> None:
 
 def run() -> None:
     """The `eftguard` command: main, then an exit without the interpreter's teardown of its modules, which with
-    torch, timm, Flower and Ray loaded takes 1.5-2.4 s per process (docs/measurements.md) and is on the demo's
+    torch, timm, Flower and Ray loaded takes 1.5-2.4 s per process (experiments/results/demo.md) and is on the demo's
     critical path twice. What an exit must do still happens: threads are joined, the atexit handlers run (Ray's
     shutdown, logging's flush, weakref finalizers) and the output is flushed. An unexpected exception exits the
     usual way, with its traceback. SIGTERM (a scheduler's or `kill`'s stop) stops a command as Ctrl-C does; one with

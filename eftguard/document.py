@@ -123,7 +123,7 @@ def markdown(document: Document) -> str:
 
 
 def markdown_table(rows: list[list[str]]) -> str:
-    """A pipe table as report.md has it (docs/results.md's tables are these)."""
+    """A pipe table as report.md has it (experiments/results.py's tables are these)."""
     return markdown(Document("", [Table(rows)])).rstrip("\n")
 
 

@@ -416,8 +416,8 @@ def headline_cell(members: list[dict], name: str, headline: Headline) -> str:
 def figure_rows(configurations: list[dict]) -> list[list[str]]:
     """The measured figures of an audit: per configuration group (failed configurations left out), one row per
     attack with its headline figures as mean ± std over the group's seeds and the baseline's mean in brackets;
-    the group's seeds, test accuracy and ε on its first row. docs/results.md is made of these tables
-    (experiments/results.py)."""
+    the group's seeds, test accuracy and ε on its first row. The generated tables of docs/results.md and
+    experiments/results/README.md are these (experiments/results.py)."""
     done = list(filter(is_done, configurations))
     attacks = list(dict.fromkeys(str(name) for c in done for name in attacks_of(c)))
     channels = {name: channel_of(next(attacks_of(c)[name] for c in done if name in attacks_of(c))) for name in attacks}

@@ -215,7 +215,7 @@ def yields_cores(cfg: TrainConfig) -> bool:
     """Whether a demo configuration runs at nice DEMO_REFERENCE_NICENESS (with its Ray workers): one the demo's
     feature attacks do not apply to (Fed-Full uploads no features) has only the attacks on its update (a second
     each) to do after its training, and in bf16 the chain that waits for the cores is EFTViT's training and then
-    its single-threaded attacks. Measured idle (docs/measurements.md, "Under 3 minutes"): yielding took the bf16
+    its single-threaded attacks. Measured idle (experiments/results/demo.md, "Under 3 minutes"): yielding took the bf16
     demo from 166 s to 138-167 s (median 159 s of four). In fp32 the reference's training is the longer chain (218 s
     of a 239 s demo when it yielded; 220 and 239 s without), so there it does not yield."""
     return cfg.precision == "bf16" and not method_spec(cfg.method).uploads_features

@@ -1,7 +1,7 @@
 """Where a client step's time goes that FLOPs do not explain: torch.profiler over the trainer's own step
 (eftguard.training.train_local) for fedavg and eftvit at r_m 0.75 (--mask-ratio), ops grouped into matrix products,
 attention, the optimizer, masking and data handling, and the rest, with the products' throughput. Findings:
-docs/bench.md ("Where the time goes").
+docs/bench.md ("Where the time goes"); the measured tables: experiments/results/bench.md.
 
     python experiments/bench_profile.py [--model vit-tiny-32] [--steps 5] [--batch-size 64] [--mask-ratio 0.75]
     python experiments/bench_profile.py --dp                    # eftvit with DP-SGD against without

@@ -1,4 +1,4 @@
-"""The before/after table of label scores (docs/results.md, "Label scores with fair baselines") from the summary of
+"""The before/after table of label scores (experiments/results/README.md, "Label scores with fair baselines") from the summary of
 `eftguard audit experiments/labels_fair.toml`: per configuration and label attack, L1 and exact-count accuracy
 against the prior, the head attack's counts before its floor and the prior given the same floor, and exact-count
 accuracy over all classes.

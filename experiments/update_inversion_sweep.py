@@ -5,7 +5,7 @@ from the seeded model, then runs the updates attack on its upload with the repla
 prints PSNR and LPIPS (stlpips-alex) of the reconstructions beside the mean public image, over the patches the
 client trained on for eftvit and the whole image for fedavg, each reconstruction matched one-to-one to the
 client's images (Hungarian, MSE) as the auditor scores it; trial t attacks images [t n, (t + 1) n).
-The table in docs/attacks.md ("Update inversion") is this script's output:
+The tables of experiments/results/attacks.md ("Update inversion") are this script's output:
 
     OMP_NUM_THREADS=1 python experiments/update_inversion_sweep.py --model micro --trials 2 \
         --configs eftvit:1:1:1 eftvit:2:1:2 eftvit:4:1:2 eftvit:8:1:4 eftvit:4:2:2 \

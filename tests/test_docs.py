@@ -1,6 +1,8 @@
-"""The docs that ship with the repository stay true to it: every relative link reaches a file (and a heading, when
-it names one), every docs/ page the code cites exists, the README's quickstart commands parse with the current
-CLI, and every measured table in docs/results.md comes with the command that produced it."""
+"""The docs that ship with the repository stay true to it: every relative link of the README, docs/ and the
+measurement logs in experiments/ reaches a file (and a heading, when it names one), every docs/ or
+experiments/results/ page the code cites exists, the README's quickstart commands parse with the current CLI, and
+every measured table in docs/results.md and experiments/results/README.md comes with the command that produced it
+and, where generated, matches its stored summary."""
 
 from __future__ import annotations
 
@@ -15,7 +17,9 @@ from markdown_it import MarkdownIt
 from eftguard.cli import build_parser
 
 ROOT = Path(__file__).resolve().parent.parent
-PAGES = [ROOT / "README.md", ROOT / "experiments" / "README.md", *sorted((ROOT / "docs").glob("*.md"))]
+PAGES = [ROOT / "README.md", ROOT / "experiments" / "README.md", *sorted((ROOT / "docs").glob("*.md")),
+         *sorted((ROOT / "experiments" / "results").glob("*.md"))]
+RESULT_PAGES = [ROOT / "docs" / "results.md", ROOT / "experiments" / "results" / "README.md"]
 
 MARKDOWN = MarkdownIt("commonmark").enable("table")
 
@@ -62,7 +66,7 @@ def relative_links() -> list[tuple[str, Path, str]]:
 def test_the_pages_have_links_to_check():
     """Guards the link test below against a parser change that would find no links and check nothing."""
     pages_with_links = {name for name, _, _ in relative_links()}
-    assert {"README.md", "docs/results.md", "docs/architecture.md"} <= pages_with_links
+    assert {"README.md", "docs/results.md", "docs/architecture.md", "experiments/results/README.md"} <= pages_with_links
 
 
 @pytest.mark.parametrize("name, page, target", relative_links(), ids=lambda v: v if isinstance(v, str) else "")
@@ -76,11 +80,12 @@ def test_relative_link_resolves(name, page, target):
 
 
 def cited_pages() -> list[tuple[str, str]]:
-    """(source file, page) for every page under docs/ that a docstring, comment or message of the code names."""
+    """(source file, page) for every page under docs/ or experiments/results/ that a docstring, comment or message
+    of the code names."""
     sources = [file for folder in ("eftguard", "attacks", "defenses", "experiments", "tests")
                for file in (ROOT / folder).rglob("*.py")]
     return sorted({(file.relative_to(ROOT).as_posix(), page) for file in sources
-                   for page in re.findall(r"\bdocs/[\w-]+\.md\b", file.read_text())})
+                   for page in re.findall(r"\b(?:docs|experiments/results)/[\w-]+\.md\b", file.read_text())})
 
 
 def test_the_code_cites_pages():
@@ -119,9 +124,9 @@ def test_quickstart_command_parses(line, capsys):
     assert args.command == argv[0]
 
 
-def results_sections() -> list[tuple[str, list]]:
-    """docs/results.md split at its level-2 headings: (heading, tokens)."""
-    tokens = tokens_of(ROOT / "docs" / "results.md")
+def results_sections(page: Path) -> list[tuple[str, list]]:
+    """A page of measured tables split at its level-2 headings: (heading, tokens)."""
+    tokens = tokens_of(page)
     sections = []
     for opening, inline in zip(tokens, tokens[1:]):
         if opening.type == "heading_open" and opening.tag == "h2":
@@ -131,14 +136,15 @@ def results_sections() -> list[tuple[str, list]]:
     return sections
 
 
-def test_every_measured_table_comes_with_its_command():
-    sections = results_sections()
+@pytest.mark.parametrize("page", RESULT_PAGES, ids=lambda page: page.relative_to(ROOT).as_posix())
+def test_every_measured_table_comes_with_its_command(page):
+    sections = results_sections(page)
     with_tables = [(heading, body) for heading, body in sections if any(t.type == "table_open" for t in body)]
-    assert len(with_tables) >= 6  # training, round time, DP (2), inversion (2), gradient, labels
+    assert len(with_tables) >= 6  # training, inversion, gradient, labels, membership, malicious server, ...
     command = re.compile(r"^\s*(\S+=\S+ )*(time )?(eftguard|python|pytest|bash) ", re.MULTILINE)
     for heading, body in with_tables:
         code = "\n".join(t.content for t in body if t.type in ("code_block", "fence", "code_inline"))
-        assert command.search(code), f"docs/results.md, section '{heading}': a table without the command behind it"
+        assert command.search(code), f"{page.name}, section '{heading}': a table without the command behind it"
 
 
 def results_script():
@@ -151,7 +157,8 @@ def results_script():
 
 
 def test_results_tables_are_what_the_stored_audits_give():
-    """docs/results.md's audit tables regenerate from experiments/results/*.json (experiments/results.py)."""
+    """The audit tables of experiments/results/README.md and docs/results.md regenerate from
+    experiments/results/*.json (experiments/results.py)."""
     assert results_script().problems() == []
 
 
@@ -162,11 +169,47 @@ def test_a_stale_results_table_is_found(tmp_path, monkeypatch):
          "attacks": {}}]}
     (tmp_path / "results").mkdir()
     (tmp_path / "results" / "x.json").write_text(__import__("json").dumps(summary))
-    page = tmp_path / "results.md"
+    page = tmp_path / "results" / "README.md"
     page.write_text("intro\n<!-- audit x -->\nold table\n<!-- end audit x -->\nafter\n")
+    headlines = tmp_path / "headlines.md"
+    headlines.write_text("no blocks\n")
     monkeypatch.setattr(script, "STORED", tmp_path / "results")
-    monkeypatch.setattr(script, "RESULTS_PAGE", page)
+    monkeypatch.setattr(script, "LOG_PAGE", page)
+    monkeypatch.setattr(script, "HEADLINE_PAGE", headlines)
     assert any("differ" in p for p in script.problems())
-    page.write_text(script.render(page.read_text(), script.stored_summaries()))
+    page.write_text(script.render(page.read_text(), script.stored_summaries(), page))
     assert script.problems() == [] and "| (the audit's defaults) | 1 | 0.500 | off |" in page.read_text()
+    assert "[experiments/results/x.json](x.json)" in page.read_text()
     assert page.read_text().endswith("<!-- end audit x -->\nafter\n")
+
+
+def test_a_headline_table_shows_the_attacks_it_names(tmp_path, monkeypatch):
+    """docs/results.md may show some of an audit's attacks (`<!-- audit NAME attacks=A,B -->`); every stored audit
+    still needs its whole table in the log, and a block naming an attack the audit did not run is a problem."""
+    script = results_script()
+    report = {"figures": {}}
+    summary = {"title": "t", "code_version": "0.1.0+abc", "pending": [], "configurations": [
+        {"id": "seed=0", "group": "", "status": "done", "accuracy": 0.5, "epsilon": None, "train_seconds": 60,
+         "attacks": {"labels-head": report, "labels-presence": report}}]}
+    (tmp_path / "results").mkdir()
+    (tmp_path / "results" / "x.json").write_text(__import__("json").dumps(summary))
+    log = tmp_path / "results" / "README.md"
+    log.write_text("nothing yet\n")
+    docs = tmp_path / "docs"
+    docs.mkdir()
+    headlines = docs / "results.md"
+    headlines.write_text("<!-- audit x attacks=labels-head -->\n<!-- end audit x -->\n")
+    monkeypatch.setattr(script, "STORED", tmp_path / "results")
+    monkeypatch.setattr(script, "LOG_PAGE", log)
+    monkeypatch.setattr(script, "HEADLINE_PAGE", headlines)
+    assert any("has no '<!-- audit x -->' block" in p for p in script.problems())
+    log.write_text("<!-- audit x -->\n<!-- end audit x -->\n")
+    for page in (log, headlines):
+        page.write_text(script.render(page.read_text(), script.stored_summaries(), page))
+    assert script.problems() == []
+    assert "labels-presence" in log.read_text() and "labels-presence" not in headlines.read_text()
+    assert "labels-head" in headlines.read_text()
+    assert "Mean ± standard deviation" in log.read_text() and "Mean ± standard deviation" not in headlines.read_text()
+    assert "[experiments/results/x.json](../results/x.json)" in headlines.read_text()
+    headlines.write_text(headlines.read_text().replace("attacks=labels-head", "attacks=labels-nothing"))
+    assert any("names the attack 'labels-nothing'" in p for p in script.problems())

@@ -171,3 +171,21 @@ def test_dp_sgds_sample_rate_and_steps_come_from_the_pool_not_the_data(micro_pre
         metrics = dict(reply(cfg, held, tmp_path / str(len(held)))["metrics"])
         assert metrics["dp-sample-rate"] == pytest.approx(cfg.batch_size / size)
         assert metrics["dp-steps"] == cfg.local_epochs * math.ceil(size / cfg.batch_size)
+
+
+ALLOWED_RECORDS = {"update", "metrics", "features"}  # the mechanisms' outputs and the public metrics
+ALLOWED_METRICS = {"partition-id", "num-examples", "loss", "epoch-seconds", "epoch-cpu-seconds", "feature-seconds",
+                   "dp-noise-multiplier", "dp-sample-rate", "dp-steps", "dp-epsilon-spent", "dp-epsilon-parameters",
+                   "dp-feature-noise-multiplier", "dp-epsilon-features"}
+
+
+@pytest.mark.parametrize("method", DP_METHODS)
+def test_a_dp_reply_holds_nothing_but_the_mechanisms_outputs_and_public_metrics(micro_preset, tmp_path, method):
+    """Every key of every DP reply is on this list: the parameters (DP-SGD), the feature release (when the method
+    uploads features), and metrics that are public; a new key fails here until its argument is made."""
+    cfg = dp_config(micro_preset, method)
+    content = reply(cfg, np.arange(len(pool(cfg))), tmp_path)
+    assert set(content) <= ALLOWED_RECORDS and ("features" in content) == method_spec(method).uploads_features
+    assert set(content["metrics"]) <= ALLOWED_METRICS
+    assert set(content["update"]) == set(method_spec(method).uploaded_state(
+        build_model(cfg.model, 10, cfg.local_layers, seed=0, adapt=method_spec(method).model_adapter(cfg))))

@@ -79,6 +79,22 @@ def test_analytic_recovers_the_fedfull_image_at_batch_1(photos):
     assert result.details["labels"] == photos.train.labels[[3]].tolist()
 
 
+def test_analytic_flags_an_ill_posed_system_whatever_its_residual(photos):
+    """Issue 36: where the positions' gradients are nearly dependent (a model whose width barely exceeds its
+    positions, or here positions made copies of one another) the least-squares residual is tiny while the image is
+    lost (6.2 dB measured in the issue's square case); the attack reports its conditioning and says the system is
+    ill-posed instead of letting the residual read as success. The honest batch-1 system is well conditioned and
+    carries no warning."""
+    obs, original, _ = vit_probe(photos, [3], masked=False)
+    good = AnalyticAttack().reconstruct(obs)
+    assert good.details["condition_number"] < 1e4 and "warning" not in good.details
+    pos = obs.gradients[obs.pos_embed].clone()
+    pos[0, 2:] = pos[0, 1:2] * (1 + 1e-13 * torch.randn(pos[0, 2:].shape, dtype=pos.dtype))  # all positions alike
+    obs.gradients[obs.pos_embed] = pos
+    bad = AnalyticAttack().reconstruct(obs)
+    assert bad.details["condition_number"] > 1e8 and bad.details["warning"].startswith("the closed form is ill-posed")
+
+
 def test_analytic_recovers_kept_patches_and_their_positions_under_masking(photos):
     obs, original, keep = vit_probe(photos, [5], masked=True)
     result = AnalyticAttack().reconstruct(obs)
