@@ -21,140 +21,28 @@ from rich.table import Table
 from eftguard.attack_cli import add_attack_parser, add_report_parser, cmd_attack, cmd_report
 from eftguard.attacks.base import AttackError
 from eftguard.audit.gate import parse_gate
-from eftguard.canaries import CANARY_KINDS
-from eftguard.config import (ACCOUNTANTS, CLIENT_SELECTION, FEDERATIONS, HEAD_PRUNING, HEAD_WEIGHTING, METHODS,
-                             TAMPERINGS, THREATS, TrainConfig)
-from eftguard.data import DATASET_HELP, DataError, load_dataset
+from eftguard.config import METHODS, TrainConfig
+from eftguard.data import DataError, load_dataset
 from eftguard.defenses.node_auth import write_node_key
 from eftguard.defenses.tls import DEFAULT_SANS, CertificateError, certificate_names, write_certificates
 from eftguard.errors import ConfigError, FederationError
 from eftguard.federation import deployment
-from eftguard.methods import METHODS as METHOD_SPECS
 from eftguard.metrics import LPIPS_BACKENDS, MetricError
 from eftguard.model import PRESETS, ModelError, build_model
+from eftguard.options import add_argument, add_arguments, given_values, options_of
 from eftguard.paths import atomic_write, file_in_the_way, output_file_problem, unwritable_reason
 from eftguard.precision import PRECISIONS, resolve_precision
-from eftguard.pretrain import (OBJECTIVES, PretrainConfig, PretrainError, check_out_path, pretrain, public_loss,
+from eftguard.pretrain import (PretrainConfig, PretrainError, check_out_path, pretrain, public_loss,
                                resume_path, save_pretrained)
 from eftguard.rundir import RunDirectory, RunError
-from eftguard.sampling import BALANCE_MODES
-from eftguard.schedule import SCHEDULES
 from eftguard.training import evaluate
 
 USER_ERRORS = (AttackError, ConfigError, DataError, ModelError, RunError, FederationError, CertificateError,
                MetricError, PretrainError)
 
-TRAIN_HELP = {
-    "dataset": f"dataset: {DATASET_HELP}",
-    "data_dir": "folder with a local copy of the dataset (cifar10/cifar100 download there where the network allows)",
-    "model": "model preset: " + "; ".join(f"{k} ({v.description})" for k, v in PRESETS.items()),
-    "pretrained": "start from timm's pretrained hub weights (needs the network or the hub cache)",
-    "checkpoint": "start from local weights (.safetensors, or a state dict .pt/.pth); timm or eftguard layout",
-    "method": "training method: " + "; ".join(f"{name} ({spec.description})" for name, spec in METHOD_SPECS.items()),
-    "mask_ratio": "fraction of patch tokens each client drops per image, in [0, 1) (masked methods only)",
-    "prompt_tokens": "fed-prompt: learned prompt tokens inserted after the cls token",
-    "lora_rank": "fed-lora: rank r of the LoRA factors on each attention projection; headprune-lora: on each "
-                 "head's part of them",
-    "head_sparsity": "headprune-lora: fraction s of each layer's attention heads a client prunes, in [0, 1); it "
-                     "trains and uploads the LoRA of the other ceil((1 - s) * heads) (at least one)",
-    "head_pruning": "headprune-lora: which heads a client keeps: importance (the largest alpha, the mean over its "
-                    "images of the largest q.k / sqrt(d_h), on the received model) or random (the ablation)",
-    "head_weighting": "headprune-lora: each head's factors averaged over the clients that kept it, weighted by their "
-                      "importance alpha_c / (sum alpha + 1e-8), or by their sample counts (samples: the ablation)",
-    "client_selection": "how --clients-per-round clients are picked: random (seeded), or loss-gap (round 1 random, "
-                        "then the clients whose last local training loss most exceeds the loss of the global model "
-                        "they received, on their data; never-seen clients first)",
-    "local_layers": "M: transformer blocks in the client's local module (1..depth-1); the rest stay on the server",
-    "clients": "number of clients (data partitions)",
-    "clients_per_round": "clients taking part in each round (0: all)",
-    "rounds": "federated rounds",
-    "local_epochs": "client epochs per round (E)",
-    "server_epochs": "server epochs on the uploaded features per round (S; 0: theta is never trained on them)",
-    "batch_size": "batch size, clients and server",
-    "lr": "client learning rate (AdamW); 0: the method's own default (docs/peft.md, learning rate per method): "
-          + ", ".join(f"{name} {spec.default_lr:g}" for name, spec in METHOD_SPECS.items()),
-    "server_lr": "server learning rate for the global module (AdamW)",
-    "warmup_rounds": "rounds of linear learning-rate warm-up (client and server: round t of W uses t/W of the rate)",
-    "lr_schedule": "after the warm-up, the client and server learning rates per round: constant, or cosine (decay "
-                   "toward 1%% of the rate, reached one round after the last: the pretrain command's schedule, per "
-                   "round)",
-    "weight_decay": "AdamW weight decay",
-    "beta": "Dirichlet concentration of the non-IID split (small: few classes per client)",
-    "balance": "per-class target T of the feature upload: median, mean, max of the class counts, or none",
-    "seed": "seed of everything random (init, split, masks, sampling)",
-    "train_samples": "use a seeded random subset of this many training images (0: all)",
-    "test_samples": "evaluate on a seeded random subset of this many test images (0: all)",
-    "federation": "runtime: simulation (Flower's simulation engine on this machine) or deployment (a running "
-                  "SuperLink with one SuperNode per partition; see --superlink)",
-    "cpus_per_client": "CPU cores reserved per simulated client (2 clients train in parallel on 2 cores)",
-    "round_timeout": "seconds to wait for client replies in a round; late clients are dropped",
-    "record_truth": "ask clients for auditor-only ground truth (source sample ids, kept patches, class counts) that "
-                    "the server stores in truth/ for scoring attacks. A deployed node sends it only if started with "
-                    "--share-truth; simulated nodes follow this option. --no-record-truth when the server is not "
-                    "your auditor: the truth reveals each client's class histogram",
-    "encrypt_at_rest": "KEYFILE: store uploads in observed/ encrypted (AES-256-GCM); a missing file gets a new "
-                       "random key (mode 0600). Attacks and reports then need the key",
-    "dp_eps": "end-to-end differential privacy: total epsilon per client over all the rounds it takes part in, "
-              "for everything it uploads (0: off): DP-SGD (Opacus) on the parameters its method trains, and (eftvit) "
-              "its patch features and labels as a Gaussian release of every image per round, clipped to "
-              "--feature-clip (docs/dp.md)",
-    "dp_delta": "delta per client (0: 1 / (10 n_k), n_k the client's sample count)",
-    "dp_feature_share": "fraction of --dp-eps for the feature channel (features, labels, row counts); the rest "
-                        "goes to DP-SGD on the parameters",
-    "max_grad_norm": "DP-SGD per-sample gradient clipping norm",
-    "accountant": "privacy accountant that calibrates the DP-SGD noise and reports epsilon: prv or rdp",
-    "feature_noise": "feature-release defense without --dp-eps (no epsilon claimed): Gaussian noise of std "
-                     "SIGMA * C added to every uploaded token feature after clipping (needs --feature-clip C; 0: "
-                     "clipping only)",
-    "feature_clip": "without --dp-eps: clip every uploaded token feature to L2 norm C (0: off); with --dp-eps: "
-                    "the norm C each image's whole feature row is clipped to (0: 20)",
-    "canaries": "M canaries for eftguard attack dp-audit, spread over the clients (seeded), each put into its "
-                "client's data with probability 1/2; the inclusion bits go to truth/ only (0: none; docs/dp.md)",
-    "canary_kind": "mislabelled (held-out images with a wrong label; every channel) or gradient (noise images for "
-                   "the parameter channel)",
-    "threat": "honest; malicious: the server sends the tampering of its model in --tamper-round; adaptive: every "
-              "round it sends each client the model closest to the tampering that the client's --model-check "
-              "accepts (simulation only, to measure the tampering attacks and the check; docs/threat-model.md)",
-    "tamper": "the malicious server's tampering: " + "; ".join(TAMPERINGS),
-    "tamper_round": "the round whose model the malicious server tampers with (0: the last; not with adaptive)",
-    "model_check": "simulated clients check every model they receive against the one they received before and "
-                   "refuse (upload nothing) a round whose model moved further than the run's local and server "
-                   "training can move it (defenses/model_check.py)",
-    "precision": "of every forward pass in training, feature extraction and evaluation: fp32, or bf16 (bfloat16 "
-                 "matrix products, float32 weights, optimizer and uploads; about 2-2.5x faster where the CPU has AMX "
-                 "tiles or AVX-512 BF16, far slower where it has neither; not with --dp-eps; docs/training.md)",
-}
-PRETRAIN_HELP = {
-    "objective": "supervised (labels of the public split), mae (reconstruct the pixels of masked patches; no labels "
-                 "needed) or both (their sum)",
-    "epochs": "passes over the public split",
-    "batch_size": "batch size",
-    "lr": "peak AdamW learning rate, reached after the warm-up, then cosine decay",
-    "weight_decay": "AdamW weight decay",
-    "warmup_epochs": "epochs of linear learning-rate warm-up",
-    "label_smoothing": "label smoothing of the supervised loss",
-    "mask_ratio": "fraction of patches the MAE objective hides",
-    "augment": "random resized crops (35-100%% of the area) and left-right flips",
-    "seed": "seed of the initialisation, batches, crops and masks",
-}
-CHOICES = {"method": METHODS, "balance": BALANCE_MODES, "federation": FEDERATIONS, "model": tuple(PRESETS),
-           "accountant": ACCOUNTANTS, "head_pruning": HEAD_PRUNING, "head_weighting": HEAD_WEIGHTING,
-           "client_selection": CLIENT_SELECTION, "lr_schedule": SCHEDULES,
-           "canary_kind": CANARY_KINDS, "threat": THREATS, "tamper": tuple(TAMPERINGS), "precision": PRECISIONS}
-
-
 def _add_train_options(parser: argparse.ArgumentParser) -> None:
-    defaults = TrainConfig()
     group = parser.add_argument_group("training options (also keys of --config FILE.toml and config.toml)")
-    for field in dataclasses.fields(TrainConfig):
-        flag = "--" + field.name.replace("_", "-")
-        help_text = f"{TRAIN_HELP[field.name]} (default: {getattr(defaults, field.name)!r})"
-        if field.type == "bool":
-            group.add_argument(flag, dest=field.name, action=argparse.BooleanOptionalAction, default=None, help=help_text)
-        else:
-            kind = {"str": str, "int": int, "float": float}[field.type]
-            group.add_argument(flag, dest=field.name, type=kind, default=None, choices=CHOICES.get(field.name),
-                               help=help_text, metavar=None if field.name in CHOICES else field.name.upper())
+    add_arguments(group, TrainConfig)
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -351,32 +239,19 @@ def add_pretrain_parser(sub) -> None:
                                           "resized crops and label smoothing, and optionally MAE-style masked-patch "
                                           "reconstruction. Writes the weights (timm layout, safetensors) for "
                                           "eftguard train --checkpoint; any --local-layers fits them.")
-    pretrain.add_argument("--dataset", default="photos", help=f"{TRAIN_HELP['dataset']} (default: 'photos')")
-    pretrain.add_argument("--data-dir", default=None, help=TRAIN_HELP["data_dir"])
-    pretrain.add_argument("--model", default="vit-tiny-32", choices=tuple(PRESETS),
-                          help=TRAIN_HELP["model"] + " (default: 'vit-tiny-32')")
+    train_options = {o.name: o for o in options_of(TrainConfig)}
+    for name in ("dataset", "data_dir", "model"):  # the dataset and model, as eftguard train names them
+        add_argument(pretrain, train_options[name], default=train_options[name].default)
     pretrain.add_argument("--out", type=Path, required=True, metavar="CKPT.safetensors",
                           help="checkpoint to write; until then, CKPT.safetensors.resume keeps the state after each "
                                "finished epoch, and the same command continues from it")
     pretrain.add_argument("--force", action="store_true", help="replace an existing --out file")
-    defaults = PretrainConfig()
-    for field in dataclasses.fields(PretrainConfig):
-        flag, default = "--" + field.name.replace("_", "-"), getattr(defaults, field.name)
-        help_text = f"{PRETRAIN_HELP[field.name]} (default: {default!r})"
-        if field.type == "bool":
-            pretrain.add_argument(flag, action=argparse.BooleanOptionalAction, default=default, help=help_text)
-        else:
-            pretrain.add_argument(flag, type={"str": str, "int": int, "float": float}[field.type], default=default,
-                                  choices=OBJECTIVES if field.name == "objective" else None, help=help_text)
+    add_arguments(pretrain, PretrainConfig)
 
 
 def config_from_args(args: argparse.Namespace) -> TrainConfig:
     values = dataclasses.asdict(TrainConfig.from_toml_file(args.config)) if args.config else {}
-    for field in dataclasses.fields(TrainConfig):
-        given = getattr(args, field.name)
-        if given is not None:
-            values[field.name] = given
-    return TrainConfig.from_mapping(values, "options").resolved()
+    return TrainConfig.from_mapping({**values, **given_values(args, TrainConfig)}, "options").resolved()
 
 
 def check_train_flags(args: argparse.Namespace, cfg: TrainConfig) -> None:
@@ -392,7 +267,7 @@ def cmd_train(args: argparse.Namespace) -> None:
     if args.resume:
         run = RunDirectory.open(args.resume)
         cfg = run.config()
-        given = [f.name for f in dataclasses.fields(TrainConfig) if getattr(args, f.name) is not None and f.name != "rounds"]
+        given = [name for name in given_values(args, TrainConfig) if name != "rounds"]
         if given or args.config:
             raise ConfigError(f"--resume continues {args.resume} with its own config.toml; drop "
                               + ", ".join("--" + g.replace("_", "-") for g in given or ["config"]))
@@ -531,7 +406,7 @@ def _mean_epoch_cpu_seconds(records: list[dict]) -> float:
 
 
 def cmd_pretrain(args: argparse.Namespace) -> None:
-    cfg = PretrainConfig(**{f.name: getattr(args, f.name) for f in dataclasses.fields(PretrainConfig)})
+    cfg = PretrainConfig(**given_values(args, PretrainConfig))
     cfg.check()
     check_out_path(args.out, args.force)
     dataset = load_dataset(args.dataset, args.data_dir, PRESETS[args.model].image_size)

@@ -10,7 +10,9 @@ from typing import ClassVar
 import numpy as np
 import pytest
 
-from eftguard.attacks.base import LabelEstimate, Registry, ThreatModel, finite_number, option
+from eftguard.attacks.base import LabelEstimate, Registry, ThreatModel
+
+from eftguard.options import finite_number, option
 from eftguard.attacks.labels import LABELS
 from eftguard.attack_cli import the_run
 from eftguard.audit import SCHEMA_VERSION, AttackReport, attack_names, read_attack_report, run_attack

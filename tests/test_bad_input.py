@@ -315,7 +315,7 @@ def test_hostile_report_json_reaches_the_page_only_as_text(feature_run, tmp_path
 def test_a_weight_that_may_be_zero_is_refused_below_zero_with_its_real_bound():
     """--tv and the like: 0 switches the term off and is accepted; a negative or NaN weight is one message that
     names the bound a user can type (">= 0", not an epsilon below zero)."""
-    from eftguard.attacks.base import finite_number
+    from eftguard.options import finite_number
 
     parse = finite_number(0, zero_allowed=True)
     assert parse("0") == 0.0 and parse("0.3") == 0.3
