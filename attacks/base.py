@@ -3,8 +3,8 @@ model it runs under and the shape of its result.
 
 An attack is a class with `name` (its method name within the family), `family`, `threat_model` and
 `reconstruct(observation, progress) -> result`, registered in its family's `Registry`. Its user-facing options
-are dataclass fields declared with `option(...)` (eftguard.options): the CLI's flags and `--help`, and the keyword arguments of
-`eftguard.audit.run_attack`, are derived from them, so adding a method to a family is one class in one file
+are dataclass fields declared with `eftguard.options.option(...)`: the CLI's flags and `--help`, and the keyword
+arguments of `eftguard.audit.run_attack`, are derived from them, so adding a method to a family is one class in one file
 (docs/add-an-attack.md). Observations hold only what the server observed (uploads, the round's model
 weights, public data); ground truth is joined later, by the auditor (`eftguard.audit.scoring`), never by an attack.
 """

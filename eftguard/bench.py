@@ -10,7 +10,6 @@ the allocator warms up in the first step of a call). docs/bench.md documents eve
 from __future__ import annotations
 
 import copy
-import math
 import os
 import platform
 import statistics
@@ -30,57 +29,22 @@ from eftguard.attacks.base import ThreatModel
 from eftguard.attacks.gradient import GradientObservation, InvertingGradients, prepare_numerics
 from eftguard.attacks.inversion import ClientFeatures, DecoderInversion, RoundFeatures
 from eftguard.audit.observe import model_image_size, probe_gradient, trained_names
+from eftguard.bench_config import REFERENCE, BenchConfig
 from eftguard.config import TrainConfig
 from eftguard.data import dirichlet_partition
 from eftguard.data.plan import run_dataset
 from eftguard.defenses.dp import DPSGD
 from eftguard.errors import ConfigError
 from eftguard.masking import kept_token_count, random_keep_ids
-from eftguard.methods import METHODS, MethodSpec, method_spec
-from eftguard.model import PRESETS, EFTViT, build_model
-from eftguard.precision import PRECISIONS
+from eftguard.methods import METHODS, MethodSpec
+from eftguard.model import EFTViT, build_model
 from eftguard.sampling import balanced_indices
 from eftguard.training import OptimConfig, TrainResult, extract_features, train_global, train_local
 
-REFERENCE = "fedavg"  # the method every speed-up is relative to (Fed-Full)
-MASK_RATIOS = (0.0, 0.5, 0.75, 0.9)
 IG_IMAGE_STEPS = InvertingGradients().steps * InvertingGradients().restarts  # the attack's defaults: one image
 SCHEMA_VERSION = 1
 
 Progress = Callable[[str], None]
-
-
-@dataclass(frozen=True)
-class BenchConfig:
-    model: str = "vit-tiny-32"
-    methods: tuple[str, ...] = tuple(METHODS)
-    mask_ratios: tuple[float, ...] = MASK_RATIOS
-    steps: int = 10  # timed steps per configuration
-    warmup: int = 1  # discarded steps before each timed one, in the same call
-    batch_size: int = 64
-    attack_steps: int = 10  # timed decoder steps / Inverting-Gradients iterations
-    seed: int = 0
-    precision: str = "fp32"  # of the client and server steps and the decoder (eftguard.precision)
-
-    def validate(self) -> None:
-        """Every bad option as one ConfigError, before any work."""
-        if self.model not in PRESETS:
-            raise ConfigError(f"--model: unknown preset '{self.model}', choose {', '.join(PRESETS)}")
-        for name in self.methods:
-            method_spec(name)
-        if self.precision not in PRECISIONS:
-            raise ConfigError(f"--precision: unknown precision '{self.precision}', choose {', '.join(PRECISIONS)}")
-        if REFERENCE not in self.methods:
-            raise ConfigError(f"--methods must include {REFERENCE}: every speed-up is relative to it")
-        if not self.mask_ratios:
-            raise ConfigError("--mask-ratios: give at least one ratio")
-        for ratio in self.mask_ratios:
-            if not (math.isfinite(ratio) and 0.0 <= ratio < 1.0):
-                raise ConfigError(f"--mask-ratios: {ratio} is not in [0, 1) (fraction of patches dropped)")
-        for flag, value, least in (("--steps", self.steps, 1), ("--warmup", self.warmup, 0),
-                                   ("--batch-size", self.batch_size, 1), ("--attack-steps", self.attack_steps, 1)):
-            if value < least:
-                raise ConfigError(f"{flag} must be >= {least}, got {value}")
 
 
 @dataclass(frozen=True)

@@ -21,6 +21,7 @@ from rich.table import Table
 from eftguard.attack_cli import add_attack_parser, add_report_parser, cmd_attack, cmd_report
 from eftguard.attacks.base import AttackError
 from eftguard.audit.gate import parse_gate
+from eftguard.bench_config import BenchConfig
 from eftguard.config import METHODS, TrainConfig
 from eftguard.data import DataError, load_dataset
 from eftguard.defenses.node_auth import write_node_key
@@ -76,12 +77,7 @@ def build_parser() -> argparse.ArgumentParser:
     certs = sub.add_parser("certs", help="create a CA and a SuperLink certificate for TLS deployments",
                            description="Writes ca.crt, ca.key, server.pem and server.key (EC P-256; keys mode 0600). "
                                        "Give ca.crt to every SuperNode; keep ca.key offline.")
-    certs.add_argument("--out", type=Path, required=True, help="folder for the certificate files")
-    certs.add_argument("--san", action="append", metavar="HOST_OR_IP",
-                       help="IP address or DNS host name SuperNodes use to reach the SuperLink; repeat for several "
-                            "(default: 127.0.0.1, localhost, ::1). 127.0.0.1 is always added: eftguard train and "
-                            "register-node reach the Control API there")
-    certs.add_argument("--force", action="store_true", help="replace existing certificate files")
+    add_arguments(certs, deployment.CertsOptions, defaults=True)
 
     superlink = sub.add_parser("superlink", help="start a Flower SuperLink with TLS (for --federation deployment)",
                                description="Runs flower-superlink with the certificates from eftguard certs. Only "
@@ -89,77 +85,22 @@ def build_parser() -> argparse.ArgumentParser:
                                            "Control API, which has no account authentication, stays on "
                                            "--control-host (loopback): run eftguard train and register-node on this "
                                            "host with --superlink 127.0.0.1:CONTROL_PORT.")
-    superlink.add_argument("--certs", type=Path, help="folder written by eftguard certs")
-    superlink.add_argument("--insecure", action="store_true", help="plaintext instead of TLS (trusted networks only)")
-    superlink.add_argument("--host", default="127.0.0.1", help="address the Fleet API listens on (default: 127.0.0.1; "
-                                                                "0.0.0.0 for SuperNodes on other hosts)")
-    superlink.add_argument("--port", type=int, default=9092, help="Fleet API port (default: 9092; 0: any free port, "
-                                                                  "printed at start)")
-    superlink.add_argument("--control-host", default="127.0.0.1",
-                           help="address of the Control API (eftguard train, register-node, flwr ls). Anyone who "
-                                "reaches it can register node keys and start runs: keep the default 127.0.0.1")
-    superlink.add_argument("--control-port", type=int, default=9093, help="Control API port (default: 9093)")
-    superlink.add_argument("--node-auth", action="store_true",
-                           help="accept only SuperNodes whose key was registered with eftguard register-node")
+    add_arguments(superlink, deployment.SuperLinkOptions, defaults=True)
 
     node_key = sub.add_parser("node-key", help="create a SuperNode authentication key pair",
                               description="Writes KEY (private, mode 0600, for eftguard supernode --auth-key) and "
                                           "KEY.pub (for eftguard register-node).")
-    node_key.add_argument("--out", type=Path, required=True, metavar="KEY", help="path of the private key")
-    node_key.add_argument("--force", action="store_true", help="replace an existing key")
+    add_arguments(node_key, deployment.NodeKeyOptions, defaults=True)
 
     register = sub.add_parser("register-node", help="allow a SuperNode's public key on a SuperLink with --node-auth",
                               description="Run on the SuperLink's host: registration goes through the Control API, "
                                           "which listens on loopback only.")
-    register.add_argument("public_key", type=Path, metavar="KEY.pub")
-    register.add_argument("--superlink", default="127.0.0.1:9093", metavar="HOST:PORT",
-                          help="the SuperLink's Control address (default: 127.0.0.1:9093)")
-    register.add_argument("--root-certificates", type=Path, metavar="CA.crt", help="CA that signed the SuperLink's certificate")
-    register.add_argument("--insecure", action="store_true", help="plaintext instead of TLS (trusted networks only)")
+    add_arguments(register, deployment.RegisterNodeOptions, defaults=True)
 
     supernode = sub.add_parser("supernode", help="start a Flower SuperNode serving one data partition",
                                description="Runs flower-supernode for partition K of N; stops at once with a clear "
                                            "error when TLS verification of the SuperLink fails.")
-    supernode.add_argument("--superlink", required=True, metavar="HOST:PORT",
-                           help="the SuperLink's Fleet address (eftguard superlink --host/--port)")
-    supernode.add_argument("--root-certificates", type=Path, metavar="CA.crt", help="CA that signed the SuperLink's certificate")
-    supernode.add_argument("--insecure", action="store_true", help="plaintext instead of TLS (trusted networks only)")
-    supernode.add_argument("--partition", type=int, required=True, help="data partition this node serves (0..N-1)")
-    supernode.add_argument("--clients", type=int, required=True, help="N: partitions in the federation (--clients of the run)")
-    supernode.add_argument("--port", type=int, default=None, help="local port of this SuperNode, on 127.0.0.1; each "
-                                                                  "SuperNode on one host needs its own "
-                                                                  "(default: 9100 + partition)")
-    supernode.add_argument("--auth-key", type=Path, metavar="KEY", help="private key from eftguard node-key "
-                                                                        "(for a SuperLink with --node-auth)")
-    supernode.add_argument("--noise-secret", type=int, metavar="N",
-                           help="an integer only this node knows, mixed into the seeds of its DP noise, batches and "
-                                "masks, so the server (which knows the run seed) cannot regenerate them")
-    supernode.add_argument("--share-truth", action="store_true",
-                           help="send the server auditor-only ground truth (source sample ids, kept patches, class "
-                                "counts) when a run asks for it (--record-truth). It reveals this node's class "
-                                "histogram: only for a server that is your own auditor (default: off)")
-    supernode.add_argument("--ledger-dir", type=Path, metavar="DIR",
-                           help="folder of this node's privacy ledger: the epsilon it has spent per run, which it "
-                                "checks before every round whatever the server says (default: $EFTGUARD_HOME/ledger, "
-                                "EFTGUARD_HOME defaulting to ~/.eftguard)")
-    supernode.add_argument("--model-check", action=argparse.BooleanOptionalAction, default=True,
-                           help="check every model and the settings the server sends and refuse (upload nothing "
-                                "for) a round whose model honest training cannot have produced from the run's "
-                                "initial model and the last model this node accepted (a malicious server's crafted "
-                                "weights), or whose settings changed mid-run (default: on)")
-    supernode.add_argument("--initial-model", type=Path, metavar="CKPT",
-                           help="this node's copy of the checkpoint the run starts from (--checkpoint of eftguard "
-                                "train): the model check rebuilds the run's initial model from it. Without it the "
-                                "node rebuilds the seeded initialisation of the run's configuration, so a run from "
-                                "a checkpoint is refused in round 1")
-    supernode.add_argument("--trust-first-model", action="store_true",
-                           help="anchor the model check on the first model the server sends instead of rebuilding "
-                                "the initial model (trust on first use: a crafted first model that passes the "
-                                "structural checks is then accepted)")
-    supernode.add_argument("--max-epsilon", type=float, metavar="E",
-                           help="this node's own privacy ceiling per run: it refuses any round that would take its "
-                                "spend above E (or above the first --dp-eps the server declared, if lower); "
-                                "default: the server's first --dp-eps")
+    add_arguments(supernode, deployment.SuperNodeOptions, defaults=True)
 
     demo = sub.add_parser("demo", parents=[logs], help="a small EFTViT vs Fed-Full training on the bundled photos",
                           description="An audit of both methods on the bundled photos dataset with the same small "
@@ -211,19 +152,7 @@ def build_parser() -> argparse.ArgumentParser:
                                        "ratios) interleaved in one process, counts their FLOPs, memory and upload, "
                                        "DP-SGD's overhead, server feature training and the attacks; prints tables, "
                                        "saves JSON.")
-    bench.add_argument("--methods", nargs="+", choices=METHODS, metavar="METHOD",
-                       help=f"methods to compare, fedavg included (default: all: {', '.join(METHODS)})")
-    bench.add_argument("--model", choices=tuple(PRESETS), help="model preset (default: vit-tiny-32)")
-    bench.add_argument("--mask-ratios", nargs="+", type=float, metavar="R",
-                       help="mask ratios of the masking methods (default: 0 0.5 0.75 0.9)")
-    bench.add_argument("--steps", type=int, help="timed steps per configuration (default: 10)")
-    bench.add_argument("--warmup", type=int, help="discarded steps before each timed one (default: 1)")
-    bench.add_argument("--batch-size", type=int, help="client batch size (default: 64)")
-    bench.add_argument("--attack-steps", type=int,
-                       help="timed decoder steps and Inverting-Gradients iterations (default: 10)")
-    bench.add_argument("--precision", choices=PRECISIONS,
-                       help="of the client and server steps and the decoder: fp32, or bf16 (bfloat16 matrix "
-                            "products; no DP-SGD rows: DP-SGD runs in fp32) (default: fp32)")
+    add_arguments(bench, BenchConfig)
     bench.add_argument("--out", type=Path, default=None, help="write the results as JSON to this file")
 
     add_attack_parser(sub)
@@ -470,11 +399,10 @@ def exit_on_problems(summary: dict) -> None:
         raise SystemExit(1)
 
 def cmd_bench(args: argparse.Namespace) -> None:
-    from eftguard.bench import BenchConfig, print_tables, run_bench  # torch's FLOP counter (0.15 s): bench alone
+    from eftguard.bench import print_tables, run_bench  # torch's FLOP counter (0.15 s): bench alone
 
-    given = {f.name: getattr(args, f.name, None) for f in dataclasses.fields(BenchConfig)}  # None: the default
     cfg = BenchConfig(**{name: tuple(value) if isinstance(value, list) else value
-                         for name, value in given.items() if value is not None})
+                         for name, value in given_values(args, BenchConfig).items()})
     cfg.validate()
     problem = None if args.out is None else output_file_problem(args.out, "the bench's JSON")
     if problem:

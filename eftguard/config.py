@@ -52,7 +52,8 @@ class TrainConfig:
     dataset: str = option("photos", f"dataset: {DATASET_HELP}", check=check_dataset_name)
     data_dir: str = option("", "folder with a local copy of the dataset (cifar10/cifar100 download there where the "
                                "network allows)")
-    model: str = option("vit-tiny-32", "model preset: " + "; ".join(f"{k} ({v.description})" for k, v in PRESETS.items()),
+    model: str = option("vit-tiny-32", "model preset: " + "; ".join(f"{name} ({preset.description})"
+                                                                   for name, preset in PRESETS.items()),
                         choices=PRESETS, noun="preset")
     pretrained: bool = option(False, "start from timm's pretrained hub weights (needs the network or the hub cache)")
     checkpoint: str = option("", "start from local weights (.safetensors, or a state dict .pt/.pth); timm or eftguard "
@@ -73,9 +74,9 @@ class TrainConfig:
     head_pruning: str = option("importance", "headprune-lora: which heads a client keeps: importance (the largest "
                                              "alpha, the mean over its images of the largest q.k / sqrt(d_h), on the "
                                              "received model) or random (the ablation)", choices=HEAD_PRUNING)
-    head_weighting: str = option("importance", "headprune-lora: each head's factors averaged over the clients that kept "
-                                               "it, weighted by their importance alpha_c / (sum alpha + 1e-8), or by "
-                                               "their sample counts (samples: the ablation)", choices=HEAD_WEIGHTING)
+    head_weighting: str = option("importance", "headprune-lora: each head's factors averaged over the clients that "
+                                               "kept it, weighted by their importance alpha_c / (sum alpha + 1e-8), or "
+                                               "by their sample counts (samples: the ablation)", choices=HEAD_WEIGHTING)
     client_selection: str = option("random", "how --clients-per-round clients are picked: random (seeded), or loss-gap "
                                              "(round 1 random, then the clients whose last local training loss most "
                                              "exceeds the loss of the global model they received, on their data; "
@@ -89,8 +90,9 @@ class TrainConfig:
     server_epochs: int = option(1, "server epochs on the uploaded features per round (S; 0: theta is never trained on "
                                    "them)", bound=at_least(0))
     batch_size: int = option(64, "batch size, clients and server", bound=above(0))
-    lr: float = option(0.0, "client learning rate (AdamW); 0: the method's own default (docs/peft.md, learning rate per "
-                            "method): " + ", ".join(f"{name} {spec.default_lr:g}" for name, spec in METHOD_SPECS.items()),
+    lr: float = option(0.0, "client learning rate (AdamW); 0: the method's own default (docs/peft.md, learning rate "
+                            "per method): " + ", ".join(f"{name} {spec.default_lr:g}"
+                                                         for name, spec in METHOD_SPECS.items()),
                        bound=above(0))  # checked once resolved: 0 is the method's default_lr by then
     server_lr: float = option(1e-3, "server learning rate for the global module (AdamW)", bound=above(0))
     warmup_rounds: int = option(0, "rounds of linear learning-rate warm-up (client and server: round t of W uses t/W "

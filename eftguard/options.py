@@ -95,13 +95,15 @@ SEED = Bound(lambda value: 0 <= value <= SEED_LIMIT, f"a whole number in 0..{SEE
 
 def option(default: Any, help: str, parse: Callable[[str], Any] | None = None, choices: Collection[str] | None = None,
            *, bound: Bound | None = None, check: Callable[[Any], None] | None = None, noun: str = "value",
-           metavar: str | None = None) -> Any:
+           metavar: str | None = None, positional: bool = False) -> Any:
     """A dataclass field that is also a user-facing option (`--name-with-dashes`, the TOML key `name`).
 
     parse: the flag's text -> value (default: the field's type); choices: its fixed values (a table such as
-    PRESETS is read when checked, so an entry added later counts; a value outside them is "unknown {noun}"); bound: a rule on the value; check: a function that raises its own error for a value no
-    bound describes (a dataset name)."""
-    return field(default=default, metadata={"option": OptionSpec(help, parse, choices, bound, check, noun, metavar)})
+    PRESETS is read when checked, so an entry added later counts; a value outside them is "unknown {noun}");
+    bound: a rule on the value; check: a function that raises its own error for a value no bound describes (a
+    dataset name). default MISSING: a required flag (or, with positional, an argument)."""
+    spec = OptionSpec(help, parse, choices, bound, check, noun, metavar, positional)
+    return field(metadata={"option": spec}) if default is MISSING else field(default=default, metadata={"option": spec})
 
 
 @dataclass(frozen=True)
@@ -113,9 +115,10 @@ class OptionSpec:
     check: Callable[[Any], None] | None
     noun: str
     metavar: str | None
+    positional: bool
 
 
-TYPES = {"str": str, "int": int, "float": float, "bool": bool}
+TYPES = {"str": str, "int": int, "float": float, "bool": bool, "Path": Path}
 TOML_TYPE_NAMES = {"str": "a string", "bool": "true or false", "int": "a whole number", "float": "a number"}
 
 
@@ -134,10 +137,21 @@ class Option:
     check: Callable[[Any], None] | None = None
     noun: str = "value"
     metavar: str | None = None
+    required: bool = False
+    positional: bool = False
 
     @property
     def flag(self) -> str:
         return "--" + self.name.replace("_", "-")
+
+    @property
+    def many(self) -> bool:
+        """A tuple field: one or more values (`--mask-ratios 0 0.5`)."""
+        return self.kind.startswith("tuple[")
+
+    @property
+    def element_kind(self) -> str:
+        return self.kind[len("tuple["):].split(",")[0].strip() if self.many else self.kind
 
     def value(self, given: Any, error: type[Exception] = ConfigError) -> Any:
         """A value given in code (run_attack's keyword arguments), checked as the CLI checks its text; the error
@@ -152,17 +166,20 @@ class Option:
             raise error(f"{self.name} {exc}") from None
 
     def checked(self, value: Any) -> None:
-        """A ConfigError naming the flag when value breaks a rule of the declaration; NaN and infinities first,
-        since every comparison is False for NaN (`nan > 0` once skipped DP-SGD while the server calibrated noise
-        for it)."""
-        if self.kind in ("int", "float") and not math.isfinite(value):
-            raise ConfigError(f"{self.flag} must be a finite number, got {value}")
-        if self.choices is not None and value not in self.choices and not (value == "" == self.default):
-            raise ConfigError(f"{self.flag}: unknown {self.noun} '{value}', choose {', '.join(self.choices)}")
-        if self.bound is not None and not self.bound.holds(value):
-            raise ConfigError(f"{self.flag} must be {self.bound.says}, got {value}")
-        if self.check is not None:
+        """A ConfigError naming the flag when value breaks a rule of the declaration: its own check, then NaN and
+        infinities before any bound, since every comparison is False for NaN (`nan > 0` once skipped DP-SGD while
+        the server calibrated noise for it), then the choices and the bound."""
+        if value is None and (self.default is None or self.required):
+            return
+        if self.check is not None:  # first: its own words, NaN included (a tuple's "--mask-ratios: nan is not in ...")
             self.check(value)
+        for item in value if self.many else (value,):
+            if self.element_kind in ("int", "float") and not math.isfinite(item):
+                raise ConfigError(f"{self.flag} must be a finite number, got {item}")
+            if self.choices is not None and item not in self.choices and not (item == "" == self.default):
+                raise ConfigError(f"{self.flag}: unknown {self.noun} '{item}', choose {', '.join(self.choices)}")
+            if self.bound is not None and not self.bound.holds(item):
+                raise ConfigError(f"{self.flag} must be {self.bound.says}, got {item}")
 
 
 def options_of(cls: type) -> tuple[Option, ...]:
@@ -172,10 +189,11 @@ def options_of(cls: type) -> tuple[Option, ...]:
         if "option" not in f.metadata:
             continue
         spec: OptionSpec = f.metadata["option"]
-        kind = f.type if isinstance(f.type, str) else getattr(f.type, "__name__", "str")
-        parse = spec.parse or TYPES.get(kind, str)
+        kind = (f.type if isinstance(f.type, str) else getattr(f.type, "__name__", "str")).removesuffix(" | None")
+        element = kind[len("tuple["):].split(",")[0].strip() if kind.startswith("tuple[") else kind
+        parse = spec.parse or TYPES.get(element, str)
         found.append(Option(f.name, None if f.default is MISSING else f.default, spec.help, parse, spec.choices, kind,
-                            spec.bound, spec.check, spec.noun, spec.metavar))
+                            spec.bound, spec.check, spec.noun, spec.metavar, f.default is MISSING, spec.positional))
     return tuple(found)
 
 
@@ -209,23 +227,33 @@ def add_argument(parser, opt: Option, help: str | None = None, default: Any = No
     value applies) or argparse.SUPPRESS (absent from the namespace); help defaults to the declaration's, followed
     by its default."""
     text = opt.help if help is None else help
+    if opt.kind == "bool" and default is False:  # a switch of a command no file configures: `--force`
+        parser.add_argument(opt.flag, dest=opt.name, action="store_true", help=escaped(text))
+        return
     if show_default and opt.default is not None:
-        text = f"{text} (default: {opt.default!r})"
-    if opt.kind == "bool":
+        shown = " ".join(map(str, opt.default)) if opt.many else repr(opt.default)
+        text = f"{text} (default: {shown})"
+    if opt.kind == "bool":  # --name and --no-name: a flag overrides a file's value either way
         parser.add_argument(opt.flag, dest=opt.name, action=argparse.BooleanOptionalAction, default=default,
                             help=escaped(text))
         return
     metavar = opt.metavar or (None if opt.choices else opt.name.upper())
-    parse = opt.parse if opt.parse in (int, float, str) else cli_type(opt.parse)
-    parser.add_argument(opt.flag, dest=opt.name, type=parse, default=default, choices=opt.choices, metavar=metavar,
-                        help=escaped(text))
+    kwargs = {"type": opt.parse if opt.parse in TYPES.values() else cli_type(opt.parse), "choices": opt.choices,
+              "metavar": metavar, "help": escaped(text)}
+    if opt.many:  # `--san A B` and `--san A --san B` alike; the declaration's default applies when absent
+        kwargs.update(nargs="+", action="extend")
+        default = None
+    if opt.positional:
+        parser.add_argument(opt.name, **kwargs)
+    else:
+        parser.add_argument(opt.flag, dest=opt.name, default=default, required=opt.required, **kwargs)
 
 
-def add_arguments(parser, cls: type, only: tuple[str, ...] | None = None, default: Any = None) -> None:
-    """The flags of every option cls declares (or of those named in only), with their help and defaults."""
+def add_arguments(parser, cls: type, defaults: bool = False) -> None:
+    """The flags of every option cls declares, with their help and defaults: absent flags are None (a TOML file's
+    value or the declaration's default applies later), or with defaults, the declaration's default."""
     for opt in options_of(cls):
-        if only is None or opt.name in only:
-            add_argument(parser, opt, default=default)
+        add_argument(parser, opt, default=opt.default if defaults else None)
 
 
 def given_values(args: argparse.Namespace, cls: type) -> dict:

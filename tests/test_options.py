@@ -129,3 +129,34 @@ def test_hostile_flags_end_in_one_line_and_exit_2(capsys, tmp_path_factory, name
     else:
         assert code == 2 and err.startswith("eftguard: error: ") and err.count("\n") == 1 and name in err, err
     assert not out.exists()
+
+
+def _subcommand(name: str):
+    return build_parser()._subparsers._group_actions[0].choices[name]
+
+
+@pytest.mark.parametrize("command, cls", [
+    ("bench", "eftguard.bench_config.BenchConfig"),
+    ("certs", "eftguard.federation.deployment.CertsOptions"),
+    ("superlink", "eftguard.federation.deployment.SuperLinkOptions"),
+    ("node-key", "eftguard.federation.deployment.NodeKeyOptions"),
+    ("register-node", "eftguard.federation.deployment.RegisterNodeOptions"),
+    ("supernode", "eftguard.federation.deployment.SuperNodeOptions"),
+])
+def test_the_bench_and_deployment_commands_are_generated_from_their_declarations(command, cls):
+    import importlib
+
+    module, name = cls.rsplit(".", 1)
+    declared = options_of(getattr(importlib.import_module(module), name))
+    actions = {a.dest: a for a in _subcommand(command)._actions}
+    for option in declared:
+        assert option.help in actions[option.name].help.replace("%%", "%"), option.name
+        assert actions[option.name].required == option.required
+
+
+def test_a_list_option_takes_several_values_after_one_flag_or_repeated_flags():
+    parser = build_parser()
+    assert parser.parse_args(["certs", "--out", "c", "--san", "a", "--san", "b"]).san == ["a", "b"]
+    assert parser.parse_args(["certs", "--out", "c", "--san", "a", "b"]).san == ["a", "b"]
+    assert parser.parse_args(["certs", "--out", "c"]).san is None  # the declaration's default applies
+    assert parser.parse_args(["bench", "--mask-ratios", "0", "0.5"]).mask_ratios == [0.0, 0.5]
