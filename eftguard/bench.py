@@ -24,7 +24,6 @@ from rich.table import Table
 from torch import nn
 from torch.utils.flop_counter import FlopCounterMode, sdpa_backward_flop_count, sdpa_flop_count
 
-from eftguard import headprune
 from eftguard.attacks.base import ThreatModel
 from eftguard.attacks.gradient import GradientObservation, InvertingGradients, prepare_numerics
 from eftguard.attacks.inversion import ClientFeatures, DecoderInversion, RoundFeatures
@@ -130,8 +129,7 @@ def step_memory(model: EFTViT, spec: MethodSpec, activations: int) -> dict[str, 
     an upper bound (the backward pass frees activations while it fills the gradients)."""
     parameters = sum(p.numel() * p.element_size() for p in model.parameters())
     trained_state = {name: p for name, p in model.named_parameters() if spec.trains_parameter(name)}
-    if spec.prunes_heads:  # the heads a client does not keep get no gradients and no moments
-        trained_state = headprune.kept_upload(trained_state, headprune.kept_now(model), headprune.head_index(model))
+    trained_state = spec.heads.kept_update(trained_state, model)  # pruned heads: no gradients and no moments
     trained = sum(p.numel() * p.element_size() for p in trained_state.values())
     memory = {"parameters": parameters, "gradients": trained, "optimizer_state": 2 * trained,
               "activations": activations}
@@ -145,12 +143,8 @@ def upload_bytes(model: EFTViT, spec: MethodSpec, mask_ratio: float, client_labe
     """Bytes a client uploads per round (tensor payload, as the server's metrics count it): the trained parameters,
     and for a feature-uploading method the median-sampled feature sets (cls + kept tokens, float32) and their
     int64 labels, averaged over the default run's clients."""
-    state, heads = spec.uploaded_state(model), 0
-    if spec.prunes_heads:  # the kept heads' factors, and the head record (float32 importance, int64 kept ids)
-        kept = headprune.kept_now(model)
-        state = headprune.kept_upload(state, kept, headprune.head_index(model))
-        heads = kept.numel() * 4 + int(kept.sum()) * 8
-    update = sum(v.numel() * v.element_size() for v in state.values()) + heads
+    state = spec.heads.kept_update(spec.uploaded_state(model), model)  # a head-pruning client's kept heads
+    update = sum(v.numel() * v.element_size() for v in state.values()) + spec.heads.record_bytes(model)
     features = 0
     if spec.uploads_features:
         tokens = 1 + kept_token_count(model.local_module.num_patches, mask_ratio)
@@ -226,10 +220,8 @@ class Bench:
         self.models = {m: build_model(cfg.model, inputs.num_classes, default.local_layers, seed=cfg.seed,
                                       adapt=METHODS[m].model_adapter(default))
                        for m in dict.fromkeys([REFERENCE, *cfg.methods])}
-        for method, model in self.models.items():
-            if METHODS[method].prunes_heads:  # a client's step computes only the heads it keeps (on this batch)
-                importance = headprune.model_head_importance(model, model.normalize(inputs.images))
-                headprune.keep_only(model, headprune.kept_heads(importance, default.head_sparsity))
+        for method, model in self.models.items():  # a client's step computes only the heads it keeps (this batch)
+            METHODS[method].heads.keep_for_bench(model, inputs.images, default.head_sparsity)
 
     def optim(self, epochs: int, lr: float) -> OptimConfig:
         return OptimConfig(epochs, self.cfg.batch_size, lr, self.default.weight_decay)

@@ -183,6 +183,7 @@ class TrainConfig:
         """Every option against its declaration (finite, choices, bounds), then the rules between options."""
         check_values(self)
         method = method_spec(self.method)
+        self._check_client_selection()
         self._check_dp(method)
         self._check_feature_release(method)
         if not 0 <= self.warmup_rounds < self.rounds:
@@ -191,7 +192,6 @@ class TrainConfig:
         if not 1 <= self.clients_per_round <= self.clients:
             raise ConfigError(f"--clients-per-round must be between 1 and --clients ({self.clients}), "
                               f"got {self.clients_per_round}")
-        self._check_client_selection()
         self._check_threat()
         if self.dataset in ("cifar10", "cifar100") and not self.data_dir:
             raise ConfigError(f"--dataset {self.dataset} needs --data-dir DIR (a local copy, or where to download it)")
@@ -201,6 +201,9 @@ class TrainConfig:
         self._check_canaries()
 
     def _check_dp(self, method) -> None:
+        if self.precision != "fp32" and self.dp_eps > 0:
+            raise ConfigError(f"--precision {self.precision} with --dp-eps: DP-SGD runs in fp32 (its clipping "
+                              "bound needs exact per-sample norms); drop --precision or --dp-eps")
         if self.dp_eps > 0 and self.rounds > DP_ROUNDS_LIMIT:
             raise ConfigError(f"--rounds {self.rounds} with --dp-eps: each client's noise is calibrated for all its "
                               f"rounds before round 1, which does not end in reasonable time above {DP_ROUNDS_LIMIT} "
@@ -210,9 +213,6 @@ class TrainConfig:
             reason = f": {method.no_dp_reason}" if method.no_dp_reason else ""
             raise ConfigError(f"--dp-eps: --method {method.name} has no DP-SGD{reason} (methods with DP-SGD: "
                               f"{private})")
-        if self.precision != "fp32" and self.dp_eps > 0:
-            raise ConfigError(f"--precision {self.precision} with --dp-eps: DP-SGD runs in fp32 (its clipping "
-                              "bound needs exact per-sample norms); drop --precision or --dp-eps")
 
     def _check_feature_release(self, method) -> None:
         if self.dp_eps > 0 and method.uploads_features:
