@@ -157,9 +157,7 @@ def add_family_parser(kinds: argparse._SubParsersAction, family) -> argparse.Arg
                               description=escaped(f"{family.description} Methods: {listing} Reports go to "
                                                   f"OUT/{family.name}-METHOD/."))
     parser.set_defaults(family=family.name)
-    parser.add_argument("run", nargs="?", type=path_arg, metavar="RUN", help="run directory to attack")
-    parser.add_argument("--features", "--run", dest="run_alias", type=path_arg, metavar="RUN",
-                        help="the run directory, as a flag (give RUN or this, not both)")
+    parser.add_argument("run", type=path_arg, metavar="RUN", help="run directory to attack")
     parser.add_argument("--method", choices=(*methods, "all"), default=family.cli_method,
                         help=f"{' | '.join(methods)} | all (one report per method{named_only(family.registry)}) "
                              f"(default: {family.cli_method})")
@@ -186,14 +184,6 @@ def add_family_parser(kinds: argparse._SubParsersAction, family) -> argparse.Arg
     return parser
 
 
-def the_run(args: argparse.Namespace) -> Path:
-    """RUN, given once: positionally or as --features / --run."""
-    if (args.run is None) == (args.run_alias is None):
-        given = "given twice, as RUN and with --features/--run" if args.run is not None else "not given"
-        raise AttackError(f"the run to attack is {given}: give it once, e.g. eftguard attack {args.family} runs/NAME")
-    return args.run if args.run is not None else args.run_alias
-
-
 def options_per_method(args: argparse.Namespace, family, methods: tuple[str, ...]) -> dict[str, dict]:
     """The options given on the command line, each passed to the methods that take it; one that none of the
     chosen methods takes is an error naming the methods that do."""
@@ -213,7 +203,7 @@ def options_per_method(args: argparse.Namespace, family, methods: tuple[str, ...
 
 def cmd_attack(args: argparse.Namespace) -> None:
     family = FAMILIES[args.family]
-    run = the_run(args)
+    run = args.run
     methods = curious_methods(family.registry, getattr(args, "observe", None)) if args.method == "all" else \
         (args.method,)
     per_method = options_per_method(args, family, methods)

@@ -456,7 +456,11 @@ def cmd_register_node(args: argparse.Namespace) -> None:
 def main(argv: list[str] | None = None) -> None:
     os.environ.setdefault("FLWR_TELEMETRY_ENABLED", "0")
     os.environ.setdefault("FLWR_DISABLE_UPDATE_CHECK", "1")
-    args = build_parser().parse_args(argv)
+    args, extra = build_parser().parse_known_args(argv)
+    if extra:  # one line, as every bad input (a second RUN, a misspelt flag): not argparse's usage block
+        print(f"eftguard: error: unrecognized arguments: {' '.join(extra)} (see eftguard {args.command} --help)",
+              file=sys.stderr)
+        raise SystemExit(2)
     try:
         commands = {"train": cmd_train, "demo": cmd_demo, "certs": cmd_certs, "superlink": cmd_superlink,
                     "supernode": cmd_supernode, "node-key": cmd_node_key, "register-node": cmd_register_node,

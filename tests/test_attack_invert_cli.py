@@ -21,7 +21,7 @@ def run_cli(*argv):
 
 def test_invert_writes_the_report_and_the_run_report_gathers_it(feature_run, tmp_path, capsys):
     out = tmp_path / "reports"
-    run_cli("attack", "invert", "--features", feature_run, "--out", out, *FAST)
+    run_cli("attack", "invert", feature_run, "--out", out, *FAST)
     report = json.loads((out / "invert-decoder" / "report.json").read_text())
     assert report["attack"] == "invert-decoder" and report["round"] == 1
     assert report["capabilities"]["positions_known"] is True
@@ -33,7 +33,7 @@ def test_invert_writes_the_report_and_the_run_report_gathers_it(feature_run, tmp
     assert "stlpips-alex" in (out / "invert-decoder" / "report.md").read_text()
     assert "invert-decoder" in capsys.readouterr().out  # the summary table
 
-    run_cli("attack", "invert", "--features", feature_run, "--out", out, "--method", "optimize",
+    run_cli("attack", "invert", feature_run, "--out", out, "--method", "optimize",
             "--positions", "unknown", "--restarts", "1", *FAST)
     optimized = json.loads((out / "invert-optimize" / "report.json").read_text())
     assert optimized["capabilities"]["positions_known"] is False
@@ -86,11 +86,11 @@ def test_encrypted_runs_need_their_key(tmp_path, capsys, micro_preset):
     key = tmp_path / "key"
     create_key(key)
     run = train_in_process(tmp_path / "run", model=MICRO_PRESET, encrypt_at_rest=str(key), train_samples=80)
-    for argv in (["attack", "invert", "--features", run, *FAST], ["report", run]):
+    for argv in (["attack", "invert", run, *FAST], ["report", run]):
         with pytest.raises(SystemExit):
             run_cli(*argv)
         assert "pass --key KEYFILE" in capsys.readouterr().err
-    run_cli("attack", "invert", "--features", run, "--key", key, *FAST)
+    run_cli("attack", "invert", run, "--key", key, *FAST)
     run_cli("report", run, "--key", key)
     assert (run / "reports" / "report.html").exists()
 
@@ -105,5 +105,5 @@ def test_fedavg_runs_have_no_features_to_invert(tmp_path, capsys, micro_preset, 
     run = train_in_process(tmp_path / "fedavg", model=MICRO_PRESET, method="fedavg", train_samples=80)
     monkeypatch.setattr(metrics, "load_lpips", no_lpips)
     with pytest.raises(SystemExit):
-        run_cli("attack", "invert", "--features", run, *FAST)
+        run_cli("attack", "invert", run, *FAST)
     assert "uploads no patch features" in capsys.readouterr().err

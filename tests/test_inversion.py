@@ -189,7 +189,7 @@ def test_the_truth_guard_blocks_every_way_to_ground_truth(feature_run):
 
 def test_the_decoder_never_reads_ground_truth(feature_run, tmp_path, monkeypatch):
     calls = attacks_guarded(monkeypatch, feature_run, DecoderInversion)
-    main(["attack", "invert", "--features", str(feature_run), "--max-images", "4", "--out", str(tmp_path), *FAST_CLI])
+    main(["attack", "invert", str(feature_run), "--max-images", "4", "--out", str(tmp_path), *FAST_CLI])
     assert calls == ["DecoderInversion"]
     report = json.loads((tmp_path / "invert-decoder" / "report.json").read_text())
     assert report["metrics_kept"]["psnr"]["n"] == 8  # scored afterwards, by the auditor, for both clients
@@ -227,7 +227,7 @@ def test_an_oracle_reconstruction_scores_the_psnr_cap_on_every_row(feature_run, 
         return {client.partition: ImageReconstruction(originals, rows=np.arange(len(client.features)))}
 
     monkeypatch.setattr(DecoderInversion, "reconstruct", oracle)
-    main(["attack", "invert", "--features", str(feature_run), "--clients", "1", "--max-images", "0", "--out",
+    main(["attack", "invert", str(feature_run), "--clients", "1", "--max-images", "0", "--out",
           str(tmp_path), *FAST_CLI])
     report = json.loads((tmp_path / "invert-decoder" / "report.json").read_text())
     rows = len(originals)
