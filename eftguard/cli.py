@@ -30,7 +30,7 @@ from eftguard.errors import ConfigError, FederationError
 from eftguard.federation import deployment
 from eftguard.metrics import LPIPS_BACKENDS, MetricError
 from eftguard.model import PRESETS, ModelError, build_model
-from eftguard.options import add_argument, add_arguments, given_values, options_of
+from eftguard.options import add_argument, add_arguments, check_values, given_values, option, options_of
 from eftguard.paths import atomic_write, file_in_the_way, output_file_problem, unwritable_reason
 from eftguard.precision import PRECISIONS, resolve_precision
 from eftguard.pretrain import (PretrainConfig, PretrainError, check_out_path, pretrain, public_loss,
@@ -40,6 +40,50 @@ from eftguard.training import evaluate
 
 USER_ERRORS = (AttackError, ConfigError, DataError, ModelError, RunError, FederationError, CertificateError,
                MetricError, PretrainError)
+
+def _demo_attack_steps(steps: int) -> None:
+    if steps < 0:
+        raise ConfigError(f"--attack-steps {steps}: give the decoder's steps, or 0 to skip the inversion attack")
+
+
+@dataclasses.dataclass(frozen=True)
+class DemoOptions:
+    """eftguard demo (declared once: eftguard.options)."""
+
+    out: Path | None = option(None, "folder of the demo's audit (default: runs/demo-TIME)")
+    rounds: int = option(3, "rounds per method")
+    train_samples: int = option(1500, "training images used")
+    test_samples: int = option(500, "test images used")
+    attack_steps: int = option(1000, "attack the uploaded features with the inversion decoder trained for this many "
+                                     "steps (0: skip the inversion attack)", check=_demo_attack_steps)
+    lpips_backend: str = option("auto", "LPIPS network of the audit: lpips-alex (standard, needs the AlexNet "
+                                        "weights), stlpips-alex (shift-tolerant, ships its weights, works offline) "
+                                        "or auto (the first that loads)", choices=LPIPS_BACKENDS, noun="backend")
+    precision: str = option("auto", "of the trainings and the inversion decoder: bf16 (bfloat16 matrix products, "
+                                    "float32 weights and uploads), fp32, or auto: bf16 where the CPU multiplies "
+                                    "bfloat16 in hardware (AMX tiles or AVX-512 BF16), else fp32",
+                            choices=("auto", *PRECISIONS), noun="precision")
+    shard: str | None = option(None, argparse.SUPPRESS)  # one configuration's process (eftguard.runs.demo_processes)
+
+
+@dataclasses.dataclass(frozen=True)
+class AuditOptions:
+    """eftguard audit (declared once: eftguard.options)."""
+
+    audit_file: Path = option(dataclasses.MISSING, "the audit file (see experiments/*.toml)", metavar="AUDIT.toml",
+                              positional=True)
+    out: Path | None = option(None, "folder of the audit's runs, reports and summary (default: audits/<file name>)")
+    gate: tuple[str, ...] = option((), "privacy gate, e.g. 'invert.psnr_kept < 18' (FAMILY-or-ATTACK.FIGURE OP "
+                                       "NUMBER, OP one of < <= > >=): exit 1 naming each configuration and figure "
+                                       "where it does not hold; repeat for several", metavar="EXPR",
+                                   repeated=True)
+    shard: str | None = option(None, "train and attack only configurations I, I+N, I+2N, ... of the sorted ids "
+                                     "(1 <= I <= N), to spread an audit over N machines; a later run without --shard "
+                                     "over the same --out merges their results and runs what is missing",
+                               metavar="I/N")
+    key: Path | None = option(None, "at-rest key for the attacks (default: the [train] encrypt_at_rest key file)",
+                              metavar="KEYFILE")
+
 
 def _add_train_options(parser: argparse.ArgumentParser) -> None:
     group = parser.add_argument_group("training options (also keys of --config FILE.toml and config.toml)")
@@ -109,41 +153,14 @@ def build_parser() -> argparse.ArgumentParser:
                                       "closed-form gradient attack on a FedSGD probe of the parameter updates) and "
                                       "writes the audit's summary.json and report. Rerun with "
                                       "the same --out to continue an interrupted demo.")
-    demo.add_argument("--out", type=Path, default=None, help="folder of the demo's audit (default: runs/demo-TIME)")
-    demo.add_argument("--rounds", type=int, default=3, help="rounds per method (default: 3)")
-    demo.add_argument("--train-samples", type=int, default=1500, help="training images used (default: 1500)")
-    demo.add_argument("--test-samples", type=int, default=500, help="test images used (default: 500)")
-    demo.add_argument("--attack-steps", type=int, default=1000,
-                      help="attack the uploaded features with the inversion decoder trained for this many steps "
-                           "(0: skip the inversion attack) (default: 1000)")
-    demo.add_argument("--lpips-backend", choices=LPIPS_BACKENDS, default="auto",
-                      help="LPIPS network of the audit: lpips-alex (standard, needs the AlexNet weights), "
-                           "stlpips-alex (shift-tolerant, ships its weights, works offline) or auto (the first "
-                           "that loads) (default: auto)")
-    demo.add_argument("--precision", choices=("auto", *PRECISIONS), default="auto",
-                      help="of the trainings and the inversion decoder: bf16 (bfloat16 matrix products, float32 "
-                           "weights and uploads), fp32, or auto: bf16 where the CPU multiplies bfloat16 in hardware "
-                           "(AMX tiles or AVX-512 BF16), else fp32 (default: auto)")
-    demo.add_argument("--shard", default=None, help=argparse.SUPPRESS)  # one configuration's process (demo_processes)
+    add_arguments(demo, DemoOptions, defaults=True)
 
     audit = sub.add_parser("audit", parents=[logs], help="train a grid of configurations, attack every run, compare",
                            description="Trains every configuration of AUDIT.toml (reusing finished runs of the same "
                                        "configuration and code), runs every attack of the file on each run and "
                                        "writes OUT/summary.json, report.html and report.md. Interrupted, it "
                                        "continues where it stopped when run again. Format: docs/audit.md.")
-    audit.add_argument("audit_file", type=Path, metavar="AUDIT.toml", help="the audit file (see experiments/*.toml)")
-    audit.add_argument("--out", type=Path, default=None,
-                       help="folder of the audit's runs, reports and summary (default: audits/<file name>)")
-    audit.add_argument("--gate", action="append", default=[], metavar="EXPR",
-                       help="privacy gate, e.g. 'invert.psnr_kept < 18' (FAMILY-or-ATTACK.FIGURE OP NUMBER, OP one "
-                            "of < <= > >=): exit 1 naming each configuration and figure where it does not hold; "
-                            "repeat for several")
-    audit.add_argument("--shard", metavar="I/N",
-                       help="train and attack only configurations I, I+N, I+2N, ... of the sorted ids (1 <= I <= N), "
-                            "to spread an audit over N machines; a later run without --shard over the same --out "
-                            "merges their results and runs what is missing")
-    audit.add_argument("--key", type=Path, metavar="KEYFILE",
-                       help="at-rest key for the attacks (default: the [train] encrypt_at_rest key file)")
+    add_arguments(audit, AuditOptions, defaults=True)
 
     add_pretrain_parser(sub)
 
@@ -255,9 +272,7 @@ def demo_audit(args: argparse.Namespace):
     # Flower (0.4 s), through eftguard.runs: loaded by the commands that train
     from eftguard.audit.grid import parse_audit
 
-    if args.attack_steps < 0:
-        raise ConfigError(f"--attack-steps {args.attack_steps}: give the decoder's steps, "
-                          "or 0 to skip the inversion attack")
+    check_values(DemoOptions(**{o.name: getattr(args, o.name) for o in options_of(DemoOptions)}))
     precision = resolve_precision(args.precision)
     attacks = [{"family": "labels"}, {"family": "labels", "method": "bias-corrected"},
                {"family": "gradient", "method": "analytic", "observe": "probe", "name": "gradient-probe",
@@ -376,7 +391,7 @@ def cmd_audit(args: argparse.Namespace) -> None:
     # Flower (0.4 s), through eftguard.runs: loaded by the commands that train
     from eftguard.audit.grid import parse_shard, print_summary, read_audit, run_audit
 
-    gates = [parse_gate(text) for text in args.gate]
+    gates = [parse_gate(text) for text in args.gate or ()]
     shard = parse_shard(args.shard) if args.shard is not None else None
     if args.key is not None and not args.key.is_file():
         raise ConfigError(f"--key {args.key} is not a file: give the key file the runs were encrypted with")

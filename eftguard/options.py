@@ -95,14 +95,16 @@ SEED = Bound(lambda value: 0 <= value <= SEED_LIMIT, f"a whole number in 0..{SEE
 
 def option(default: Any, help: str, parse: Callable[[str], Any] | None = None, choices: Collection[str] | None = None,
            *, bound: Bound | None = None, check: Callable[[Any], None] | None = None, noun: str = "value",
-           metavar: str | None = None, positional: bool = False) -> Any:
+           metavar: str | None = None, positional: bool = False, repeated: bool = False) -> Any:
     """A dataclass field that is also a user-facing option (`--name-with-dashes`, the TOML key `name`).
 
     parse: the flag's text -> value (default: the field's type); choices: its fixed values (a table such as
     PRESETS is read when checked, so an entry added later counts; a value outside them is "unknown {noun}");
     bound: a rule on the value; check: a function that raises its own error for a value no bound describes (a
-    dataset name). default MISSING: a required flag (or, with positional, an argument)."""
-    spec = OptionSpec(help, parse, choices, bound, check, noun, metavar, positional)
+    dataset name). default MISSING: a required flag (or, with positional, an argument). A tuple field takes
+    several values after its flag (`--mask-ratios 0 0.5`), or with repeated one per flag, the flag repeated
+    (`--gate A --gate B`: a value after the last could be a positional argument)."""
+    spec = OptionSpec(help, parse, choices, bound, check, noun, metavar, positional, repeated)
     return field(metadata={"option": spec}) if default is MISSING else field(default=default, metadata={"option": spec})
 
 
@@ -116,6 +118,7 @@ class OptionSpec:
     noun: str
     metavar: str | None
     positional: bool
+    repeated: bool
 
 
 TYPES = {"str": str, "int": int, "float": float, "bool": bool, "Path": Path}
@@ -139,6 +142,7 @@ class Option:
     metavar: str | None = None
     required: bool = False
     positional: bool = False
+    repeated: bool = False
 
     @property
     def flag(self) -> str:
@@ -193,7 +197,8 @@ def options_of(cls: type) -> tuple[Option, ...]:
         element = kind[len("tuple["):].split(",")[0].strip() if kind.startswith("tuple[") else kind
         parse = spec.parse or TYPES.get(element, str)
         found.append(Option(f.name, None if f.default is MISSING else f.default, spec.help, parse, spec.choices, kind,
-                            spec.bound, spec.check, spec.noun, spec.metavar, f.default is MISSING, spec.positional))
+                            spec.bound, spec.check, spec.noun, spec.metavar, f.default is MISSING, spec.positional,
+                            spec.repeated))
     return tuple(found)
 
 
@@ -230,7 +235,7 @@ def add_argument(parser, opt: Option, help: str | None = None, default: Any = No
     if opt.kind == "bool" and default is False:  # a switch of a command no file configures: `--force`
         parser.add_argument(opt.flag, dest=opt.name, action="store_true", help=escaped(text))
         return
-    if show_default and opt.default is not None:
+    if show_default and opt.default not in (None, ()):
         shown = " ".join(map(str, opt.default)) if opt.many else repr(opt.default)
         text = f"{text} (default: {shown})"
     if opt.kind == "bool":  # --name and --no-name: a flag overrides a file's value either way
@@ -240,8 +245,8 @@ def add_argument(parser, opt: Option, help: str | None = None, default: Any = No
     metavar = opt.metavar or (None if opt.choices else opt.name.upper())
     kwargs = {"type": opt.parse if opt.parse in TYPES.values() else cli_type(opt.parse), "choices": opt.choices,
               "metavar": metavar, "help": escaped(text)}
-    if opt.many:  # `--san A B` and `--san A --san B` alike; the declaration's default applies when absent
-        kwargs.update(nargs="+", action="extend")
+    if opt.many:  # the declaration's default applies when the flag is absent
+        kwargs.update(action="append") if opt.repeated else kwargs.update(nargs="+", action="extend")
         default = None
     if opt.positional:
         parser.add_argument(opt.name, **kwargs)

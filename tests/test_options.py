@@ -152,8 +152,10 @@ def _subcommand(name: str):
     ("node-key", "eftguard.federation.deployment.NodeKeyOptions"),
     ("register-node", "eftguard.federation.deployment.RegisterNodeOptions"),
     ("supernode", "eftguard.federation.deployment.SuperNodeOptions"),
+    ("demo", "eftguard.cli.DemoOptions"),
+    ("audit", "eftguard.cli.AuditOptions"),
 ])
-def test_the_bench_and_deployment_commands_are_generated_from_their_declarations(command, cls):
+def test_the_bench_demo_audit_and_deployment_commands_are_generated_from_their_declarations(command, cls):
     import importlib
 
     module, name = cls.rsplit(".", 1)
@@ -167,6 +169,7 @@ def test_the_bench_and_deployment_commands_are_generated_from_their_declarations
 def test_a_list_option_takes_several_values_after_one_flag_or_repeated_flags():
     parser = build_parser()
     assert parser.parse_args(["certs", "--out", "c", "--san", "a", "--san", "b"]).san == ["a", "b"]
-    assert parser.parse_args(["certs", "--out", "c", "--san", "a", "b"]).san == ["a", "b"]
     assert parser.parse_args(["certs", "--out", "c"]).san is None  # the declaration's default applies
+    gated = parser.parse_args(["audit", "--gate", "labels.l1 > 0.3", "a.toml"])  # a repeated option takes one value
+    assert gated.gate == ["labels.l1 > 0.3"] and str(gated.audit_file) == "a.toml"
     assert parser.parse_args(["bench", "--mask-ratios", "0", "0.5"]).mask_ratios == [0.0, 0.5]

@@ -51,9 +51,9 @@ class CertsOptions:
 
     out: Path = option(MISSING, "folder for the certificate files")
     san: tuple[str, ...] | None = option(None, "IP address or DNS host name SuperNodes use to reach the SuperLink; "
-                                               "repeat --san or list several after it (default: 127.0.0.1, "
-                                               "localhost, ::1). 127.0.0.1 is always added: eftguard train and "
-                                               "register-node reach the Control API there", metavar="HOST_OR_IP")
+                                               "repeat for several (default: 127.0.0.1, localhost, ::1). "
+                                               "127.0.0.1 is always added: eftguard train and register-node reach "
+                                               "the Control API there", metavar="HOST_OR_IP", repeated=True)
     force: bool = option(False, "replace existing certificate files")
 
 
