@@ -31,9 +31,9 @@ MODULES=(
   "dp|defenses/dp.py|tests/test_dp.py tests/test_core_pins.py"
   "clipping|defenses/clipping.py|tests/test_dp.py tests/test_dp_clipping.py tests/test_core_pins.py"
   "ledger|defenses/ledger.py|tests/test_ledger_pins.py tests/test_ledger.py::test_ledger_of_another_run_or_partition_is_not_accepted tests/test_ledger.py::test_composition_of_equal_rounds_equals_one_long_run"
-  "at_rest|defenses/at_rest.py|tests/test_security_pins.py"
-  "node_auth|defenses/node_auth.py|tests/test_security_pins.py"
-  "tls|defenses/tls.py|tests/test_security_pins.py"
+  "at_rest|defenses/at_rest.py|tests/test_at_rest.py"
+  "node_auth|defenses/node_auth.py|tests/test_node_auth.py"
+  "tls|defenses/tls.py|tests/test_tls.py tests/test_node_auth.py"
   "records|eftguard/federation/records.py|tests/test_server_units.py --deselect=tests/test_server_units.py::test_round_record_reports_the_clients_weighted_mean_loss_and_their_counts tests/test_hostile_replies.py::test_every_hostile_reply_is_rejected_with_a_reason_and_the_honest_one_passes"
   # server.py: its functions called directly, and whole rounds with the micro ViT (tests/test_round_pins.py, about 1 s each)
   "server|eftguard/federation/server.py|tests/test_server_units.py --deselect=tests/test_server_units.py::test_round_record_reports_the_clients_weighted_mean_loss_and_their_counts tests/test_hostile_replies.py::test_every_hostile_reply_is_rejected_with_a_reason_and_the_honest_one_passes tests/test_server.py::test_the_average_is_loaded_with_strict_keys tests/test_round_pins.py tests/test_dp_server_training.py"

@@ -1,6 +1,7 @@
 import builtins
 import io
 import os
+import stat
 import subprocess
 from collections import Counter
 from contextlib import contextmanager
@@ -130,6 +131,11 @@ def restored_torch_state():
         torch.set_default_dtype(saved["default_dtype"])
         torch.set_grad_enabled(saved["grad_enabled"])
         torch.use_deterministic_algorithms(saved["deterministic"][0], warn_only=saved["deterministic"][1])
+
+
+def file_mode(path) -> int:
+    """A file's permission bits (0o600: only its owner reads and writes it)."""
+    return stat.S_IMODE(path.stat().st_mode)
 
 
 def run_cli(capsys, *argv) -> tuple[int, str]:
