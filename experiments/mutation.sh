@@ -19,6 +19,28 @@ cd "$(git rev-parse --show-toplevel)"
 export OMP_NUM_THREADS=1 HF_HUB_OFFLINE=1 FLWR_TELEMETRY_ENABLED=0 FLWR_DISABLE_UPDATE_CHECK=1
 unset PYTHONPATH  # mutmut puts its mutated copy first on sys.path; nothing may shadow it
 
+# tests/test_ledger.py's tests through whole rounds (the real ClientApp over the in-process grid): seconds each,
+# rerun for every mutant they reach; the ledger is mutated against the rest of the file, which calls it directly
+LEDGER_ROUNDS=(
+  --deselect=tests/test_ledger.py::test_a_ledger_shortened_between_rounds_is_refused_and_no_reported_epsilon_falls_below_the_truth
+  --deselect=tests/test_ledger.py::test_deployed_node_without_a_secret_draws_noise_the_server_cannot_regenerate
+  --deselect=tests/test_ledger.py::test_dp_eps_zero_for_a_dp_run_is_refused
+  --deselect=tests/test_ledger.py::test_dp_report_that_claims_less_than_the_run_is_dropped
+  --deselect=tests/test_ledger.py::test_dp_run_records_the_clients_own_spend_and_drops_a_client_without_dp
+  --deselect=tests/test_ledger.py::test_ground_truth_is_encrypted_at_rest
+  --deselect=tests/test_ledger.py::test_hostile_run_id_cannot_escape_the_ledger_folder
+  --deselect=tests/test_ledger.py::test_invalid_dp_request_is_refused_not_read_as_no_dp
+  --deselect=tests/test_ledger.py::test_lowering_the_noise_is_refused
+  --deselect=tests/test_ledger.py::test_node_ceiling_caps_the_run_and_refuses_rounds_without_dp
+  --deselect=tests/test_ledger.py::test_node_that_does_not_share_truth_sends_none_and_the_round_goes_on
+  --deselect=tests/test_ledger.py::test_non_dp_run_never_records_an_epsilon
+  --deselect=tests/test_ledger.py::test_raising_dp_eps_mid_run_is_refused
+  --deselect=tests/test_ledger.py::test_resent_round_is_spent_again_with_fresh_noise
+  --deselect=tests/test_ledger.py::test_run_directory_with_nan_dp_eps_is_refused_before_any_round
+  --deselect=tests/test_ledger.py::test_server_resuming_after_a_client_trained_resends_the_round_and_the_client_refuses
+  --deselect=tests/test_ledger.py::test_torn_ledger_file_is_an_error_naming_it_not_a_fresh_budget
+)
+
 # name | file to mutate | its own fast tests (pytest arguments or node ids, -m "not slow" is always added)
 MODULES=(
   "sampling|eftguard/sampling.py|tests/test_sampling.py tests/test_core_pins.py"
@@ -30,7 +52,7 @@ MODULES=(
   "validation|eftguard/federation/validation.py|tests/test_validation.py tests/test_core_pins.py"
   "dp|defenses/dp.py|tests/test_dp.py tests/test_core_pins.py"
   "clipping|defenses/clipping.py|tests/test_dp.py tests/test_dp_clipping.py tests/test_core_pins.py"
-  "ledger|defenses/ledger.py|tests/test_ledger_pins.py tests/test_ledger.py::test_ledger_of_another_run_or_partition_is_not_accepted tests/test_ledger.py::test_composition_of_equal_rounds_equals_one_long_run"
+  "ledger|defenses/ledger.py|tests/test_ledger.py ${LEDGER_ROUNDS[*]}"
   "at_rest|defenses/at_rest.py|tests/test_at_rest.py"
   "node_auth|defenses/node_auth.py|tests/test_node_auth.py"
   "tls|defenses/tls.py|tests/test_tls.py tests/test_node_auth.py"
