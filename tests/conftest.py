@@ -133,6 +133,12 @@ def restored_torch_state():
         torch.use_deterministic_algorithms(saved["deterministic"][0], warn_only=saved["deterministic"][1])
 
 
+def images_and_labels(n, seed=0):
+    """N random uint8 32x32 RGB images and labels of 10 classes, from a seeded generator."""
+    g = torch.Generator().manual_seed(seed)
+    return torch.randint(0, 256, (n, 32, 32, 3), generator=g, dtype=torch.uint8), torch.randint(0, 10, (n,), generator=g)
+
+
 def file_mode(path) -> int:
     """A file's permission bits (0o600: only its owner reads and writes it)."""
     return stat.S_IMODE(path.stat().st_mode)
