@@ -60,8 +60,8 @@ MODULES=(
   # server.py: its functions called directly, and whole rounds with the micro ViT (tests/test_round_pins.py, about 1 s each)
   "server|eftguard/federation/server.py|tests/test_server_units.py --deselect=tests/test_server_units.py::test_round_record_reports_the_clients_weighted_mean_loss_and_their_counts tests/test_hostile_replies.py::test_every_hostile_reply_is_rejected_with_a_reason_and_the_honest_one_passes tests/test_server.py::test_the_average_is_loaded_with_strict_keys tests/test_round_pins.py tests/test_dp_server_training.py"
   "client|eftguard/federation/client.py|tests/test_client_units.py tests/test_client_round_pins.py"
-  "apps|eftguard/federation/apps.py|tests/test_apps_units.py"
-  "fleet_gateway|eftguard/federation/fleet_gateway.py|tests/test_gateway_units.py tests/test_deployment.py::test_fleet_gateway_forwards_only_fleet_calls"
+  "apps|eftguard/federation/apps.py|tests/test_apps.py"
+  "fleet_gateway|eftguard/federation/fleet_gateway.py|tests/test_fleet_gateway.py tests/test_deployment.py::test_fleet_gateway_forwards_only_fleet_calls"
   "deployment|eftguard/federation/deployment.py|tests/test_deployment_units.py tests/test_deployment.py"
 )
 
