@@ -41,6 +41,16 @@ LEDGER_ROUNDS=(
   --deselect=tests/test_ledger.py::test_torn_ledger_file_is_an_error_naming_it_not_a_fresh_budget
 )
 
+# tests/test_client.py's first five tests (rounds of 200 images over 4 clients) were never in the client's
+# selection: the client is mutated against the rest of the file, its functions called directly
+CLIENT_ROUNDS=(
+  --deselect=tests/test_client.py::test_eftvit_client_upload_is_valid_and_truthful
+  --deselect=tests/test_client.py::test_client_round_is_a_pure_function_of_its_inputs
+  --deselect=tests/test_client.py::test_fedavg_client_uploads_whole_model_and_no_features
+  --deselect=tests/test_client.py::test_node_started_for_another_federation_is_refused
+  --deselect=tests/test_client.py::test_client_clips_uploaded_features_when_asked
+)
+
 # name | file to mutate | its own fast tests (pytest arguments or node ids, -m "not slow" is always added)
 MODULES=(
   "sampling|eftguard/sampling.py|tests/test_sampling.py"
@@ -59,7 +69,7 @@ MODULES=(
   "records|eftguard/federation/records.py|tests/test_server_units.py --deselect=tests/test_server_units.py::test_round_record_reports_the_clients_weighted_mean_loss_and_their_counts tests/test_hostile_replies.py::test_every_hostile_reply_is_rejected_with_a_reason_and_the_honest_one_passes"
   # server.py: its functions called directly, and whole rounds with the micro ViT (tests/test_round_pins.py, about 1 s each)
   "server|eftguard/federation/server.py|tests/test_server_units.py --deselect=tests/test_server_units.py::test_round_record_reports_the_clients_weighted_mean_loss_and_their_counts tests/test_hostile_replies.py::test_every_hostile_reply_is_rejected_with_a_reason_and_the_honest_one_passes tests/test_server.py::test_the_average_is_loaded_with_strict_keys tests/test_round_pins.py tests/test_dp_server_training.py"
-  "client|eftguard/federation/client.py|tests/test_client_units.py tests/test_client_round_pins.py"
+  "client|eftguard/federation/client.py|tests/test_client.py ${CLIENT_ROUNDS[*]}"
   "apps|eftguard/federation/apps.py|tests/test_apps.py"
   "fleet_gateway|eftguard/federation/fleet_gateway.py|tests/test_fleet_gateway.py tests/test_deployment.py::test_fleet_gateway_forwards_only_fleet_calls"
   "deployment|eftguard/federation/deployment.py|tests/test_deployment_units.py tests/test_deployment.py"
