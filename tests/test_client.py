@@ -210,7 +210,7 @@ def test_dp_report_claims_the_least_noise_the_highest_rate_and_every_step():
         "dp-epsilon-parameters": 0.0}
 
 
-# --- client_round and run_dataset called directly, with the micro ViT -----------------------------------------------
+# --- client_round and run_dataset called directly, with the micro ViT ---------------------------------------------
 
 RUN_ID = "0123456789abcdef0123456789abcdef"
 CLIENT = 0  # with seed 0 of 60 images over 2 clients: 21 images of classes 1, 3, 4, 5 (7, 6, 4, 4 of them), so
@@ -271,7 +271,7 @@ def uploaded_part(model) -> dict[str, np.ndarray]:
     return {k: v.numpy() for k, v in method_spec("eftvit").uploaded_state(model).items()}
 
 
-# --- what is trained and uploaded -----------------------------------------------------------------------------------
+# --- what is trained and uploaded ---------------------------------------------------------------------------------
 
 def test_eftvit_round_uploads_phi_and_h_trained_from_the_state_sent(micro_preset):
     s = settings(micro_preset)

@@ -402,7 +402,7 @@ def test_run_directory_with_nan_dp_eps_is_refused_before_any_round(tmp_path):
     assert run.metrics() == []
 
 
-# --- the ledger called directly: no round, no grid ------------------------------------------------------------------
+# --- the ledger called directly: no round, no grid ----------------------------------------------------------------
 
 TERMS = Terms(3.0, 1e-3, "rdp")
 ROUND_1 = Spend(1, 1.0, 0.25, 4)  # epsilon 3.17 at delta 1e-3 (rdp): over TERMS' budget on its own
