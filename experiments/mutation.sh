@@ -114,7 +114,7 @@ MODULES=(
   "client|eftguard/federation/client.py|tests/test_client.py ${CLIENT_ROUNDS[*]}"
   "apps|eftguard/federation/apps.py|tests/test_apps.py"
   "fleet_gateway|eftguard/federation/fleet_gateway.py|tests/test_fleet_gateway.py tests/test_deployment.py::test_fleet_gateway_forwards_only_fleet_calls"
-  "deployment|eftguard/federation/deployment.py|tests/test_deployment_units.py tests/test_deployment.py"
+  "deployment|eftguard/federation/deployment.py|tests/test_deployment.py"
 )
 
 command -v mutmut >/dev/null || { echo "mutation.sh: error: mutmut is not installed: pip install 'mutmut>=3.8,<4'" >&2; exit 2; }
