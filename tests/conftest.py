@@ -156,6 +156,16 @@ def run_cli(capsys, *argv) -> tuple[int, str]:
     return code, capsys.readouterr().err
 
 
+@pytest.fixture
+def task_identity_set():
+    """Messages are stamped with the identity of the running task (fakegrid.task_identity): for tests that build
+    or exchange messages outside Flower. Modules of such tests use it with pytest.mark.usefixtures."""
+    from fakegrid import task_identity
+
+    with task_identity():
+        yield
+
+
 @pytest.fixture(scope="module")
 def one_torch_thread():
     """Double backward of small models is dominated by tiny ops; on a shared 2-core machine a second thread

@@ -26,21 +26,16 @@ from eftguard.federation.server import run_server
 from eftguard.model import build_model
 from eftguard.rundir import RunDirectory, RunError
 from conftest import MICRO_PRESET
-from fakegrid import FakeGrid, task_identity
+from fakegrid import FakeGrid
 
-pytestmark = pytest.mark.usefixtures("micro_preset")  # the ledger's subject is the accounting, not the model
+# micro_preset: the ledger's subject is the accounting, not the model
+pytestmark = pytest.mark.usefixtures("micro_preset", "task_identity_set")
 
 RUN_ID = "feedfacecafebeef0123456789abcdef"
 # Two clients, both in both rounds; client 0 holds about half of 64 images: 2 DP-SGD steps per round. Resolved
 # where used: the micro preset exists only while the tests run.
 CFG = TrainConfig(model=MICRO_PRESET, clients=2, clients_per_round=2, rounds=2, train_samples=64, test_samples=20,
                   batch_size=16, dp_eps=3.0, accountant="rdp")
-
-
-@pytest.fixture(autouse=True)
-def _task_identity():
-    with task_identity():
-        yield
 
 
 @pytest.fixture(scope="module")

@@ -42,15 +42,10 @@ from eftguard.sampling import class_target
 from eftguard.training import OptimConfig, evaluate, train_global
 from test_hostile_replies import CFG as HOSTILE_CFG, encode, honest, plain  # noqa: F401 (honest: a real client's reply)
 
-pytestmark = pytest.mark.usefixtures("micro_preset")  # whole rounds; their subject is not the model's size
+# micro_preset: whole rounds, whose subject is not the model's size
+pytestmark = pytest.mark.usefixtures("micro_preset", "task_identity_set")
 
 CFG = TrainConfig(model=MICRO_PRESET, clients=3, rounds=2, train_samples=120, test_samples=40, batch_size=32)
-
-
-@pytest.fixture(autouse=True)
-def _task_identity():
-    with task_identity():
-        yield
 
 
 def poison_node(target):
