@@ -85,6 +85,14 @@ def tiny_model():
     return build_model("vit-tiny-32", num_classes=10, local_layers=2, seed=0)
 
 
+@pytest.fixture(scope="module")
+def photos():
+    """The bundled photos dataset at 32 px (tests/test_metrics.py has its own: a dozen of them as float images)."""
+    from eftguard.data import load_dataset
+
+    return load_dataset("photos", None, 32)
+
+
 @pytest.fixture
 def rng():
     return np.random.default_rng(0)
