@@ -147,6 +147,11 @@ def images_and_labels(n, seed=0):
     return torch.randint(0, 256, (n, 32, 32, 3), generator=g, dtype=torch.uint8), torch.randint(0, 10, (n,), generator=g)
 
 
+def random_images(count: int = 4) -> torch.Tensor:
+    """COUNT images of N(0, 1) pixels, 3x32x32, the same on every call (seeded)."""
+    return torch.randn(count, 3, 32, 32, generator=torch.Generator().manual_seed(1))
+
+
 def file_mode(path) -> int:
     """A file's permission bits (0o600: only its owner reads and writes it)."""
     return stat.S_IMODE(path.stat().st_mode)
@@ -172,6 +177,19 @@ def task_identity_set():
 
     with task_identity():
         yield
+
+
+@pytest.fixture
+def in_process_simulation(monkeypatch):
+    """`eftguard train` with the in-process grid instead of Ray: the CLI's parsing, checks and run directory, and
+    the real server and client code."""
+    from eftguard.federation.server import run_server
+    from fakegrid import FakeGrid, task_identity
+
+    def simulate(run_dir, cfg, verbose, threat):
+        with task_identity():
+            run_server(FakeGrid(cfg.clients), run_dir, threat)
+    monkeypatch.setattr("eftguard.federation.simulation.run_simulated", simulate)
 
 
 @pytest.fixture(scope="module")
