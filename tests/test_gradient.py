@@ -15,7 +15,6 @@ from eftguard.defenses.clipping import make_private
 from eftguard.defenses.dp import DPSGD, client_budget
 from eftguard import metrics
 from eftguard.config import TrainConfig
-from eftguard.data import load_dataset
 from eftguard.federation.client import client_round
 from eftguard.federation.records import ClientSettings
 from eftguard.audit.observe import DPNoise, probe_gradient, trained_names
@@ -27,11 +26,6 @@ from conftest import (MICRO_PRESET, attacks_guarded, flushes_denormals, restored
 
 
 pytestmark = pytest.mark.usefixtures("one_torch_thread")
-
-
-@pytest.fixture(scope="module")
-def photos():
-    return load_dataset("photos", None, 32)
 
 
 def vit_probe(photos, indices, masked, dp=None):

@@ -28,11 +28,6 @@ from eftguard.rundir import RunDirectory
 from conftest import attacks_guarded, truth_out_of_reach
 
 
-@pytest.fixture(scope="module")
-def photos():
-    return load_dataset("photos", None, 32)
-
-
 def observe(model, images_uint8, mask_ratio, positions_known, seed=0):
     """What a server holds after a client uploads phi(mask(images)) with the model's own local module."""
     generator = torch.Generator().manual_seed(seed)

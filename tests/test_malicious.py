@@ -22,13 +22,9 @@ from eftguard.federation.simulation import forget_received_models
 from eftguard.methods import METHODS
 from eftguard.model import build_model
 from eftguard.rundir import RunDirectory
-from fakegrid import FakeGrid, task_identity
+from fakegrid import FakeGrid
 
-
-@pytest.fixture(autouse=True)
-def _task_identity():
-    with task_identity():
-        yield
+pytestmark = pytest.mark.usefixtures("task_identity_set")  # messages are built outside Flower
 
 
 def config(micro, **changes) -> TrainConfig:
