@@ -356,7 +356,8 @@ class GradientFamily(Family):
                                                         images, labels)
             pool = images
             training = control.local_training
-            pool_keep = first_masks(training.schedule, count) if training.mask_ratio is not None else None
+            pool_keep = first_masks(training.schedule, count) if training.mask_ratio is not None \
+                and training.schedule is not None else None
             what = (f"the same attack and budget on the update of the client's local training (its optimiser, "
                     f"epochs and batches, no DP-SGD) run on {count} public images from the round's start weights")
         result = attack.reconstruct(control, progress)
