@@ -74,3 +74,20 @@ def test_the_control_baseline_is_the_mean_public_image():
     assert groups["control"]["psnr"]["mean"] == 60.0  # exact reconstructions: at the PSNR cap
     headline = CHANNELS["gradient"].headlines[0]
     assert headline.figure == "psnr_kept"  # the control is named by the headline figures the verdict reads
+
+
+@pytest.mark.slow  # trains a one-round DP-SGD run of the micro ViT
+def test_a_defended_run_reads_low_beside_its_passing_power_check(tmp_path, micro_preset):
+    """DP-SGD at epsilon 1 puts the closed form at the mean image on the client's probe; the same attack on a public
+    probe without DP gets every sent patch back, so the low stands, and the run report shows both."""
+    from conftest import train_in_process
+    from eftguard.report import write_run_report
+    from eftguard.rundir import RunDirectory
+
+    run = RunDirectory.open(train_in_process(tmp_path / "dp", model=micro_preset, dp_eps=1.0))
+    reports = tmp_path / "reports"
+    report = run_attack(run, "gradient", "analytic", observe="probe", lpips_backend="stlpips-alex", out=reports)
+    v = channel_of(report)
+    assert v.level == verdict.LOW and v.control.passed, (v.value, v.baseline, v.control)
+    html_file, _, _ = write_run_report(run.path, run.config().to_toml(), run.metrics(), reports)
+    assert "gradient-analytic on the control: 60.0 dB vs" in html_file.read_text()
