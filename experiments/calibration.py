@@ -4,6 +4,7 @@ the bundled photos' public split, 1 and 4 images), PSNR against the mean image. 
 experiments/results/calibration.json.
 
     OMP_NUM_THREADS=1 python experiments/calibration.py [--images 3] [--quick]
+    python experiments/calibration.py --table     # the stored JSON as docs/attacks.md's table
 
 --quick divides every budget by 10 (a smoke run, not the table's numbers). The rows "prior weight search" try
 other total-variation weights at the published budget, on the public images only, to see whether 32 px images
@@ -67,12 +68,27 @@ def run(images: int, quick: bool) -> list[dict]:
     return rows
 
 
+def table(rows: list[dict]) -> str:
+    """The calibration table of docs/attacks.md."""
+    lines = ["| attack | images | setting | steps | PSNR (dB), each | mean | mean image (dB) |",
+             "| --- | --- | --- | --- | --- | --- | --- |"]
+    for row in rows:
+        lines.append(f"| {row['method']} | {row['batch']} | {row['setting']} | {row['steps']} | "
+                     f"{', '.join(f'{v:.1f}' for v in row['psnr_each'])} | {row['psnr']:.1f} | "
+                     f"{row['baseline_psnr']:.1f} |")
+    return "\n".join(lines)
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--images", type=int, default=3, help="single images attacked per batch-1 row (public split 0..)")
     parser.add_argument("--quick", action="store_true", help="a tenth of every budget: a smoke run")
     parser.add_argument("--out", type=Path, default=Path(__file__).parent / "results" / "calibration.json")
+    parser.add_argument("--table", action="store_true", help="print the stored --out as docs/attacks.md's table")
     args = parser.parse_args()
+    if args.table:
+        print(table(json.loads(args.out.read_text())["rows"]))
+        return
     torch.set_num_threads(1)
     rows = run(args.images, args.quick)
     if not args.quick:
