@@ -91,3 +91,17 @@ def test_a_defended_run_reads_low_beside_its_passing_power_check(tmp_path, micro
     assert v.level == verdict.LOW and v.control.passed, (v.value, v.baseline, v.control)
     html_file, _, _ = write_run_report(run.path, run.config().to_toml(), run.metrics(), reports)
     assert "gradient-analytic on the control: 60.0 dB vs" in html_file.read_text()
+
+
+def test_a_control_that_cannot_be_built_leaves_the_report_unchecked(feature_run, monkeypatch):
+    """Too few public images for the control: the attack's own report stands, saying why it has no power check."""
+    from eftguard.audit import observe
+    from eftguard.rundir import RunError
+
+    def too_few(*_, **__):
+        raise RunError("the power check needs 8 public images; the run's public split holds 3")
+
+    monkeypatch.setattr(observe, "public_sample", too_few)
+    report = run_attack(feature_run, "invert", "decoder", steps=2, max_images=3, lpips_backend="stlpips-alex")
+    assert report.details["power_check"].startswith("not run: the power check needs 8 public images")
+    assert channel_of(report).level == verdict.UNCHECKED

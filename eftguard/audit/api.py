@@ -70,13 +70,25 @@ def run_attack(run: str | Path | RunDirectory, family: str, method: str | None =
     start = time.perf_counter()
     result = attack.reconstruct(observed.observation, progress)  # the attack phase: the observation only
     report = chosen.score(job, attack, observed, result, time.perf_counter() - start)
-    control = chosen.control(job, attack, observed, progress) if power_check else None
-    if control is not None:
-        groups, what = control
-        report = replace(report, groups={**report.groups, **groups}, details={**report.details, "power_check": what})
+    if power_check:
+        report = with_power_check(report, chosen, job, attack, observed, progress)
     if folder is not None:
         write_attack_report(folder, report)
     return report
+
+
+def with_power_check(report: AttackReport, family: Family, job: Job, attack, observed, progress) -> AttackReport:
+    """The report with its power check's groups and what the control was; a control that cannot be built here
+    (too few public images, a schedule it cannot replay) leaves the report as it is, saying why (its low then reads
+    "unchecked")."""
+    try:
+        control = family.control(job, attack, observed, progress)
+    except (AttackError, RunError) as exc:
+        return replace(report, details={**report.details, "power_check": f"not run: {exc}"})
+    if control is None:
+        return report
+    groups, what = control
+    return replace(report, groups={**report.groups, **groups}, details={**report.details, "power_check": what})
 
 
 def resolve_options(family: Family, cls: type, given: dict) -> tuple[dict, dict]:
