@@ -131,6 +131,9 @@ def public_images(run: RunDirectory) -> np.ndarray:
 
 # --- invert -------------------------------------------------------------------------------------------------
 
+CONTROL_IMAGES = 8  # public images the feature channel's power check attacks
+
+
 @dataclass
 class InvertOptions:
     positions: str = option("known", "known: the auditor grants the kept-token positions of each upload (a server "
@@ -204,9 +207,6 @@ class InvertFamily(Family):
         return (scoring.control_groups(result.images, truth, kept, public_images(job.run)),
                 f"the same attack and budget on {CONTROL_IMAGES} public images through client {job.clients[0]}'s "
                 "uploaded local module with the run's masking, released without clipping or noise")
-
-
-CONTROL_IMAGES = 8  # public images the feature channel's power check attacks
 
 
 # --- labels -------------------------------------------------------------------------------------------------
@@ -337,7 +337,6 @@ class GradientFamily(Family):
         if hasattr(attack, "steps"):
             details["steps"] = attack.steps
         return self.report(job, attack, scoring.image_summary([scores], details), lpips.name, scores.grid_rows)
-
 
     def control(self, job: Job, attack: Attack, observed: Observed, progress=None) -> tuple[dict, str]:
         cfg, partition, batch = job.run.config(), job.clients[0], job.options["batch"]
