@@ -51,7 +51,8 @@ FIGURES_NOTE = ("Mean ± standard deviation over the seeds of each configuration
                 "distance from that. Test accuracy is after the last round. ε: the largest total any client spent "
                 "(its ledger), with the largest per channel in brackets.")
 NO_DP = "No configuration ran DP-SGD (no ε): no privacy-budget plot."
-LEVEL_CLASS = {verdict.LOW: "low", verdict.MEDIUM: "medium", verdict.HIGH: "high"}  # CSS class per level
+LEVEL_CLASS = {verdict.LOW: "low", verdict.MEDIUM: "medium", verdict.HIGH: "high",  # CSS class per level
+               verdict.INCONCLUSIVE: "inconclusive", verdict.UNCHECKED: "inconclusive"}
 GRID_ALT = "original, what was sent, reconstruction, PSNR per row"
 PNG_SIGNATURE = b"\x89PNG\r\n\x1a\n"
 PNG_LIMIT_BYTES = 20 * 2 ** 20  # a grid of a few dozen 32 px images is well under 1 MB

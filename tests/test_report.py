@@ -533,6 +533,7 @@ def test_reports_show_the_power_check_beside_the_verdict(tmp_path):
                        "inconclusive: the attack was too weak here"]
     stored = json.loads(json_file.read_text())["verdict"][0]
     assert stored["level"] == "inconclusive" and stored["power_check"]["passed"] is False
+    assert 'class="inconclusive"' in html_file.read_text()  # shaded apart from low, medium and high
 
 
 def test_the_levels_sentence_states_every_channels_thresholds_from_the_verdict_table():
