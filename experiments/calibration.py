@@ -1,7 +1,7 @@
 """The calibration table of docs/attacks.md: each optimisation gradient attack at its paper's reference setting and
 at eftguard's default, on the case the papers report (the DLG paper's LeNet, one FedSGD gradient of 32 px images of
 the bundled photos' public split, 1 and 4 images), PSNR against the mean image. Writes
-experiments/results/calibration.json.
+experiments/results/calibration/lenet.json.
 
     OMP_NUM_THREADS=1 python experiments/calibration.py [--images 3] [--quick]
     python experiments/calibration.py --table     # the stored JSON as docs/attacks.md's table
@@ -83,7 +83,7 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--images", type=int, default=3, help="single images attacked per batch-1 row (public split 0..)")
     parser.add_argument("--quick", action="store_true", help="a tenth of every budget: a smoke run")
-    parser.add_argument("--out", type=Path, default=Path(__file__).parent / "results" / "calibration.json")
+    parser.add_argument("--out", type=Path, default=Path(__file__).parent / "results" / "calibration" / "lenet.json")
     parser.add_argument("--table", action="store_true", help="print the stored --out as docs/attacks.md's table")
     args = parser.parse_args()
     if args.table:
