@@ -105,3 +105,11 @@ def test_a_control_that_cannot_be_built_leaves_the_report_unchecked(feature_run,
     report = run_attack(feature_run, "invert", "decoder", steps=2, max_images=3, lpips_backend="stlpips-alex")
     assert report.details["power_check"].startswith("not run: the power check needs 8 public images")
     assert channel_of(report).level == verdict.UNCHECKED
+
+
+def test_an_audit_file_power_check_must_be_a_boolean():
+    from eftguard.audit.grid import ConfigError, check_attack_options
+
+    check_attack_options("invert", "decoder", {"power_check": False}, "x.toml [[attack]] #1")
+    with pytest.raises(ConfigError, match=r"x.toml \[\[attack\]\] #1: power_check must be true or false, got 'no'"):
+        check_attack_options("invert", "decoder", {"power_check": "no"}, "x.toml [[attack]] #1")
