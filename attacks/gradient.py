@@ -351,7 +351,7 @@ class InvertingGradients:
     steps: int = option(200, STEPS_HELP, whole_number(1))
     restarts: int = option(1, "independent random starts, the best gradient match wins", whole_number(1))
     tv: float = option(0.1, "weight of the total-variation image prior beside the cosine distance (the reference "
-                            "implementation's 0.1, breaching's 0.2 in its scaling: docs/attacks.md#calibration)",
+                            "implementation's 0.1, breaching's 0.2 in its scaling: docs/attacks.md, calibration)",
                        finite_number(0, zero_allowed=True))
     start: str = option("noise", "noise: uniform random pixels; prior: the observation's prior (the mean public "
                                  "image), each further restart with noise of std 0.1 added",
