@@ -166,7 +166,7 @@ def test_cli_inverts_a_recorded_eftvit_upload(monkeypatch, capsys, small_run, tm
     assert report["metrics"]["psnr"]["n"] == report["metrics_kept"]["psnr"]["n"] == n
     assert report["details"]["simulated_steps"] == math.ceil(n / 2)
     assert report["capabilities"]["positions_known"] is True
-    assert calls == ["UpdateInversion"]
+    assert calls == ["UpdateInversion"] * 2  # on the upload, then on the power check's public control
 
 
 @pytest.mark.parametrize("argv, message", [
