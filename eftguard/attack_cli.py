@@ -181,6 +181,9 @@ def add_family_parser(kinds: argparse._SubParsersAction, family) -> argparse.Arg
     if family.seeded:
         parser.add_argument("--seed", type=cli_type(SEED), default=0,
                             help="seed of the attack's own randomness (default: 0)")
+    parser.add_argument("--no-power-check", dest="power_check", action="store_false",
+                        help="skip the power check (the same attack and budget on public images through the same "
+                             "channel with the defense off, docs/reports.md); a low verdict then reads 'unchecked'")
     return parser
 
 
@@ -208,7 +211,8 @@ def cmd_attack(args: argparse.Namespace) -> None:
         (args.method,)
     per_method = options_per_method(args, family, methods)
     out = args.out if args.out is not None else run / "reports"
-    common = {"round_number": args.round_number, "clients": args.clients, "key": args.key, "out": out}
+    common = {"round_number": args.round_number, "clients": args.clients, "key": args.key, "out": out,
+              "power_check": args.power_check}
     if family.image_metrics:
         common["lpips_backend"] = args.lpips_backend
     if family.seeded:

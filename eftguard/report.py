@@ -51,7 +51,8 @@ FIGURES_NOTE = ("Mean ± standard deviation over the seeds of each configuration
                 "distance from that. Test accuracy is after the last round. ε: the largest total any client spent "
                 "(its ledger), with the largest per channel in brackets.")
 NO_DP = "No configuration ran DP-SGD (no ε): no privacy-budget plot."
-LEVEL_CLASS = {verdict.LOW: "low", verdict.MEDIUM: "medium", verdict.HIGH: "high"}  # CSS class per level
+LEVEL_CLASS = {verdict.LOW: "low", verdict.MEDIUM: "medium", verdict.HIGH: "high",  # CSS class per level
+               verdict.INCONCLUSIVE: "inconclusive", verdict.UNCHECKED: "inconclusive"}
 GRID_ALT = "original, what was sent, reconstruction, PSNR per row"
 PNG_SIGNATURE = b"\x89PNG\r\n\x1a\n"
 PNG_LIMIT_BYTES = 20 * 2 ** 20  # a grid of a few dozen 32 px images is well under 1 MB
@@ -225,6 +226,21 @@ def thresholds_text() -> str:
         for l in levels) + ". Not audited means no attack of that kind was run, not that the channel is safe."
 
 
+POWER_CHECK_TEXT = ("Power check: the same attack with the same budget on a positive control (public images through "
+                    "the same model and channel with the defense off, scored against their known truth). A low level "
+                    "holds only where a control got past its baseline by the medium threshold; inconclusive: the "
+                    "attack was too weak here (its control failed); unchecked: no control was run.")
+
+
+def control_cell(v: verdict.ChannelVerdict) -> str:
+    """The power check in an audit's verdict cell: "; control 25.1 dB vs 12.0 dB"."""
+    if v.control is None:
+        return ""
+    c, digits = v.control, 1 if v.control.headline.unit else 3
+    return (f"; control {c.value:.{digits}f}{c.headline.unit} vs {c.baseline:.{digits}f}{c.headline.unit}"
+            f"{'' if c.passed else ' (failed)'}")
+
+
 def config_differences(config_toml: str) -> list[list[str]] | None:
     """Rows of [option, value, default] for what the run set differently from TrainConfig's defaults (options
     TrainConfig does not know are listed too); None when the text is not TOML."""
@@ -275,10 +291,11 @@ def write_run_report(run_path: Path, config_toml: str, metrics: list[dict], repo
     blocks = [Heading(f"Privacy audit of {run_path}", 1),
               text(f"Test accuracy after round {metrics[-1]['round']}: {metrics[-1]['test_accuracy']:.3f}."
                    if metrics else "No completed rounds."),
-              Heading("Verdict"), Table([["leakage channel", "strongest attack", "headline figure", "level"]] + [
-                  [v.channel, v.attack or "–", v.summary, v.level] for v in verdicts],
-                  [["", "", "", LEVEL_CLASS.get(v.level, "none")] for v in verdicts]),
-              text(thresholds_text()), text(DP_SCOPE), Heading("Accuracy per round"),
+              Heading("Verdict"),
+              Table([["leakage channel", "strongest attack", "headline figure", "power check", "level"]] + [
+                  [v.channel, v.attack or "–", v.summary, v.control_text if v.attack else "–", v.level_text]
+                  for v in verdicts], [["", "", "", "", LEVEL_CLASS.get(v.level, "none")] for v in verdicts]),
+              text(thresholds_text()), text(POWER_CHECK_TEXT), text(DP_SCOPE), Heading("Accuracy per round"),
               *([Picture(accuracy_plot(metrics), "test accuracy per round", plot=True)] if metrics else []),
               Table(accuracy_rows), Heading("Attacks")]
     if not reports:
@@ -293,6 +310,9 @@ def write_run_report(run_path: Path, config_toml: str, metrics: list[dict], repo
     write_text(files[1], markdown(document))
     write_text(files[2], json.dumps({"run": str(run_path), "verdict": [
         {"channel": v.channel, "family": v.family, "level": v.level, "attack": v.attack, "figure": v.figure,
+         "power_check": None if v.control is None else {"attack": v.control.attack, "value": v.control.value,
+                                                         "baseline": v.control.baseline,
+                                                         "passed": v.control.passed},
          "value": v.value, "baseline": v.baseline, "summary": v.summary} for v in verdicts],
         "metrics": metrics, "attacks": [r.to_json() for r, _ in reports]}, indent=2) + "\n")
     return files
@@ -351,7 +371,8 @@ def configuration_rows(configurations: list[dict]) -> tuple[list[list[str]], lis
         verdicts = verdict.verdict_of_attacks(attacks_of(configuration))
         rows.append([name, number_text(configuration.get("accuracy")),
                      number_text(configuration.get("epsilon"), 2, "off"),
-                     *(f"{v.short}, {v.attack}: {v.level}" if v.attack else v.level for v in verdicts)])
+                     *(f"{v.short}, {v.attack}: {v.level}{control_cell(v)}" if v.attack else v.level
+                       for v in verdicts)])
         classes.append(["", "", "", *(LEVEL_CLASS.get(v.level, "none") for v in verdicts)])
     return rows, classes
 
@@ -474,7 +495,7 @@ def write_audit_report(summary: dict, out: Path) -> list[Path]:
     blocks = [Heading(title, 1), text(f"{len(configurations)} configuration(s), {len(failed)} failed; "
                                       f"{sum(g.get('passed') is not True for g in gates)} of {len(gates)} gate(s) failed."),
               Heading("Verdict per configuration"), Table(*configuration_rows(configurations)),
-              text(thresholds_text()), text(DP_SCOPE), Heading("Gates"),
+              text(thresholds_text()), text(POWER_CHECK_TEXT), text(DP_SCOPE), Heading("Gates"),
               Table(*gate_rows(gates)) if gates else text("No gates were given (--gate)."),
               Heading("Figures per configuration"), Table(figure_rows(configurations)), text(FIGURES_NOTE),
               *([Heading("Reconstructions"), text(RECONSTRUCTIONS_NOTE), Gallery(gallery)] if gallery else []),

@@ -3,7 +3,10 @@ headline figure next to its baseline and a plain-language level (low / medium / 
 whether the numbers are bad.
 
 Thresholds and why they sit where they do: docs/reports.md. A channel no attack was run on is "not audited",
-never "safe".
+never "safe". A "low" holds only behind a passing power check: the same attack with the same budget on a positive
+control (public images through the same channel with the defense off, stored as the figures "control.*" and
+"control_baseline.*") got past its baseline by at least the medium threshold, so the attack could have found
+leakage here. A low whose controls all fail reads "inconclusive", one without a control "unchecked".
 """
 
 from __future__ import annotations
@@ -22,6 +25,11 @@ LOW, MEDIUM, HIGH = "low", "medium", "high"
 NOT_AUDITED = "not audited"
 NOT_SCORED = "not scored"  # attacks of the channel ran, but none left a finite headline figure and baseline
 NOT_APPLICABLE = "not applicable"  # the run's method sends nothing on this channel (e.g. no features under fedavg)
+INCONCLUSIVE = "inconclusive"  # low, but the same attack on the positive control got no further: too weak to tell
+UNCHECKED = "unchecked"  # low, and no power check was run (skipped, or the family has none yet)
+LEVEL_TEXT = {INCONCLUSIVE: "inconclusive: the attack was too weak here",
+              UNCHECKED: "unchecked: low, but no power check showed the attack could find leakage here"}
+CONTROL, CONTROL_BASELINE = "control", "control_baseline"  # the score groups of the power check (Family.control)
 
 
 def higher_leaks(headline: Headline) -> bool:
@@ -44,15 +52,63 @@ def level(headline: Headline, value: float, baseline: float) -> str:
 
 
 @dataclass(frozen=True)
+class PowerCheck:
+    """The positive control of one attack: its headline figure and baseline there, and whether the gain reached
+    the medium threshold (the attack can report leakage where there is some)."""
+
+    attack: str
+    value: float
+    baseline: float
+    headline: Headline
+
+    @property
+    def passed(self) -> bool:
+        return level(self.headline, self.value, self.baseline) != LOW
+
+    @property
+    def text(self) -> str:
+        digits = 1 if self.headline.unit else 3
+        return (f"{self.attack} on the control: {self.value:.{digits}f}{self.headline.unit} vs "
+                f"{self.baseline:.{digits}f}{self.headline.unit}, {'passed' if self.passed else 'failed'}")
+
+
+def power_check(name: str, figures: dict, channel: Channel) -> PowerCheck | None:
+    """The control figures an attack stored for the first of the channel's headlines it has, or None."""
+    for headline in channel.headlines:
+        value = figures.get(f"{CONTROL}.{headline.figure}")
+        baseline = figures.get(f"{CONTROL_BASELINE}.{headline.figure}")
+        if finite(value) and finite(baseline):
+            return PowerCheck(name, float(value), float(baseline), headline)
+    return None
+
+
+def best_power_check(channel: Channel, figures_of: dict) -> PowerCheck | None:
+    """A passing control among the family's attacks (the strongest by its gain), else the strongest failing one."""
+    checks = [c for c in (power_check(n, f, channel) for n, f in sorted(figures_of.items()) if isinstance(f, dict))
+              if c is not None]
+    return max(checks, key=lambda c: (c.passed, gain(c.headline, c.value, c.baseline)), default=None)
+
+
+@dataclass(frozen=True)
 class ChannelVerdict:
     channel: str                  # "uploaded features" | "parameter updates" | "labels" | ...
     family: str                   # "invert" | "gradient" | "labels" | ...
-    level: str                    # LOW | MEDIUM | HIGH | NOT_AUDITED | NOT_SCORED | NOT_APPLICABLE
+    level: str                    # LOW | MEDIUM | HIGH | INCONCLUSIVE | UNCHECKED | NOT_AUDITED | NOT_SCORED | ...
     attack: str | None = None     # the strongest attack of the family, None when not audited or not scored
     figure: str | None = None
     value: float | None = None
     baseline: float | None = None
     headline: Headline | None = None
+    control: PowerCheck | None = None  # the power check behind the level, where an attack of the family ran one
+
+    @property
+    def level_text(self) -> str:
+        """The level as a reader gets it: "inconclusive: the attack was too weak here"."""
+        return LEVEL_TEXT.get(self.level, self.level)
+
+    @property
+    def control_text(self) -> str:
+        return self.control.text if self.control is not None else "not run"
 
     @property
     def summary(self) -> str:
@@ -78,7 +134,7 @@ class ChannelVerdict:
 
     @property
     def sentence(self) -> str:
-        return f"{self.channel}: {self.summary}: {self.level}"
+        return f"{self.channel}: {self.summary}: {self.level_text}"
 
 
 def finite(value) -> bool:
@@ -130,6 +186,10 @@ def channel_verdict(channel: Channel, figures_of: dict, attempted: bool) -> Chan
         found = strongest(figures_of, headline)
         if found:
             name, value, baseline = found
-            return ChannelVerdict(channel.name, channel.family, level(headline, value, baseline), name,
-                                  headline.figure, value, baseline, headline)
+            control = best_power_check(channel, figures_of)
+            achieved = level(headline, value, baseline)
+            if achieved == LOW and not (control is not None and control.passed):
+                achieved = UNCHECKED if control is None else INCONCLUSIVE
+            return ChannelVerdict(channel.name, channel.family, achieved, name, headline.figure, value, baseline,
+                                  headline, control)
     return ChannelVerdict(channel.name, channel.family, NOT_SCORED)

@@ -11,7 +11,7 @@ import sys
 import tempfile
 from pathlib import Path
 
-TESTS = ["tests/test_core_pins.py", "-k", "extracted or accuracy or duration"]
+TESTS = ["tests/test_training.py", "-k", "extracted or accuracy or duration"]
 MUTANTS = [  # (file, original text, mutant text); the first is the unmutated control, which must pass
     ("eftguard/training.py", "def evaluate(", "def evaluate("),
     ("eftguard/training.py", "keep_ids[i:i + batch_size]", "keep_ids[i:i - batch_size]"),

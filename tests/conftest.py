@@ -1,6 +1,7 @@
 import builtins
 import io
 import os
+import stat
 import subprocess
 from collections import Counter
 from contextlib import contextmanager
@@ -84,6 +85,14 @@ def tiny_model():
     return build_model("vit-tiny-32", num_classes=10, local_layers=2, seed=0)
 
 
+@pytest.fixture(scope="module")
+def photos():
+    """The bundled photos dataset at 32 px (tests/test_metrics.py has its own: a dozen of them as float images)."""
+    from eftguard.data import load_dataset
+
+    return load_dataset("photos", None, 32)
+
+
 @pytest.fixture
 def rng():
     return np.random.default_rng(0)
@@ -132,6 +141,22 @@ def restored_torch_state():
         torch.use_deterministic_algorithms(saved["deterministic"][0], warn_only=saved["deterministic"][1])
 
 
+def images_and_labels(n, seed=0):
+    """N random uint8 32x32 RGB images and labels of 10 classes, from a seeded generator."""
+    g = torch.Generator().manual_seed(seed)
+    return torch.randint(0, 256, (n, 32, 32, 3), generator=g, dtype=torch.uint8), torch.randint(0, 10, (n,), generator=g)
+
+
+def random_images(count: int = 4) -> torch.Tensor:
+    """COUNT images of N(0, 1) pixels, 3x32x32, the same on every call (seeded)."""
+    return torch.randn(count, 3, 32, 32, generator=torch.Generator().manual_seed(1))
+
+
+def file_mode(path) -> int:
+    """A file's permission bits (0o600: only its owner reads and writes it)."""
+    return stat.S_IMODE(path.stat().st_mode)
+
+
 def run_cli(capsys, *argv) -> tuple[int, str]:
     """(exit code, stderr) of `eftguard ARGV`: 0 when main returns, the SystemExit code otherwise."""
     from eftguard.cli import main
@@ -142,6 +167,29 @@ def run_cli(capsys, *argv) -> tuple[int, str]:
     except SystemExit as exit_info:
         code = exit_info.code
     return code, capsys.readouterr().err
+
+
+@pytest.fixture
+def task_identity_set():
+    """Messages are stamped with the identity of the running task (fakegrid.task_identity): for tests that build
+    or exchange messages outside Flower. Modules of such tests use it with pytest.mark.usefixtures."""
+    from fakegrid import task_identity
+
+    with task_identity():
+        yield
+
+
+@pytest.fixture
+def in_process_simulation(monkeypatch):
+    """`eftguard train` with the in-process grid instead of Ray: the CLI's parsing, checks and run directory, and
+    the real server and client code."""
+    from eftguard.federation.server import run_server
+    from fakegrid import FakeGrid, task_identity
+
+    def simulate(run_dir, cfg, verbose, threat):
+        with task_identity():
+            run_server(FakeGrid(cfg.clients), run_dir, threat)
+    monkeypatch.setattr("eftguard.federation.simulation.run_simulated", simulate)
 
 
 @pytest.fixture(scope="module")

@@ -35,3 +35,9 @@ def test_fedavg_of_one_client_is_that_client():
 def test_fedavg_rejects_mismatched_inputs(states, weights):
     with pytest.raises(ValueError):
         fedavg(states, weights)
+
+
+@pytest.mark.parametrize("states, weights", [([], []), ([{"w": np.zeros(2, np.float32)}], [1, 2])])
+def test_fedavg_refuses_states_and_weights_that_do_not_pair_up(states, weights):
+    with pytest.raises(ValueError, match="^fedavg needs one weight per state and at least one state$"):
+        fedavg(states, weights)

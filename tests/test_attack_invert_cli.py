@@ -3,11 +3,9 @@
 import json
 from html.parser import HTMLParser
 
-import pytest
-
 from eftguard.attacks.base import ThreatModel
 from eftguard.attacks.inversion import DecoderInversion
-from conftest import MICRO_PRESET, train_in_process
+from conftest import MICRO_PRESET, run_cli, train_in_process
 from eftguard.audit.observe import observe_features
 from eftguard.cli import main
 from eftguard.rundir import RunDirectory
@@ -15,13 +13,9 @@ from eftguard.rundir import RunDirectory
 FAST = ["--steps", "3", "--max-images", "6", "--lpips-backend", "stlpips-alex"]
 
 
-def run_cli(*argv):
-    main([str(a) for a in argv])
-
-
 def test_invert_writes_the_report_and_the_run_report_gathers_it(feature_run, tmp_path, capsys):
     out = tmp_path / "reports"
-    run_cli("attack", "invert", feature_run, "--out", out, *FAST)
+    main(["attack", "invert", str(feature_run), "--out", str(out), *FAST])
     report = json.loads((out / "invert-decoder" / "report.json").read_text())
     assert report["attack"] == "invert-decoder" and report["round"] == 1
     assert report["capabilities"]["positions_known"] is True
@@ -33,14 +27,14 @@ def test_invert_writes_the_report_and_the_run_report_gathers_it(feature_run, tmp
     assert "stlpips-alex" in (out / "invert-decoder" / "report.md").read_text()
     assert "invert-decoder" in capsys.readouterr().out  # the summary table
 
-    run_cli("attack", "invert", feature_run, "--out", out, "--method", "optimize",
-            "--positions", "unknown", "--restarts", "1", *FAST)
+    main(["attack", "invert", str(feature_run), "--out", str(out), "--method", "optimize",
+          "--positions", "unknown", "--restarts", "1", *FAST])
     optimized = json.loads((out / "invert-optimize" / "report.json").read_text())
     assert optimized["capabilities"]["positions_known"] is False
     # kept positions inferred from the features alone: a random guess of 4 of 16 positions scores about 0.15
     assert optimized["details"]["position_accuracy"]["mean"] > 0.8
 
-    run_cli("report", feature_run, "--reports", out)
+    main(["report", str(feature_run), "--reports", str(out)])
     page = (out / "report.html").read_text()
     assert "invert-decoder" in page and "invert-optimize" in page and "stlpips-alex" in page
 
@@ -87,11 +81,10 @@ def test_encrypted_runs_need_their_key(tmp_path, capsys, micro_preset):
     create_key(key)
     run = train_in_process(tmp_path / "run", model=MICRO_PRESET, encrypt_at_rest=str(key), train_samples=80)
     for argv in (["attack", "invert", run, *FAST], ["report", run]):
-        with pytest.raises(SystemExit):
-            run_cli(*argv)
-        assert "pass --key KEYFILE" in capsys.readouterr().err
-    run_cli("attack", "invert", run, "--key", key, *FAST)
-    run_cli("report", run, "--key", key)
+        code, err = run_cli(capsys, *argv)
+        assert code == 2 and "pass --key KEYFILE" in err
+    main(["attack", "invert", str(run), "--key", str(key), *FAST])
+    main(["report", str(run), "--key", str(key)])
     assert (run / "reports" / "report.html").exists()
 
 
@@ -104,6 +97,5 @@ def test_fedavg_runs_have_no_features_to_invert(tmp_path, capsys, micro_preset, 
 
     run = train_in_process(tmp_path / "fedavg", model=MICRO_PRESET, method="fedavg", train_samples=80)
     monkeypatch.setattr(metrics, "load_lpips", no_lpips)
-    with pytest.raises(SystemExit):
-        run_cli("attack", "invert", run, *FAST)
-    assert "uploads no patch features" in capsys.readouterr().err
+    code, err = run_cli(capsys, "attack", "invert", run, *FAST)
+    assert code == 2 and "uploads no patch features" in err

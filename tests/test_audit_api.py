@@ -240,7 +240,7 @@ def test_a_family_added_through_the_registries_gets_its_verdict_row_and_plot(fea
     main(["report", str(feature_run), "--reports", str(reports)])
     run_html = (reports / "report.html").read_text()
     run_page = Page(run_html)
-    row = ["toy channel", "toy-count", "client sizes guessed: 0.900 vs 0.500 for a coin", "high"]
+    row = ["toy channel", "toy-count", "client sizes guessed: 0.900 vs 0.500 for a coin", "not run", "high"]
     assert row in run_page.tables[0] and row in markdown_tables((reports / "report.md").read_text())[0]
     assert "toys, hit rate above a coin: under 0.1 low, 0.1–0.3 medium, over 0.3 high" in run_html
 

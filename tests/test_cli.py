@@ -7,15 +7,9 @@ import pytest
 import torch
 from safetensors.torch import save_file
 
-from eftguard.cli import main
+from conftest import run_cli
 from eftguard.config import TrainConfig
 from eftguard.model import build_model
-
-
-def run_cli(capsys, *argv):
-    with pytest.raises(SystemExit) as exit_info:
-        main(list(argv))
-    return exit_info.value.code, capsys.readouterr().err
 
 
 @pytest.mark.parametrize("argv, message", [

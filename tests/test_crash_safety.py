@@ -13,7 +13,7 @@ import numpy as np
 import psutil
 import pytest
 
-from conftest import MICRO_PRESET, OWN_PID_NAMESPACE, can_make_pid_namespaces, train_in_process
+from conftest import MICRO_PRESET, OWN_PID_NAMESPACE, can_make_pid_namespaces, run_cli, train_in_process
 from eftguard.audit.api import round_clients
 from eftguard.cli import main
 from eftguard.config import TrainConfig
@@ -56,12 +56,6 @@ def truncate(file: Path) -> None:
     """What a power loss leaves of a file whose data never reached the disk: its first half."""
     data = file.read_bytes()
     file.write_bytes(data[: len(data) // 2])
-
-
-def run_cli(capsys, *argv):
-    with pytest.raises(SystemExit) as exit_info:
-        main([str(a) for a in argv])
-    return exit_info.value.code, capsys.readouterr().err
 
 
 def test_a_round_is_marked_complete_only_after_its_files_are_durable(finished):

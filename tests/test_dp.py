@@ -245,3 +245,16 @@ def test_a_run_without_dp_sgd_never_imports_opacus():
     result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
     assert result.returncode == 0, result.stderr[-2000:]
     assert result.stdout.strip() == "False True"  # eftguard.defenses.dp (accounting) is loaded, Opacus is not
+
+
+def test_one_dp_step_already_spends_privacy_and_none_spends_nothing():
+    assert epsilon_spent(1.0, 0.1, 0, 1e-5, "rdp") == 0.0
+    assert 0.0 < epsilon_spent(1.0, 0.1, 1, 1e-5, "rdp") < epsilon_spent(1.0, 0.1, 2, 1e-5, "rdp")
+
+
+def test_an_unreachable_target_is_refused_with_the_noise_ceiling_and_the_steps_named():
+    with pytest.raises(PrivacyBudgetError, match=r"^--dp-eps 0.01 cannot be met at delta 1e-05 over 8 DP-SGD steps "
+                                                 r"and 2 feature releases with the rdp accountant, even at noise "
+                                                 r"multiplier 1e\+06: raise --dp-eps or --dp-delta, lower --rounds or "
+                                                 r"--local-epochs, or try --accountant prv$"):
+        check_feasible(0.01, 1e-5, "rdp", 250, 64, 1, (1, 2), 0.5)

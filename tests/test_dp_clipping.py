@@ -1,11 +1,13 @@
 """DP-SGD's per-sample clipping (eftguard.defenses.clipping.PerSampleClipping): the clipped gradient sum against a
 one-sample-at-a-time reference, the cost of getting it (the frozen global module is traversed once), and the layers it refuses."""
 
+import copy
+
 import pytest
 import torch
 from torch import nn
 
-from conftest import MICRO_PRESET
+from conftest import MICRO_PRESET, images_and_labels
 from eftguard.defenses.clipping import make_private
 from eftguard.defenses.dp import DPSGD
 from eftguard.bench import count_flops
@@ -146,3 +148,21 @@ class WithSharedTokens(nn.Module):
 def test_a_layer_output_without_the_batch_dimension_first_is_refused():
     with pytest.raises(NotImplementedError, match=r"SharedTokens maps \(4, 4\) to \(1, 2\) for 4 samples"):
         clip_one_batch(WithSharedTokens())
+
+
+def test_dp_training_clips_linear_layers_by_ghost_norms_without_per_sample_gradients(tiny_model, monkeypatch):
+    """Per-sample clipping (what training uses) computes a Linear layer's per-sample gradient norms directly; the
+    other layers get a batch of per-sample gradients per parameter (batch-size times the memory)."""
+    from eftguard.defenses import clipping
+
+    materialised = []
+    original = clipping._per_sample_gradients
+    monkeypatch.setattr(clipping, "_per_sample_gradients",
+                        lambda layer, *args: materialised.append(layer) or original(layer, *args))
+    model = copy.deepcopy(tiny_model)
+    images, labels = images_and_labels(4)
+    train_local(model, images, labels, "eftvit", 0.75, OptimConfig(1, 4, 1e-3, 0.0),
+                torch.Generator().manual_seed(0), dp=DPSGD(1.0, 1.0, 1.0, 0))
+    linear = [m for m in model.modules() if type(m) is nn.Linear and any(p.requires_grad for p in m.parameters())]
+    assert len(linear) > 2 and materialised  # the layer norms still get per-sample gradients
+    assert not any(type(layer) is nn.Linear for layer in materialised)

@@ -23,9 +23,8 @@ from eftguard.methods import METHODS
 from eftguard.model import build_model
 from eftguard.rundir import RunDirectory
 from eftguard.training import mean_loss
-from conftest import MICRO_PRESET, train_in_process
+from conftest import MICRO_PRESET, random_images, run_cli, train_in_process
 from fakegrid import FakeGrid, task_identity
-from test_peft import cli, in_process_simulation  # noqa: F401 (a fixture)
 from test_hostile_replies import FLOAT_EDITS, INT_EDITS, by_name, edit_array, encode, plain, set_one, with_part
 
 pytestmark = pytest.mark.usefixtures("micro_preset")
@@ -44,10 +43,6 @@ def position(name: str) -> tuple[int, int] | None:
     return int(match[2]) + (LOCAL_LAYERS if match[1] == "global" else 0), int(match[3])
 
 
-def images(count: int = 4) -> torch.Tensor:
-    return torch.randn(count, 3, 32, 32, generator=torch.Generator().manual_seed(1))
-
-
 # --- the model: a pruned head is not computed, not trained ---------------------------------------------------
 
 def test_a_pruned_head_is_left_out_of_the_forward_and_gets_no_gradient():
@@ -56,7 +51,7 @@ def test_a_pruned_head_is_left_out_of_the_forward_and_gets_no_gradient():
     base = build_model(MICRO_PRESET, 10, LOCAL_LAYERS, seed=3).eval()
     model = build_model(MICRO_PRESET, 10, LOCAL_LAYERS, seed=3, adapt=METHODS["headprune-lora"].model_adapter(OPTIONS))
     model.eval()
-    x = images()
+    x = random_images()
     with torch.no_grad():
         assert torch.equal(model(x), base(x))  # all heads, B = 0: the base model exactly
     kept = torch.tensor([[True, False]] * 4)
@@ -288,9 +283,9 @@ def test_cli_trains_headprune_lora_one_round_and_the_gradient_attack_reads_its_u
                                                                                       in_process_simulation):
     """vit-tiny-32 (3 heads per layer) at s = 0.5: two heads kept per layer, their rank-2 factors uploaded."""
     run_path = tmp_path / "run"
-    code, err = cli(capsys, "train", "--out", run_path, "--method", "headprune-lora", "--head-sparsity", 0.5,
-                    "--lora-rank", 2, "--rounds", 1, "--clients", 2, "--train-samples", 40, "--test-samples", 8,
-                    "--batch-size", 16)
+    code, err = run_cli(capsys, "train", "--out", run_path, "--method", "headprune-lora", "--head-sparsity", 0.5,
+                        "--lora-rank", 2, "--rounds", 1, "--clients", 2, "--train-samples", 40, "--test-samples", 8,
+                        "--batch-size", 16)
     assert code == 0, err
     run = RunDirectory.open(run_path)
     heads, update = run.load_upload(1, 0, "heads"), run.load_upload(1, 0, "update")
@@ -299,8 +294,8 @@ def test_cli_trains_headprune_lora_one_round_and_the_gradient_attack_reads_its_u
     assert update[f"local_module.blocks.0.attn.head_lora.{kept}.qkv_a.weight"].shape == (2, 192)
     assert update[f"local_module.blocks.0.attn.head_lora.{kept}.proj_b.weight"].shape == (192, 2)
     assert len(update) == 12 * 2 * 4 + 2  # four factors of each kept head, and the classifier
-    code, err = cli(capsys, "attack", "gradient", run_path, "--observe", "upload", "--method", "idlg", "--steps", 2,
-                    "--lpips-backend", "stlpips-alex", "--out", tmp_path / "reports")
+    code, err = run_cli(capsys, "attack", "gradient", run_path, "--observe", "upload", "--method", "idlg",
+                        "--steps", 2, "--lpips-backend", "stlpips-alex", "--out", tmp_path / "reports")
     assert code == 0, err
 
 

@@ -22,18 +22,13 @@ from eftguard.federation.server import parse_reply, run_server, upload_spec
 from eftguard.model import build_model
 from eftguard.rundir import RunDirectory
 from conftest import MICRO_PRESET, MICRO_WIDTH
-from fakegrid import FakeGrid, task_identity
+from fakegrid import FakeGrid
 
-pytestmark = pytest.mark.usefixtures("micro_preset")  # real rounds and replies; their subject is not the model's size
+# micro_preset: real rounds and replies, whose subject is not the model's size
+pytestmark = pytest.mark.usefixtures("micro_preset", "task_identity_set")
 
 CFG = TrainConfig(model=MICRO_PRESET, clients=5, rounds=3, train_samples=100, test_samples=10, batch_size=16)
 HONEST = 4  # the partition whose replies are never tampered with
-
-
-@pytest.fixture(autouse=True)
-def _task_identity():
-    with task_identity():
-        yield
 
 
 # --- the mutations -------------------------------------------------------------------------------------------

@@ -15,7 +15,7 @@ from eftguard.audit.observe import observe_labels
 from eftguard.cli import main
 from eftguard.rundir import RunDirectory
 from eftguard.sampling import balanced_indices, class_target
-from conftest import MICRO_PRESET, train_in_process, truth_out_of_reach
+from conftest import MICRO_PRESET, run_cli, train_in_process, truth_out_of_reach
 
 NO_HEAD = (np.zeros((10, 192), np.float32), np.zeros(10, np.float32))
 
@@ -170,12 +170,6 @@ def test_attacks_on_a_real_round_beat_the_prior_and_never_read_truth(tiny_run):
         exact_below_t += (np.rint(linkage.counts[below]) == truth[below]).tolist()
         assert linkage.counts.sum() == pytest.approx(truth.sum())
     assert len(exact_below_t) >= 6 and np.mean(exact_below_t) > 0.5, exact_below_t
-
-
-def run_cli(capsys, *argv):
-    with pytest.raises(SystemExit) as exit_info:
-        main(list(argv))
-    return exit_info.value.code, capsys.readouterr().err
 
 
 def test_cli_writes_one_report_per_method(tiny_run, tmp_path):

@@ -61,3 +61,11 @@ def test_the_first_block_sees_timms_tokens_of_the_kept_patches_at_their_position
 def test_images_of_another_size_are_refused_in_one_line(tiny_model):
     with pytest.raises(ModelError, match=r"images of \(64, 64\) pixels given to a model of \(32, 32\)"):
         tiny_model.local_module(torch.zeros(1, 3, 64, 64))
+
+
+def test_masks_come_from_the_generator_passed_in_not_the_global_rng():
+    """A round is a pure function of its seed: the masks must not depend on torch's global RNG."""
+    torch.manual_seed(1)
+    first = random_keep_ids(8, 64, 0.75, torch.Generator().manual_seed(5))
+    torch.manual_seed(2)
+    assert torch.equal(random_keep_ids(8, 64, 0.75, torch.Generator().manual_seed(5)), first)

@@ -1,4 +1,7 @@
-"""PSNR / SSIM / LPIPS against hand-computed and scikit-image values, matching, kept-patch scoring, baselines."""
+"""PSNR / SSIM / LPIPS against hand-computed and scikit-image values, matching, kept-patch scoring, baselines,
+and the LPIPS networks each backend loads."""
+
+import warnings
 
 import numpy as np
 import pytest
@@ -155,3 +158,180 @@ def test_baselines():
 def test_summarize():
     assert metrics.summarize(np.array([1.0, 3.0])) == {"mean": 2.0, "std": 1.0, "median": 2.0, "n": 2}
     assert metrics.summarize(np.array([]))["n"] == 0
+
+
+@pytest.fixture(scope="module")
+def six_photos(photos):
+    return photos[:6]
+
+
+def top_half_kept(count):
+    kept = np.zeros((count, 32, 32), dtype=bool)
+    kept[:, :16] = True
+    return kept
+
+
+def test_kept_pixel_psnr_is_the_mse_over_kept_pixels_of_each_image():
+    truth = np.zeros((2, 8, 8, 3))
+    recon = truth.copy()
+    recon[0, :4] = 0.1  # kept half of image 0: mse 0.01 -> 20 dB
+    recon[1, :4] = 0.01  # kept half of image 1: mse 1e-4 -> 40 dB
+    recon[:, 4:] = 1.0  # never sent: ignored
+    kept = np.zeros((2, 8, 8), dtype=bool)
+    kept[:, :4] = True
+    assert metrics.psnr(recon, truth, kept) == pytest.approx([20.0, 40.0])
+    assert metrics.psnr(recon, truth, kept.astype(np.float32)) == pytest.approx([20.0, 40.0])
+
+
+def test_identical_images_score_the_cap_without_a_divide_warning():
+    images = np.full((2, 8, 8, 3), 0.5)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        assert metrics.psnr(images, images).tolist() == [metrics.MAX_PSNR] * 2
+
+
+def test_kept_pixel_ssim_averages_the_ssim_map_over_kept_pixels_only(six_photos):
+    kept = top_half_kept(len(six_photos))
+    damaged = six_photos.copy()
+    damaged[:, 24:] = 1 - damaged[:, 24:]  # outside every SSIM window that touches a kept pixel (7 px)
+    assert metrics.ssim(damaged, six_photos, kept) == pytest.approx(np.ones(len(six_photos)))
+    assert (metrics.ssim(damaged, six_photos) < 0.9).all()
+
+
+@pytest.mark.parametrize("recon_shape, truth_shape", [((8, 8, 3), (8, 8, 3)), ((2, 8, 8, 3), (3, 8, 8, 3)),
+                                                     ((2, 8, 8, 4), (2, 8, 8, 4))])
+def test_images_of_the_wrong_layout_are_refused_before_scoring(recon_shape, truth_shape):
+    with pytest.raises(metrics.MetricError, match=r"images must both be \[N, H, W, 3\]; got"):
+        metrics.psnr(np.zeros(recon_shape), np.zeros(truth_shape))
+
+
+def test_lpips_feeds_zero_one_images_to_the_network_and_weights_each_image_by_its_own_kept_pixels(six_photos, lpips):
+    noisy = np.clip(six_photos + np.random.default_rng(0).normal(0, 0.1, six_photos.shape), 0, 1).astype(np.float32)
+    kept = top_half_kept(len(six_photos))
+    kept[0] = True  # images differ in how much was kept
+    with torch.no_grad():
+        spatial = lpips.network(*(torch.from_numpy(x).permute(0, 3, 1, 2) for x in (noisy, six_photos)), normalize=True)
+    weights = torch.from_numpy(kept.astype(np.float32))[:, None]
+    expected_kept = (spatial * weights).sum(dim=(1, 2, 3)) / weights.sum(dim=(1, 2, 3))
+    assert lpips(noisy, six_photos, batch_size=4) == pytest.approx(spatial.mean(dim=(1, 2, 3)).numpy(), rel=1e-4)
+    assert lpips(noisy, six_photos, kept, batch_size=4) == pytest.approx(expected_kept.numpy(), rel=1e-4)
+
+
+def test_lpips_of_no_images_is_empty(lpips):
+    assert lpips(np.zeros((0, 32, 32, 3)), np.zeros((0, 32, 32, 3))).shape == (0,)
+
+
+def test_kept_scores_weight_the_composite_by_kept_pixels(six_photos, lpips):
+    """metrics_kept must score the composite only where patches were kept: unweighted, the perfect pixels
+    outside would dilute the damage on the kept ones."""
+    kept = top_half_kept(len(six_photos))
+    recon = np.clip(six_photos + np.random.default_rng(1).normal(0, 0.2, six_photos.shape), 0, 1)
+    mixed = metrics.composite(recon, six_photos, kept)
+    assert np.array_equal(mixed[:, :16], recon[:, :16]) and np.array_equal(mixed[:, 16:], six_photos[:, 16:])
+    scores = metrics.score(recon, six_photos, lpips, kept)
+    assert set(scores) == {"metrics", "metrics_kept"}
+    assert set(scores["metrics"]) == set(scores["metrics_kept"]) == {"psnr", "ssim", "lpips"}
+    assert scores["metrics_kept"]["ssim"] == pytest.approx(metrics.ssim(mixed, six_photos, kept))
+    assert (scores["metrics_kept"]["ssim"] < metrics.ssim(mixed, six_photos) - 0.1).all()
+    assert scores["metrics_kept"]["lpips"] == pytest.approx(lpips(mixed, six_photos, kept), rel=1e-5)
+    assert not np.allclose(scores["metrics_kept"]["lpips"], lpips(mixed, six_photos), rtol=0.01)
+
+
+def test_squared_errors_are_the_summed_squared_differences_of_every_pair():
+    rng = np.random.default_rng(0)
+    a, b = rng.random((3, 4, 4, 3)), rng.random((5, 4, 4, 3))
+    expected = ((a[:, None] - b[None]) ** 2).reshape(3, 5, -1).sum(-1)
+    np.testing.assert_allclose(metrics.squared_errors(a, b), expected, rtol=1e-10)
+
+
+def test_reconstructions_are_matched_to_their_originals_in_a_larger_pool(six_photos):
+    pool = six_photos
+    recon = pool[[4, 1, 3]] + 0.01
+    assert metrics.match_to_pool(recon, pool).tolist() == [4, 1, 3]
+    assert sorted(metrics.match_to_pool(pool[::-1], pool).tolist()) == list(range(len(pool)))  # a full pool
+    with pytest.raises(metrics.MetricError, match=f"cannot match {len(pool) + 1} reconstructions to {len(pool)} originals"):
+        metrics.match_to_pool(np.concatenate([pool, pool[:1]]), pool)
+    with pytest.raises(metrics.MetricError, match="cannot match 2 reconstructions to 3 originals"):
+        metrics.hungarian_match(pool[:2], pool[:3])
+
+
+def test_label_hits_pair_each_true_label_once():
+    hits = metrics.label_hits(np.array([3, 3, 5, 7, 5, 5]), np.array([5, 3, 5]))
+    assert hits.dtype == bool and hits.tolist() == [True, False, True, False, True, False]
+    assert metrics.label_hits([1, 2], []).tolist() == [False, False]
+
+
+def test_kept_pixel_masks_are_boolean_images():
+    mask = metrics.kept_pixels(np.array([[0], [3]]), image_size=4, patch_size=2)
+    assert mask.dtype == bool and mask.shape == (2, 4, 4) and mask.sum(axis=(1, 2)).tolist() == [4, 4]
+    assert mask[1, 2:, 2:].all()
+
+
+def test_mean_image_baseline_is_the_per_pixel_mean_repeated():
+    public = np.random.default_rng(0).random((3, 4, 4, 3))
+    baseline = metrics.mean_image_baseline(public, 2)
+    assert baseline.shape == (2, 4, 4, 3)
+    np.testing.assert_allclose(baseline, np.stack([public.mean(axis=0)] * 2))
+
+
+def test_summaries_of_one_and_of_no_values():
+    assert metrics.summarize(np.array([2.0])) == {"mean": 2.0, "std": 0.0, "median": 2.0, "n": 1}
+    assert metrics.summarize(np.array([])) == {"mean": None, "std": None, "median": None, "n": 0}
+
+
+@pytest.fixture
+def fresh_lpips(monkeypatch):
+    """load_lpips without its per-process cache; standard LPIPS 'available' as a stand-in network."""
+    monkeypatch.setattr(metrics, "_LOADED", {})
+    stand_in = torch.nn.Identity()
+    monkeypatch.setattr(metrics, "_standard_lpips", lambda: stand_in)
+    return stand_in
+
+
+def test_each_lpips_backend_loads_under_its_own_name_once(fresh_lpips, capsys):
+    shifted = metrics.load_lpips("stlpips-alex")
+    assert shifted.name == "stlpips-alex" and shifted is metrics.load_lpips("stlpips-alex")
+    assert capsys.readouterr().out == ""  # quiet
+    images = np.random.default_rng(0).random((2, 32, 32, 3)).astype(np.float32)
+    with torch.no_grad():
+        assert shifted.network(*[metrics._to_lpips_tensor(images)] * 2, normalize=True).shape == (2, 1, 32, 32)
+    for backend in ("lpips-alex", "auto"):
+        standard = metrics.load_lpips(backend)
+        assert (standard.name, standard.network) == ("lpips-alex", fresh_lpips)
+    assert metrics.load_lpips().network is fresh_lpips
+    with pytest.raises(metrics.MetricError, match="unknown LPIPS backend 'vgg': choose auto, lpips-alex, stlpips-alex"):
+        metrics.load_lpips("vgg")
+
+
+def test_lpips_falls_back_offline_to_a_working_shift_tolerant_network(monkeypatch):
+    monkeypatch.setattr(metrics, "_LOADED", {})
+
+    def offline():
+        raise OSError("no network")
+
+    monkeypatch.setattr(metrics, "_standard_lpips", offline)
+    with pytest.raises(metrics.MetricError, match=r"nor downloadable \(OSError\)\. Copy them there, or use "
+                                                  r"--lpips-backend stlpips-alex \(weights shipped, works offline\)$"):
+        metrics.load_lpips("lpips-alex")
+    fallback = metrics.load_lpips("auto")
+    images = np.random.default_rng(0).random((1, 32, 32, 3)).astype(np.float32)
+    assert fallback.name == "stlpips-alex" and fallback(images, images) == pytest.approx([0.0], abs=1e-6)
+
+
+def test_standard_lpips_is_alexnet_lpips_with_spatial_maps_and_quiet(monkeypatch):
+    """The real network needs torchvision's AlexNet weights (not downloadable here): check how it is built."""
+    import lpips as lpips_package
+
+    built = []
+
+    class StandIn(torch.nn.Module):
+        def __init__(self, **options):
+            super().__init__()
+            built.append(options)
+            warnings.warn("Arguments other than a weight enum or `None` for 'weights' are deprecated", UserWarning)
+
+    monkeypatch.setattr(lpips_package, "LPIPS", StandIn)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        network = metrics._standard_lpips()
+    assert built == [{"net": "alex", "spatial": True, "verbose": False}] and not network.training

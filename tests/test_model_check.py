@@ -19,17 +19,13 @@ from eftguard.federation.server import run_server
 from eftguard.methods import method_spec
 from eftguard.model import build_model
 from eftguard.rundir import RunDirectory
-from fakegrid import FakeGrid, task_identity
+from fakegrid import FakeGrid
+
+pytestmark = pytest.mark.usefixtures("task_identity_set")  # messages are built outside Flower
 
 RUN_ID = "0" * 32
 HEAD = {"head.weight": np.full((2, 3), 0.1, dtype=np.float32), "head.bias": np.zeros(2, dtype=np.float32)}
 SIZES, FEATURE_SETS = [100, 50], 400  # the public schedule the bound uses: 2 client steps per round at B 64
-
-
-@pytest.fixture(autouse=True)
-def _task_identity():
-    with task_identity():
-        yield
 
 
 def honest(**changes) -> ClientSettings:

@@ -10,16 +10,11 @@ from pathlib import Path
 
 import pytest
 
+from conftest import run_cli
 from eftguard.cli import main
 from eftguard.data.cifar import load_cifar
 from eftguard.data import DataError
 from eftguard.paths import file_in_the_way, output_file_problem, read_text_file
-
-
-def run_cli(capsys, *argv):
-    with pytest.raises(SystemExit) as exit_info:
-        main([str(a) for a in argv])
-    return exit_info.value.code, capsys.readouterr().err
 
 
 @pytest.fixture

@@ -18,16 +18,13 @@ from eftguard.defenses.clipping import make_private
 from eftguard.defenses.dp import DPSGD
 from eftguard.defenses.ledger import PrivacyLedger
 from eftguard.federation.apps import default_ledger_dir
-from eftguard.federation.server import run_server
 from eftguard.headprune import (head_importance, importance_weighted_average, kept_heads, loss_gap_selection,
                                 model_head_importance)
 from eftguard.methods import METHODS, method_spec
 from eftguard.model import build_model
 from eftguard.peft import LoRALinear, lora_averaging_gap
 from eftguard.rundir import RunDirectory
-from conftest import MICRO_DEPTH, MICRO_PRESET, MICRO_WIDTH, train_in_process
-from conftest import run_cli as cli
-from fakegrid import FakeGrid, task_identity
+from conftest import MICRO_DEPTH, MICRO_PRESET, MICRO_WIDTH, random_images, run_cli, train_in_process
 
 pytestmark = pytest.mark.usefixtures("micro_preset")  # the methods' mechanics do not depend on the model's size
 
@@ -53,10 +50,6 @@ def pretrained(tmp_path_factory, micro_preset):
     path = tmp_path_factory.mktemp("pretrained") / "ckpt.safetensors"
     save_file({k: v.contiguous() for k, v in model.state_dict().items()}, str(path))
     return model, path
-
-
-def images(count: int = 4) -> torch.Tensor:
-    return torch.randn(count, 3, 32, 32, generator=torch.Generator().manual_seed(1))
 
 
 @pytest.mark.parametrize("method", PEFT)
@@ -89,7 +82,7 @@ def test_the_pretrained_checkpoint_loads_into_every_method_and_gives_its_forward
     assert all(torch.equal(state[k], v) for k, v in base.state_dict().items())
     model.local_module.prompt_tokens = None
     with torch.no_grad():
-        assert torch.equal(model(images()), base(images()))
+        assert torch.equal(model(random_images()), base(random_images()))
 
 
 def test_lora_with_zero_b_is_the_base_layer_and_with_trained_factors_the_merged_weight(pretrained):
@@ -98,16 +91,16 @@ def test_lora_with_zero_b_is_the_base_layer_and_with_trained_factors_the_merged_
     layers = [m for m in model.modules() if isinstance(m, LoRALinear)]
     assert len(layers) == 2 * MICRO_DEPTH and all(layer.rank == 4 for layer in layers)
     with torch.no_grad():
-        assert torch.equal(model(images()), base(images()))
+        assert torch.equal(model(random_images()), base(random_images()))
         merged = build_model(MICRO_PRESET, 10, 2, seed=7).eval()
         merged_layers = dict(merged.named_modules())
         for name, layer in model.named_modules():
             if isinstance(layer, LoRALinear):
                 layer.lora_b.normal_(0, 0.05)
                 merged_layers[name].weight += layer.lora_b @ layer.lora_a
-        adapted = model(images())
-        assert not torch.allclose(adapted, base(images()), atol=1e-3)
-        torch.testing.assert_close(adapted, merged(images()), rtol=1e-4, atol=1e-5)
+        adapted = model(random_images())
+        assert not torch.allclose(adapted, base(random_images()), atol=1e-3)
+        torch.testing.assert_close(adapted, merged(random_images()), rtol=1e-4, atol=1e-5)
 
 
 def test_prompt_tokens_change_the_output_only_through_the_added_tokens(pretrained):
@@ -116,7 +109,7 @@ def test_prompt_tokens_change_the_output_only_through_the_added_tokens(pretraine
     tokens = model.local_module.prompt_tokens.tokens
     assert tokens.shape == (1, 3, MICRO_WIDTH)
     assert set(model.state_dict()) - set(base.state_dict()) == {"local_module.prompt_tokens.tokens"}
-    x = images()
+    x = random_images()
     prompted = model(x)
     assert not torch.allclose(prompted, base(x), atol=1e-3)
     assert model.local_module(x).shape[1] == 1 + 3 + 64  # cls, prompts, every patch
@@ -153,33 +146,23 @@ def test_peft_sizes_that_cannot_work_are_refused_in_one_line(capsys, tmp_path, a
     assert err.strip().splitlines()[-1] == f"eftguard: error: {message}"
 
 
-@pytest.fixture
-def in_process_simulation(monkeypatch):
-    """`eftguard train` with the in-process grid instead of Ray: the CLI's parsing, checks and run directory, and
-    the real server and client code."""
-    def simulate(run_dir, cfg, verbose, threat):
-        with task_identity():
-            run_server(FakeGrid(cfg.clients), run_dir, threat)
-    monkeypatch.setattr("eftguard.federation.simulation.run_simulated", simulate)
-
-
 def test_cli_trains_fed_lora_at_rank_4_and_the_gradient_attack_reads_its_upload(capsys, tmp_path,
                                                                                   in_process_simulation):
     run_path = tmp_path / "run"
-    code, err = cli(capsys, "train", "--out", run_path, "--method", "fed-lora", "--lora-rank", "4", "--rounds", 1,
-                    "--clients", 2, "--train-samples", 40, "--test-samples", 8, "--batch-size", 16)
+    code, err = run_cli(capsys, "train", "--out", run_path, "--method", "fed-lora", "--lora-rank", "4",
+                        "--rounds", 1, "--clients", 2, "--train-samples", 40, "--test-samples", 8, "--batch-size", 16)
     assert code == 0, err
     run = RunDirectory.open(run_path)
     upload = run.load_upload(1, 0, "update")
     assert upload["local_module.blocks.0.attn.qkv.lora_a"].shape == (4, 192)
     assert upload["global_module.blocks.9.attn.proj.lora_b"].shape == (192, 4)
-    code, err = cli(capsys, "attack", "gradient", run_path, "--observe", "upload", "--method", "idlg", "--steps", 2,
-                    "--lpips-backend", "stlpips-alex", "--out", tmp_path / "reports")
+    code, err = run_cli(capsys, "attack", "gradient", run_path, "--observe", "upload", "--method", "idlg",
+                        "--steps", 2, "--lpips-backend", "stlpips-alex", "--out", tmp_path / "reports")
     assert code == 0, err
     report = json.loads((tmp_path / "reports" / "gradient-idlg" / "report.json").read_text())
     assert report["metrics"]["psnr"]["n"] == 1 and "treated as one gradient" in report["details"]["observation"]
-    code, err = cli(capsys, "attack", "gradient", run_path, "--observe", "upload", "--lpips-backend", "stlpips-alex",
-                    "--out", tmp_path / "refused")  # the default --method: analytic
+    code, err = run_cli(capsys, "attack", "gradient", run_path, "--observe", "upload",
+                        "--lpips-backend", "stlpips-alex", "--out", tmp_path / "refused")  # the default --method: analytic
     assert code == 2 and not (tmp_path / "refused").exists()
     assert err.strip().splitlines()[-1] == (
         "eftguard: error: the analytic attack reads the gradient of local_module.token_embedding.pos_embed, "
@@ -200,7 +183,7 @@ def test_head_importance_is_the_sample_mean_of_the_largest_scaled_query_key_prod
 
 
 def test_model_head_importance_reads_q_and_k_of_every_block_averaged_over_all_images(tiny_model):
-    x = images(5)
+    x = random_images(5)
     model = copy.deepcopy(tiny_model)
     alpha = model_head_importance(model, x, batch_size=3)  # batches of 3 and 2, weighted by their size
     assert alpha.shape == (12, 3)

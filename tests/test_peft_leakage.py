@@ -13,7 +13,6 @@ from eftguard import headprune, metrics
 from eftguard.audit import observe
 from eftguard.audit.observe import probe_gradient, trained_names
 from eftguard.config import TrainConfig
-from eftguard.data import load_dataset
 from eftguard.methods import method_spec
 from eftguard.model import build_model
 from eftguard.rundir import RunDirectory
@@ -21,11 +20,6 @@ from conftest import MICRO_PRESET, train_in_process
 from test_gradient import dp_noise_for_epsilon_1, floats
 
 pytestmark = pytest.mark.usefixtures("one_torch_thread")
-
-
-@pytest.fixture(scope="module")
-def photos():
-    return load_dataset("photos", None, 32)
 
 
 def lora_probe(photos, index, dp=None):

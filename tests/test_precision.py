@@ -11,7 +11,6 @@ import torch
 from conftest import MICRO_PRESET, run_cli
 from eftguard import precision
 from eftguard.config import TrainConfig
-from eftguard.data import load_dataset
 from eftguard.data.plan import run_dataset
 from eftguard.defenses.dp import DPSGD
 from eftguard.errors import ConfigError
@@ -23,11 +22,6 @@ from eftguard.model import build_model
 from eftguard.training import OptimConfig, evaluate, extract_features, mean_loss, train_local
 
 pytestmark = pytest.mark.usefixtures("micro_preset", "one_torch_thread")
-
-
-@pytest.fixture(scope="module")
-def photos():
-    return load_dataset("photos", None, 32)
 
 
 @pytest.fixture()

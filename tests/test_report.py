@@ -21,20 +21,35 @@ def stat(mean):
     return {"mean": mean, "std": 0.5, "n": 4} if mean is not None else {"mean": None, "std": None, "n": 0}
 
 
-def image_report(attack, psnr, baseline, psnr_kept=None, baseline_kept=None, family=None):
-    """A report.json as the image attacks write it (flat groups of {"mean", "std", "n"})."""
+def image_report(attack, psnr, baseline, psnr_kept=None, baseline_kept=None, family=None, control=None):
+    """A report.json as the image attacks write it (flat groups of {"mean", "std", "n"}); control: (PSNR, baseline)
+    of its power check, on the whole image and the kept patches alike."""
     report = {"attack": attack, "run": "runs/r", "round": 1, "clients": [0, 1], "capabilities": {},
               "details": {}, "metrics": {"psnr": stat(psnr)}, "baseline": {"psnr": stat(baseline)}}
     if psnr_kept is not None:
         report |= {"metrics_kept": {"psnr": stat(psnr_kept)}, "baseline_kept": {"psnr": stat(baseline_kept)}}
+    if control is not None:
+        report |= {"control": {"psnr": stat(control[0]), "psnr_kept": stat(control[0])},
+                   "control_baseline": {"psnr": stat(control[1]), "psnr_kept": stat(control[1])}}
     if family:
         report["family"] = family
     return report
 
 
-def label_report(attack, l1, baseline_l1):
-    return {"attack": attack, "run": "runs/r", "round": 1, "clients": [0], "capabilities": {}, "details": {},
-            "metrics": {"l1": stat(l1), "js": stat(l1 / 2)}, "baseline": {"l1": stat(baseline_l1)}}
+def label_report(attack, l1, baseline_l1, control=None):
+    report = {"attack": attack, "run": "runs/r", "round": 1, "clients": [0], "capabilities": {}, "details": {},
+              "metrics": {"l1": stat(l1), "js": stat(l1 / 2)}, "baseline": {"l1": stat(baseline_l1)}}
+    if control is not None:
+        report |= {"control": {"l1": stat(control[0])}, "control_baseline": {"l1": stat(control[1])}}
+    return report
+
+
+PASSING = (25.0, 12.0)  # a power check 13 dB above its baseline: the attack could find leakage
+
+
+def unchecked_if_low(level):
+    """What a level reads without a power check: a low is "unchecked", the others stand."""
+    return verdict.UNCHECKED if level == verdict.LOW else level
 
 
 def by_channel(verdicts):
@@ -51,10 +66,15 @@ def typed(*reports):
 @pytest.mark.parametrize("gain, level", [(-3.0, "low"), (1.99, "low"), (2.0, "medium"), (2.01, "medium"),
                                          (6.0, "medium"), (6.01, "high"), (30.0, "high")])
 def test_image_levels_at_and_around_each_threshold(gain, level):
-    verdicts = by_channel(verdict.verdict(typed(image_report("invert-decoder", 0, 0, 12.0 + gain, 12.0),
-                                                 image_report("gradient-analytic", 12.0 + gain, 12.0))))
-    assert verdicts["uploaded features"].level == level
-    assert verdicts["parameter updates"].level == level
+    checked = by_channel(verdict.verdict(typed(
+        image_report("invert-decoder", 0, 0, 12.0 + gain, 12.0, control=PASSING),
+        image_report("gradient-analytic", 12.0 + gain, 12.0, control=PASSING))))
+    assert checked["uploaded features"].level == level
+    assert checked["parameter updates"].level == level
+    unchecked = by_channel(verdict.verdict(typed(image_report("invert-decoder", 0, 0, 12.0 + gain, 12.0),
+                                                  image_report("gradient-analytic", 12.0 + gain, 12.0))))
+    assert unchecked["uploaded features"].level == unchecked_if_low(level)
+    assert unchecked["parameter updates"].level == unchecked_if_low(level)
 
 
 @pytest.mark.parametrize("l1, baseline, level", [
@@ -64,7 +84,38 @@ def test_image_levels_at_and_around_each_threshold(gain, level):
     (0.0, 0.0, "low"),  # the prior is already exact: the attack adds nothing
 ])
 def test_label_levels_relative_to_the_prior(l1, baseline, level):
-    assert by_channel(verdict.verdict(typed(label_report("labels-head", l1, baseline))))["labels"].level == level
+    checked = typed(label_report("labels-head", l1, baseline, control=(0.1, 1.0)))
+    assert by_channel(verdict.verdict(checked))["labels"].level == level
+    unchecked = typed(label_report("labels-head", l1, baseline))
+    assert by_channel(verdict.verdict(unchecked))["labels"].level == unchecked_if_low(level)
+
+
+@pytest.mark.parametrize("control, level", [((25.0, 12.0), "low"), ((14.0, 12.0), "medium"),
+                                            ((13.9, 12.0), "inconclusive"), ((9.0, 12.0), "inconclusive"),
+                                            (None, "unchecked")])
+def test_a_low_stands_only_behind_a_passing_power_check(control, level):
+    """The same low figure (12.5 dB against 12.0) reads low when the attack's control got past its baseline by the
+    medium threshold (2 dB), inconclusive when it did not, and unchecked without a control."""
+    v = by_channel(verdict.verdict(typed(image_report("gradient-ig", 12.5, 12.0, control=control))))[
+        "parameter updates"]
+    assert v.level == ("low" if level in ("low", "medium") else level)
+    assert (v.control is not None and v.control.passed) == (level in ("low", "medium"))
+    if level == "inconclusive":
+        assert v.level_text == "inconclusive: the attack was too weak here"
+
+
+def test_a_passing_control_of_another_attack_of_the_family_backs_the_low():
+    """A family's low is backed by any of its attacks whose control passed (all of them reported low)."""
+    v = by_channel(verdict.verdict(typed(image_report("gradient-dlg", 11.0, 12.0, control=(10.0, 12.0)),
+                                         image_report("gradient-ig", 12.5, 12.0, control=PASSING))))[
+        "parameter updates"]
+    assert (v.level, v.attack, v.control.attack) == ("low", "gradient-ig", "gradient-ig")
+
+
+def test_a_control_does_not_lower_a_high():
+    v = by_channel(verdict.verdict(typed(image_report("gradient-ig", 25.0, 12.0, control=(9.0, 12.0)))))[
+        "parameter updates"]
+    assert v.level == "high" and not v.control.passed
 
 
 def test_a_channel_without_an_attack_is_not_audited_never_safe():
@@ -244,8 +295,8 @@ def test_run_report_leads_with_the_verdict_and_collapses_what_matches_the_defaul
     assert text.index("<h2>Verdict</h2>") < text.index("<h2>Accuracy per round</h2>") < text.index("<h2>Attacks")
     verdict_table = page.tables[0]
     assert verdict_table[1] == ["uploaded features", "invert-decoder",
-                                "kept patches recovered: 25.3 dB vs 11.1 dB for the mean image", "high"]
-    assert verdict_table[2][3] == "not audited"
+                                "kept patches recovered: 25.3 dB vs 11.1 dB for the mean image", "not run", "high"]
+    assert verdict_table[2][4] == "not audited"
     assert 'class="high"' in text and 'class="medium"' in text
     # only what differs from TrainConfig's defaults is tabled; the full text sits in a nested, closed block
     differences = page.tables[-1]
@@ -457,6 +508,34 @@ def test_groups_on_one_spot_share_one_label():
     assert max(map(len, label.split("\n"))) <= LABEL_LIMIT
 
 
+def test_reports_show_the_power_check_beside_the_verdict(tmp_path):
+    """A defended configuration's low stands beside its passing control; an undefended-looking low whose control
+    failed reads inconclusive, in the audit's verdict table, the run report's and its report.json."""
+    def defended(control):
+        return {"invert-decoder": {"family": "invert", "report": "r.json", "figures": {
+            "psnr": 12.2, "baseline.psnr": 12.0, "psnr_kept": 12.4, "baseline_kept.psnr": 12.0,
+            "control.psnr_kept": control[0], "control_baseline.psnr_kept": control[1]}}}
+
+    data = {"configurations": [configuration("dp_eps=1", "dp_eps=1", 0.3, defended((24.1, 12.2)), epsilon=1.0),
+                               configuration("weak", "weak", 0.3, defended((12.9, 12.2)))]}
+    html_file, md_file = write_audit_report(data, tmp_path / "audit")
+    verdicts = {row[0]: row for row in Page(html_file.read_text()).tables[0][1:]}
+    assert verdicts["dp_eps=1"][3] == "kept patches 12.4 dB vs 12.0 dB, invert-decoder: low; control 24.1 dB vs 12.2 dB"
+    assert verdicts["weak"][3] == ("kept patches 12.4 dB vs 12.0 dB, invert-decoder: inconclusive; control 12.9 dB vs "
+                                   "12.2 dB (failed)")
+    assert "Power check: the same attack with the same budget" in md_file.read_text()
+
+    reports = tmp_path / "reports"
+    write_reports(reports, [image_report("invert-decoder", 12.2, 12.0, 12.4, 12.0, control=(12.9, 12.2))])
+    html_file, _, json_file = write_run_report(tmp_path / "run", 'dataset = "photos"\n', METRICS, reports)
+    row = Page(html_file.read_text()).tables[0][1]
+    assert row[3:] == ["invert-decoder on the control: 12.9 dB vs 12.2 dB, failed",
+                       "inconclusive: the attack was too weak here"]
+    stored = json.loads(json_file.read_text())["verdict"][0]
+    assert stored["level"] == "inconclusive" and stored["power_check"]["passed"] is False
+    assert 'class="inconclusive"' in html_file.read_text()  # shaded apart from low, medium and high
+
+
 def test_the_levels_sentence_states_every_channels_thresholds_from_the_verdict_table():
     """The sentence under each verdict table is the reader's key to low / medium / high: it must quote the
     thresholds the verdict actually applies, for every channel with a headline."""
@@ -533,7 +612,8 @@ def test_audit_report_shows_the_strongest_attacks_grid_per_group_and_image_chann
     assert grids["s0-weak"] not in shown and grids["s1-decoder"] not in shown
     assert text.index("<h2>Reconstructions</h2>") < text.index("<h2>Privacy–utility</h2>")
     assert "g,seed=0</b>: invert-decoder, uploaded features: kept patches recovered: 25.0 dB vs 12.0 dB" in text
-    assert "b</b>: invert-decoder, uploaded features: kept patches recovered: 13.0 dB vs 12.0 dB for the mean image: low" in text
+    assert ("b</b>: invert-decoder, uploaded features: kept patches recovered: 13.0 dB vs 12.0 dB for the mean image: "
+            "unchecked: low, but no power check showed the attack could find leakage here") in text
     markdown = md_file.read_text()
     links = [line.split("](")[1].rstrip(")") for line in markdown.splitlines() if line.startswith("![")]
     assert sorted(links) == sorted(["reports/g%2Cseed%3D0/invert-decoder/grid.png",

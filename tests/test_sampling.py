@@ -52,3 +52,23 @@ def test_oversampled_repeats_get_different_masks(tiny_model, rng):
     _, keep_ids = extract_features(tiny_model, images[picked], 0.75, torch.Generator().manual_seed(0))
     masks = {tuple(keep_ids[i].tolist()) for i in np.flatnonzero(labels[picked] == 0)}
     assert len(masks) == 5
+
+
+@pytest.mark.parametrize("balance", ["median", "mean", "max"])
+def test_one_sample_per_class_is_uploaded_once_not_repeated(balance, rng):
+    labels = np.array([0, 1, 2], dtype=np.int64)
+    assert class_target(np.bincount(labels), balance) == 1
+    assert balanced_indices(labels, 3, balance, rng).tolist() == [0, 1, 2]
+
+
+def test_unknown_balance_mode_names_every_choice():
+    with pytest.raises(ValueError, match=r"unknown balance mode 'medain': choose median, mean, max, none$"):
+        class_target(np.array([3, 4]), "medain")
+
+
+def test_classes_above_target_never_upload_a_sample_twice():
+    labels = np.repeat(np.arange(3), [10, 9, 9]).astype(np.int64)  # T = 9: class 0 drops one of its 10
+    for seed in range(10):  # drawing 9 of 10 with replacement repeats one with probability 0.9996
+        picked = balanced_indices(labels, 3, "median", np.random.default_rng(seed))
+        assert np.bincount(picked, minlength=28).max() == 1
+        assert np.bincount(labels[picked]).tolist() == [9, 9, 9]

@@ -1,34 +1,51 @@
-"""The server loop (handshake, rounds, validation, aggregation, resume) against an in-process grid.
+"""The server (eftguard/federation/server.py, and the records it reads, records.py), against the in-process grid:
+FakeGrid delivers each message to the real ClientApp handlers in this process; a tamper hook can corrupt one
+client's reply, as a malicious or broken client would.
 
-FakeGrid delivers each message to the real ClientApp handlers in this process; a tamper hook can
-corrupt one client's reply, as a malicious or broken client would."""
+First the server loop end to end (handshake, rounds, validation, aggregation, resume). Then the server's and the
+records' functions called directly, with small hand-made records and the grid's handshake (no training round).
+Last, whole rounds with the micro ViT pinned on exact values computed here from what the clients sent (issue 16):
+each runs its own small run (2-4 clients, 1-2 rounds, well under 2 s). The last two parts are fast enough for the
+mutation check of server.py and records.py (docs/mutation.md)."""
 
+import io
+import math
+import re
+from contextlib import contextmanager
+from dataclasses import replace
 
 import numpy as np
 import pytest
 import torch
-from flwr.app import Array
+from flwr.app import Array, ArrayRecord, ConfigRecord, Error, Message, RecordDict
+from rich.console import Console
+from rich.progress import Progress
 
+from conftest import MICRO_PRESET, MICRO_WIDTH
+from fakegrid import FakeGrid, task_identity
 from eftguard.aggregate import fedavg
 from eftguard.config import TrainConfig
-from eftguard.data.plan import run_dataset
-from eftguard.federation.server import FederationError, load_average, run_server
+from eftguard.data import seeded
+from eftguard.data.plan import client_partition, run_dataset
+from eftguard.defenses.dp import client_budget
+from eftguard.errors import FederationError, Interrupted
+from eftguard.federation import server
+from eftguard.federation.client import dp_budget, participation, select_clients
+from eftguard.federation.records import ClientSettings, UploadError, from_record, to_record
+from eftguard.federation.server import (check_dp_report, discover_nodes, dp_budgets, exchange, load_average,
+                                        parse_reply, round_summary, run_server, upload_spec)
+from eftguard.masking import kept_token_count
+from eftguard.methods import method_spec
 from eftguard.model import build_model
 from eftguard.rundir import RunDirectory, RunError
 from eftguard.sampling import class_target
-from eftguard.training import evaluate
-from conftest import MICRO_PRESET, MICRO_WIDTH
-from fakegrid import FakeGrid, task_identity
+from eftguard.training import OptimConfig, evaluate, train_global
+from test_hostile_replies import CFG as HOSTILE_CFG, encode, honest, plain  # noqa: F401 (honest: a real client's reply)
 
-pytestmark = pytest.mark.usefixtures("micro_preset")  # whole rounds; their subject is not the model's size
+# micro_preset: whole rounds, whose subject is not the model's size
+pytestmark = pytest.mark.usefixtures("micro_preset", "task_identity_set")
 
 CFG = TrainConfig(model=MICRO_PRESET, clients=3, rounds=2, train_samples=120, test_samples=40, batch_size=32)
-
-
-@pytest.fixture(autouse=True)
-def _task_identity():
-    with task_identity():
-        yield
 
 
 def poison_node(target):
@@ -291,3 +308,917 @@ def test_without_truth_recording_no_ground_truth_leaves_the_clients(tmp_path):
     run_server(FakeGrid(3, tamper=record), run.path)
     assert sent and all("truth" not in keys and "features" in keys for keys in sent)
     assert run.completed_rounds() == 1 and not (run.path / "truth").exists()
+
+
+# --- the server's and the records' functions called directly ------------------------------------------------------
+
+def npy(array: np.ndarray, version=None) -> bytes:
+    buffer = io.BytesIO()
+    np.lib.format.write_array(buffer, array, version=version, allow_pickle=False)
+    return buffer.getvalue()
+
+
+# --- records ----------------------------------------------------------------------------------------------------
+
+def test_arrays_and_tensors_round_trip_through_a_record_exactly():
+    arrays = {"w": torch.arange(6, dtype=torch.float32).reshape(2, 3).requires_grad_(), "ids": np.arange(4),
+              "counts": [1, 2, 3]}
+    back = from_record(to_record(arrays), "update")
+    assert back.keys() == arrays.keys()
+    assert back["w"].dtype == np.float32 and np.array_equal(back["w"], np.arange(6).reshape(2, 3))
+    assert back["ids"].dtype == np.int64 and np.array_equal(back["ids"], np.arange(4))
+    assert np.array_equal(back["counts"], [1, 2, 3])
+
+
+def test_npy_format_2_is_read_and_format_3_is_refused():
+    """np.save writes format 2 for headers over 64 KiB; format 3 (utf-8 field names) is never needed here."""
+    record = ArrayRecord({"a": Array(dtype="float32", shape=(3,), stype="numpy.ndarray",
+                                     data=npy(np.ones(3, np.float32), (2, 0)))})
+    assert np.array_equal(from_record(record, "update")["a"], np.ones(3))
+    record["a"] = Array(dtype="float32", shape=(3,), stype="numpy.ndarray", data=npy(np.ones(3, np.float32), (3, 0)))
+    with pytest.raises(UploadError, match=r"^update\['a'\] cannot be decoded as a numpy array: unsupported .npy "
+                                          r"version \(3, 0\)$"):
+        from_record(record, "update")
+
+
+@pytest.mark.parametrize("array, message", [
+    (Array(dtype="float32", shape=(3,), stype="p" * 60, data=b""),
+     rf"^update\['a'\] has serialisation '{'p' * 40}', only numpy arrays are accepted$"),
+    (Array(dtype="float32", shape=(2,), stype="numpy.ndarray", data=npy(np.ones(3, np.float32))),
+     r"^update\['a'\] cannot be decoded as a numpy array: its header announces float32 \(3,\), but it declares "
+     r"float32 \(2,\)$"),
+    (Array(dtype="f" * 30, shape=(3,), stype="numpy.ndarray", data=npy(np.ones(3, np.float32))),
+     rf"but it declares {'f' * 20} \(3,\)$"),
+    (Array(dtype="float32", shape=(3,), stype="numpy.ndarray", data=npy(np.ones(3, np.float32))[:-1]),
+     r"^update\['a'\] cannot be decoded as a numpy array: "),
+])
+def test_array_that_is_not_the_numpy_array_it_declares_is_refused(array, message):
+    with pytest.raises(UploadError, match=message):
+        from_record(ArrayRecord({"a": array}), "update")
+
+
+def test_record_of_another_kind_is_refused():
+    with pytest.raises(UploadError, match=r"^features is not an ArrayRecord$"):
+        from_record(ConfigRecord({"a": 1}), "features")
+
+
+def test_settings_carry_the_round_noise_and_run_id_and_every_config_value():
+    cfg = TrainConfig(clients=3, rounds=2, train_samples=60, dp_eps=2.0, lr=0.003, seed=11).resolved()
+    settings = ClientSettings.from_config(cfg, 2, 1.25, "ab" * 16, 1.75)
+    assert (settings.round, settings.noise_multiplier, settings.run_id, settings.feature_noise_multiplier) == (
+        2, 1.25, "ab" * 16, 1.75)
+    assert all(getattr(settings, k) == getattr(cfg, k) for k in ClientSettings.__dataclass_fields__
+               if k not in ("round", "noise_multiplier", "run_id", "feature_noise_multiplier", "peak_lr"))
+    assert settings.peak_lr == cfg.lr
+    assert settings.dp_feature_share == cfg.dp_feature_share == 0.5
+    assert ClientSettings.from_record(settings.to_record()) == settings
+    assert ClientSettings.from_config(cfg, 1) == ClientSettings.from_config(cfg, 1, 0.0, "", 0.0)
+
+
+# --- parse_reply ------------------------------------------------------------------------------------------------
+
+def reply_with(reply, content=None, error=None):
+    return Message(content=content, metadata=reply.metadata) if error is None else Message(error=error,
+                                                                                          metadata=reply.metadata)
+
+
+def test_accepted_upload_is_what_the_client_sent(honest):
+    reply, sent, spec = honest
+    accepted, truth = parse_reply(reply, 1, spec, "eftvit")
+    assert (accepted.partition, accepted.num_examples, accepted.loss, accepted.epoch_seconds) == (
+        1, sent.num_examples, sent.loss, sent.epoch_seconds)
+    assert accepted.update.keys() == sent.update.keys()
+    assert all(np.array_equal(accepted.update[k], v) for k, v in sent.update.items())
+    assert all(np.array_equal(accepted.features[k], v) for k, v in sent.features.items())
+    assert accepted.upload_bytes == sum(a.nbytes for a in (*sent.update.values(), *sent.features.values()))
+    assert truth.keys() == sent.truth.keys()
+
+
+def test_truth_is_refused_when_the_run_does_not_record_it_and_absent_truth_is_none(honest):
+    reply, _, spec = honest
+    with pytest.raises(UploadError, match=r"^reply has wrong records \(missing \[\], unexpected \['truth'\]\)$"):
+        parse_reply(reply, 1, spec, "eftvit", record_truth=False)
+    without = reply_with(reply, encode({k: v for k, v in plain(reply.content).items() if k != "truth"}))
+    assert parse_reply(without, 1, spec, "eftvit", record_truth=False)[1] is None
+    assert parse_reply(without, 1, spec, "eftvit")[1] is None
+
+
+def test_unexpected_record_names_are_cut_to_three_of_40_characters(honest):
+    reply, _, spec = honest
+    content = RecordDict({**reply.content, **{c * 50: ConfigRecord({}) for c in "wxyz"}})
+    with pytest.raises(UploadError, match=rf"^reply has wrong records \(missing \[\], unexpected "
+                                          rf"\['{'w' * 40}', '{'x' * 40}', '{'y' * 40}'\]\)$"):
+        parse_reply(reply_with(reply, content), 1, spec, "eftvit")
+
+
+def test_client_error_reason_is_cut_to_200_characters(honest):
+    reply, _, spec = honest
+    with pytest.raises(UploadError, match=rf"^client failed: {'r' * 200}$"):
+        parse_reply(reply_with(reply, error=Error(code=0, reason="r" * 300)), 1, spec, "eftvit")
+
+
+def test_fedavg_reply_needs_no_features_and_may_not_send_them(honest):
+    reply, _, _ = honest
+    cfg = TrainConfig(**{**HOSTILE_CFG.__dict__, "method": "fedavg"})
+    dataset = run_dataset(cfg.dataset, cfg.data_dir, cfg.model, cfg.train_samples, 0, cfg.seed)
+    model = build_model(cfg.model, dataset.num_classes, cfg.local_layers, seed=0)
+    spec = upload_spec(model, cfg, dataset)
+    sent = plain(reply.content)
+    state = {k: v.numpy() for k, v in model.state_dict().items()}
+    content = {"update": state, "metrics": {**sent["metrics"], "feature-seconds": 0.0}}
+    accepted, truth = parse_reply(reply_with(reply, encode(content)), 1, spec, "fedavg", record_truth=False)
+    assert accepted.features is None and truth is None
+    assert accepted.upload_bytes == sum(a.nbytes for a in state.values())
+    with pytest.raises(UploadError, match=r"unexpected \['features'\]"):
+        parse_reply(reply_with(reply, encode({**content, "features": sent["features"]})), 1, spec, "fedavg")
+    # FedAvg truth: every sample of the client (no features, so no kept patch ids)
+    ids = dataset.train.ids[client_partition(cfg.dataset, cfg.data_dir, cfg.model, cfg.train_samples, cfg.seed,
+                                             cfg.clients, cfg.beta)[1]]
+    fedavg_truth = {"sample_ids": ids, "class_counts": sent["truth"]["class_counts"]}
+    _, truth = parse_reply(reply_with(reply, encode({**content, "truth": fedavg_truth})), 1, spec, "fedavg")
+    assert np.array_equal(truth["sample_ids"], ids)
+
+
+# --- what the server expects ------------------------------------------------------------------------------------
+
+@pytest.mark.parametrize("method", ["eftvit", "fedavg"])
+def test_upload_spec_is_the_runs_model_and_data(method):
+    cfg = TrainConfig(clients=2, rounds=1, train_samples=40, test_samples=10, mask_ratio=0.5, local_epochs=3,
+                      balance="mean", round_timeout=77.0, method=method).resolved()
+    loaded = run_dataset(cfg.dataset, cfg.data_dir, cfg.model, cfg.train_samples, 0, cfg.seed)
+    dataset = replace(loaded, train=replace(loaded.train, ids=loaded.train.ids[::-1]))  # validation needs them sorted
+    model = build_model(cfg.model, dataset.num_classes, cfg.local_layers, seed=0)
+    spec = upload_spec(model, cfg, dataset)
+    state = method_spec("eftvit").uploaded_state(model) if method == "eftvit" else model.state_dict()
+    assert spec.update_shapes == {k: tuple(v.shape) for k, v in state.items()}
+    patches = model.local_module.num_patches
+    assert spec.tokens == (1 + kept_token_count(patches, 0.5) if method == "eftvit" else None)
+    assert (spec.width, spec.num_classes, spec.num_patches) == (192, 10, patches) and patches == 64
+    assert np.array_equal(spec.train_ids, loaded.train.ids) and np.all(np.diff(spec.train_ids) > 0)
+    assert (spec.balance, spec.local_epochs, spec.round_seconds) == ("mean", 3, 77.0)
+
+
+def test_dp_budgets_are_one_per_client_that_takes_part_and_none_without_dp():
+    cfg = TrainConfig(clients=4, clients_per_round=1, rounds=2, train_samples=80, batch_size=16, dp_eps=3.0,
+                      accountant="rdp").resolved()
+    sizes = [len(p) for p in client_partition(cfg.dataset, cfg.data_dir, cfg.model, cfg.train_samples, cfg.seed,
+                                              cfg.clients, cfg.beta)]
+    taking_part = [k for k in range(4) if participation(cfg, k, 2)]
+    assert 0 < len(taking_part) < 4
+    assert dp_budgets(cfg) == {k: dp_budget(cfg, k, sizes[k], 2) for k in taking_part}
+    assert dp_budgets(TrainConfig(**{**cfg.__dict__, "dp_eps": 0.0})) == {}
+
+
+def test_round_summary_names_accuracy_losses_and_drops():
+    record = {"round": 2, "test_accuracy": 0.41234, "client_loss": 1.5, "server_loss": None,
+              "dropped": {"0": "x", "3": "y"}}
+    assert round_summary(record, 5) == "round 2/5: test accuracy 0.412  client loss 1.500  dropped 2"
+    record = {**record, "server_loss": 0.25, "client_loss": None, "dropped": {}}
+    assert round_summary(record, 5) == "round 2/5: test accuracy 0.412  server loss 0.250"
+    record = {**record, "client_loss": 2.0}
+    assert round_summary(record, 5) == "round 2/5: test accuracy 0.412  client loss 2.000  server loss 0.250"
+
+
+# --- DP report --------------------------------------------------------------------------------------------------
+
+BUDGET = client_budget(3.0, 1e-3, "rdp", 64, 16, 1, (1,), noise_multiplier=1.0, feature_share=0.5,
+                       feature_noise_multiplier=2.0)
+HONEST_REPORT = {"dp-noise-multiplier": 1.0, "dp-sample-rate": 0.25, "dp-steps": 4, "dp-epsilon-spent": 2.0,
+                 "dp-epsilon-parameters": 1.4, "dp-feature-noise-multiplier": 2.0, "dp-epsilon-features": 1.3}
+CHANNELS = {"total": "dp-epsilon-spent", "parameters": "dp-epsilon-parameters", "features": "dp-epsilon-features"}
+
+
+def spent_of(report):
+    return {channel: report[key] for channel, key in CHANNELS.items()}
+
+
+@pytest.mark.parametrize("change", [
+    {}, {"dp-noise-multiplier": 1.5}, {"dp-feature-noise-multiplier": 2.5}, {"dp-epsilon-spent": 3.0 * (1 + 1e-9)},
+    {"dp-sample-rate": 0.25 * (1 + 1e-10)}, {"dp-epsilon-spent": 1e-300}, {"dp-epsilon-parameters": 1e-300},
+    {"dp-epsilon-features": 1e-300}])
+def test_dp_report_at_the_limits_of_the_schedule_is_accepted(change):
+    report = {**HONEST_REPORT, **change}
+    assert check_dp_report(ConfigRecord(report), BUDGET, 3.0) == spent_of(report)
+
+
+def test_dp_report_of_a_parameters_only_budget_needs_no_feature_keys():
+    parameters_only = client_budget(3.0, 1e-3, "rdp", 64, 16, 1, (1,), noise_multiplier=1.0)
+    report = {k: v for k, v in HONEST_REPORT.items() if "feature" not in k}
+    assert check_dp_report(ConfigRecord(report), parameters_only, 3.0) == {"total": 2.0, "parameters": 1.4}
+
+
+def out_of_range(channel: str, value: float) -> str:
+    """The refusal naming the channel and its reported spend: no channel, and no total, above --dp-eps 3."""
+    return f"^the client reports {channel} epsilon {value} spent, outside " + r"\(0, 3\] \(--dp-eps 3.0\)$"
+
+
+@pytest.mark.parametrize("change, message", [
+    ({"dp-noise-multiplier": 0.9999}, r"^the client applied noise multiplier 0.9999, below the 1.0000 sent$"),
+    ({"dp-feature-noise-multiplier": 1.9999}, r"^the client applied feature noise multiplier 1.9999, below the "
+                                              r"2.0000 sent$"),
+    ({"dp-feature-noise-multiplier": math.nan}, r"^the client applied feature noise multiplier nan, below"),
+    ({"dp-steps": 5}, r"^the client reports 5 DP-SGD steps at sample rate 0.25, its schedule is 4 at 0.25$"),
+    ({"dp-steps": 3}, r"^the client reports 3 DP-SGD steps"),
+    ({"dp-sample-rate": 0.2501}, r"^the client reports 4 DP-SGD steps at sample rate 0.2501, its schedule is 4 at "
+                                 r"0.25$"),
+    ({"dp-epsilon-spent": 3.0 * (1 + 1e-8)}, out_of_range("total", 3.00000003)),
+    ({"dp-epsilon-parameters": 3.0 * (1 + 1e-8)}, out_of_range("parameters", 3.00000003)),
+    ({"dp-epsilon-features": 3.0 * (1 + 1e-8)}, out_of_range("features", 3.00000003)),
+    ({"dp-epsilon-spent": -1.0}, "outside"), ({"dp-epsilon-spent": 0.0}, "outside"), ({"dp-epsilon-spent": math.inf}, "outside"),
+    ({"dp-epsilon-parameters": 0.0}, "outside"), ({"dp-epsilon-features": 0.0}, "outside"),
+    ({"dp-epsilon-features": math.nan}, "outside"),
+    ({"dp-sample-rate": "x"}, r"^the run uses DP but the reply does not report what it applied \(dp-noise-multiplier, "
+                              r"dp-sample-rate, dp-steps, dp-epsilon-spent, dp-epsilon-parameters, "
+                              r"dp-feature-noise-multiplier, dp-epsilon-features\)$"),
+    ({"dp-epsilon-spent": [1.0]}, "does not report"), ({"dp-steps": None}, "does not report"),
+    ({"dp-epsilon-parameters": None}, "does not report"), ({"dp-feature-noise-multiplier": None}, "does not report"),
+    ({"dp-epsilon-features": None}, "does not report"),
+])
+def test_dp_report_that_claims_less_is_refused_naming_the_gap(change, message):
+    report = {k: v for k, v in {**HONEST_REPORT, **change}.items() if v is not None}
+    with pytest.raises(UploadError, match=message):
+        check_dp_report(ConfigRecord(report), BUDGET, 3.0)
+
+
+@pytest.mark.parametrize("channel", ["parameters", "features"])
+def test_dp_report_of_one_channel_spending_most_of_the_budget_is_accepted(channel):
+    """The budget is the total: a client whose spend sits mostly on one channel (the calibration's split is a
+    utility choice, not part of the guarantee) is within the run's terms."""
+    report = {**HONEST_REPORT, CHANNELS[channel]: 2.9}
+    assert check_dp_report(ConfigRecord(report), BUDGET, 3.0)[channel] == 2.9
+
+
+# --- loading the average ----------------------------------------------------------------------------------------
+
+def test_unknown_averaged_keys_are_listed_three_and_sorted_and_nothing_is_loaded():
+    model = build_model("vit-tiny-32", 10, 2, seed=0)
+    before = {k: v.clone() for k, v in model.state_dict().items()}
+    bad = {name: np.zeros(10, np.float32) for name in ("z", "y", "head.bias", "x", "w")}
+    with pytest.raises(FederationError, match=r"^averaged parameters \['w', 'x', 'y'\] are not in the model$"):
+        load_average(model, bad)
+    assert all(torch.equal(model.state_dict()[k], v) for k, v in before.items())
+
+
+def test_whole_average_replaces_every_parameter():
+    model = build_model("vit-tiny-32", 10, 2, seed=0)
+    other = build_model("vit-tiny-32", 10, 2, seed=1)
+    load_average(model, {k: v.numpy() for k, v in other.state_dict().items()})
+    assert all(torch.equal(model.state_dict()[k], v) for k, v in other.state_dict().items())
+
+
+# --- handshake and exchange -------------------------------------------------------------------------------------
+
+class Silent(FakeGrid):
+    """Nodes that connect but never answer."""
+
+    def send_and_receive(self, messages, timeout=None):
+        return []
+
+    def pull_messages(self, ids):
+        return []
+
+
+class Counting(FakeGrid):
+    """Counts the polls and remembers the handshake's timeout."""
+
+    def __init__(self, *args, **kwargs):
+        super().__init__(*args, **kwargs)
+        self.polls, self.pulls, self.timeouts = 0, 0, []
+
+    def get_node_ids(self):
+        self.polls += 1
+        return super().get_node_ids()
+
+    def pull_messages(self, ids):
+        self.pulls += 1
+        return super().pull_messages(ids)
+
+    def send_and_receive(self, messages, timeout=None):
+        self.timeouts.append(timeout)
+        return super().send_and_receive(messages, timeout)
+
+
+@pytest.fixture
+def sleeps(monkeypatch):
+    """The server's waits, recorded instead of slept."""
+    waited = []
+    monkeypatch.setattr(server.time, "sleep", waited.append)
+    return waited
+
+
+def test_handshake_maps_each_partition_to_its_node_without_waiting_once_all_are_there(sleeps):
+    grid = Counting(3, partitions={105: 2, 101: 0, 103: 1})
+    assert discover_nodes(grid, 3, 1.0) == {0: 101, 1: 103, 2: 105}
+    assert (grid.polls, sleeps, grid.timeouts) == (1, [], [1.0])  # the answers are awaited as long, not forever
+
+
+def test_handshake_with_no_time_left_is_the_clear_error_not_a_crash():
+    with pytest.raises(FederationError, match=r"^only 0 of 2 client nodes connected within 0 s"):
+        discover_nodes(FakeGrid(2), 2, 0.0)
+
+
+def failing_handshake(node, reply):
+    return Message(error=Error(code=0, reason="disk full"), metadata=reply.metadata) if node == 101 else reply
+
+
+@pytest.mark.parametrize("grid, message", [
+    (FakeGrid(1), r"^only 1 of 2 client nodes connected within 0 s: start one SuperNode per partition$"),
+    (Silent(2), r"^no client node answered the handshake within 0 s$"),
+    (FakeGrid(2, tamper=failing_handshake), r"^node 101 failed the handshake: disk full$"),
+    (FakeGrid(3, partitions={100: 0, 101: 1}), r"^node 100 was started for 3 partitions, the run has 2$"),
+    (FakeGrid(2, partitions={100: 0, 101: 0}), r"^no node holds partition\(s\) \[1\] \(or it did not answer within "
+                                               r"0 s\): each partition-id 0..1 needs a node$"),
+])
+def test_handshake_that_cannot_cover_every_partition_is_one_clear_error(grid, message):
+    with pytest.raises(FederationError, match=message):
+        discover_nodes(grid, 2, 0.01)
+
+
+def quiet_progress():
+    return Progress(console=Console(file=io.StringIO()))
+
+
+def test_exchange_returns_each_partitions_reply_as_soon_as_all_are_in(sleeps):
+    grid = Counting(2)
+    messages = {p: Message(RecordDict({}), 100 + p, "query") for p in (1, 0)}
+    with quiet_progress() as progress:
+        task = progress.add_task("clients", total=2)
+        replies = exchange(grid, messages, 1.0, progress, task)
+        assert progress.tasks[0].completed == 2
+    assert {p: r.metadata.src_node_id for p, r in replies.items()} == {0: 100, 1: 101}
+    assert (grid.pulls, sleeps) == (1, [])
+
+
+def test_exchange_gives_up_at_the_timeout_without_replies():
+    with quiet_progress() as progress:
+        assert exchange(Silent(2), {0: Message(RecordDict({}), 100, "query")}, 0.01, progress,
+                        progress.add_task("clients", total=1)) == {}
+
+
+def test_stop_request_interrupts_the_exchange():
+    server.STOP_REQUESTED.set()
+    try:
+        with quiet_progress() as progress, pytest.raises(Interrupted):
+            exchange(Silent(2), {0: Message(RecordDict({}), 100, "query")}, 5.0, progress,
+                     progress.add_task("clients", total=1))
+    finally:
+        server.STOP_REQUESTED.clear()
+
+
+# --- one whole round: what the round's record reports -----------------------------------------------------------
+
+def test_round_record_reports_the_clients_weighted_mean_loss_and_their_counts(tmp_path):
+    """One FedAvg round of two small clients (a few seconds): the record's client loss is the n_k-weighted mean of
+    what the clients reported, and the counts and bytes are theirs."""
+    from eftguard.federation.server import run_server
+    from eftguard.rundir import RunDirectory
+
+    reported = {}
+
+    def record_metrics(node, reply):
+        if reply.metadata.message_type == "train":
+            metrics = reply.content["metrics"]
+            reported[str(node - 100)] = (metrics["loss"], metrics["num-examples"])
+        return reply
+
+    cfg = TrainConfig(clients=2, rounds=1, train_samples=40, test_samples=10, batch_size=16, method="fedavg")
+    run = RunDirectory.create(tmp_path / "run", cfg.resolved())
+    run_server(FakeGrid(2, tamper=record_metrics), run.path)
+    [record] = run.metrics()
+    weights = sum(n for _, n in reported.values())
+    assert record["client_loss"] == pytest.approx(sum(loss * n for loss, n in reported.values()) / weights, rel=1e-12)
+    assert record["num_examples"] == {k: n for k, (_, n) in reported.items()} and weights == 40
+    assert record["upload_bytes"] == {k: sum(a.nbytes for a in run.load_upload(1, int(k), "update").values())
+                                      for k in reported}
+
+
+@pytest.mark.parametrize("reason, spent", [
+    ("client refuses [epsilon spent in this run: 2.5]: round 3 with noise ...", 2.5),
+    ("client refuses [epsilon spent in this run: 3.0001]: x", None),  # above --dp-eps 3: not believed
+    ("client refuses [epsilon spent in this run: nan]: x", None), ("client refuses [epsilon spent in this run: -1]: x",
+                                                                   None),
+    ("client refuses [epsilon spent in this run: 1e400]: x", None), ("client refuses: round 3 ...", None),
+    ("something else [epsilon spent in this run: 2.5]", None), ("client refuses [epsilon spent in this run: 1.2.3]: x",
+                                                                 None),
+])
+def test_a_refusal_reports_the_nodes_spend_only_when_it_is_a_sensible_number(reason, spent):
+    """A node that refuses a DP round says what it has spent in the run, so metrics.jsonl's epsilon stays the
+    truth; whatever else a reply's error says is not read as a spend."""
+    with task_identity():
+        reply = Message(error=Error(0, reason), reply_to=Message(RecordDict({}), 100, "train"))
+    assert server.refusal_spend(reply, 3.0) == spent
+    assert server.refusal_spend(reply, 0.0) is None  # a run without DP records no epsilon
+
+
+# --- whole rounds pinned on exact values, with the micro ViT ------------------------------------------------------
+
+class RecordingGrid(FakeGrid):
+    """Remembers every training message the server sends: (round, destination node, model state, settings)."""
+
+    def __init__(self, *args, **kwargs):
+        super().__init__(*args, **kwargs)
+        self.sent = []
+
+    def push_messages(self, messages):
+        messages = list(messages)
+        for msg in messages:
+            if msg.metadata.message_type == "train":
+                settings = ClientSettings.from_record(msg.content["settings"])
+                self.sent.append((settings.round, msg.metadata.dst_node_id, from_record(msg.content["model"], "model"),
+                                  settings))
+        return super().push_messages(messages)
+
+    def partitions_sent(self, round_number):
+        return sorted(self.partitions[node] for r, node, _, _ in self.sent if r == round_number)
+
+
+class NoGrid(FakeGrid):
+    """A grid that must not be used: the server has nothing to ask the nodes."""
+
+    def get_node_ids(self):
+        raise AssertionError("the server contacted the nodes")
+
+    push_messages = send_and_receive = get_node_ids
+
+
+def config(micro, **changes) -> TrainConfig:
+    return TrainConfig(**{"model": micro, "clients": 3, "rounds": 1, "train_samples": 60, "test_samples": 12,
+                          "batch_size": 16, **changes}).resolved()
+
+
+def train(path, cfg, grid=None) -> RunDirectory:
+    run = RunDirectory.create(path, cfg)
+    run_server(grid or FakeGrid(cfg.clients), run.path)
+    return run
+
+
+def tamper_train(target, change):
+    """A tamper hook that applies change(reply) to node target's training replies."""
+    def tamper(node, reply):
+        if node == target and reply.metadata.message_type == "train":
+            change(reply)
+        return reply
+    return tamper
+
+
+def nan_features(reply):
+    features = reply.content["features"]["features"].numpy().copy()
+    features[0, 0, 0] = np.nan
+    reply.content["features"]["features"] = Array(features)
+
+
+def model_at(run, cfg, round_number):
+    model = build_model(cfg.model, 10, cfg.local_layers)
+    model.load_state_dict(run.load_checkpoint(round_number))
+    return model
+
+
+def held_out_set(cfg):
+    test = run_dataset(cfg.dataset, cfg.data_dir, cfg.model, cfg.train_samples, cfg.test_samples, cfg.seed).test
+    return torch.from_numpy(test.images), torch.from_numpy(test.labels)
+
+
+def server_trained(cfg, before, averaged, features, labels, round_number):
+    """theta trained here as the server must: from the previous checkpoint with phi and h replaced by the average,
+    on the accepted clients' features in partition order, with the round's seeded generator."""
+    model = build_model(cfg.model, 10, cfg.local_layers)
+    model.load_state_dict({**before, **{k: torch.from_numpy(v) for k, v in averaged.items()}})
+    generator = torch.Generator().manual_seed(seeded(cfg.seed, round_number, 4))
+    result = train_global(model, torch.from_numpy(features), torch.from_numpy(labels),
+                          OptimConfig(cfg.server_epochs, cfg.batch_size, cfg.server_lr, cfg.weight_decay), generator)
+    return model.state_dict(), result.loss
+
+
+def assert_same_state(actual, expected):
+    assert actual.keys() == expected.keys()
+    for key, value in expected.items():
+        assert torch.equal(actual[key], value), key
+
+
+# --- what a round computes -------------------------------------------------------------------------------------
+
+def test_eftvit_rounds_average_phi_and_h_and_train_theta_on_the_uploaded_features(tmp_path, micro_preset,
+                                                                                   monkeypatch):
+    """After each round: phi and h are fedavg(stored uploads, n_k) (server training leaves h alone), theta is what
+    server training on the stored features gives, the clients got the previous checkpoint and the round's settings,
+    the uploads were validated against the run's own training images, and the record's accuracy is the
+    checkpoint's."""
+    specs, real_spec = [], server.upload_spec
+    monkeypatch.setattr(server, "upload_spec", lambda *args: specs.append(real_spec(*args)) or specs[-1])
+    cfg = config(micro_preset, rounds=2, server_epochs=2, seed=5)
+    grid = RecordingGrid(3)
+    run = train(tmp_path / "run", cfg, grid)
+    [spec] = specs
+    train_set = run_dataset(cfg.dataset, cfg.data_dir, cfg.model, cfg.train_samples, cfg.test_samples, cfg.seed).train
+    assert np.array_equal(spec.train_ids, np.sort(train_set.ids))
+    records = run.metrics()
+    assert [(r["round"], r["method"], r["clients"], r["dropped"]) for r in records] == [
+        (1, "eftvit", [0, 1, 2], {}), (2, "eftvit", [0, 1, 2], {})]
+    images, labels = held_out_set(cfg)
+    assert_same_state(run.load_checkpoint(0), build_model(cfg.model, 10, cfg.local_layers, seed=cfg.seed).state_dict())
+    for record in records:
+        r = record["round"]
+        before, after = run.load_checkpoint(r - 1), run.load_checkpoint(r)
+        assert [(node, settings) for rr, node, _, settings in grid.sent if rr == r] == [
+            (100 + k, ClientSettings.from_config(cfg, r, 0.0, run.run_id, 0.0)) for k in range(3)]
+        for rr, _, state, _ in grid.sent:
+            if rr == r:
+                assert_same_state({k: torch.from_numpy(v) for k, v in state.items()}, before)
+        uploads = [run.load_upload(r, k, "update") for k in range(3)]
+        features = [run.load_upload(r, k, "features") for k in range(3)]
+        counts = [len(p) for p in client_partition(cfg.dataset, cfg.data_dir, cfg.model, cfg.train_samples, cfg.seed,
+                                                   cfg.clients, cfg.beta)]
+        assert record["num_examples"] == {str(k): counts[k] for k in range(3)}
+        averaged = fedavg(uploads, counts)
+        assert not any(k.startswith("global_module.") for k in averaged)
+        expected, loss = server_trained(cfg, before, averaged, np.concatenate([f["features"] for f in features]),
+                                        np.concatenate([f["labels"] for f in features]), r)
+        assert_same_state(after, expected)
+        for key, value in averaged.items():  # phi and h: the average itself, untouched by server training
+            assert np.array_equal(after[key].numpy(), value), key
+        assert all(not torch.equal(after[k], before[k]) for k in after if k.startswith("global_module.blocks"))
+        assert record["server_loss"] == loss
+        assert record["test_accuracy"] == evaluate(model_at(run, cfg, r), images, labels)
+        assert record["feature_sets"] == {str(k): len(features[k]["labels"]) for k in range(3)}
+        assert record["upload_bytes"] == {str(k): sum(a.nbytes for a in [*uploads[k].values(),
+                                                                          *features[k].values()]) for k in range(3)}
+        assert set(run.load_truth(r, 0)) >= {"sample_ids", "kept_ids"}
+        assert record["client_epoch_seconds"] == record["client_seconds"]  # one local epoch
+    assert sorted(p.name for p in (run.path / "checkpoints").iterdir()) == [f"round-000{i}.safetensors"
+                                                                           for i in range(3)]
+
+
+def test_run_from_a_checkpoint_starts_from_its_weights(tmp_path, micro_preset):
+    from safetensors.torch import save_file
+
+    start = build_model(micro_preset, 10, 2, seed=7).state_dict()
+    save_file({k: v.contiguous() for k, v in start.items()}, tmp_path / "start.safetensors")
+    cfg = config(micro_preset, clients=2, rounds=1, checkpoint=str(tmp_path / "start.safetensors"))
+    grid = RecordingGrid(2)
+    run = train(tmp_path / "run", cfg, grid)
+    assert_same_state(run.load_checkpoint(0), start)
+    assert_same_state({k: torch.from_numpy(v) for k, v in grid.sent[0][2].items()}, start)
+
+
+TICK = 0.123456789  # seconds per reading of the test's clock
+
+
+def test_round_record_reports_each_clients_seconds_and_the_weighted_loss(tmp_path, micro_preset, monkeypatch):
+    """Durations read from a clock that advances TICK per reading: each recorded duration is a whole number of
+    ticks, kept to the record's precision (4 decimals, 3 for the elapsed time), whatever the machine's load."""
+    reported, cpu = {}, {}
+
+    def remember(node, reply):
+        if reply.metadata.message_type == "train":
+            m = reply.content["metrics"]
+            reported[str(node - 100)] = (m["loss"], m["num-examples"], list(m["epoch-seconds"]))
+            cpu[str(node - 100)] = list(m["epoch-cpu-seconds"])
+        return reply
+
+    readings = iter(range(1, 10**6))
+    monkeypatch.setattr(server.time, "perf_counter", lambda: next(readings) * TICK)
+    cfg = config(micro_preset, clients=2, local_epochs=2)
+    [record] = train(tmp_path / "run", cfg, FakeGrid(2, tamper=remember)).metrics()
+    monkeypatch.undo()
+    total = sum(n for _, n, _ in reported.values())
+    assert record["client_loss"] == sum(loss * n for loss, n, _ in reported.values()) / total
+    assert record["client_seconds"] == {k: round(sum(s), 4) for k, (_, _, s) in reported.items()}
+    assert record["client_epoch_seconds"] == {k: round(sum(s) / 2, 4) for k, (_, _, s) in reported.items()}
+    assert record["client_epoch_cpu_seconds"] == {k: round(sum(s) / 2, 4) for k, s in cpu.items()}
+    assert record["eval_seconds"] == round(TICK, 4)  # one reading before and one after the evaluation
+    for key, digits in (("server_seconds", 4), ("elapsed_seconds", 3)):
+        ticks = round(record[key] / TICK)
+        assert ticks >= 1 and record[key] == round(ticks * TICK, digits), key
+    assert record["server_seconds"] + record["eval_seconds"] < record["elapsed_seconds"]
+    assert record["epsilon"] is None and record["noise_multiplier"] is None
+
+
+def test_fedavg_method_round_averages_the_whole_model_and_trains_nothing_on_the_server(tmp_path, micro_preset):
+    cfg = config(micro_preset, clients=2, method="fedavg")
+    run = train(tmp_path / "run", cfg)
+    [record] = run.metrics()
+    uploads = [run.load_upload(1, k, "update") for k in range(2)]
+    counts = [record["num_examples"][str(k)] for k in range(2)]
+    after = run.load_checkpoint(1)
+    assert_same_state(after, {k: torch.from_numpy(v) for k, v in fedavg(uploads, counts).items()})
+    assert not torch.equal(after["global_module.blocks.0.attn.qkv.weight"],
+                           run.load_checkpoint(0)["global_module.blocks.0.attn.qkv.weight"])
+    assert (record["server_loss"], record["server_seconds"], record["feature_sets"]) == (None, 0.0, {})
+    assert not run.upload_path(1, 0, "features").exists()
+
+
+def test_without_server_epochs_theta_stays_as_sent(tmp_path, micro_preset):
+    """--server-epochs 0 (a baseline): the clients' average is loaded, theta is not trained."""
+    cfg = config(micro_preset, clients=2, server_epochs=0)
+    run = train(tmp_path / "run", cfg)
+    [record] = run.metrics()
+    before, after = run.load_checkpoint(0), run.load_checkpoint(1)
+    averaged = fedavg([run.load_upload(1, k, "update") for k in range(2)],
+                      [record["num_examples"][str(k)] for k in range(2)])
+    assert_same_state(after, {**before, **{k: torch.from_numpy(v) for k, v in averaged.items()}})
+    assert (record["server_loss"], record["server_seconds"]) == (None, 0.0)
+
+
+def test_only_the_selected_clients_are_sent_the_round_and_averaged(tmp_path, micro_preset):
+    cfg = config(micro_preset, clients=4, clients_per_round=2, rounds=2, train_samples=80)
+    selected = [select_clients(cfg, r) for r in (1, 2)]
+    assert selected[0] != selected[1]  # the seed picks different clients per round
+    grid = RecordingGrid(4, partitions={203: 0, 201: 1, 200: 2, 202: 3})
+    run = train(tmp_path / "run", cfg, grid)
+    for r, record in enumerate(run.metrics(), start=1):
+        assert grid.partitions_sent(r) == record["clients"] == selected[r - 1]
+        assert run.uploaded_partitions(r) == selected[r - 1] and sorted(record["num_examples"]) == [
+            str(p) for p in selected[r - 1]]
+        averaged = fedavg([run.load_upload(r, p, "update") for p in selected[r - 1]],
+                          [record["num_examples"][str(p)] for p in selected[r - 1]])
+        after = run.load_checkpoint(r)
+        assert all(np.array_equal(after[k].numpy(), v) for k, v in averaged.items())
+
+
+class ShownProgress(server.Progress):
+    """The server's progress display, recorded: what the operator sees of each round."""
+
+    shown: list = []
+
+    def __init__(self, *columns, **options):
+        super().__init__(*columns, **options)
+        ShownProgress.shown.append(([getattr(c, "text_format", type(c).__name__) for c in columns],
+                                    options["transient"], options["console"] is server.console))
+
+    def add_task(self, description, total=None, completed=0, **fields):
+        ShownProgress.shown.append(("add", description, total, completed))
+        return super().add_task(description, total=total, completed=completed, **fields)
+
+    def update(self, task_id, **changes):
+        ShownProgress.shown.append((self._tasks[task_id].description, changes))
+        super().update(task_id, **changes)
+
+    def remove_task(self, task_id):
+        ShownProgress.shown.append(("remove", self._tasks[task_id].description))
+        super().remove_task(task_id)
+
+
+def test_progress_shows_each_rounds_clients_and_server_training(tmp_path, micro_preset, monkeypatch):
+    monkeypatch.setattr(server, "Progress", ShownProgress)
+    monkeypatch.setattr(ShownProgress, "shown", [])
+    cfg = config(micro_preset, clients=3, clients_per_round=2, rounds=2, server_epochs=2)
+    run = RunDirectory.create(tmp_path / "run", cfg)
+    run.write_config(TrainConfig(**{**cfg.__dict__, "rounds": 1}))
+    run_server(FakeGrid(3), run.path)
+    run.write_config(cfg)
+    ShownProgress.shown.clear()
+    run_server(FakeGrid(3), run.path)  # resumed: round 2 of 2
+    clients, training = "round 2: client training", "round 2: server training"
+    assert ShownProgress.shown == [
+        (["{task.description}", "BarColumn", "MofNCompleteColumn", "TimeElapsedColumn"], False, True),
+        ("add", "rounds", 2, 1),
+        ("add", clients, 2, 0), (clients, {"completed": 1}), (clients, {"completed": 2}), ("remove", clients),
+        ("add", training, 2, 0), (training, {"completed": 1}), (training, {"completed": 2}), ("remove", training),
+        ("rounds", {"completed": 2})]
+
+
+# --- replies the server must not use ---------------------------------------------------------------------------
+
+def printed(capsys) -> str:
+    """What the server told the operator on stderr, whitespace normalised (rich wraps at the console width)."""
+    return " ".join(capsys.readouterr().err.split())
+
+
+def test_invalid_reply_is_dropped_with_its_reason_and_the_round_averages_the_others(tmp_path, micro_preset, capsys):
+    cfg = config(micro_preset, rounds=2)
+    run = train(tmp_path / "run", cfg, FakeGrid(3, tamper=tamper_train(101, nan_features)))
+    shown = printed(capsys)
+    for r in (1, 2):
+        assert f"round {r}: dropped client 1's upload: features contains NaN or infinite values" in shown
+        assert f"round {r}/2: test accuracy {run.metrics()[r - 1]['test_accuracy']:.3f}" in shown
+    for r, record in enumerate(run.metrics(), start=1):
+        assert record["dropped"] == {"1": "features contains NaN or infinite values"}
+        assert record["clients"] == [0, 1, 2] and sorted(record["num_examples"]) == ["0", "2"]
+        assert run.uploaded_partitions(r) == [0, 2] and not run.truth_path(r, 1).exists()
+        averaged = fedavg([run.load_upload(r, k, "update") for k in (0, 2)],
+                          [record["num_examples"][k] for k in ("0", "2")])
+        after = run.load_checkpoint(r)
+        assert all(np.array_equal(after[k].numpy(), v) for k, v in averaged.items())
+
+
+def test_truth_sent_to_a_run_that_does_not_record_it_is_dropped(tmp_path, micro_preset):
+    def add_truth(reply):
+        reply.content["truth"] = to_record({"sample_ids": np.arange(3)})
+
+    cfg = config(micro_preset, clients=2, record_truth=False)
+    run = train(tmp_path / "run", cfg, FakeGrid(2, tamper=tamper_train(100, add_truth)))
+    [record] = run.metrics()
+    assert record["dropped"] == {"0": "reply has wrong records (missing [], unexpected ['truth'])"}
+    assert run.uploaded_partitions(1) == [1] and not (run.path / "truth").exists()
+
+
+def test_client_without_a_reply_is_dropped_as_late(tmp_path, micro_preset, monkeypatch):
+    real_exchange = server.exchange
+    monkeypatch.setattr(server, "exchange", lambda *args: {p: r for p, r in real_exchange(*args).items() if p != 1})
+    cfg = config(micro_preset, round_timeout=90.0)
+    run = train(tmp_path / "run", cfg)
+    [record] = run.metrics()
+    assert record["dropped"] == {"1": "no reply within 90 s"} and sorted(record["num_examples"]) == ["0", "2"]
+    assert run.uploaded_partitions(1) == [0, 2]
+
+
+def test_round_without_a_valid_reply_keeps_the_model_and_the_run_goes_on(tmp_path, micro_preset, capsys):
+    def fail(reply):
+        del reply.content["metrics"]["loss"]
+
+    cfg = config(micro_preset, clients=2, rounds=2)
+    grid = FakeGrid(2, tamper=lambda node, reply: tamper_train(node, fail)(node, reply))
+    run = train(tmp_path / "run", cfg, grid)
+    assert printed(capsys).count("no valid upload, the model is unchanged") == 2
+    records = run.metrics()
+    assert [r["round"] for r in records] == [1, 2]
+    assert_same_state(run.load_checkpoint(2), run.load_checkpoint(0))
+    images, labels = held_out_set(cfg)
+    accuracy = evaluate(model_at(run, cfg, 0), images, labels)
+    for record in records:
+        assert sorted(record["dropped"]) == ["0", "1"] and "loss" in record["dropped"]["0"]
+        assert (record["client_loss"], record["server_loss"], record["num_examples"], record["upload_bytes"]) == (
+            None, None, {}, {})
+        assert record["test_accuracy"] == accuracy
+    assert run.uploaded_partitions(1) == []
+
+
+class OnePoll(FakeGrid):
+    """Nodes that may be listed once: a handshake bounded by a round timeout under its 0.5 s poll polls once."""
+
+    polls = 0
+
+    def get_node_ids(self):
+        self.polls += 1
+        assert self.polls == 1, "the handshake waited past the round timeout"
+        return super().get_node_ids()
+
+
+def test_too_few_nodes_is_a_clear_error_within_the_round_timeout(tmp_path, micro_preset):
+    cfg = config(micro_preset, round_timeout=0.05)
+    run = RunDirectory.create(tmp_path / "run", cfg)
+    with pytest.raises(FederationError, match=r"^only 2 of 3 client nodes connected within 0 s"):
+        run_server(OnePoll(2), run.path)
+    assert run.completed_rounds() == 0 and run.metrics() == []
+
+
+def test_run_encrypted_at_rest_is_served_with_its_key(tmp_path, micro_preset):
+    from eftguard.defenses.at_rest import create_key
+
+    create_key(tmp_path / "key")
+    cfg = config(micro_preset, clients=2, encrypt_at_rest=str(tmp_path / "key"))
+    run = train(tmp_path / "run", cfg)
+    stored = run.upload_path(1, 0, "update")
+    assert stored.name == "update.safetensors.enc" and run.completed_rounds() == 1
+    opened = RunDirectory.open(run.path, tmp_path / "key")
+    [record] = opened.metrics()
+    averaged = fedavg([opened.load_upload(1, k, "update") for k in range(2)],
+                      [record["num_examples"][str(k)] for k in range(2)])
+    assert all(np.array_equal(opened.load_checkpoint(1)[k].numpy(), v) for k, v in averaged.items())
+
+
+# --- DP: the server checks what each client reports against the budget it sent ---------------------------------
+
+# 96 images: partitions of 16 and 80, whose noise RDP calibrates in about a second (48 images took 7 s).
+DP = {"clients": 2, "clients_per_round": 2, "rounds": 2, "train_samples": 96, "test_samples": 8, "dp_eps": 3.0,
+      "accountant": "rdp", "feature_clip": 2.0}
+
+
+def test_dp_round_sends_each_client_its_noise_and_records_what_it_reports(tmp_path, micro_preset):
+    cfg = config(micro_preset, **DP)
+    reported = {}
+
+    def remember(node, reply):
+        if reply.metadata.message_type == "train":
+            reported[(reply.content["metrics"]["partition-id"], len(reported) // 2 + 1)] = dict(
+                reply.content["metrics"])
+        return reply
+
+    grid = RecordingGrid(2, tamper=remember)
+    run = train(tmp_path / "run", cfg, grid)
+    sizes = [len(p) for p in client_partition(cfg.dataset, cfg.data_dir, cfg.model, cfg.train_samples, cfg.seed,
+                                              cfg.clients, cfg.beta)]
+    budgets = {k: dp_budget(cfg, k, sizes[k], cfg.rounds) for k in range(2)}
+    assert all(participation(cfg, k, 2) == (1, 2) for k in range(2))
+    for r, record in enumerate(run.metrics(), start=1):
+        assert [(node, s) for rr, node, _, s in grid.sent if rr == r] == [
+            (100 + k, ClientSettings.from_config(cfg, r, budgets[k].noise_multiplier, run.run_id,
+                                                 budgets[k].feature_noise_multiplier)) for k in range(2)]
+        assert record["dropped"] == {} and record["client_loss"] is None
+        for key, name in (("epsilon", "dp-epsilon-spent"), ("epsilon_parameters", "dp-epsilon-parameters"),
+                          ("epsilon_features", "dp-epsilon-features")):
+            assert record[key] == {str(k): reported[(k, r)][name] for k in range(2)}, key
+        assert record["epsilon_server"] == {str(k): budgets[k].epsilon_after(r) for k in range(2)}
+        assert record["noise_multiplier"] == {str(k): budgets[k].noise_multiplier for k in range(2)}
+        assert record["feature_noise_multiplier"] == {str(k): budgets[k].feature_noise_multiplier for k in range(2)}
+        assert record["epsilon"]["0"] < record["epsilon_server"]["0"] * 1.01 and record["epsilon"]["0"] <= 3.0
+
+
+@pytest.mark.parametrize("lie, reason", [
+    ({"dp-noise-multiplier": 0.01}, r"^the client applied noise multiplier 0.01, below the \d\.\d{4} sent$"),
+    ({"dp-epsilon-features": 3.1}, r"^the client reports features epsilon 3.1 spent, outside \(0, 3\]"),
+    ({"dp-steps": 10**6}, r"^the client reports 1000000 DP-SGD steps"),
+])
+def test_dp_client_reporting_less_than_it_must_is_dropped_through_the_round(tmp_path, micro_preset, lie, reason):
+    cfg = config(micro_preset, **{**DP, "rounds": 1})
+    run = train(tmp_path / "run", cfg, FakeGrid(2, tamper=tamper_train(100, lambda r: r.content["metrics"].update(
+        lie))))
+    [record] = run.metrics()
+    assert list(record["dropped"]) == ["0"] and re.match(reason, record["dropped"]["0"]), record["dropped"]
+    assert list(record["epsilon"]) == ["1"] and run.uploaded_partitions(1) == [1]
+    averaged = fedavg([run.load_upload(1, 1, "update")], [record["num_examples"]["1"]])
+    assert all(np.array_equal(run.load_checkpoint(1)[k].numpy(), v) for k, v in averaged.items())
+
+
+# --- resume and stop ---------------------------------------------------------------------------------------------
+
+@contextmanager
+def dies_in_round(round_number, monkeypatch):
+    """The server process dies (KeyboardInterrupt, as a kill would) when it sends round_number."""
+    real_exchange = server.exchange
+
+    def exchange(grid, messages, *args):
+        if any(msg.content["settings"]["round"] == round_number for msg in messages.values()):
+            raise KeyboardInterrupt
+        return real_exchange(grid, messages, *args)
+
+    with monkeypatch.context() as patch:
+        patch.setattr(server, "exchange", exchange)
+        yield
+
+
+def test_resumed_run_equals_the_uninterrupted_run(tmp_path, micro_preset, monkeypatch):
+    cfg = config(micro_preset, clients=2, rounds=2)
+    full = train(tmp_path / "full", cfg)
+    cut = RunDirectory.create(tmp_path / "cut", cfg)
+    with dies_in_round(2, monkeypatch), pytest.raises(KeyboardInterrupt):
+        run_server(FakeGrid(2), cut.path)
+    assert cut.completed_rounds() == 1
+    cut.upload_dir(2, 0).mkdir(parents=True)  # debris of the crash: a half-written upload
+    (cut.upload_dir(2, 0) / "update.safetensors").write_bytes(b"partial")
+    grid = RecordingGrid(2)
+    run_server(grid, cut.path)
+    assert [r for r, *_ in grid.sent] == [2, 2]  # round 1 is not run again
+    a, b = full.metrics(), cut.metrics()
+    for key in ("round", "test_accuracy", "client_loss", "server_loss", "num_examples", "upload_bytes", "clients",
+                "feature_sets"):
+        assert [r[key] for r in a] == [r[key] for r in b], key
+    for r in (1, 2):
+        assert_same_state(cut.load_checkpoint(r), full.load_checkpoint(r))
+
+
+def test_run_of_an_adapted_model_resumes_from_its_checkpoint(tmp_path, micro_preset):
+    """fed-prompt adds prompt tokens to the model: the resumed server must build the same adapted model."""
+    cfg = config(micro_preset, clients=2, method="fed-prompt", prompt_tokens=2)
+    run = train(tmp_path / "run", cfg)
+    run.write_config(TrainConfig(**{**cfg.__dict__, "rounds": 2}))
+    grid = RecordingGrid(2)
+    run_server(grid, run.path)
+    assert run.completed_rounds() == 2 and [r for r, *_ in grid.sent] == [2, 2]
+    assert_same_state({k: torch.from_numpy(v) for k, v in grid.sent[0][2].items()}, run.load_checkpoint(1))
+
+
+def test_finished_run_is_not_served_again(tmp_path, micro_preset, capsys):
+    cfg = config(micro_preset, clients=2)
+    run = train(tmp_path / "run", cfg)
+    metrics, checkpoint = run.metrics(), run.load_checkpoint(1)
+    capsys.readouterr()
+    run_server(NoGrid(2), run.path)
+    assert printed(capsys) == f"resuming {run.path} after round 1 of 1 {run.path} already has all 1 rounds"
+    assert run.metrics() == metrics
+    assert_same_state(run.load_checkpoint(1), checkpoint)
+
+
+def test_stop_request_after_a_round_sends_no_further_round(tmp_path, micro_preset, monkeypatch):
+    real_append = RunDirectory.append_metrics
+
+    def append_then_stop(self, record):
+        real_append(self, record)
+        server.STOP_REQUESTED.set()  # Ctrl-C right after round 1 was recorded
+
+    monkeypatch.setattr(RunDirectory, "append_metrics", append_then_stop)
+    cfg = config(micro_preset, clients=2, rounds=2)
+    grid = RecordingGrid(2)
+    run = RunDirectory.create(tmp_path / "run", cfg)
+    try:
+        with pytest.raises(Interrupted):
+            run_server(grid, run.path)
+    finally:
+        server.STOP_REQUESTED.clear()
+    assert run.completed_rounds() == 1 and [r for r, *_ in grid.sent] == [1, 1]
+
+
+def test_stop_request_during_a_round_keeps_no_part_of_it(tmp_path, micro_preset):
+    def stop(node, reply):
+        if reply.metadata.message_type == "train":
+            server.STOP_REQUESTED.set()
+        return reply
+
+    cfg = config(micro_preset, clients=2)
+    run = RunDirectory.create(tmp_path / "run", cfg)
+    try:
+        with pytest.raises(Interrupted):
+            run_server(FakeGrid(2, tamper=stop), run.path)
+    finally:
+        server.STOP_REQUESTED.clear()
+    assert run.completed_rounds() == 0 and run.uploaded_partitions(1) == []

@@ -13,7 +13,6 @@ import torch
 from eftguard.attacks.gradient import GradientObservation, LocalTraining
 from eftguard.attacks.update_inversion import UpdateInversion, replay_schedule, revealed_patches, simulate_local_training
 from eftguard import metrics
-from eftguard.data import load_dataset
 from eftguard.model import build_model
 from eftguard.rundir import RunDirectory
 from eftguard.training import OptimConfig, train_local
@@ -23,11 +22,6 @@ LR, WEIGHT_DECAY = 1e-3, 0.05
 
 
 pytestmark = pytest.mark.usefixtures("one_torch_thread")
-
-
-@pytest.fixture(scope="module")
-def photos():
-    return load_dataset("photos", None, 32)
 
 
 def client_update(micro_preset, photos, indices, method, epochs, batch_size, seed=3, precision="fp32"):
@@ -172,7 +166,7 @@ def test_cli_inverts_a_recorded_eftvit_upload(monkeypatch, capsys, small_run, tm
     assert report["metrics"]["psnr"]["n"] == report["metrics_kept"]["psnr"]["n"] == n
     assert report["details"]["simulated_steps"] == math.ceil(n / 2)
     assert report["capabilities"]["positions_known"] is True
-    assert calls == ["UpdateInversion"]
+    assert calls == ["UpdateInversion"] * 2  # on the upload, then on the power check's public control
 
 
 @pytest.mark.parametrize("argv, message", [

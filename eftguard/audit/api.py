@@ -15,6 +15,7 @@ from __future__ import annotations
 import math
 import time
 from contextlib import contextmanager
+from dataclasses import replace
 from pathlib import Path
 
 from rich.console import Console
@@ -43,11 +44,15 @@ def attack_names(family: str | None = None) -> list[str]:
 def run_attack(run: str | Path | RunDirectory, family: str, method: str | None = None, *,
                round_number: int | None = None, clients: str | list[int] = "all", key: Path | None = None,
                seed: int = 0, lpips_backend: str = "auto", out: Path | None = None,
-               progress: Progress | None = None, **options) -> AttackReport:
+               progress: Progress | None = None, power_check: bool = True, **options) -> AttackReport:
     """Attack one round of a run and score the result. family: invert | labels | gradient; method None: the
     family's default; options: the family's and the method's options by name (steps=600, positions="known",
-    ...). out: also write out/<attack>/ (report.json, report.md, grid.png)."""
+    ...). out: also write out/<attack>/ (report.json, report.md, grid.png). power_check: also run the family's
+    positive control (Family.control) and store its figures beside the attack's; without it a "low" verdict
+    reads "unchecked"."""
     chosen = family_named(family)
+    if not isinstance(power_check, bool):
+        raise AttackError(f"power_check must be true or false, got {power_check!r}")
     cls = chosen.registry.get(chosen.registry.default if method is None else method)
     family_options, method_options = resolve_options(chosen, cls, options)
     seed = checked("seed", SEED, seed)
@@ -65,9 +70,25 @@ def run_attack(run: str | Path | RunDirectory, family: str, method: str | None =
     start = time.perf_counter()
     result = attack.reconstruct(observed.observation, progress)  # the attack phase: the observation only
     report = chosen.score(job, attack, observed, result, time.perf_counter() - start)
+    if power_check:
+        report = with_power_check(report, chosen, job, attack, observed, progress)
     if folder is not None:
         write_attack_report(folder, report)
     return report
+
+
+def with_power_check(report: AttackReport, family: Family, job: Job, attack, observed, progress) -> AttackReport:
+    """The report with its power check's groups and what the control was; a control that cannot be built here
+    (too few public images, a schedule it cannot replay) leaves the report as it is, saying why (its low then reads
+    "unchecked")."""
+    try:
+        control = family.control(job, attack, observed, progress)
+    except (AttackError, RunError) as exc:
+        return replace(report, details={**report.details, "power_check": f"not run: {exc}"})
+    if control is None:
+        return report
+    groups, what = control
+    return replace(report, groups={**report.groups, **groups}, details={**report.details, "power_check": what})
 
 
 def resolve_options(family: Family, cls: type, given: dict) -> tuple[dict, dict]:

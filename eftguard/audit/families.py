@@ -99,6 +99,13 @@ class Family:
         """The auditor's turn: join the result with ground truth (eftguard.audit.scoring) into the report."""
         raise NotImplementedError
 
+    def control(self, job: Job, attack: Attack, observed: Observed, progress=None) -> tuple[dict, str] | None:
+        """The power check (docs/reports.md): the same attack with the same budget on a positive control, public
+        images through the same model and channel with the defense off, scored against their known truth. Returns
+        (score groups "control" and "control_baseline" named by the channel's headline figures, what the control
+        was); None where the family has none yet (its "low" then reads "unchecked")."""
+        return None
+
     def report(self, job: Job, attack: Attack, summary: scoring.Summary, lpips_backend: str | None,
                grid: list | None = None) -> AttackReport:
         return AttackReport(self.name, attack.name, f"{self.name}-{attack.name}", str(job.run.path), job.round_number,
@@ -123,6 +130,9 @@ def public_images(run: RunDirectory) -> np.ndarray:
 
 
 # --- invert -------------------------------------------------------------------------------------------------
+
+CONTROL_IMAGES = 8  # public images the feature channel's power check attacks
+
 
 @dataclass
 class InvertOptions:
@@ -181,6 +191,22 @@ class InvertFamily(Family):
         interleaved = itertools.zip_longest(*(s.grid_rows for s in scores))  # a few images of every client
         grid = [row for group in interleaved for row in group if row is not None][:scoring.GRID_IMAGES]
         return self.report(job, attack, scoring.image_summary(scores, details), lpips.name, grid)
+
+    def control(self, job: Job, attack: Attack, observed: Observed, progress=None) -> tuple[dict, str]:
+        observation = observed.observation
+        cfg = job.run.config()
+        images, labels, chosen = observe.public_sample(cfg, CONTROL_IMAGES, job.seed)
+        aux = observation.aux_images
+        if job.options["aux"] == "public":  # the control's images are not the attacker's to train on
+            aux = np.delete(aux, chosen, axis=0)
+        control, keep = observe.public_round_features(replace(observation, aux_images=aux), images, labels, job.seed,
+                                                      attack.threat_model.positions_known)
+        result = next(iter(attack.reconstruct(control, progress).values()))
+        kept = metrics.kept_pixels(keep.numpy(), PRESETS[cfg.model].image_size, PRESETS[cfg.model].patch_size)
+        truth = scoring.as_float_images(images)
+        return (scoring.control_groups(result.images, truth, kept, public_images(job.run)),
+                f"the same attack and budget on {CONTROL_IMAGES} public images through client {job.clients[0]}'s "
+                "uploaded local module with the run's masking, released without clipping or noise")
 
 
 # --- labels -------------------------------------------------------------------------------------------------
@@ -311,6 +337,34 @@ class GradientFamily(Family):
         if hasattr(attack, "steps"):
             details["steps"] = attack.steps
         return self.report(job, attack, scoring.image_summary([scores], details), lpips.name, scores.grid_rows)
+
+    def control(self, job: Job, attack: Attack, observed: Observed, progress=None) -> tuple[dict, str]:
+        cfg, partition, batch = job.run.config(), job.clients[0], job.options["batch"]
+        obs = observed.observation
+        if job.options["observe"] == "probe":
+            images, labels, _ = observe.public_sample(cfg, batch, job.seed)
+            control, probe = observe.public_probe_observation(job.run, job.round_number, partition, images, labels,
+                                                              job.seed, obs.prior)
+            pool, pool_keep = probe.images, probe.keep_ids
+            what = (f"the same attack and budget on a FedSGD probe of {batch} public image(s) at the round's start "
+                    "weights, masked as the client masks, without DP-SGD")
+        else:
+            count = obs.local_training.num_examples
+            images, labels, _ = observe.public_sample(cfg, count, job.seed)
+            control = observe.public_update_observation(job.run, job.round_number, partition, batch, obs.prior,
+                                                        images, labels)
+            pool = images
+            training = control.local_training
+            pool_keep = first_masks(training.schedule, count) if training.mask_ratio is not None \
+                and training.schedule is not None else None
+            what = (f"the same attack and budget on the update of the client's local training (its optimiser, "
+                    f"epochs and batches, no DP-SGD) run on {count} public images from the round's start weights")
+        result = attack.reconstruct(control, progress)
+        truth = scoring.as_float_images(pool)
+        rows = metrics.match_to_pool(result.images, truth)
+        patch = int(control.model.local_module.patch_embed.patch_size[0])
+        kept = metrics.kept_pixels(pool_keep[rows], control.image_size, patch) if pool_keep is not None else None
+        return scoring.control_groups(result.images, truth[rows], kept, observed.auditor["public"]), what
 
 
 def upload_masks(observed: Observed) -> np.ndarray | None:

@@ -49,7 +49,7 @@ AUDIT_KEYS = ("title", "train", "grid", "attack")
 # run_attack arguments the audit sets itself, not an [[attack]] table
 RESERVED_ATTACK_KEYS = ("run", "key", "out", "progress")
 # run_attack arguments every family takes; any other key of an [[attack]] table is a family or method option
-COMMON_ATTACK_KEYS = ("round_number", "clients", "seed", "lpips_backend")
+COMMON_ATTACK_KEYS = ("round_number", "clients", "seed", "lpips_backend", "power_check")
 SAFE_NAME = re.compile(r"(?!\.+$)[A-Za-z0-9._=,+-]{1,100}")  # a folder name, and never . or .. (this or the parent)
 GRID_LIMIT = 10_000  # configurations of one audit: each is a training of minutes (--shard spreads one over machines)
 
@@ -220,6 +220,8 @@ def check_attack_options(family: str, method: str, options: dict, where: str) ->
     if options.get("lpips_backend", "auto") not in LPIPS_BACKENDS:
         raise ConfigError(f"{where}: lpips_backend must be one of {', '.join(LPIPS_BACKENDS)}, "
                           f"got {options['lpips_backend']!r}")
+    if not isinstance(options.get("power_check", True), bool):
+        raise ConfigError(f"{where}: power_check must be true or false, got {options['power_check']!r}")
 
 
 # --- code version and reuse -------------------------------------------------------------------------------

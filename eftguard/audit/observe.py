@@ -18,7 +18,7 @@ from torch import nn
 from eftguard.attacks.base import AttackError
 from eftguard.attacks.dp_audit import CanaryObservation
 from eftguard.attacks.gradient import GradientObservation, LocalTraining, prepare_numerics
-from eftguard.attacks.inversion import ClientFeatures, RoundFeatures
+from eftguard.attacks.inversion import ClientFeatures, RoundFeatures, client_local_module
 from eftguard.attacks.labels import ClientUploads, LabelObservation
 from eftguard.attacks.membership import MembershipObservation
 from eftguard.attacks.update_inversion import replay_schedule
@@ -32,6 +32,7 @@ from eftguard.masking import random_keep_ids
 from eftguard.methods import method_spec
 from eftguard.model import EFTViT
 from eftguard.rundir import RunDirectory, RunError, round_name
+from eftguard.training import OptimConfig, train_local
 
 # --- invert: uploaded patch features ------------------------------------------------------------------------
 
@@ -188,52 +189,130 @@ def probe_observation(run: RunDirectory, round_number: int, partition: int, batc
     data = scoring.client_training_set(run, partition)
     if batch > len(data):
         raise RunError(f"--batch {batch} is larger than client {partition}'s {len(data)} training images")
-    model = attack_model(run, round_number)
-    names = prune_as_client(run, round_number, partition, model, trained_names(model, cfg.method))
     rng = np.random.default_rng([seed, round_number, partition])
     chosen = np.sort(rng.choice(len(data), size=batch, replace=False))
     generator = torch.Generator().manual_seed(int(rng.integers(2 ** 62)))
-    images = torch.from_numpy(data.images[chosen])
-    labels = torch.from_numpy(data.labels[chosen])
-    masked = method_spec(cfg.method).masked
-    keep = random_keep_ids(batch, model.local_module.num_patches, cfg.mask_ratio, generator) if masked else None
     dp, details = None, {"observation": f"FedSGD probe: one gradient of {batch} client image(s)"}
     if cfg.dp_eps > 0:
         sigma = run.metrics()[round_number - 1]["noise_multiplier"][str(partition)]
         dp = DPNoise(sigma, cfg.max_grad_norm)
         details["dp_sgd"] = (f"per-sample clipping to {cfg.max_grad_norm}, noise multiplier {sigma:.3f} "
                              f"(the client's, for epsilon {cfg.dp_eps})")
-    gradients = probe_gradient(model, names, model.normalize(images), labels, keep, dp, generator)
+    obs, truth = probe_of(run, round_number, partition, data.images[chosen], data.labels[chosen], generator, dp,
+                          prior)
+    return obs, truth, details
+
+
+def probe_of(run: RunDirectory, round_number: int, partition: int, images: np.ndarray, labels: np.ndarray,
+             generator: torch.Generator, dp: DPNoise | None, prior: np.ndarray | None
+             ) -> tuple[GradientObservation, ProbeBatch]:
+    """One gradient of these images (uint8) at the round's start weights, masked as the client would mask them,
+    DP-SGD's step when dp is given; the batch kept for the auditor."""
+    cfg = run.config()
+    model = attack_model(run, round_number)
+    names = prune_as_client(run, round_number, partition, model, trained_names(model, cfg.method))
+    masked = method_spec(cfg.method).masked
+    batch = len(images)
+    keep = random_keep_ids(batch, model.local_module.num_patches, cfg.mask_ratio, generator) if masked else None
+    gradients = probe_gradient(model, names, model.normalize(torch.from_numpy(images)), torch.from_numpy(labels),
+                               keep, dp, generator)
     obs = GradientObservation(model, gradients, batch, model_image_size(model), model.mean, model.std, masked=masked,
                               prior=prior)
-    truth = ProbeBatch(data.images[chosen], data.labels[chosen], keep.numpy() if keep is not None else None)
-    return obs, truth, details
+    return obs, ProbeBatch(images, labels, keep.numpy() if keep is not None else None)
 
 
 def upload_observation(run: RunDirectory, round_number: int, partition: int, batch: int,
                        prior: np.ndarray | None) -> tuple[GradientObservation, dict]:
     """The client's uploaded update as one scaled gradient. The server knows lr, weight decay, epochs and
     batch size from the configuration and the client's sample count n_k (FedAvg's weight)."""
-    cfg = run.config()
-    model = attack_model(run, round_number)
-    uploaded = run.load_upload(round_number, partition, "update")
     num_examples = run.metrics()[round_number - 1]["num_examples"][str(partition)]
     if batch > num_examples:
         raise RunError(f"--batch {batch} is larger than client {partition}'s {num_examples} training images")
+    uploaded = run.load_upload(round_number, partition, "update")
+    return update_observation(run, round_number, partition, batch, prior, attack_model(run, round_number),
+                              {k: torch.from_numpy(v) for k, v in uploaded.items()}, num_examples,
+                              replayable=run.config().dp_eps <= 0)
+
+
+def update_observation(run: RunDirectory, round_number: int, partition: int, batch: int, prior: np.ndarray | None,
+                       model: EFTViT, uploaded: dict[str, torch.Tensor], num_examples: int, replayable: bool
+                       ) -> tuple[GradientObservation, dict]:
+    """An update (trained parameters after the client's local training from `model`) as the attacks observe it:
+    one scaled gradient, and the local training it came from. replayable: its batches and masks are the ones the
+    run's seed regenerates (a simulated node without DP-SGD)."""
+    cfg = run.config()
     steps = cfg.local_epochs * math.ceil(num_examples / cfg.batch_size)
     names = prune_as_client(run, round_number, partition, model, trained_names(model, cfg.method))
     named = dict(model.named_parameters())
     gradients, after = {}, {}
     for name in [name for name in names if name in uploaded]:
         before = named[name].detach()
-        after[name] = torch.from_numpy(uploaded[name]).to(before.dtype)
+        after[name] = uploaded[name].to(before.dtype)
         gradients[name] = ((before - after[name]) / (cfg.lr * cfg.lr_factor(round_number) * steps)
                            - cfg.weight_decay * before)
     obs = GradientObservation(model, gradients, batch, model_image_size(model), model.mean, model.std,
                               masked=method_spec(cfg.method).masked, prior=prior,
-                              local_training=local_training(run, round_number, partition, model, after, num_examples))
+                              local_training=local_training(run, round_number, partition, model, after, num_examples,
+                                                            replayable))
     return obs, {"observation": (f"uploaded update after {steps} AdamW step(s) on {num_examples} images, treated "
                                  f"as one gradient: -(update) / (lr * steps) - weight_decay * weights")}
+
+
+# --- power checks: the same attack on public images through the same channel, the defense off ---------------
+
+def public_sample(cfg, count: int, seed: int, exclude: int = 0) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """(images uint8, labels, their indices) of `count` public images, a seeded choice: the positive controls'
+    known truth (public data: the auditor, and any attacker, may know it)."""
+    public = run_dataset(cfg.dataset, cfg.data_dir, cfg.model, cfg.train_samples, 0, cfg.seed).public
+    if count > len(public):
+        raise RunError(f"the power check needs {count} public images; the run's public split holds {len(public)}")
+    chosen = np.sort(np.random.default_rng([seed, 23]).choice(len(public), size=count, replace=False))
+    return public.images[chosen], public.labels[chosen], chosen
+
+
+def public_probe_observation(run: RunDirectory, round_number: int, partition: int, images: np.ndarray,
+                             labels: np.ndarray, seed: int, prior: np.ndarray | None
+                             ) -> tuple[GradientObservation, ProbeBatch]:
+    """The probe channel with the defense off: one gradient of these public images at the round's start weights,
+    masked as the client would mask them, without DP-SGD's clipping and noise."""
+    return probe_of(run, round_number, partition, images, labels, torch.Generator().manual_seed(seed), None, prior)
+
+
+def public_update_observation(run: RunDirectory, round_number: int, partition: int, batch: int,
+                              prior: np.ndarray | None, images: np.ndarray, labels: np.ndarray
+                              ) -> GradientObservation:
+    """The upload channel with the defense off: the client's local training (its optimiser, epochs, batches and
+    masking, seeded as a simulated client seeds them; no DP-SGD) run on these public images from the round's
+    start weights, observed as the real upload is."""
+    cfg = run.config()
+    model = attack_model(run, round_number)
+    prune_as_client(run, round_number, partition, model, trained_names(model, cfg.method))
+    trained = run.start_model(round_number)
+    prune_as_client(run, round_number, partition, trained, trained_names(trained, cfg.method))
+    optim = OptimConfig(cfg.local_epochs, cfg.batch_size, cfg.lr * cfg.lr_factor(round_number), cfg.weight_decay)
+    generator = torch.Generator().manual_seed(seeded(cfg.seed, round_number, partition, 1))
+    train_local(trained, torch.from_numpy(images), torch.from_numpy(labels), cfg.method, cfg.mask_ratio, optim,
+                generator, precision=cfg.precision)
+    uploaded = {name: p.detach().clone() for name, p in trained.named_parameters()}
+    return update_observation(run, round_number, partition, batch, prior, model, uploaded, len(images),
+                              replayable=True)[0]
+
+
+def public_round_features(observation: RoundFeatures, images: np.ndarray, labels: np.ndarray, seed: int,
+                          positions_known: bool) -> tuple[RoundFeatures, torch.Tensor]:
+    """The feature channel with the defense off: these public images through the first attacked client's phi_k
+    with the run's masking, released without clipping or noise (the observation's auxiliary images as given);
+    with the kept positions, for the auditor (granted to the attack with positions_known)."""
+    client = observation.clients[0]
+    local = client_local_module(observation.model, client.local_state)
+    generator = torch.Generator().manual_seed(seed)
+    keep = random_keep_ids(len(images), local.num_patches, observation.mask_ratio, generator)
+    with torch.no_grad():
+        features = observation.features_of(local, torch.from_numpy(images).float().div(255.0), keep)
+    control = ClientFeatures(client.partition, features, torch.from_numpy(labels), client.local_state,
+                             keep if positions_known else None)
+    return RoundFeatures(observation.round_number, [control], observation.model, observation.mask_ratio,
+                         observation.aux_images, precision=observation.precision), keep
 
 
 # --- dp-audit: the canaries (never their inclusion bits) and one channel ------------------------------------
@@ -313,7 +392,7 @@ def observe_membership(run: RunDirectory, round_number: int, partition: int, tar
             observation.kept_ids = torch.from_numpy(scoring.granted_positions(run, round_number, partition))
     return observation
 def local_training(run: RunDirectory, round_number: int, partition: int, model: EFTViT,
-                   uploaded: dict[str, torch.Tensor], num_examples: int) -> LocalTraining:
+                   uploaded: dict[str, torch.Tensor], num_examples: int, replayable: bool) -> LocalTraining:
     """How the client trained, from the public config and n_k. A simulated node without DP-SGD seeds its batches
     and masks from the run's seed alone (noise-secret 0), so the server regenerates them; a deployed node mixes in
     its own secret and DP-SGD draws Poisson batches: no schedule then."""
@@ -322,7 +401,7 @@ def local_training(run: RunDirectory, round_number: int, partition: int, model: 
     num_patches = model.local_module.num_patches
     mask_ratio = cfg.mask_ratio if spec.masked else None
     schedule = None
-    if cfg.federation == "simulation" and cfg.dp_eps <= 0:
+    if cfg.federation == "simulation" and replayable:
         generator = torch.Generator().manual_seed(seeded(cfg.seed, round_number, partition, 1))
         schedule = replay_schedule(num_examples, cfg.local_epochs, cfg.batch_size, num_patches, mask_ratio, generator)
     return LocalTraining(uploaded, num_examples, cfg.local_epochs, cfg.batch_size,

@@ -539,3 +539,18 @@ def membership_summary(scores: np.ndarray, loss_scores: np.ndarray, is_member: n
     groups = {"metrics": group(membership_figures(scores, is_member)),
               "baseline": group(membership_figures(loss_scores, is_member)), "chance": group(chance)}
     return Summary(groups, {}, details)
+
+
+def control_groups(recon: np.ndarray, truth: np.ndarray, kept: np.ndarray | None, public_images: np.ndarray
+                   ) -> dict:
+    """The power check's score groups: PSNR of the control's reconstructions against their known public truth
+    ("control") and of the mean public image ("control_baseline"), over the whole image and, where the channel
+    masks, the kept patches; figures "control.psnr", "control_baseline.psnr_kept", ..."""
+    baseline = metrics.mean_image_baseline(public_images, len(truth))
+    groups: dict = {"control": {}, "control_baseline": {}}
+    for suffix, weights in (("", None), ("_kept", kept)):
+        if suffix and weights is None:
+            continue
+        groups["control"][f"psnr{suffix}"] = metrics.summarize(metrics.psnr(recon, truth, weights))
+        groups["control_baseline"][f"psnr{suffix}"] = metrics.summarize(metrics.psnr(baseline, truth, weights))
+    return groups

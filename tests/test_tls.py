@@ -1,12 +1,10 @@
-"""The deployment's key material, called directly: encryption at rest, SuperNode keys and TLS certificates.
-Each test is an accident or an attack on a file (a moved ciphertext, a key readable by others, a certificate a
-client should not trust). Fast enough for the mutation check of defenses/ (docs/mutation.md)."""
+"""TLS certificates (defenses/tls.py), called directly. Each test is an accident or an attack on a file (a key
+readable by others, a certificate a client should not trust). Fast enough for the mutation check of defenses/
+(docs/mutation.md)."""
 
 import datetime as dt
-import hashlib
 import ipaddress
 import os
-import stat
 import time
 from pathlib import Path
 
@@ -14,129 +12,13 @@ import pytest
 from cryptography import x509
 from cryptography.hazmat.primitives import hashes
 from cryptography.hazmat.primitives.asymmetric import ec
-from cryptography.hazmat.primitives.ciphers.aead import AESGCM
-from cryptography.hazmat.primitives.serialization import (Encoding, load_pem_private_key, load_ssh_private_key,
-                                                          load_ssh_public_key)
+from cryptography.hazmat.primitives.serialization import Encoding, load_pem_private_key
 from cryptography.x509.oid import ExtendedKeyUsageOID, NameOID
 
-from eftguard.defenses import at_rest, tls
-from eftguard.defenses.at_rest import AtRestError, create_key, decrypt, encrypt, fingerprint, read_key
-from eftguard.defenses.node_auth import write_node_key
+from conftest import file_mode
+from eftguard.defenses import tls
 from eftguard.defenses.tls import CertificateError, issue_certificates, read_ca_certificates, write_certificates
 
-
-def mode(path):
-    return stat.S_IMODE(path.stat().st_mode)
-
-
-# --- encryption at rest -----------------------------------------------------------------------------------------
-
-def test_new_key_is_32_random_bytes_in_a_file_only_its_owner_reads(tmp_path):
-    key = create_key(tmp_path / "key")
-    assert (tmp_path / "key").read_text() == key.hex() + "\n" and len(key) == 32 and mode(tmp_path / "key") == 0o600
-    assert read_key(tmp_path / "key") == key != create_key(tmp_path / "other")
-
-
-def test_creating_a_key_never_overwrites_one(tmp_path):
-    key = create_key(tmp_path / "key")
-    with pytest.raises(FileExistsError):
-        create_key(tmp_path / "key")
-    assert read_key(tmp_path / "key") == key
-
-
-def test_key_file_with_surrounding_whitespace_reads(tmp_path):
-    (tmp_path / "key").write_text("\n  " + "ab" * 32 + "  \n\n")
-    assert read_key(tmp_path / "key") == bytes([0xAB]) * 32
-
-
-@pytest.mark.parametrize("content, message", [
-    (None, "key file {path} does not exist$"),
-    ("folder", r"key file {path} is a folder$"),
-    ("device", r"key file /dev/zero is not a regular file$"),  # read whole, it would never end
-    ("zz-not-hex\n", "key file {path} is not a hex-encoded key$"),
-    ("ab" * 16, "key file {path} holds 16 bytes, expected 32$"),
-    ("ab" * 33, "key file {path} holds 33 bytes, expected 32$"),
-])
-def test_unusable_key_file_is_named_with_the_problem(tmp_path, content, message):
-    path = Path("/dev/zero") if content == "device" else tmp_path / "key"
-    if content == "folder":
-        path.mkdir()
-    elif content == "device":
-        pass
-    elif content is not None:
-        path.write_text(content)
-    with pytest.raises(AtRestError, match="^" + message.format(path=path)):
-        read_key(path)
-
-
-def test_fingerprint_is_stable_and_reveals_nothing_of_the_key():
-    """Manifests written earlier name their key by this value: it must not change between versions."""
-    key = bytes(range(32))
-    assert fingerprint(key) == "b5fbca4cc244da24"
-    assert fingerprint(key) not in (key.hex(), hashlib.sha256(key).hexdigest()[:16])
-    assert fingerprint(bytes(32)) != fingerprint(key)
-
-
-def test_ciphertext_is_aes_gcm_with_a_fresh_nonce_bound_to_the_files_place():
-    key, plaintext = bytes(range(32)), b"client 0's uploaded features"
-    first, second = encrypt(key, plaintext, "round-1/client-0"), encrypt(key, plaintext, "round-1/client-0")
-    header = len(at_rest.MAGIC)
-    assert first[:header] == second[:header] == b"EFTG-AESGCM-1\n" and first[header:header + 12] != second[header:header + 12]
-    assert AESGCM(key).decrypt(first[header:header + 12], first[header + 12:], b"round-1/client-0") == plaintext
-    assert decrypt(key, first, "round-1/client-0") == decrypt(key, second, "round-1/client-0") == plaintext
-
-
-@pytest.mark.parametrize("attack", ["moved", "wrong key", "altered", "nonce altered"])
-def test_moved_altered_or_foreign_ciphertext_does_not_decrypt(attack):
-    key = bytes(range(32))
-    blob = bytearray(encrypt(key, b"truth", "round-1/client-0"))
-    context = "round-1/client-1" if attack == "moved" else "round-1/client-0"
-    if attack == "wrong key":
-        key = bytes(32)
-    if attack == "altered":
-        blob[-1] ^= 1
-    if attack == "nonce altered":
-        blob[len(at_rest.MAGIC)] ^= 1
-    with pytest.raises(AtRestError, match=f"^{context} does not decrypt: wrong key, or the file was altered or moved$"):
-        decrypt(key, bytes(blob), context)
-
-
-def test_file_that_is_not_ours_is_named():
-    with pytest.raises(AtRestError, match="^round-1/client-0 is not an eftguard encrypted file$"):
-        decrypt(bytes(32), b"EFTG-AESGCM-0\n" + bytes(40), "round-1/client-0")
-
-
-# --- SuperNode keys ---------------------------------------------------------------------------------------------
-
-def test_node_key_is_a_p256_openssh_pair_in_a_new_folder(tmp_path):
-    private, public = write_node_key(tmp_path / "node-1" / "keys" / "node")
-    assert (private, public) == (tmp_path / "node-1" / "keys" / "node", tmp_path / "node-1" / "keys" / "node.pub")
-    assert private.read_bytes().startswith(b"-----BEGIN OPENSSH PRIVATE KEY-----") and mode(private) == 0o600
-    key = load_ssh_private_key(private.read_bytes(), None)
-    assert isinstance(key.curve, ec.SECP256R1)
-    assert public.read_bytes().startswith(b"ecdsa-sha2-nistp256 ") and public.read_bytes().endswith(b"\n")
-    assert load_ssh_public_key(public.read_bytes()) == key.public_key()
-
-
-@pytest.mark.parametrize("existing", ["node", "node.pub"])
-def test_node_key_refuses_to_replace_either_file_without_force(tmp_path, existing):
-    (tmp_path / existing).write_bytes(b"registered\n")
-    with pytest.raises(CertificateError, match=f"^{tmp_path / existing} already exists: pass --force to replace it "
-                                               r"\(then register the new key\)$"):
-        write_node_key(tmp_path / "node")
-    assert [p.name for p in tmp_path.iterdir()] == [existing]
-
-
-def test_forced_node_key_is_new_and_private_even_over_a_readable_file(tmp_path):
-    private, public = write_node_key(tmp_path / "node")
-    old = private.read_bytes()
-    os.chmod(private, 0o644)
-    write_node_key(tmp_path / "node", force=True)
-    assert private.read_bytes() != old and mode(private) == 0o600
-    assert load_ssh_public_key(public.read_bytes()) == load_ssh_private_key(private.read_bytes(), None).public_key()
-
-
-# --- TLS certificates -------------------------------------------------------------------------------------------
 
 NOW = dt.datetime(2026, 1, 2, 3, 4, 5, tzinfo=dt.timezone.utc)
 
@@ -229,7 +111,7 @@ def test_key_files_are_private_from_the_moment_they_are_created(tmp_path, monkey
         files = write_certificates(tmp_path)
     finally:
         os.umask(old_umask)
-    assert [mode(p) for p in files.all()] == [0o644, 0o600, 0o644, 0o600]
+    assert [file_mode(p) for p in files.all()] == [0o644, 0o600, 0o644, 0o600]
 
 
 @pytest.mark.parametrize("san, kind", [
@@ -259,7 +141,7 @@ def test_certificate_names_keep_order_drop_repeats_and_add_loopback():
 def test_written_files_are_named_as_flower_expects_keys_private_certificates_public(tmp_path):
     files = write_certificates(tmp_path / "new" / "certs", ("fl.example.org",))
     assert files.all() == tuple(tmp_path / "new" / "certs" / n for n in ("ca.crt", "ca.key", "server.pem", "server.key"))
-    assert [mode(p) for p in files.all()] == [0o644, 0o600, 0o644, 0o600]
+    assert [file_mode(p) for p in files.all()] == [0o644, 0o600, 0o644, 0o600]
     ca_key = load_pem_private_key(files.ca_key.read_bytes(), None)
     [ca] = read_ca_certificates(files.ca_cert)
     assert ca.public_key() == ca_key.public_key()
@@ -277,7 +159,7 @@ def test_forced_rewrite_leaves_no_old_bytes_and_no_readable_key(tmp_path):
     os.chmod(files.ca_cert, 0o600)
     write_certificates(tmp_path, force=True)
     assert len(x509.load_pem_x509_certificates(files.server_cert.read_bytes())) == 1
-    assert [mode(p) for p in files.all()] == [0o644, 0o600, 0o644, 0o600]
+    assert [file_mode(p) for p in files.all()] == [0o644, 0o600, 0o644, 0o600]
 
 
 @pytest.mark.parametrize("existing", ["ca.crt", "ca.key", "server.pem", "server.key"])

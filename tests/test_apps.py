@@ -14,18 +14,13 @@ from eftguard.config import TrainConfig
 from eftguard.federation import apps
 from eftguard.federation.client import ClientUpload
 from eftguard.federation.records import ClientSettings, from_record, to_record
-from fakegrid import task_identity
+
+pytestmark = pytest.mark.usefixtures("task_identity_set")  # messages are built outside Flower
 
 CFG = TrainConfig(clients=3, rounds=1, train_samples=60).resolved()
 UPDATE = {"head.bias": np.arange(3, dtype=np.float32)}
 FEATURES = {"features": np.ones((2, 3, 4), np.float32), "labels": np.array([0, 1])}
 TRUTH = {"sample_ids": np.array([5, 9]), "class_counts": np.array([1, 1, 0])}
-
-
-@pytest.fixture(autouse=True)
-def _task_identity():
-    with task_identity():
-        yield
 
 
 @pytest.fixture
