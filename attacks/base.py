@@ -3,17 +3,15 @@ model it runs under and the shape of its result.
 
 An attack is a class with `name` (its method name within the family), `family`, `threat_model` and
 `reconstruct(observation, progress) -> result`, registered in its family's `Registry`. Its user-facing options
-are dataclass fields declared with `option(...)`: the CLI's flags and `--help`, and the keyword arguments of
-`eftguard.audit.run_attack`, are derived from them, so adding a method to a family is one class in one file
+are dataclass fields declared with `eftguard.options.option(...)`: the CLI's flags and `--help`, and the keyword
+arguments of `eftguard.audit.run_attack`, are derived from them, so adding a method to a family is one class in one file
 (docs/add-an-attack.md). Observations hold only what the server observed (uploads, the round's model
 weights, public data); ground truth is joined later, by the auditor (`eftguard.audit.scoring`), never by an attack.
 """
 
 from __future__ import annotations
 
-import math
-from dataclasses import MISSING, asdict, dataclass, field, fields
-from pathlib import Path
+from dataclasses import asdict, dataclass, field
 from typing import Any, Callable, ClassVar, Protocol
 
 import numpy as np
@@ -25,93 +23,6 @@ Progress = Callable[[str, int, int], None]
 
 class AttackError(ValueError):
     """An attack cannot run as asked (bad option or an observation it cannot use); the message says why."""
-
-
-# --- options ----------------------------------------------------------------------------------------------
-# A parser turns the text of an option into its value or raises ValueError("must be ..., got '...'"); the CLI
-# and run_attack (which parses str(value)) share it, so both refuse the same values with the same words.
-
-def whole_number(minimum: int, maximum: int | None = None) -> Callable[[str], int]:
-    """An integer in [minimum, maximum]."""
-    bounds = f">= {minimum}" if maximum is None else f"in {minimum}..{maximum}"
-
-    def parse(text: str) -> int:
-        try:
-            value = int(text)
-        except ValueError:
-            value = None
-        if value is None or value < minimum or (maximum is not None and value > maximum):
-            raise ValueError(f"must be a whole number {bounds}, got '{text}'")
-        return value
-    return parse
-
-
-def finite_number(above: float, at_most: float = math.inf, zero_allowed: bool = False) -> Callable[[str], float]:
-    """A finite float in (above, at_most], or [0, at_most] with zero_allowed and above 0; NaN and infinities
-    are refused."""
-    low = "[0" if zero_allowed and above == 0 else f"({above}"
-    bounds = (">= 0" if low == "[0" else f"> {above}") if at_most == math.inf else f"in {low}, {at_most}]"
-
-    def parse(text: str) -> float:
-        try:
-            value = float(text)
-        except ValueError:
-            value = math.nan
-        if not (math.isfinite(value) and (above < value or (low == "[0" and value == 0)) and value <= at_most):
-            raise ValueError(f"must be a finite number {bounds}, got '{text}'")
-        return value
-    return parse
-
-
-def path_value(text: str) -> Path:
-    """A path; an empty one (an unset shell variable) would silently mean the current folder."""
-    if not text.strip():
-        raise ValueError("must be a path, got an empty string")
-    return Path(text)
-
-
-def name_value(text: str) -> str:
-    if not text.strip():
-        raise ValueError("must be a name, got an empty string")
-    return text
-
-
-def option(default: Any, help: str, parse: Callable[[str], Any], choices: tuple[str, ...] | None = None) -> Any:
-    """A dataclass field that is also a user-facing option: `--name-with-dashes` on the CLI, `name=` in run_attack."""
-    return field(default=default, metadata={"option": (help, parse, choices)})
-
-
-@dataclass(frozen=True)
-class Option:
-    """One user-facing option: name (a Python identifier), its default (None: not set), help text, parser and,
-    for a fixed set of values, the choices."""
-
-    name: str
-    default: Any
-    help: str
-    parse: Callable[[str], Any]
-    choices: tuple[str, ...] | None = None
-
-    @property
-    def flag(self) -> str:
-        return "--" + self.name.replace("_", "-")
-
-    def value(self, given: Any) -> Any:
-        """A value given to run_attack, checked as the CLI checks its text; AttackError names the option."""
-        if given is None and self.default is None:
-            return None
-        if self.choices is not None and given not in self.choices:
-            raise AttackError(f"{self.name} must be one of {', '.join(self.choices)}, got {given!r}")
-        try:
-            return self.parse(str(given))
-        except ValueError as exc:
-            raise AttackError(f"{self.name} {exc}") from None
-
-
-def options_of(cls: type) -> tuple[Option, ...]:
-    """The options an attack class (or a family's options dataclass) declares with `option(...)`."""
-    return tuple(Option(f.name, None if f.default is MISSING else f.default, *f.metadata["option"])
-                 for f in fields(cls) if "option" in f.metadata)
 
 
 # --- the attack contract ----------------------------------------------------------------------------------

@@ -30,8 +30,9 @@ import numpy as np
 import torch
 from torch import nn
 
-from eftguard.attacks.base import (AttackError, ImageReconstruction, Progress, Registry, ThreatModel, finite_number,
-                                   name_value, option, total_variation, whole_number)
+from eftguard.attacks.base import AttackError, ImageReconstruction, Progress, Registry, ThreatModel, total_variation
+
+from eftguard.options import finite_number, name_value, option, whole_number
 
 EFTVIT_POS_EMBED = "local_module.token_embedding.pos_embed"
 EFTVIT_PATCH_WEIGHT = "local_module.patch_embed.proj.weight"

@@ -28,8 +28,9 @@ import numpy as np
 import torch
 from torch import nn
 
-from eftguard.attacks.base import (ImageReconstruction, Progress, Registry, ThreatModel, option, total_variation,
-                                   whole_number)
+from eftguard.attacks.base import ImageReconstruction, Progress, Registry, ThreatModel, total_variation
+
+from eftguard.options import option, whole_number
 from eftguard.defenses.feature_dp import clip_rows
 from eftguard.defenses.feature_noise import release_features
 from eftguard.masking import random_keep_ids

@@ -38,7 +38,9 @@ import numpy as np
 import torch
 from scipy.optimize import nnls
 
-from eftguard.attacks.base import AttackError, LabelEstimate, Progress, Registry, ThreatModel, finite_number, option
+from eftguard.attacks.base import AttackError, LabelEstimate, Progress, Registry, ThreatModel
+
+from eftguard.options import finite_number, option
 from eftguard.attacks.tamper import PROBE_SCALE
 
 LABELS = Registry("labels", default="head")

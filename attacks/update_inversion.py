@@ -32,8 +32,9 @@ import torch
 from torch import nn
 from torch.func import functional_call
 
-from eftguard.attacks.base import (AttackError, ImageReconstruction, Progress, ThreatModel, finite_number, name_value,
-                                   option, total_variation, whole_number)
+from eftguard.attacks.base import AttackError, ImageReconstruction, Progress, ThreatModel, total_variation
+
+from eftguard.options import finite_number, name_value, option, whole_number
 from eftguard.attacks.gradient import (GRADIENT, HEAD_BIAS, GradientObservation, LocalTraining, Step, cosine_distance,
                                        prepare_numerics, recover_labels)
 from eftguard.masking import random_keep_ids

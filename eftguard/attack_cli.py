@@ -17,10 +17,11 @@ from rich.console import Console
 from rich.table import Table
 
 from eftguard.attack_report import AttackReport
-from eftguard.attacks.base import AttackError, Option, options_of, path_value
+from eftguard.attacks.base import AttackError
 from eftguard.audit.api import ROUND, SEED, open_run, out_root, run_attack, stage_progress
 from eftguard.audit.families import FAMILIES
 from eftguard.metrics import LPIPS_BACKENDS
+from eftguard.options import Option, add_argument, cli_type, escaped, options_of, path_value
 from eftguard.paths import output_file_problem, read_text_file
 from eftguard.report import summary_table, write_audit_report, write_run_report
 from eftguard.rundir import RunError
@@ -35,16 +36,6 @@ class OneLineErrorParser(argparse.ArgumentParser):
 
     def error(self, message: str):
         self.exit(2, f"eftguard: error: {message} (see {self.prog} --help)\n")
-
-
-def cli_type(parse):
-    """An argparse type from an option parser (eftguard.attacks.base): its "must be ..." message becomes argparse's."""
-    def convert(text: str):
-        try:
-            return parse(text)
-        except ValueError as exc:
-            raise argparse.ArgumentTypeError(str(exc)) from None
-    return convert
 
 
 path_arg = cli_type(path_value)
@@ -138,14 +129,9 @@ def add_attack_parser(sub: argparse._SubParsersAction) -> None:
         add_family_parser(kinds, family)
 
 
-def escaped(text: str) -> str:
-    return text.replace("%", "%%")  # argparse formats help with %
-
-
 def add_option(parser: argparse.ArgumentParser, option: Option, help: str) -> None:
     """A flag that is absent from the parsed arguments unless given: run_attack fills in the defaults."""
-    parser.add_argument(option.flag, type=cli_type(option.parse), choices=option.choices, default=argparse.SUPPRESS,
-                        metavar=None if option.choices else option.name.upper(), help=escaped(help))
+    add_argument(parser, option, help=help, default=argparse.SUPPRESS, show_default=False)
 
 
 def method_options(family) -> dict[str, list[tuple[str, Option]]]:
@@ -171,9 +157,7 @@ def add_family_parser(kinds: argparse._SubParsersAction, family) -> argparse.Arg
                               description=escaped(f"{family.description} Methods: {listing} Reports go to "
                                                   f"OUT/{family.name}-METHOD/."))
     parser.set_defaults(family=family.name)
-    parser.add_argument("run", nargs="?", type=path_arg, metavar="RUN", help="run directory to attack")
-    parser.add_argument("--features", "--run", dest="run_alias", type=path_arg, metavar="RUN",
-                        help="the run directory, as a flag (give RUN or this, not both)")
+    parser.add_argument("run", type=path_arg, metavar="RUN", help="run directory to attack")
     parser.add_argument("--method", choices=(*methods, "all"), default=family.cli_method,
                         help=f"{' | '.join(methods)} | all (one report per method{named_only(family.registry)}) "
                              f"(default: {family.cli_method})")
@@ -203,14 +187,6 @@ def add_family_parser(kinds: argparse._SubParsersAction, family) -> argparse.Arg
     return parser
 
 
-def the_run(args: argparse.Namespace) -> Path:
-    """RUN, given once: positionally or as --features / --run."""
-    if (args.run is None) == (args.run_alias is None):
-        given = "given twice, as RUN and with --features/--run" if args.run is not None else "not given"
-        raise AttackError(f"the run to attack is {given}: give it once, e.g. eftguard attack {args.family} runs/NAME")
-    return args.run if args.run is not None else args.run_alias
-
-
 def options_per_method(args: argparse.Namespace, family, methods: tuple[str, ...]) -> dict[str, dict]:
     """The options given on the command line, each passed to the methods that take it; one that none of the
     chosen methods takes is an error naming the methods that do."""
@@ -230,7 +206,7 @@ def options_per_method(args: argparse.Namespace, family, methods: tuple[str, ...
 
 def cmd_attack(args: argparse.Namespace) -> None:
     family = FAMILIES[args.family]
-    run = the_run(args)
+    run = args.run
     methods = curious_methods(family.registry, getattr(args, "observe", None)) if args.method == "all" else \
         (args.method,)
     per_method = options_per_method(args, family, methods)

@@ -10,7 +10,6 @@ the allocator warms up in the first step of a call). docs/bench.md documents eve
 from __future__ import annotations
 
 import copy
-import math
 import os
 import platform
 import statistics
@@ -25,62 +24,26 @@ from rich.table import Table
 from torch import nn
 from torch.utils.flop_counter import FlopCounterMode, sdpa_backward_flop_count, sdpa_flop_count
 
-from eftguard import headprune
 from eftguard.attacks.base import ThreatModel
 from eftguard.attacks.gradient import GradientObservation, InvertingGradients, prepare_numerics
 from eftguard.attacks.inversion import ClientFeatures, DecoderInversion, RoundFeatures
 from eftguard.audit.observe import model_image_size, probe_gradient, trained_names
+from eftguard.bench_config import REFERENCE, BenchConfig
 from eftguard.config import TrainConfig
 from eftguard.data import dirichlet_partition
 from eftguard.data.plan import run_dataset
 from eftguard.defenses.dp import DPSGD
 from eftguard.errors import ConfigError
 from eftguard.masking import kept_token_count, random_keep_ids
-from eftguard.methods import METHODS, MethodSpec, method_spec
-from eftguard.model import PRESETS, EFTViT, build_model
-from eftguard.precision import PRECISIONS
+from eftguard.methods import METHODS, MethodSpec
+from eftguard.model import EFTViT, build_model
 from eftguard.sampling import balanced_indices
 from eftguard.training import OptimConfig, TrainResult, extract_features, train_global, train_local
 
-REFERENCE = "fedavg"  # the method every speed-up is relative to (Fed-Full)
-MASK_RATIOS = (0.0, 0.5, 0.75, 0.9)
 IG_IMAGE_STEPS = InvertingGradients().steps * InvertingGradients().restarts  # the attack's defaults: one image
 SCHEMA_VERSION = 1
 
 Progress = Callable[[str], None]
-
-
-@dataclass(frozen=True)
-class BenchConfig:
-    model: str = "vit-tiny-32"
-    methods: tuple[str, ...] = tuple(METHODS)
-    mask_ratios: tuple[float, ...] = MASK_RATIOS
-    steps: int = 10  # timed steps per configuration
-    warmup: int = 1  # discarded steps before each timed one, in the same call
-    batch_size: int = 64
-    attack_steps: int = 10  # timed decoder steps / Inverting-Gradients iterations
-    seed: int = 0
-    precision: str = "fp32"  # of the client and server steps and the decoder (eftguard.precision)
-
-    def validate(self) -> None:
-        """Every bad option as one ConfigError, before any work."""
-        if self.model not in PRESETS:
-            raise ConfigError(f"--model: unknown preset '{self.model}', choose {', '.join(PRESETS)}")
-        for name in self.methods:
-            method_spec(name)
-        if self.precision not in PRECISIONS:
-            raise ConfigError(f"--precision: unknown precision '{self.precision}', choose {', '.join(PRECISIONS)}")
-        if REFERENCE not in self.methods:
-            raise ConfigError(f"--methods must include {REFERENCE}: every speed-up is relative to it")
-        if not self.mask_ratios:
-            raise ConfigError("--mask-ratios: give at least one ratio")
-        for ratio in self.mask_ratios:
-            if not (math.isfinite(ratio) and 0.0 <= ratio < 1.0):
-                raise ConfigError(f"--mask-ratios: {ratio} is not in [0, 1) (fraction of patches dropped)")
-        for flag, value, least in (("--steps", self.steps, 1), ("--warmup", self.warmup, 0),
-                                   ("--batch-size", self.batch_size, 1), ("--attack-steps", self.attack_steps, 1)):
-            if value < least:
-                raise ConfigError(f"{flag} must be >= {least}, got {value}")
 
 
 @dataclass(frozen=True)
@@ -166,8 +129,7 @@ def step_memory(model: EFTViT, spec: MethodSpec, activations: int) -> dict[str, 
     an upper bound (the backward pass frees activations while it fills the gradients)."""
     parameters = sum(p.numel() * p.element_size() for p in model.parameters())
     trained_state = {name: p for name, p in model.named_parameters() if spec.trains_parameter(name)}
-    if spec.prunes_heads:  # the heads a client does not keep get no gradients and no moments
-        trained_state = headprune.kept_upload(trained_state, headprune.kept_now(model), headprune.head_index(model))
+    trained_state = spec.heads.kept_update(trained_state, model)  # pruned heads: no gradients and no moments
     trained = sum(p.numel() * p.element_size() for p in trained_state.values())
     memory = {"parameters": parameters, "gradients": trained, "optimizer_state": 2 * trained,
               "activations": activations}
@@ -181,12 +143,8 @@ def upload_bytes(model: EFTViT, spec: MethodSpec, mask_ratio: float, client_labe
     """Bytes a client uploads per round (tensor payload, as the server's metrics count it): the trained parameters,
     and for a feature-uploading method the median-sampled feature sets (cls + kept tokens, float32) and their
     int64 labels, averaged over the default run's clients."""
-    state, heads = spec.uploaded_state(model), 0
-    if spec.prunes_heads:  # the kept heads' factors, and the head record (float32 importance, int64 kept ids)
-        kept = headprune.kept_now(model)
-        state = headprune.kept_upload(state, kept, headprune.head_index(model))
-        heads = kept.numel() * 4 + int(kept.sum()) * 8
-    update = sum(v.numel() * v.element_size() for v in state.values()) + heads
+    state = spec.heads.kept_update(spec.uploaded_state(model), model)  # a head-pruning client's kept heads
+    update = sum(v.numel() * v.element_size() for v in state.values()) + spec.heads.record_bytes(model)
     features = 0
     if spec.uploads_features:
         tokens = 1 + kept_token_count(model.local_module.num_patches, mask_ratio)
@@ -262,10 +220,8 @@ class Bench:
         self.models = {m: build_model(cfg.model, inputs.num_classes, default.local_layers, seed=cfg.seed,
                                       adapt=METHODS[m].model_adapter(default))
                        for m in dict.fromkeys([REFERENCE, *cfg.methods])}
-        for method, model in self.models.items():
-            if METHODS[method].prunes_heads:  # a client's step computes only the heads it keeps (on this batch)
-                importance = headprune.model_head_importance(model, model.normalize(inputs.images))
-                headprune.keep_only(model, headprune.kept_heads(importance, default.head_sparsity))
+        for method, model in self.models.items():  # a client's step computes only the heads it keeps (this batch)
+            METHODS[method].heads.keep_for_bench(model, inputs.images, default.head_sparsity)
 
     def optim(self, epochs: int, lr: float) -> OptimConfig:
         return OptimConfig(epochs, self.cfg.batch_size, lr, self.default.weight_decay)

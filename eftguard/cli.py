@@ -21,140 +21,73 @@ from rich.table import Table
 from eftguard.attack_cli import add_attack_parser, add_report_parser, cmd_attack, cmd_report
 from eftguard.attacks.base import AttackError
 from eftguard.audit.gate import parse_gate
-from eftguard.canaries import CANARY_KINDS
-from eftguard.config import (ACCOUNTANTS, CLIENT_SELECTION, FEDERATIONS, HEAD_PRUNING, HEAD_WEIGHTING, METHODS,
-                             TAMPERINGS, THREATS, TrainConfig)
-from eftguard.data import DATASET_HELP, DataError, load_dataset
+from eftguard.bench_config import BenchConfig
+from eftguard.config import METHODS, TrainConfig
+from eftguard.data import DataError, load_dataset
 from eftguard.defenses.node_auth import write_node_key
 from eftguard.defenses.tls import DEFAULT_SANS, CertificateError, certificate_names, write_certificates
 from eftguard.errors import ConfigError, FederationError
 from eftguard.federation import deployment
-from eftguard.methods import METHODS as METHOD_SPECS
 from eftguard.metrics import LPIPS_BACKENDS, MetricError
 from eftguard.model import PRESETS, ModelError, build_model
+from eftguard.options import add_argument, add_arguments, check_values, given_values, option, options_of
 from eftguard.paths import atomic_write, file_in_the_way, output_file_problem, unwritable_reason
 from eftguard.precision import PRECISIONS, resolve_precision
-from eftguard.pretrain import (OBJECTIVES, PretrainConfig, PretrainError, check_out_path, pretrain, public_loss,
+from eftguard.pretrain import (PretrainConfig, PretrainError, check_out_path, pretrain, public_loss,
                                resume_path, save_pretrained)
 from eftguard.rundir import RunDirectory, RunError
-from eftguard.sampling import BALANCE_MODES
-from eftguard.schedule import SCHEDULES
 from eftguard.training import evaluate
 
 USER_ERRORS = (AttackError, ConfigError, DataError, ModelError, RunError, FederationError, CertificateError,
                MetricError, PretrainError)
 
-TRAIN_HELP = {
-    "dataset": f"dataset: {DATASET_HELP}",
-    "data_dir": "folder with a local copy of the dataset (cifar10/cifar100 download there where the network allows)",
-    "model": "model preset: " + "; ".join(f"{k} ({v.description})" for k, v in PRESETS.items()),
-    "pretrained": "start from timm's pretrained hub weights (needs the network or the hub cache)",
-    "checkpoint": "start from local weights (.safetensors, or a state dict .pt/.pth); timm or eftguard layout",
-    "method": "training method: " + "; ".join(f"{name} ({spec.description})" for name, spec in METHOD_SPECS.items()),
-    "mask_ratio": "fraction of patch tokens each client drops per image, in [0, 1) (masked methods only)",
-    "prompt_tokens": "fed-prompt: learned prompt tokens inserted after the cls token",
-    "lora_rank": "fed-lora: rank r of the LoRA factors on each attention projection; headprune-lora: on each "
-                 "head's part of them",
-    "head_sparsity": "headprune-lora: fraction s of each layer's attention heads a client prunes, in [0, 1); it "
-                     "trains and uploads the LoRA of the other ceil((1 - s) * heads) (at least one)",
-    "head_pruning": "headprune-lora: which heads a client keeps: importance (the largest alpha, the mean over its "
-                    "images of the largest q.k / sqrt(d_h), on the received model) or random (the ablation)",
-    "head_weighting": "headprune-lora: each head's factors averaged over the clients that kept it, weighted by their "
-                      "importance alpha_c / (sum alpha + 1e-8), or by their sample counts (samples: the ablation)",
-    "client_selection": "how --clients-per-round clients are picked: random (seeded), or loss-gap (round 1 random, "
-                        "then the clients whose last local training loss most exceeds the loss of the global model "
-                        "they received, on their data; never-seen clients first)",
-    "local_layers": "M: transformer blocks in the client's local module (1..depth-1); the rest stay on the server",
-    "clients": "number of clients (data partitions)",
-    "clients_per_round": "clients taking part in each round (0: all)",
-    "rounds": "federated rounds",
-    "local_epochs": "client epochs per round (E)",
-    "server_epochs": "server epochs on the uploaded features per round (S; 0: theta is never trained on them)",
-    "batch_size": "batch size, clients and server",
-    "lr": "client learning rate (AdamW); 0: the method's own default (docs/peft.md, learning rate per method): "
-          + ", ".join(f"{name} {spec.default_lr:g}" for name, spec in METHOD_SPECS.items()),
-    "server_lr": "server learning rate for the global module (AdamW)",
-    "warmup_rounds": "rounds of linear learning-rate warm-up (client and server: round t of W uses t/W of the rate)",
-    "lr_schedule": "after the warm-up, the client and server learning rates per round: constant, or cosine (decay "
-                   "toward 1%% of the rate, reached one round after the last: the pretrain command's schedule, per "
-                   "round)",
-    "weight_decay": "AdamW weight decay",
-    "beta": "Dirichlet concentration of the non-IID split (small: few classes per client)",
-    "balance": "per-class target T of the feature upload: median, mean, max of the class counts, or none",
-    "seed": "seed of everything random (init, split, masks, sampling)",
-    "train_samples": "use a seeded random subset of this many training images (0: all)",
-    "test_samples": "evaluate on a seeded random subset of this many test images (0: all)",
-    "federation": "runtime: simulation (Flower's simulation engine on this machine) or deployment (a running "
-                  "SuperLink with one SuperNode per partition; see --superlink)",
-    "cpus_per_client": "CPU cores reserved per simulated client (2 clients train in parallel on 2 cores)",
-    "round_timeout": "seconds to wait for client replies in a round; late clients are dropped",
-    "record_truth": "ask clients for auditor-only ground truth (source sample ids, kept patches, class counts) that "
-                    "the server stores in truth/ for scoring attacks. A deployed node sends it only if started with "
-                    "--share-truth; simulated nodes follow this option. --no-record-truth when the server is not "
-                    "your auditor: the truth reveals each client's class histogram",
-    "encrypt_at_rest": "KEYFILE: store uploads in observed/ encrypted (AES-256-GCM); a missing file gets a new "
-                       "random key (mode 0600). Attacks and reports then need the key",
-    "dp_eps": "end-to-end differential privacy: total epsilon per client over all the rounds it takes part in, "
-              "for everything it uploads (0: off): DP-SGD (Opacus) on the parameters its method trains, and (eftvit) "
-              "its patch features and labels as a Gaussian release of every image per round, clipped to "
-              "--feature-clip (docs/dp.md)",
-    "dp_delta": "delta per client (0: 1 / (10 n_k), n_k the client's sample count)",
-    "dp_feature_share": "fraction of --dp-eps for the feature channel (features, labels, row counts); the rest "
-                        "goes to DP-SGD on the parameters",
-    "max_grad_norm": "DP-SGD per-sample gradient clipping norm",
-    "accountant": "privacy accountant that calibrates the DP-SGD noise and reports epsilon: prv or rdp",
-    "feature_noise": "feature-release defense without --dp-eps (no epsilon claimed): Gaussian noise of std "
-                     "SIGMA * C added to every uploaded token feature after clipping (needs --feature-clip C; 0: "
-                     "clipping only)",
-    "feature_clip": "without --dp-eps: clip every uploaded token feature to L2 norm C (0: off); with --dp-eps: "
-                    "the norm C each image's whole feature row is clipped to (0: 20)",
-    "canaries": "M canaries for eftguard attack dp-audit, spread over the clients (seeded), each put into its "
-                "client's data with probability 1/2; the inclusion bits go to truth/ only (0: none; docs/dp.md)",
-    "canary_kind": "mislabelled (held-out images with a wrong label; every channel) or gradient (noise images for "
-                   "the parameter channel)",
-    "threat": "honest; malicious: the server sends the tampering of its model in --tamper-round; adaptive: every "
-              "round it sends each client the model closest to the tampering that the client's --model-check "
-              "accepts (simulation only, to measure the tampering attacks and the check; docs/threat-model.md)",
-    "tamper": "the malicious server's tampering: " + "; ".join(TAMPERINGS),
-    "tamper_round": "the round whose model the malicious server tampers with (0: the last; not with adaptive)",
-    "model_check": "simulated clients check every model they receive against the one they received before and "
-                   "refuse (upload nothing) a round whose model moved further than the run's local and server "
-                   "training can move it (defenses/model_check.py)",
-    "precision": "of every forward pass in training, feature extraction and evaluation: fp32, or bf16 (bfloat16 "
-                 "matrix products, float32 weights, optimizer and uploads; about 2-2.5x faster where the CPU has AMX "
-                 "tiles or AVX-512 BF16, far slower where it has neither; not with --dp-eps; docs/training.md)",
-}
-PRETRAIN_HELP = {
-    "objective": "supervised (labels of the public split), mae (reconstruct the pixels of masked patches; no labels "
-                 "needed) or both (their sum)",
-    "epochs": "passes over the public split",
-    "batch_size": "batch size",
-    "lr": "peak AdamW learning rate, reached after the warm-up, then cosine decay",
-    "weight_decay": "AdamW weight decay",
-    "warmup_epochs": "epochs of linear learning-rate warm-up",
-    "label_smoothing": "label smoothing of the supervised loss",
-    "mask_ratio": "fraction of patches the MAE objective hides",
-    "augment": "random resized crops (35-100%% of the area) and left-right flips",
-    "seed": "seed of the initialisation, batches, crops and masks",
-}
-CHOICES = {"method": METHODS, "balance": BALANCE_MODES, "federation": FEDERATIONS, "model": tuple(PRESETS),
-           "accountant": ACCOUNTANTS, "head_pruning": HEAD_PRUNING, "head_weighting": HEAD_WEIGHTING,
-           "client_selection": CLIENT_SELECTION, "lr_schedule": SCHEDULES,
-           "canary_kind": CANARY_KINDS, "threat": THREATS, "tamper": tuple(TAMPERINGS), "precision": PRECISIONS}
+def _demo_attack_steps(steps: int) -> None:
+    if steps < 0:
+        raise ConfigError(f"--attack-steps {steps}: give the decoder's steps, or 0 to skip the inversion attack")
+
+
+@dataclasses.dataclass(frozen=True)
+class DemoOptions:
+    """eftguard demo (declared once: eftguard.options)."""
+
+    out: Path | None = option(None, "folder of the demo's audit (default: runs/demo-TIME)")
+    rounds: int = option(3, "rounds per method")
+    train_samples: int = option(1500, "training images used")
+    test_samples: int = option(500, "test images used")
+    attack_steps: int = option(1000, "attack the uploaded features with the inversion decoder trained for this many "
+                                     "steps (0: skip the inversion attack)", check=_demo_attack_steps)
+    lpips_backend: str = option("auto", "LPIPS network of the audit: lpips-alex (standard, needs the AlexNet "
+                                        "weights), stlpips-alex (shift-tolerant, ships its weights, works offline) "
+                                        "or auto (the first that loads)", choices=LPIPS_BACKENDS, noun="backend")
+    precision: str = option("auto", "of the trainings and the inversion decoder: bf16 (bfloat16 matrix products, "
+                                    "float32 weights and uploads), fp32, or auto: bf16 where the CPU multiplies "
+                                    "bfloat16 in hardware (AMX tiles or AVX-512 BF16), else fp32",
+                            choices=("auto", *PRECISIONS), noun="precision")
+    shard: str | None = option(None, argparse.SUPPRESS)  # one configuration's process (eftguard.runs.demo_processes)
+
+
+@dataclasses.dataclass(frozen=True)
+class AuditOptions:
+    """eftguard audit (declared once: eftguard.options)."""
+
+    audit_file: Path = option(dataclasses.MISSING, "the audit file (see experiments/*.toml)", metavar="AUDIT.toml",
+                              positional=True)
+    out: Path | None = option(None, "folder of the audit's runs, reports and summary (default: audits/<file name>)")
+    gate: tuple[str, ...] = option((), "privacy gate, e.g. 'invert.psnr_kept < 18' (FAMILY-or-ATTACK.FIGURE OP "
+                                       "NUMBER, OP one of < <= > >=): exit 1 naming each configuration and figure "
+                                       "where it does not hold; repeat for several", metavar="EXPR",
+                                   repeated=True)
+    shard: str | None = option(None, "train and attack only configurations I, I+N, I+2N, ... of the sorted ids "
+                                     "(1 <= I <= N), to spread an audit over N machines; a later run without --shard "
+                                     "over the same --out merges their results and runs what is missing",
+                               metavar="I/N")
+    key: Path | None = option(None, "at-rest key for the attacks (default: the [train] encrypt_at_rest key file)",
+                              metavar="KEYFILE")
 
 
 def _add_train_options(parser: argparse.ArgumentParser) -> None:
-    defaults = TrainConfig()
     group = parser.add_argument_group("training options (also keys of --config FILE.toml and config.toml)")
-    for field in dataclasses.fields(TrainConfig):
-        flag = "--" + field.name.replace("_", "-")
-        help_text = f"{TRAIN_HELP[field.name]} (default: {getattr(defaults, field.name)!r})"
-        if field.type == "bool":
-            group.add_argument(flag, dest=field.name, action=argparse.BooleanOptionalAction, default=None, help=help_text)
-        else:
-            kind = {"str": str, "int": int, "float": float}[field.type]
-            group.add_argument(flag, dest=field.name, type=kind, default=None, choices=CHOICES.get(field.name),
-                               help=help_text, metavar=None if field.name in CHOICES else field.name.upper())
+    add_arguments(group, TrainConfig)
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -188,12 +121,7 @@ def build_parser() -> argparse.ArgumentParser:
     certs = sub.add_parser("certs", help="create a CA and a SuperLink certificate for TLS deployments",
                            description="Writes ca.crt, ca.key, server.pem and server.key (EC P-256; keys mode 0600). "
                                        "Give ca.crt to every SuperNode; keep ca.key offline.")
-    certs.add_argument("--out", type=Path, required=True, help="folder for the certificate files")
-    certs.add_argument("--san", action="append", metavar="HOST_OR_IP",
-                       help="IP address or DNS host name SuperNodes use to reach the SuperLink; repeat for several "
-                            "(default: 127.0.0.1, localhost, ::1). 127.0.0.1 is always added: eftguard train and "
-                            "register-node reach the Control API there")
-    certs.add_argument("--force", action="store_true", help="replace existing certificate files")
+    add_arguments(certs, deployment.CertsOptions, defaults=True)
 
     superlink = sub.add_parser("superlink", help="start a Flower SuperLink with TLS (for --federation deployment)",
                                description="Runs flower-superlink with the certificates from eftguard certs. Only "
@@ -201,77 +129,22 @@ def build_parser() -> argparse.ArgumentParser:
                                            "Control API, which has no account authentication, stays on "
                                            "--control-host (loopback): run eftguard train and register-node on this "
                                            "host with --superlink 127.0.0.1:CONTROL_PORT.")
-    superlink.add_argument("--certs", type=Path, help="folder written by eftguard certs")
-    superlink.add_argument("--insecure", action="store_true", help="plaintext instead of TLS (trusted networks only)")
-    superlink.add_argument("--host", default="127.0.0.1", help="address the Fleet API listens on (default: 127.0.0.1; "
-                                                                "0.0.0.0 for SuperNodes on other hosts)")
-    superlink.add_argument("--port", type=int, default=9092, help="Fleet API port (default: 9092; 0: any free port, "
-                                                                  "printed at start)")
-    superlink.add_argument("--control-host", default="127.0.0.1",
-                           help="address of the Control API (eftguard train, register-node, flwr ls). Anyone who "
-                                "reaches it can register node keys and start runs: keep the default 127.0.0.1")
-    superlink.add_argument("--control-port", type=int, default=9093, help="Control API port (default: 9093)")
-    superlink.add_argument("--node-auth", action="store_true",
-                           help="accept only SuperNodes whose key was registered with eftguard register-node")
+    add_arguments(superlink, deployment.SuperLinkOptions, defaults=True)
 
     node_key = sub.add_parser("node-key", help="create a SuperNode authentication key pair",
                               description="Writes KEY (private, mode 0600, for eftguard supernode --auth-key) and "
                                           "KEY.pub (for eftguard register-node).")
-    node_key.add_argument("--out", type=Path, required=True, metavar="KEY", help="path of the private key")
-    node_key.add_argument("--force", action="store_true", help="replace an existing key")
+    add_arguments(node_key, deployment.NodeKeyOptions, defaults=True)
 
     register = sub.add_parser("register-node", help="allow a SuperNode's public key on a SuperLink with --node-auth",
                               description="Run on the SuperLink's host: registration goes through the Control API, "
                                           "which listens on loopback only.")
-    register.add_argument("public_key", type=Path, metavar="KEY.pub")
-    register.add_argument("--superlink", default="127.0.0.1:9093", metavar="HOST:PORT",
-                          help="the SuperLink's Control address (default: 127.0.0.1:9093)")
-    register.add_argument("--root-certificates", type=Path, metavar="CA.crt", help="CA that signed the SuperLink's certificate")
-    register.add_argument("--insecure", action="store_true", help="plaintext instead of TLS (trusted networks only)")
+    add_arguments(register, deployment.RegisterNodeOptions, defaults=True)
 
     supernode = sub.add_parser("supernode", help="start a Flower SuperNode serving one data partition",
                                description="Runs flower-supernode for partition K of N; stops at once with a clear "
                                            "error when TLS verification of the SuperLink fails.")
-    supernode.add_argument("--superlink", required=True, metavar="HOST:PORT",
-                           help="the SuperLink's Fleet address (eftguard superlink --host/--port)")
-    supernode.add_argument("--root-certificates", type=Path, metavar="CA.crt", help="CA that signed the SuperLink's certificate")
-    supernode.add_argument("--insecure", action="store_true", help="plaintext instead of TLS (trusted networks only)")
-    supernode.add_argument("--partition", type=int, required=True, help="data partition this node serves (0..N-1)")
-    supernode.add_argument("--clients", type=int, required=True, help="N: partitions in the federation (--clients of the run)")
-    supernode.add_argument("--port", type=int, default=None, help="local port of this SuperNode, on 127.0.0.1; each "
-                                                                  "SuperNode on one host needs its own "
-                                                                  "(default: 9100 + partition)")
-    supernode.add_argument("--auth-key", type=Path, metavar="KEY", help="private key from eftguard node-key "
-                                                                        "(for a SuperLink with --node-auth)")
-    supernode.add_argument("--noise-secret", type=int, metavar="N",
-                           help="an integer only this node knows, mixed into the seeds of its DP noise, batches and "
-                                "masks, so the server (which knows the run seed) cannot regenerate them")
-    supernode.add_argument("--share-truth", action="store_true",
-                           help="send the server auditor-only ground truth (source sample ids, kept patches, class "
-                                "counts) when a run asks for it (--record-truth). It reveals this node's class "
-                                "histogram: only for a server that is your own auditor (default: off)")
-    supernode.add_argument("--ledger-dir", type=Path, metavar="DIR",
-                           help="folder of this node's privacy ledger: the epsilon it has spent per run, which it "
-                                "checks before every round whatever the server says (default: $EFTGUARD_HOME/ledger, "
-                                "EFTGUARD_HOME defaulting to ~/.eftguard)")
-    supernode.add_argument("--model-check", action=argparse.BooleanOptionalAction, default=True,
-                           help="check every model and the settings the server sends and refuse (upload nothing "
-                                "for) a round whose model honest training cannot have produced from the run's "
-                                "initial model and the last model this node accepted (a malicious server's crafted "
-                                "weights), or whose settings changed mid-run (default: on)")
-    supernode.add_argument("--initial-model", type=Path, metavar="CKPT",
-                           help="this node's copy of the checkpoint the run starts from (--checkpoint of eftguard "
-                                "train): the model check rebuilds the run's initial model from it. Without it the "
-                                "node rebuilds the seeded initialisation of the run's configuration, so a run from "
-                                "a checkpoint is refused in round 1")
-    supernode.add_argument("--trust-first-model", action="store_true",
-                           help="anchor the model check on the first model the server sends instead of rebuilding "
-                                "the initial model (trust on first use: a crafted first model that passes the "
-                                "structural checks is then accepted)")
-    supernode.add_argument("--max-epsilon", type=float, metavar="E",
-                           help="this node's own privacy ceiling per run: it refuses any round that would take its "
-                                "spend above E (or above the first --dp-eps the server declared, if lower); "
-                                "default: the server's first --dp-eps")
+    add_arguments(supernode, deployment.SuperNodeOptions, defaults=True)
 
     demo = sub.add_parser("demo", parents=[logs], help="a small EFTViT vs Fed-Full training on the bundled photos",
                           description="An audit of both methods on the bundled photos dataset with the same small "
@@ -280,41 +153,14 @@ def build_parser() -> argparse.ArgumentParser:
                                       "closed-form gradient attack on a FedSGD probe of the parameter updates) and "
                                       "writes the audit's summary.json and report. Rerun with "
                                       "the same --out to continue an interrupted demo.")
-    demo.add_argument("--out", type=Path, default=None, help="folder of the demo's audit (default: runs/demo-TIME)")
-    demo.add_argument("--rounds", type=int, default=3, help="rounds per method (default: 3)")
-    demo.add_argument("--train-samples", type=int, default=1500, help="training images used (default: 1500)")
-    demo.add_argument("--test-samples", type=int, default=500, help="test images used (default: 500)")
-    demo.add_argument("--attack-steps", type=int, default=1000,
-                      help="attack the uploaded features with the inversion decoder trained for this many steps "
-                           "(0: skip the inversion attack) (default: 1000)")
-    demo.add_argument("--lpips-backend", choices=LPIPS_BACKENDS, default="auto",
-                      help="LPIPS network of the audit: lpips-alex (standard, needs the AlexNet weights), "
-                           "stlpips-alex (shift-tolerant, ships its weights, works offline) or auto (the first "
-                           "that loads) (default: auto)")
-    demo.add_argument("--precision", choices=("auto", *PRECISIONS), default="auto",
-                      help="of the trainings and the inversion decoder: bf16 (bfloat16 matrix products, float32 "
-                           "weights and uploads), fp32, or auto: bf16 where the CPU multiplies bfloat16 in hardware "
-                           "(AMX tiles or AVX-512 BF16), else fp32 (default: auto)")
-    demo.add_argument("--shard", default=None, help=argparse.SUPPRESS)  # one configuration's process (demo_processes)
+    add_arguments(demo, DemoOptions, defaults=True)
 
     audit = sub.add_parser("audit", parents=[logs], help="train a grid of configurations, attack every run, compare",
                            description="Trains every configuration of AUDIT.toml (reusing finished runs of the same "
                                        "configuration and code), runs every attack of the file on each run and "
                                        "writes OUT/summary.json, report.html and report.md. Interrupted, it "
                                        "continues where it stopped when run again. Format: docs/audit.md.")
-    audit.add_argument("audit_file", type=Path, metavar="AUDIT.toml", help="the audit file (see experiments/*.toml)")
-    audit.add_argument("--out", type=Path, default=None,
-                       help="folder of the audit's runs, reports and summary (default: audits/<file name>)")
-    audit.add_argument("--gate", action="append", default=[], metavar="EXPR",
-                       help="privacy gate, e.g. 'invert.psnr_kept < 18' (FAMILY-or-ATTACK.FIGURE OP NUMBER, OP one "
-                            "of < <= > >=): exit 1 naming each configuration and figure where it does not hold; "
-                            "repeat for several")
-    audit.add_argument("--shard", metavar="I/N",
-                       help="train and attack only configurations I, I+N, I+2N, ... of the sorted ids (1 <= I <= N), "
-                            "to spread an audit over N machines; a later run without --shard over the same --out "
-                            "merges their results and runs what is missing")
-    audit.add_argument("--key", type=Path, metavar="KEYFILE",
-                       help="at-rest key for the attacks (default: the [train] encrypt_at_rest key file)")
+    add_arguments(audit, AuditOptions, defaults=True)
 
     add_pretrain_parser(sub)
 
@@ -323,19 +169,7 @@ def build_parser() -> argparse.ArgumentParser:
                                        "ratios) interleaved in one process, counts their FLOPs, memory and upload, "
                                        "DP-SGD's overhead, server feature training and the attacks; prints tables, "
                                        "saves JSON.")
-    bench.add_argument("--methods", nargs="+", choices=METHODS, metavar="METHOD",
-                       help=f"methods to compare, fedavg included (default: all: {', '.join(METHODS)})")
-    bench.add_argument("--model", choices=tuple(PRESETS), help="model preset (default: vit-tiny-32)")
-    bench.add_argument("--mask-ratios", nargs="+", type=float, metavar="R",
-                       help="mask ratios of the masking methods (default: 0 0.5 0.75 0.9)")
-    bench.add_argument("--steps", type=int, help="timed steps per configuration (default: 10)")
-    bench.add_argument("--warmup", type=int, help="discarded steps before each timed one (default: 1)")
-    bench.add_argument("--batch-size", type=int, help="client batch size (default: 64)")
-    bench.add_argument("--attack-steps", type=int,
-                       help="timed decoder steps and Inverting-Gradients iterations (default: 10)")
-    bench.add_argument("--precision", choices=PRECISIONS,
-                       help="of the client and server steps and the decoder: fp32, or bf16 (bfloat16 matrix "
-                            "products; no DP-SGD rows: DP-SGD runs in fp32) (default: fp32)")
+    add_arguments(bench, BenchConfig)
     bench.add_argument("--out", type=Path, default=None, help="write the results as JSON to this file")
 
     add_attack_parser(sub)
@@ -351,32 +185,19 @@ def add_pretrain_parser(sub) -> None:
                                           "resized crops and label smoothing, and optionally MAE-style masked-patch "
                                           "reconstruction. Writes the weights (timm layout, safetensors) for "
                                           "eftguard train --checkpoint; any --local-layers fits them.")
-    pretrain.add_argument("--dataset", default="photos", help=f"{TRAIN_HELP['dataset']} (default: 'photos')")
-    pretrain.add_argument("--data-dir", default=None, help=TRAIN_HELP["data_dir"])
-    pretrain.add_argument("--model", default="vit-tiny-32", choices=tuple(PRESETS),
-                          help=TRAIN_HELP["model"] + " (default: 'vit-tiny-32')")
+    train_options = {o.name: o for o in options_of(TrainConfig)}
+    for name in ("dataset", "data_dir", "model"):  # the dataset and model, as eftguard train names them
+        add_argument(pretrain, train_options[name], default=train_options[name].default)
     pretrain.add_argument("--out", type=Path, required=True, metavar="CKPT.safetensors",
                           help="checkpoint to write; until then, CKPT.safetensors.resume keeps the state after each "
                                "finished epoch, and the same command continues from it")
     pretrain.add_argument("--force", action="store_true", help="replace an existing --out file")
-    defaults = PretrainConfig()
-    for field in dataclasses.fields(PretrainConfig):
-        flag, default = "--" + field.name.replace("_", "-"), getattr(defaults, field.name)
-        help_text = f"{PRETRAIN_HELP[field.name]} (default: {default!r})"
-        if field.type == "bool":
-            pretrain.add_argument(flag, action=argparse.BooleanOptionalAction, default=default, help=help_text)
-        else:
-            pretrain.add_argument(flag, type={"str": str, "int": int, "float": float}[field.type], default=default,
-                                  choices=OBJECTIVES if field.name == "objective" else None, help=help_text)
+    add_arguments(pretrain, PretrainConfig)
 
 
 def config_from_args(args: argparse.Namespace) -> TrainConfig:
     values = dataclasses.asdict(TrainConfig.from_toml_file(args.config)) if args.config else {}
-    for field in dataclasses.fields(TrainConfig):
-        given = getattr(args, field.name)
-        if given is not None:
-            values[field.name] = given
-    return TrainConfig.from_mapping(values, "options").resolved()
+    return TrainConfig.from_mapping({**values, **given_values(args, TrainConfig)}, "options").resolved()
 
 
 def check_train_flags(args: argparse.Namespace, cfg: TrainConfig) -> None:
@@ -392,7 +213,7 @@ def cmd_train(args: argparse.Namespace) -> None:
     if args.resume:
         run = RunDirectory.open(args.resume)
         cfg = run.config()
-        given = [f.name for f in dataclasses.fields(TrainConfig) if getattr(args, f.name) is not None and f.name != "rounds"]
+        given = [name for name in given_values(args, TrainConfig) if name != "rounds"]
         if given or args.config:
             raise ConfigError(f"--resume continues {args.resume} with its own config.toml; drop "
                               + ", ".join("--" + g.replace("_", "-") for g in given or ["config"]))
@@ -451,9 +272,7 @@ def demo_audit(args: argparse.Namespace):
     # Flower (0.4 s), through eftguard.runs: loaded by the commands that train
     from eftguard.audit.grid import parse_audit
 
-    if args.attack_steps < 0:
-        raise ConfigError(f"--attack-steps {args.attack_steps}: give the decoder's steps, "
-                          "or 0 to skip the inversion attack")
+    check_values(DemoOptions(**{o.name: getattr(args, o.name) for o in options_of(DemoOptions)}))
     precision = resolve_precision(args.precision)
     attacks = [{"family": "labels"}, {"family": "labels", "method": "bias-corrected"},
                {"family": "gradient", "method": "analytic", "observe": "probe", "name": "gradient-probe",
@@ -531,7 +350,7 @@ def _mean_epoch_cpu_seconds(records: list[dict]) -> float:
 
 
 def cmd_pretrain(args: argparse.Namespace) -> None:
-    cfg = PretrainConfig(**{f.name: getattr(args, f.name) for f in dataclasses.fields(PretrainConfig)})
+    cfg = PretrainConfig(**given_values(args, PretrainConfig))
     cfg.check()
     check_out_path(args.out, args.force)
     dataset = load_dataset(args.dataset, args.data_dir, PRESETS[args.model].image_size)
@@ -572,7 +391,7 @@ def cmd_audit(args: argparse.Namespace) -> None:
     # Flower (0.4 s), through eftguard.runs: loaded by the commands that train
     from eftguard.audit.grid import parse_shard, print_summary, read_audit, run_audit
 
-    gates = [parse_gate(text) for text in args.gate]
+    gates = [parse_gate(text) for text in args.gate or ()]
     shard = parse_shard(args.shard) if args.shard is not None else None
     if args.key is not None and not args.key.is_file():
         raise ConfigError(f"--key {args.key} is not a file: give the key file the runs were encrypted with")
@@ -595,11 +414,10 @@ def exit_on_problems(summary: dict) -> None:
         raise SystemExit(1)
 
 def cmd_bench(args: argparse.Namespace) -> None:
-    from eftguard.bench import BenchConfig, print_tables, run_bench  # torch's FLOP counter (0.15 s): bench alone
+    from eftguard.bench import print_tables, run_bench  # torch's FLOP counter (0.15 s): bench alone
 
-    given = {f.name: getattr(args, f.name, None) for f in dataclasses.fields(BenchConfig)}  # None: the default
     cfg = BenchConfig(**{name: tuple(value) if isinstance(value, list) else value
-                         for name, value in given.items() if value is not None})
+                         for name, value in given_values(args, BenchConfig).items()})
     cfg.validate()
     problem = None if args.out is None else output_file_problem(args.out, "the bench's JSON")
     if problem:
@@ -653,7 +471,11 @@ def cmd_register_node(args: argparse.Namespace) -> None:
 def main(argv: list[str] | None = None) -> None:
     os.environ.setdefault("FLWR_TELEMETRY_ENABLED", "0")
     os.environ.setdefault("FLWR_DISABLE_UPDATE_CHECK", "1")
-    args = build_parser().parse_args(argv)
+    args, extra = build_parser().parse_known_args(argv)
+    if extra:  # one line, as every bad input (a second RUN, a misspelt flag): not argparse's usage block
+        print(f"eftguard: error: unrecognized arguments: {' '.join(extra)} (see eftguard {args.command} --help)",
+              file=sys.stderr)
+        raise SystemExit(2)
     try:
         commands = {"train": cmd_train, "demo": cmd_demo, "certs": cmd_certs, "superlink": cmd_superlink,
                     "supernode": cmd_supernode, "node-key": cmd_node_key, "register-node": cmd_register_node,

@@ -1,13 +1,14 @@
 """headprune-lora (Venkatesha, Kundu & Panda, arXiv 2506.00743): head importance, which heads a client keeps, the
-client's pruned training and upload, importance-weighted aggregation per head, loss-gap client selection. The
-client (eftguard.federation.client) and server (eftguard.federation.server) call these; each is a function of
-tensors so that the wiring only moves data. The model's per-head LoRA is eftguard.peft.HeadPrunedAttention."""
+client's pruned training and upload, importance-weighted aggregation per head, loss-gap client selection. Its
+spec in eftguard.methods carries PRUNED_HEADS, every other method's ALL_HEADS: the client, the server, the bench
+and the audit call these hooks and never ask which method runs. Each step is a function of tensors so that the
+wiring only moves data. The model's per-head LoRA is eftguard.peft.HeadPrunedAttention."""
 
 from __future__ import annotations
 
 import contextlib
 import math
-from typing import Iterator
+from typing import Callable, Iterator
 
 import numpy as np
 import torch
@@ -158,3 +159,103 @@ def pruned_average(updates: list[dict[str, np.ndarray]], num_examples: list[int]
         merged = importance_weighted_average(stacked[:, None], head_weights, keepers, start[None])[0]
         averaged[name] = merged.to(current[name].dtype).numpy()
     return averaged
+
+
+# --- the method's hooks: what its spec (eftguard.methods) gives the client, the server, the bench and the audit ---
+
+class AllHeads:
+    """The head hooks of a method whose clients keep every head (all but headprune-lora): each leaves the model,
+    the update and the average as they are, so no caller asks which method it runs."""
+
+    records: tuple[str, ...] = ()  # the records a client's reply carries besides its update (and features)
+    private_upload = ""  # what its clients upload that no DP mechanism covers ("" none)
+
+    def choose(self, model: EFTViT, images: torch.Tensor, pruning: str, sparsity: float,
+               random_generator: Callable[[], torch.Generator]) -> tuple[torch.Tensor | None, dict | None]:
+        """The heads a client keeps this round and the record it uploads about them (None, None: every head)."""
+        return None, None
+
+    def training(self, model: EFTViT, kept: torch.Tensor | None) -> contextlib.AbstractContextManager:
+        """The client's local training runs inside it."""
+        return contextlib.nullcontext()
+
+    def kept_update(self, update: dict, model: EFTViT, kept: torch.Tensor | None = None) -> dict:
+        """What of a trained state a client uploads (kept None: the heads the model computes now)."""
+        return update
+
+    def record_bytes(self, model: EFTViT) -> int:
+        """Bytes of the head record a client uploads besides its update (the bench's upload count)."""
+        return 0
+
+    def upload_layout(self, model: EFTViT, sparsity: float) -> tuple[HeadIndex | None, tuple[int, int, int] | None]:
+        """What the server validates a reply's heads against: every per-head parameter's (layer, head), and
+        (layers, heads per layer, heads a client keeps); None, None for a method without head records."""
+        return None, None
+
+    def average(self, updates: list[dict[str, np.ndarray]], counts: list[int], records: list[dict | None],
+                weighting: str, current: dict[str, torch.Tensor], heads: tuple[int, int, int] | None,
+                index: HeadIndex | None) -> dict[str, np.ndarray]:
+        """The round's aggregate of the accepted updates: FedAvg by sample count."""
+        return fedavg(updates, counts)
+
+    def keep_as_client(self, model: EFTViT, names: list[str], record: Callable[[], dict]) -> list[str]:
+        """The model restricted to the heads a client kept (record(): its uploaded head record) and the trained
+        parameter names it uploaded: for an attack that replays the client's step."""
+        return names
+
+    def keep_for_bench(self, model: EFTViT, images: torch.Tensor, sparsity: float) -> None:
+        """A bench model computes only the heads a client would keep on this batch."""
+
+
+class PrunedHeads(AllHeads):
+    """headprune-lora's hooks: each client keeps its most important heads, trains and uploads only their LoRA
+    factors with the importance of every head and the kept ids; the server averages each head over the clients
+    that kept it, weighted by importance (or by sample counts)."""
+
+    records = ("heads",)
+    private_upload = "head importances computed from this node's data"
+
+    def choose(self, model, images, pruning, sparsity, random_generator):
+        """The importance of every head on the received global model, before local training (it decides what to
+        train; negative alpha, no positive q.k anywhere, counts as 0), and the kept head ids. pruning "random"
+        keeps seeded random heads, and still reports the importance for the server's weighting."""
+        importance = model_head_importance(model, model.normalize(images)).clamp(min=0.0)
+        scores = torch.rand(importance.shape, generator=random_generator()) if pruning == "random" else importance
+        kept = kept_heads(scores, sparsity)
+        kept_ids = torch.stack([row.nonzero().flatten() for row in kept])
+        return kept, {"importance": importance.numpy(), "kept": kept_ids.numpy().astype(np.int64)}
+
+    def training(self, model, kept):
+        return pruned(model, kept)
+
+    def kept_update(self, update, model, kept=None):
+        return kept_upload(update, kept_now(model) if kept is None else kept, head_index(model))
+
+    def record_bytes(self, model):
+        kept = kept_now(model)  # float32 importance of every head, int64 ids of the kept ones
+        return kept.numel() * 4 + int(kept.sum()) * 8
+
+    def upload_layout(self, model, sparsity):
+        layers = attentions(model)
+        return head_index(model), (len(layers), layers[0].num_heads, kept_count(layers[0].num_heads, sparsity))
+
+    def average(self, updates, counts, records, weighting, current, heads, index):
+        """Per head over the clients that kept it, weighted by their importance (weighting "samples": by their
+        sample counts); FedAvg for the rest."""
+        kept = [kept_mask(record["kept"], heads[1]) for record in records]
+        weights = [torch.from_numpy(record["importance"]) if weighting == "importance"
+                   else torch.full(mask.shape, float(count)) for record, mask, count in zip(records, kept, counts)]
+        return pruned_average(updates, counts, weights, kept, current, index)
+
+    def keep_as_client(self, model, names, record):
+        kept = kept_mask(record()["kept"], attentions(model)[0].num_heads)
+        keep_only(model, kept)
+        index = head_index(model)
+        return [name for name in names if name not in index or bool(kept[index[name]])]
+
+    def keep_for_bench(self, model, images, sparsity):
+        keep_only(model, kept_heads(model_head_importance(model, model.normalize(images)), sparsity))
+
+
+ALL_HEADS = AllHeads()
+PRUNED_HEADS = PrunedHeads()

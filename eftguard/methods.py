@@ -1,5 +1,6 @@
 """The training methods as data: one table says what each method trains, masks, uploads and protects, and every
-caller branches on these fields, never on a method's name, so that a new method is one more row here."""
+caller branches on these fields or calls its hooks (the model's adapter, the heads' hooks), never on a method's
+name, so that a new method is one more row here."""
 
 from __future__ import annotations
 
@@ -10,6 +11,7 @@ from typing import Callable, Protocol
 from torch import Tensor, nn
 
 from eftguard import peft
+from eftguard.headprune import ALL_HEADS, PRUNED_HEADS, AllHeads
 from eftguard.errors import ConfigError
 from eftguard.model import EFTViT
 
@@ -53,8 +55,8 @@ class MethodSpec:
     trains_suffixes: tuple[str, ...] = ()  # trained and uploaded too: parameter names ending so (BitFit's ".bias")
     adapt: Callable[[EFTViT, AdapterOptions], None] | None = None  # adds the method's parameters to a built model
     no_dp_reason: str = ""  # dp_sgd False: why, for the refusal of --dp-eps
-    prunes_heads: bool = False  # clients keep their most important heads, upload only those (+ importances); the
-    # server averages each head's factors over the clients that kept it, weighted by importance (eftguard.headprune)
+    heads: AllHeads = ALL_HEADS  # hooks of the clients' heads: PRUNED_HEADS keeps each client's most important
+    # heads, uploads only those (+ importances), and averages each head over its keepers (eftguard.headprune)
     default_lr: float = 1e-3  # the client lr where --lr is not given (from a pretrained checkpoint: docs/peft.md)
 
     def __post_init__(self):
@@ -116,7 +118,7 @@ METHODS: dict[str, MethodSpec] = {spec.name: spec for spec in (
                                  "uploads the LoRA of its most important heads (--head-sparsity), averaged per head "
                                  "weighted by importance",
                trains=("head.",), trains_suffixes=HEAD_LORA_SUFFIXES, masked=False, uploads_features=False,
-               dp_sgd=False, server_trains=False, adapt=head_lora_hook, prunes_heads=True,
+               dp_sgd=False, server_trains=False, adapt=head_lora_hook, heads=PRUNED_HEADS,
                no_dp_reason="its clients upload head importances and kept heads computed from their data outside "
                             "DP-SGD"),
 )}

@@ -22,11 +22,11 @@ import torch
 from torch import nn
 from torch.nn import functional as F
 
-from eftguard.config import SEED_LIMIT
 from eftguard.data import ImageSet
 from eftguard.errors import ConfigError
 from eftguard.masking import random_keep_ids
 from eftguard.model import PRESETS, EFTViT, to_timm_state
+from eftguard.options import SEED, Bound, at_least, check_values, option
 from eftguard.paths import atomic_write, input_file_problem, output_file_problem
 from eftguard.schedule import lr_factor
 
@@ -43,38 +43,29 @@ class PretrainError(ValueError):
 class PretrainConfig:
     """Defaults measured on photos (docs/training.md, "Pretrained start"): supervised beat both after 3 epochs."""
 
-    objective: str = "supervised"
-    epochs: int = 3
-    batch_size: int = 64
-    lr: float = 1e-3
-    weight_decay: float = 0.05
-    warmup_epochs: int = 1
-    label_smoothing: float = 0.1
-    mask_ratio: float = 0.75
-    augment: bool = True
-    seed: int = 0
+    objective: str = option("supervised", "supervised (labels of the public split), mae (reconstruct the pixels of "
+                                          "masked patches; no labels needed) or both (their sum)", choices=OBJECTIVES,
+                            noun="objective")
+    epochs: int = option(3, "passes over the public split", bound=Bound(lambda value: value >= 1, "at least 1"))
+    batch_size: int = option(64, "batch size", bound=Bound(lambda value: value >= 1, "at least 1"))
+    lr: float = option(1e-3, "peak AdamW learning rate, reached after the warm-up, then cosine decay",
+                       bound=Bound(lambda value: value > 0, "a positive number"))
+    weight_decay: float = option(0.05, "AdamW weight decay", bound=at_least(0))
+    warmup_epochs: int = option(1, "epochs of linear learning-rate warm-up")
+    label_smoothing: float = option(0.1, "label smoothing of the supervised loss",
+                                    bound=Bound(lambda value: 0 <= value < 1, "in [0, 1)"))
+    mask_ratio: float = option(0.75, "fraction of patches the MAE objective hides",
+                               bound=Bound(lambda value: 0 < value < 1, "in (0, 1) (fraction of patches the MAE "
+                                                                         "objective hides)"))
+    augment: bool = option(True, "random resized crops (35-100% of the area) and left-right flips")
+    seed: int = option(0, "seed of the initialisation, batches, crops and masks", bound=SEED)
 
     def check(self) -> None:
-        """One ConfigError naming the first bad option."""
-        if self.objective not in OBJECTIVES:
-            raise ConfigError(f"--objective must be one of {', '.join(OBJECTIVES)}, got '{self.objective}'")
-        for name in ("epochs", "batch_size"):
-            if getattr(self, name) < 1:
-                raise ConfigError(f"--{name.replace('_', '-')} must be at least 1, got {getattr(self, name)}")
-        if not (self.lr > 0 and math.isfinite(self.lr)):
-            raise ConfigError(f"--lr must be a positive number, got {self.lr}")
-        if not (self.weight_decay >= 0 and math.isfinite(self.weight_decay)):
-            raise ConfigError(f"--weight-decay must be >= 0, got {self.weight_decay}")
+        """One ConfigError naming the first bad option: its declaration, then the warm-up within the epochs."""
+        check_values(self)
         if not 0 <= self.warmup_epochs < self.epochs:
             raise ConfigError(f"--warmup-epochs must be in [0, --epochs) = [0, {self.epochs}), "
                               f"got {self.warmup_epochs}")
-        if not 0 <= self.label_smoothing < 1:
-            raise ConfigError(f"--label-smoothing must be in [0, 1), got {self.label_smoothing}")
-        if not 0 < self.mask_ratio < 1:
-            raise ConfigError(f"--mask-ratio must be in (0, 1) (fraction of patches the MAE objective hides), "
-                              f"got {self.mask_ratio}")
-        if not 0 <= self.seed <= SEED_LIMIT:
-            raise ConfigError(f"--seed must be a whole number in 0..{SEED_LIMIT}, got {self.seed}")
 
     @property
     def uses_labels(self) -> bool:

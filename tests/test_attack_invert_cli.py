@@ -15,7 +15,7 @@ FAST = ["--steps", "3", "--max-images", "6", "--lpips-backend", "stlpips-alex"]
 
 def test_invert_writes_the_report_and_the_run_report_gathers_it(feature_run, tmp_path, capsys):
     out = tmp_path / "reports"
-    main(["attack", "invert", "--features", str(feature_run), "--out", str(out), *FAST])
+    main(["attack", "invert", str(feature_run), "--out", str(out), *FAST])
     report = json.loads((out / "invert-decoder" / "report.json").read_text())
     assert report["attack"] == "invert-decoder" and report["round"] == 1
     assert report["capabilities"]["positions_known"] is True
@@ -27,7 +27,7 @@ def test_invert_writes_the_report_and_the_run_report_gathers_it(feature_run, tmp
     assert "stlpips-alex" in (out / "invert-decoder" / "report.md").read_text()
     assert "invert-decoder" in capsys.readouterr().out  # the summary table
 
-    main(["attack", "invert", "--features", str(feature_run), "--out", str(out), "--method", "optimize",
+    main(["attack", "invert", str(feature_run), "--out", str(out), "--method", "optimize",
           "--positions", "unknown", "--restarts", "1", *FAST])
     optimized = json.loads((out / "invert-optimize" / "report.json").read_text())
     assert optimized["capabilities"]["positions_known"] is False
@@ -80,10 +80,10 @@ def test_encrypted_runs_need_their_key(tmp_path, capsys, micro_preset):
     key = tmp_path / "key"
     create_key(key)
     run = train_in_process(tmp_path / "run", model=MICRO_PRESET, encrypt_at_rest=str(key), train_samples=80)
-    for argv in (["attack", "invert", "--features", run, *FAST], ["report", run]):
+    for argv in (["attack", "invert", run, *FAST], ["report", run]):
         code, err = run_cli(capsys, *argv)
         assert code == 2 and "pass --key KEYFILE" in err
-    main(["attack", "invert", "--features", str(run), "--key", str(key), *FAST])
+    main(["attack", "invert", str(run), "--key", str(key), *FAST])
     main(["report", str(run), "--key", str(key)])
     assert (run / "reports" / "report.html").exists()
 
@@ -97,5 +97,5 @@ def test_fedavg_runs_have_no_features_to_invert(tmp_path, capsys, micro_preset, 
 
     run = train_in_process(tmp_path / "fedavg", model=MICRO_PRESET, method="fedavg", train_samples=80)
     monkeypatch.setattr(metrics, "load_lpips", no_lpips)
-    code, err = run_cli(capsys, "attack", "invert", "--features", run, *FAST)
+    code, err = run_cli(capsys, "attack", "invert", run, *FAST)
     assert code == 2 and "uploads no patch features" in err

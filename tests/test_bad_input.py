@@ -18,9 +18,9 @@ from eftguard.cli import main
 from eftguard.rundir import RunDirectory
 
 LPIPS = ["--lpips-backend", "stlpips-alex"]
-INVERT = ["attack", "invert", "--features", "{run}", "--steps", "2", "--max-images", "2", *LPIPS]
-LABELS = ["attack", "labels", "--run", "{run}", "--method", "presence"]
-GRADIENT = ["attack", "gradient", "--run", "{run}", *LPIPS]
+INVERT = ["attack", "invert", "{run}", "--steps", "2", "--max-images", "2", *LPIPS]
+LABELS = ["attack", "labels", "{run}", "--method", "presence"]
+GRADIENT = ["attack", "gradient", "{run}", *LPIPS]
 REPORT = ["report", "{run}"]
 
 BAD_OPTIONS = [
@@ -53,8 +53,8 @@ BAD_OPTIONS = [
     (INVERT + ["--key", "{tmp}/missing/dir/key"], "key file {tmp}/missing/dir/key does not exist"),
     (INVERT + ["--key", "{tmp}"], "key file {tmp} is a folder: give --key the run's at-rest key file"),
     (INVERT + ["--key", "{key}"], "is not encrypted at rest: drop the key"),
-    (["attack", "invert", "--features", "{file}"], "{file} is a file, not a run directory"),
-    (["attack", "invert", "--features", "{tmp}/nothing"], "is not a run directory (it does not exist)"),
+    (["attack", "invert", "{file}"], "{file} is a file, not a run directory"),
+    (["attack", "invert", "{tmp}/nothing"], "is not a run directory (it does not exist)"),
     # labels
     (LABELS + ["--link-ratio", "nan"], "argument --link-ratio: must be a finite number > 0, got 'nan'"),
     (LABELS + ["--link-ratio", "inf"], "argument --link-ratio: must be a finite number > 0, got 'inf'"),
@@ -67,11 +67,10 @@ BAD_OPTIONS = [
     (LABELS + ["--clients", ","], "--clients must be 'all' or comma-separated partition ids"),
     (LABELS + ["--out", "{file}"], "exists and is not a folder: pass --out with a folder"),
     (LABELS + ["--key", "{tmp}/missing.key"], "key file {tmp}/missing.key does not exist"),
-    (["attack", "labels", "--run", ""], "argument --features/--run: must be a path, got an empty string"),
     (["attack", "labels", ""], "argument RUN: must be a path, got an empty string"),
-    (["attack", "labels", "--method", "presence"], "the run to attack is not given"),
-    (LABELS + ["{run}"], "the run to attack is given twice"),
-    (["attack", "labels", "--run", "{file}"], "{file} is a file, not a run directory"),
+    (["attack", "labels", "--method", "presence"], "the following arguments are required: RUN"),
+    (LABELS + ["{run}"], "unrecognized arguments: {run}"),
+    (["attack", "labels", "{file}"], "{file} is a file, not a run directory"),
     # gradient
     (GRADIENT + ["--batch", "nan"], "argument --batch: must be a whole number >= 1, got 'nan'"),
     (GRADIENT + ["--batch", "0"], "argument --batch: must be a whole number >= 1, got '0'"),
@@ -90,7 +89,7 @@ BAD_OPTIONS = [
     (GRADIENT + ["--observe", "probe", "--batch", "1000"], "--batch 1000 is larger than client 0's"),
     (GRADIENT + ["--out", "{file}/x"], "lies under {file}, a file: pass --out with a folder"),
     (GRADIENT + ["--key", ""], "argument --key: must be a path, got an empty string"),
-    (["attack", "gradient", "--run", "{file}"], "{file} is a file, not a run directory"),
+    (["attack", "gradient", "{file}"], "{file} is a file, not a run directory"),
     # report
     (REPORT + ["--reports", "{file}"], "{file} exists and is not a folder: pass --reports with a folder"),
     (REPORT + ["--reports", "{file}/x"], "lies under {file}, a file: pass --reports with a folder"),
@@ -247,7 +246,7 @@ def test_stray_folders_are_not_uploads_or_checkpoints(capsys, feature_run, tmp_p
     for stray in ("observed/round-0001/client-x", "observed/junk", "checkpoints/round-abc"):
         (run / stray).mkdir()
     (run / "checkpoints" / "notes.txt").write_text("stray")
-    main(["attack", "labels", "--run", str(run), "--method", "presence"])
+    main(["attack", "labels", str(run), "--method", "presence"])
     report = json.loads((run / "reports" / "labels-presence" / "report.json").read_text())
     assert report["clients"] == [0, 1]
 
@@ -315,7 +314,7 @@ def test_hostile_report_json_reaches_the_page_only_as_text(feature_run, tmp_path
 def test_a_weight_that_may_be_zero_is_refused_below_zero_with_its_real_bound():
     """--tv and the like: 0 switches the term off and is accepted; a negative or NaN weight is one message that
     names the bound a user can type (">= 0", not an epsilon below zero)."""
-    from eftguard.attacks.base import finite_number
+    from eftguard.options import finite_number
 
     parse = finite_number(0, zero_allowed=True)
     assert parse("0") == 0.0 and parse("0.3") == 0.3

@@ -438,7 +438,7 @@ def test_cli_probe_of_a_dp_run_falls_to_the_baseline(capsys, tmp_path, micro_pre
 
 
 def test_cli_attacks_an_uploaded_fedavg_update(capsys, fedavg_run, tmp_path):
-    code, err = run_cli(capsys, "attack", "gradient", "--run", fedavg_run.path, "--method", "idlg", "--observe",
+    code, err = run_cli(capsys, "attack", "gradient", fedavg_run.path, "--method", "idlg", "--observe",
                         "upload", "--batch", "2", "--steps", "3", "--lpips-backend", "stlpips-alex", "--out", tmp_path)
     assert code == 0, err
     report = json.loads((tmp_path / "gradient-idlg" / "report.json").read_text())
@@ -474,7 +474,7 @@ def test_encrypted_run_needs_its_key(capsys, tmp_path, micro_preset):
     key = tmp_path / "at-rest.key"
     create_key(key)
     run = recorded_run(tmp_path / "run", encrypt_at_rest=str(key))
-    argv = ["attack", "gradient", "--run", run.path, "--lpips-backend", "stlpips-alex", "--out", tmp_path / "reports"]
+    argv = ["attack", "gradient", run.path, "--lpips-backend", "stlpips-alex", "--out", tmp_path / "reports"]
     code, err = run_cli(capsys, *argv)
     assert code == 2 and "pass --key KEYFILE" in err
     code, err = run_cli(capsys, *argv, "--key", key)
@@ -496,11 +496,11 @@ def test_encrypted_run_needs_its_key(capsys, tmp_path, micro_preset):
     (["--observe", "1"], "argument --observe: invalid choice: '1'"),
 ])
 def test_bad_input_is_one_clear_error(capsys, eftvit_run, argv, message):
-    code, err = run_cli(capsys, "attack", "gradient", "--run", eftvit_run.path, *argv)
+    code, err = run_cli(capsys, "attack", "gradient", eftvit_run.path, *argv)
     assert code == 2
     assert "eftguard: error: " in err and message in err and "Traceback" not in err
 
 
 def test_missing_run_is_one_clear_error(capsys, tmp_path):
-    code, err = run_cli(capsys, "attack", "gradient", "--run", tmp_path / "nothing")
+    code, err = run_cli(capsys, "attack", "gradient", tmp_path / "nothing")
     assert code == 2 and "does not exist" in err

@@ -184,7 +184,7 @@ def test_the_truth_guard_blocks_every_way_to_ground_truth(feature_run):
 
 def test_the_decoder_never_reads_ground_truth(feature_run, tmp_path, monkeypatch):
     calls = attacks_guarded(monkeypatch, feature_run, DecoderInversion)
-    main(["attack", "invert", "--features", str(feature_run), "--max-images", "4", "--out", str(tmp_path), *FAST_CLI])
+    main(["attack", "invert", str(feature_run), "--max-images", "4", "--out", str(tmp_path), *FAST_CLI])
     assert calls == ["DecoderInversion"] * 2  # on the uploads, then on the power check's public control
     report = json.loads((tmp_path / "invert-decoder" / "report.json").read_text())
     assert report["metrics_kept"]["psnr"]["n"] == 8  # scored afterwards, by the auditor, for both clients
@@ -222,7 +222,7 @@ def test_an_oracle_reconstruction_scores_the_psnr_cap_on_every_row(feature_run, 
         return {client.partition: ImageReconstruction(originals, rows=np.arange(len(client.features)))}
 
     monkeypatch.setattr(DecoderInversion, "reconstruct", oracle)
-    main(["attack", "invert", "--features", str(feature_run), "--clients", "1", "--max-images", "0", "--out",
+    main(["attack", "invert", str(feature_run), "--clients", "1", "--max-images", "0", "--out",
           str(tmp_path), "--no-power-check", *FAST_CLI])  # the oracle knows the client's images, not the control's
     report = json.loads((tmp_path / "invert-decoder" / "report.json").read_text())
     rows = len(originals)

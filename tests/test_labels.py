@@ -173,7 +173,7 @@ def test_attacks_on_a_real_round_beat_the_prior_and_never_read_truth(tiny_run):
 
 
 def test_cli_writes_one_report_per_method(tiny_run, tmp_path):
-    main(["attack", "labels", "--run", str(tiny_run.path), "--out", str(tmp_path)])
+    main(["attack", "labels", str(tiny_run.path), "--out", str(tmp_path)])
     observation = observe_labels(tiny_run, 1, [0, 1], with_model=True)
     truths = [scoring.true_class_counts(tiny_run, 1, k) for k in (0, 1)]
     uploaded = [np.bincount(c.labels, minlength=10) > 0 for c in observation.clients]
@@ -214,7 +214,7 @@ def test_cli_writes_one_report_per_method(tiny_run, tmp_path):
     (["--clients", "5"], "no uploads of client(s) [5]"),
 ])
 def test_bad_input_is_one_clear_line(tiny_run, capsys, argv, message):
-    code, err = run_cli(capsys, "attack", "labels", "--run", str(tiny_run.path), *argv)
+    code, err = run_cli(capsys, "attack", "labels", str(tiny_run.path), *argv)
     assert code == 2 and err.startswith("eftguard: error:") and message in err and "Traceback" not in err
 
 
@@ -224,9 +224,9 @@ def test_encrypted_run_needs_its_key(tmp_path, capsys, micro_preset):
     create_key(tmp_path / "key")
     run = RunDirectory.open(train_in_process(tmp_path / "run", model=MICRO_PRESET,
                                              encrypt_at_rest=str(tmp_path / "key")))
-    code, err = run_cli(capsys, "attack", "labels", "--run", str(run.path), "--method", "presence")
+    code, err = run_cli(capsys, "attack", "labels", str(run.path), "--method", "presence")
     assert code == 2 and "pass --key KEYFILE" in err
-    main(["attack", "labels", "--run", str(run.path), "--method", "presence", "--key", str(tmp_path / "key")])
+    main(["attack", "labels", str(run.path), "--method", "presence", "--key", str(tmp_path / "key")])
     assert [d.name for d in (run.path / "reports").iterdir()] == ["labels-presence"]
 
 
@@ -246,7 +246,7 @@ def test_fed_full_runs_face_the_attacks_on_the_head_update_alone(tmp_path, capsy
         l1 = scoring.label_scores(estimates[client], truth)["l1"][0]
         assert l1 < 0.5 * prior
 
-    main(["attack", "labels", "--run", str(run.path), "--out", str(tmp_path / "reports")])
+    main(["attack", "labels", str(run.path), "--out", str(tmp_path / "reports")])
     err = capsys.readouterr().err
     for skipped in ("presence", "linkage", "head"):
         assert f"skipped --method {skipped}: " in err and not (tmp_path / "reports" / f"labels-{skipped}").exists()
@@ -254,5 +254,5 @@ def test_fed_full_runs_face_the_attacks_on_the_head_update_alone(tmp_path, capsy
     report = json.loads((tmp_path / "reports" / "labels-bias-corrected" / "report.json").read_text())
     assert report["metrics"]["l1"]["mean"] < 0.5 * report["baseline"]["l1"]["mean"]
     assert (tmp_path / "reports" / "labels-llg" / "report.json").is_file()
-    code, err = run_cli(capsys, "attack", "labels", "--run", str(run.path), "--method", "presence")
+    code, err = run_cli(capsys, "attack", "labels", str(run.path), "--method", "presence")
     assert code == 2 and "uploads no features or labels to attack" in err and "Traceback" not in err

@@ -169,3 +169,28 @@ def test_no_module_branches_on_a_method_name():
     hits = [hit for path in sources
             for hit in method_name_comparisons(path.read_text(), path.relative_to(ROOT).as_posix())]
     assert hits == []
+
+
+def test_headprune_behaviour_is_reached_only_through_its_spec_hooks():
+    """headprune-lora's pruning, upload and aggregation are hooks of its spec (eftguard.headprune.PrunedHeads):
+    the client, server, bench and audit call `spec.heads.*` and never test a flag or name that says which method
+    runs; its hooks object is named only by the method table."""
+    sources = {p.relative_to(ROOT).as_posix(): p.read_text() for folder in ("eftguard", "defenses", "attacks")
+               for p in sorted((ROOT / folder).rglob("*.py"))}
+    assert not [path for path, text in sources.items() if "prunes_heads" in text]
+    assert [path for path, text in sources.items() if "PRUNED_HEADS" in text] == ["eftguard/headprune.py",
+                                                                                  "eftguard/methods.py"]
+    pruning = [name for name, spec in METHODS.items() if spec.heads.records]
+    assert pruning == ["headprune-lora"]
+
+
+def test_the_heads_hooks_of_a_method_that_keeps_every_head_change_nothing():
+    spec = METHODS["fed-lora"]
+    model = torch.nn.Linear(2, 2)  # the hooks of ALL_HEADS never look at the model
+    updates = [{"w": torch.ones(2).numpy() * k} for k in (1.0, 3.0)]
+    assert spec.heads.choose(model, torch.zeros(1), "importance", 0.9, lambda: None) == (None, None)
+    assert spec.heads.kept_update(updates[0], model) is updates[0]
+    assert spec.heads.upload_layout(model, 0.9) == (None, None) and spec.heads.record_bytes(model) == 0
+    averaged = spec.heads.average(updates, [1, 3], [None, None], "importance", {}, None, None)
+    assert averaged["w"].tolist() == fedavg(updates, [1, 3])["w"].tolist() == [2.5, 2.5]
+    assert spec.heads.keep_as_client(model, ["a", "b"], lambda: pytest.fail("no record is read")) == ["a", "b"]

@@ -3,7 +3,6 @@ server from one pretrained checkpoint, changes and uploads only its own paramete
 checkpoint's model; the LoRA and prompt modules compute what they claim; the CLI and the gradient attack take
 their runs."""
 
-import contextlib
 import copy
 import json
 import types
@@ -20,7 +19,7 @@ from eftguard.defenses.dp import DPSGD
 from eftguard.defenses.ledger import PrivacyLedger
 from eftguard.federation.apps import default_ledger_dir
 from eftguard.headprune import (head_importance, importance_weighted_average, kept_heads, loss_gap_selection,
-                                model_head_importance, pruned)
+                                model_head_importance)
 from eftguard.methods import METHODS, method_spec
 from eftguard.model import build_model
 from eftguard.peft import LoRALinear, lora_averaging_gap
@@ -249,7 +248,7 @@ def test_the_dp_step_of_each_peft_method_is_the_mean_of_its_clipped_per_sample_g
                 parameter.normal_(0, 0.1)
             parameter.requires_grad_(spec.trains_parameter(name))
     images, labels = seeded_batch()
-    with pruned(model, torch.tensor([[True, False]] * MICRO_DEPTH)) if spec.prunes_heads else contextlib.nullcontext():
+    with spec.heads.training(model, torch.tensor([[True, False]] * MICRO_DEPTH)):
         x = model.normalize(images)
         trained = [(name, p) for name, p in model.named_parameters() if p.requires_grad]
         reference = []

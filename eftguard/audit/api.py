@@ -23,10 +23,10 @@ from rich.progress import BarColumn, MofNCompleteColumn, Progress as ProgressBar
 
 from eftguard import metrics
 from eftguard.attack_report import AttackReport
-from eftguard.attacks.base import AttackError, Progress, ThreatModel, options_of, whole_number
+from eftguard.attacks.base import AttackError, Progress, ThreatModel
 from eftguard.audit.families import FAMILIES, Family, Job, family_named
-from eftguard.config import SEED_LIMIT
 from eftguard.methods import method_spec
+from eftguard.options import SEED_LIMIT, options_of, whole_number
 from eftguard.paths import input_file_problem, unwritable_reason
 from eftguard.report import write_attack_report
 from eftguard.rundir import RunDirectory, RunError, client_name, round_name
@@ -99,8 +99,8 @@ def resolve_options(family: Family, cls: type, given: dict) -> tuple[dict, dict]
     if unknown:
         valid = ", ".join([*own, *methods]) or "none"
         raise AttackError(f"{family.name} attack '{cls.name}' has no option '{unknown[0]}': its options are {valid}")
-    return ({name: o.value(given[name]) if name in given else o.default for name, o in own.items()},
-            {name: o.value(given[name]) if name in given else o.default for name, o in methods.items()})
+    return ({name: o.value(given[name], AttackError) if name in given else o.default for name, o in own.items()},
+            {name: o.value(given[name], AttackError) if name in given else o.default for name, o in methods.items()})
 
 
 def checked(name: str, parse, value):

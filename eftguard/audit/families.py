@@ -18,8 +18,7 @@ import numpy as np
 
 from eftguard import channels, metrics
 from eftguard.attack_report import AttackReport
-from eftguard.attacks.base import (Attack, AttackError, Option, Registry, ThreatModel, finite_number, name_value,
-                                   option, options_of, path_value, whole_number)
+from eftguard.attacks.base import Attack, AttackError, Registry, ThreatModel
 from eftguard.attacks.dp_audit import CHANNELS, DP_AUDIT
 from eftguard.attacks.gradient import GRADIENT
 from eftguard.attacks.inversion import INVERT
@@ -32,6 +31,7 @@ from eftguard.data import ImageSet
 from eftguard.data.registry import load_dataset
 from eftguard.methods import method_spec
 from eftguard.model import PRESETS
+from eftguard.options import Option, finite_number, name_value, option, options_of, path_value, whole_number
 from eftguard.rundir import RunDirectory
 
 

@@ -15,7 +15,6 @@ import numpy as np
 import torch
 from torch import nn
 
-from eftguard import headprune
 from eftguard.attacks.base import AttackError
 from eftguard.attacks.dp_audit import CanaryObservation
 from eftguard.attacks.gradient import GradientObservation, LocalTraining, prepare_numerics
@@ -178,13 +177,8 @@ def prune_as_client(run: RunDirectory, round_number: int, partition: int, model:
                     ) -> list[str]:
     """A head-pruning client computes only the heads it kept (its `heads` record of the round) and trains and
     uploads only their LoRA factors: the model pruned so, and the trained names without the pruned heads'."""
-    if not method_spec(run.config().method).prunes_heads:
-        return names
-    kept = headprune.kept_mask(run.load_upload(round_number, partition, "heads")["kept"],
-                               headprune.attentions(model)[0].num_heads)
-    headprune.keep_only(model, kept)
-    index = headprune.head_index(model)
-    return [name for name in names if name not in index or bool(kept[index[name]])]
+    return method_spec(run.config().method).heads.keep_as_client(
+        model, names, lambda: run.load_upload(round_number, partition, "heads"))
 
 
 def probe_observation(run: RunDirectory, round_number: int, partition: int, batch: int, seed: int,

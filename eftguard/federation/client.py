@@ -12,7 +12,6 @@ from typing import Callable
 import numpy as np
 import torch
 
-from eftguard import headprune
 from eftguard.canaries import ClientData, owned_canaries, uploaded_canaries, with_canaries
 from eftguard.config import ACCOUNTANTS
 from eftguard.data import ImageSet, seeded
@@ -133,8 +132,8 @@ def unaccounted_outputs(s: ClientSettings) -> list[str]:
     reasons = []
     if s.client_selection != "random":
         reasons.append(f"client_selection {s.client_selection!r} (the received model's loss on this node's data)")
-    if method_spec(s.method).prunes_heads:
-        reasons.append(f"method {s.method!r} (head importances computed from this node's data)")
+    if method_spec(s.method).heads.private_upload:
+        reasons.append(f"method {s.method!r} ({method_spec(s.method).heads.private_upload})")
     if s.precision != "fp32":
         reasons.append(f"precision {s.precision!r} (per-sample norms from bfloat16 products could pass the clip)")
     return reasons
@@ -211,13 +210,14 @@ def train_and_upload(s: ClientSettings, state: dict[str, np.ndarray], partition_
                        request[1][0].steps // s.local_epochs)
         global_loss = (mean_loss(model, images, labels, precision=s.precision) if s.client_selection == "loss-gap"
                        else None)
-        kept, heads = choose_heads(s, model, images, partition_id) if method.prunes_heads else (None, None)
-        with headprune.pruned(model, kept) if method.prunes_heads else contextlib.nullcontext():
+        kept, heads = method.heads.choose(
+            model, images, s.head_pruning, s.head_sparsity,
+            lambda: torch.Generator().manual_seed(seeded(s.seed, s.round, partition_id, 8)))
+        with method.heads.training(model, kept):
             result = train_local(model, images, labels, s.method, s.mask_ratio, optim, generator, report, dp,
                                   s.precision)
-        update = {k: v.numpy().copy() for k, v in method.uploaded_state(model).items()}
-        if method.prunes_heads:
-            update = headprune.kept_upload(update, kept, headprune.head_index(model))
+        update = method.heads.kept_update({k: v.numpy().copy() for k, v in method.uploaded_state(model).items()},
+                                          model, kept)
         truth = {"sample_ids": data.training.ids.astype(np.int64), "class_counts": class_counts, **data.truth}
         start = time.perf_counter()
         uploaded = None
@@ -245,22 +245,6 @@ def train_and_upload(s: ClientSettings, state: dict[str, np.ndarray], partition_
                             [0.0] * s.local_epochs, 0.0, dp_applied, heads, global_loss)
     return ClientUpload(update, uploaded, truth, len(data.training), result.loss, result.epoch_seconds,
                         result.epoch_cpu_seconds, feature_seconds, dp_applied, heads, global_loss)
-
-
-def choose_heads(s: ClientSettings, model, images: torch.Tensor, partition_id: int
-                 ) -> tuple[torch.Tensor, dict[str, np.ndarray]]:
-    """headprune-lora: the heads this client keeps (bool [layers, heads]) and what it uploads about them: the
-    importance of every head on the received global model, before local training (it decides what to train;
-    negative alpha, no positive q.k anywhere, counts as 0), and the kept head ids. --head-pruning random keeps
-    seeded random heads, and still reports the importance for the server's weighting."""
-    importance = headprune.model_head_importance(model, model.normalize(images)).clamp(min=0.0)
-    scores = importance
-    if s.head_pruning == "random":
-        generator = torch.Generator().manual_seed(seeded(s.seed, s.round, partition_id, 8))
-        scores = torch.rand(importance.shape, generator=generator)
-    kept = headprune.kept_heads(scores, s.head_sparsity)
-    kept_ids = torch.stack([row.nonzero().flatten() for row in kept])
-    return kept, {"importance": importance.numpy(), "kept": kept_ids.numpy().astype(np.int64)}
 
 
 def check_received_model(s: ClientSettings, state: dict[str, np.ndarray], model_check: ModelCheck,

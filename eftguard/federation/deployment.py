@@ -27,16 +27,110 @@ import sys
 import tempfile
 import threading
 import time
+from dataclasses import MISSING, dataclass
 from pathlib import Path
 
 from cryptography import x509
 
 from eftguard.defenses.tls import CertificateFiles, check_valid_now, is_host_name, read_ca_certificates
 from eftguard.errors import ConfigError, FederationError
+from eftguard.options import option
 from eftguard.paths import file_in_the_way, input_file_problem, unwritable_reason
 from eftguard.rundir import RunDirectory
 
 APP_DIR = Path(__file__).parent / "flwr_app"
+PLAINTEXT_HELP = "plaintext instead of TLS (trusted networks only)"
+CA_HELP = "CA that signed the SuperLink's certificate"
+
+
+# --- the options of the deployment commands, declared once (eftguard.options): argparse is generated from them --
+
+@dataclass(frozen=True)
+class CertsOptions:
+    """eftguard certs."""
+
+    out: Path = option(MISSING, "folder for the certificate files")
+    san: tuple[str, ...] | None = option(None, "IP address or DNS host name SuperNodes use to reach the SuperLink; "
+                                               "repeat for several (default: 127.0.0.1, localhost, ::1). "
+                                               "127.0.0.1 is always added: eftguard train and register-node reach "
+                                               "the Control API there", metavar="HOST_OR_IP", repeated=True)
+    force: bool = option(False, "replace existing certificate files")
+
+
+@dataclass(frozen=True)
+class SuperLinkOptions:
+    """eftguard superlink."""
+
+    certs: Path | None = option(None, "folder written by eftguard certs")
+    insecure: bool = option(False, PLAINTEXT_HELP)
+    host: str = option("127.0.0.1", "address the Fleet API listens on (0.0.0.0 for SuperNodes on other hosts)")
+    port: int = option(9092, "Fleet API port (0: any free port, printed at start)")
+    control_host: str = option("127.0.0.1", "address of the Control API (eftguard train, register-node, flwr ls). "
+                                            "Anyone who reaches it can register node keys and start runs: keep the "
+                                            "default 127.0.0.1")
+    control_port: int = option(9093, "Control API port")
+    node_auth: bool = option(False, "accept only SuperNodes whose key was registered with eftguard register-node")
+
+
+@dataclass(frozen=True)
+class NodeKeyOptions:
+    """eftguard node-key."""
+
+    out: Path = option(MISSING, "path of the private key", metavar="KEY")
+    force: bool = option(False, "replace an existing key")
+
+
+@dataclass(frozen=True)
+class RegisterNodeOptions:
+    """eftguard register-node."""
+
+    public_key: Path = option(MISSING, "the SuperNode's public key (eftguard node-key writes KEY.pub)",
+                              metavar="KEY.pub", positional=True)
+    superlink: str = option("127.0.0.1:9093", "the SuperLink's Control address", metavar="HOST:PORT")
+    root_certificates: Path | None = option(None, CA_HELP, metavar="CA.crt")
+    insecure: bool = option(False, PLAINTEXT_HELP)
+
+
+@dataclass(frozen=True)
+class SuperNodeOptions:
+    """eftguard supernode."""
+
+    superlink: str = option(MISSING, "the SuperLink's Fleet address (eftguard superlink --host/--port)",
+                            metavar="HOST:PORT")
+    partition: int = option(MISSING, "data partition this node serves (0..N-1)")
+    clients: int = option(MISSING, "N: partitions in the federation (--clients of the run)")
+    root_certificates: Path | None = option(None, CA_HELP, metavar="CA.crt")
+    insecure: bool = option(False, PLAINTEXT_HELP)
+    port: int | None = option(None, "local port of this SuperNode, on 127.0.0.1; each SuperNode on one host needs "
+                                    "its own (default: 9100 + partition)")
+    auth_key: Path | None = option(None, "private key from eftguard node-key (for a SuperLink with --node-auth)",
+                                   metavar="KEY")
+    noise_secret: int | None = option(None, "an integer only this node knows, mixed into the seeds of its DP noise, "
+                                            "batches and masks, so the server (which knows the run seed) cannot "
+                                            "regenerate them", metavar="N")
+    share_truth: bool = option(False, "send the server auditor-only ground truth (source sample ids, kept patches, "
+                                      "class counts) when a run asks for it (--record-truth). It reveals this node's "
+                                      "class histogram: only for a server that is your own auditor (default: off)")
+    ledger_dir: Path | None = option(None, "folder of this node's privacy ledger: the epsilon it has spent per run, "
+                                           "which it checks before every round whatever the server says (default: "
+                                           "$EFTGUARD_HOME/ledger, EFTGUARD_HOME defaulting to ~/.eftguard)",
+                                     metavar="DIR")
+    model_check: bool = option(True, "check every model and the settings the server sends and refuse (upload "
+                                     "nothing for) a round whose model honest training cannot have produced from the "
+                                     "run's initial model and the last model this node accepted (a malicious "
+                                     "server's crafted weights), or whose settings changed mid-run")
+    initial_model: Path | None = option(None, "this node's copy of the checkpoint the run starts from (--checkpoint "
+                                              "of eftguard train): the model check rebuilds the run's initial model "
+                                              "from it. Without it the node rebuilds the seeded initialisation of "
+                                              "the run's configuration, so a run from a checkpoint is refused in "
+                                              "round 1", metavar="CKPT")
+    trust_first_model: bool = option(False, "anchor the model check on the first model the server sends instead of "
+                                            "rebuilding the initial model (trust on first use: a crafted first model "
+                                            "that passes the structural checks is then accepted)")
+    max_epsilon: float | None = option(None, "this node's own privacy ceiling per run: it refuses any round that "
+                                             "would take its spend above E (or above the first --dp-eps the server "
+                                             "declared, if lower); default: the server's first --dp-eps",
+                                       metavar="E")
 
 
 TLS_FAILURE_MARKERS = ("CERTIFICATE_VERIFY_FAILED", "SSL/TLS handshake error", "certificate verify failed")

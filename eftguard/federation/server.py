@@ -21,7 +21,6 @@ from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, T
 from rich.table import Table
 
 from eftguard import headprune
-from eftguard.aggregate import fedavg
 from eftguard.canaries import canary_set
 from eftguard.config import TrainConfig
 from eftguard.data import Dataset, seeded
@@ -92,10 +91,7 @@ def upload_spec(model: EFTViT, cfg: TrainConfig, dataset: Dataset) -> UploadSpec
     """What this run's clients can validly upload: bounds on every part of a reply, from the model and data."""
     method = method_spec(cfg.method)
     num_patches = model.local_module.num_patches
-    heads = None
-    if method.prunes_heads:
-        layers = headprune.attentions(model)
-        heads = (len(layers), layers[0].num_heads, headprune.kept_count(layers[0].num_heads, cfg.head_sparsity))
+    head_index, heads = method.heads.upload_layout(model, cfg.head_sparsity)
     canary_ids = canary_set(cfg).ids if cfg.canaries else np.empty(0, np.int64)  # canaries are training images too
     return UploadSpec(
         update_shapes={k: tuple(v.shape) for k, v in method.uploaded_state(model).items()},
@@ -105,7 +101,7 @@ def upload_spec(model: EFTViT, cfg: TrainConfig, dataset: Dataset) -> UploadSpec
         num_classes=dataset.num_classes, num_patches=num_patches, train_ids=np.sort(np.concatenate([dataset.train.ids,
                                                                                                    canary_ids])),
         balance=cfg.balance, local_epochs=cfg.local_epochs, round_seconds=cfg.round_timeout,
-        head_index=headprune.head_index(model) if method.prunes_heads else None, heads=heads,
+        head_index=head_index, heads=heads,
         reports_global_loss=cfg.client_selection == "loss-gap", canaries=cfg.canaries,
         dp_sizes={k: (schedule_size(cfg, k), release_size(cfg, k)) for k in range(cfg.clients)} if cfg.dp_eps else None)
 
@@ -152,9 +148,8 @@ def parse_reply(reply: Message, partition: int, spec: UploadSpec, method: str,
     if reply.has_error():
         raise UploadError(f"client failed: {str(reply.error.reason):.200}")
     content = reply.content
-    uploads_features, prunes_heads = method_spec(method).uploads_features, method_spec(method).prunes_heads
-    required = {"update", "metrics"} | ({"features"} if uploads_features else set()) | (
-        {"heads"} if prunes_heads else set())
+    uploads_features = method_spec(method).uploads_features
+    required = {"update", "metrics", *method_spec(method).heads.records} | ({"features"} if uploads_features else set())
     allowed = required | ({"truth"} if record_truth else set())
     missing, extra = sorted(required - set(content.keys())), sorted(set(content.keys()) - allowed)
     if missing or extra:
@@ -163,7 +158,7 @@ def parse_reply(reply: Message, partition: int, spec: UploadSpec, method: str,
     # Features first: the one part whose size the client chooses, refused before anything is decoded if too large.
     rows = spec.dp_sizes[partition][1] if spec.dp_sizes else None
     features = validate_features(content["features"], spec, metrics.num_examples, rows) if uploads_features else None
-    heads = validate_heads(content["heads"], spec) if prunes_heads else None
+    heads = validate_heads(content["heads"], spec) if "heads" in required else None
     kept = headprune.kept_mask(heads["kept"], spec.heads[1]) if heads else None
     update = validate_update(content["update"], spec, kept)
     truth = None
@@ -381,14 +376,9 @@ def average(cfg: TrainConfig, spec: UploadSpec, model: EFTViT, accepted: list[Ac
             ) -> dict[str, np.ndarray]:
     """FedAvg of the accepted updates by sample count; headprune-lora: per head over the clients that kept it,
     weighted by their importance (--head-weighting samples: by their sample counts)."""
-    counts = [u.num_examples for u in accepted]
-    if not method_spec(cfg.method).prunes_heads:
-        return fedavg([u.update for u in accepted], counts)
-    kept = [headprune.kept_mask(u.heads["kept"], spec.heads[1]) for u in accepted]
-    weights = [torch.from_numpy(u.heads["importance"]) if cfg.head_weighting == "importance"
-               else torch.full(mask.shape, float(u.num_examples)) for u, mask in zip(accepted, kept)]
-    return headprune.pruned_average([u.update for u in accepted], counts, weights, kept, model.state_dict(),
-                                    spec.head_index)
+    return method_spec(cfg.method).heads.average([u.update for u in accepted], [u.num_examples for u in accepted],
+                                                 [u.heads for u in accepted], cfg.head_weighting, model.state_dict(),
+                                                 spec.heads, spec.head_index)
 
 
 def run_round(grid: Grid, run: RunDirectory, cfg: TrainConfig, model: EFTViT, spec: UploadSpec,
