@@ -253,7 +253,8 @@ def memorised(micro_preset):
 @pytest.mark.parametrize("method", ["loss", "lira", "rmia"])
 def test_every_method_finds_memorised_images_and_nothing_in_an_untrained_model(memorised, micro_preset, method):
     model, references, images, labels, is_member, population, population_labels = memorised
-    attack = MEMBERSHIP.get(method)(**({} if method == "loss" else {"variant": "offline", "queries": "2"}))
+    # pixel noise: a mirrored or shifted query is another image, so one query (the augmented ones: `overfit`)
+    attack = MEMBERSHIP.get(method)(**({} if method == "loss" else {"variant": "offline", "queries": "1"}))
 
     def auc(target_model):
         observation = MembershipObservation("global", 1, images, labels, target_model, references=references,
@@ -284,6 +285,11 @@ def test_an_uploaded_feature_set_gives_its_image_away_unless_the_features_are_no
                               feature_noise=20.0)
     assert abs(run_attack(noised, "membership", target="upload", positions=positions,
                           candidates=60).figures()["auc"] - 0.5) < 0.15
+    if positions == "known":  # the likelihood test: an equality test without noise, a coin flip under heavy noise
+        equality = run_attack(eftvit_run, "membership", "row-likelihood", target="upload", candidates=60)
+        assert equality.figures()["auc"] > 0.95 and equality.details["test"].startswith("equality test")
+        blurred = run_attack(noised, "membership", "row-likelihood", target="upload", candidates=60)
+        assert abs(blurred.figures()["auc"] - 0.5) < 0.15 and blurred.details["test"].startswith("likelihood ratio")
 
 
 def test_non_members_are_unseen_images_of_the_members_classes_and_never_in_the_attackers_data(eftvit_run):
@@ -334,6 +340,9 @@ def test_cli_writes_the_report_and_its_roc_plot(eftvit_run, tmp_path, capsys):
     (["--method", "lira", "--target", "update"], "--target update does not apply: the lira method attacks the "
                                                  "global model only. Targets that apply: global"),
     (["--candidates", "0"], "--candidates: must be a whole number >= 1, got '0'"),
+    (["--method", "lira", "--references", "1"], "the online lira method needs every candidate inside some "
+                                                "reference models and outside others: --references 2 or more"),
+    (["--method", "rmia", "--variant", "both"], "argument --variant: invalid choice: 'both'"),
 ])
 def test_bad_input_is_one_line_before_any_work(eftvit_run, tmp_path, capsys, argv, message):
     with pytest.raises(SystemExit) as exit_code:
@@ -358,15 +367,22 @@ def test_reference_models_are_trained_once_and_reused(eftvit_run, tmp_path, monk
     original = inprocess.train_in_process
     monkeypatch.setattr(inprocess, "train_in_process", lambda *a: trained.append(a) or original(*a))
     cache = tmp_path / "references"
-    first = run_attack(eftvit_run, "membership", "lira", references=1, candidates=20, references_dir=cache)
+    offline = {"variant": "offline", "references": 1, "candidates": 20, "references_dir": cache}
+    first = run_attack(eftvit_run, "membership", "lira", **offline)
     assert len(trained) == 1
     stamps = {p: p.stat().st_mtime_ns for p in cache.rglob("*.safetensors")}
-    second = run_attack(eftvit_run, "membership", "lira", references=1, candidates=20, references_dir=cache)
+    second = run_attack(eftvit_run, "membership", "lira", **offline)
     assert len(trained) == 1  # nothing retrained
     assert stamps == {p: p.stat().st_mtime_ns for p in cache.rglob("*.safetensors")}
     assert second.groups == first.groups and first.details["reference_models"].startswith("1, ")
-    rmia = run_attack(eftvit_run, "membership", "rmia", references=1, candidates=20, references_dir=cache)
+    assert first.details["threat_model"].endswith("offline: it also trains reference models on its own data, none "
+                                                  "on a candidate")
+    rmia = run_attack(eftvit_run, "membership", "rmia", **offline)
     assert len(trained) == 1 and rmia.groups["metrics"]["auc"]["n"] == 40  # the same references serve rmia
+    online = run_attack(eftvit_run, "membership", "lira", references=2, candidates=20, references_dir=cache)
+    assert len(trained) == 3  # two more: each with half of the candidates
+    assert "and half of the candidates" in online.details["reference_models"]
+    assert online.capabilities["aux_data"].endswith("and the candidates' images")
 
 
 

@@ -475,6 +475,9 @@ class MembershipFamily(Family):
             raise AttackError(f"--target {job.options['target']} does not apply: {why}. Targets that apply: "
                               f"{', '.join(usable)}")
         attack = super().attack(cls, job, method_options)
+        if cls.uses_references and attack.variant == "online" and job.options["references"] < 2:
+            raise AttackError(f"the online {cls.name} method needs every candidate inside some reference models and "
+                              "outside others: --references 2 or more (16 by default), or --variant offline")
         if cls.uses_references:  # online: the attacker holds the candidates too, and trains on them
             also = " and the candidates' images" if attack.variant == "online" else ""
             attack.threat_model = replace(attack.threat_model, aux_data=attack.threat_model.aux_data + also)
