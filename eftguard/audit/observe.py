@@ -322,3 +322,21 @@ def observe_membership(run: RunDirectory, round_number: int, partition: int, tar
         if positions_known:
             observation.kept_ids = torch.from_numpy(scoring.granted_positions(run, round_number, partition))
     return observation
+
+
+def local_training(run: RunDirectory, round_number: int, partition: int, model: EFTViT,
+                   uploaded: dict[str, torch.Tensor], num_examples: int) -> LocalTraining:
+    """How the client trained, from the public config and n_k. A simulated node without DP-SGD seeds its batches
+    and masks from the run's seed alone (noise-secret 0), so the server regenerates them; a deployed node mixes in
+    its own secret and DP-SGD draws Poisson batches: no schedule then."""
+    cfg = run.config()
+    spec = method_spec(cfg.method)
+    num_patches = model.local_module.num_patches
+    mask_ratio = cfg.mask_ratio if spec.masked else None
+    schedule = None
+    if cfg.federation == "simulation" and cfg.dp_eps <= 0:
+        generator = torch.Generator().manual_seed(seeded(cfg.seed, round_number, partition, 1))
+        schedule = replay_schedule(num_examples, cfg.local_epochs, cfg.batch_size, num_patches, mask_ratio, generator)
+    return LocalTraining(uploaded, num_examples, cfg.local_epochs, cfg.batch_size,
+                         cfg.lr * cfg.lr_factor(round_number), cfg.weight_decay, num_patches, mask_ratio, schedule,
+                         cfg.precision)
