@@ -54,7 +54,8 @@ class MembershipObservation:
     client_state: the attacked client's uploaded parameters (upload, update). features, kept_ids: its uploaded
     feature sets [m, 1 + keep, D] and, with positions known, their kept patch ids [m, keep] (upload);
     feature_release: (clip C, noise std in units of C, clipped per image rather than per token) of that release,
-    public in the run's configuration (upload). references: reference models the attacker trained (lira, rmia);
+    public in the run's configuration (upload); candidate_rows [n]: with rows aligned, the one uploaded row
+    granted to each candidate (upload). references: reference models the attacker trained (lira, rmia);
     reference_trained_on [references, n]: which candidates each trained on (the attacker's own choice; None:
     none, the offline setting); population, population_labels: images of the attacker's that no reference
     model trained on (rmia's z samples)."""
@@ -68,6 +69,7 @@ class MembershipObservation:
     features: torch.Tensor | None = None
     kept_ids: torch.Tensor | None = None
     feature_release: tuple[float, float, bool] = (0.0, 0.0, False)
+    candidate_rows: np.ndarray | None = None
     references: list[nn.Module] = field(default_factory=list)
     reference_trained_on: np.ndarray | None = None
     population: np.ndarray | None = None
@@ -378,8 +380,9 @@ class RowLikelihoodAttack:
     """The upload channel's likelihood test: each uploaded row u against the candidate's own features f(x),
     computed through the uploaded phi_k under that row's mask and clipped as the release clips, with the release's
     public noise std s: log N(u; f(x), s^2) - log N(u; mu, s^2), mu the attacker's images' mean features under the
-    mask. The score is the log of the mean likelihood ratio over the rows (x is in one row, which one unknown).
-    Without noise it is an equality test: minus the distance to the nearest row."""
+    mask. The score is the log of the mean likelihood ratio over the rows (x is in one row, which one unknown), or
+    with rows aligned the ratio at the row granted to the candidate. Without noise it is an equality test: minus
+    the distance to the nearest (or granted) row."""
 
     name = "row-likelihood"
     summary = ("upload: Gaussian likelihood ratio of each uploaded row under the release's noise, the candidate's "
@@ -402,7 +405,9 @@ class RowLikelihoodAttack:
                                        obs.feature_release) if obs.feature_release[1] else obs.features)
         scores = np.empty(len(obs.images))
         for i, image in enumerate(obs.images):
-            ratios = row_scores(local, normalize, image, obs.features, obs.kept_ids, obs.feature_release, mean)
+            rows = slice(None) if obs.candidate_rows is None else [int(obs.candidate_rows[i])]
+            ratios = row_scores(local, normalize, image, obs.features[rows], obs.kept_ids[rows], obs.feature_release,
+                                mean[rows])
             scores[i] = float(torch.logsumexp(ratios, 0) - np.log(len(ratios))) if obs.feature_release[1] else \
                 float(ratios.max())
             if progress:
@@ -411,5 +416,7 @@ class RowLikelihoodAttack:
         test = (f"likelihood ratio under Gaussian noise of std {noise:g} x C (C = {clip:g}, clipped per "
                 f"{'image' if per_image else 'token'})" if noise else "equality test (the release adds no noise)")
         return MembershipScores(scores, {"test": test, "rows": len(obs.features),
+                                         "row_per_candidate": "granted" if obs.candidate_rows is not None else
+                                         "unknown: every row tested",
                                          **({"mean_features_from": f"{min(len(obs.population), MEAN_FEATURE_IMAGES)} "
                                                                    "of the attacker's images"} if noise else {})})

@@ -292,6 +292,19 @@ def test_an_uploaded_feature_set_gives_its_image_away_unless_the_features_are_no
         assert abs(blurred.figures()["auc"] - 0.5) < 0.15 and blurred.details["test"].startswith("likelihood ratio")
 
 
+def test_under_feature_noise_the_row_aligned_likelihood_test_sees_what_the_cosine_match_misses(tmp_path,
+                                                                                             micro_preset):
+    """Noise of 3 C per coordinate on tokens clipped to C: the cosine match over all rows is near a coin flip,
+    the likelihood ratio at each candidate's granted row is not (the worst case a DP bound covers)."""
+    noised = train_in_process(tmp_path / "noised", model=micro_preset, train_samples=160, feature_clip=1.0,
+                              feature_noise=3.0)
+    cosine = run_attack(noised, "membership", target="upload", candidates=60).figures()["auc"]
+    aligned = run_attack(noised, "membership", "row-likelihood", target="upload", rows="aligned", candidates=60)
+    every_row = run_attack(noised, "membership", "row-likelihood", target="upload", candidates=60)
+    assert aligned.details["row_per_candidate"] == "granted"
+    assert aligned.figures()["auc"] > 0.75 and aligned.figures()["auc"] > cosine + 0.15
+
+
 def test_non_members_are_unseen_images_of_the_members_classes_and_never_in_the_attackers_data(eftvit_run):
     run = RunDirectory.open(eftvit_run)
     candidates = scoring.membership_candidates(run, 1, 0, "update", 60, seed=0)

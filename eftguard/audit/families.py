@@ -418,6 +418,10 @@ class MembershipOptions:
                             name_value, choices=("known", "unknown"))
     references_dir: Path | None = option(None, "cache of the reference models (default: RUN/reports/"
                                                "membership-references)", path_value)
+    rows: str = option("unknown", "--target upload, row-likelihood: aligned: the auditor grants each candidate "
+                                  "one uploaded row (a member's own, a non-member's a random one: the worst case "
+                                  "a DP bound covers); unknown: the attack tests every row",
+                       name_value, choices=("unknown", "aligned"))
 
 
 MEMBERSHIP_THREAT = {
@@ -502,6 +506,9 @@ class MembershipFamily(Family):
         observation = observe.observe_membership(job.run, job.round_number, partition, target, candidates.images,
                                                  candidates.labels, attack.threat_model.positions_known,
                                                  references, trained_on, (population.images, population.labels))
+        if target == "upload" and job.options["rows"] == "aligned":
+            observation.candidate_rows = scoring.granted_rows(job.run, job.round_number, partition,
+                                                              candidates.images, job.seed)
         return Observed(observation, {"is_member": candidates.is_member, "members_from": candidates.members_from,
                                       "non_members_from": candidates.non_members_from,
                                       "reference_seconds": round(time.perf_counter() - started, 1)})
