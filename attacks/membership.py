@@ -26,7 +26,6 @@ from dataclasses import dataclass, field
 from typing import ClassVar
 
 import numpy as np
-import scipy.special
 import torch
 from torch import nn
 
