@@ -301,7 +301,8 @@ def test_under_feature_noise_the_row_aligned_likelihood_test_sees_what_the_cosin
     cosine = run_attack(noised, "membership", target="upload", candidates=60).figures()["auc"]
     aligned = run_attack(noised, "membership", "row-likelihood", target="upload", rows="aligned", candidates=60)
     every_row = run_attack(noised, "membership", "row-likelihood", target="upload", candidates=60)
-    assert aligned.details["row_per_candidate"] == "granted"
+    assert aligned.details["row_per_candidate"] == "granted" and "grants each candidate" in aligned.details[
+        "threat_model"]
     assert aligned.figures()["auc"] > 0.75 and aligned.figures()["auc"] > cosine + 0.15
 
 

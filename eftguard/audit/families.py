@@ -520,6 +520,9 @@ class MembershipFamily(Family):
             LossAttack(threat_model=attack.threat_model).reconstruct(observed.observation)
         threat = MEMBERSHIP_THREAT[target] + (f"; {reference_threat(attack.variant)}" if attack.uses_references
                                               else "")
+        if observed.observation.candidate_rows is not None:
+            threat += ("; the auditor grants each candidate one uploaded row, a member its own (the worst case a DP "
+                       "bound covers)")
         details = {"method": attack.summary, "target": target, "threat_model": threat,
                    "members": observed.auditor["members_from"],
                    "non_members": observed.auditor["non_members_from"],

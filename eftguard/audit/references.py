@@ -72,8 +72,9 @@ def reference_models(run: RunDirectory, round_number: int, pool: ImageSet, count
                      candidates: ImageSet | None = None, progress: Progress | None = None
                      ) -> tuple[list, np.ndarray | None]:
     """`count` models of the run's configuration after `round_number` rounds, each trained on a random half of
-    the pool (at most as many images as the run's clients hold) and, online (candidates given), on the candidates
-    of its row of the returned [count, candidates] inclusion; loaded from the cache or trained into it."""
+    the pool and, online (candidates given), on the candidates of its row of the returned [count, candidates]
+    inclusion, at most as many images in all as the run's clients hold (where the pool allows); loaded from the
+    cache or trained into it."""
     # Flower (0.4 s): `eftguard attack` starts without it, only the reference models' training needs it
     from eftguard.federation.inprocess import train_in_process
     from eftguard.federation.server import guard_images
@@ -85,7 +86,8 @@ def reference_models(run: RunDirectory, round_number: int, pool: ImageSet, count
     guard = ImageSet(*(t.numpy() for t in guard_images(dataset, cfg.seed)))  # all a run reads of its public split
     models = []
     for index in range(count):
-        half = pool.subset(random_half(pool.labels, min(len(pool) // 2, len(dataset.train)),
+        added = 0 if trained_on is None else int(trained_on[index].sum())  # online: as many images as the run, all in
+        half = pool.subset(random_half(pool.labels, max(1, min(len(pool) // 2, len(dataset.train) - added)),
                                        np.random.default_rng([seed, round_number, index, 15])))
         if trained_on is not None:
             chosen = candidates.subset(np.flatnonzero(trained_on[index]))
