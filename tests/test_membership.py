@@ -1,14 +1,22 @@
 """Membership inference (`eftguard attack membership`): calibrated on a model that memorised its few training
-images and on one that learnt nothing, scored by metric functions checked against brute force, blind to
+images and on one that learnt nothing; LiRA and RMIA, online and offline with 16 references, validated on an
+overfit target (AUC and TPR at 0.1% FPR) and on a target that never saw the members; the upload channel's
+likelihood test against its closed form; scored by metric functions checked against brute force, blind to
 membership, refused where a target does not apply, and reusing its cached reference models."""
 
 import json
+import math
 
 import numpy as np
 import pytest
 import torch
+from scipy.stats import norm
+from torch import nn
 
-from eftguard.attacks.membership import MEMBERSHIP, LiRAAttack, LossAttack, MembershipObservation, RMIAAttack
+from eftguard.attacks.base import AttackError
+from eftguard.attacks.membership import (MEMBERSHIP, LiRAAttack, LossAttack, MembershipObservation, RMIAAttack,
+                                         augmented_views, row_log_likelihood_ratio)
+from eftguard.audit.references import half_of_the_models
 from conftest import attacks_guarded, train_in_process
 from eftguard.audit import AttackReport, run_attack
 from eftguard.audit import scoring
@@ -59,6 +67,147 @@ def test_tpr_at_a_false_positive_rate_finer_than_one_non_member_is_undefined():
     assert scoring.tpr_at_fpr(scores, np.r_[is_member, False], 0.001) == 1.0
 
 
+# --- LiRA and RMIA in a known-good setting: an overfit target, 16 references --------------------------------
+
+class TinyNet(nn.Module):
+    """A two-layer perceptron on 12 x 12 images with the two methods the membership attacks call (normalize,
+    forward): fast enough to train 17 of them in seconds."""
+
+    def __init__(self, seed: int):
+        super().__init__()
+        torch.manual_seed(seed)
+        self.layers = nn.Sequential(nn.Flatten(), nn.Linear(12 * 12 * 3, 128), nn.ReLU(), nn.Linear(128, 10))
+
+    @staticmethod
+    def normalize(images: torch.Tensor) -> torch.Tensor:
+        return images.float().div(255).sub(0.5).permute(0, 3, 1, 2)
+
+    def forward(self, x):
+        return self.layers(x)
+
+
+def fitted(images: np.ndarray, labels: np.ndarray, seed: int) -> TinyNet:
+    """Full-batch Adam until the training images are memorised: a train-test gap as wide as it gets."""
+    model = TinyNet(seed)
+    optimizer = torch.optim.Adam(model.parameters(), lr=3e-3)
+    x, y = model.normalize(torch.from_numpy(images)), torch.from_numpy(labels)
+    for _ in range(100):
+        optimizer.zero_grad()
+        nn.functional.cross_entropy(model(x), y).backward()
+        optimizer.step()
+    return model.eval()
+
+
+REFERENCES, DATA, OWN = 16, 2000, 400
+
+
+@pytest.fixture(scope="module")
+def overfit():
+    """Smooth random images (4 x 4 colour fields upsampled to 12 x 12, so that a one-pixel shift keeps an image
+    recognisable) with random labels: nothing to generalise, everything to memorise. The target memorises a
+    random half of the 2000 candidates (1000 members, 1000 non-members: enough to resolve 0.1% FPR). The attacker
+    holds 400 population images no model trains on and 400 images of its own; online, each of 16 reference
+    models memorises half of its own images and half of the candidates, offline (8 models) its own images alone.
+    Returns (target, a model that never saw a candidate, observation fields, offline references, is_member)."""
+    rng = np.random.default_rng(0)
+    fields = torch.from_numpy(rng.random((DATA + 2 * OWN, 3, 4, 4))).float()
+    images = (nn.functional.interpolate(fields, size=12, mode="bilinear", align_corners=False).permute(0, 2, 3, 1)
+              .mul(255).round().byte().numpy())
+    labels = rng.integers(0, 10, len(images))
+    population, own = slice(DATA, DATA + OWN), np.arange(DATA + OWN, DATA + 2 * OWN)
+    is_member = rng.permutation(np.r_[np.ones(DATA // 2, bool), np.zeros(DATA // 2, bool)])
+    trained_on = half_of_the_models(REFERENCES, DATA, rng)
+    references = []
+    for r in range(REFERENCES):
+        rows = np.r_[np.flatnonzero(trained_on[r]), rng.choice(own, OWN // 2, replace=False)]
+        references.append(fitted(images[rows], labels[rows], seed=r + 1))
+    offline = [fitted(images[rows], labels[rows], seed=r + 50)
+               for r, rows in enumerate(rng.choice(own, OWN // 2, replace=False) for _ in range(8))]
+    target = fitted(images[:DATA][is_member], labels[:DATA][is_member], seed=100)
+    stranger = fitted(images[own], labels[own], seed=101)  # trained as long, on no candidate
+    obs = {"images": images[:DATA], "labels": labels[:DATA], "references": references,
+           "reference_trained_on": trained_on, "population": images[population],
+           "population_labels": labels[population]}
+    return target, stranger, obs, offline, is_member
+
+
+@pytest.mark.parametrize("method", ["lira", "rmia"])
+def test_online_lira_and_rmia_find_an_overfit_targets_members_at_a_low_false_positive_rate(overfit, method):
+    target, stranger, fields, _, is_member = overfit
+    attack = MEMBERSHIP.get(method)()  # the defaults: online, 18 queries
+    result = attack.reconstruct(MembershipObservation("global", 1, model=target, **fields))
+    figures = scoring.membership_figures(result.scores, is_member)
+    assert figures["auc"] > 0.9
+    assert figures["tpr_at_0.1pct_fpr"] is not None and figures["tpr_at_0.1pct_fpr"] > 0.05  # chance: 0.001
+    assert result.details["variant"] == "online" and result.details["queries"] == 18
+    # negative control: a model trained as long, on images that are none of the candidates. 1200 + 1200: a blind
+    # ranking's AUC has a standard deviation of 0.012
+    control = attack.reconstruct(MembershipObservation("global", 1, model=stranger, **fields))
+    assert abs(scoring.roc_auc(control.scores, is_member) - 0.5) < 0.05
+
+
+@pytest.mark.parametrize("method", ["lira", "rmia"])
+def test_offline_lira_and_rmia_find_the_members_with_references_that_never_saw_a_candidate(overfit, method):
+    target, stranger, fields, references, is_member = overfit
+    offline = {**fields, "reference_trained_on": None, "references": references}
+    attack = MEMBERSHIP.get(method)(variant="offline")
+    result = attack.reconstruct(MembershipObservation("global", 1, model=target, **offline))
+    assert scoring.roc_auc(result.scores, is_member) > 0.8
+    control = attack.reconstruct(MembershipObservation("global", 1, model=stranger, **offline))
+    assert abs(scoring.roc_auc(control.scores, is_member) - 0.5) < 0.05
+
+
+def test_online_needs_every_candidate_in_some_references_and_offline_in_none(overfit):
+    target, _, fields, _, _ = overfit
+    with pytest.raises(AttackError, match="the online lira method needs at least 2 reference models"):
+        LiRAAttack().reconstruct(MembershipObservation("global", 1, model=target,
+                                                       **{**fields, "reference_trained_on": None}))
+    with pytest.raises(AttackError, match="the offline rmia method needs reference models trained on none"):
+        RMIAAttack(variant="offline").reconstruct(MembershipObservation("global", 1, model=target, **fields))
+
+
+def test_each_candidate_is_in_exactly_half_of_the_reference_models():
+    inside = half_of_the_models(16, 500, np.random.default_rng(1))
+    assert inside.shape == (16, 500) and (inside.sum(axis=0) == 8).all()
+    assert 0.3 < inside.sum(axis=1).min() / 500 and inside.sum(axis=1).max() / 500 < 0.7  # spread over the models
+
+
+def test_the_augmented_queries_are_the_image_its_mirror_and_their_one_pixel_shifts():
+    images = np.random.default_rng(2).integers(0, 256, (3, 8, 8, 3), dtype=np.uint8)
+    views = augmented_views(images, 18)
+    assert len(views) == 18 and len({v.tobytes() for v in views}) == 18
+    assert any((v == images).all() for v in views) and any((v == images[:, :, ::-1]).all() for v in views)
+    shifted = images[:, 1:, 1:]  # one of the views moves the image up and left by a pixel
+    assert any((v[:, :-1, :-1] == shifted).all() for v in views)
+    assert [v.tobytes() for v in augmented_views(images, 2)] == [images.tobytes(), images[:, :, ::-1].tobytes()]
+
+
+# --- the upload channel: a row-aligned likelihood test under the release's noise ----------------------------
+
+@pytest.mark.parametrize("sigma", [0.8, 1.6])
+def test_the_row_likelihood_ratio_reaches_its_closed_form_auc_under_gaussian_feature_noise(sigma):
+    """A member's row is its clipped features f (norm C) plus N(0, (sigma C)^2); a non-member tested against the
+    same row is another image's. With features nearly orthogonal (random, 2000 dimensions) and their mean at 0,
+    the test's AUC is Phi(C / (sigma C sqrt 2)) = Phi(1 / (sigma sqrt 2)), whatever C."""
+    rng = np.random.default_rng(4)
+    clip, n = 3.0, 3000
+    own, other = (torch.from_numpy(rng.normal(size=(n, 4, 500))) for _ in range(2))
+    own, other = (clip * f / torch.linalg.vector_norm(f.flatten(1), dim=1)[:, None, None] for f in (own, other))
+    rows = own + torch.from_numpy(rng.normal(size=own.shape)) * sigma * clip
+    zero = torch.zeros_like(own)
+    members = row_log_likelihood_ratio(rows, own, zero, sigma * clip).numpy()
+    outsiders = row_log_likelihood_ratio(rows, other, zero, sigma * clip).numpy()
+    auc = scoring.roc_auc(np.r_[members, outsiders], np.r_[np.ones(n, bool), np.zeros(n, bool)])
+    assert auc == pytest.approx(norm.cdf(1 / (sigma * math.sqrt(2))), abs=0.02)
+
+
+def test_without_noise_the_row_test_is_an_equality_test():
+    rows = torch.randn(5, 3, 8)
+    distance = row_log_likelihood_ratio(rows, rows.flip(0), torch.zeros_like(rows), 0.0)
+    assert (row_log_likelihood_ratio(rows, rows, torch.zeros_like(rows), 0.0) == 0).all()
+    assert torch.allclose(distance, -torch.linalg.vector_norm((rows - rows.flip(0)).flatten(1).double(), dim=1))
+
+
 # --- runs -----------------------------------------------------------------------------------------------
 
 @pytest.fixture(scope="module")
@@ -104,7 +253,8 @@ def memorised(micro_preset):
 @pytest.mark.parametrize("method", ["loss", "lira", "rmia"])
 def test_every_method_finds_memorised_images_and_nothing_in_an_untrained_model(memorised, micro_preset, method):
     model, references, images, labels, is_member, population, population_labels = memorised
-    attack = MEMBERSHIP.get(method)()
+    # pixel noise: a mirrored or shifted query is another image, so one query (the augmented ones: `overfit`)
+    attack = MEMBERSHIP.get(method)(**({} if method == "loss" else {"variant": "offline", "queries": "1"}))
 
     def auc(target_model):
         observation = MembershipObservation("global", 1, images, labels, target_model, references=references,
@@ -135,6 +285,25 @@ def test_an_uploaded_feature_set_gives_its_image_away_unless_the_features_are_no
                               feature_noise=20.0)
     assert abs(run_attack(noised, "membership", target="upload", positions=positions,
                           candidates=60).figures()["auc"] - 0.5) < 0.15
+    if positions == "known":  # the likelihood test: an equality test without noise, a coin flip under heavy noise
+        equality = run_attack(eftvit_run, "membership", "row-likelihood", target="upload", candidates=60)
+        assert equality.figures()["auc"] > 0.95 and equality.details["test"].startswith("equality test")
+        blurred = run_attack(noised, "membership", "row-likelihood", target="upload", candidates=60)
+        assert abs(blurred.figures()["auc"] - 0.5) < 0.15 and blurred.details["test"].startswith("likelihood ratio")
+
+
+def test_under_feature_noise_the_row_aligned_likelihood_test_sees_what_the_cosine_match_misses(tmp_path,
+                                                                                             micro_preset):
+    """Noise of 3 C per coordinate on tokens clipped to C: the cosine match over all rows is near a coin flip,
+    the likelihood ratio at each candidate's granted row is not (the worst case a DP bound covers)."""
+    noised = train_in_process(tmp_path / "noised", model=micro_preset, train_samples=160, feature_clip=1.0,
+                              feature_noise=3.0)
+    cosine = run_attack(noised, "membership", target="upload", candidates=60).figures()["auc"]
+    aligned = run_attack(noised, "membership", "row-likelihood", target="upload", rows="aligned", candidates=60)
+    every_row = run_attack(noised, "membership", "row-likelihood", target="upload", candidates=60)
+    assert aligned.details["row_per_candidate"] == "granted" and "grants each candidate" in aligned.details[
+        "threat_model"]
+    assert aligned.figures()["auc"] > 0.75 and aligned.figures()["auc"] > cosine + 0.15
 
 
 def test_non_members_are_unseen_images_of_the_members_classes_and_never_in_the_attackers_data(eftvit_run):
@@ -185,6 +354,9 @@ def test_cli_writes_the_report_and_its_roc_plot(eftvit_run, tmp_path, capsys):
     (["--method", "lira", "--target", "update"], "--target update does not apply: the lira method attacks the "
                                                  "global model only. Targets that apply: global"),
     (["--candidates", "0"], "--candidates: must be a whole number >= 1, got '0'"),
+    (["--method", "lira", "--references", "1"], "the online lira method needs every candidate inside some "
+                                                "reference models and outside others: --references 2 or more"),
+    (["--method", "rmia", "--variant", "both"], "argument --variant: invalid choice: 'both'"),
 ])
 def test_bad_input_is_one_line_before_any_work(eftvit_run, tmp_path, capsys, argv, message):
     with pytest.raises(SystemExit) as exit_code:
@@ -209,15 +381,22 @@ def test_reference_models_are_trained_once_and_reused(eftvit_run, tmp_path, monk
     original = inprocess.train_in_process
     monkeypatch.setattr(inprocess, "train_in_process", lambda *a: trained.append(a) or original(*a))
     cache = tmp_path / "references"
-    first = run_attack(eftvit_run, "membership", "lira", references=1, candidates=20, references_dir=cache)
+    offline = {"variant": "offline", "references": 1, "candidates": 20, "references_dir": cache}
+    first = run_attack(eftvit_run, "membership", "lira", **offline)
     assert len(trained) == 1
     stamps = {p: p.stat().st_mtime_ns for p in cache.rglob("*.safetensors")}
-    second = run_attack(eftvit_run, "membership", "lira", references=1, candidates=20, references_dir=cache)
+    second = run_attack(eftvit_run, "membership", "lira", **offline)
     assert len(trained) == 1  # nothing retrained
     assert stamps == {p: p.stat().st_mtime_ns for p in cache.rglob("*.safetensors")}
     assert second.groups == first.groups and first.details["reference_models"].startswith("1, ")
-    rmia = run_attack(eftvit_run, "membership", "rmia", references=1, candidates=20, references_dir=cache)
+    assert first.details["threat_model"].endswith("offline: it also trains reference models on its own data, none "
+                                                  "on a candidate")
+    rmia = run_attack(eftvit_run, "membership", "rmia", **offline)
     assert len(trained) == 1 and rmia.groups["metrics"]["auc"]["n"] == 40  # the same references serve rmia
+    online = run_attack(eftvit_run, "membership", "lira", references=2, candidates=20, references_dir=cache)
+    assert len(trained) == 3  # two more: each with half of the candidates
+    assert "and half of the candidates" in online.details["reference_models"]
+    assert online.capabilities["aux_data"].endswith("and the candidates' images")
 
 
 

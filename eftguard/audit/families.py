@@ -23,7 +23,7 @@ from eftguard.attacks.dp_audit import CHANNELS, DP_AUDIT
 from eftguard.attacks.gradient import GRADIENT
 from eftguard.attacks.inversion import INVERT
 from eftguard.attacks.labels import LABELS
-from eftguard.attacks.membership import MEMBERSHIP, TARGETS, LossAttack
+from eftguard.attacks.membership import MEMBERSHIP, TARGETS, LossAttack, reference_threat
 from eftguard.attacks.update_inversion import first_masks
 from eftguard.audit import observe, scoring
 from eftguard.audit.references import reference_models
@@ -464,24 +464,30 @@ class MembershipOptions:
                          name_value, choices=TARGETS)
     candidates: int = option(200, "members scored (a seeded random choice of the attacked clients' training "
                                   "images), and as many held-out non-members", whole_number(1))
-    references: int = option(2, "reference models of lira and rmia, each a training run of the run's "
-                                 "configuration on half of the attacker's data (cached)", whole_number(1))
+    references: int = option(16, "reference models of lira and rmia, each a training run of the run's "
+                                  "configuration on half of the attacker's data (cached; each costs about what "
+                                  "the attacked run's rounds cost)", whole_number(1))
     positions: str = option("known", "--target upload: known: the auditor grants each upload's kept-patch "
                                      "positions; unknown: the attack matches tokens at any position",
                             name_value, choices=("known", "unknown"))
     references_dir: Path | None = option(None, "cache of the reference models (default: RUN/reports/"
                                                "membership-references)", path_value)
+    rows: str = option("unknown", "--target upload, row-likelihood: aligned: the auditor grants each candidate "
+                                  "one uploaded row (a member's own, a non-member's a random one: the worst case "
+                                  "a DP bound covers); unknown: the attack tests every row",
+                       name_value, choices=("unknown", "aligned"))
 
 
 MEMBERSHIP_THREAT = {
     "global": "black box: the attacker queries the assembled model of the round on an image and its label (any "
-              "party holding the final model); lira and rmia add reference models it trained on its own data",
+              "party holding the final model)",
     "upload": "honest-but-curious server holding one client's uploaded patch features and its uploaded local "
               "module phi_k of the round",
     "update": "honest-but-curious server holding one client's uploaded parameters and the round's start weights "
               "(white box)",
 }
-POPULATION = 500  # rmia's population samples z, a seeded choice from the attacker's data
+POPULATION = 500  # rmia's population samples z and row-likelihood's mean features: the attacker's images that
+# no reference model trains on, a seeded choice from its data
 
 
 class MembershipFamily(Family):
@@ -509,7 +515,8 @@ class MembershipFamily(Family):
     def threat_model(self, job: Job, cls: type) -> ThreatModel:
         target = job.options["target"]
         return ThreatModel(sees_uploads=target != "global", knows_weights=target != "global",
-                           aux_data="public split and held-out images" if cls.uses_references else None,
+                           aux_data="public split and held-out images" if cls.uses_references or
+                           cls.uses_population else None,
                            positions_known=target == "upload" and job.options["positions"] == "known")
 
     def applicable_targets(self, job: Job, cls: type) -> list[str]:
@@ -525,23 +532,37 @@ class MembershipFamily(Family):
                    and cls.targets == TARGETS else f"the {cls.name} method attacks the global model only")
             raise AttackError(f"--target {job.options['target']} does not apply: {why}. Targets that apply: "
                               f"{', '.join(usable)}")
-        return super().attack(cls, job, method_options)
+        attack = super().attack(cls, job, method_options)
+        if cls.uses_references and attack.variant == "online" and job.options["references"] < 2:
+            raise AttackError(f"the online {cls.name} method needs every candidate inside some reference models and "
+                              "outside others: --references 2 or more (16 by default), or --variant offline")
+        if cls.uses_references:  # online: the attacker holds the candidates too, and trains on them
+            also = " and the candidates' images" if attack.variant == "online" else ""
+            attack.threat_model = replace(attack.threat_model, aux_data=attack.threat_model.aux_data + also)
+        return attack
 
     def observe(self, job: Job, attack: Attack) -> Observed:
+        """The candidates; the attacker's population (POPULATION of its images, never in a reference model's
+        training) and, for lira and rmia, its reference models, trained on the rest of its data (online: and on
+        half of the candidates each)."""
         target, partition = job.options["target"], job.clients[0]
         candidates = scoring.membership_candidates(job.run, job.round_number, partition, target,
                                                    job.options["candidates"], job.seed)
-        references, population, started = [], None, time.perf_counter()
+        pool = ImageSet(candidates.pool_images, candidates.pool_labels)
+        order = np.random.default_rng([job.seed, 17]).permutation(len(pool))
+        population = pool.subset(np.sort(order[:min(POPULATION, len(pool) // 4)]))
+        references, trained_on, started = [], None, time.perf_counter()
         if attack.uses_references:
-            pool = ImageSet(candidates.pool_images, candidates.pool_labels)
             cache = job.options["references_dir"] or job.run.path / "reports" / "membership-references"
-            references = reference_models(job.run, job.round_number, pool, job.options["references"], job.seed,
-                                          Path(cache))
-            chosen = np.random.default_rng([job.seed, 17]).permutation(len(pool))[:POPULATION]
-            population = (pool.images[chosen], pool.labels[chosen])
+            online = ImageSet(candidates.images, candidates.labels) if attack.variant == "online" else None
+            references, trained_on = reference_models(job.run, job.round_number, pool.subset(np.sort(
+                order[len(population):])), job.options["references"], job.seed, Path(cache), online)
         observation = observe.observe_membership(job.run, job.round_number, partition, target, candidates.images,
                                                  candidates.labels, attack.threat_model.positions_known,
-                                                 references, population)
+                                                 references, trained_on, (population.images, population.labels))
+        if target == "upload" and job.options["rows"] == "aligned":
+            observation.candidate_rows = scoring.granted_rows(job.run, job.round_number, partition,
+                                                              candidates.images, job.seed)
         return Observed(observation, {"is_member": candidates.is_member, "members_from": candidates.members_from,
                                       "non_members_from": candidates.non_members_from,
                                       "reference_seconds": round(time.perf_counter() - started, 1)})
@@ -551,14 +572,20 @@ class MembershipFamily(Family):
         target = job.options["target"]
         loss = result if attack.name == LossAttack.name else \
             LossAttack(threat_model=attack.threat_model).reconstruct(observed.observation)
-        details = {"method": attack.summary, "target": target, "threat_model": MEMBERSHIP_THREAT[target],
+        threat = MEMBERSHIP_THREAT[target] + (f"; {reference_threat(attack.variant)}" if attack.uses_references
+                                              else "")
+        if observed.observation.candidate_rows is not None:
+            threat += ("; the auditor grants each candidate one uploaded row, a member its own (the worst case a DP "
+                       "bound covers)")
+        details = {"method": attack.summary, "target": target, "threat_model": threat,
                    "members": observed.auditor["members_from"],
                    "non_members": observed.auditor["non_members_from"],
                    "attack_seconds": round(seconds, 2), "dp_eps": cfg.dp_eps, "run_method": cfg.method,
                    **result.details}
         if attack.uses_references:
             details["reference_models"] = (f"{job.options['references']}, each the run's configuration trained for "
-                                           f"{job.round_number} round(s) on half of the attacker's data "
+                                           f"{job.round_number} round(s) on half of the attacker's data"
+                                           f"{' and half of the candidates' if attack.variant == 'online' else ''} "
                                            f"({observed.auditor['reference_seconds']} s incl. loading or training)")
         summary = scoring.membership_summary(result.scores, loss.scores, observed.auditor["is_member"], details)
         if target == "global":

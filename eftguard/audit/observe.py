@@ -376,21 +376,27 @@ def round_model(run: RunDirectory, round_number: int) -> EFTViT:
 
 def observe_membership(run: RunDirectory, round_number: int, partition: int, target: str, images: np.ndarray,
                        labels: np.ndarray, positions_known: bool, references: list | None = None,
+                       reference_trained_on: np.ndarray | None = None,
                        population: tuple[np.ndarray, np.ndarray] | None = None) -> MembershipObservation:
-    """What the attacker holds for one target: the candidates (no membership), the target model and, for
-    upload / update, the client's uploads (kept positions from the auditor with positions_known)."""
+    """What the attacker holds for one target: the candidates (no membership), the target model, its own images
+    (population) and reference models and, for upload / update, the client's uploads (kept positions from the
+    auditor with positions_known) and the feature release's public clip and noise."""
+    population_images, population_labels = population if population else (None, None)
     if target == "global":
         return MembershipObservation(target, round_number, images, labels, round_model(run, round_number),
-                                     references=references or [],
-                                     population=population[0] if population else None,
-                                     population_labels=population[1] if population else None)
+                                     references=references or [], reference_trained_on=reference_trained_on,
+                                     population=population_images, population_labels=population_labels)
     state = {k: torch.from_numpy(v) for k, v in run.load_upload(round_number, partition, "update").items()}
-    observation = MembershipObservation(target, round_number, images, labels, run.start_model(round_number), state)
+    observation = MembershipObservation(target, round_number, images, labels, run.start_model(round_number), state,
+                                        population=population_images, population_labels=population_labels)
     if target == "upload":
         observation.features = torch.from_numpy(run.load_upload(round_number, partition, "features")["features"])
+        observation.feature_release = feature_release(run, round_number, [partition])
         if positions_known:
             observation.kept_ids = torch.from_numpy(scoring.granted_positions(run, round_number, partition))
     return observation
+
+
 def local_training(run: RunDirectory, round_number: int, partition: int, model: EFTViT,
                    uploaded: dict[str, torch.Tensor], num_examples: int, replayable: bool) -> LocalTraining:
     """How the client trained, from the public config and n_k. A simulated node without DP-SGD seeds its batches

@@ -2,11 +2,12 @@
 trained by the normal trainer (the real server and clients over an in-process grid) on a random half of the
 attacker's own data, for as many rounds as the attacked round.
 
-The attacker's data (the reference pool) is the public split plus held-out images that are not candidates, so
-no reference model ever trained on a candidate (the offline variants of LiRA and RMIA). Each reference model is a
-run directory under the cache folder, named by a digest of the configuration, the pool, the round and the seed:
-a second audit with the same inputs loads the finished run instead of training again, and an interrupted one
-resumes it.
+The attacker's data (the reference pool) is the public split plus held-out images that are not candidates.
+Offline, that is all a reference model trains on: none ever saw a candidate. Online (the attacker knows the
+candidates), every candidate is added to a random half of the reference models, exactly half of them, as in
+LiRA's reference code. Each reference model is a run directory under the cache folder, named by a digest of the
+configuration, its training images, the round and the seed: a second audit with the same inputs loads the
+finished run instead of training again, and an interrupted one resumes it.
 """
 
 from __future__ import annotations
@@ -28,9 +29,9 @@ DATA = "data"
 RUN = "run"
 
 
-def reference_key(config_toml: str, pool: ImageSet, round_number: int, seed: int, index: int) -> str:
+def reference_key(config_toml: str, training: ImageSet, round_number: int, seed: int, index: int) -> str:
     digest = hashlib.sha256(config_toml.encode())
-    for array in (pool.images, pool.labels):
+    for array in (training.images, training.labels):
         digest.update(np.ascontiguousarray(array).tobytes())
     digest.update(repr((round_number, seed, index)).encode())
     return digest.hexdigest()[:16]
@@ -62,24 +63,37 @@ def with_every_class(split: ImageSet, donor: ImageSet, classes: int) -> ImageSet
     return ImageSet(np.concatenate([split.images, extra.images]), np.concatenate([split.labels, extra.labels]))
 
 
+def half_of_the_models(count: int, images: int, rng: np.random.Generator) -> np.ndarray:
+    """[count, images] bool: each image in exactly count // 2 models, a random choice per image."""
+    return np.argsort(rng.random((count, images)), axis=0) < count // 2
+
+
 def reference_models(run: RunDirectory, round_number: int, pool: ImageSet, count: int, seed: int, cache: Path,
-                     progress: Progress | None = None) -> list:
+                     candidates: ImageSet | None = None, progress: Progress | None = None
+                     ) -> tuple[list, np.ndarray | None]:
     """`count` models of the run's configuration after `round_number` rounds, each trained on a random half of
-    the pool (at most as many images as the run's clients hold), loaded from the cache or trained into it."""
+    the pool and, online (candidates given), on the candidates of its row of the returned [count, candidates]
+    inclusion, at most as many images in all as the run's clients hold (where the pool allows); loaded from the
+    cache or trained into it."""
     # Flower (0.4 s): `eftguard attack` starts without it, only the reference models' training needs it
     from eftguard.federation.inprocess import train_in_process
     from eftguard.federation.server import guard_images
 
     cfg = run.config()
     dataset = run_dataset(cfg.dataset, cfg.data_dir, cfg.model, cfg.train_samples, cfg.test_samples, cfg.seed)
-    size = min(len(pool) // 2, len(dataset.train))
+    trained_on = None if candidates is None else half_of_the_models(
+        count, len(candidates), np.random.default_rng([seed, round_number, 18]))
     guard = ImageSet(*(t.numpy() for t in guard_images(dataset, cfg.seed)))  # all a run reads of its public split
     models = []
     for index in range(count):
-        folder = cache / f"reference-{reference_key(cfg.to_toml(), pool, round_number, seed, index)}"
+        added = 0 if trained_on is None else int(trained_on[index].sum())  # online: as many images as the run, all in
+        half = pool.subset(random_half(pool.labels, max(1, min(len(pool) // 2, len(dataset.train) - added)),
+                                       np.random.default_rng([seed, round_number, index, 15])))
+        if trained_on is not None:
+            chosen = candidates.subset(np.flatnonzero(trained_on[index]))
+            half = ImageSet(np.concatenate([half.images, chosen.images]), np.concatenate([half.labels, chosen.labels]))
+        folder = cache / f"reference-{reference_key(cfg.to_toml(), half, round_number, seed, index)}"
         if not (folder / RUN).is_dir() or RunDirectory.open(folder / RUN).completed_rounds() < round_number:
-            rng = np.random.default_rng([seed, round_number, index, 15])
-            half = pool.subset(random_half(pool.labels, size, rng))
             data = folder / DATA
             if not data.is_dir():  # written aside and renamed, so that an interrupted write is never used
                 partial = folder / f"{DATA}.partial"
@@ -100,4 +114,4 @@ def reference_models(run: RunDirectory, round_number: int, pool: ImageSet, count
         models.append(RunDirectory.open(folder / RUN).start_model(round_number + 1))
         if progress:
             progress("reference models", index + 1, count)
-    return models
+    return models, trained_on

@@ -456,6 +456,23 @@ def membership_candidates(run: RunDirectory, round_number: int, partition: int, 
                                 members_from, held_out_from)
 
 
+def granted_rows(run: RunDirectory, round_number: int, partition: int, images: np.ndarray, seed: int
+                 ) -> np.ndarray:
+    """--rows aligned: the uploaded row the auditor grants each candidate, the worst case a DP bound covers (the
+    neighbouring releases differ in one known row): a member's own row (its first, if median sampling sent it
+    twice), a non-member a random row holding an image (never a null row), so that the grant alone tells
+    nothing."""
+    cfg = run.config()
+    full = load_dataset(cfg.dataset, cfg.data_dir or None, PRESETS[cfg.model].image_size)
+    sample_ids = run.load_truth(round_number, partition)["sample_ids"]
+    with_image = np.flatnonzero(sample_ids >= 0)
+    row_of = {}
+    for row in with_image[::-1]:  # the first row of an image wins
+        row_of[full.train.images[sample_ids[row]].tobytes()] = row
+    rng = np.random.default_rng([seed, round_number, partition, 19])
+    return np.array([row_of.get(image.tobytes(), rng.choice(with_image)) for image in images], dtype=np.int64)
+
+
 def without_copies_of(originals: ImageSet, images: ImageSet) -> ImageSet:
     """images without the exact pixel copies of an original (photos has flat crops, e.g. all-white logo corners,
     in several splits): a copy of a member is a member and a non-member at once."""
