@@ -29,9 +29,10 @@ import numpy as np
 import torch
 from torch import nn
 
-from eftguard.attacks.base import AttackError, Progress, Registry, ThreatModel, name_value, option
+from eftguard.attacks.base import AttackError, Progress, Registry, ThreatModel
 from eftguard.defenses.feature_dp import clip_rows
 from eftguard.defenses.feature_noise import release_features
+from eftguard.options import name_value, option
 
 MEMBERSHIP = Registry("membership", default="loss")
 TARGETS = ("global", "upload", "update")
