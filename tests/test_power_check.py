@@ -180,3 +180,16 @@ def test_the_label_control_draws_a_seeded_skewed_histogram(feature_run):
     shares = np.bincount(labels) / len(labels)
     assert np.array_equal(labels, again)
     assert shares.max() > 3 / num_classes  # far from uniform: Dirichlet(0.1) puts most on a few classes
+
+
+@pytest.mark.slow  # trains a one-round DP-SGD run of the micro ViT
+def test_a_dp_run_reads_low_for_labels_beside_a_passing_power_check(tmp_path, micro_preset):
+    """DP-SGD at epsilon 1 puts bias-corrected near or above the prior's L1 on the client's head update; the same
+    attack on the client's training without DP on skewed public images beats the prior, so the low stands."""
+    from conftest import train_in_process
+    from eftguard.rundir import RunDirectory
+
+    run = RunDirectory.open(train_in_process(tmp_path / "dp", model=micro_preset, dp_eps=1.0))
+    report = run_attack(run, "labels", "bias-corrected")
+    v = channel_of(report)
+    assert v.level == verdict.LOW and v.control.passed, (v.value, v.baseline, v.control)
