@@ -1,6 +1,7 @@
-"""The power check behind every verdict (issue 36, item 2): each image family and the labels family run the same attack with the same
-budget on public images through the same channel with the defense off, stores the control's figures beside the
-attack's, and the verdict reads a low as inconclusive when the control failed, unchecked when none ran."""
+"""The power check behind every verdict (issue 36, item 2): each image family, and the labels family, runs the same
+attack with the same budget on public images through the same channel with the defense off, stores the control's
+figures beside the attack's, and the verdict reads a low as inconclusive when the control failed, unchecked when
+none ran."""
 
 import numpy as np
 import pytest
