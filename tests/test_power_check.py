@@ -1,6 +1,7 @@
-"""The power check behind every verdict (issue 36, item 2): each image family runs the same attack with the same
-budget on public images through the same channel with the defense off, stores the control's figures beside the
-attack's, and the verdict reads a low as inconclusive when the control failed, unchecked when none ran."""
+"""The power check behind every verdict (issue 36, item 2): each image family, and the labels family, runs the same
+attack with the same budget on public images through the same channel with the defense off, stores the control's
+figures beside the attack's, and the verdict reads a low as inconclusive when the control failed, unchecked when
+none ran."""
 
 import numpy as np
 import pytest
@@ -113,3 +114,83 @@ def test_an_audit_file_power_check_must_be_a_boolean():
     check_attack_options("invert", "decoder", {"power_check": False}, "x.toml [[attack]] #1")
     with pytest.raises(ConfigError, match=r"x.toml \[\[attack\]\] #1: power_check must be true or false, got 'no'"):
         check_attack_options("invert", "decoder", {"power_check": "no"}, "x.toml [[attack]] #1")
+
+
+# --- labels: the client's local training on public images with a known, skewed histogram ---------------------
+
+def test_a_label_attack_passes_its_control_on_skewed_public_images(feature_run):
+    """Median sampling re-uploads the images of small classes: linkage counts them on the control as on the
+    client, far below the prior's L1 on a Dirichlet(beta) histogram."""
+    report = run_attack(feature_run, "labels", "linkage")
+    figures = report.figures()
+    assert figures["control.l1"] < 0.5 * figures["control_baseline.l1"]
+    assert "public images with a seeded Dirichlet" in report.details["power_check"]
+    v = channel_of(report)
+    assert v.control is not None and v.control.passed and v.control.attack == "labels-linkage"
+
+
+def test_a_label_attack_no_better_than_the_prior_reads_inconclusive(feature_run, monkeypatch):
+    """An attack that returns the prior (n_k spread over the classes with uploads) is at its baseline on the
+    client and on the control alike: the channel's verdict cannot be low."""
+    from eftguard.attacks.labels import HeadGradientAttack
+    from eftguard.audit.scoring import prior_baseline
+
+    def the_prior(self, observation, progress=None):
+        return {c.partition: prior_baseline(c.num_examples, np.bincount(c.labels, minlength=observation.num_classes)
+                                            > 0) for c in observation.clients}
+
+    monkeypatch.setattr(HeadGradientAttack, "reconstruct", the_prior)
+    report = run_attack(feature_run, "labels", "head")
+    figures = report.figures()
+    assert figures["control.l1"] == pytest.approx(figures["control_baseline.l1"])
+    v = channel_of(report)
+    assert v.level == verdict.INCONCLUSIVE and not v.control.passed
+
+
+def test_the_label_controls_baseline_is_the_prior_with_the_attacks_knowledge():
+    """The control's baseline, recomputed by hand: n_k spread over the classes with uploads (or over all classes),
+    scored by L1 of the proportions; lower L1 leaks more, so an exact estimate passes and the prior fails."""
+    from eftguard.attacks.base import LabelEstimate
+    from eftguard.audit.scoring import label_control_groups
+
+    truth = np.array([6, 0, 3, 1])
+    exact = LabelEstimate(truth.astype(float), truth > 0)
+    with_uploads = label_control_groups(exact, truth, truth > 0)
+    over_all = label_control_groups(exact, truth, None)
+    p = truth / 10
+    assert with_uploads["control_baseline"]["l1"]["mean"] == pytest.approx(np.abs(p - [1 / 3, 0, 1 / 3, 1 / 3]).sum())
+    assert over_all["control_baseline"]["l1"]["mean"] == pytest.approx(np.abs(p - 0.25).sum())
+    assert with_uploads["control"]["l1"]["mean"] == 0.0
+    headline = CHANNELS["labels"].headlines[0]
+    assert headline.figure == "l1"
+    baseline = with_uploads["control_baseline"]["l1"]["mean"]
+    assert verdict.PowerCheck("labels-x", 0.0, baseline, headline).passed
+    assert not verdict.PowerCheck("labels-x", baseline, baseline, headline).passed
+
+
+def test_the_label_control_draws_a_seeded_skewed_histogram(feature_run):
+    """On a uniform histogram the prior is already right and no attack could beat it: the control's class mix is as
+    skewed as the run's split."""
+    from eftguard.audit.observe import public_skewed_sample
+    from eftguard.rundir import RunDirectory
+
+    run = RunDirectory.open(feature_run)
+    cfg, num_classes = run.config(), run.load_checkpoint(0)["head.weight"].shape[0]
+    _, labels = public_skewed_sample(cfg, 60, seed=3)
+    _, again = public_skewed_sample(cfg, 60, seed=3)
+    shares = np.bincount(labels) / len(labels)
+    assert np.array_equal(labels, again)
+    assert shares.max() > 3 / num_classes  # far from uniform: Dirichlet(0.1) puts most on a few classes
+
+
+@pytest.mark.slow  # trains a one-round DP-SGD run of the micro ViT
+def test_a_dp_run_reads_low_for_labels_beside_a_passing_power_check(tmp_path, micro_preset):
+    """DP-SGD at epsilon 1 puts bias-corrected near or above the prior's L1 on the client's head update; the same
+    attack on the client's training without DP on skewed public images beats the prior, so the low stands."""
+    from conftest import train_in_process
+    from eftguard.rundir import RunDirectory
+
+    run = RunDirectory.open(train_in_process(tmp_path / "dp", model=micro_preset, dp_eps=1.0))
+    report = run_attack(run, "labels", "bias-corrected")
+    v = channel_of(report)
+    assert v.level == verdict.LOW and v.control.passed, (v.value, v.baseline, v.control)

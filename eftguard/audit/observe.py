@@ -9,7 +9,7 @@ only. The batch it used is kept for scoring, out of the attack's reach.
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import numpy as np
 import torch
@@ -32,7 +32,8 @@ from eftguard.masking import random_keep_ids
 from eftguard.methods import method_spec
 from eftguard.model import EFTViT
 from eftguard.rundir import RunDirectory, RunError, round_name
-from eftguard.training import OptimConfig, train_local
+from eftguard.sampling import balanced_indices
+from eftguard.training import OptimConfig, extract_features, train_local
 
 # --- invert: uploaded patch features ------------------------------------------------------------------------
 
@@ -297,6 +298,48 @@ def public_update_observation(run: RunDirectory, round_number: int, partition: i
     return update_observation(run, round_number, partition, batch, prior, model, uploaded, len(images),
                               replayable=True)[0]
 
+
+
+def public_skewed_sample(cfg, count: int, seed: int) -> tuple[np.ndarray, np.ndarray]:
+    """(images uint8, labels) of `count` public images whose classes follow a seeded Dirichlet(--beta) mix, as
+    skewed as the run's client split: the label channel's control, a histogram the auditor knows."""
+    public = run_dataset(cfg.dataset, cfg.data_dir, cfg.model, cfg.train_samples, 0, cfg.seed).public
+    if count > len(public):
+        raise RunError(f"the power check needs {count} public images; the run's public split holds {len(public)}")
+    rng = np.random.default_rng([seed, 29])
+    per_class = np.bincount(public.labels)
+    mix = rng.dirichlet(np.full(len(per_class), cfg.beta))
+    weights = np.maximum(mix[public.labels] / per_class[public.labels], 1e-12)  # a class that runs out: the others
+    chosen = np.sort(rng.choice(len(public), size=count, replace=False, p=weights / weights.sum()))
+    return public.images[chosen], public.labels[chosen]
+
+
+def public_label_observation(run: RunDirectory, round_number: int, partition: int, images: np.ndarray,
+                             labels: np.ndarray, observation: LabelObservation) -> LabelObservation:
+    """The label channel with the defense off, for one client: its local training (optimiser, epochs, batches and
+    masking as a simulated client seeds them; no DP-SGD) on these public images from the round's start weights
+    gives the head it uploads; where the run uploads features, the images median-sampled as the client samples
+    (--balance) and their features released without clipping or noise; n_k is their count. The attack's
+    observation gives the rest (start model, balance, training settings)."""
+    cfg = run.config()
+    trained = run.start_model(round_number)
+    prune_as_client(run, round_number, partition, trained, trained_names(trained, cfg.method))
+    optim = OptimConfig(cfg.local_epochs, cfg.batch_size, cfg.lr * cfg.lr_factor(round_number), cfg.weight_decay)
+    generator = torch.Generator().manual_seed(seeded(cfg.seed, round_number, partition, 1))
+    train_local(trained, torch.from_numpy(images), torch.from_numpy(labels), cfg.method, cfg.mask_ratio, optim,
+                generator, precision=cfg.precision)
+    uploaded_labels = features = None
+    if method_spec(cfg.method).uploads_features:
+        chosen = balanced_indices(labels, observation.num_classes, cfg.balance,
+                                  np.random.default_rng(seeded(cfg.seed, round_number, partition, 2)))
+        released, _ = extract_features(trained, torch.from_numpy(images[chosen]),
+                                       method_spec(cfg.method).mask_ratio(cfg.mask_ratio), generator,
+                                       precision=cfg.precision)
+        uploaded_labels, features = labels[chosen].astype(np.int64), released.numpy()
+    head = trained.head
+    client = ClientUploads(partition, len(labels), uploaded_labels, features, head.weight.detach().numpy().copy(),
+                           head.bias.detach().numpy().copy())
+    return replace(observation, clients=[client])
 
 def public_round_features(observation: RoundFeatures, images: np.ndarray, labels: np.ndarray, seed: int,
                           positions_known: bool) -> tuple[RoundFeatures, torch.Tensor]:

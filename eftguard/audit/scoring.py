@@ -254,6 +254,17 @@ def score_labels(run: RunDirectory, round_number: int, partition: int, estimate:
     return ClientScores(partition, groups, histograms=histograms)
 
 
+
+def label_control_groups(estimate: LabelEstimate, true_counts: np.ndarray, upload_classes: np.ndarray | None
+                         ) -> dict:
+    """The power check's score groups for a label attack: its scores on the control against the control's known
+    histogram ("control") and those of the prior with the attack's knowledge ("control_baseline"), as the attack's
+    own are scored; figures "control.l1", "control_baseline.l1", ..."""
+    classes = np.ones(len(true_counts), dtype=bool) if upload_classes is None else upload_classes
+    scored = {"control": estimate, "control_baseline": prior_baseline(int(true_counts.sum()), classes)}
+    return {group: {name: metrics.summarize(values) for name, values in label_scores(guess, true_counts).items()}
+            for group, guess in scored.items()}
+
 def label_summary(clients: list[ClientScores], details: dict) -> Summary:
     """A label attack's l1, js, exact_count_accuracy and presence scores pooled over clients (n: clients, or
     present (client, class) pairs for exact_count_accuracy), per-client means and the true and estimated
