@@ -156,8 +156,9 @@ def test_a_label_probe_round_gives_the_class_counts_away(tmp_path, micro_preset,
                                              model_check=False, batch_size=64))
     calls = attacks_guarded(monkeypatch, tampered.path, TamperedHeadAttack)
     read = run_attack(tampered.path, "labels", "tampered").figures()
-    assert calls == ["TamperedHeadAttack"]
+    assert calls == ["TamperedHeadAttack"] * 2  # the attack, then its power check on the same crafted model
     assert read["exact_count_accuracy"] == 1.0 and read["l1"] < 0.02 < read["baseline.l1"]
+    assert read["control.l1"] < 0.02 < read["control_baseline.l1"]  # the control trains from the crafted start
     misread = run_attack(other.path, "labels", "tampered").figures()
     assert misread["l1"] > 0.99 * misread["baseline.l1"]
 
