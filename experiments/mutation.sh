@@ -102,7 +102,7 @@ MODULES=(
   "metrics|eftguard/metrics.py|tests/test_metrics.py tests/test_identifiability.py"
   "training|eftguard/training.py|tests/test_training.py tests/test_precision.py tests/test_dp_clipping.py tests/test_model.py tests/test_dp.py tests/test_sampling.py tests/test_dp_server_training.py --deselect=tests/test_model.py::test_paper_preset_splits_like_timm"
   "validation|eftguard/federation/validation.py|tests/test_validation.py ${HOSTILE_REPLIES} tests/test_headprune.py::test_a_hostile_head_record_or_update_is_refused_with_a_reason"
-  "dp|defenses/dp.py|tests/test_dp.py tests/test_training.py tests/test_dp_clipping.py"
+  "dp|defenses/dp.py|tests/test_dp.py tests/test_e2e_dp.py::test_both_channels_are_calibrated_jointly_to_spend_the_budget_asked_for tests/test_e2e_dp.py::test_ledger_holds_the_composed_total_not_a_split tests/test_training.py tests/test_dp_clipping.py"
   "clipping|defenses/clipping.py|tests/test_dp.py tests/test_dp_clipping.py tests/test_training.py"
   "ledger|defenses/ledger.py|tests/test_ledger.py ${LEDGER_ROUNDS[*]}"
   "at_rest|defenses/at_rest.py|tests/test_at_rest.py"
