@@ -97,7 +97,7 @@ def test_a_report_of_another_schema_version_is_refused(tmp_path, version, messag
     ("labels", "linkage", {"link_threshold": float("nan")}, "link_threshold must be a finite number in (0, 1]"),
     ("gradient", None, {"seed": -1}, "seed must be a whole number in 0..4294967295, got '-1'"),
     ("labels", None, {"round_number": 1.5}, "round_number must be a whole number >= 1, got '1.5'"),
-    ("gradient", None, {"lpips_backend": "vgg"}, "unknown LPIPS backend 'vgg': choose auto, lpips-alex"),
+    ("gradient", None, {"lpips_backend": "vgg"}, "lpips_backend must be one of auto, lpips-alex, stlpips-alex, got 'vgg'"),
 ])
 def test_wrong_names_and_values_are_one_error_listing_the_valid_ones(feature_run, tmp_path, family, method, options,
                                                                      listed):
@@ -133,7 +133,14 @@ def test_cli_method_choices_are_the_registry(family):
 
 @pytest.mark.parametrize("family", FAMILIES)
 @pytest.mark.parametrize("clients", [["--clients", "1"], ["--client", "1"]])
-def test_every_attack_command_takes_the_run_and_clients_the_same_ways(family, clients):
+def test_every_attack_command_takes_the_run_and_clients_the_same_ways(family, clients, capsys):
+    """One spelling, --clients; the old --client is refused naming it (not read as an abbreviation of it)."""
+    if clients[0] == "--client":
+        with pytest.raises(SystemExit) as stop:
+            build_parser().parse_args(["attack", family, "runs/x", *clients])
+        assert stop.value.code == 2
+        assert capsys.readouterr().err.startswith("eftguard: error: --client is now --clients: give --clients 1")
+        return
     args = build_parser().parse_args(["attack", family, "runs/x", *clients])
     assert args.run == Path("runs/x") and args.clients == "1"
 

@@ -483,7 +483,7 @@ def test_encrypted_run_needs_its_key(capsys, tmp_path, micro_preset):
 
 
 @pytest.mark.parametrize("argv, message", [
-    (["--client", "7"], "no uploads of client(s) [7]"),
+    (["--clients", "7"], "no uploads of client(s) [7]"),
     (["--round", "2"], "--round 2 is not a completed round"),
     (["--observe", "probe", "--batch", "1000"], "--batch 1000 is larger than client 0's"),
     (["--observe", "upload", "--batch", "1000"], "--batch 1000 is larger than client 0's"),
