@@ -233,7 +233,7 @@ def test_a_family_added_through_the_registries_gets_its_verdict_row_and_plot(fea
     its verdict row, its figure column and its plots."""
     from eftguard.audit.gate import check_before_training, parse_gate
     from eftguard.report import write_audit_report
-    from test_report import Page, markdown_tables
+    from helpers import Page, markdown_tables
 
     monkeypatch.setitem(FAMILIES, "toy", ToyFamily())
     monkeypatch.setitem(CHANNELS, "toy", TOY_CHANNEL)

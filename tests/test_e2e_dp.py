@@ -198,7 +198,7 @@ def test_decoder_inversion_of_kept_patches_falls_to_the_mean_image_under_the_fea
     from eftguard.attacks.inversion import DecoderInversion, RoundFeatures
     from eftguard.defenses.feature_dp import DEFAULT_CLIP
     from eftguard.data.registry import load_dataset
-    from test_inversion import kept_patch_psnr, mean_image_kept_psnr, observe
+    from helpers import kept_patch_psnr, mean_image_kept_psnr, observe
 
     photos = load_dataset("photos", None, 32)
     model = build_model("vit-tiny-32", photos.num_classes, local_layers=2, seed=0)

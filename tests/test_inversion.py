@@ -25,18 +25,8 @@ from eftguard.masking import random_keep_ids
 from eftguard.methods import method_spec
 from eftguard.model import build_model
 from eftguard.rundir import RunDirectory
+from helpers import kept_patch_psnr, mean_image_kept_psnr, observe
 from conftest import attacks_guarded, truth_out_of_reach
-
-
-def observe(model, images_uint8, mask_ratio, positions_known, seed=0):
-    """What a server holds after a client uploads phi(mask(images)) with the model's own local module."""
-    generator = torch.Generator().manual_seed(seed)
-    keep = random_keep_ids(len(images_uint8), model.local_module.num_patches, mask_ratio, generator)
-    with torch.no_grad():
-        features = model.local_module(model.normalize(torch.from_numpy(images_uint8)), keep)
-    client = ClientFeatures(0, features, torch.zeros(len(features), dtype=torch.long), method_spec("eftvit").uploaded_state(model),
-                            keep if positions_known else None)
-    return client, keep
 
 
 def test_patchify_round_trip():
@@ -68,14 +58,6 @@ def test_decoder_recovers_images_from_unmasked_features_far_better_than_the_mean
     attacked = metrics.psnr(recon.images, truth).mean()
     baseline = metrics.psnr(metrics.mean_image_baseline(photos.public.images / 255.0, len(truth)), truth).mean()
     assert attacked > baseline + 6, (attacked, baseline)
-
-
-def kept_patch_psnr(recon, truth, keep):
-    return metrics.psnr(recon, truth, metrics.kept_pixels(keep.numpy(), truth.shape[1], 4))
-
-
-def mean_image_kept_psnr(photos, truth, keep):
-    return kept_patch_psnr(metrics.mean_image_baseline(photos.public.images / 255.0, len(truth)), truth, keep)
 
 
 @pytest.mark.parametrize("feature_noise", [0.0, 3.0], ids=["undefended", "heavy-feature-noise"])

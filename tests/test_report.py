@@ -3,7 +3,6 @@ files and audit summaries written here: no training, no attack."""
 
 import json
 import math
-from html.parser import HTMLParser
 
 import numpy as np
 import pytest
@@ -12,6 +11,7 @@ from eftguard import channels, verdict
 from eftguard.attack_report import AttackReport
 from eftguard.report import image_grid, write_audit_report, write_run_report
 from eftguard.rundir import RunError
+from helpers import METRICS, Page, markdown_tables
 
 HOSTILE = '"><script>alert(1)</script>'
 
@@ -206,53 +206,6 @@ def test_figures_follow_attack_report_names():
 
 # --- HTML helpers -----------------------------------------------------------------------------------------
 
-class Page(HTMLParser):
-    """Start tags with attributes, and the text of every table's cells."""
-
-    def __init__(self, text):
-        super().__init__()
-        self.tags, self.tables, self._cell = [], [], None
-        self.feed(text)
-
-    def handle_starttag(self, tag, attrs):
-        self.tags.append((tag, dict(attrs)))
-        if tag == "table":
-            self.tables.append([])
-        elif tag == "tr":
-            self.tables[-1].append([])
-        elif tag in ("td", "th"):
-            self._cell = ""
-
-    def handle_endtag(self, tag):
-        if tag in ("td", "th"):
-            self.tables[-1][-1].append(self._cell)
-            self._cell = None
-
-    def handle_data(self, data):
-        if self._cell is not None:
-            self._cell += data
-
-    def sources(self):
-        return [v for _, attrs in self.tags for k, v in attrs.items() if k in ("src", "href")]
-
-
-def markdown_tables(text):
-    """Every pipe table of a report.md, cells unescaped as a Markdown viewer shows them."""
-    import html
-
-    tables, current = [], None
-    for line in text.splitlines():
-        if line.startswith("|"):
-            if current is None:
-                current = []
-                tables.append(current)
-            if not set(line) <= set("|-"):
-                cells = [c.strip().replace("\\|", "|") for c in line.strip("|").split(" | ")]
-                current.append([html.unescape(c) for c in cells])
-        else:
-            current = None
-    return tables
-
 
 def rendered(md_file):
     """report.md as a Markdown viewer turns it into HTML (raw HTML passes through)."""
@@ -273,9 +226,6 @@ def write_reports(folder, reports):
     for report in reports:
         (folder / report["attack"].replace("/", "")).mkdir(parents=True)
         (folder / report["attack"].replace("/", "") / "report.json").write_text(json.dumps(report))
-
-
-METRICS = [{"round": 1, "test_accuracy": 0.31}, {"round": 2, "test_accuracy": 0.42}]
 
 
 def test_run_report_leads_with_the_verdict_and_collapses_what_matches_the_defaults(tmp_path):
