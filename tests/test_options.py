@@ -247,3 +247,17 @@ def test_an_audit_file_reads_the_common_attack_options_from_their_declaration():
                              ({"power_check": "yes"}, "power_check must be true or false, got 'yes'")]:
         with pytest.raises(ConfigError, match="^" + re.escape(f"{where}: {message}")):
             check_attack_options("labels", "head", options, where)
+
+
+def test_a_weight_that_may_be_zero_is_refused_below_zero_with_its_real_bound():
+    """--tv and the like: 0 switches the term off and is accepted; a negative or NaN weight is one message that
+    names the bound a user can type (">= 0", not an epsilon below zero)."""
+    from eftguard.options import finite_number
+
+    parse = finite_number(0, zero_allowed=True)
+    assert parse("0") == 0.0 and parse("0.3") == 0.3
+    for text in ("-1", "-1e-13", "nan", "inf"):
+        with pytest.raises(ValueError, match=r"must be a finite number >= 0, got"):
+            parse(text)
+    with pytest.raises(ValueError, match=r"> 0, got '0'"):
+        finite_number(0)("0")

@@ -1,5 +1,5 @@
 """Paths that are folders where a file belongs, or files where a folder belongs, for the commands outside the
-attacks (tests/test_bad_input.py has those): one `eftguard: error:` line that names the problem, exit 2, before
+attacks (tests/test_attack_cli.py has those): one `eftguard: error:` line that names the problem, exit 2, before
 any work, and nothing that was there removed. Each case was a traceback, or a crash after all the work (bench)."""
 
 import json
