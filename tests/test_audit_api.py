@@ -23,6 +23,7 @@ from eftguard.figures import figure_direction, figure_directions
 from eftguard.metrics import summarize
 from eftguard.report import write_attack_report
 from eftguard.rundir import RunError
+from conftest import LINUX_PROC
 
 FAST = {"invert": {"steps": 2, "max_images": 3}, "labels": {}, "gradient": {"observe": "probe"},
         "membership": {"candidates": 20}}
@@ -261,3 +262,12 @@ def test_a_family_added_through_the_registries_gets_its_verdict_row_and_plot(fea
     assert [attrs["alt"] for tag, attrs in audit_page.tags if tag == "img"] == [
         "Test accuracy against the strongest toy attack (hit rate), one point per configuration group",
         "Toy guessing against the DP-SGD budget ε (DP configurations only)"]
+
+
+@LINUX_PROC
+def test_a_reports_folder_where_nothing_can_be_written_is_refused_before_the_attack():
+    from eftguard.audit.api import out_root
+    from eftguard.rundir import RunError
+
+    with pytest.raises(RunError, match=r"cannot write reports to /proc/reports \(/proc is not writable: "):
+        out_root(None, Path("/proc/reports"))
