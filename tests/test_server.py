@@ -23,7 +23,7 @@ from flwr.app import Array, ArrayRecord, ConfigRecord, Error, Message, Metadata,
 from rich.console import Console
 from rich.progress import Progress
 
-from conftest import MICRO_PRESET, MICRO_WIDTH
+from conftest import MICRO_PRESET, MICRO_WIDTH, train_in_process
 from fakegrid import FakeGrid, task_identity
 from eftguard.aggregate import fedavg
 from eftguard.config import TrainConfig
@@ -1224,6 +1224,20 @@ def test_stop_request_during_a_round_keeps_no_part_of_it(tmp_path, micro_preset)
     finally:
         server.STOP_REQUESTED.clear()
     assert run.completed_rounds() == 0 and run.uploaded_partitions(1) == []
+
+
+def test_server_epochs_zero_leaves_theta_as_initialised(tmp_path):
+    """The baseline of the privacy-utility table: with --server-epochs 0 the global module never learns from the
+    uploaded features (the clients' averaged local modules and heads still change)."""
+    from eftguard.rundir import RunDirectory
+
+    run = RunDirectory.open(train_in_process(tmp_path / "run", model=MICRO_PRESET, server_epochs=0, train_samples=64))
+    start, after = run.load_checkpoint(0), run.load_checkpoint(1)
+    changed = {k for k in start if not torch.equal(start[k], after[k])}
+    assert changed and not any(k.startswith("global_module.") for k in changed)
+    assert any(k.startswith("local_module.") for k in changed)
+    (metrics,) = run.metrics()
+    assert metrics["server_loss"] is None
 
 
 # --- hostile replies ----------------------------------------------------------------------------------------
