@@ -1,7 +1,7 @@
 """parse_reply: what the server accepts from a client, and the reason it gives for everything else.
 
 Each case is a reply a broken or hostile client could send; the full-server versions (over the in-process
-grid) are in test_hostile_replies.py."""
+grid) are in test_server.py."""
 
 import io
 
