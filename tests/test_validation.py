@@ -419,3 +419,33 @@ def test_canary_truth_names_distinct_owned_canaries_and_their_inclusion_bits(spe
                                       "canary_included": np.array(included, np.int64)}), with_canaries, 40, None)
     with pytest.raises(UploadError, match="canary_ids"):  # a canary run's truth must say which canaries it holds
         validate_truth(to_record(base), with_canaries, 40, None)
+
+
+def test_a_dp_reply_reports_its_public_schedule_and_releases_exactly_its_rows(good, spec):
+    """Under --dp-eps partition 2's schedule fixes num-examples 40 and 8 released rows: its reply must say 40 (not
+    the count of images it holds, nor the row count) and carry exactly 8 feature rows, no fewer."""
+    _, features, _, metrics = good
+    dp = dp_spec(spec)
+    assert validate_metrics(ConfigRecord(metrics), 2, dp).num_examples == 40
+    for claimed in (39, 8):
+        with pytest.raises(UploadError, match=f"'num-examples' {claimed} is not the 40 of this client's public "
+                                              "schedule"):
+            validate_metrics(ConfigRecord({**metrics, "num-examples": claimed}), 2, dp)
+    rows = {"features": np.zeros((8, 17, 192), np.float32), "labels": np.zeros(8, np.int64)}
+    assert len(validate_features(to_record(rows), dp, 40, rows=8)["labels"]) == 8
+    with pytest.raises(UploadError, match=r"'features' .*8"):
+        validate_features(to_record(features), dp, 40, rows=8)  # 5 rows: a size that would leak the data
+
+
+def test_loss_gap_replies_carry_a_finite_global_loss_and_it_is_kept(good, spec):
+    """--client-selection loss-gap: each reply must carry 'global-loss' (finite), and the parsed metrics keep it
+    and the CPU seconds per epoch."""
+    from dataclasses import replace
+    _, _, _, metrics = good
+    gap = replace(spec, reports_global_loss=True)
+    parsed = validate_metrics(ConfigRecord({**metrics, "global-loss": 1.25}), 2, gap)
+    assert parsed.global_loss == 1.25 and parsed.epoch_cpu_seconds == [0.9]
+    with pytest.raises(UploadError, match="global-loss"):
+        validate_metrics(ConfigRecord(metrics), 2, gap)
+    with pytest.raises(UploadError, match="global-loss"):
+        validate_metrics(ConfigRecord({**metrics, "global-loss": float("nan")}), 2, gap)
