@@ -310,7 +310,8 @@ def test_a_dp_run_with_canaries_keeps_every_upload_and_its_bound_stays_below_the
         assert report.details["inconclusive"].startswith(f"32 canaries can certify at most {ceiling:.3f}")
         v = {v.family: v for v in verdict([report])}["dp-audit"]
         assert v.level == INCONCLUSIVE and v.control.capped and not v.control.passed
-        assert v.level_text == f"inconclusive: the audit can certify at most {ceiling:.2f}, below the claimed {claimed:.2f}"
+        assert v.level_text == (f"inconclusive: the audit can certify at most {ceiling:.2f}, below the claimed "
+                                f"{claimed:.2f}")
 
 
 # --- gradient canaries on the parameter channel -------------------------------------------------------------

@@ -486,10 +486,11 @@ class DPAuditFamily(Family):
         return self.report(job, attack, scoring.Summary(groups, {}, details), None)
 
     def control(self, job: Job, attack: Attack, observed: Observed, progress=None) -> tuple[dict, str]:
-        """The same score, guesses and confidence on the same canaries with fresh seeded coins: each owner's
-        local training (no DP-SGD) on as many public images as it has natural ones plus its included control
-        canaries gives its update and (features) every row, released without clipping or noise. The verdict also
-        wants this bound to reach the claimed epsilon: below it the audit could not have refuted the claim."""
+        """The same score, guesses and confidence on the same canaries with fresh seeded coins: each owner's local
+        training (no DP-SGD) on a mix of public images as skewed as the run's split (the loss-drop score depends on
+        it), as many as its natural ones, plus its included control canaries, gives its update and (features)
+        every row, released without clipping or noise. The verdict also wants this bound to reach the claimed
+        epsilon: below it the audit could not have refuted the claim."""
         channel, obs = job.options["channel"], observed.observation
         if channel == "model":
             raise AttackError("the model channel's control would retrain the whole federation without DP; the "
@@ -510,9 +511,9 @@ class DPAuditFamily(Family):
         return ({"control": {"epsilon_lower_bound": metrics.summarize(np.array([bound]))},
                  "control_baseline": {"epsilon_lower_bound": metrics.summarize(np.array([0.0]))}},
                 f"the same score, guesses and confidence on the run's {guesses.canaries} canaries with fresh coins, "
-                f"each owner's local training (no DP-SGD) run on as many public images as it has natural ones, and "
-                f"its included canaries, from the "
-                f"round's start weights{', every row released without clipping or noise' if channel == 'features' else ''}: "
+                f"each owner's local training (no DP-SGD) from the round's start weights on a Dirichlet({cfg.beta}) "
+                f"mix of public images, as many as its natural ones, and its included canaries"
+                f"{', every row released without clipping or noise' if channel == 'features' else ''}: "
                 f"{guesses.correct} of {guesses.guesses} guesses right")
 
 
