@@ -445,28 +445,87 @@ class DPAuditFamily(Family):
                                                np.array(list(sources), dtype=np.int64))
         return Observed(observation, {"sources": sources})
 
+    def guessed_bound(self, job: Job, observed: Observed, scores: np.ndarray, bits: np.ndarray
+                      ) -> tuple[scoring.AuditGuesses, float, float | None, float]:
+        """(guesses, epsilon lower bound, claimed epsilon or None, delta) of canary scores against inclusion
+        bits, at the job's guess counts and confidence: the audit's statistic, for the run and its control."""
+        guesses = scoring.guess_inclusion(scores, bits, *self.guess_counts(job.options, len(bits)))
+        claimed, delta = scoring.claimed_privacy(job.run, observed.auditor["sources"])
+        bound = scoring.epsilon_lower_bound(guesses.canaries, guesses.guesses, guesses.correct, delta,
+                                            job.options["confidence"])
+        return guesses, bound, claimed, delta
+
     def score(self, job: Job, attack: Attack, observed: Observed, result, seconds: float) -> AttackReport:
         sources, options, cfg = observed.auditor["sources"], job.options, job.run.config()
         bits = scoring.canary_bits(job.run, sources)
-        guesses = scoring.guess_inclusion(result.scores, bits, *self.guess_counts(options, len(bits)))
-        claimed, delta = scoring.claimed_privacy(job.run, sources)
-        bound = scoring.epsilon_lower_bound(guesses.canaries, guesses.guesses, guesses.correct, delta,
-                                            options["confidence"])
+        guesses, bound, claimed, delta = self.guessed_bound(job, observed, result.scores, bits)
+        ceiling, every_canary = (scoring.epsilon_ceiling(guesses.canaries, r, delta, options["confidence"])
+                                 for r in (guesses.guesses, guesses.canaries))
         details = {"channel": options["channel"], "canary_kind": cfg.canary_kind, "score": result.details["score"],
                    "epsilon_lower_bound": round(bound, 4),
                    "claimed_epsilon": "no DP" if claimed is None else round(claimed, 4),
                    "delta": delta, "confidence": options["confidence"], **vars(guesses),
+                   "ceiling": (f"{guesses.guesses} guesses among {guesses.canaries} canaries certify at most "
+                               f"{ceiling:.3f} at confidence {options['confidence']} (every guess right; "
+                               f"{every_canary:.3f} guessing all {guesses.canaries})"),
                    "attack_seconds": round(seconds, 2)}
         if claimed is not None and bound > claimed:
             details["warning"] = (f"the epsilon lower bound {bound:.3f} from the {options['channel']} channel exceeds "
                                   f"the claimed total epsilon {claimed:.3f}: the trainer's DP guarantee does not "
                                   "hold (a bug)")
+        if claimed is not None and ceiling < claimed:
+            details["inconclusive"] = (f"{guesses.canaries} canaries can certify at most {ceiling:.3f} with these "
+                                       f"guesses, below the claimed {claimed:.3f}: this audit cannot refute the claim "
+                                       "(train with more --canaries, or audit a smaller epsilon)")
         right = np.r_[np.ones(guesses.correct), np.zeros(guesses.guesses - guesses.correct)]
         groups = {"metrics": {"epsilon_lower_bound": metrics.summarize(np.array([bound])),
-                              "guess_accuracy": metrics.summarize(right)}}
+                              "guess_accuracy": metrics.summarize(right)},
+                  "ceiling": {"epsilon_lower_bound": metrics.summarize(np.array([ceiling]))}}
         if claimed is not None:  # the claim beside the bound, in the report's table
             groups["claimed"] = {"epsilon_lower_bound": metrics.summarize(np.array([claimed]))}
         return self.report(job, attack, scoring.Summary(groups, {}, details), None)
+
+    def control(self, job: Job, attack: Attack, observed: Observed, progress=None) -> tuple[dict, str]:
+        """The same score, guesses and confidence on the same canaries with fresh seeded coins: each owner's local
+        training (no DP-SGD) on a mix of public images as skewed as the run's split (the loss-drop score depends on
+        it), as many as its natural ones, plus its included control canaries, gives its update and (features)
+        every row, released without clipping or noise. The verdict also wants this bound to reach the claimed
+        epsilon: below it the audit could not have refuted the claim."""
+        channel, obs = job.options["channel"], observed.observation
+        if channel == "model":
+            raise AttackError("the model channel's control would retrain the whole federation without DP; the "
+                              "parameters and features channels have one")
+        cfg = job.run.config()
+        bits = np.random.default_rng([job.seed, 31]).integers(0, 2, len(obs.labels))
+        natural = natural_counts(job, observed)
+        updates, features = {}, {}
+        for partition in sorted(obs.updates):
+            images, labels = observe.public_skewed_sample(cfg, natural[partition], job.seed + partition)
+            included = np.flatnonzero((obs.owners == partition) & (bits == 1))
+            updates[partition], features[partition] = observe.public_canary_upload(
+                job.run, job.round_number, partition, np.concatenate([images, obs.images[included]]),
+                np.concatenate([labels, obs.labels[included]]), list(obs.updates[partition]), channel == "features")
+        control = replace(obs, start_model=job.run.start_model(job.round_number), updates=updates,
+                          features=features if channel == "features" else {})
+        guesses, bound, _, _ = self.guessed_bound(job, observed, attack.reconstruct(control, progress).scores, bits)
+        return ({"control": {"epsilon_lower_bound": metrics.summarize(np.array([bound]))},
+                 "control_baseline": {"epsilon_lower_bound": metrics.summarize(np.array([0.0]))}},
+                f"the same score, guesses and confidence on the run's {guesses.canaries} canaries with fresh coins, "
+                f"each owner's local training (no DP-SGD) from the round's start weights on a Dirichlet({cfg.beta}) "
+                f"mix of public images, as many as its natural ones, and its included canaries"
+                f"{', every row released without clipping or noise' if channel == 'features' else ''}: "
+                f"{guesses.correct} of {guesses.guesses} guesses right")
+
+
+def natural_counts(job: Job, observed: Observed) -> dict[int, int]:
+    """Each attacked owner's natural images (its reported n_k less the canaries it counts: every canary it owns
+    under DP-SGD, whose schedule counts the whole pool, else those it included), so that the control's owners
+    train on as much as the run's."""
+    obs = observed.observation
+    reported = job.run.metrics()[job.round_number - 1]["num_examples"]
+    counted = scoring.canary_bits(job.run, observed.auditor["sources"]) if job.run.config().dp_eps <= 0 else \
+        np.ones(len(obs.owners), dtype=np.int64)
+    return {k: int(reported[str(k)]) - int(counted[obs.owners == k].sum()) for k in obs.updates}
 
 
 # --- membership ---------------------------------------------------------------------------------------------

@@ -314,6 +314,39 @@ def public_skewed_sample(cfg, count: int, seed: int) -> tuple[np.ndarray, np.nda
     return public.images[chosen], public.labels[chosen]
 
 
+def train_as_client(run: RunDirectory, round_number: int, partition: int, images: np.ndarray, labels: np.ndarray
+                    ) -> tuple[EFTViT, torch.Generator]:
+    """The client's local training with the defense off: its optimiser, epochs, batches and masking, seeded as a
+    simulated client seeds them, no DP-SGD, on these images from the round's start weights. Returns the trained
+    model and the generator, drawn on as the client goes on to draw its feature masks."""
+    cfg = run.config()
+    trained = run.start_model(round_number)
+    prune_as_client(run, round_number, partition, trained, trained_names(trained, cfg.method))
+    optim = OptimConfig(cfg.local_epochs, cfg.batch_size, cfg.lr * cfg.lr_factor(round_number), cfg.weight_decay)
+    generator = torch.Generator().manual_seed(seeded(cfg.seed, round_number, partition, 1))
+    train_local(trained, torch.from_numpy(images), torch.from_numpy(labels), cfg.method, cfg.mask_ratio, optim,
+                generator, precision=cfg.precision)
+    return trained, generator
+
+
+def public_canary_upload(run: RunDirectory, round_number: int, partition: int, images: np.ndarray,
+                         labels: np.ndarray, names: list[str], with_features: bool
+                         ) -> tuple[dict[str, np.ndarray], np.ndarray | None]:
+    """The DP audit's channels with the defense off, for one canary owner: its local training (train_as_client)
+    on these images (public images and the control's included canaries) gives the update it uploads (the
+    parameters `names` of the real upload); with_features: every image's features under the run's masking,
+    released without clipping or noise (the rows of the DP release, noise off)."""
+    trained, generator = train_as_client(run, round_number, partition, images, labels)
+    state = trained.state_dict()
+    update = {name: state[name].detach().numpy().copy() for name in names}
+    if not with_features:
+        return update, None
+    ratio = method_spec(run.config().method).mask_ratio(run.config().mask_ratio)
+    features, _ = extract_features(trained, torch.from_numpy(images), ratio, generator,
+                                   precision=run.config().precision)
+    return update, features.numpy()
+
+
 def public_label_observation(run: RunDirectory, round_number: int, partition: int, images: np.ndarray,
                              labels: np.ndarray, observation: LabelObservation) -> LabelObservation:
     """The label channel with the defense off, for one client: its local training (optimiser, epochs, batches and
@@ -322,12 +355,7 @@ def public_label_observation(run: RunDirectory, round_number: int, partition: in
     (--balance) and their features released without clipping or noise; n_k is their count. The attack's
     observation gives the rest (start model, balance, training settings)."""
     cfg = run.config()
-    trained = run.start_model(round_number)
-    prune_as_client(run, round_number, partition, trained, trained_names(trained, cfg.method))
-    optim = OptimConfig(cfg.local_epochs, cfg.batch_size, cfg.lr * cfg.lr_factor(round_number), cfg.weight_decay)
-    generator = torch.Generator().manual_seed(seeded(cfg.seed, round_number, partition, 1))
-    train_local(trained, torch.from_numpy(images), torch.from_numpy(labels), cfg.method, cfg.mask_ratio, optim,
-                generator, precision=cfg.precision)
+    trained, generator = train_as_client(run, round_number, partition, images, labels)
     uploaded_labels = features = None
     if method_spec(cfg.method).uploads_features:
         chosen = balanced_indices(labels, observation.num_classes, cfg.balance,
