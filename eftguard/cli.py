@@ -32,6 +32,7 @@ from eftguard.metrics import LPIPS_BACKENDS, MetricError
 from eftguard.model import PRESETS, ModelError, build_model
 from eftguard.options import add_argument, add_arguments, check_values, given_values, option, options_of
 from eftguard.paths import atomic_write, file_in_the_way, output_file_problem, unwritable_reason
+from eftguard.plan import PlanOptions, plan_lines, plan_run
 from eftguard.precision import PRECISIONS, resolve_precision
 from eftguard.pretrain import (PretrainConfig, PretrainError, check_out_path, pretrain, public_loss,
                                resume_path, save_pretrained)
@@ -171,6 +172,18 @@ def build_parser() -> argparse.ArgumentParser:
                                        "saves JSON.")
     add_arguments(bench, BenchConfig)
     bench.add_argument("--out", type=Path, default=None, help="write the results as JSON to this file")
+
+    plan = sub.add_parser("plan", help="the bytes a run directory will hold, per round and in all, before it runs "
+                                       "(docs/run-directory.md#size)",
+                          description="Projects a run's size from its options (those of eftguard train, or --config): "
+                                      "the checkpoint and each client's update, features, heads and ground truth per "
+                                      "round, from the model's parameter shapes, the method's upload shapes and the "
+                                      "clients' feature rows, and what --keep-rounds, --keep-clients and "
+                                      "--store-uploads keep. Nothing is trained.")
+    plan.add_argument("--config", type=Path, help="TOML file of training options; flags override it")
+    _add_train_options(plan)
+    add_arguments(plan, PlanOptions, defaults=True)
+    plan.add_argument("--out", type=Path, default=None, help="write the plan as JSON to this file")
 
     add_attack_parser(sub)
     add_report_parser(sub)
@@ -429,6 +442,16 @@ def cmd_bench(args: argparse.Namespace) -> None:
         print(f"wrote {args.out}", file=sys.stderr)
 
 
+def cmd_plan(args: argparse.Namespace) -> None:
+    cfg = config_from_args(args)
+    check_values(PlanOptions(args.images_per_client))
+    result = plan_run(cfg, args.images_per_client)
+    for line in plan_lines(result):
+        print(line)
+    if args.out:
+        args.out.write_text(json.dumps(result, indent=2) + "\n")
+
+
 def cmd_certs(args: argparse.Namespace) -> None:
     files = write_certificates(args.out, tuple(args.san or DEFAULT_SANS), args.force)
     print(f"wrote {files.ca_cert} (give to SuperNodes), {files.server_cert}, {files.server_key} (SuperLink) and "
@@ -480,7 +503,7 @@ def main(argv: list[str] | None = None) -> None:
         commands = {"train": cmd_train, "demo": cmd_demo, "certs": cmd_certs, "superlink": cmd_superlink,
                     "supernode": cmd_supernode, "node-key": cmd_node_key, "register-node": cmd_register_node,
                     "attack": cmd_attack, "report": cmd_report, "audit": cmd_audit, "pretrain": cmd_pretrain,
-                    "bench": cmd_bench}
+                    "bench": cmd_bench, "plan": cmd_plan}
         commands[args.command](args)
     except USER_ERRORS as exc:
         print(f"eftguard: error: {exc}", file=sys.stderr)
