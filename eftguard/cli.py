@@ -295,7 +295,8 @@ def demo_audit(args: argparse.Namespace):
                            "lpips_backend": args.lpips_backend, "precision": precision})
     return parse_audit({"title": "demo: EFTViT vs Fed-Full on the bundled photos",
                         "train": {"rounds": args.rounds, "train_samples": args.train_samples,
-                                  "test_samples": args.test_samples, "precision": precision},
+                                  "test_samples": args.test_samples, "precision": precision,
+                                  "keep_rounds": "last"},  # the round it attacks (Fed-Full uploads whole models)
                         "grid": {"method": list(DEMO_METHODS)}, "attack": attacks}, "eftguard demo")
 
 
@@ -321,7 +322,6 @@ def cmd_demo(args: argparse.Namespace) -> None:
                ] + (["--verbose"] if args.verbose else [])
     failed = demo_processes(audit, options, out)
     summary = finish_audit(audit, out, [])
-    drop_earlier_uploads(summary, out)
     trained = {c["varied"]["method"]: c for c in summary["configurations"] if c["train_seconds"] is not None}
     results = {method: RunDirectory.open(out / c["run"]).metrics() for method, c in trained.items()}
     cfg = audit.defaults
@@ -343,16 +343,6 @@ def cmd_demo(args: argparse.Namespace) -> None:
     if failed:
         raise SystemExit(1)
     exit_on_problems(summary)
-
-
-def drop_earlier_uploads(summary: dict, out: Path) -> None:
-    """The demo attacks the last round of each run: the uploads of the earlier rounds (every Fed-Full client's
-    whole 21 MB model per round) are removed once the audit is written, so the demo keeps a fraction of what it
-    wrote. The runs stay complete and attackable in their last round."""
-    for configuration in summary["configurations"]:
-        if configuration["status"] == "done":
-            run = RunDirectory.open(out / configuration["run"])
-            run.drop_uploads_before(run.completed_rounds())
 
 
 def _mean_epoch_cpu_seconds(records: list[dict]) -> float:

@@ -414,17 +414,6 @@ class RunDirectory:
             tmp.unlink()
         self._forget_missing_artefacts()
 
-    def drop_uploads_before(self, round_number: int) -> None:
-        """Remove the uploads and ground truth of the rounds before round_number, for a run of which only later
-        rounds are attacked (eftguard demo). Checkpoints stay: they mark the rounds complete, and resume needs
-        only the last round's files."""
-        for folder in ("observed", "truth"):
-            for item in sorted((self.path / folder).glob("round-*")):
-                number = round_number_of(item.name)
-                if number is not None and number < round_number:
-                    shutil.rmtree(item)
-        self._forget_missing_artefacts()
-
     def _forget_missing_artefacts(self) -> None:
         manifest = self.manifest()
         manifest["artefacts"] = {k: v for k, v in manifest["artefacts"].items() if (self.path / k).exists()}
