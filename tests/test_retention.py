@@ -16,6 +16,7 @@ from eftguard.federation.server import run_server
 from eftguard.plan import plan_run
 from eftguard.retention import Retention
 from eftguard.rundir import RunDirectory
+from eftguard.runs import resume_run
 from fakegrid import FakeGrid, task_identity
 
 pytestmark = pytest.mark.usefixtures("micro_preset")  # the runs' subject is their files, not the model's size
@@ -152,6 +153,18 @@ def test_an_interrupted_run_with_retention_resumes_to_the_same_model(tmp_path, m
     assert all(np.array_equal(final[k].numpy(), expected[k].numpy()) for k in expected)
     assert [r["test_accuracy"] for r in run.metrics()] == [r["test_accuracy"] for r in reference.metrics()]
     assert run.verify() == []
+
+
+def test_a_run_resumed_with_more_rounds_keeps_what_its_new_last_round_needs(tmp_path):
+    """--resume --rounds 4 on a finished 3-round run keeping the last round: round 3 is no longer the last, so its
+    uploads go; the run ends as a 4-round run with the same retention would."""
+    run = RunDirectory.open(train_in_process(tmp_path / "run", keep_rounds="last", **TINY))
+    assert files_of(run) == expected_files(run.retention)
+    resume_run(run, 4)
+    with task_identity():
+        run_server(FakeGrid(3), run.path)
+    assert run.completed_rounds() == 4 and run.retention.rounds_kept == (4,)
+    assert files_of(run) == expected_files(run.retention) and run.verify() == []
 
 
 def test_16_bit_uploads_are_kept_at_half_the_bytes_and_the_server_trains_on_what_was_sent(tmp_path):
