@@ -124,12 +124,13 @@ class TrainConfig:
                                       "reveals each client's class histogram")
     encrypt_at_rest: str = option("", "KEYFILE: store uploads in observed/ encrypted (AES-256-GCM); a missing file "
                                       "gets a new random key (mode 0600). Attacks and reports then need the key")
-    keep_rounds: str = option("all", "the rounds whose uploads and ground truth the run keeps for its auditor, with the "
-                                     "checkpoints their attacks read (the final model always): " + KEEP_ROUNDS_HELP +
-                                     ". The server trains on every upload either way (docs/run-directory.md#retention)",
+    keep_rounds: str = option("all", "the rounds whose uploads and ground truth the run keeps for its auditor, with "
+                                     "the checkpoints their attacks read (the final model always): " + KEEP_ROUNDS_HELP
+                                     + ". The server trains on every upload either way "
+                                       "(docs/run-directory.md#retention)",
                               check=parse_keep_rounds, metavar="ROUNDS")
-    keep_clients: str = option("all", "the clients whose uploads and ground truth kept rounds keep: all, or N (a seeded "
-                                      "sample of N clients, the same every round)",
+    keep_clients: str = option("all", "the clients whose uploads and ground truth kept rounds keep: all, or N (a "
+                                      "seeded sample of N clients, the same every round)",
                                check=parse_keep_clients, metavar="CLIENTS")
     store_uploads: str = option("float32", "the precision the uploads are kept in on disk for the auditor: float32, "
                                            "float16 or bfloat16 (half the bytes; the server trains on what was "

@@ -36,7 +36,8 @@ def safetensors_bytes(shapes: Shapes) -> int:
     header, offset = {}, 0
     for name, (shape, dtype) in shapes.items():
         size = int(np.prod(shape, dtype=np.int64)) * torch.empty(0, dtype=dtype).element_size()
-        header[name] = {"dtype": SAFETENSORS_DTYPES[dtype], "shape": list(shape), "data_offsets": [offset, offset + size]}
+        header[name] = {"dtype": SAFETENSORS_DTYPES[dtype], "shape": list(shape),
+                        "data_offsets": [offset, offset + size]}
         offset += size
     text = len(json.dumps(header, separators=(",", ":")))
     return 8 + text + (-text) % 8 + offset
@@ -57,7 +58,8 @@ def client_rows(cfg: TrainConfig, num_classes: int, images_per_client: int) -> l
     if not method_spec(cfg.method).uploads_features:
         return [len(ids) for ids in partitions]
     labels = run_dataset(cfg.dataset, cfg.data_dir, cfg.model, cfg.train_samples, 0, cfg.seed).train.labels
-    return [len(balanced_indices(labels[ids], num_classes, cfg.balance, np.random.default_rng(0))) for ids in partitions]
+    return [len(balanced_indices(labels[ids], num_classes, cfg.balance, np.random.default_rng(0)))
+            for ids in partitions]
 
 
 def plan_run(cfg: TrainConfig, images_per_client: int = 0) -> dict:
@@ -132,7 +134,8 @@ def plan_lines(plan: dict) -> list[str]:
         f"kept (--keep-rounds {c['keep_rounds']}, --keep-clients {c['keep_clients']}): {len(kept['checkpoints'])} "
         f"checkpoints, {kept['uploads']} client uploads over {len(kept['rounds'])} rounds",
         f"projected run directory: {size(projected['total'])} (checkpoints {size(projected['checkpoints'])}, uploads "
-        f"and truth {size(projected['uploads_and_truth'])}); keeping everything: {size(projected['keeping_everything'])}",
+        f"and truth {size(projected['uploads_and_truth'])}); keeping everything: "
+        f"{size(projected['keeping_everything'])}",
         f"while it trains (simulation, --model-check): nodes/received holds one model per client, "
         f"{size(plan['while_training']['model_check_copies'])}, removed when the run ends",
     ]

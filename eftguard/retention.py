@@ -104,7 +104,7 @@ class Retention:
         """The checkpoints kept once the run is finished: each kept round's start (t - 1) and end (t) model, which
         its attacks read, the final model, and with a threat the initial one. While the run trains, its latest
         checkpoint is kept too (resume starts from it)."""
-        kept = {self.rounds} | {t - 1 for t in self.rounds_kept} | set(self.rounds_kept) | ({0} if self.threat else set())
+        kept = {self.rounds, *self.rounds_kept, *(t - 1 for t in self.rounds_kept), *((0,) if self.threat else ())}
         return tuple(sorted(kept))
 
     def keeps_upload(self, round_number: int, partition: int) -> bool:

@@ -145,7 +145,7 @@ def test_an_interrupted_run_with_retention_resumes_to_the_same_model(tmp_path, m
         with pytest.raises(Interrupted):
             run_server(FakeGrid(3), run.path)
     assert run.completed_rounds() == 2
-    assert not run.checkpoint_path(0).exists() and not run.checkpoint_path(1).exists()  # resume and round 2 dropped them
+    assert not run.checkpoint_path(0).exists() and not run.checkpoint_path(1).exists()  # dropped by resume, round 2
     with task_identity():
         run_server(FakeGrid(3), run.path)
     assert files_of(run) == files_of(reference) == expected_files(run.retention)
