@@ -11,7 +11,7 @@ import pytest
 from conftest import MICRO_PRESET, run_cli, train_in_process
 from eftguard.config import TrainConfig
 from eftguard.errors import ConfigError, Interrupted
-from eftguard.federation import server
+from eftguard.federation import inprocess, server
 from eftguard.federation.server import run_server
 from eftguard.plan import plan_run
 from eftguard.retention import Retention
@@ -165,6 +165,15 @@ def test_a_run_resumed_with_more_rounds_keeps_what_its_new_last_round_needs(tmp_
         run_server(FakeGrid(3), run.path)
     assert run.completed_rounds() == 4 and run.retention.rounds_kept == (4,)
     assert files_of(run) == expected_files(run.retention) and run.verify() == []
+
+
+def test_a_run_keeping_no_round_holds_only_its_final_model_like_a_reference_model(tmp_path):
+    """The membership attack's reference models train so (eftguard.audit.references): once finished, their final
+    checkpoint is all they hold of the model (nor do their nodes keep the models they received)."""
+    run = RunDirectory.create(tmp_path / "run", tiny_config(keep_rounds="none", record_truth=False))
+    inprocess.train_in_process(run.path, 3)
+    assert files_of(run) == {"checkpoints/round-0003.safetensors"} and run.completed_rounds() == 3
+    assert not (run.path / "nodes" / "received").exists() and run.start_model(4) is not None
 
 
 def test_16_bit_uploads_are_kept_at_half_the_bytes_and_the_server_trains_on_what_was_sent(tmp_path):
