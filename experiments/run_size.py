@@ -32,11 +32,13 @@ SMALL_POLICIES = [("all", "all", "float32"), ("all", "all", "float16"), ("last",
                   ("every:2", "2", "float16"), ("none", "all", "float32")]
 # (name, options, images per client (0: the data plan), policies, measured)
 CONFIGURATIONS = [
-    ("vit-tiny-32, 8 clients x 3 rounds (the CPU default)", dict(model="vit-tiny-32", rounds=3), 0, SMALL_POLICIES,
-     True),
+    ("vit-tiny-32, 8 clients x 3 rounds, 400 images", dict(model="vit-tiny-32", rounds=3, train_samples=400), 0,
+     SMALL_POLICIES, True),
     ("vit-b16-224, 2 clients x 2 rounds, 60 images", dict(model="vit-b16-224", clients=2, rounds=2, train_samples=60,
                                                           test_samples=10, batch_size=16), 0,
      [("all", "all", "float32"), ("last", "all", "float16")], True),
+    ("vit-tiny-32, 8 clients x 3 rounds, 2000 images (the CPU default)", dict(model="vit-tiny-32", rounds=3), 0,
+     [("all", "all", "float32")], True),
     ("vit-b16-224, paper: 100 clients x 100 rounds x 500 images, r_m 0.75",
      dict(model="vit-b16-224", clients=100, rounds=100), 500, POLICIES, False),
 ]
@@ -51,8 +53,12 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--measure", action="store_true", help="also train and measure the small configurations")
     parser.add_argument("--work", type=Path, default=Path("run-size"), help="folder for the measured runs")
-    parser.add_argument("--out", type=Path, help="write the rows as JSON")
+    parser.add_argument("--out", type=Path, help="write the rows as JSON; a row measured in an existing file is kept, "
+                                                 "not trained again")
     args = parser.parse_args()
+    done = {(r["configuration"], r["keep_rounds"], r["keep_clients"], r["store_uploads"]): r
+            for r in (json.loads(args.out.read_text()) if args.out and args.out.is_file() else [])
+            if r["measured_bytes"] is not None}
     rows = []
     for name, options, images, policies, measurable in CONFIGURATIONS:
         for keep_rounds, keep_clients, store in policies:
@@ -63,7 +69,10 @@ def main() -> None:
                    "store_uploads": store, "checkpoint_bytes": plan["bytes_per_round"]["checkpoint"],
                    "client_bytes_per_round": sum(plan["bytes_per_round"]["per_client"].values()),
                    "projected_bytes": plan["projected_bytes"]["total"], "measured_bytes": None}
-            if args.measure and measurable:
+            earlier = done.get((name, keep_rounds, keep_clients, store))
+            if earlier is not None and earlier["projected_bytes"] == row["projected_bytes"]:
+                row = earlier
+            elif args.measure and measurable:
                 run = args.work / f"{cfg.model}-{keep_rounds}-{keep_clients}-{store}".replace(":", "")
                 shutil.rmtree(run, ignore_errors=True)
                 RunDirectory.create(run, cfg)
@@ -72,11 +81,11 @@ def main() -> None:
                 row["measured_bytes"], row["train_seconds"] = measured_bytes(run), round(time.perf_counter() - start)
                 shutil.rmtree(run)
             rows.append(row)
+            if args.out:
+                args.out.write_text(json.dumps(rows, indent=2) + "\n")
             measured = "" if row["measured_bytes"] is None else f" | {size(row['measured_bytes'])}"
             print(f"| {name} | {keep_rounds} | {keep_clients} | {store} | {size(row['checkpoint_bytes'])} | "
                   f"{size(row['client_bytes_per_round'])} | {size(row['projected_bytes'])}{measured} |", flush=True)
-    if args.out:
-        args.out.write_text(json.dumps(rows, indent=2) + "\n")
 
 
 if __name__ == "__main__":
