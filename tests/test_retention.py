@@ -9,13 +9,14 @@ import numpy as np
 import pytest
 
 from conftest import MICRO_PRESET, run_cli, train_in_process
+from eftguard.audit import observe
 from eftguard.config import TrainConfig
 from eftguard.errors import ConfigError, Interrupted
 from eftguard.federation import inprocess, server
 from eftguard.federation.server import run_server
 from eftguard.plan import plan_run
 from eftguard.retention import Retention
-from eftguard.rundir import RunDirectory
+from eftguard.rundir import RunDirectory, RunError
 from eftguard.runs import resume_run
 from fakegrid import FakeGrid, task_identity
 
@@ -232,3 +233,11 @@ def test_the_plan_command_prints_the_size_per_round_and_in_all(capsys, tmp_path)
     assert plan["rows_per_client"]["mean"] == 50
     per_round = plan["bytes_per_round"]
     assert plan["projected_bytes"]["total"] == 2 * per_round["checkpoint"] + 4 * sum(per_round["per_client"].values())
+
+
+def test_the_dp_audits_model_channel_which_reads_every_round_refuses_a_run_that_kept_some(tmp_path):
+    run = RunDirectory.create(tmp_path / "run", TrainConfig(rounds=3, canaries=4, keep_rounds="last").resolved())
+    with pytest.raises(RunError, match=r"--channel model reads the initial model and every round's ground truth up "
+                                       r"to round 3; .* keeps only some \(--keep-rounds last, --keep-clients all\)"):
+        observe.canary_sources(run, 3, "model", [0])
+    assert observe.canary_sources(run, 3, "parameters", [0]) is not None  # one round's uploads: kept
