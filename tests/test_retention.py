@@ -177,6 +177,7 @@ def test_a_run_keeping_no_round_holds_only_its_final_model_like_a_reference_mode
     assert not (run.path / "nodes" / "received").exists() and run.start_model(4) is not None
 
 
+@pytest.mark.slow  # three runs
 def test_16_bit_uploads_are_kept_at_half_the_bytes_and_the_server_trains_on_what_was_sent(tmp_path):
     runs = {store: RunDirectory.open(train_in_process(tmp_path / store, store_uploads=store, **TINY))
             for store in ("float32", "float16", "bfloat16")}
@@ -206,9 +207,9 @@ def test_a_value_beyond_float16_keeps_its_array_in_float32(tmp_path):
 
 
 @pytest.mark.parametrize("config", [
-    dict(keep_rounds="all"),
     dict(keep_rounds="last", keep_clients="2", store_uploads="float16"),
-    dict(method="fedavg", keep_rounds="every:2"),
+    pytest.param(dict(keep_rounds="all"), marks=pytest.mark.slow),
+    pytest.param(dict(method="fedavg", keep_rounds="every:2"), marks=pytest.mark.slow),
 ])
 def test_the_plan_is_within_its_tolerance_of_the_run_it_plans(tmp_path, config):
     plan = plan_run(tiny_config(**config))
