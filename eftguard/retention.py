@@ -85,8 +85,7 @@ class Retention:
             return tuple(range(1, self.rounds + 1))
         if kind == "none":
             return ()
-        chosen = {"last": set(), "every": set(range(numbers[0], self.rounds + 1, numbers[0])) if numbers else set(),
-                  "list": set(numbers)}[kind]
+        chosen = set(range(numbers[0], self.rounds + 1, numbers[0])) if kind == "every" else set(numbers)  # last: ()
         return tuple(sorted(chosen | {self.rounds}))
 
     @property
