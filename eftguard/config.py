@@ -19,6 +19,7 @@ from eftguard.model import PRESETS, ModelError, check_local_layers
 from eftguard.options import SEED, Bound, above, at_least, check_values, from_mapping, option
 from eftguard.paths import input_file_problem
 from eftguard.precision import PRECISIONS
+from eftguard.retention import KEEP_ROUNDS_HELP, STORE_DTYPES, Retention, parse_keep_clients, parse_keep_rounds
 from eftguard.sampling import BALANCE_MODES
 
 METHODS = tuple(METHOD_SPECS)
@@ -123,6 +124,17 @@ class TrainConfig:
                                       "reveals each client's class histogram")
     encrypt_at_rest: str = option("", "KEYFILE: store uploads in observed/ encrypted (AES-256-GCM); a missing file "
                                       "gets a new random key (mode 0600). Attacks and reports then need the key")
+    keep_rounds: str = option("all", "the rounds whose uploads and ground truth the run keeps for its auditor, with "
+                                     "the checkpoints their attacks read (the final model always): " + KEEP_ROUNDS_HELP
+                                     + ". The server trains on every upload either way "
+                                       "(docs/run-directory.md#retention)",
+                              check=parse_keep_rounds, metavar="ROUNDS")
+    keep_clients: str = option("all", "the clients whose uploads and ground truth kept rounds keep: all, or N (a "
+                                      "seeded sample of N clients, the same every round)",
+                               check=parse_keep_clients, metavar="CLIENTS")
+    store_uploads: str = option("float32", "the precision the uploads are kept in on disk for the auditor: float32, "
+                                           "float16 or bfloat16 (half the bytes; the server trains on what was "
+                                           "sent either way)", choices=STORE_DTYPES, noun="precision")
     round_timeout: float = option(3600.0, "seconds to wait for client replies in a round; late clients are dropped",
                                   bound=above(0))
     dp_eps: float = option(0.0, "end-to-end differential privacy: total epsilon per client over all the rounds it "
@@ -199,6 +211,7 @@ class TrainConfig:
             where = "is not a folder" if Path(self.data_dir).exists() else "does not exist"
             raise ConfigError(f"--data-dir {self.data_dir} {where}: create it or point to your dataset copy")
         self._check_canaries()
+        Retention.of(self).check()
 
     def _check_dp(self, method) -> None:
         if self.precision != "fp32" and self.dp_eps > 0:

@@ -401,6 +401,10 @@ def canary_sources(run: RunDirectory, round_number: int, channel: str, clients: 
     if channel == "features" and cfg.canary_kind == "gradient":
         raise RunError(f"{run.path} has gradient canaries, which never enter the feature upload: use --channel "
                        "parameters or model, or train with --canary-kind mislabelled")
+    if channel == "model" and (cfg.keep_rounds, cfg.keep_clients) != ("all", "all"):
+        raise RunError(f"--channel model reads the initial model and every round's ground truth up to round "
+                       f"{round_number}; {run.path} keeps only some (--keep-rounds {cfg.keep_rounds}, --keep-clients "
+                       f"{cfg.keep_clients}): use --channel parameters or features, or train with the defaults (all)")
     owners = canary_set(cfg).owners
     latest = {k: round_number for k in clients} if channel != "model" else \
         {k: r for r in range(1, round_number + 1) for k in run.uploaded_partitions(r)}
