@@ -5,7 +5,7 @@ measured, then removed. vit-b16-224 is projected only: one of its runs holds GBs
 per client in nodes/ while it trains).
 
     OMP_NUM_THREADS=1 python experiments/run_size.py --measure --work /tmp/run-size \\
-        --out experiments/results/run_size.json
+        --out experiments/results/run_size/measured.json
 """
 
 from __future__ import annotations
