@@ -44,6 +44,7 @@ class ImprintAttack:
     threat_model: ClassVar[ThreatModel] = ThreatModel(aux_data="public", server="malicious")
     reads: ClassVar[tuple[str, ...]] = (IMPRINT_WEIGHT,)
     tampering: ClassVar[str] = "imprint"  # the round it reads
+    observes: ClassVar[tuple[str, ...]] = ("upload",)
     recovers: ClassVar[str] = "patches"  # one patch per reconstruction (kept_ids: its position), not whole images
     steps = 0  # closed form
 

@@ -23,6 +23,13 @@ model the server would have sent), registered under its name in eftguard.config.
   that one token fell into gives that token, its patch and position, back exactly (attacks/imprint.py). The
   read-out is tiny (IMPRINT_READOUT) so that the gradients stay far below AdamW's eps, where its steps are linear
   in them and the weights the imprint reads start at exactly zero (float32 keeps their small updates whole).
+- class-fish (Wen et al., ICML 2022, "Fishing for user data in large-batch federated learning via gradient
+  magnification"; class fishing): the head's rows of every class but one (the class the public split holds fewest
+  of) are zeroed and their biases set to FISH_LOGIT, so the fished class's probability is 0 for every image: an
+  image of another class has no gradient below the head, and the body's update is the gradient of the client's
+  images of the fished class alone; with one such image, a batch-1 gradient inversion (attacks/gradient.py,
+  `--method fishing`). The fished row is scaled so that one image's body gradient stays near FISH_GRADIENT, far
+  below AdamW's eps, where the update is proportional to the gradient (the inversion matches it, not its signs).
 - label-probe: the head's input is made one constant vector of tiny entries (final LayerNorm weight 0, bias
   PROBE_SCALE), so that every head-weight gradient is PROBE_SCALE * (p - class fraction of the batch) and so small
   that AdamW, dividing by (sqrt(v) + eps), moves the head weights linearly in it: the head update then measures
@@ -51,6 +58,8 @@ from eftguard.model import build_model, patch_pixels
 PROBE_SCALE = 1e-10  # label-probe's head input: gradients ~1e-11, far below AdamW's eps (1e-8)
 STEALTH_SCALE = 1e-9  # stealth-embed's stand-in for zero
 POSITION_CODE_SCALE = 4.0  # norm of each position's code in identity-embed (tokens' pixel part is ~1)
+FISH_LOGIT = 1e3  # class-fish: the other classes' logit (Wen et al.'s): the fished class's probability is exactly 0
+FISH_GRADIENT = 1e-9  # class-fish: the largest body gradient of one public image of the fished class
 IMPRINT_BLOCK = "local_module.blocks.0"  # the block whose MLP the imprint takes over
 IMPRINT_CONSTANT = 1.0  # the value of the imprint token's two constant coordinates
 IMPRINT_READOUT = 1e-8  # norm of each imprint unit's read-out: token gradients ~1e-12, far below AdamW's eps
@@ -250,6 +259,36 @@ def imprint(state: dict[str, torch.Tensor], cfg, seed: int) -> dict[str, torch.T
     put(f"{IMPRINT_BLOCK}.norm2.weight", torch.ones(width, dtype=torch.float64))
     put(f"{IMPRINT_BLOCK}.mlp.fc1.weight", units_in)
     put(f"{IMPRINT_BLOCK}.mlp.fc2.weight", readout[:, None].expand(width, units))
+    return out
+
+
+def fished_class(cfg, classes: int) -> int:
+    """The class the class-fish tampering fishes: the one the run's public split holds fewest images of (public;
+    the rarer the class, the likelier a client holds one image of it)."""
+    public = run_dataset(cfg.dataset, cfg.data_dir, cfg.model, cfg.train_samples, 0, cfg.seed).public
+    return int(np.argmin(np.bincount(public.labels, minlength=classes)[:classes]))
+
+
+@tampering("class-fish")
+def class_fish(state: dict[str, torch.Tensor], cfg, seed: int) -> dict[str, torch.Tensor]:
+    """Head rows of every other class 0 with bias FISH_LOGIT; the fished row scaled to FISH_GRADIENT."""
+    out = dict(state)
+    weight, bias = state["head.weight"], state["head.bias"]
+    fished = fished_class(cfg, len(bias))
+    out["head.weight"] = torch.zeros_like(weight)
+    out["head.weight"][fished] = weight[fished]
+    out["head.bias"] = torch.full_like(bias, FISH_LOGIT)
+    out["head.bias"][fished] = 0.0
+    model = build_model(cfg.model, len(bias), cfg.local_layers, seed=cfg.seed)
+    model.load_state_dict(out)
+    public = run_dataset(cfg.dataset, cfg.data_dir, cfg.model, cfg.train_samples, 0, cfg.seed).public
+    images = model.normalize(torch.from_numpy(public.images[:8]))
+    body = [p for name, p in model.named_parameters() if not name.startswith("head.")]
+    largest = 0.0
+    for image in images:
+        loss = torch.nn.functional.cross_entropy(model(image[None]), torch.tensor([fished]))
+        largest = max(largest, max(float(g.abs().max()) for g in torch.autograd.grad(loss, body)))
+    out["head.weight"][fished] *= FISH_GRADIENT / max(largest, 1e-30)
     return out
 
 

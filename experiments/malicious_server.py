@@ -14,9 +14,14 @@ of tests/fakegrid.py (no Ray), vit-tiny-32 on photos.
    attack beats its baseline (kept-patch PSNR 6 dB above the mean image's; label L1 at most half the prior's),
    found by bisection between probes. Without the check the tampering works in round 1 (part 1);
 4. 20 honest rounds with the check on (4 clients): refusals (false alarms) and how close the models came to each
-   drift limit.
+   drift limit;
+5. the imprint (--tamper imprint, on fedavg and eftvit; `attack gradient --method imprint`): single patches
+   recovered with the check off for each client (client sizes 100 and 16 images), the check's refusals in rounds
+   1 and 2 (and in round 1 under trust-first-model), and the adaptive server: the rounds until the imprint fits the check's bounds (the one-round bound
+   from the public configuration, as the campaigns' nearest_within moves) and the attack on the model it sends in
+   the campaign's last declared round (a client of 64 images trained from it in process).
 
-    OMP_NUM_THREADS=1 python experiments/malicious_server.py --out /tmp/malicious [--parts 1 2 3 4]
+    OMP_NUM_THREADS=1 python experiments/malicious_server.py --out /tmp/malicious [--parts 1 2 3 4 5]
 """
 
 import argparse
@@ -30,7 +35,12 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from eftguard.attacks.tamper import disguised, nearest_within, tamper_state  # noqa: E402
+from eftguard.attacks.gradient import GradientObservation, LocalTraining  # noqa: E402
+from eftguard.attacks.imprint import ImprintAttack  # noqa: E402
+from eftguard.attacks.tamper import DRIFT_MARGIN, disguised, nearest_within, tamper_state  # noqa: E402
+from eftguard.data.plan import run_dataset  # noqa: E402
+from eftguard.model import patch_pixels  # noqa: E402
+from eftguard.training import OptimConfig, train_local  # noqa: E402
 from eftguard.audit import run_attack  # noqa: E402
 from eftguard.runs import server_threat_of
 from eftguard.config import TAMPERINGS, TrainConfig  # noqa: E402
@@ -169,10 +179,86 @@ def campaign(out: Path, tamper: str) -> dict:
             "largest_distance_left": run.remaining(), "figures": {str(k): v for k, v in sorted(figures.items())}}
 
 
+IMPRINT = {"threat": "malicious", "tamper": "imprint"}
+EXACT_DB = 30.0
+
+
+def imprint_attack(run: RunDirectory) -> dict:
+    """`attack gradient --method imprint` on every client of the run's round 1."""
+    rows = {}
+    for client in range(run.config().clients):
+        report = run_attack(run.path, "gradient", "imprint", clients=[client], lpips_backend="stlpips-alex",
+                            power_check=False)
+        figures, details = report.figures(), report.details
+        rows[client] = {"images": run.metrics()[0]["num_examples"][str(client)],
+                        "filled_bins": details["filled_bins"], "single_token_bins": details["single_token_bins"],
+                        "patches_above_30_db": details["patches_above_30_db"],
+                        **{k: figures[k] for k in ("psnr_kept", "ssim_kept", "baseline_kept.psnr",
+                                                   "baseline_kept.ssim")}}
+    return rows
+
+
+def imprint_probe(cfg: TrainConfig, state: dict[str, np.ndarray], images: int = 64) -> dict:
+    """A client holding the run's first `images` training images trains one round (the run's optimiser, one epoch) from
+    the model an adaptive server sends, and the imprint attack reads its update: patches recovered, their PSNR
+    against the nearest patch of the client's images at the same position (beside the mean public image's patch
+    there, matched the same way)."""
+    model = build_model(cfg.model, 10, cfg.local_layers, seed=cfg.seed)
+    model.load_state_dict({k: torch.from_numpy(v.astype(np.float32)) for k, v in state.items()})
+    sent = build_model(cfg.model, 10, cfg.local_layers, seed=cfg.seed)
+    sent.load_state_dict(model.state_dict())
+    data = run_dataset(cfg.dataset, cfg.data_dir, cfg.model, cfg.train_samples, 0, cfg.seed).train
+    pixels, labels = torch.from_numpy(data.images[:images]), torch.from_numpy(data.labels[:images])
+    optim = OptimConfig(cfg.local_epochs, cfg.batch_size, cfg.lr, cfg.weight_decay)
+    train_local(model, pixels, labels, cfg.method, cfg.mask_ratio, optim, torch.Generator().manual_seed(cfg.seed))
+    uploaded = {k: v.detach().clone() for k, v in model.named_parameters()}
+    patch = int(sent.local_module.patch_embed.patch_size[0])
+    training = LocalTraining(uploaded, images, cfg.local_epochs, cfg.batch_size, cfg.lr, cfg.weight_decay,
+                             sent.local_module.num_patches, None)
+    size = data.images.shape[1]
+    result = ImprintAttack().reconstruct(GradientObservation(sent, {}, 1, size, sent.mean, sent.std,
+                                                             local_training=training))
+    truth = patch_pixels(pixels.permute(0, 3, 1, 2).double() / 255, patch)
+    recovered = patch_pixels(torch.from_numpy(result.images).permute(0, 3, 1, 2).double(), patch)
+    mean_image = patch_pixels(torch.from_numpy(run_dataset(cfg.dataset, cfg.data_dir, cfg.model, cfg.train_samples,
+                                                           0, cfg.seed).public.images).permute(0, 3, 1, 2).double()
+                              .div(255).mean(dim=0, keepdim=True), patch)[0]
+
+    def nearest_psnr(guess: torch.Tensor, at: int) -> float:
+        error = float(((truth[:, at] - guess) ** 2).mean(dim=1).min())
+        return min(60.0, -10 * np.log10(max(error, 1e-12)))
+
+    positions = result.kept_ids[:, 0]
+    psnr = np.array([nearest_psnr(recovered[i, at], at) for i, at in enumerate(positions)])
+    baseline = np.array([nearest_psnr(mean_image[at], at) for at in positions])
+    return {**result.details, "patches_above_30_db": int((psnr >= EXACT_DB).sum()),
+            "median_psnr": float(np.median(psnr)), "median_psnr_of_the_mean_image": float(np.median(baseline))}
+
+
+def imprint_adaptive(declared_rounds: int = CAMPAIGN_ROUNDS) -> dict:
+    """Rounds until the imprint fits the check's bounds at the defaults of `eftguard train` on fedavg: per
+    coordinate the distance to the imprint (its zeroed weights disguised) over DRIFT_MARGIN of the one-round bound
+    from the initial model; and the attack on the model the adaptive server sends in the declared last round."""
+    cfg = TrainConfig(method="fedavg", threat="adaptive", tamper="imprint", rounds=declared_rounds).resolved()
+    model = build_model(cfg.model, 10, cfg.local_layers, seed=cfg.seed)
+    initial = {k: v.numpy().astype(np.float64) for k, v in model.state_dict().items()}
+    target = disguised({k: v.numpy().astype(np.float64) for k, v in
+                        tamper_state("imprint", model.state_dict(), cfg, 0).items()}, initial)
+    limits = model_check_limits(cfg)
+    one_round = limits(2, initial, 1)
+    needed = {k: float(np.max(np.abs(target[k] - initial[k]) / (DRIFT_MARGIN * np.maximum(one_round[k], 1e-30))))
+              for k in target}
+    slowest = max(needed, key=needed.get)
+    last = nearest_within(target, [(initial, limits(declared_rounds, initial, declared_rounds - 1))])
+    return {"rounds_to_fit": 1 + int(np.ceil(needed[slowest])), "slowest_parameter": slowest,
+            "one_round_bound_of_it": float(one_round[slowest].max()),
+            f"attack_in_round_{declared_rounds}": imprint_probe(cfg, last)}
+
+
 def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--out", type=Path, required=True)
-    parser.add_argument("--parts", type=int, nargs="+", default=[1, 2, 3, 4])
+    parser.add_argument("--parts", type=int, nargs="+", default=[1, 2, 3, 4, 5])
     args = parser.parse_args()
     out = args.out
     results_file = out / "results.json"
@@ -221,6 +307,25 @@ def main() -> None:
                              "median_share_of_limit": float(np.median([r[1] for r in rows])),
                              "largest_share_of_limit_from_initial": max(r[3] for r in rows)}
         print(json.dumps({"honest": results["honest"]}), flush=True)
+    if 5 in args.parts:
+        results["imprint"] = {}
+        for name, changes in {"fedavg, 100 images per client": {"method": "fedavg"},
+                              "fedavg, 16 images per client": {"method": "fedavg", "train_samples": 64},
+                              "eftvit, 100 images per client": {"method": "eftvit"}}.items():
+            run = train(out / f"imprint-{name.replace(', ', '-').replace(' ', '')}", False, rounds=1,
+                        **IMPRINT, **changes)
+            results["imprint"][name] = imprint_attack(run)
+            print(json.dumps({name: results["imprint"][name]}), flush=True)
+        results["imprint"]["caught"] = {
+            "round 1": refused(train(out / "imprint-check-r1", True, rounds=1, method="fedavg", **IMPRINT), 1),
+            "round 2": refused(train(out / "imprint-check-r2", True, rounds=2, tamper_round=2, method="fedavg",
+                                     **IMPRINT), 2),
+            "round 1, trust-first-model": refused(train(out / "imprint-check-r1-tofu", True,
+                                                        {"trust-first-model": True}, rounds=1, method="fedavg",
+                                                        **IMPRINT), 1)}
+        print(json.dumps({"caught": results["imprint"]["caught"]}), flush=True)
+        results["imprint"]["adaptive"] = imprint_adaptive()
+        print(json.dumps({"adaptive": results["imprint"]["adaptive"]}), flush=True)
     out.mkdir(parents=True, exist_ok=True)
     results_file.write_text(json.dumps(results, indent=1))
 

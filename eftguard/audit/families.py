@@ -21,6 +21,7 @@ from eftguard.attack_report import AttackReport
 from eftguard.attacks.base import Attack, AttackError, Registry, ThreatModel
 from eftguard.attacks.dp_audit import CHANNELS, DP_AUDIT
 from eftguard.attacks.gradient import GRADIENT
+from eftguard.attacks.fishing import FishingAttack  # noqa: F401  registers the gradient family's fishing method
 from eftguard.attacks.imprint import ImprintAttack  # noqa: F401  registers the gradient family's imprint method
 from eftguard.attacks.inversion import INVERT
 from eftguard.attacks.labels import LABELS
