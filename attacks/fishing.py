@@ -33,6 +33,8 @@ class FishingAttack(InvertingGradients):
     reads: ClassVar[tuple[str, ...]] = ("head.weight",)  # the fished row
     tampering: ClassVar[str] = "class-fish"  # the round it reads
     observes: ClassVar[tuple[str, ...]] = ("upload",)
+    start: str = option("prior", "prior (default): the mean public image, each further restart with noise of std 0.1 "
+                                 "added; noise: uniform random pixels", name_value, choices=("prior", "noise"))
     match: str = option("body", "which observed gradients to match: body (default: only the fished class's images "
                                 "moved it); all; head", name_value, choices=("body", "all", "head"))
 

@@ -30,7 +30,8 @@ CLIENT_SELECTION = ("random", "loss-gap")
 # malicious: the server tampers with one round's model; adaptive: every round it moves each client's model towards
 # the tampering as far as the clients' model check allows (attacks/tamper.py)
 THREATS = ("honest", "malicious", "adaptive")
-TAMPERINGS = ("identity-embed", "stealth-embed", "label-probe", "imprint", "class-fish")  # --tamper: eftguard.attacks.tamper implements each
+# --tamper: eftguard.attacks.tamper implements each
+TAMPERINGS = ("identity-embed", "stealth-embed", "label-probe", "imprint", "class-fish")
 # the tamperings that read the parameter update (the rest read the feature and head uploads), and the parameter
 # whose update they read: a method whose clients do not train it cannot take them
 UPDATE_TAMPERINGS = {"imprint": "local_module.blocks.0.mlp.fc1.weight",

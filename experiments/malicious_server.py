@@ -17,11 +17,15 @@ of tests/fakegrid.py (no Ray), vit-tiny-32 on photos.
    drift limit;
 5. the imprint (--tamper imprint, on fedavg and eftvit; `attack gradient --method imprint`): single patches
    recovered with the check off for each client (client sizes 100 and 16 images), the check's refusals in rounds
-   1 and 2 (and in round 1 under trust-first-model), and the adaptive server: the rounds until the imprint fits the check's bounds (the one-round bound
-   from the public configuration, as the campaigns' nearest_within moves) and the attack on the model it sends in
-   the campaign's last declared round (a client of 64 images trained from it in process).
+   1 and 2 (and in round 1 under trust-first-model), and the adaptive server: the rounds until the imprint fits
+   the check's bounds (the one-round bound from the public configuration, as the campaigns' nearest_within moves)
+   and the attack on the model it sends in the campaign's last declared round (a client of 64 images trained from
+   it in process);
+6. class fishing (--tamper class-fish, fedavg; `attack gradient --method fishing` at its defaults) on every client
+   with the check off, beside Inverting Gradients on the same client's honest update; the check's refusals; the
+   adaptive server as in 5 (the probe: a client of 64 images, one of the fished class).
 
-    OMP_NUM_THREADS=1 python experiments/malicious_server.py --out /tmp/malicious [--parts 1 2 3 4 5]
+    OMP_NUM_THREADS=1 python experiments/malicious_server.py --out /tmp/malicious [--parts 1 2 3 4 5 6]
 """
 
 import argparse
@@ -36,8 +40,10 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from eftguard.attacks.gradient import GradientObservation, LocalTraining  # noqa: E402
+from eftguard.attacks.fishing import FishingAttack  # noqa: E402
 from eftguard.attacks.imprint import ImprintAttack  # noqa: E402
-from eftguard.attacks.tamper import DRIFT_MARGIN, disguised, nearest_within, tamper_state  # noqa: E402
+from eftguard import metrics  # noqa: E402
+from eftguard.attacks.tamper import DRIFT_MARGIN, disguised, fished_class, nearest_within, tamper_state  # noqa: E402
 from eftguard.data.plan import run_dataset  # noqa: E402
 from eftguard.model import patch_pixels  # noqa: E402
 from eftguard.training import OptimConfig, train_local  # noqa: E402
@@ -235,15 +241,44 @@ def imprint_probe(cfg: TrainConfig, state: dict[str, np.ndarray], images: int = 
             "median_psnr": float(np.median(psnr)), "median_psnr_of_the_mean_image": float(np.median(baseline))}
 
 
-def imprint_adaptive(declared_rounds: int = CAMPAIGN_ROUNDS) -> dict:
-    """Rounds until the imprint fits the check's bounds at the defaults of `eftguard train` on fedavg: per
-    coordinate the distance to the imprint (its zeroed weights disguised) over DRIFT_MARGIN of the one-round bound
-    from the initial model; and the attack on the model the adaptive server sends in the declared last round."""
-    cfg = TrainConfig(method="fedavg", threat="adaptive", tamper="imprint", rounds=declared_rounds).resolved()
+def fishing_probe(cfg: TrainConfig, state: dict[str, np.ndarray], images: int = 64) -> dict:
+    """A client holding one image of the fished class and `images` - 1 of others trains one round from the model an
+    adaptive server sends; `attack gradient --method fishing` (its defaults) on its update, scored against that
+    image beside the mean public image."""
+    model = build_model(cfg.model, 10, cfg.local_layers, seed=cfg.seed)
+    model.load_state_dict({k: torch.from_numpy(v.astype(np.float32)) for k, v in state.items()})
+    sent = build_model(cfg.model, 10, cfg.local_layers, seed=cfg.seed)
+    sent.load_state_dict(model.state_dict())
+    dataset = run_dataset(cfg.dataset, cfg.data_dir, cfg.model, cfg.train_samples, 0, cfg.seed)
+    fished = fished_class(cfg, 10)
+    chosen = np.concatenate([np.flatnonzero(dataset.train.labels == fished)[:1],
+                             np.flatnonzero(dataset.train.labels != fished)[:images - 1]])
+    pixels, labels = torch.from_numpy(dataset.train.images[chosen]), torch.from_numpy(dataset.train.labels[chosen])
+    optim = OptimConfig(cfg.local_epochs, cfg.batch_size, cfg.lr, cfg.weight_decay)
+    train_local(model, pixels, labels, cfg.method, cfg.mask_ratio, optim, torch.Generator().manual_seed(cfg.seed))
+    steps = cfg.local_epochs * int(np.ceil(images / cfg.batch_size))
+    after = dict(model.named_parameters())
+    gradients = {name: (p.detach() - after[name].detach()) / (cfg.lr * steps) - cfg.weight_decay * p.detach()
+                 for name, p in sent.named_parameters()}
+    public = dataset.public.images.astype(np.float32) / 255
+    size = public.shape[1]
+    result = FishingAttack().reconstruct(GradientObservation(sent, gradients, 1, size, sent.mean, sent.std,
+                                                             prior=public.mean(axis=0)))
+    truth = pixels[:1].numpy().astype(np.float32) / 255
+    return {"psnr": float(metrics.psnr(result.images, truth)[0]),
+            "baseline.psnr": float(metrics.psnr(public.mean(axis=0)[None], truth)[0]),
+            "gradient_cosine_distance": result.details["gradient_cosine_distance"]}
+
+
+def adaptive_campaign(tamper: str, probe, declared_rounds: int = CAMPAIGN_ROUNDS) -> dict:
+    """Rounds until a tampering fits the check's bounds at the defaults of `eftguard train` on fedavg: per
+    coordinate the distance to it (its zeroed weights disguised) over DRIFT_MARGIN of the one-round bound from the
+    initial model; and its attack (probe) on the model the adaptive server sends in the declared last round."""
+    cfg = TrainConfig(method="fedavg", threat="adaptive", tamper=tamper, rounds=declared_rounds).resolved()
     model = build_model(cfg.model, 10, cfg.local_layers, seed=cfg.seed)
     initial = {k: v.numpy().astype(np.float64) for k, v in model.state_dict().items()}
     target = disguised({k: v.numpy().astype(np.float64) for k, v in
-                        tamper_state("imprint", model.state_dict(), cfg, 0).items()}, initial)
+                        tamper_state(tamper, model.state_dict(), cfg, 0).items()}, initial)
     limits = model_check_limits(cfg)
     one_round = limits(2, initial, 1)
     needed = {k: float(np.max(np.abs(target[k] - initial[k]) / (DRIFT_MARGIN * np.maximum(one_round[k], 1e-30))))
@@ -252,13 +287,13 @@ def imprint_adaptive(declared_rounds: int = CAMPAIGN_ROUNDS) -> dict:
     last = nearest_within(target, [(initial, limits(declared_rounds, initial, declared_rounds - 1))])
     return {"rounds_to_fit": 1 + int(np.ceil(needed[slowest])), "slowest_parameter": slowest,
             "one_round_bound_of_it": float(one_round[slowest].max()),
-            f"attack_in_round_{declared_rounds}": imprint_probe(cfg, last)}
+            f"attack_in_round_{declared_rounds}": probe(cfg, last)}
 
 
 def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--out", type=Path, required=True)
-    parser.add_argument("--parts", type=int, nargs="+", default=[1, 2, 3, 4, 5])
+    parser.add_argument("--parts", type=int, nargs="+", default=[1, 2, 3, 4, 5, 6])
     args = parser.parse_args()
     out = args.out
     results_file = out / "results.json"
@@ -324,8 +359,35 @@ def main() -> None:
                                                         {"trust-first-model": True}, rounds=1, method="fedavg",
                                                         **IMPRINT), 1)}
         print(json.dumps({"caught": results["imprint"]["caught"]}), flush=True)
-        results["imprint"]["adaptive"] = imprint_adaptive()
+        results["imprint"]["adaptive"] = adaptive_campaign("imprint", imprint_probe)
         print(json.dumps({"adaptive": results["imprint"]["adaptive"]}), flush=True)
+    if 6 in args.parts:
+        fishing = results["fishing"] = {}
+        run = train(out / "fishing", False, rounds=1, method="fedavg", threat="malicious", tamper="class-fish")
+        honest = train(out / "fishing-honest", False, rounds=1, method="fedavg")
+        fished = fished_class(run.config(), 10)
+        for client in range(run.config().clients):
+            report = run_attack(run.path, "gradient", "fishing", clients=[client], lpips_backend="stlpips-alex",
+                                power_check=False)
+            figures = report.figures()
+            fishing[client] = {"images": run.metrics()[0]["num_examples"][str(client)],
+                               "of_the_fished_class": int(run.load_truth(1, client)["class_counts"][fished]),
+                               "matched_the_fished_class": report.details["label_accuracy"]["mean"],
+                               **{k: figures[k] for k in ("psnr", "ssim", "baseline.psnr", "baseline.ssim")}}
+            plain = run_attack(honest.path, "gradient", "ig", clients=[client], start="prior", match="body",
+                               lpips_backend="stlpips-alex", power_check=False).figures()
+            fishing[client]["honest round, ig --start prior --match body: psnr"] = plain["psnr"]
+            fishing[client]["honest round: baseline.psnr"] = plain["baseline.psnr"]
+            print(json.dumps({"fishing": {client: fishing[client]}}), flush=True)
+        fishing["caught"] = {
+            "round 1": refused(train(out / "fishing-check-r1", True, rounds=1, method="fedavg", threat="malicious",
+                                     tamper="class-fish"), 1),
+            "round 1, trust-first-model": refused(train(out / "fishing-check-r1-tofu", True,
+                                                        {"trust-first-model": True}, rounds=1, method="fedavg",
+                                                        threat="malicious", tamper="class-fish"), 1)}
+        print(json.dumps({"caught": fishing["caught"]}), flush=True)
+        fishing["adaptive"] = adaptive_campaign("class-fish", fishing_probe)
+        print(json.dumps({"adaptive": fishing["adaptive"]}), flush=True)
     out.mkdir(parents=True, exist_ok=True)
     results_file.write_text(json.dumps(results, indent=1))
 
