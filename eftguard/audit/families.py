@@ -412,7 +412,8 @@ class GradientFamily(Family):
             pool_keep = first_masks(training.schedule, count) if training.mask_ratio is not None \
                 and training.schedule is not None else None
             what = (f"the same attack and budget on the update of the client's local training (its optimiser, "
-                    f"epochs and batches, no DP-SGD) run on {count} public images from the round's start weights")
+                    f"epochs and batches, no DP-SGD) run on {count} public images from the round's start weights"
+                    + (" (the tampered model the round was sent)" if observed.auditor["sent"] is not None else ""))
         result = attack.reconstruct(control, progress)
         truth = scoring.as_float_images(pool)
         patch = int(control.model.local_module.patch_embed.patch_size[0])
