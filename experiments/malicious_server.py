@@ -24,7 +24,8 @@ of tests/fakegrid.py (no Ray), vit-tiny-32 on photos.
 6. class fishing (--tamper class-fish, fedavg; `attack gradient --method fishing` at its defaults) with the check
    off on the clients holding 1 to 3 images of the fished class, beside Inverting Gradients on the honest update of
    the client holding one; the check's refusals; the adaptive server as in 5 (the probe: a client of 64 images,
-   one of the fished class).
+   one of the fished class; at rounds 1, 4, 16, 64, 128, 256 and 400: a partly fished head works long before the
+   whole tampering fits).
 
     OMP_NUM_THREADS=1 python experiments/malicious_server.py --out /tmp/malicious [--parts 1 2 3 4 5 6]
 """
@@ -276,10 +277,12 @@ def fishing_probe(cfg: TrainConfig, state: dict[str, np.ndarray], images: int = 
             "gradient_cosine_distance": result.details["gradient_cosine_distance"]}
 
 
-def adaptive_campaign(tamper: str, probe, declared_rounds: int = CAMPAIGN_ROUNDS) -> dict:
+def adaptive_campaign(tamper: str, probe, declared_rounds: int = CAMPAIGN_ROUNDS,
+                      probe_rounds: tuple[int, ...] = (CAMPAIGN_ROUNDS,)) -> dict:
     """Rounds until a tampering fits the check's bounds at the defaults of `eftguard train` on fedavg: per
     coordinate the distance to it (its zeroed weights disguised) over DRIFT_MARGIN of the one-round bound from the
-    initial model; and its attack (probe) on the model the adaptive server sends in the declared last round."""
+    initial model; and its attack (probe) on the model the adaptive server sends in each of probe_rounds (round r:
+    the tampering clipped to r - 1 rounds' bound from the initial model, where the campaign's steady drift is)."""
     cfg = TrainConfig(method="fedavg", threat="adaptive", tamper=tamper, rounds=declared_rounds).resolved()
     model = build_model(cfg.model, 10, cfg.local_layers, seed=cfg.seed)
     initial = {k: v.numpy().astype(np.float64) for k, v in model.state_dict().items()}
@@ -290,10 +293,13 @@ def adaptive_campaign(tamper: str, probe, declared_rounds: int = CAMPAIGN_ROUNDS
     needed = {k: float(np.max(np.abs(target[k] - initial[k]) / (DRIFT_MARGIN * np.maximum(one_round[k], 1e-30))))
               for k in target}
     slowest = max(needed, key=needed.get)
-    last = nearest_within(target, [(initial, limits(declared_rounds, initial, declared_rounds - 1))])
+    attacks = {}
+    for round_number in probe_rounds:
+        sent = nearest_within(target, [(initial, limits(round_number, initial, round_number - 1))])
+        attacks[f"attack_in_round_{round_number}"] = probe(cfg, sent)
+        print(json.dumps({tamper: {round_number: attacks[f"attack_in_round_{round_number}"]}}), flush=True)
     return {"rounds_to_fit": 1 + int(np.ceil(needed[slowest])), "slowest_parameter": slowest,
-            "one_round_bound_of_it": float(one_round[slowest].max()),
-            f"attack_in_round_{declared_rounds}": probe(cfg, last)}
+            "one_round_bound_of_it": float(one_round[slowest].max()), **attacks}
 
 
 def main() -> None:
@@ -398,7 +404,8 @@ def main() -> None:
                                                                 method="fedavg", threat="malicious",
                                                                 tamper="class-fish"), 1)}
                 print(json.dumps({"caught": fishing["caught"]}), flush=True)
-                fishing["adaptive"] = adaptive_campaign("class-fish", fishing_probe)
+                fishing["adaptive"] = adaptive_campaign("class-fish", fishing_probe,
+                                                        probe_rounds=(1, 4, 16, 64, 128, 256, CAMPAIGN_ROUNDS))
                 print(json.dumps({"adaptive": fishing["adaptive"]}), flush=True)
     out.mkdir(parents=True, exist_ok=True)
     results_file.write_text(json.dumps(results, indent=1))
