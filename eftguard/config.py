@@ -31,7 +31,12 @@ CLIENT_SELECTION = ("random", "loss-gap")
 # malicious: the server tampers with one round's model; adaptive: every round it moves each client's model towards
 # the tampering as far as the clients' model check allows (attacks/tamper.py)
 THREATS = ("honest", "malicious", "adaptive")
-TAMPERINGS = ("identity-embed", "stealth-embed", "label-probe")  # --tamper: eftguard.attacks.tamper implements each
+# --tamper: eftguard.attacks.tamper implements each
+TAMPERINGS = ("identity-embed", "stealth-embed", "label-probe", "imprint", "class-fish")
+# the tamperings that read the parameter update (the rest read the feature and head uploads), and the parameter
+# whose update they read: a method whose clients do not train it cannot take them
+UPDATE_TAMPERINGS = {"imprint": "local_module.blocks.0.mlp.fc1.weight",
+                     "class-fish": "local_module.patch_embed.proj.weight"}
 DP_EPS_LIMIT = 100.0  # above it e^epsilon bounds nothing, and the accountants' noise search does not end
 DP_ROUNDS_LIMIT = 10_000  # with --dp-eps, every client's rounds are listed and accounted for before round 1
 FRACTION = Bound(lambda value: 0.0 <= value < 1.0, "in [0, 1)")
@@ -280,7 +285,13 @@ class TrainConfig:
         if self.threat == "adaptive" and self.tamper_round:
             raise ConfigError("--tamper-round is for --threat malicious: an adaptive server drifts towards its "
                               "tampering every round")
-        if not method_spec(self.method).uploads_features:
+        if self.tamper in UPDATE_TAMPERINGS:
+            read = UPDATE_TAMPERINGS[self.tamper]
+            if not method_spec(self.method).trains_parameter(read):
+                training = ", ".join(m.name for m in METHOD_SPECS.values() if m.trains_parameter(read))
+                raise ConfigError(f"--tamper {self.tamper} reads the update of {read}, which --method {self.method} "
+                                  f"clients do not train (methods that do: {training})")
+        elif not method_spec(self.method).uploads_features:
             uploading = ", ".join(m.name for m in methods_with("uploads_features"))
             raise ConfigError(f"--tamper targets the feature and head uploads; --method {self.method} uploads no "
                               f"features (methods that do: {uploading})")

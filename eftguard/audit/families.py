@@ -21,6 +21,8 @@ from eftguard.attack_report import AttackReport
 from eftguard.attacks.base import Attack, AttackError, Registry, ThreatModel
 from eftguard.attacks.dp_audit import CHANNELS, DP_AUDIT
 from eftguard.attacks.gradient import GRADIENT
+from eftguard.attacks.fishing import FishingAttack  # noqa: F401  registers the gradient family's fishing method
+from eftguard.attacks.imprint import ImprintAttack  # noqa: F401  registers the gradient family's imprint method
 from eftguard.attacks.inversion import INVERT
 from eftguard.attacks.labels import LABELS
 from eftguard.attacks.membership import MEMBERSHIP, TARGETS, LossAttack, reference_threat
@@ -278,6 +280,7 @@ class GradientOptions:
     batch: int = option(1, "images to reconstruct; with --observe probe also the probe's batch size", whole_number(1))
 
 
+EXACT_PATCH_DB = 30.0  # a patch attack's count of patches recovered at least this well (report details)
 ORIGINALS = {
     "probe": "the probe's batch; reconstructions matched to it one-to-one (Hungarian, MSE)",
     "upload": "each reconstruction scored against the client training image it matches best (one-to-one, MSE): "
@@ -320,12 +323,41 @@ class GradientFamily(Family):
         public = public_images(job.run)
         prior = public.mean(axis=0)
         partition, batch = job.clients[0], job.options["batch"]
+        sent = self.sent(job, attack)
         if job.options["observe"] == "probe":
+            if sent is not None:
+                raise AttackError(f"the {attack.name} attack reads the update of a tampered round: use --observe "
+                                  "upload")
             obs, probe, details = observe.probe_observation(job.run, job.round_number, partition, batch, job.seed,
                                                             prior)
         else:
-            (obs, details), probe = observe.upload_observation(job.run, job.round_number, partition, batch, prior), None
-        return Observed(obs, {"probe": probe, "details": details, "public": public})
+            (obs, details), probe = observe.upload_observation(job.run, job.round_number, partition, batch, prior,
+                                                               sent), None
+        return Observed(obs, {"probe": probe, "details": details, "public": public, "sent": sent})
+
+    @staticmethod
+    def sent(job: Job, attack: Attack):
+        """The tampered model a malicious-server attack's round was sent (None for the others); refused where the
+        round carries another tampering than the one the attack reads."""
+        if attack.threat_model.server != "malicious":
+            return None
+        tampered = job.run.metrics()[job.round_number - 1]["tampered"]
+        if tampered != attack.tampering:
+            raise AttackError(f"round {job.round_number} of {job.run.path} was tampered with {tampered}: the "
+                              f"{attack.name} method reads a round of --tamper {attack.tampering}")
+        return observe.sent_model(job.run, job.round_number)
+
+    @staticmethod
+    def matched(attack: Attack, result, pool: np.ndarray, patch: int) -> tuple[np.ndarray, np.ndarray | None]:
+        """Each reconstruction's original in the pool, and its scored pixels where the attack says (bool [n, H, W];
+        None: the pool's own masks decide). An image attack: a one-to-one match by MSE. A patch attack (one patch
+        per reconstruction, at result.kept_ids): the pool image whose patch there is nearest (several recovered
+        patches may come from one image)."""
+        if getattr(attack, "recovers", "images") != "patches":
+            return metrics.match_to_pool(result.images, pool), None
+        kept = metrics.kept_pixels(result.kept_ids, pool.shape[1], patch)
+        errors = [((pool - image) ** 2)[:, mask].sum(axis=(1, 2)) for image, mask in zip(result.images, kept)]
+        return np.array([int(np.argmin(e)) for e in errors]), kept
 
     def score(self, job: Job, attack: Attack, observed: Observed, result, seconds: float) -> AttackReport:
         partition, probe = job.clients[0], observed.auditor["probe"]
@@ -334,15 +366,17 @@ class GradientFamily(Family):
         else:
             data = scoring.client_training_set(job.run, partition)
             pool, pool_labels, pool_keep = scoring.as_float_images(data.images), data.labels, upload_masks(observed)
-        rows = metrics.match_to_pool(result.images, pool)
         obs = observed.observation
         patch = int(obs.model.local_module.patch_embed.patch_size[0])
-        kept = metrics.kept_pixels(pool_keep[rows], obs.image_size, patch) if pool_keep is not None else None
-        labels = (np.asarray(result.details["labels"]), pool_labels)
+        rows, kept = self.matched(attack, result, pool, patch)
+        true_kept = pool_keep[rows] if pool_keep is not None and kept is None else None
+        if true_kept is not None:
+            kept = metrics.kept_pixels(true_kept, obs.image_size, patch)
+        labels = (np.asarray(result.details["labels"]), pool_labels) if "labels" in result.details else None
         lpips = metrics.load_lpips(job.lpips_backend)
         scores = scoring.score_client(partition, replace(result, rows=rows), pool[rows], kept,
-                                      observed.auditor["public"], lpips, patch,
-                                      pool_keep[rows] if pool_keep is not None else None, labels, client_images=pool)
+                                      observed.auditor["public"], lpips, patch, true_kept, labels,
+                                      client_images=pool)
         details = {**observed.auditor["details"], "method": attack.summary, "observe": job.options["observe"],
                    "batch": job.options["batch"], "originals": ORIGINALS[job.options["observe"]],
                    "reconstructed_images": len(result.images), "attack_seconds": round(seconds, 2),
@@ -351,6 +385,11 @@ class GradientFamily(Family):
                                 "no masking"}
         if hasattr(attack, "steps"):
             details["steps"] = attack.steps
+        if getattr(attack, "recovers", "images") == "patches":
+            details["originals"] = ("each recovered patch scored against the client training image whose patch at "
+                                    "its position is nearest (several patches may come from one image)")
+            details[f"patches_above_{EXACT_PATCH_DB:g}_db"] = int(
+                (scores.groups["metrics_kept"]["psnr"] >= EXACT_PATCH_DB).sum())
         return self.report(job, attack, scoring.image_summary([scores], details), lpips.name, scores.grid_rows)
 
     def control(self, job: Job, attack: Attack, observed: Observed, progress=None) -> tuple[dict, str]:
@@ -367,18 +406,20 @@ class GradientFamily(Family):
             count = obs.local_training.num_examples
             images, labels, _ = observe.public_sample(cfg, count, job.seed)
             control = observe.public_update_observation(job.run, job.round_number, partition, batch, obs.prior,
-                                                        images, labels)
+                                                        images, labels, observed.auditor["sent"])
             pool = images
             training = control.local_training
             pool_keep = first_masks(training.schedule, count) if training.mask_ratio is not None \
                 and training.schedule is not None else None
             what = (f"the same attack and budget on the update of the client's local training (its optimiser, "
-                    f"epochs and batches, no DP-SGD) run on {count} public images from the round's start weights")
+                    f"epochs and batches, no DP-SGD) run on {count} public images from the round's start weights"
+                    + (" (the tampered model the round was sent)" if observed.auditor["sent"] is not None else ""))
         result = attack.reconstruct(control, progress)
         truth = scoring.as_float_images(pool)
-        rows = metrics.match_to_pool(result.images, truth)
         patch = int(control.model.local_module.patch_embed.patch_size[0])
-        kept = metrics.kept_pixels(pool_keep[rows], control.image_size, patch) if pool_keep is not None else None
+        rows, kept = self.matched(attack, result, truth, patch)
+        if kept is None and pool_keep is not None:
+            kept = metrics.kept_pixels(pool_keep[rows], control.image_size, patch)
         return scoring.control_groups(result.images, truth[rows], kept, observed.auditor["public"]), what
 
 
