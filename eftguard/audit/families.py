@@ -26,7 +26,7 @@ from eftguard.attacks.labels import LABELS
 from eftguard.attacks.membership import MEMBERSHIP, TARGETS, LossAttack, reference_threat
 from eftguard.attacks.update_inversion import first_masks
 from eftguard.audit import observe, scoring
-from eftguard.audit.references import reference_models
+from eftguard.audit.references import ReferenceOutputs, reference_models
 from eftguard.data import ImageSet
 from eftguard.data.registry import load_dataset
 from eftguard.methods import method_spec
@@ -491,6 +491,9 @@ class MembershipOptions:
                                   "one uploaded row (a member's own, a non-member's a random one: the worst case "
                                   "a DP bound covers); unknown: the attack tests every row",
                        name_value, choices=("unknown", "aligned"))
+    population: int = option(500, "the attacker's images that no reference model trains on: rmia's population "
+                                  "samples z and row-likelihood's mean features (at most a quarter of its data)",
+                             whole_number(1))
 
 
 MEMBERSHIP_THREAT = {
@@ -501,8 +504,12 @@ MEMBERSHIP_THREAT = {
     "update": "honest-but-curious server holding one client's uploaded parameters and the round's start weights "
               "(white box)",
 }
-POPULATION = 500  # rmia's population samples z and row-likelihood's mean features: the attacker's images that
-# no reference model trains on, a seeded choice from its data
+
+
+def defense_off(cfg):
+    """The run's configuration without its defenses (DP-SGD, the feature release's clipping and noise): what the
+    global channel's power check trains its control models with."""
+    return replace(cfg, dp_eps=0.0, feature_noise=0.0, feature_clip=0.0).resolved()
 
 
 class MembershipFamily(Family):
@@ -557,30 +564,76 @@ class MembershipFamily(Family):
         return attack
 
     def observe(self, job: Job, attack: Attack) -> Observed:
-        """The candidates; the attacker's population (POPULATION of its images, never in a reference model's
+        """The candidates; the attacker's population (--population of its images, never in a reference model's
         training) and, for lira and rmia, its reference models, trained on the rest of its data (online: and on
-        half of the candidates each)."""
+        half of the candidates each), their outputs cached beside them."""
         target, partition = job.options["target"], job.clients[0]
         candidates = scoring.membership_candidates(job.run, job.round_number, partition, target,
                                                    job.options["candidates"], job.seed)
         pool = ImageSet(candidates.pool_images, candidates.pool_labels)
         order = np.random.default_rng([job.seed, 17]).permutation(len(pool))
-        population = pool.subset(np.sort(order[:min(POPULATION, len(pool) // 4)]))
+        population = pool.subset(np.sort(order[:min(job.options["population"], len(pool) // 4)]))
+        auditor = {"is_member": candidates.is_member, "members_from": candidates.members_from,
+                   "non_members_from": candidates.non_members_from, "outputs": ReferenceOutputs(),
+                   "reference_pool": pool.subset(np.sort(order[len(population):])),
+                   "candidates": ImageSet(candidates.images, candidates.labels)}
         references, trained_on, started = [], None, time.perf_counter()
         if attack.uses_references:
-            cache = job.options["references_dir"] or job.run.path / "reports" / "membership-references"
-            online = ImageSet(candidates.images, candidates.labels) if attack.variant == "online" else None
-            references, trained_on = reference_models(job.run, job.round_number, pool.subset(np.sort(
-                order[len(population):])), job.options["references"], job.seed, Path(cache), online)
+            references, trained_on = self.references(job, auditor, attack.variant == "online")
         observation = observe.observe_membership(job.run, job.round_number, partition, target, candidates.images,
                                                  candidates.labels, attack.threat_model.positions_known,
                                                  references, trained_on, (population.images, population.labels))
+        observation.outputs = auditor["outputs"]
         if target == "upload" and job.options["rows"] == "aligned":
             observation.candidate_rows = scoring.granted_rows(job.run, job.round_number, partition,
                                                               candidates.images, job.seed)
-        return Observed(observation, {"is_member": candidates.is_member, "members_from": candidates.members_from,
-                                      "non_members_from": candidates.non_members_from,
-                                      "reference_seconds": round(time.perf_counter() - started, 1)})
+        return Observed(observation, {**auditor, "reference_seconds": round(time.perf_counter() - started, 1)})
+
+    @staticmethod
+    def references(job: Job, auditor: dict, online: bool, config=None, only: list[int] | None = None,
+                   progress=None) -> tuple[list, np.ndarray | None]:
+        """The attacker's reference models (of `config`, default the run's), from the cache (--references-dir)."""
+        cache = job.options["references_dir"] or job.run.path / "reports" / "membership-references"
+        count = job.options["references"] if only is None else max(job.options["references"], 2)
+        return reference_models(job.run, job.round_number, auditor["reference_pool"], count, job.seed, Path(cache),
+                                auditor["candidates"] if online else None, progress, auditor["outputs"], config,
+                                only)
+
+    def control(self, job: Job, attack: Attack, observed: Observed, progress=None) -> tuple[dict, str] | None:
+        if job.options["target"] != "global":
+            return None
+        return self.global_control(job, attack, observed, progress)
+
+    def global_control(self, job: Job, attack: Attack, observed: Observed, progress=None) -> tuple[dict, str]:
+        """The global channel's power check: a model of the run's configuration with its defense off, trained
+        on half of the attacker's data and a known half of the candidates (reference model 1 of the online set),
+        attacked in the run's place with the same candidates, queries and population. Online lira and rmia
+        score it with the other references of their set (leave-one-out; without a defense to take off, the
+        attack's own set, so it costs nothing more); offline, with the attack's offline set trained with the
+        defense off; loss needs that one model alone."""
+        cfg, obs, auditor = job.run.config(), observed.observation, observed.auditor
+        off = defense_off(cfg)
+        online = attack.uses_references and attack.variant == "online"
+        if online and off == cfg:
+            models, trained_on = obs.references, obs.reference_trained_on
+        else:
+            models, trained_on = self.references(job, auditor, True, off, None if online else [0], progress)
+        references, reference_trained_on = obs.references, obs.reference_trained_on
+        if online:
+            references, reference_trained_on = models[1:], trained_on[1:]
+        elif attack.uses_references and off != cfg:
+            references, reference_trained_on = self.references(job, auditor, False, off, progress=progress)
+        control = replace(obs, model=models[0], references=references, reference_trained_on=reference_trained_on)
+        result = attack.reconstruct(control, progress)
+        count = len(trained_on)
+        defense = "its configuration" if off == cfg else "its configuration without DP-SGD or feature noise"
+        scored = (f", scored with the other {count - 1} reference models of the online set (leave-one-out)" if online
+                  else f", scored with {len(references)} offline reference models"
+                  f"{' trained without the defense' if off != cfg else ''}" if attack.uses_references else "")
+        return (scoring.membership_control_groups(result.scores, trained_on[0]),
+                f"the same attack on reference model 1 of {count} in the run's place: {defense}, trained for "
+                f"{job.round_number} round(s) on half of the attacker's data and a known half of the candidates "
+                f"({int(trained_on[0].sum())} members, {int((~trained_on[0]).sum())} non-members){scored}")
 
     def score(self, job: Job, attack: Attack, observed: Observed, result, seconds: float) -> AttackReport:
         cfg = job.run.config()
