@@ -599,10 +599,39 @@ class MembershipFamily(Family):
                                 auditor["candidates"] if online else None, progress, auditor["outputs"], config,
                                 only)
 
-    def control(self, job: Job, attack: Attack, observed: Observed, progress=None) -> tuple[dict, str] | None:
-        if job.options["target"] != "global":
-            return None
-        return self.global_control(job, attack, observed, progress)
+    def control(self, job: Job, attack: Attack, observed: Observed, progress=None) -> tuple[dict, str]:
+        if job.options["target"] == "global":
+            return self.global_control(job, attack, observed, progress)
+        return self.client_control(job, attack, observed, progress)
+
+    def client_control(self, job: Job, attack: Attack, observed: Observed, progress=None) -> tuple[dict, str]:
+        """The upload and update channels' power check: public images with the attack's members' class mix (as
+        many as the public split allows), released through the client's channel with the defense off, against as
+        many public images of the same labels: upload, their features through the client's uploaded phi_k under
+        fresh masks, without clipping or noise (rows granted as the attack's were); update, the client's local
+        training on them from the round's start weights, without DP-SGD."""
+        cfg, obs, partition, auditor = job.run.config(), observed.observation, job.clients[0], observed.auditor
+        images, labels, is_member = observe.public_label_matched(cfg, obs.labels[auditor["is_member"]], job.seed)
+        members = int(is_member.sum())
+        if job.options["target"] == "upload":
+            mask_ratio = method_spec(cfg.method).mask_ratio(cfg.mask_ratio)
+            features, keep = observe.public_membership_upload(obs, images[is_member], mask_ratio, job.seed,
+                                                              cfg.precision)
+            rows = None if obs.candidate_rows is None else np.r_[np.arange(members), np.random.default_rng(
+                [job.seed, 25]).integers(0, members, len(images) - members)]
+            control = replace(obs, images=images, labels=labels, features=features, candidate_rows=rows,
+                              kept_ids=keep if obs.kept_ids is not None else None, feature_release=(0.0, 0.0, False))
+            what = (f"{members} public images through client {partition}'s uploaded local module under fresh masks, "
+                    "released without clipping or noise")
+        else:
+            state = observe.public_client_update(job.run, job.round_number, partition, images[is_member],
+                                                 labels[is_member])
+            control = replace(obs, images=images, labels=labels, client_state=state)
+            what = f"client {partition}'s local training (no DP-SGD) on {members} public images from the round's start"
+        result = attack.reconstruct(control, progress)
+        return (scoring.membership_control_groups(result.scores, is_member),
+                f"the same attack on {what}, with the members' class mix, against {len(images) - members} other "
+                "public images of the same labels")
 
     def global_control(self, job: Job, attack: Attack, observed: Observed, progress=None) -> tuple[dict, str]:
         """The global channel's power check: a model of the run's configuration with its defense off, trained
