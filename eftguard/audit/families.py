@@ -506,6 +506,12 @@ MEMBERSHIP_THREAT = {
 }
 
 
+def leave_one_out(observation, models: list, trained_on: np.ndarray):
+    """The global power check of an online reference-model attack: reference model 1 of the set in the target's
+    place, the others as its references; its row of trained_on is the control's known membership."""
+    return replace(observation, model=models[0], references=models[1:], reference_trained_on=trained_on[1:])
+
+
 def defense_off(cfg):
     """The run's configuration without its defenses (DP-SGD, the feature release's clipping and noise): what the
     global channel's power check trains its control models with."""
@@ -647,17 +653,19 @@ class MembershipFamily(Family):
             models, trained_on = obs.references, obs.reference_trained_on
         else:
             models, trained_on = self.references(job, auditor, True, off, None if online else [0], progress)
-        references, reference_trained_on = obs.references, obs.reference_trained_on
         if online:
-            references, reference_trained_on = models[1:], trained_on[1:]
-        elif attack.uses_references and off != cfg:
-            references, reference_trained_on = self.references(job, auditor, False, off, progress=progress)
-        control = replace(obs, model=models[0], references=references, reference_trained_on=reference_trained_on)
+            control = leave_one_out(obs, models, trained_on)
+        else:
+            references = obs.references if not attack.uses_references or off == cfg else \
+                self.references(job, auditor, False, off, progress=progress)[0]
+            control = replace(obs, model=models[0], references=references)
         result = attack.reconstruct(control, progress)
         count = len(trained_on)
         defense = "its configuration" if off == cfg else "its configuration without DP-SGD or feature noise"
-        scored = (f", scored with the other {count - 1} reference models of the online set (leave-one-out)" if online
-                  else f", scored with {len(references)} offline reference models"
+        variance = f", {result.details['variance']} variance" if "variance" in result.details else ""
+        scored = (f", scored with the other {count - 1} reference models of the online set (leave-one-out"
+                  f"{variance})" if online
+                  else f", scored with {len(control.references)} offline reference models"
                   f"{' trained without the defense' if off != cfg else ''}" if attack.uses_references else "")
         return (scoring.membership_control_groups(result.scores, trained_on[0]),
                 f"the same attack on reference model 1 of {count} in the run's place: {defense}, trained for "
