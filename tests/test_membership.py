@@ -381,7 +381,7 @@ def test_reference_models_are_trained_once_and_reused(eftvit_run, tmp_path, monk
     original = inprocess.train_in_process
     monkeypatch.setattr(inprocess, "train_in_process", lambda *a: trained.append(a) or original(*a))
     cache = tmp_path / "references"
-    offline = {"variant": "offline", "references": 1, "candidates": 20, "references_dir": cache}
+    offline = {"variant": "offline", "references": 1, "candidates": 20, "references_dir": cache, "power_check": False}
     first = run_attack(eftvit_run, "membership", "lira", **offline)
     assert len(trained) == 1
     stamps = {p: p.stat().st_mtime_ns for p in cache.rglob("*.safetensors")}
@@ -391,13 +391,47 @@ def test_reference_models_are_trained_once_and_reused(eftvit_run, tmp_path, monk
     assert second.groups == first.groups and first.details["reference_models"].startswith("1, ")
     assert first.details["threat_model"].endswith("offline: it also trains reference models on its own data, none "
                                                   "on a candidate")
+    outputs = sorted(cache.rglob("outputs/*.npz"))
+    assert len(outputs) == 18  # the reference's logits on each of the 18 queries of the 40 candidates
     rmia = run_attack(eftvit_run, "membership", "rmia", **offline)
     assert len(trained) == 1 and rmia.groups["metrics"]["auc"]["n"] == 40  # the same references serve rmia
-    online = run_attack(eftvit_run, "membership", "lira", references=2, candidates=20, references_dir=cache)
+    new = sorted(set(cache.rglob("outputs/*.npz")) - set(outputs))
+    assert len(new) == 18  # its population's queries alone: the candidates' outputs were read back
+    online = run_attack(eftvit_run, "membership", "lira", references=2, candidates=20, references_dir=cache,
+                        power_check=False)
     assert len(trained) == 3  # two more: each with half of the candidates
     assert "and half of the candidates" in online.details["reference_models"]
     assert online.capabilities["aux_data"].endswith("and the candidates' images")
 
+
+
+def test_reference_outputs_are_computed_once_and_never_served_for_another_request(tmp_path, monkeypatch):
+    """The cache behind lira and rmia: a reference model's logits on an image set are computed once and read back;
+    another candidate set, another query (the mirror image) or other weights in the same folder compute afresh;
+    a model that is no reference (the target) is never cached."""
+    from eftguard.attacks import membership
+    from eftguard.audit import references
+
+    computed = []
+    monkeypatch.setattr(references, "logits_of", lambda m, x: computed.append(len(x)) or membership.logits_of(m, x))
+    images = np.random.default_rng(0).integers(0, 256, (30, 12, 12, 3), dtype=np.uint8)
+    model, other, target = TinyNet(0).eval(), TinyNet(1).eval(), TinyNet(2).eval()
+    outputs = references.ReferenceOutputs()
+    outputs.add(model, tmp_path / "reference")
+    first = outputs(model, images)
+    assert computed == [30] and len(list((tmp_path / "reference" / "outputs").glob("*.npz"))) == 1
+    again = outputs(model, images)
+    assert computed == [30] and torch.equal(again, first)  # read back, bit for bit
+    outputs(model, images[:20])  # another candidate set
+    outputs(model, np.ascontiguousarray(images[:, :, ::-1]))  # another query
+    assert computed == [30, 20, 30]
+    outputs.add(other, tmp_path / "reference")  # other weights, the same folder
+    assert torch.equal(outputs(other, images), membership.logits_of(other, images))
+    assert computed == [30, 20, 30, 30]
+    outputs(target, images)
+    outputs(target, images)
+    assert computed == [30, 20, 30, 30, 30, 30]
+    assert len(list((tmp_path / "reference" / "outputs").glob("*.npz"))) == 4
 
 
 def test_a_gate_on_a_low_fpr_figure_is_accepted_and_points_the_leaking_way():
