@@ -270,7 +270,8 @@ def test_every_method_finds_memorised_images_and_nothing_in_an_untrained_model(m
 def test_a_run_that_learnt_nothing_gives_a_coin_flip_on_every_target(untrained_run):
     for target in ("global", "update"):
         # 300 members and 300 non-members: the AUC of a blind guess has a standard deviation of 0.024
-        blind = run_attack(untrained_run, "membership", target=target, candidates=300).figures()
+        blind = run_attack(untrained_run, "membership", target=target, candidates=300,
+                           power_check=False).figures()
         assert abs(blind["auc"] - 0.5) < 0.08
         assert blind["chance.auc"] == 0.5 and blind["baseline.auc"] == blind["auc"]  # loss is its own baseline
 
@@ -278,17 +279,20 @@ def test_a_run_that_learnt_nothing_gives_a_coin_flip_on_every_target(untrained_r
 @pytest.mark.parametrize("positions", ["known", "unknown"])
 def test_an_uploaded_feature_set_gives_its_image_away_unless_the_features_are_noised(eftvit_run, tmp_path,
                                                                                   micro_preset, positions):
-    exposed = run_attack(eftvit_run, "membership", target="upload", positions=positions, candidates=60)
+    exposed = run_attack(eftvit_run, "membership", target="upload", positions=positions, candidates=60,
+                         power_check=False)  # the controls: tests/test_power_check.py
     assert exposed.figures()["auc"] > 0.95
     assert exposed.capabilities["positions_known"] == (positions == "known")
     noised = train_in_process(tmp_path / "noised", model=micro_preset, train_samples=160, feature_clip=1.0,
                               feature_noise=20.0)
-    assert abs(run_attack(noised, "membership", target="upload", positions=positions,
-                          candidates=60).figures()["auc"] - 0.5) < 0.15
+    assert abs(run_attack(noised, "membership", target="upload", positions=positions, candidates=60,
+                          power_check=False).figures()["auc"] - 0.5) < 0.15
     if positions == "known":  # the likelihood test: an equality test without noise, a coin flip under heavy noise
-        equality = run_attack(eftvit_run, "membership", "row-likelihood", target="upload", candidates=60)
+        equality = run_attack(eftvit_run, "membership", "row-likelihood", target="upload", candidates=60,
+                              power_check=False)
         assert equality.figures()["auc"] > 0.95 and equality.details["test"].startswith("equality test")
-        blurred = run_attack(noised, "membership", "row-likelihood", target="upload", candidates=60)
+        blurred = run_attack(noised, "membership", "row-likelihood", target="upload", candidates=60,
+                             power_check=False)
         assert abs(blurred.figures()["auc"] - 0.5) < 0.15 and blurred.details["test"].startswith("likelihood ratio")
 
 
@@ -298,9 +302,10 @@ def test_under_feature_noise_the_row_aligned_likelihood_test_sees_what_the_cosin
     the likelihood ratio at each candidate's granted row is not (the worst case a DP bound covers)."""
     noised = train_in_process(tmp_path / "noised", model=micro_preset, train_samples=160, feature_clip=1.0,
                               feature_noise=3.0)
-    cosine = run_attack(noised, "membership", target="upload", candidates=60).figures()["auc"]
-    aligned = run_attack(noised, "membership", "row-likelihood", target="upload", rows="aligned", candidates=60)
-    every_row = run_attack(noised, "membership", "row-likelihood", target="upload", candidates=60)
+    unchecked = {"candidates": 60, "power_check": False}  # the controls: tests/test_power_check.py
+    cosine = run_attack(noised, "membership", target="upload", **unchecked).figures()["auc"]
+    aligned = run_attack(noised, "membership", "row-likelihood", target="upload", rows="aligned", **unchecked)
+    every_row = run_attack(noised, "membership", "row-likelihood", target="upload", **unchecked)
     assert aligned.details["row_per_candidate"] == "granted" and "grants each candidate" in aligned.details[
         "threat_model"]
     assert aligned.figures()["auc"] > 0.75 and aligned.figures()["auc"] > cosine + 0.15
@@ -327,7 +332,7 @@ def test_the_attacks_see_candidates_but_never_membership_or_ground_truth(eftvit_
                         original(self, obs, progress))
     for target in ("global", "upload", "update"):
         run_attack(eftvit_run, "membership", target=target, candidates=20)
-    assert calls == ["LossAttack"] * 3
+    assert calls == ["LossAttack"] * 6  # each target's attack and its power check
     fields = {name for obs in seen for name in vars(obs)}
     assert not any("member" in name or "truth" in name for name in fields)
     assert all(isinstance(obs, MembershipObservation) for obs in seen)
