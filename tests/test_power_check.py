@@ -327,3 +327,21 @@ def test_the_update_membership_control_is_the_clients_training_on_public_images(
     figures = report.figures()
     assert 0.0 <= figures["control.auc"] <= 1.0 and figures["control_baseline.auc"] == 0.5
     assert "local training (no DP-SGD)" in report.details["power_check"]
+
+
+@pytest.mark.slow  # trains a one-round DP-SGD run of the micro ViT and 4 + 4 reference models
+def test_a_dp_runs_global_control_attacks_reference_models_trained_without_dp(tmp_path, micro_preset):
+    """Under DP-SGD the attack's reference models carry the defense: the control's are the same configuration's
+    without it, trained into the same cache, and the report says so."""
+    from conftest import train_in_process
+    from eftguard.rundir import RunDirectory
+
+    run = RunDirectory.open(train_in_process(tmp_path / "dp", model=micro_preset, dp_eps=8.0))
+    cache = tmp_path / "references"
+    report = run_attack(run, "membership", "lira", references=4, candidates=10, queries="1", references_dir=cache)
+    assert "without DP-SGD or feature noise" in report.details["power_check"]
+    assert "leave-one-out" in report.details["power_check"]
+    configs = [(folder / "run" / "config.toml").read_text() for folder in sorted(cache.glob("reference-*"))]
+    assert len(configs) == 8 and sum("dp_eps = 0.0" in c for c in configs) == 4
+    figures = report.figures()
+    assert 0.0 <= figures["control.auc"] <= 1.0 and figures["control_baseline.auc"] == 0.5
