@@ -492,7 +492,8 @@ class MembershipOptions:
                                   "a DP bound covers); unknown: the attack tests every row",
                        name_value, choices=("unknown", "aligned"))
     population: int = option(500, "the attacker's images that no reference model trains on: rmia's population "
-                                  "samples z and row-likelihood's mean features (at most a quarter of its data)",
+                                  "samples z and row-likelihood's mean features (at most a quarter of its data; "
+                                  "the reference models never see the first 500 whatever this is)",
                              whole_number(1))
 
 
@@ -504,6 +505,9 @@ MEMBERSHIP_THREAT = {
     "update": "honest-but-curious server holding one client's uploaded parameters and the round's start weights "
               "(white box)",
 }
+
+POPULATION_SET_ASIDE = 500  # of the attacker's images, kept out of every reference model whatever --population (at
+# most this): the methods of one configuration share their reference models at any smaller population
 
 
 def leave_one_out(observation, models: list, trained_on: np.ndarray):
@@ -578,10 +582,11 @@ class MembershipFamily(Family):
                                                    job.options["candidates"], job.seed)
         pool = ImageSet(candidates.pool_images, candidates.pool_labels)
         order = np.random.default_rng([job.seed, 17]).permutation(len(pool))
-        population = pool.subset(np.sort(order[:min(job.options["population"], len(pool) // 4)]))
+        set_aside = min(max(job.options["population"], POPULATION_SET_ASIDE), len(pool) // 4)
+        population = pool.subset(np.sort(order[:min(job.options["population"], set_aside)]))
         auditor = {"is_member": candidates.is_member, "members_from": candidates.members_from,
                    "non_members_from": candidates.non_members_from, "outputs": ReferenceOutputs(),
-                   "reference_pool": pool.subset(np.sort(order[len(population):])),
+                   "reference_pool": pool.subset(np.sort(order[set_aside:])),
                    "candidates": ImageSet(candidates.images, candidates.labels)}
         references, trained_on, started = [], None, time.perf_counter()
         if attack.uses_references:
