@@ -23,7 +23,7 @@ from __future__ import annotations
 
 import copy
 from dataclasses import dataclass, field
-from typing import ClassVar
+from typing import Callable, ClassVar
 
 import numpy as np
 import torch
@@ -58,7 +58,8 @@ class MembershipObservation:
     granted to each candidate (upload). references: reference models the attacker trained (lira, rmia);
     reference_trained_on [references, n]: which candidates each trained on (the attacker's own choice; None:
     none, the offline setting); population, population_labels: images of the attacker's that no reference
-    model trained on (rmia's z samples)."""
+    model trained on (rmia's z samples). outputs(model, images): a model's logits on images, logits_of unless
+    the auditor hands a cache of its reference models' outputs (shared by lira and rmia)."""
 
     target: str
     round_number: int
@@ -74,6 +75,10 @@ class MembershipObservation:
     reference_trained_on: np.ndarray | None = None
     population: np.ndarray | None = None
     population_labels: np.ndarray | None = None
+    outputs: Callable[[nn.Module, np.ndarray], torch.Tensor] | None = None
+
+    def logits(self, model: nn.Module, images: np.ndarray) -> torch.Tensor:
+        return (self.outputs or logits_of)(model, images)
 
     def client_model(self) -> nn.Module:
         """The start model with the client's uploaded parameters loaded: the client's model after local training."""
@@ -98,9 +103,9 @@ def logits_of(model: nn.Module, images: np.ndarray) -> torch.Tensor:
     return torch.cat(out).double()
 
 
-def losses(model: nn.Module, images: np.ndarray, labels: np.ndarray) -> np.ndarray:
-    """Per-image cross-entropy of the true label."""
-    return nn.functional.cross_entropy(logits_of(model, images), torch.from_numpy(labels), reduction="none").numpy()
+def losses(model: nn.Module, images: np.ndarray, labels: np.ndarray, logits=logits_of) -> np.ndarray:
+    """Per-image cross-entropy of the true label (logits(model, images): logits_of or a cache of it)."""
+    return nn.functional.cross_entropy(logits(model, images), torch.from_numpy(labels), reduction="none").numpy()
 
 
 def true_label_probability(logits: torch.Tensor, labels: np.ndarray) -> np.ndarray:
@@ -151,11 +156,18 @@ def augmented_views(images: np.ndarray, queries: int) -> list[np.ndarray]:
     return views
 
 
-def query_signals(models: list[nn.Module], images: np.ndarray, labels: np.ndarray, queries: int, signal
+def query_signals(observation: MembershipObservation, models: list[nn.Module], images: np.ndarray,
+                  labels: np.ndarray, queries: int, signal, progress: Progress | None = None, stage: str = ""
                   ) -> np.ndarray:
-    """signal(logits, labels) of every model on every query of every image: [models, n, queries]."""
+    """signal(logits, labels) of every model on every query of every image: [models, n, queries] (the logits
+    from the observation's outputs, cached for reference models); progress per model under `stage`."""
     views = augmented_views(images, queries)
-    return np.stack([np.stack([signal(logits_of(m, v), labels) for v in views], axis=1) for m in models])
+    signals = []
+    for index, model in enumerate(models):
+        signals.append(np.stack([signal(observation.logits(model, v), labels) for v in views], axis=1))
+        if progress and stage:
+            progress(stage, index + 1, len(models))
+    return np.stack(signals)
 
 
 def gaussian_fit(signals: np.ndarray, chosen: np.ndarray, per_example: bool) -> tuple[np.ndarray, np.ndarray]:
@@ -255,7 +267,7 @@ class LossAttack:
     def reconstruct(self, observation: MembershipObservation, progress: Progress | None = None) -> MembershipScores:
         obs = observation
         if obs.target == "global":
-            return MembershipScores(-losses(obs.model, obs.images, obs.labels))
+            return MembershipScores(-losses(obs.model, obs.images, obs.labels, obs.logits))
         client = obs.client_model()
         if obs.target == "update":
             start = losses(obs.model, obs.images, obs.labels)
@@ -308,8 +320,9 @@ class LiRAAttack:
         check_target(type(self), observation)
         check_references(self, observation)
         obs, queries = observation, int(self.queries)
-        target = query_signals([obs.model], obs.images, obs.labels, queries, scaled_confidence)[0]
-        reference = query_signals(obs.references, obs.images, obs.labels, queries, scaled_confidence)
+        target = query_signals(obs, [obs.model], obs.images, obs.labels, queries, scaled_confidence)[0]
+        reference = query_signals(obs, obs.references, obs.images, obs.labels, queries, scaled_confidence, progress,
+                                  "reference models on the candidates")
         trained_on = (obs.reference_trained_on if obs.reference_trained_on is not None
                       else np.zeros(reference.shape[:2], bool))
         per_example = len(reference) >= LIRA_PER_EXAMPLE_VARIANCE_FROM
@@ -350,22 +363,26 @@ class RMIAAttack:
         if obs.population is None or not len(obs.population):
             raise AttackError("the rmia method needs population images (the attacker's own data)")
 
-        def probability(models: list[nn.Module], images: np.ndarray, labels: np.ndarray) -> np.ndarray:
-            return query_signals(models, images, labels, queries, true_label_probability).mean(axis=2)
+        def probability(models: list[nn.Module], images: np.ndarray, labels: np.ndarray, stage: str = ""
+                        ) -> np.ndarray:
+            return query_signals(obs, models, images, labels, queries, true_label_probability, progress,
+                                 stage).mean(axis=2)
 
         def offline_prior(mean_out: np.ndarray) -> np.ndarray:
             return ((1 + RMIA_OFFLINE_A) * mean_out + 1 - RMIA_OFFLINE_A) / 2
 
-        reference = probability(obs.references, obs.images, obs.labels)  # [references, n]
+        reference = probability(obs.references, obs.images, obs.labels, "reference models on the candidates")
         trained_on = (obs.reference_trained_on if obs.reference_trained_on is not None
                       else np.zeros(reference.shape, bool))
         mean_out = np.nanmean(np.where(trained_on, np.nan, reference), axis=0)
+        population = probability(obs.references, obs.population, obs.population_labels,
+                                 "reference models on the population").mean(axis=0)
         if self.variant == "online":
             prior_x = (np.nanmean(np.where(trained_on, reference, np.nan), axis=0) + mean_out) / 2
-            prior_z = probability(obs.references, obs.population, obs.population_labels).mean(axis=0)
+            prior_z = population
         else:
             prior_x = offline_prior(mean_out)
-            prior_z = offline_prior(probability(obs.references, obs.population, obs.population_labels).mean(axis=0))
+            prior_z = offline_prior(population)
         ratio_x = probability([obs.model], obs.images, obs.labels)[0] / np.maximum(prior_x, 1e-30)
         ratio_z = probability([obs.model], obs.population, obs.population_labels)[0] / np.maximum(prior_z, 1e-30)
         scores = (ratio_x[:, None] > RMIA_GAMMA * ratio_z[None, :]).mean(axis=1)

@@ -488,3 +488,11 @@ def test_the_console_line_names_each_familys_headline_figure():
     assert grid.headline_text("membership", {"tpr_at_1pct_fpr": 0.1}) == "no figures"
     assert grid.headline_text("labels", {"psnr": 14.2}) == "no figures"  # another family's headline is not its
     assert grid.headline_text("unknown", {"psnr": 14.2}) == "no figures"
+
+
+def test_an_audits_configurations_share_the_membership_reference_models(tmp_path):
+    """Keyed by configuration and data, the models of one configuration serve its attacks and the power checks of
+    the same configuration with DP; an [[attack]] table's own references_dir wins (it is merged after)."""
+    lira = grid.AttackEntry("membership-lira", "membership", "lira", {})
+    assert grid.shared_caches(lira, tmp_path) == {"references_dir": tmp_path / "membership-references"}
+    assert grid.shared_caches(grid.AttackEntry("invert-decoder", "invert", "decoder", {}), tmp_path) == {}

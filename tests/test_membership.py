@@ -18,6 +18,7 @@ from eftguard.attacks.membership import (MEMBERSHIP, LiRAAttack, LossAttack, Mem
                                          augmented_views, row_log_likelihood_ratio)
 from eftguard.audit.references import half_of_the_models
 from conftest import attacks_guarded, train_in_process
+from helpers import TinyNet, fitted
 from eftguard.audit import AttackReport, run_attack
 from eftguard.audit import scoring
 from eftguard.cli import main
@@ -68,35 +69,6 @@ def test_tpr_at_a_false_positive_rate_finer_than_one_non_member_is_undefined():
 
 
 # --- LiRA and RMIA in a known-good setting: an overfit target, 16 references --------------------------------
-
-class TinyNet(nn.Module):
-    """A two-layer perceptron on 12 x 12 images with the two methods the membership attacks call (normalize,
-    forward): fast enough to train 17 of them in seconds."""
-
-    def __init__(self, seed: int):
-        super().__init__()
-        torch.manual_seed(seed)
-        self.layers = nn.Sequential(nn.Flatten(), nn.Linear(12 * 12 * 3, 128), nn.ReLU(), nn.Linear(128, 10))
-
-    @staticmethod
-    def normalize(images: torch.Tensor) -> torch.Tensor:
-        return images.float().div(255).sub(0.5).permute(0, 3, 1, 2)
-
-    def forward(self, x):
-        return self.layers(x)
-
-
-def fitted(images: np.ndarray, labels: np.ndarray, seed: int) -> TinyNet:
-    """Full-batch Adam until the training images are memorised: a train-test gap as wide as it gets."""
-    model = TinyNet(seed)
-    optimizer = torch.optim.Adam(model.parameters(), lr=3e-3)
-    x, y = model.normalize(torch.from_numpy(images)), torch.from_numpy(labels)
-    for _ in range(100):
-        optimizer.zero_grad()
-        nn.functional.cross_entropy(model(x), y).backward()
-        optimizer.step()
-    return model.eval()
-
 
 REFERENCES, DATA, OWN = 16, 2000, 400
 
@@ -270,7 +242,8 @@ def test_every_method_finds_memorised_images_and_nothing_in_an_untrained_model(m
 def test_a_run_that_learnt_nothing_gives_a_coin_flip_on_every_target(untrained_run):
     for target in ("global", "update"):
         # 300 members and 300 non-members: the AUC of a blind guess has a standard deviation of 0.024
-        blind = run_attack(untrained_run, "membership", target=target, candidates=300).figures()
+        blind = run_attack(untrained_run, "membership", target=target, candidates=300,
+                           power_check=False).figures()
         assert abs(blind["auc"] - 0.5) < 0.08
         assert blind["chance.auc"] == 0.5 and blind["baseline.auc"] == blind["auc"]  # loss is its own baseline
 
@@ -278,17 +251,20 @@ def test_a_run_that_learnt_nothing_gives_a_coin_flip_on_every_target(untrained_r
 @pytest.mark.parametrize("positions", ["known", "unknown"])
 def test_an_uploaded_feature_set_gives_its_image_away_unless_the_features_are_noised(eftvit_run, tmp_path,
                                                                                   micro_preset, positions):
-    exposed = run_attack(eftvit_run, "membership", target="upload", positions=positions, candidates=60)
+    exposed = run_attack(eftvit_run, "membership", target="upload", positions=positions, candidates=60,
+                         power_check=False)  # the controls: tests/test_power_check.py
     assert exposed.figures()["auc"] > 0.95
     assert exposed.capabilities["positions_known"] == (positions == "known")
     noised = train_in_process(tmp_path / "noised", model=micro_preset, train_samples=160, feature_clip=1.0,
                               feature_noise=20.0)
-    assert abs(run_attack(noised, "membership", target="upload", positions=positions,
-                          candidates=60).figures()["auc"] - 0.5) < 0.15
+    assert abs(run_attack(noised, "membership", target="upload", positions=positions, candidates=60,
+                          power_check=False).figures()["auc"] - 0.5) < 0.15
     if positions == "known":  # the likelihood test: an equality test without noise, a coin flip under heavy noise
-        equality = run_attack(eftvit_run, "membership", "row-likelihood", target="upload", candidates=60)
+        equality = run_attack(eftvit_run, "membership", "row-likelihood", target="upload", candidates=60,
+                              power_check=False)
         assert equality.figures()["auc"] > 0.95 and equality.details["test"].startswith("equality test")
-        blurred = run_attack(noised, "membership", "row-likelihood", target="upload", candidates=60)
+        blurred = run_attack(noised, "membership", "row-likelihood", target="upload", candidates=60,
+                             power_check=False)
         assert abs(blurred.figures()["auc"] - 0.5) < 0.15 and blurred.details["test"].startswith("likelihood ratio")
 
 
@@ -298,9 +274,10 @@ def test_under_feature_noise_the_row_aligned_likelihood_test_sees_what_the_cosin
     the likelihood ratio at each candidate's granted row is not (the worst case a DP bound covers)."""
     noised = train_in_process(tmp_path / "noised", model=micro_preset, train_samples=160, feature_clip=1.0,
                               feature_noise=3.0)
-    cosine = run_attack(noised, "membership", target="upload", candidates=60).figures()["auc"]
-    aligned = run_attack(noised, "membership", "row-likelihood", target="upload", rows="aligned", candidates=60)
-    every_row = run_attack(noised, "membership", "row-likelihood", target="upload", candidates=60)
+    unchecked = {"candidates": 60, "power_check": False}  # the controls: tests/test_power_check.py
+    cosine = run_attack(noised, "membership", target="upload", **unchecked).figures()["auc"]
+    aligned = run_attack(noised, "membership", "row-likelihood", target="upload", rows="aligned", **unchecked)
+    every_row = run_attack(noised, "membership", "row-likelihood", target="upload", **unchecked)
     assert aligned.details["row_per_candidate"] == "granted" and "grants each candidate" in aligned.details[
         "threat_model"]
     assert aligned.figures()["auc"] > 0.75 and aligned.figures()["auc"] > cosine + 0.15
@@ -327,7 +304,7 @@ def test_the_attacks_see_candidates_but_never_membership_or_ground_truth(eftvit_
                         original(self, obs, progress))
     for target in ("global", "upload", "update"):
         run_attack(eftvit_run, "membership", target=target, candidates=20)
-    assert calls == ["LossAttack"] * 3
+    assert calls == ["LossAttack"] * 6  # each target's attack and its power check
     fields = {name for obs in seen for name in vars(obs)}
     assert not any("member" in name or "truth" in name for name in fields)
     assert all(isinstance(obs, MembershipObservation) for obs in seen)
@@ -381,7 +358,7 @@ def test_reference_models_are_trained_once_and_reused(eftvit_run, tmp_path, monk
     original = inprocess.train_in_process
     monkeypatch.setattr(inprocess, "train_in_process", lambda *a: trained.append(a) or original(*a))
     cache = tmp_path / "references"
-    offline = {"variant": "offline", "references": 1, "candidates": 20, "references_dir": cache}
+    offline = {"variant": "offline", "references": 1, "candidates": 20, "references_dir": cache, "power_check": False}
     first = run_attack(eftvit_run, "membership", "lira", **offline)
     assert len(trained) == 1
     stamps = {p: p.stat().st_mtime_ns for p in cache.rglob("*.safetensors")}
@@ -391,13 +368,48 @@ def test_reference_models_are_trained_once_and_reused(eftvit_run, tmp_path, monk
     assert second.groups == first.groups and first.details["reference_models"].startswith("1, ")
     assert first.details["threat_model"].endswith("offline: it also trains reference models on its own data, none "
                                                   "on a candidate")
-    rmia = run_attack(eftvit_run, "membership", "rmia", **offline)
-    assert len(trained) == 1 and rmia.groups["metrics"]["auc"]["n"] == 40  # the same references serve rmia
-    online = run_attack(eftvit_run, "membership", "lira", references=2, candidates=20, references_dir=cache)
+    outputs = sorted(cache.rglob("outputs/*.npz"))
+    assert len(outputs) == 18  # the reference's logits on each of the 18 queries of the 40 candidates
+    rmia = run_attack(eftvit_run, "membership", "rmia", **offline, population=10)
+    # the same references serve rmia, at a smaller population too
+    assert len(trained) == 1 and rmia.groups["metrics"]["auc"]["n"] == 40 and rmia.details["population"] == 10
+    new = sorted(set(cache.rglob("outputs/*.npz")) - set(outputs))
+    assert len(new) == 18  # its population's queries alone: the candidates' outputs were read back
+    online = run_attack(eftvit_run, "membership", "lira", references=2, candidates=20, references_dir=cache,
+                        power_check=False)
     assert len(trained) == 3  # two more: each with half of the candidates
     assert "and half of the candidates" in online.details["reference_models"]
     assert online.capabilities["aux_data"].endswith("and the candidates' images")
 
+
+
+def test_reference_outputs_are_computed_once_and_never_served_for_another_request(tmp_path, monkeypatch):
+    """The cache behind lira and rmia: a reference model's logits on an image set are computed once and read back;
+    another candidate set, another query (the mirror image) or other weights in the same folder compute afresh;
+    a model that is no reference (the target) is never cached."""
+    from eftguard.attacks import membership
+    from eftguard.audit import references
+
+    computed = []
+    monkeypatch.setattr(references, "logits_of", lambda m, x: computed.append(len(x)) or membership.logits_of(m, x))
+    images = np.random.default_rng(0).integers(0, 256, (30, 12, 12, 3), dtype=np.uint8)
+    model, other, target = TinyNet(0).eval(), TinyNet(1).eval(), TinyNet(2).eval()
+    outputs = references.ReferenceOutputs()
+    outputs.add(model, tmp_path / "reference")
+    first = outputs(model, images)
+    assert computed == [30] and len(list((tmp_path / "reference" / "outputs").glob("*.npz"))) == 1
+    again = outputs(model, images)
+    assert computed == [30] and torch.equal(again, first)  # read back, bit for bit
+    outputs(model, images[:20])  # another candidate set
+    outputs(model, np.ascontiguousarray(images[:, :, ::-1]))  # another query
+    assert computed == [30, 20, 30]
+    outputs.add(other, tmp_path / "reference")  # other weights, the same folder
+    assert torch.equal(outputs(other, images), membership.logits_of(other, images))
+    assert computed == [30, 20, 30, 30]
+    outputs(target, images)
+    outputs(target, images)
+    assert computed == [30, 20, 30, 30, 30, 30]
+    assert len(list((tmp_path / "reference" / "outputs").glob("*.npz"))) == 4
 
 
 def test_a_gate_on_a_low_fpr_figure_is_accepted_and_points_the_leaking_way():

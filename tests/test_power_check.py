@@ -222,3 +222,154 @@ def test_a_dp_audit_low_holds_only_where_its_control_could_have_refuted_the_clai
     assert control_cell(capped).endswith("(failed); the audit can certify at most 2.30, below the claimed 8.00")
     assert "(claimed 8.000)" in capped.control_text
     assert dp_audit_verdict(0.9, 0.0, 2.3, claim=8.0).level == verdict.HIGH  # a bound shown is shown
+
+
+# --- membership: a reference model with known members in the target's place; public rows through the client ---
+
+MEMBERSHIP_REFERENCES, MEMBERSHIP_CANDIDATES = 16, 300
+
+
+def smooth_images(rng, count: int) -> np.ndarray:
+    """4 x 4 colour fields upsampled to 12 x 12 (a mirror image stays recognisable), uint8."""
+    import torch
+
+    fields = torch.from_numpy(rng.random((count, 3, 4, 4))).float()
+    return (torch.nn.functional.interpolate(fields, size=12, mode="bilinear", align_corners=False)
+            .permute(0, 2, 3, 1).mul(255).round().byte().numpy())
+
+
+@pytest.fixture(scope="module")
+def memorising_references():
+    """16 small networks, each memorising its half of 300 random-label candidates (every candidate in exactly 8):
+    the global channel's control where membership is as visible as it gets. Returns (observation fields,
+    models, inclusion)."""
+    from eftguard.audit.references import half_of_the_models
+    from helpers import fitted
+
+    rng = np.random.default_rng(5)
+    images = smooth_images(rng, MEMBERSHIP_CANDIDATES + 100)
+    labels = rng.integers(0, 10, len(images))
+    trained_on = half_of_the_models(MEMBERSHIP_REFERENCES, MEMBERSHIP_CANDIDATES, rng)
+    candidates, candidate_labels = images[:MEMBERSHIP_CANDIDATES], labels[:MEMBERSHIP_CANDIDATES]
+    models = [fitted(candidates[row], candidate_labels[row], seed=r) for r, row in enumerate(trained_on)]
+    fields = {"images": candidates, "labels": candidate_labels, "population": images[MEMBERSHIP_CANDIDATES:],
+              "population_labels": labels[MEMBERSHIP_CANDIDATES:]}
+    return fields, models, trained_on
+
+
+def membership_verdict(attack_auc: float, groups: dict):
+    """The membership channel's verdict for one attack with these control groups."""
+    figures = {"auc": attack_auc, "chance.auc": 0.5, **{f"{group}.auc": groups[group]["auc"]["mean"]
+                                                        for group in ("control", "control_baseline")}}
+    return next(v for v in verdict.verdict_of_attacks({"membership-lira": {"family": "membership",
+                                                                            "figures": figures}})
+                if v.family == "membership")
+
+
+@pytest.mark.parametrize("method", ["lira", "rmia"])
+def test_leave_one_out_passes_the_membership_control_where_the_references_memorise(memorising_references, method):
+    """Reference model 1 in the target's place, scored with the other 15 (same queries, candidates, population):
+    its known half of the candidates stands out, so an attack at chance on the run reads low, checked."""
+    from eftguard.attacks.membership import MEMBERSHIP, MembershipObservation
+    from eftguard.audit.families import leave_one_out
+    from eftguard.audit.scoring import membership_control_groups
+
+    fields, models, trained_on = memorising_references
+    observation = MembershipObservation("global", 1, model=models[0], **fields)
+    control = leave_one_out(observation, models, trained_on)
+    assert control.model is models[0] and len(control.references) == MEMBERSHIP_REFERENCES - 1
+    assert all(m is not models[0] for m in control.references)
+    result = MEMBERSHIP.get(method)(queries="2").reconstruct(control)
+    groups = membership_control_groups(result.scores, trained_on[0])
+    assert groups["control"]["auc"]["mean"] > 0.8
+    v = membership_verdict(0.51, groups)
+    assert v.level == verdict.LOW and v.control.passed
+
+
+def test_a_membership_attack_at_the_prior_reads_inconclusive(memorising_references):
+    """References that are all one untrained network carry no membership: LiRA's IN and OUT fits are one, every
+    candidate ties on the control (AUC exactly 0.5), so its 0.5 on the run cannot read low."""
+    from helpers import TinyNet
+    from eftguard.attacks.membership import MEMBERSHIP, MembershipObservation
+    from eftguard.audit.families import leave_one_out
+    from eftguard.audit.scoring import membership_control_groups
+
+    fields, _, trained_on = memorising_references
+    same = TinyNet(0).eval()
+    models = [same] * MEMBERSHIP_REFERENCES
+    control = leave_one_out(MembershipObservation("global", 1, model=same, **fields), models, trained_on)
+    groups = membership_control_groups(MEMBERSHIP.get("lira")(queries="2").reconstruct(control).scores,
+                                       trained_on[0])
+    assert groups["control"]["auc"]["mean"] == pytest.approx(0.5)
+    v = membership_verdict(0.5, groups)
+    assert v.level == verdict.INCONCLUSIVE and not v.control.passed
+    assert v.level_text == "inconclusive: the attack was too weak here"
+
+
+def test_the_membership_controls_baseline_is_a_random_guess():
+    """Pinned against an independent computation: the control's AUC over every member / non-member pair, and a
+    random guess's figures (AUC and balanced accuracy 0.5, TPR at an FPR equal to that FPR, undefined below one
+    non-member); the verdict reads the headline figure "auc" against "chance.auc"."""
+    from eftguard.audit.scoring import membership_control_groups
+
+    rng = np.random.default_rng(2)
+    is_member = np.r_[np.ones(150, bool), np.zeros(150, bool)]
+    scores = rng.normal(size=300) + 0.5 * is_member
+    groups = membership_control_groups(scores, is_member)
+    pairs = scores[is_member][:, None] - scores[~is_member][None, :]
+    assert groups["control"]["auc"]["mean"] == pytest.approx(((pairs > 0) + 0.5 * (pairs == 0)).mean(), abs=1e-12)
+    baseline = {name: figure["mean"] for name, figure in groups["control_baseline"].items()}
+    assert baseline == {"auc": 0.5, "tpr_at_0.1pct_fpr": None, "tpr_at_1pct_fpr": 0.01, "balanced_accuracy": 0.5}
+    headline = CHANNELS["membership"].headlines[0]
+    assert (headline.figure, headline.baseline) == ("auc", "chance.auc")
+    assert verdict.PowerCheck("membership-x", 0.56, 0.5, headline).passed
+    assert not verdict.PowerCheck("membership-x", 0.54, 0.5, headline).passed
+
+
+def test_the_global_control_takes_the_defense_off():
+    from eftguard.audit.families import defense_off
+    from eftguard.config import TrainConfig
+
+    dp = TrainConfig(dp_eps=1.0, train_samples=200).resolved()
+    off = defense_off(dp)
+    assert (off.dp_eps, off.feature_noise, off.feature_clip) == (0.0, 0.0, 0.0)
+    assert off == TrainConfig(train_samples=200).resolved()  # the same configuration without DP: its references
+    assert defense_off(off) == off
+
+
+@pytest.mark.slow  # the control runs the test a second time, on public images through the client's phi_k
+def test_the_upload_membership_control_is_public_rows_without_noise(feature_run):
+    """With each candidate granted a row and no noise the row test is an equality test: on public rows through the
+    client's uploaded local module it tells every member from every non-member."""
+    report = run_attack(feature_run, "membership", "row-likelihood", target="upload", rows="aligned")
+    figures = report.figures()
+    assert figures["control.auc"] == 1.0 and figures["control_baseline.auc"] == 0.5
+    assert "without clipping or noise" in report.details["power_check"]
+    assert "members' class mix" in report.details["power_check"]
+    assert channel_of(report).control.passed
+
+
+@pytest.mark.slow  # the control replays the client's local training on public images
+def test_the_update_membership_control_is_the_clients_training_on_public_images(feature_run):
+    report = run_attack(feature_run, "membership", "loss", target="update")
+    figures = report.figures()
+    assert 0.0 <= figures["control.auc"] <= 1.0 and figures["control_baseline.auc"] == 0.5
+    assert "local training (no DP-SGD)" in report.details["power_check"]
+
+
+@pytest.mark.slow  # trains a one-round DP-SGD run of the micro ViT and 4 + 4 reference models
+def test_a_dp_runs_global_control_attacks_reference_models_trained_without_dp(tmp_path, micro_preset):
+    """Under DP-SGD the attack's reference models carry the defense: the control's are the same configuration's
+    without it, trained into the same cache, and the report says so."""
+    from conftest import train_in_process
+    from eftguard.rundir import RunDirectory
+
+    run = RunDirectory.open(train_in_process(tmp_path / "dp", model=micro_preset, dp_eps=8.0))
+    cache = tmp_path / "references"
+    report = run_attack(run, "membership", "lira", references=4, candidates=10, queries="1", references_dir=cache)
+    assert "without DP-SGD or feature noise" in report.details["power_check"]
+    assert "leave-one-out" in report.details["power_check"]
+    configs = [(folder / "run" / "config.toml").read_text() for folder in sorted(cache.glob("reference-*"))]
+    assert len(configs) == 8 and sum("dp_eps = 0.0" in c for c in configs) == 4
+    figures = report.figures()
+    assert 0.0 <= figures["control.auc"] <= 1.0 and figures["control_baseline.auc"] == 0.5

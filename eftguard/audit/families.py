@@ -28,7 +28,7 @@ from eftguard.attacks.labels import LABELS
 from eftguard.attacks.membership import MEMBERSHIP, TARGETS, LossAttack, reference_threat
 from eftguard.attacks.update_inversion import first_masks
 from eftguard.audit import observe, scoring
-from eftguard.audit.references import reference_models
+from eftguard.audit.references import ReferenceOutputs, reference_models
 from eftguard.data import ImageSet
 from eftguard.data.registry import load_dataset
 from eftguard.methods import method_spec
@@ -591,6 +591,10 @@ class MembershipOptions:
                                   "one uploaded row (a member's own, a non-member's a random one: the worst case "
                                   "a DP bound covers); unknown: the attack tests every row",
                        name_value, choices=("unknown", "aligned"))
+    population: int = option(500, "the attacker's images that no reference model trains on: rmia's population "
+                                  "samples z and row-likelihood's mean features (at most a quarter of its data; "
+                                  "the reference models never see the first 500 whatever this is)",
+                             whole_number(1))
 
 
 MEMBERSHIP_THREAT = {
@@ -601,8 +605,21 @@ MEMBERSHIP_THREAT = {
     "update": "honest-but-curious server holding one client's uploaded parameters and the round's start weights "
               "(white box)",
 }
-POPULATION = 500  # rmia's population samples z and row-likelihood's mean features: the attacker's images that
-# no reference model trains on, a seeded choice from its data
+
+POPULATION_SET_ASIDE = 500  # of the attacker's images, kept out of every reference model whatever --population (at
+# most this): the methods of one configuration share their reference models at any smaller population
+
+
+def leave_one_out(observation, models: list, trained_on: np.ndarray):
+    """The global power check of an online reference-model attack: reference model 1 of the set in the target's
+    place, the others as its references; its row of trained_on is the control's known membership."""
+    return replace(observation, model=models[0], references=models[1:], reference_trained_on=trained_on[1:])
+
+
+def defense_off(cfg):
+    """The run's configuration without its defenses (DP-SGD, the feature release's clipping and noise): what the
+    global channel's power check trains its control models with."""
+    return replace(cfg, dp_eps=0.0, feature_noise=0.0, feature_clip=0.0).resolved()
 
 
 class MembershipFamily(Family):
@@ -657,30 +674,108 @@ class MembershipFamily(Family):
         return attack
 
     def observe(self, job: Job, attack: Attack) -> Observed:
-        """The candidates; the attacker's population (POPULATION of its images, never in a reference model's
+        """The candidates; the attacker's population (--population of its images, never in a reference model's
         training) and, for lira and rmia, its reference models, trained on the rest of its data (online: and on
-        half of the candidates each)."""
+        half of the candidates each), their outputs cached beside them."""
         target, partition = job.options["target"], job.clients[0]
         candidates = scoring.membership_candidates(job.run, job.round_number, partition, target,
                                                    job.options["candidates"], job.seed)
         pool = ImageSet(candidates.pool_images, candidates.pool_labels)
         order = np.random.default_rng([job.seed, 17]).permutation(len(pool))
-        population = pool.subset(np.sort(order[:min(POPULATION, len(pool) // 4)]))
+        set_aside = min(max(job.options["population"], POPULATION_SET_ASIDE), len(pool) // 4)
+        population = pool.subset(np.sort(order[:min(job.options["population"], set_aside)]))
+        auditor = {"is_member": candidates.is_member, "members_from": candidates.members_from,
+                   "non_members_from": candidates.non_members_from, "outputs": ReferenceOutputs(),
+                   "reference_pool": pool.subset(np.sort(order[set_aside:])),
+                   "candidates": ImageSet(candidates.images, candidates.labels)}
         references, trained_on, started = [], None, time.perf_counter()
         if attack.uses_references:
-            cache = job.options["references_dir"] or job.run.path / "reports" / "membership-references"
-            online = ImageSet(candidates.images, candidates.labels) if attack.variant == "online" else None
-            references, trained_on = reference_models(job.run, job.round_number, pool.subset(np.sort(
-                order[len(population):])), job.options["references"], job.seed, Path(cache), online)
+            references, trained_on = self.references(job, auditor, attack.variant == "online")
         observation = observe.observe_membership(job.run, job.round_number, partition, target, candidates.images,
                                                  candidates.labels, attack.threat_model.positions_known,
                                                  references, trained_on, (population.images, population.labels))
+        observation.outputs = auditor["outputs"]
         if target == "upload" and job.options["rows"] == "aligned":
             observation.candidate_rows = scoring.granted_rows(job.run, job.round_number, partition,
                                                               candidates.images, job.seed)
-        return Observed(observation, {"is_member": candidates.is_member, "members_from": candidates.members_from,
-                                      "non_members_from": candidates.non_members_from,
-                                      "reference_seconds": round(time.perf_counter() - started, 1)})
+        return Observed(observation, {**auditor, "reference_seconds": round(time.perf_counter() - started, 1)})
+
+    @staticmethod
+    def references(job: Job, auditor: dict, online: bool, config=None, only: list[int] | None = None,
+                   progress=None) -> tuple[list, np.ndarray | None]:
+        """The attacker's reference models (of `config`, default the run's), from the cache (--references-dir)."""
+        cache = job.options["references_dir"] or job.run.path / "reports" / "membership-references"
+        count = job.options["references"] if only is None else max(job.options["references"], 2)
+        return reference_models(job.run, job.round_number, auditor["reference_pool"], count, job.seed, Path(cache),
+                                auditor["candidates"] if online else None, progress, auditor["outputs"], config,
+                                only)
+
+    def control(self, job: Job, attack: Attack, observed: Observed, progress=None) -> tuple[dict, str]:
+        if job.options["target"] == "global":
+            return self.global_control(job, attack, observed, progress)
+        return self.client_control(job, attack, observed, progress)
+
+    def client_control(self, job: Job, attack: Attack, observed: Observed, progress=None) -> tuple[dict, str]:
+        """The upload and update channels' power check: public images with the attack's members' class mix (as
+        many as the public split allows), released through the client's channel with the defense off, against as
+        many public images of the same labels: upload, their features through the client's uploaded phi_k under
+        fresh masks, without clipping or noise (rows granted as the attack's were); update, the client's local
+        training on them from the round's start weights, without DP-SGD."""
+        cfg, obs, partition, auditor = job.run.config(), observed.observation, job.clients[0], observed.auditor
+        images, labels, is_member = observe.public_label_matched(cfg, obs.labels[auditor["is_member"]], job.seed)
+        members = int(is_member.sum())
+        if job.options["target"] == "upload":
+            mask_ratio = method_spec(cfg.method).mask_ratio(cfg.mask_ratio)
+            features, keep = observe.public_membership_upload(obs, images[is_member], mask_ratio, job.seed,
+                                                              cfg.precision)
+            rows = None if obs.candidate_rows is None else np.r_[np.arange(members), np.random.default_rng(
+                [job.seed, 25]).integers(0, members, len(images) - members)]
+            control = replace(obs, images=images, labels=labels, features=features, candidate_rows=rows,
+                              kept_ids=keep if obs.kept_ids is not None else None, feature_release=(0.0, 0.0, False))
+            what = (f"{members} public images through client {partition}'s uploaded local module under fresh masks, "
+                    "released without clipping or noise")
+        else:
+            state = observe.public_client_update(job.run, job.round_number, partition, images[is_member],
+                                                 labels[is_member])
+            control = replace(obs, images=images, labels=labels, client_state=state)
+            what = f"client {partition}'s local training (no DP-SGD) on {members} public images from the round's start"
+        result = attack.reconstruct(control, progress)
+        return (scoring.membership_control_groups(result.scores, is_member),
+                f"the same attack on {what}, with the members' class mix, against {len(images) - members} other "
+                "public images of the same labels")
+
+    def global_control(self, job: Job, attack: Attack, observed: Observed, progress=None) -> tuple[dict, str]:
+        """The global channel's power check: a model of the run's configuration with its defense off, trained
+        on half of the attacker's data and a known half of the candidates (reference model 1 of the online set),
+        attacked in the run's place with the same candidates, queries and population. Online lira and rmia
+        score it with the other references of their set (leave-one-out; without a defense to take off, the
+        attack's own set, so it costs nothing more); offline, with the attack's offline set trained with the
+        defense off; loss needs that one model alone."""
+        cfg, obs, auditor = job.run.config(), observed.observation, observed.auditor
+        off = defense_off(cfg)
+        online = attack.uses_references and attack.variant == "online"
+        if online and off == cfg:
+            models, trained_on = obs.references, obs.reference_trained_on
+        else:
+            models, trained_on = self.references(job, auditor, True, off, None if online else [0], progress)
+        if online:
+            control = leave_one_out(obs, models, trained_on)
+        else:
+            references = obs.references if not attack.uses_references or off == cfg else \
+                self.references(job, auditor, False, off, progress=progress)[0]
+            control = replace(obs, model=models[0], references=references)
+        result = attack.reconstruct(control, progress)
+        count = len(trained_on)
+        defense = "its configuration" if off == cfg else "its configuration without DP-SGD or feature noise"
+        variance = f", {result.details['variance']} variance" if "variance" in result.details else ""
+        scored = (f", scored with the other {count - 1} reference models of the online set (leave-one-out"
+                  f"{variance})" if online
+                  else f", scored with {len(control.references)} offline reference models"
+                  f"{' trained without the defense' if off != cfg else ''}" if attack.uses_references else "")
+        return (scoring.membership_control_groups(result.scores, trained_on[0]),
+                f"the same attack on reference model 1 of {count} in the run's place: {defense}, trained for "
+                f"{job.round_number} round(s) on half of the attacker's data and a known half of the candidates "
+                f"({int(trained_on[0].sum())} members, {int((~trained_on[0]).sum())} non-members){scored}")
 
     def score(self, job: Job, attack: Attack, observed: Observed, result, seconds: float) -> AttackReport:
         cfg = job.run.config()

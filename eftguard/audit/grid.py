@@ -321,7 +321,7 @@ def run_one_attack(run_dir: Path, attack: AttackEntry, out: Path, reports: Path,
     try:
         with stage_progress() as progress:
             report = api.run_attack(run_dir, attack.family, attack.method, key=key, out=reports, progress=progress,
-                                    **attack.options)
+                                    **{**shared_caches(attack, out), **attack.options})
     except (AttackError, RunError) as exc:
         console.print(f"  {attack.name}: not applicable: {one_line(exc)}")
         return {"family": attack.family, "status": "not applicable", "reason": one_line(exc), "fingerprint": fingerprint}
@@ -330,6 +330,13 @@ def run_one_attack(run_dir: Path, attack: AttackEntry, out: Path, reports: Path,
     report_path = reports / report.attack / "report.json"
     return {"family": report.family, "method": report.method, "status": "done",
             "report": os.path.relpath(report_path, out), "figures": figures, "fingerprint": fingerprint}
+
+
+def shared_caches(attack: AttackEntry, out: Path) -> dict:
+    """Caches that every configuration of an audit shares unless the [[attack]] table names its own: membership's
+    reference models (keyed by configuration and data, so a configuration finds only its own, and a DP one's power
+    check finds the models of the same configuration without DP trained)."""
+    return {"references_dir": out / "membership-references"} if attack.family == "membership" else {}
 
 
 def reusable(previous: dict, out: Path) -> bool:

@@ -404,6 +404,50 @@ def public_round_features(observation: RoundFeatures, images: np.ndarray, labels
                          observation.aux_images, precision=observation.precision), keep
 
 
+def public_label_matched(cfg, member_labels: np.ndarray, seed: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """(images, labels, is_member) of public images with the members' class mix, as many per class as the public
+    split allows: a member and a non-member of each label in turn, so that the labels alone tell nothing (the
+    membership power checks' candidates)."""
+    public = run_dataset(cfg.dataset, cfg.data_dir, cfg.model, cfg.train_samples, 0, cfg.seed).public
+    rng = np.random.default_rng([seed, 24])
+    members, others = [], []
+    for label, count in zip(*np.unique(member_labels, return_counts=True)):
+        same = rng.permutation(np.flatnonzero(public.labels == label))
+        take = min(int(count), len(same) // 2)
+        members.append(same[:take])
+        others.append(same[take:2 * take])
+    chosen = np.concatenate([*members, *others]).astype(np.int64)
+    if not len(chosen):
+        raise RunError("the power check needs public images of the members' classes; the run's public split has none")
+    is_member = np.arange(len(chosen)) < sum(len(m) for m in members)
+    return public.images[chosen], public.labels[chosen], is_member
+
+
+def public_membership_upload(observation: MembershipObservation, images: np.ndarray, mask_ratio: float, seed: int,
+                             precision: str) -> tuple[torch.Tensor, torch.Tensor]:
+    """The upload channel with the defense off, for membership: these public images through the client's uploaded
+    phi_k, each under a fresh mask as a client masks, released without clipping or noise: (features
+    [n, 1 + keep, D], kept ids [n, keep])."""
+    return extract_features(observation.client_model(), torch.from_numpy(images), mask_ratio,
+                            torch.Generator().manual_seed(seed), precision=precision)
+
+
+def public_client_update(run: RunDirectory, round_number: int, partition: int, images: np.ndarray,
+                         labels: np.ndarray) -> dict[str, torch.Tensor]:
+    """The parameters channel with the defense off, for membership: the client's local training (optimiser,
+    epochs, batches and masking seeded as a simulated client seeds them; no DP-SGD) on these public images from
+    the round's start weights; the parameters it trains, as it would upload them."""
+    cfg = run.config()
+    trained = run.start_model(round_number)
+    names = prune_as_client(run, round_number, partition, trained, trained_names(trained, cfg.method))
+    optim = OptimConfig(cfg.local_epochs, cfg.batch_size, cfg.lr * cfg.lr_factor(round_number), cfg.weight_decay)
+    generator = torch.Generator().manual_seed(seeded(cfg.seed, round_number, partition, 1))
+    train_local(trained, torch.from_numpy(images), torch.from_numpy(labels), cfg.method, cfg.mask_ratio, optim,
+                generator, precision=cfg.precision)
+    parameters = dict(trained.named_parameters())
+    return {name: parameters[name].detach().clone() for name in names}
+
+
 # --- dp-audit: the canaries (never their inclusion bits) and one channel ------------------------------------
 
 def canary_sources(run: RunDirectory, round_number: int, channel: str, clients: list[int]

@@ -8,6 +8,10 @@ candidates), every candidate is added to a random half of the reference models, 
 LiRA's reference code. Each reference model is a run directory under the cache folder, named by a digest of the
 configuration, its training images, the round and the seed: a second audit with the same inputs loads the
 finished run instead of training again, and an interrupted one resumes it.
+
+`ReferenceOutputs` keeps each reference model's logits on each image set it is asked about beside it: LiRA and
+RMIA on the same references and candidates (16 models x 18 queries x the candidates: most of their cost) compute
+them once.
 """
 
 from __future__ import annotations
@@ -18,15 +22,63 @@ import shutil
 from pathlib import Path
 
 import numpy as np
+import torch
 from PIL import Image
+from torch import nn
 
 from eftguard.attacks.base import Progress
+from eftguard.attacks.membership import logits_of
+from eftguard.config import TrainConfig
 from eftguard.data import ImageSet
 from eftguard.data.plan import run_dataset
+from eftguard.paths import atomic_write
 from eftguard.rundir import RunDirectory
 
 DATA = "data"
 RUN = "run"
+OUTPUTS = "outputs"
+
+
+class ReferenceOutputs:
+    """A model's logits on images (MembershipObservation.outputs), stored for the reference models beside each
+    (FOLDER/outputs/DIGEST.npz, numpy's format, no pickle) under a digest of the model's weights and of the images
+    (each augmented query of a candidate set is its own image set): a second attack on the same references and
+    images reads them back, and a changed candidate set, query or model never meets another's file. Other models
+    (the target) are computed every time."""
+
+    def __init__(self) -> None:
+        self.folders: dict[nn.Module, Path] = {}
+        self.weights: dict[nn.Module, bytes] = {}
+
+    def add(self, model: nn.Module, folder: Path) -> None:
+        self.folders[model] = folder
+        digest = hashlib.sha256()
+        for name, tensor in sorted(model.state_dict().items()):
+            digest.update(name.encode())
+            digest.update(tensor.detach().cpu().contiguous().numpy().tobytes())
+        self.weights[model] = digest.digest()
+
+    def file(self, model: nn.Module, images: np.ndarray) -> Path:
+        digest = hashlib.sha256(self.weights[model])
+        digest.update(repr(images.shape).encode())
+        digest.update(np.ascontiguousarray(images).tobytes())
+        return self.folders[model] / OUTPUTS / f"{digest.hexdigest()[:32]}.npz"
+
+    def __call__(self, model: nn.Module, images: np.ndarray) -> torch.Tensor:
+        if model not in self.folders:
+            return logits_of(model, images)
+        file = self.file(model, images)
+        if file.is_file():
+            with np.load(file) as stored:
+                return torch.from_numpy(stored["logits"])
+        logits = logits_of(model, images)
+
+        def write(path: Path) -> None:
+            with open(path, "wb") as f:
+                np.savez(f, logits=logits.numpy())
+
+        atomic_write(file, write)
+        return logits
 
 
 def reference_key(config_toml: str, training: ImageSet, round_number: int, seed: int, index: int) -> str:
@@ -69,23 +121,26 @@ def half_of_the_models(count: int, images: int, rng: np.random.Generator) -> np.
 
 
 def reference_models(run: RunDirectory, round_number: int, pool: ImageSet, count: int, seed: int, cache: Path,
-                     candidates: ImageSet | None = None, progress: Progress | None = None
-                     ) -> tuple[list, np.ndarray | None]:
-    """`count` models of the run's configuration after `round_number` rounds, each trained on a random half of
-    the pool and, online (candidates given), on the candidates of its row of the returned [count, candidates]
-    inclusion, at most as many images in all as the run's clients hold (where the pool allows); loaded from the
-    cache or trained into it."""
+                     candidates: ImageSet | None = None, progress: Progress | None = None,
+                     outputs: ReferenceOutputs | None = None, config: TrainConfig | None = None,
+                     only: list[int] | None = None) -> tuple[list, np.ndarray | None]:
+    """`count` models of the run's configuration (or `config`, e.g. the run's without its defense) after
+    `round_number` rounds, each trained on a random half of the pool and, online (candidates given), on the
+    candidates of its row of the returned [count, candidates] inclusion, at most as many images in all as the
+    run's clients hold (where the pool allows); loaded from the cache or trained into it, and registered with
+    `outputs` (their logits cached beside them). only: these indices alone (the inclusion is that of all
+    `count`)."""
     # Flower (0.4 s): `eftguard attack` starts without it, only the reference models' training needs it
     from eftguard.federation.inprocess import train_in_process
     from eftguard.federation.server import guard_images
 
-    cfg = run.config()
+    cfg = config or run.config()
     dataset = run_dataset(cfg.dataset, cfg.data_dir, cfg.model, cfg.train_samples, cfg.test_samples, cfg.seed)
     trained_on = None if candidates is None else half_of_the_models(
         count, len(candidates), np.random.default_rng([seed, round_number, 18]))
     guard = ImageSet(*(t.numpy() for t in guard_images(dataset, cfg.seed)))  # all a run reads of its public split
     models = []
-    for index in range(count):
+    for index in range(count) if only is None else only:
         added = 0 if trained_on is None else int(trained_on[index].sum())  # online: as many images as the run, all in
         half = pool.subset(random_half(pool.labels, max(1, min(len(pool) // 2, len(dataset.train) - added)),
                                        np.random.default_rng([seed, round_number, index, 15])))
@@ -112,6 +167,8 @@ def reference_models(run: RunDirectory, round_number: int, pool: ImageSet, count
                 RunDirectory.create(folder / RUN, reference_cfg)
             train_in_process(folder / RUN, cfg.clients)
         models.append(RunDirectory.open(folder / RUN).start_model(round_number + 1))
+        if outputs is not None:
+            outputs.add(models[-1], folder)
         if progress:
-            progress("reference models", index + 1, count)
+            progress("reference models", len(models), count if only is None else len(only))
     return models, trained_on

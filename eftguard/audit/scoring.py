@@ -550,19 +550,24 @@ def membership_figures(scores: np.ndarray, is_member: np.ndarray) -> dict[str, f
             "balanced_accuracy": best_balanced_accuracy(scores, is_member)}
 
 
+def figure_group(figures: dict, n: int) -> dict:
+    """Membership figures as a score group: each one number over all n candidates."""
+    return {name: {"mean": value, "std": None if value is None else 0.0, "median": value,
+                   "n": n if value is not None else 0} for name, value in figures.items()}
+
+
+def chance_figures(negatives: int) -> dict:
+    """A random guess's figures (TPR at an FPR finer than one non-member undefined)."""
+    return {"auc": 0.5, **{name: (level if negatives >= round(1 / level) else None)
+                           for name, level in TPR_FPR_LEVELS.items()}, "balanced_accuracy": 0.5}
+
+
 def membership_summary(scores: np.ndarray, loss_scores: np.ndarray, is_member: np.ndarray, details: dict
                        ) -> Summary:
     """The method's figures ("metrics"), the LOSS attack's ("baseline") and a random guess's ("chance"), with
     both ROC curves in details. Each figure is one number over all candidates: n counts the candidates."""
     n = len(is_member)
-
-    def group(figures: dict) -> dict:
-        return {name: {"mean": value, "std": None if value is None else 0.0, "median": value,
-                       "n": n if value is not None else 0} for name, value in figures.items()}
-
     negatives = int((~is_member).sum())
-    chance = {"auc": 0.5, **{name: (level if negatives >= round(1 / level) else None)
-                             for name, level in TPR_FPR_LEVELS.items()}, "balanced_accuracy": 0.5}
     roc = {name: dict(zip(("fpr", "tpr"), (np.round(a, 6).tolist() for a in roc_curve(s, is_member))))
            for name, s in (("method", scores), ("loss", loss_scores))}
     undefined = [name for name, level in TPR_FPR_LEVELS.items() if negatives < round(1 / level)]
@@ -571,9 +576,18 @@ def membership_summary(scores: np.ndarray, loss_scores: np.ndarray, is_member: n
                                 f"{round(1 / min(TPR_FPR_LEVELS[u] for u in undefined))} non-members, had "
                                 f"{negatives}"} if undefined else {}),
                "roc": roc}
-    groups = {"metrics": group(membership_figures(scores, is_member)),
-              "baseline": group(membership_figures(loss_scores, is_member)), "chance": group(chance)}
+    groups = {"metrics": figure_group(membership_figures(scores, is_member), n),
+              "baseline": figure_group(membership_figures(loss_scores, is_member), n),
+              "chance": figure_group(chance_figures(negatives), n)}
     return Summary(groups, {}, details)
+
+
+def membership_control_groups(scores: np.ndarray, is_member: np.ndarray) -> dict:
+    """The power check's score groups for a membership attack: its figures on the control's candidates against
+    their known membership ("control") and a random guess's ("control_baseline": AUC 0.5); figures
+    "control.auc", "control_baseline.auc", ..."""
+    return {"control": figure_group(membership_figures(scores, is_member), len(is_member)),
+            "control_baseline": figure_group(chance_figures(int((~is_member).sum())), len(is_member))}
 
 
 def control_groups(recon: np.ndarray, truth: np.ndarray, kept: np.ndarray | None, public_images: np.ndarray
