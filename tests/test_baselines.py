@@ -17,6 +17,9 @@ class NoLPIPS:
     def __call__(self, a, b, weights=None):
         return np.zeros(len(a))
 
+    def embed(self, images):
+        return images.reshape(len(images), -1)
+
 
 def independent_psnr(a, b, weights=None):
     """10 log10(1 / MSE) per image, the MSE over the weighted pixels and the channels."""

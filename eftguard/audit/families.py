@@ -176,10 +176,10 @@ class InvertFamily(Family):
     def score(self, job: Job, attack: Attack, observed: Observed, result, seconds: float) -> AttackReport:
         cfg = job.run.config()
         lpips = metrics.load_lpips(job.lpips_backend)
-        public = scoring.as_float_images(observed.auditor["dataset"].public.images)
         patch = PRESETS[cfg.model].patch_size
+        features = scoring.model_features(job.run.start_model(job.round_number))
         scores = [scoring.score_upload_reconstruction(job.run, job.round_number, k, observed.auditor["rows_of"][k],
-                                                      result[k], observed.auditor["dataset"], public, lpips, patch)
+                                                      result[k], observed.auditor["dataset"], lpips, patch, features)
                   for k in job.clients]
         details = {"method": attack.name, "steps": attack.steps, "attack_seconds": round(seconds, 1),
                    "mask_ratio": cfg.mask_ratio, "local_layers": cfg.local_layers,
@@ -342,7 +342,9 @@ class GradientFamily(Family):
         lpips = metrics.load_lpips(job.lpips_backend)
         scores = scoring.score_client(partition, replace(result, rows=rows), pool[rows], kept,
                                       observed.auditor["public"], lpips, patch,
-                                      pool_keep[rows] if pool_keep is not None else None, labels, client_images=pool)
+                                      pool_keep[rows] if pool_keep is not None else None, labels, client_images=pool,
+                                      same_label=(pool_labels[rows], observe.run_public_labels(job.run.config())),
+                                      features=scoring.model_features(job.run.start_model(job.round_number)))
         details = {**observed.auditor["details"], "method": attack.summary, "observe": job.options["observe"],
                    "batch": job.options["batch"], "originals": ORIGINALS[job.options["observe"]],
                    "reconstructed_images": len(result.images), "attack_seconds": round(seconds, 2),
