@@ -96,7 +96,7 @@ def _channel_key(channel: np.ndarray) -> tuple[bytes, tuple[int, int]]:
     return np.ascontiguousarray(channel, dtype=np.float64).tobytes(), channel.shape
 
 
-@lru_cache(maxsize=4096)  # the originals and the mean image recur across the score groups of one scoring
+@lru_cache(maxsize=512)  # the originals and the mean image recur across the score groups of one scoring (86 kB each)
 def _subbands(key: tuple[bytes, tuple[int, int]]) -> tuple[np.ndarray, ...]:
     """The complex subbands of one image channel that hold a CW-SSIM window, finest level first."""
     from pyrtools.pyramids import SteerablePyramidFreq  # only where CW-SSIM is scored
