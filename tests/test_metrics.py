@@ -230,7 +230,8 @@ def test_kept_scores_weight_the_composite_by_kept_pixels(six_photos, lpips):
     assert np.array_equal(mixed[:, :16], recon[:, :16]) and np.array_equal(mixed[:, 16:], six_photos[:, 16:])
     scores = metrics.score(recon, six_photos, lpips, kept)
     assert set(scores) == {"metrics", "metrics_kept"}
-    assert set(scores["metrics"]) == set(scores["metrics_kept"]) == {"psnr", "ssim", "lpips"}
+    assert set(scores["metrics"]) == set(scores["metrics_kept"]) == {"psnr", "ssim", "cw_ssim", "lpips"}
+    assert scores["metrics_kept"]["cw_ssim"] == pytest.approx(metrics.cw_ssim(mixed, six_photos, kept), rel=1e-12)
     assert scores["metrics_kept"]["ssim"] == pytest.approx(metrics.ssim(mixed, six_photos, kept))
     assert (scores["metrics_kept"]["ssim"] < metrics.ssim(mixed, six_photos) - 0.1).all()
     assert scores["metrics_kept"]["lpips"] == pytest.approx(lpips(mixed, six_photos, kept), rel=1e-5)
