@@ -165,7 +165,8 @@ class LPIPS:
                 parts = []
                 for layer, features in enumerate(net.net.forward(x)):
                     unit = features / (features.pow(2).sum(dim=1, keepdim=True).sqrt() + 1e-10)
-                    scale = net.lins[layer].model[-1].weight.clamp_min(0).sqrt() / np.sqrt(unit.shape[2] * unit.shape[3])
+                    positions = unit.shape[2] * unit.shape[3]
+                    scale = net.lins[layer].model[-1].weight.clamp_min(0).sqrt() / np.sqrt(positions)
                     parts.append((unit * scale).flatten(1))
                 out.append(torch.cat(parts, dim=1).numpy())
         return np.concatenate(out) if out else np.zeros((0, 0), dtype=np.float32)

@@ -64,7 +64,7 @@ class Family:
     help: str  # one line: the subcommand in `eftguard attack --help`
     description: str  # the subcommand's --help
     options_type: type  # a dataclass of the family's own options, declared with eftguard.attacks.base.option
-    image_metrics: bool  # scored by PSNR / SSIM / LPIPS (takes --lpips-backend)
+    image_metrics: bool  # scored by PSNR / SSIM / CW-SSIM / LPIPS (takes --lpips-backend)
     seeded: bool  # draws randomness of its own (takes --seed)
     cli_method: str  # --method's default on the command line ("all": every method)
 
@@ -151,8 +151,9 @@ class InvertFamily(Family):
     name = "invert"
     registry = INVERT
     help = "reconstruct client images from the patch features the server received"
-    description = ("Feature inversion against an EFTViT run. Scored against truth/ by PSNR, SSIM and LPIPS over the "
-                   "whole image and over the kept patches only, beside a mean-image baseline. The features are protected by "
+    description = ("Feature inversion against an EFTViT run. Scored against truth/ by PSNR, SSIM, CW-SSIM and LPIPS "
+                   "over the whole image and over the kept patches only, and by identifiability (IIP in pixels, "
+                   "LPIPS and the model's features), beside a mean-image baseline. The features are protected by "
                    "the run's --dp-eps (its feature channel: clipped rows with Gaussian noise) or by --feature-noise; "
                    "the attack applies the run's release to its own training data too.")
     options_type = InvertOptions
@@ -290,7 +291,8 @@ class GradientFamily(Family):
     registry = GRADIENT
     help = "reconstruct a client's images from its parameter update or a one-step gradient"
     description = ("Gradient leakage against one client (--clients K; default: the lowest with an upload in the "
-                   "round), scored against its images by PSNR, SSIM and LPIPS beside a mean-image baseline.")
+                   "round), scored against its images by PSNR, SSIM, CW-SSIM, LPIPS and identifiability (IIP in "
+                   "pixels, LPIPS and the model's features) beside a mean-image baseline.")
     options_type = GradientOptions
     image_metrics = True
     seeded = True
