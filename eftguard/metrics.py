@@ -86,9 +86,8 @@ def cw_ssim(recon: np.ndarray, truth: np.ndarray, weights: np.ndarray | None = N
         if weights is None:
             values.append(np.mean([m.mean() for m in maps]))
         else:
-            w = weights[i].astype(np.float64)
-            values.append(np.mean([(m * (k := _window_sum(_block_mean(w, _band_shape(m))))).sum() / max(k.sum(), 1e-12)
-                                   for m in maps]))
+            window_weights = [_window_sum(_block_mean(weights[i].astype(np.float64), _band_shape(m))) for m in maps]
+            values.append(np.mean([(m * w).sum() / max(w.sum(), 1e-12) for m, w in zip(maps, window_weights)]))
     return np.asarray(values, dtype=np.float64)
 
 
@@ -279,14 +278,24 @@ def identifiability_ranks(recon: np.ndarray, truth: np.ndarray, candidates: np.n
     if competes is not None:
         allowed[:, len(truth):] = competes
     allowed = allowed[:, index]
+    used = allowed.any(axis=0)  # a candidate no reconstruction competes with is neither embedded nor compared
+    pool, allowed, own = pool[used], allowed[:, used], (np.cumsum(used) - 1)[own]
     if weights is not None:
         if space is not None:
             raise MetricError("kept-patch weights compare pixels: give weights or a space, not both")
         distances = masked_squared_errors(recon, pool, weights)
     else:
-        distances = squared_errors(*(map(space, (recon, pool)) if space is not None else (recon, pool)))
+        distances = squared_errors(recon, pool) if space is None else embedded_squared_errors(space, recon, pool)
     closer = (distances < distances[np.arange(len(recon)), own][:, None]) & allowed
     return 1 + closer.sum(axis=1), allowed.sum(axis=1)
+
+
+def embedded_squared_errors(space: Callable[[np.ndarray], np.ndarray], a: np.ndarray, b: np.ndarray,
+                            chunk: int = 256) -> np.ndarray:
+    """squared_errors between the vectors `space` maps a and b to, b embedded a chunk at a time: an LPIPS
+    embedding is 36 288 numbers per 32 px image, and a pool holds thousands of public images."""
+    vectors = space(a)
+    return np.concatenate([squared_errors(vectors, space(b[i:i + chunk])) for i in range(0, len(b), chunk)], axis=1)
 
 
 def distinct_images(images: np.ndarray, with_index: bool = False):

@@ -3,7 +3,8 @@ and SSIM read a shifted, a noisy and a baseline image (photos crops), and what t
 client's image reconstructions at the demo's sizes: the feature-inversion decoder's default of 64 uploaded images
 per client, vit-tiny-32 at M 2 with r_m 0.75 (kept-patch groups), the photos' public split as the same-label
 candidates (200 per class), the offline LPIPS backend. Reconstructions are the originals with noise (the cost does
-not depend on their quality). Prints the Markdown tables of experiments/results/perceptual_metrics.md.
+not depend on their quality). Times are CPU seconds of the process (one torch thread): on a shared machine the
+wall time follows its load. Prints the Markdown tables of experiments/results/perceptual_metrics.md.
 
     OMP_NUM_THREADS=1 python experiments/perceptual_metrics.py [--images 64] [--repeats 3]
 """
@@ -40,20 +41,20 @@ def main() -> None:
     kept_ids = np.sort(np.stack([rng.choice(64, 16, replace=False) for _ in originals]), axis=1)
     kept = metrics.kept_pixels(kept_ids, 32, 4)
     lpips = metrics.load_lpips("stlpips-alex")
-    features = scoring.model_features(build_model("vit-tiny-32", 10, 2, seed=0).eval())
+    model = build_model("vit-tiny-32", 10, 2, seed=0).eval()
 
     def score(new: bool) -> float:
         metrics._subbands.cache_clear()
-        started = time.perf_counter()
+        started = time.process_time()
         if new:
             scoring.score_client(0, recon, originals, kept, public, lpips, 4,
-                                 same_label=(labels, dataset.public.labels), features=features)
+                                 same_label=(labels, dataset.public.labels), features=scoring.model_features(model))
         else:  # the figures before: no CW-SSIM, IIP in pixels only
             with mock.patch.object(metrics, "cw_ssim", lambda a, b, w=None: np.zeros(len(a))), \
                     mock.patch.object(type(lpips), "embed", None):
                 scoring.score_client(0, recon, originals, kept, public, lpips, 4,
                                      same_label=(labels, dataset.public.labels))
-        return time.perf_counter() - started
+        return time.process_time() - started
 
     crops = originals[:16].astype(np.float64)
     cases = {"identical": crops, "shifted 1 px": np.roll(crops, 1, axis=2), "shifted 2 px": np.roll(crops, 2, axis=2),
@@ -72,7 +73,7 @@ def main() -> None:
         before, after = score(False), score(True)
         rows.append((before, after))
     before, after = np.median(rows, axis=0)
-    print(f"| images | scoring before (s) | with CW-SSIM and IIP in LPIPS and features (s) | added (s) |")
+    print("| images per client | scoring before (CPU s) | with CW-SSIM, IIP in LPIPS and features (CPU s) | added |")
     print("| ---: | ---: | ---: | ---: |")
     print(f"| {args.images} | {before:.1f} | {after:.1f} | {after - before:.1f} |")
 

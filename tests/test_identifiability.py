@@ -233,6 +233,16 @@ def test_only_public_images_of_the_originals_label_compete(images):
     assert everyone.groups["chance"]["iip"].tolist() == [1 / 48] * 8 and everyone.groups["metrics"]["iip"][0] == 0.0
 
 
-def scored_with_labels(client, public, recon, same_label):
-    return scoring.score_client(0, ImageReconstruction(recon, rows=np.arange(len(recon))), client, None, public,
-                                FAKE_LPIPS, 4, same_label=same_label)
+def test_the_public_candidates_of_a_label_are_bounded(images, monkeypatch):
+    """At most IIP_PUBLIC_PER_LABEL public images of the label compete (the first of the split), so that scoring
+    stays a bounded number of model passes; the chance group counts them."""
+    client, public = images
+    labels, public_labels = np.zeros(8, dtype=int), np.zeros(40, dtype=int)
+    late = 5 + int(metrics.squared_errors(client[:1], public[5:]).argmin())  # beyond the bound of 5 below
+    recon = client.copy()
+    recon[0] = 0.45 * client[0] + 0.55 * public[late]  # nearer to that public image than to its own
+    unbounded = scored_with_labels(client, public, recon, (labels, public_labels))
+    assert unbounded.groups["chance"]["iip"].tolist() == [1 / 48] * 8 and unbounded.groups["metrics"]["iip"][0] == 0
+    monkeypatch.setattr(scoring, "IIP_PUBLIC_PER_LABEL", 5)
+    bounded = scored_with_labels(client, public, recon, (labels, public_labels))
+    assert bounded.groups["chance"]["iip"].tolist() == [1 / 13] * 8 and bounded.groups["metrics"]["iip"][0] == 1

@@ -28,6 +28,10 @@ from eftguard.model import PRESETS
 from eftguard.rundir import RunDirectory, RunError
 
 GRID_IMAGES = 8
+# Public images of an original's label that compete with its reconstruction for IIP (the first ones of the split):
+# bounds the model and LPIPS passes per scoring (a ViT pass per candidate). Fewer candidates can only make an image
+# easier to identify, and the chance group says how many there were.
+IIP_PUBLIC_PER_LABEL = 100
 RANKED_IMAGES = 8  # the most exposed images a report shows
 
 
@@ -112,8 +116,11 @@ def add_identifiability(partition: int, images: np.ndarray, mean_image: np.ndarr
     candidates = np.concatenate([client_images, public_images])
     competes = np.ones((len(originals), len(candidates)), dtype=bool)
     if same_label is not None:
-        original_labels, public_labels = same_label
-        competes[:, len(client_images):] = np.asarray(public_labels)[None, :] == np.asarray(original_labels)[:, None]
+        original_labels, public_labels = map(np.asarray, same_label)
+        first = np.zeros(len(public_labels), dtype=bool)  # the first IIP_PUBLIC_PER_LABEL public images of each label
+        for label in np.unique(public_labels):
+            first[np.flatnonzero(public_labels == label)[:IIP_PUBLIC_PER_LABEL]] = True
+        competes[:, len(client_images):] = (public_labels[None, :] == original_labels[:, None]) & first
     # The attack and the mean image ranked in one call, so that each space embeds the candidates once.
     both, truth, competes = (np.concatenate([a, b]) for a, b in ((images, mean_image), (originals, originals),
                                                                   (competes, competes)))
@@ -140,14 +147,19 @@ def model_features(model: torch.nn.Module) -> Callable[[np.ndarray], np.ndarray]
     """The attacked model's feature space for IIP: its pre-head representation (the class token after the global
     module's final norm, what the classifier head reads, as breaching's "self" score takes the last linear layer's
     input) of float images [N, H, W, 3], unit-normalised so that squared distances are 2 (1 - cosine)."""
+    known: dict[bytes, np.ndarray] = {}  # the public candidates recur for every client and score group
+
     def embed(images: np.ndarray, batch_size: int = 64) -> np.ndarray:
-        out = []
+        keys = [np.ascontiguousarray(image, dtype=np.float32).tobytes() for image in images]
+        missing = [i for i, key in enumerate(keys) if key not in known]
         with torch.no_grad():
-            for i in range(0, len(images), batch_size):
-                x = torch.from_numpy(np.ascontiguousarray(images[i:i + batch_size], dtype=np.float32))
-                tokens = model.local_module(model.standardize(x.permute(0, 3, 1, 2)))
-                out.append(torch.nn.functional.normalize(model.global_module(tokens)[:, 0], dim=1).numpy())
-        return np.concatenate(out) if out else np.zeros((0, 0), dtype=np.float32)
+            for start in range(0, len(missing), batch_size):
+                rows = missing[start:start + batch_size]
+                x = torch.from_numpy(np.ascontiguousarray(images[rows], dtype=np.float32)).permute(0, 3, 1, 2)
+                tokens = model.local_module(model.standardize(x))
+                vectors = torch.nn.functional.normalize(model.global_module(tokens)[:, 0], dim=1).numpy()
+                known.update((keys[i], v) for i, v in zip(rows, vectors))
+        return np.stack([known[key] for key in keys])
     return embed
 
 
