@@ -246,3 +246,8 @@ def test_the_public_candidates_of_a_label_are_bounded(images, monkeypatch):
     monkeypatch.setattr(scoring, "IIP_PUBLIC_PER_LABEL", 5)
     bounded = scored_with_labels(client, public, recon, (labels, public_labels))
     assert bounded.groups["chance"]["iip"].tolist() == [1 / 13] * 8 and bounded.groups["metrics"]["iip"][0] == 1
+
+
+def scored_with_labels(client, public, recon, same_label):
+    return scoring.score_client(0, ImageReconstruction(recon, rows=np.arange(len(recon))), client, None, public,
+                                FAKE_LPIPS, 4, same_label=same_label)
