@@ -9,8 +9,10 @@ summary.
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import sys
+from dataclasses import MISSING
 from pathlib import Path
 
 from rich.console import Console
@@ -18,10 +20,9 @@ from rich.table import Table
 
 from eftguard.attack_report import AttackReport
 from eftguard.attacks.base import AttackError
-from eftguard.audit.api import ROUND, SEED, open_run, out_root, run_attack, stage_progress
+from eftguard.audit.api import AttackRunOptions, open_run, out_root, run_attack, stage_progress
 from eftguard.audit.families import FAMILIES
-from eftguard.metrics import LPIPS_BACKENDS
-from eftguard.options import Option, add_argument, cli_type, escaped, options_of, path_value
+from eftguard.options import Option, add_argument, add_arguments, add_renamed, escaped, option, options_of, path_value
 from eftguard.paths import output_file_problem, read_text_file
 from eftguard.report import summary_table, write_audit_report, write_run_report
 from eftguard.rundir import RunError
@@ -38,10 +39,20 @@ class OneLineErrorParser(argparse.ArgumentParser):
         self.exit(2, f"eftguard: error: {message} (see {self.prog} --help)\n")
 
 
-path_arg = cli_type(path_value)
+KEY_HELP = "at-rest key of a run trained with --encrypt-at-rest (needed to read its uploads)"
 
 
 # --- eftguard report --------------------------------------------------------------------------------------
+
+@dataclasses.dataclass(frozen=True)
+class ReportOptions:
+    """eftguard report (declared once: eftguard.options)."""
+
+    run: Path = option(MISSING, "run directory, or an audit's folder", path_value, metavar="RUN", positional=True)
+    reports: Path | None = option(None, "folder of attack reports, where the run report is written too (default: "
+                                        "RUN/reports)", path_value)
+    key: Path | None = option(None, KEY_HELP, path_value, metavar="KEYFILE")
+
 
 def add_report_parser(sub: argparse._SubParsersAction) -> None:
     report = sub.add_parser("report", help="gather a run's attack reports into report.html and report.md",
@@ -50,10 +61,7 @@ def add_report_parser(sub: argparse._SubParsersAction) -> None:
                                         "attack report found under --reports. Given an audit's folder (eftguard "
                                         "audit --out, or the demo's), writes its report.html and report.md again "
                                         "from its summary.json, training and attacking nothing.")
-    report.add_argument("run", type=path_arg, metavar="RUN", help="run directory, or an audit's folder")
-    report.add_argument("--reports", type=path_arg, default=None,
-                        help="folder of attack reports, where the run report is written too (default: RUN/reports)")
-    report.add_argument("--key", type=path_arg, metavar="KEYFILE", help="at-rest key of a run trained with --encrypt-at-rest")
+    add_arguments(report, ReportOptions)
 
 
 def cmd_report(args: argparse.Namespace) -> None:
@@ -120,6 +128,18 @@ def rewrite_audit_report(args: argparse.Namespace) -> None:
 
 # --- eftguard attack ... ----------------------------------------------------------------------------------
 
+@dataclasses.dataclass(frozen=True)
+class AttackCommandOptions:
+    """The flags of every attack command beside run_attack's common options (AttackRunOptions) and the family's
+    and methods' own (declared once: eftguard.options); --method's choices and default are the family's."""
+
+    run: Path = option(MISSING, "run directory to attack", path_value, metavar="RUN", positional=True)
+    method: str | None = option(None, "the attack's method, or all (one report per method)")
+    out: Path | None = option(None, "folder for reports: <out>/<attack>/report.json, report.md, grid.png (default: "
+                                    "RUN/reports)", path_value)
+    key: Path | None = option(None, KEY_HELP, path_value, metavar="KEYFILE")
+
+
 def add_attack_parser(sub: argparse._SubParsersAction) -> None:
     attack = sub.add_parser("attack", help="attack a run's observed uploads and score what leaks",
                             description="Attacks read only what the server observed (observed/, the round's "
@@ -157,34 +177,28 @@ def add_family_parser(kinds: argparse._SubParsersAction, family) -> argparse.Arg
                               description=escaped(f"{family.description} Methods: {listing} Reports go to "
                                                   f"OUT/{family.name}-METHOD/."))
     parser.set_defaults(family=family.name)
-    parser.add_argument("run", type=path_arg, metavar="RUN", help="run directory to attack")
-    parser.add_argument("--method", choices=(*methods, "all"), default=family.cli_method,
-                        help=f"{' | '.join(methods)} | all (one report per method{named_only(family.registry)}) "
-                             f"(default: {family.cli_method})")
-    parser.add_argument("--clients", "--client", default="all",
-                        help="'all' or comma-separated partition ids (default: all)")
+    command = {o.name: o for o in options_of(AttackCommandOptions)}
+    add_argument(parser, command["run"])
+    add_argument(parser, dataclasses.replace(command["method"], choices=(*methods, "all"), default=family.cli_method),
+                 help=f"{' | '.join(methods)} | all (one report per method{named_only(family.registry)})",
+                 default=family.cli_method)
     for option in family.options:
         add_option(parser, option, option.help + (f" (default: {option.default})" if option.default is not None else ""))
     for entries in method_options(family).values():
         add_option(parser, entries[0][1], method_option_help(entries))
-    parser.add_argument("--round", type=cli_type(ROUND), default=None, dest="round_number",
-                        help="round whose uploads are attacked (default: the last completed round)")
-    parser.add_argument("--out", type=path_arg, default=None,
-                        help="folder for reports: <out>/<attack>/report.json, report.md, grid.png (default: RUN/reports)")
-    parser.add_argument("--key", type=path_arg, metavar="KEYFILE",
-                        help="at-rest key of a run trained with --encrypt-at-rest (needed to read its uploads)")
-    if family.image_metrics:
-        parser.add_argument("--lpips-backend", choices=LPIPS_BACKENDS, default="auto",
-                            help="LPIPS implementation: lpips-alex (standard, needs torchvision's AlexNet weights in "
-                                 "the torch hub cache or the network), stlpips-alex (shift-tolerant, weights shipped, "
-                                 "offline); auto takes lpips-alex when it can (default: auto). Reports name it")
-    if family.seeded:
-        parser.add_argument("--seed", type=cli_type(SEED), default=0,
-                            help="seed of the attack's own randomness (default: 0)")
-    parser.add_argument("--no-power-check", dest="power_check", action="store_false",
-                        help="skip the power check (the same attack and budget on public images through the same "
-                             "channel with the defense off, docs/reports.md); a low verdict then reads 'unchecked'")
+    for option in common_options_of(family):
+        add_argument(parser, option, default=option.default)
+    add_argument(parser, command["out"])
+    add_argument(parser, command["key"])
+    add_renamed(parser, "--client", "--clients")
     return parser
+
+
+def common_options_of(family) -> list[Option]:
+    """run_attack's common options that the family's attacks use: --seed where they draw, --lpips-backend where
+    they are scored on images."""
+    used = {"seed": family.seeded, "lpips_backend": family.image_metrics}
+    return [o for o in options_of(AttackRunOptions) if used.get(o.name, True)]
 
 
 def options_per_method(args: argparse.Namespace, family, methods: tuple[str, ...]) -> dict[str, dict]:
@@ -211,12 +225,7 @@ def cmd_attack(args: argparse.Namespace) -> None:
         (args.method,)
     per_method = options_per_method(args, family, methods)
     out = args.out if args.out is not None else run / "reports"
-    common = {"round_number": args.round_number, "clients": args.clients, "key": args.key, "out": out,
-              "power_check": args.power_check}
-    if family.image_metrics:
-        common["lpips_backend"] = args.lpips_backend
-    if family.seeded:
-        common["seed"] = args.seed
+    common = {"key": args.key, "out": out, **{o.name: getattr(args, o.name) for o in common_options_of(family)}}
     for method in methods:
         try:
             with stage_progress() as progress:

@@ -30,7 +30,8 @@ from eftguard.errors import ConfigError, FederationError
 from eftguard.federation import deployment
 from eftguard.metrics import LPIPS_BACKENDS, MetricError
 from eftguard.model import PRESETS, ModelError, build_model
-from eftguard.options import add_argument, add_arguments, check_values, given_values, option, options_of
+from eftguard.options import (add_argument, add_arguments, check_values, given_values, name_value, option, options_of,
+                              path_value)
 from eftguard.paths import atomic_write, file_in_the_way, output_file_problem, unwritable_reason
 from eftguard.precision import PRECISIONS, resolve_precision
 from eftguard.pretrain import (PretrainConfig, PretrainError, check_out_path, pretrain, public_loss,
@@ -85,6 +86,45 @@ class AuditOptions:
                               metavar="KEYFILE")
 
 
+@dataclasses.dataclass(frozen=True)
+class LogOptions:
+    """The log switch of the commands that train (declared once: eftguard.options)."""
+
+    verbose: bool = option(False, "show Flower and Ray logs")
+
+
+@dataclasses.dataclass(frozen=True)
+class TrainCommandOptions:
+    """eftguard train's own flags beside the training options (TrainConfig) and the deployment's (declared once:
+    eftguard.options); name, out and resume exclude each other."""
+
+    name: str | None = option(None, "write the run to runs/NAME", name_value)
+    out: Path | None = option(None, "write the run to this folder", path_value)
+    resume: Path | None = option(None, "continue an interrupted run from its last completed round (its config.toml "
+                                       "is used; only --rounds may be raised)", path_value, metavar="RUN_DIR")
+    config: Path | None = option(None, "TOML file of training options; flags override it", path_value)
+
+
+RUN_FOLDER = ("name", "out", "resume")  # TrainCommandOptions that exclude each other
+
+
+@dataclasses.dataclass(frozen=True)
+class PretrainCommandOptions:
+    """eftguard pretrain's output beside its dataset and model (TrainConfig's) and PretrainConfig."""
+
+    out: Path = option(dataclasses.MISSING, "checkpoint to write; until then, CKPT.safetensors.resume keeps the state "
+                                            "after each finished epoch, and the same command continues from it",
+                       path_value, metavar="CKPT.safetensors")
+    force: bool = option(False, "replace an existing --out file")
+
+
+@dataclasses.dataclass(frozen=True)
+class BenchCommandOptions:
+    """eftguard bench's output beside BenchConfig."""
+
+    out: Path | None = option(None, "write the results as JSON to this file", path_value)
+
+
 def _add_train_options(parser: argparse.ArgumentParser) -> None:
     group = parser.add_argument_group("training options (also keys of --config FILE.toml and config.toml)")
     add_arguments(group, TrainConfig)
@@ -95,7 +135,7 @@ def build_parser() -> argparse.ArgumentParser:
         "Secure EFTViT federated training of Vision Transformers, and attacks that audit what it leaks."))
     sub = parser.add_subparsers(dest="command", required=True)
     logs = argparse.ArgumentParser(add_help=False)
-    logs.add_argument("--verbose", action="store_true", help="show Flower and Ray logs")
+    add_arguments(logs, LogOptions, defaults=True)
 
     train = sub.add_parser("train", parents=[logs],
                            help=f"federated training on Flower (--method {' | '.join(METHODS)})",
@@ -105,17 +145,10 @@ def build_parser() -> argparse.ArgumentParser:
                                        "trains the global module. Writes a run directory (runs/NAME) that the "
                                        "attacks read.")
     where = train.add_mutually_exclusive_group()
-    where.add_argument("--name", help="write the run to runs/NAME")
-    where.add_argument("--out", type=Path, help="write the run to this folder")
-    where.add_argument("--resume", type=Path, metavar="RUN_DIR",
-                       help="continue an interrupted run from its last completed round (its config.toml is used; "
-                            "only --rounds may be raised)")
-    train.add_argument("--config", type=Path, help="TOML file of training options; flags override it")
+    for opt in options_of(TrainCommandOptions):
+        add_argument(where if opt.name in RUN_FOLDER else train, opt)
     deploy = train.add_argument_group("deployment (--federation deployment; not stored in config.toml)")
-    deploy.add_argument("--superlink", metavar="HOST:PORT", help="address of the running SuperLink")
-    deploy.add_argument("--root-certificates", type=Path, metavar="CA.crt",
-                        help="CA certificate that signed the SuperLink's TLS certificate (TLS is the default)")
-    deploy.add_argument("--insecure", action="store_true", help="plaintext gRPC/HTTP instead of TLS (trusted networks only)")
+    add_arguments(deploy, deployment.TrainDeploymentOptions, defaults=True)
     _add_train_options(train)
 
     certs = sub.add_parser("certs", help="create a CA and a SuperLink certificate for TLS deployments",
@@ -170,7 +203,7 @@ def build_parser() -> argparse.ArgumentParser:
                                        "DP-SGD's overhead, server feature training and the attacks; prints tables, "
                                        "saves JSON.")
     add_arguments(bench, BenchConfig)
-    bench.add_argument("--out", type=Path, default=None, help="write the results as JSON to this file")
+    add_arguments(bench, BenchCommandOptions)
 
     add_attack_parser(sub)
     add_report_parser(sub)
@@ -188,10 +221,7 @@ def add_pretrain_parser(sub) -> None:
     train_options = {o.name: o for o in options_of(TrainConfig)}
     for name in ("dataset", "data_dir", "model"):  # the dataset and model, as eftguard train names them
         add_argument(pretrain, train_options[name], default=train_options[name].default)
-    pretrain.add_argument("--out", type=Path, required=True, metavar="CKPT.safetensors",
-                          help="checkpoint to write; until then, CKPT.safetensors.resume keeps the state after each "
-                               "finished epoch, and the same command continues from it")
-    pretrain.add_argument("--force", action="store_true", help="replace an existing --out file")
+    add_arguments(pretrain, PretrainCommandOptions, defaults=True)
     add_arguments(pretrain, PretrainConfig)
 
 
@@ -203,8 +233,7 @@ def config_from_args(args: argparse.Namespace) -> TrainConfig:
 def check_train_flags(args: argparse.Namespace, cfg: TrainConfig) -> None:
     if cfg.federation != "deployment" and (args.superlink or args.root_certificates or args.insecure):
         raise ConfigError("--superlink, --root-certificates and --insecure need --federation deployment")
-    if args.superlink:
-        deployment.check_address(args.superlink)
+    check_values(deployment.TrainDeploymentOptions(args.superlink, args.root_certificates, args.insecure))
 
 
 def cmd_train(args: argparse.Namespace) -> None:

@@ -1,8 +1,10 @@
 """Options declared once, beside their dataclass field: `option(default, help, ...)` holds the help text, the
 parser of the flag's text, the choices and the bounds of the value, and every command reads them from there: its
 argparse flags and --help (`add_arguments`), the keys and types of a TOML file (`from_mapping`) and the check of
-each value (`check_values`). The training configuration, pretraining, the bench, the deployment commands and the
-attacks (eftguard.attacks.base) all declare their options so; a cross-field rule is the only check written by hand.
+each value (`check_values`). Every flag of every command is declared so (tests/test_options.py walks them): the
+training configuration, pretraining, the bench, the demo, the audit, the deployment commands, the attacks
+(eftguard.attacks.base, and the options every attack takes, eftguard.audit.api.AttackRunOptions) and the report;
+a cross-field rule is the only check written by hand.
 
 A parser turns the text of a flag into its value or raises ValueError("must be ..., got '...'"); a bound checks a
 value wherever it came from (a flag, a TOML file, a dataclass built in code) with the same words, so a bad value
@@ -95,7 +97,7 @@ SEED = Bound(lambda value: 0 <= value <= SEED_LIMIT, f"a whole number in 0..{SEE
 
 def option(default: Any, help: str, parse: Callable[[str], Any] | None = None, choices: Collection[str] | None = None,
            *, bound: Bound | None = None, check: Callable[[Any], None] | None = None, noun: str = "value",
-           metavar: str | None = None, positional: bool = False, repeated: bool = False) -> Any:
+           metavar: str | None = None, positional: bool = False, repeated: bool = False, flag: str | None = None) -> Any:
     """A dataclass field that is also a user-facing option (`--name-with-dashes`, the TOML key `name`).
 
     parse: the flag's text -> value (default: the field's type); choices: its fixed values (a table such as
@@ -103,8 +105,9 @@ def option(default: Any, help: str, parse: Callable[[str], Any] | None = None, c
     bound: a rule on the value; check: a function that raises its own error for a value no bound describes (a
     dataset name). default MISSING: a required flag (or, with positional, an argument). A tuple field takes
     several values after its flag (`--mask-ratios 0 0.5`), or with repeated one per flag, the flag repeated
-    (`--gate A --gate B`: a value after the last could be a positional argument)."""
-    spec = OptionSpec(help, parse, choices, bound, check, noun, metavar, positional, repeated)
+    (`--gate A --gate B`: a value after the last could be a positional argument). flag: the flag when it is not the
+    field's name (`--round` for round_number, run_attack's keyword); the flag without dashes is then its TOML key."""
+    spec = OptionSpec(help, parse, choices, bound, check, noun, metavar, positional, repeated, flag)
     return field(metadata={"option": spec}) if default is MISSING else field(default=default, metadata={"option": spec})
 
 
@@ -119,6 +122,7 @@ class OptionSpec:
     metavar: str | None
     positional: bool
     repeated: bool
+    flag: str | None
 
 
 TYPES = {"str": str, "int": int, "float": float, "bool": bool, "Path": Path}
@@ -143,10 +147,16 @@ class Option:
     required: bool = False
     positional: bool = False
     repeated: bool = False
+    own_flag: str | None = None
 
     @property
     def flag(self) -> str:
-        return "--" + self.name.replace("_", "-")
+        return self.own_flag or "--" + self.name.replace("_", "-")
+
+    @property
+    def key(self) -> str:
+        """Its key in a TOML file: the flag's words joined by _ (round_number's is `round`, as its flag)."""
+        return self.flag.removeprefix("--").replace("-", "_")
 
     @property
     def many(self) -> bool:
@@ -157,17 +167,22 @@ class Option:
     def element_kind(self) -> str:
         return self.kind[len("tuple["):].split(",")[0].strip() if self.many else self.kind
 
-    def value(self, given: Any, error: type[Exception] = ConfigError) -> Any:
-        """A value given in code (run_attack's keyword arguments), checked as the CLI checks its text; the error
-        names the option."""
+    def value(self, given: Any, error: type[Exception] = ConfigError, name: str | None = None) -> Any:
+        """A value given in code (run_attack's keyword arguments) or a file, checked as the CLI checks its text;
+        the error names the option (name: as the caller wrote it, default the field's name)."""
+        name = name or self.name
         if given is None and self.default is None:
             return None
+        if self.kind == "bool":  # bool("no") is True: a switch takes true or false only
+            if not isinstance(given, bool):
+                raise error(f"{name} must be true or false, got {given!r}")
+            return given
         if self.choices is not None and given not in self.choices:
-            raise error(f"{self.name} must be one of {', '.join(self.choices)}, got {given!r}")
+            raise error(f"{name} must be one of {', '.join(self.choices)}, got {given!r}")
         try:
             return self.parse(str(given))
         except ValueError as exc:
-            raise error(f"{self.name} {exc}") from None
+            raise error(f"{name} {exc}") from None
 
     def checked(self, value: Any) -> None:
         """A ConfigError naming the flag when value breaks a rule of the declaration: its own check, then NaN and
@@ -198,7 +213,7 @@ def options_of(cls: type) -> tuple[Option, ...]:
         parse = spec.parse or TYPES.get(element, str)
         found.append(Option(f.name, None if f.default is MISSING else f.default, spec.help, parse, spec.choices, kind,
                             spec.bound, spec.check, spec.noun, spec.metavar, f.default is MISSING, spec.positional,
-                            spec.repeated))
+                            spec.repeated, spec.flag))
     return tuple(found)
 
 
@@ -261,6 +276,15 @@ def add_arguments(parser, cls: type, defaults: bool = False) -> None:
         add_argument(parser, opt, default=opt.default if defaults else None)
 
 
+def add_renamed(parser, old: str, new: str) -> None:
+    """A flag that was renamed, refused in one line naming the new one; absent, argparse would read it as an
+    abbreviation of the new one, and two spellings would live on."""
+    class Renamed(argparse.Action):
+        def __call__(self, parser, namespace, values, option_string=None):
+            parser.error(f"{old} is now {new}: give {new}" + (f" {values}" if values else ""))
+    parser.add_argument(old, nargs="?", action=Renamed, help=argparse.SUPPRESS)
+
+
 def given_values(args: argparse.Namespace, cls: type) -> dict:
     """The options of cls given on the command line (flags added with default None)."""
     return {o.name: getattr(args, o.name) for o in options_of(cls) if getattr(args, o.name, None) is not None}
@@ -271,7 +295,7 @@ def given_values(args: argparse.Namespace, cls: type) -> dict:
 def from_mapping(cls: type, values: dict, source: str) -> dict:
     """The keyword arguments of cls from a mapping (a TOML table): keys may use - or _; an unknown key or a
     value of the wrong type is a ConfigError naming the key and what it accepts."""
-    known = {o.name: o for o in options_of(cls)}
+    known = {o.key: o for o in options_of(cls)}
     kwargs = {}
     for key, value in values.items():
         name = key.replace("-", "_") if isinstance(key, str) else key
@@ -279,7 +303,7 @@ def from_mapping(cls: type, values: dict, source: str) -> dict:
             close = difflib.get_close_matches(str(name), known, n=1)
             hint = f"did you mean '{close[0]}'? " if close else ""
             raise ConfigError(f"{source}: unknown option '{key}'; {hint}known: {', '.join(known)}")
-        kwargs[name] = _typed(value, known[name].kind, f"{source}: {key}")
+        kwargs[known[name].name] = _typed(value, known[name].kind, f"{source}: {key}")
     return kwargs
 
 

@@ -66,6 +66,7 @@ SERVER_RUNS=(
   --deselect=tests/test_server.py::test_uploads_encrypted_at_rest_need_the_key
   --deselect=tests/test_server.py::test_without_truth_recording_no_ground_truth_leaves_the_clients
   --deselect=tests/test_server.py::test_round_record_reports_the_clients_weighted_mean_loss_and_their_counts
+  --deselect=tests/test_server.py::test_server_epochs_zero_leaves_theta_as_initialised
 )
 # its whole rounds pinned on exact values: in the server's selection, not the records'
 SERVER_PINNED_ROUNDS=(
@@ -90,8 +91,17 @@ SERVER_PINNED_ROUNDS=(
   --deselect=tests/test_server.py::test_truth_sent_to_a_run_that_does_not_record_it_is_dropped
   --deselect=tests/test_server.py::test_without_server_epochs_theta_stays_as_sent
 )
-# the 203 hostile replies through parse_reply
-HOSTILE_REPLIES=tests/test_hostile_replies.py::test_every_hostile_reply_is_rejected_with_a_reason_and_the_honest_one_passes
+# tests/test_server.py's hostile replies: the 203 through parse_reply are in the server's and the records'
+# selections, its other tests (whole runs, and the generator's own check) in none
+HOSTILE_RUNS=(
+  --deselect=tests/test_server.py::test_the_generator_covers_the_space
+  --deselect=tests/test_server.py::test_hostile_clients_are_dropped_and_the_honest_one_decides_every_round
+  --deselect=tests/test_server.py::test_malformed_metrics_and_an_all_nan_round_do_not_stop_the_run
+  --deselect=tests/test_server.py::test_a_client_claiming_2_62_examples_does_not_set_the_model
+  --deselect=tests/test_server.py::test_finite_but_absurd_values_are_refused
+  --deselect=tests/test_server.py::test_a_12_gib_feature_upload_is_refused_without_decoding
+  --deselect=tests/test_server.py::test_truth_with_extra_keys_or_foreign_sample_ids_is_refused
+)
 
 # name | file to mutate | its own fast tests (pytest arguments or node ids, -m "not slow" is always added)
 MODULES=(
@@ -99,18 +109,18 @@ MODULES=(
   "masking|eftguard/masking.py|tests/test_masking.py tests/test_training.py tests/test_dp_clipping.py"
   "aggregate|eftguard/aggregate.py|tests/test_aggregate.py"
   "feature_noise|defenses/feature_noise.py|tests/test_feature_noise.py"
-  "metrics|eftguard/metrics.py|tests/test_metrics.py"
-  "training|eftguard/training.py|tests/test_training.py tests/test_dp_clipping.py tests/test_model.py tests/test_dp.py tests/test_sampling.py tests/test_dp_server_training.py --deselect=tests/test_model.py::test_paper_preset_splits_like_timm"
-  "validation|eftguard/federation/validation.py|tests/test_validation.py"
-  "dp|defenses/dp.py|tests/test_dp.py tests/test_training.py tests/test_dp_clipping.py"
+  "metrics|eftguard/metrics.py|tests/test_metrics.py tests/test_identifiability.py"
+  "training|eftguard/training.py|tests/test_training.py tests/test_precision.py tests/test_dp_clipping.py tests/test_model.py tests/test_dp.py tests/test_sampling.py tests/test_dp_server_training.py --deselect=tests/test_model.py::test_paper_preset_splits_like_timm"
+  "validation|eftguard/federation/validation.py|tests/test_validation.py tests/test_server.py::test_every_hostile_reply_is_rejected_with_a_reason_and_the_honest_one_passes tests/test_headprune.py::test_a_hostile_head_record_or_update_is_refused_with_a_reason"
+  "dp|defenses/dp.py|tests/test_dp.py tests/test_feature_dp.py::test_both_channels_are_calibrated_jointly_to_spend_the_budget_asked_for tests/test_feature_dp.py::test_ledger_holds_the_composed_total_not_a_split tests/test_training.py tests/test_dp_clipping.py"
   "clipping|defenses/clipping.py|tests/test_dp.py tests/test_dp_clipping.py tests/test_training.py"
   "ledger|defenses/ledger.py|tests/test_ledger.py ${LEDGER_ROUNDS[*]}"
   "at_rest|defenses/at_rest.py|tests/test_at_rest.py"
   "node_auth|defenses/node_auth.py|tests/test_node_auth.py"
   "tls|defenses/tls.py|tests/test_tls.py tests/test_node_auth.py"
-  "records|eftguard/federation/records.py|tests/test_server.py ${SERVER_RUNS[*]} ${SERVER_PINNED_ROUNDS[*]} --deselect=tests/test_server.py::test_the_average_is_loaded_with_strict_keys ${HOSTILE_REPLIES}"
+  "records|eftguard/federation/records.py|tests/test_server.py ${SERVER_RUNS[*]} ${SERVER_PINNED_ROUNDS[*]} ${HOSTILE_RUNS[*]} --deselect=tests/test_server.py::test_the_average_is_loaded_with_strict_keys"
   # server.py: its functions called directly, and whole rounds with the micro ViT (about 1 s each)
-  "server|eftguard/federation/server.py|tests/test_server.py ${SERVER_RUNS[*]} ${HOSTILE_REPLIES} tests/test_dp_server_training.py"
+  "server|eftguard/federation/server.py|tests/test_server.py ${SERVER_RUNS[*]} ${HOSTILE_RUNS[*]} tests/test_dp_server_training.py"
   "client|eftguard/federation/client.py|tests/test_client.py ${CLIENT_ROUNDS[*]}"
   "apps|eftguard/federation/apps.py|tests/test_apps.py"
   "fleet_gateway|eftguard/federation/fleet_gateway.py|tests/test_fleet_gateway.py tests/test_deployment.py::test_fleet_gateway_forwards_only_fleet_calls"

@@ -262,6 +262,7 @@ def attacks_guarded(monkeypatch, run_path, *attack_classes) -> list[str]:
 
 # a command prefix that runs a process in its own PID namespace (as in a container), unprivileged where the
 # kernel allows user namespaces; --kill-child: its processes end with it
+LINUX_PROC = pytest.mark.skipif(not os.path.isdir("/proc/self"), reason="needs Linux's /proc")
 OWN_PID_NAMESPACE = ["unshare", "--user", "--map-root-user", "--pid", "--fork", "--mount-proc", "--kill-child"]
 
 

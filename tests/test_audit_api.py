@@ -23,6 +23,7 @@ from eftguard.figures import figure_direction, figure_directions
 from eftguard.metrics import summarize
 from eftguard.report import write_attack_report
 from eftguard.rundir import RunError
+from conftest import LINUX_PROC
 
 FAST = {"invert": {"steps": 2, "max_images": 3}, "labels": {}, "gradient": {"observe": "probe"},
         "membership": {"candidates": 20}}
@@ -97,7 +98,7 @@ def test_a_report_of_another_schema_version_is_refused(tmp_path, version, messag
     ("labels", "linkage", {"link_threshold": float("nan")}, "link_threshold must be a finite number in (0, 1]"),
     ("gradient", None, {"seed": -1}, "seed must be a whole number in 0..4294967295, got '-1'"),
     ("labels", None, {"round_number": 1.5}, "round_number must be a whole number >= 1, got '1.5'"),
-    ("gradient", None, {"lpips_backend": "vgg"}, "unknown LPIPS backend 'vgg': choose auto, lpips-alex"),
+    ("gradient", None, {"lpips_backend": "vgg"}, "lpips_backend must be one of auto, lpips-alex, stlpips-alex, got 'vgg'"),
 ])
 def test_wrong_names_and_values_are_one_error_listing_the_valid_ones(feature_run, tmp_path, family, method, options,
                                                                      listed):
@@ -133,7 +134,14 @@ def test_cli_method_choices_are_the_registry(family):
 
 @pytest.mark.parametrize("family", FAMILIES)
 @pytest.mark.parametrize("clients", [["--clients", "1"], ["--client", "1"]])
-def test_every_attack_command_takes_the_run_and_clients_the_same_ways(family, clients):
+def test_every_attack_command_takes_the_run_and_clients_the_same_ways(family, clients, capsys):
+    """One spelling, --clients; the old --client is refused naming it (not read as an abbreviation of it)."""
+    if clients[0] == "--client":
+        with pytest.raises(SystemExit) as stop:
+            build_parser().parse_args(["attack", family, "runs/x", *clients])
+        assert stop.value.code == 2
+        assert capsys.readouterr().err.startswith("eftguard: error: --client is now --clients: give --clients 1")
+        return
     args = build_parser().parse_args(["attack", family, "runs/x", *clients])
     assert args.run == Path("runs/x") and args.clients == "1"
 
@@ -226,7 +234,7 @@ def test_a_family_added_through_the_registries_gets_its_verdict_row_and_plot(fea
     its verdict row, its figure column and its plots."""
     from eftguard.audit.gate import check_before_training, parse_gate
     from eftguard.report import write_audit_report
-    from test_report import Page, markdown_tables
+    from helpers import Page, markdown_tables
 
     monkeypatch.setitem(FAMILIES, "toy", ToyFamily())
     monkeypatch.setitem(CHANNELS, "toy", TOY_CHANNEL)
@@ -254,3 +262,12 @@ def test_a_family_added_through_the_registries_gets_its_verdict_row_and_plot(fea
     assert [attrs["alt"] for tag, attrs in audit_page.tags if tag == "img"] == [
         "Test accuracy against the strongest toy attack (hit rate), one point per configuration group",
         "Toy guessing against the DP-SGD budget ε (DP configurations only)"]
+
+
+@LINUX_PROC
+def test_a_reports_folder_where_nothing_can_be_written_is_refused_before_the_attack():
+    from eftguard.audit.api import out_root
+    from eftguard.rundir import RunError
+
+    with pytest.raises(RunError, match=r"cannot write reports to /proc/reports \(/proc is not writable: "):
+        out_root(None, Path("/proc/reports"))

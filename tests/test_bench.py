@@ -158,3 +158,31 @@ def test_sigterm_stops_a_command_on_one_line_and_writes_nothing(tmp_path):
             process.kill()
     assert err.strip().splitlines()[-1] == "eftguard: interrupted" and "Traceback" not in err
     assert list(tmp_path.iterdir()) == []
+
+
+def test_the_bench_replaces_its_json_whole_or_not_at_all(capsys, tmp_path, monkeypatch):
+    """The JSON is written at the end of a long bench: a disk that fills half-way through the write leaves the
+    earlier file intact and no temporary file behind."""
+    import errno
+    import pathlib
+
+    import eftguard.bench
+
+    (tmp_path / "adir").mkdir()
+    (tmp_path / "adir" / "kept").write_text("still here\n")
+    out = tmp_path / "adir" / "bench.json"
+    out.write_text('{"earlier": true}\n')
+    monkeypatch.setattr(eftguard.bench, "run_bench", lambda cfg, progress=None: {"config": {"steps": 10}})
+    monkeypatch.setattr(eftguard.bench, "print_tables", lambda result: None)
+    write_text = pathlib.Path.write_text
+
+    def full_disk(path, text, *args, **kwargs):
+        write_text(path, text[:len(text) // 2], *args, **kwargs)
+        raise OSError(errno.ENOSPC, "No space left on device")
+
+    monkeypatch.setattr(pathlib.Path, "write_text", full_disk)
+    with pytest.raises(OSError, match="No space left"):
+        main(["bench", "--out", str(out)])
+    monkeypatch.undo()
+    assert json.loads(out.read_text()) == {"earlier": True}
+    assert sorted(p.name for p in out.parent.iterdir()) == ["bench.json", "kept"]

@@ -355,3 +355,9 @@ def test_a_cifar_batch_that_is_a_named_pipe_is_one_line_before_any_work(tmp_path
     assert code == 2 and err == (f"eftguard: error: {batch} is not a regular file: the CIFAR copy is damaged; delete "
                                  "it and download it again\n")
     assert not (tmp_path / "run").exists()
+
+
+def test_load_cifar_names_a_data_dir_that_is_a_file(tmp_path):
+    (tmp_path / "afile").write_text("not a folder\n")
+    with pytest.raises(DataError, match="afile is a file: give the folder that holds"):
+        load_cifar("cifar10", tmp_path / "afile")

@@ -258,3 +258,39 @@ def test_an_unreachable_target_is_refused_with_the_noise_ceiling_and_the_steps_n
                                                  r"multiplier 1e\+06: raise --dp-eps or --dp-delta, lower --rounds or "
                                                  r"--local-epochs, or try --accountant prv$"):
         check_feasible(0.01, 1e-5, "rdp", 250, 64, 1, (1, 2), 0.5)
+
+
+@pytest.mark.parametrize("epsilon, delta", [(0.5, 1e-5), (1.0, 1e-3), (8.0, 1e-6)])
+def test_gaussian_dp_mu_is_the_gaussian_mechanism_that_spends_exactly_epsilon_delta(epsilon, delta):
+    """mu-GDP is the Gaussian mechanism of sensitivity 1 and std 1/mu: dp-accounting's privacy loss distribution of
+    that mechanism (an independent computation) gives delta at epsilon, and a 5% larger mu more."""
+    from dp_accounting.pld import privacy_loss_distribution
+
+    from eftguard.defenses.dp import gaussian_dp_mu
+
+    def delta_of(mu):
+        return privacy_loss_distribution.from_gaussian_mechanism(
+            standard_deviation=1 / mu, value_discretization_interval=1e-5).get_delta_for_epsilon(epsilon)
+
+    mu = gaussian_dp_mu(epsilon, delta)
+    assert delta_of(mu) == pytest.approx(delta, rel=1e-2)
+    assert delta_of(1.05 * mu) > 1.1 * delta
+
+
+@pytest.mark.parametrize("share", [0.0, 0.3, 0.5])
+@pytest.mark.parametrize("sample_rate, steps", [(0.1, 40), (1.0, 5)])
+def test_channel_noise_splits_mu_squared_between_the_channels(share, sample_rate, steps):
+    """Gaussian DP adds up in mu^2: the feature channel's `releases` Gaussian releases at std feature_sigma are
+    sqrt(releases)/feature_sigma-GDP, DP-SGD's steps q sqrt(T (e^(1/sigma^2) - 1))-GDP by Dong, Roth & Su's central
+    limit theorem (sqrt(T)/sigma at q = 1); the two get mu^2 (1 - share) and mu^2 share."""
+    from eftguard.defenses.dp import channel_noise
+
+    mu, releases = 1.7, 3
+    sigma, feature_sigma = channel_noise(mu, share, sample_rate, steps, releases)
+    sgd_mu = (math.sqrt(steps) / sigma if sample_rate >= 1
+              else sample_rate * math.sqrt(steps * (math.exp(sigma ** -2) - 1)))
+    assert sgd_mu ** 2 == pytest.approx(mu ** 2 * (1 - share), rel=1e-9)
+    if share:
+        assert (math.sqrt(releases) / feature_sigma) ** 2 == pytest.approx(mu ** 2 * share, rel=1e-9)
+    else:
+        assert feature_sigma == 0.0

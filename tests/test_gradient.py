@@ -12,7 +12,7 @@ from eftguard.attacks.gradient import (AnalyticAttack, DLGAttack, GradientObserv
                                        kept_positions, prepare_numerics, recover_labels)
 from eftguard.attacks.base import ThreatModel
 from eftguard.defenses.clipping import make_private
-from eftguard.defenses.dp import DPSGD, client_budget
+from eftguard.defenses.dp import DPSGD
 from eftguard import metrics
 from eftguard.config import TrainConfig
 from eftguard.federation.client import client_round
@@ -22,6 +22,7 @@ from eftguard.audit.observe import DPNoise, probe_gradient, trained_names
 from eftguard.masking import random_keep_ids
 from eftguard.model import EFTViT, build_model
 from eftguard.rundir import RunDirectory
+from helpers import dp_noise_for_epsilon_1, floats
 from conftest import (MICRO_PRESET, attacks_guarded, flushes_denormals, restored_torch_state, run_cli,
                       train_in_process)
 
@@ -43,10 +44,6 @@ def vit_probe(photos, indices, masked, dp=None):
     return obs, photos.train.images[indices], keep
 
 
-def floats(images_uint8):
-    return images_uint8.astype(np.float32) / 255.0
-
-
 def singles_out(photos, recon, index, kept=None):
     """Whether a reconstruction is closer (PSNR, on the kept pixels if given) to its original photos.train[index]
     than to every one of 64 other training images. A PSNR bound alone is also met by an image of noise; an attack
@@ -56,12 +53,6 @@ def singles_out(photos, recon, index, kept=None):
     scores = metrics.psnr(np.repeat(recon[:1], len(candidates), 0), candidates,
                           None if kept is None else np.repeat(kept[:1], len(candidates), 0))
     return bool(scores[0] > scores[1:].max())
-
-
-def dp_noise_for_epsilon_1(num_examples=300, batch_size=64):
-    """The noise multiplier eftguard.defenses.dp calibrates for epsilon 1 over one epoch of one round."""
-    budget = client_budget(1.0, 0.0, "rdp", num_examples, batch_size, 1, (1,))
-    return DPNoise(budget.noise_multiplier, 1.0)
 
 
 # --- calibration --------------------------------------------------------------------------------------------
@@ -483,7 +474,7 @@ def test_encrypted_run_needs_its_key(capsys, tmp_path, micro_preset):
 
 
 @pytest.mark.parametrize("argv, message", [
-    (["--client", "7"], "no uploads of client(s) [7]"),
+    (["--clients", "7"], "no uploads of client(s) [7]"),
     (["--round", "2"], "--round 2 is not a completed round"),
     (["--observe", "probe", "--batch", "1000"], "--batch 1000 is larger than client 0's"),
     (["--observe", "upload", "--batch", "1000"], "--batch 1000 is larger than client 0's"),

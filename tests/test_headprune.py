@@ -25,7 +25,7 @@ from eftguard.rundir import RunDirectory
 from eftguard.training import mean_loss
 from conftest import MICRO_PRESET, random_images, run_cli, train_in_process
 from fakegrid import FakeGrid, task_identity
-from test_hostile_replies import FLOAT_EDITS, INT_EDITS, by_name, edit_array, encode, plain, set_one, with_part
+from replies import FLOAT_EDITS, INT_EDITS, by_name, edit_array, encode, plain, set_one, with_part
 
 pytestmark = pytest.mark.usefixtures("micro_preset")
 

@@ -11,7 +11,7 @@ from eftguard.attacks.base import ImageReconstruction
 from eftguard import metrics
 from eftguard.audit import AttackReport, scoring
 from eftguard.report import write_attack_report, write_run_report
-from test_report import METRICS, Page
+from helpers import METRICS, Page
 
 
 @pytest.fixture(scope="module")

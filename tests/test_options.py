@@ -4,6 +4,7 @@ from a TOML file and from code, and a new field without a declaration fails here
 
 import dataclasses
 import math
+import re
 
 import pytest
 from hypothesis import HealthCheck, example, given, settings, strategies as st
@@ -154,6 +155,11 @@ def _subcommand(name: str):
     ("supernode", "eftguard.federation.deployment.SuperNodeOptions"),
     ("demo", "eftguard.cli.DemoOptions"),
     ("audit", "eftguard.cli.AuditOptions"),
+    ("train", "eftguard.cli.TrainCommandOptions"),
+    ("train", "eftguard.federation.deployment.TrainDeploymentOptions"),
+    ("pretrain", "eftguard.cli.PretrainCommandOptions"),
+    ("bench", "eftguard.cli.BenchCommandOptions"),
+    ("report", "eftguard.attack_cli.ReportOptions"),
 ])
 def test_the_bench_demo_audit_and_deployment_commands_are_generated_from_their_declarations(command, cls):
     import importlib
@@ -173,3 +179,85 @@ def test_a_list_option_takes_several_values_after_one_flag_or_repeated_flags():
     gated = parser.parse_args(["audit", "--gate", "labels.l1 > 0.3", "a.toml"])  # a repeated option takes one value
     assert gated.gate == ["labels.l1 > 0.3"] and str(gated.audit_file) == "a.toml"
     assert parser.parse_args(["bench", "--mask-ratios", "0", "0.5"]).mask_ratios == [0.0, 0.5]
+
+
+def _declared_options():
+    """Every option any command declares: the dataclasses of eftguard.options, and the attack families' and
+    methods' own."""
+    import eftguard.attack_cli as attack_cli
+    import eftguard.bench_config as bench_config
+    import eftguard.cli as cli
+    import eftguard.federation.deployment as deployment
+    from eftguard.audit.api import AttackRunOptions
+    from eftguard.audit.families import FAMILIES
+
+    classes = [TrainConfig, PretrainConfig, bench_config.BenchConfig, AttackRunOptions]
+    for module in (cli, attack_cli, deployment):
+        classes += [c for c in vars(module).values() if isinstance(c, type) and dataclasses.is_dataclass(c)
+                    and c.__name__.endswith("Options")]
+    found = [o for cls in classes for o in options_of(cls)]
+    for family in FAMILIES.values():
+        found += [*family.options, *(o for cls in family.registry.classes.values() for o in options_of(cls))]
+    return found
+
+
+def _commands(parser, prefix=()):
+    import argparse
+
+    for action in parser._actions:
+        if isinstance(action, argparse._SubParsersAction):
+            for name, sub in action.choices.items():
+                yield from _commands(sub, (*prefix, name))
+    if prefix:
+        yield " ".join(prefix), parser
+
+
+def test_no_command_has_a_hand_written_flag():
+    """Every flag and argument of every command is an option() declaration (its flag, destination and help): none
+    is written by hand beside one, so its --help, its TOML key and its check cannot drift apart."""
+    import argparse
+
+    declared = _declared_options()
+    by_flag = {(o.flag, o.name) for o in declared if not o.positional}
+    positional = {o.name for o in declared if o.positional}
+    checked = 0
+    for command, parser in _commands(build_parser()):
+        for action in parser._actions:
+            if isinstance(action, (argparse._HelpAction, argparse._SubParsersAction)) or action.help == argparse.SUPPRESS:
+                continue
+            if action.option_strings:
+                assert (action.option_strings[0], action.dest) in by_flag, f"eftguard {command} {action.option_strings}"
+            else:
+                assert action.dest in positional, f"eftguard {command} {action.dest}"
+            assert len(action.help.split()) >= 2, f"eftguard {command} {action.dest}: say what it does"
+            checked += 1
+    assert checked > 150  # every command was walked
+
+
+def test_an_audit_file_reads_the_common_attack_options_from_their_declaration():
+    """An [[attack]] table's round, clients, seed, lpips_backend and power_check are checked before any training by
+    the declaration the attack commands' flags come from (eftguard.audit.api.AttackRunOptions)."""
+    from eftguard.audit.grid import check_attack_options
+
+    where = "a.toml [[attack]] #1"
+    check_attack_options("labels", "head", {"round_number": 2, "clients": "0,1", "seed": 3}, where)
+    for options, message in [({"round_number": 0}, "round must be a whole number >= 1, got '0'"),
+                             ({"clients": "0;1"}, "clients must be 'all' or comma-separated partition ids, got '0;1'"),
+                             ({"seed": -1}, "seed must be a whole number in 0..4294967295"),
+                             ({"power_check": "yes"}, "power_check must be true or false, got 'yes'")]:
+        with pytest.raises(ConfigError, match="^" + re.escape(f"{where}: {message}")):
+            check_attack_options("labels", "head", options, where)
+
+
+def test_a_weight_that_may_be_zero_is_refused_below_zero_with_its_real_bound():
+    """--tv and the like: 0 switches the term off and is accepted; a negative or NaN weight is one message that
+    names the bound a user can type (">= 0", not an epsilon below zero)."""
+    from eftguard.options import finite_number
+
+    parse = finite_number(0, zero_allowed=True)
+    assert parse("0") == 0.0 and parse("0.3") == 0.3
+    for text in ("-1", "-1e-13", "nan", "inf"):
+        with pytest.raises(ValueError, match=r"must be a finite number >= 0, got"):
+            parse(text)
+    with pytest.raises(ValueError, match=r"> 0, got '0'"):
+        finite_number(0)("0")

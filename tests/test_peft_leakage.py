@@ -17,7 +17,7 @@ from eftguard.methods import method_spec
 from eftguard.model import build_model
 from eftguard.rundir import RunDirectory
 from conftest import MICRO_PRESET, train_in_process
-from test_gradient import dp_noise_for_epsilon_1, floats
+from helpers import dp_noise_for_epsilon_1, floats
 
 pytestmark = pytest.mark.usefixtures("one_torch_thread")
 

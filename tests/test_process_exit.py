@@ -1,18 +1,22 @@
 """How eftguard's processes end: the `eftguard` command skips the interpreter's teardown but keeps what an exit must
 do (threads joined, atexit handlers, flushed output, the exit status), and stop_processes does not wait for a
-killed process to be reaped."""
+killed process to be reaped, and a Ray session's helpers are stopped once its driver is gone."""
 
 import importlib.metadata
 import os
+import select
 import signal
 import subprocess
 import sys
 import textwrap
 import time
+from pathlib import Path
 
 import psutil
+import pytest
 
-from eftguard.federation.simulation import stop_processes
+from conftest import OWN_PID_NAMESPACE, can_make_pid_namespaces
+from eftguard.federation.simulation import RAY_SESSION_VARIABLE, stop_processes, stop_ray_leftovers
 
 # run in a fresh interpreter: cli.run() ends the process. Ordered by events, not by clocks: the thread can only finish
 # once main has returned, so the exit must have waited for it; the atexit handler records whether it ran after it.
@@ -129,3 +133,79 @@ def test_a_killed_process_counts_as_stopped_before_its_parent_reaps_it():
         parent.kill()
         parent.wait(timeout=10)
         parent.stdout.close()
+
+
+# --- the helpers of a Ray session whose driver is gone (stop_ray_leftovers) -------------------------------------
+
+REPOSITORY = Path(__file__).resolve().parents[1]
+SESSION_HOLDER = """
+import subprocess, sys
+from eftguard.federation.simulation import ray_session
+with ray_session() as session:
+    helper = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(300)"])
+    print(session.tag, flush=True)
+    sys.stdin.read()  # until the test closes our stdin (or kills us)
+    helper.kill()
+    helper.wait()
+"""
+def start_session(namespace: list[str]) -> tuple[subprocess.Popen, str, list[psutil.Process]]:
+    """A driver holding a Ray session (in its own PID namespace if namespace is given) and a helper process that
+    inherited the session's tag: (driver, tag, the helper as this process sees it)."""
+    driver = subprocess.Popen([*namespace, sys.executable, "-c", SESSION_HOLDER], stdin=subprocess.PIPE,
+                              stdout=subprocess.PIPE, text=True, env={**os.environ, "PYTHONPATH": str(REPOSITORY)})
+    ready, _, _ = select.select([driver.stdout], [], [], 120)
+    assert ready, "the session holder did not start"
+    tag = driver.stdout.readline().strip()
+    helpers = [p for p in psutil.process_iter() if environ_of(p).get(RAY_SESSION_VARIABLE) == tag and
+               p.cmdline()[-1:] == ["import time; time.sleep(300)"]]
+    assert len(helpers) == 1
+    return driver, tag, helpers
+
+
+def environ_of(process: psutil.Process) -> dict:
+    try:
+        return process.environ()
+    except psutil.Error:
+        return {}
+
+
+def stop_session(driver: subprocess.Popen, helpers: list[psutil.Process]) -> None:
+    driver.stdin.close()
+    driver.stdout.close()
+    try:
+        driver.wait(timeout=30)
+    finally:
+        driver.kill()
+        driver.wait(timeout=30)
+        stop_processes(helpers, grace_seconds=0)
+
+
+@pytest.mark.parametrize("namespace", [
+    pytest.param([], id="same PID namespace"),
+    pytest.param(OWN_PID_NAMESPACE, id="own PID namespace", marks=pytest.mark.skipif(
+        not can_make_pid_namespaces(), reason="unprivileged user and PID namespaces are off here")),
+])
+def test_only_helpers_of_a_session_whose_driver_is_gone_are_stopped(tmp_path, namespace):
+    """Issue 34, item 2: a live run's Ray processes are never taken for leftovers, even where their driver's
+    process id means nothing here (a container: its own PID namespace); a killed driver's are stopped, and the
+    session folder it left goes with them. Tags naming a folder this process cannot see, or another token, are
+    left alone too."""
+    live, live_tag, live_helpers = start_session(namespace)
+    killed, killed_tag, orphans = start_session([])
+    unseen, killed_folder = tmp_path / "eftguard-ray-elsewhere", killed_tag.partition(":")[2]
+    strangers = [subprocess.Popen([sys.executable, "-c", "import time; time.sleep(300)"],
+                                  env={**os.environ, RAY_SESSION_VARIABLE: tag})
+                 for tag in (f"0123:{unseen}", f"wrong-token:{killed_folder}")]
+    try:
+        killed.kill()  # SIGKILL: the driver's lock goes with it, its helper stays
+        killed.wait(timeout=30)
+        stopped = stop_ray_leftovers()
+        assert [p.pid for p in stopped] == [orphans[0].pid]
+        assert not Path(killed_tag.partition(":")[2]).exists() and Path(live_tag.partition(":")[2]).is_dir()
+        assert all(helper.is_running() for helper in live_helpers) and all(s.poll() is None for s in strangers)
+    finally:
+        for stranger in strangers:
+            stranger.kill()
+            stranger.wait(timeout=30)
+        stop_session(live, live_helpers)
+        stop_session(killed, orphans)

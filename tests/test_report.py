@@ -1,17 +1,22 @@
 """The verdict (eftguard/verdict.py), the run report and the audit report (eftguard/report.py), on report.json
-files and audit summaries written here: no training, no attack."""
+files and audit summaries written here: no training, no attack; last, `eftguard report` on a trained run given a
+hostile report folder."""
 
 import json
 import math
+import shutil
 from html.parser import HTMLParser
 
 import numpy as np
 import pytest
+from markdown_it import MarkdownIt
 
 from eftguard import channels, verdict
 from eftguard.attack_report import AttackReport
+from eftguard.cli import main
 from eftguard.report import image_grid, write_audit_report, write_run_report
 from eftguard.rundir import RunError
+from helpers import METRICS, Page, markdown_tables
 
 HOSTILE = '"><script>alert(1)</script>'
 
@@ -206,53 +211,6 @@ def test_figures_follow_attack_report_names():
 
 # --- HTML helpers -----------------------------------------------------------------------------------------
 
-class Page(HTMLParser):
-    """Start tags with attributes, and the text of every table's cells."""
-
-    def __init__(self, text):
-        super().__init__()
-        self.tags, self.tables, self._cell = [], [], None
-        self.feed(text)
-
-    def handle_starttag(self, tag, attrs):
-        self.tags.append((tag, dict(attrs)))
-        if tag == "table":
-            self.tables.append([])
-        elif tag == "tr":
-            self.tables[-1].append([])
-        elif tag in ("td", "th"):
-            self._cell = ""
-
-    def handle_endtag(self, tag):
-        if tag in ("td", "th"):
-            self.tables[-1][-1].append(self._cell)
-            self._cell = None
-
-    def handle_data(self, data):
-        if self._cell is not None:
-            self._cell += data
-
-    def sources(self):
-        return [v for _, attrs in self.tags for k, v in attrs.items() if k in ("src", "href")]
-
-
-def markdown_tables(text):
-    """Every pipe table of a report.md, cells unescaped as a Markdown viewer shows them."""
-    import html
-
-    tables, current = [], None
-    for line in text.splitlines():
-        if line.startswith("|"):
-            if current is None:
-                current = []
-                tables.append(current)
-            if not set(line) <= set("|-"):
-                cells = [c.strip().replace("\\|", "|") for c in line.strip("|").split(" | ")]
-                current.append([html.unescape(c) for c in cells])
-        else:
-            current = None
-    return tables
-
 
 def rendered(md_file):
     """report.md as a Markdown viewer turns it into HTML (raw HTML passes through)."""
@@ -273,9 +231,6 @@ def write_reports(folder, reports):
     for report in reports:
         (folder / report["attack"].replace("/", "")).mkdir(parents=True)
         (folder / report["attack"].replace("/", "") / "report.json").write_text(json.dumps(report))
-
-
-METRICS = [{"round": 1, "test_accuracy": 0.31}, {"round": 2, "test_accuracy": 0.42}]
 
 
 def test_run_report_leads_with_the_verdict_and_collapses_what_matches_the_defaults(tmp_path):
@@ -781,3 +736,70 @@ def test_the_run_report_inlines_no_picture_that_leads_out_of_its_folder_or_is_no
     # a chart is scaled smoothly, an image grid keeps its pixels
     assert [attrs.get("class") for tag, attrs in page.tags if tag == "img"] == [
         "plot" if picture == "roc.png" else None]
+
+
+# --- a hostile report folder: every string reaches the page only as text -----------------------------------
+
+PAYLOADS = ['<img src=x onerror=alert(1)>', '"><script>alert(2)</script>', "<svg onload=alert(3)>"]
+
+
+
+PAGE_TAGS = {"html", "head", "meta", "title", "style", "body", "h1", "h2", "h3", "p", "pre", "code", "table", "thead",
+             "tbody", "tr", "th", "td", "ul", "li", "img", "details", "summary"}
+
+
+
+class Tags(HTMLParser):
+    """Every start tag with its attributes."""
+
+    def __init__(self):
+        super().__init__()
+        self.found: list[tuple[str, dict]] = []
+
+    def handle_starttag(self, tag, attrs):
+        self.found.append((tag, dict(attrs)))
+
+
+
+def tags_of(page: str) -> list[tuple[str, dict]]:
+    parser = Tags()
+    parser.feed(page)
+    return parser.found
+
+
+
+def hostile_report() -> dict:
+    """A well-typed report.json with a script payload in every string a page could show."""
+    a, b, c = PAYLOADS
+    stat = {"mean": 1.0, "std": 0.5, "n": 3}
+    return {"attack": a, "run": b, "round": 1, "clients": [0],
+            "capabilities": {a: b, "aux_data": c}, "lpips_backend": c,
+            "metrics": {a: stat, b: stat}, "baseline": {c: stat}, b: {a: stat},
+            "histograms": {a: {"true": [b], "estimated": [c]}}, "per_client": {a: {b: c}},
+            "details": {a: b, "nested": {c: [a, b]}, "histogram": f"{a} / {b}"}}
+
+
+
+def test_hostile_report_json_reaches_the_page_only_as_text(feature_run, tmp_path):
+    from PIL import Image
+
+    run = tmp_path / "run"
+    shutil.copytree(feature_run, run)
+    config = run / "config.toml"  # a value that tries to close the Markdown code fence around the configuration
+    config.write_text(config.read_text().replace('data_dir = ""', f'data_dir = """\n```\n{PAYLOADS[0]}\n"""'))
+    folder = run / "reports" / PAYLOADS[1].replace("/", "")
+    folder.mkdir(parents=True)
+    (folder / "report.json").write_text(json.dumps(hostile_report()))
+    Image.new("RGB", (4, 4)).save(folder / "grid.png")
+    main(["report", str(run)])
+
+    page = (run / "reports" / "report.html").read_text()
+    rendered_md = MarkdownIt("commonmark").render((run / "reports" / "report.md").read_text())
+    for html_text in (page, rendered_md):
+        tags = tags_of(html_text)
+        assert {t for t, _ in tags} <= PAGE_TAGS
+        assert not [name for _, attrs in tags for name in attrs if name.startswith("on")]
+        images = [attrs["src"] for tag, attrs in tags if tag == "img"]
+        assert images and not [src for src in images if src.startswith("x")]
+    assert page.count("&lt;img src=x onerror=alert(1)&gt;") >= 6  # shown as text: title, caps, metric, details...
+    assert "<img src=x" not in page and "<script>" not in page and "<svg onload" not in page

@@ -6,22 +6,24 @@ First the server loop end to end (handshake, rounds, validation, aggregation, re
 records' functions called directly, with small hand-made records and the grid's handshake (no training round).
 Last, whole rounds with the micro ViT pinned on exact values computed here from what the clients sent (issue 16):
 each runs its own small run (2-4 clients, 1-2 rounds, well under 2 s). The last two parts are fast enough for the
-mutation check of server.py and records.py (docs/mutation.md)."""
+mutation check of server.py and records.py (docs/mutation.md). Last of all, hostile replies (tests/replies.py):
+each one dropped with its reason by parse_reply and by the real server's rounds, the run going on."""
 
 import io
 import math
 import re
 from contextlib import contextmanager
 from dataclasses import replace
+from typing import Callable
 
 import numpy as np
 import pytest
 import torch
-from flwr.app import Array, ArrayRecord, ConfigRecord, Error, Message, RecordDict
+from flwr.app import Array, ArrayRecord, ConfigRecord, Error, Message, Metadata, RecordDict
 from rich.console import Console
 from rich.progress import Progress
 
-from conftest import MICRO_PRESET, MICRO_WIDTH
+from conftest import MICRO_PRESET, MICRO_WIDTH, train_in_process
 from fakegrid import FakeGrid, task_identity
 from eftguard.aggregate import fedavg
 from eftguard.config import TrainConfig
@@ -30,7 +32,7 @@ from eftguard.data.plan import client_partition, run_dataset
 from eftguard.defenses.dp import client_budget
 from eftguard.errors import FederationError, Interrupted
 from eftguard.federation import server
-from eftguard.federation.client import dp_budget, participation, select_clients
+from eftguard.federation.client import client_round, dp_budget, participation, select_clients
 from eftguard.federation.records import ClientSettings, UploadError, from_record, to_record
 from eftguard.federation.server import (check_dp_report, discover_nodes, dp_budgets, exchange, load_average,
                                         parse_reply, round_summary, run_server, upload_spec)
@@ -40,7 +42,7 @@ from eftguard.model import build_model
 from eftguard.rundir import RunDirectory, RunError
 from eftguard.sampling import class_target
 from eftguard.training import OptimConfig, evaluate, train_global
-from test_hostile_replies import CFG as HOSTILE_CFG, encode, honest, plain  # noqa: F401 (honest: a real client's reply)
+from replies import HONEST, HOSTILE_CFG, MUTATIONS, Content, Mutation, encode, hostile, plain, set_metric, with_part
 
 # micro_preset: whole rounds, whose subject is not the model's size
 pytestmark = pytest.mark.usefixtures("micro_preset", "task_identity_set")
@@ -1222,3 +1224,237 @@ def test_stop_request_during_a_round_keeps_no_part_of_it(tmp_path, micro_preset)
     finally:
         server.STOP_REQUESTED.clear()
     assert run.completed_rounds() == 0 and run.uploaded_partitions(1) == []
+
+
+def test_server_epochs_zero_leaves_theta_as_initialised(tmp_path):
+    """The baseline of the privacy-utility table: with --server-epochs 0 the global module never learns from the
+    uploaded features (the clients' averaged local modules and heads still change)."""
+    from eftguard.rundir import RunDirectory
+
+    run = RunDirectory.open(train_in_process(tmp_path / "run", model=MICRO_PRESET, server_epochs=0, train_samples=64))
+    start, after = run.load_checkpoint(0), run.load_checkpoint(1)
+    changed = {k for k in start if not torch.equal(start[k], after[k])}
+    assert changed and not any(k.startswith("global_module.") for k in changed)
+    assert any(k.startswith("local_module.") for k in changed)
+    (metrics,) = run.metrics()
+    assert metrics["server_loss"] is None
+
+
+# --- hostile replies ----------------------------------------------------------------------------------------
+# Whatever a client sends, the server drops that reply with a reason and the run goes on. Every hostile reply is
+# one seeded mutation of an honest one (tests/replies.py). All of them go through parse_reply; a stratified sample
+# goes through the real server's rounds over the in-process grid, next to an honest client whose reply must count.
+
+# --- every mutation through parse_reply ---------------------------------------------------------------------
+
+@pytest.fixture(scope="module")
+def honest(micro_preset):
+    """A real client's reply, what it uploaded, and the server's spec for the run."""
+    dataset = run_dataset(HOSTILE_CFG.dataset, HOSTILE_CFG.data_dir, HOSTILE_CFG.model, HOSTILE_CFG.train_samples, 0, HOSTILE_CFG.seed)
+    model = build_model(HOSTILE_CFG.model, dataset.num_classes, HOSTILE_CFG.local_layers, seed=0)
+    state = {k: v.numpy() for k, v in model.state_dict().items()}
+    upload = client_round(ClientSettings.from_config(HOSTILE_CFG.resolved(), 1), state, 1, HOSTILE_CFG.clients)
+    metrics = {"partition-id": 1, "num-examples": upload.num_examples, "loss": upload.loss,
+               "epoch-seconds": upload.epoch_seconds, "epoch-cpu-seconds": upload.epoch_cpu_seconds,
+               "feature-seconds": upload.feature_seconds}
+    content = encode({"update": upload.update, "features": upload.features, "truth": upload.truth,
+                      "metrics": metrics})
+    metadata = Metadata(run_id=1, message_id="m", src_node_id=101, dst_node_id=0, reply_to_message_id="q",
+                        group_id="", created_at=0.0, ttl=60.0, message_type="train")
+    return Message(content=content, metadata=metadata), upload, upload_spec(model, HOSTILE_CFG.resolved(), dataset)
+
+
+def test_the_generator_covers_the_space():
+    assert len(MUTATIONS) >= 200
+    assert len({m.name for m in MUTATIONS}) == len(MUTATIONS)
+    assert {m.category for m in MUTATIONS} == {
+        "metric values", "metric keys", "update values", "update layout", "features values", "features layout",
+        "truth", "missing or extra", "records", "forged arrays", "error replies"}
+
+
+def test_every_hostile_reply_is_rejected_with_a_reason_and_the_honest_one_passes(honest):
+    reply, sent, spec = honest
+    accepted, truth = parse_reply(reply, 1, spec, "eftvit")
+    assert accepted.num_examples == sent.num_examples == len(client_partition(
+        HOSTILE_CFG.dataset, HOSTILE_CFG.data_dir, HOSTILE_CFG.model, HOSTILE_CFG.train_samples, HOSTILE_CFG.seed, HOSTILE_CFG.clients, HOSTILE_CFG.beta)[1])
+    assert all(np.array_equal(truth[k], sent.truth[k]) for k in sent.truth)
+    assert np.array_equal(accepted.features["features"], sent.features["features"])
+    rng = np.random.default_rng(9)
+    wrong = {}
+    for mutation in MUTATIONS:
+        try:
+            parse_reply(hostile(reply, mutation, rng), 1, spec, "eftvit")
+            wrong[mutation.name] = "accepted"
+        except UploadError as exc:
+            if mutation.reason not in str(exc) or len(str(exc)) > 400 or "\n" in str(exc):  # one short line
+                wrong[mutation.name] = str(exc)[:200]
+    assert wrong == {}
+
+
+# --- a sample through the real server -----------------------------------------------------------------------
+
+def stratified_sample(count: int, seed: int) -> list[Mutation]:
+    """count mutations, each category at least once before any repeats (seeded)."""
+    rng = np.random.default_rng(seed)
+    categories = sorted({m.category for m in MUTATIONS})
+    order = [categories[i] for i in rng.permutation(len(categories))]
+    order = (order * (count // len(order) + 1))[:count]
+    return [[m for m in MUTATIONS if m.category == c][rng.integers(sum(m.category == c for m in MUTATIONS))]
+            for c in order]
+
+
+def test_hostile_clients_are_dropped_and_the_honest_one_decides_every_round(tmp_path):
+    """Four of five clients send a different hostile reply each round; the run completes, each bad reply is
+    dropped with its reason and leaves nothing behind, and the model is exactly the honest client's upload."""
+    bad = [p for p in range(HOSTILE_CFG.clients) if p != HONEST]
+    plan = stratified_sample(HOSTILE_CFG.rounds * len(bad), seed=3)
+    sent = {}
+    rng = np.random.default_rng(4)
+
+    def tamper(node, reply):
+        partition = node - 100
+        if reply.metadata.message_type != "train" or partition == HONEST:
+            return reply
+        round_number = sum(r == partition for r, _ in sent) + 1
+        mutation = plan[(round_number - 1) * len(bad) + bad.index(partition)]
+        sent[(partition, round_number)] = mutation
+        return hostile(reply, mutation, rng)
+
+    run = RunDirectory.create(tmp_path / "run", HOSTILE_CFG.resolved())
+    run_server(FakeGrid(HOSTILE_CFG.clients, tamper=tamper), run.path)
+    records = run.metrics()
+    assert [r["round"] for r in records] == [1, 2, 3]
+    for record in records:
+        r = record["round"]
+        assert set(record["dropped"]) == {str(p) for p in bad}
+        for p in bad:
+            assert sent[(p, r)].reason in record["dropped"][str(p)], (sent[(p, r)].name, record["dropped"][str(p)])
+            assert not run.upload_dir(r, p).exists() and not run.truth_path(r, p).exists()
+        assert list(record["num_examples"]) == [str(HONEST)] and list(record["upload_bytes"]) == [str(HONEST)]
+        honest_update = run.load_upload(r, HONEST, "update")
+        checkpoint = run.load_checkpoint(r)
+        assert all(torch.equal(checkpoint[k], torch.from_numpy(v)) for k, v in honest_update.items())
+    assert {m.category for m in sent.values()} == {m.category for m in MUTATIONS}
+
+
+# --- issue 9, "A client can break the server": each defect as the attack --------------------------------------
+
+def run_attack(tmp_path, tamper, **config) -> RunDirectory:
+    cfg = TrainConfig(**{"model": MICRO_PRESET, "clients": 2, "rounds": 1, "train_samples": 60, "test_samples": 10,
+                         "batch_size": 16, **config}).resolved()
+    run = RunDirectory.create(tmp_path / "run", cfg)
+    run_server(FakeGrid(cfg.clients, tamper=tamper), run.path)
+    return run
+
+
+def on_train(attacks: dict[int, Callable[[Content], RecordDict]], rounds=(1,)):
+    """A tamper: in the given rounds, partition k's reply becomes attacks[k](its honest content)."""
+    seen = {}
+
+    def tamper(node, reply):
+        partition = node - 100
+        if reply.metadata.message_type != "train":
+            return reply
+        seen[partition] = seen.get(partition, 0) + 1
+        if partition in attacks and seen[partition] in rounds:
+            return Message(content=attacks[partition](plain(reply.content)), metadata=reply.metadata)
+        return reply
+    return tamper
+
+
+def test_malformed_metrics_and_an_all_nan_round_do_not_stop_the_run(tmp_path, capsys):
+    """Round 1: every reply is bad (loss="abc", epoch-seconds=5, partition-id="x", and the all-NaN upload that
+    --lr nan produces). The round completes with the model unchanged and client_loss null; round 2 is normal."""
+    def all_nan(c):
+        return encode({**c, "update": {k: np.full_like(v, np.nan) for k, v in c["update"].items()},
+                       "features": {**c["features"], "features": np.full_like(c["features"]["features"], np.nan)},
+                       "metrics": {**c["metrics"], "loss": float("nan")}})
+
+    attacks = {0: lambda c: set_metric("loss", "abc")(c, None), 1: lambda c: set_metric("epoch-seconds", 5)(c, None),
+               2: lambda c: set_metric("partition-id", "x")(c, None), 3: all_nan}
+    run = run_attack(tmp_path, on_train(attacks), clients=4, rounds=2)
+    first, second = run.metrics()
+    assert first["dropped"] == {
+        "0": "metrics 'loss' must be a number, got str 'abc'",
+        "1": "metrics 'epoch-seconds' must list 1 number(s), one per local epoch, got int 5",
+        "2": "metrics 'partition-id' must be an integer, got str 'x'",
+        "3": "metrics 'loss' must be finite, got nan"}
+    assert (first["client_loss"], first["server_loss"], first["num_examples"]) == (None, None, {})
+    before, after = run.load_checkpoint(0), run.load_checkpoint(1)
+    assert all(torch.equal(before[k], after[k]) for k in before)
+    assert second["dropped"] == {} and second["client_loss"] > 0
+    assert sorted(second["num_examples"]) == ["0", "1", "2", "3"]
+    printed = capsys.readouterr().err
+    assert f"round 1/2: test accuracy {first['test_accuracy']:.3f}  dropped 4" in printed
+    assert f"round 2/2: test accuracy {second['test_accuracy']:.3f}  client loss {second['client_loss']:.3f}" in printed
+
+
+def test_a_client_claiming_2_62_examples_does_not_set_the_model(tmp_path):
+    """The attacker's head.bias would come out exactly if its weight were 2**62; the claim is refused and the
+    model is the honest client's. A claim within the training set is weighted as claimed."""
+    target = np.arange(10, dtype=np.float32)
+
+    def overclaim(c):
+        return encode({**c, "update": {**c["update"], "head.bias": target},
+                       "metrics": {**c["metrics"], "num-examples": 2 ** 62}})
+
+    run = run_attack(tmp_path, on_train({0: overclaim}))
+    record = run.metrics()[0]
+    assert record["dropped"] == {
+        "0": "metrics 'num-examples' 4611686018427387904 outside 1..60 (the run's training set)"}
+    head_bias = run.load_checkpoint(1)["head.bias"].numpy()
+    assert np.array_equal(head_bias, run.load_upload(1, 1, "update")["head.bias"])
+    assert not np.allclose(head_bias, target, atol=1.0)
+
+
+def test_finite_but_absurd_values_are_refused(tmp_path):
+    def huge_update(c):
+        return with_part(c, "update", {**c["update"], "head.weight": np.full_like(c["update"]["head.weight"], 1e30)})
+
+    def huge_features(c):
+        return with_part(c, "features", {**c["features"], "features": c["features"]["features"] * np.float32(1e30)})
+
+    run = run_attack(tmp_path, on_train({0: huge_update, 1: huge_features}), clients=3)
+    dropped = run.metrics()[0]["dropped"]
+    assert dropped == {"0": "update 'head.weight' has values beyond +-10000 (MAX_PARAMETER_VALUE)",
+                       "1": "features has values beyond +-1e+06 (MAX_FEATURE_VALUE)"}
+    checkpoint = run.load_checkpoint(1)
+    assert all(torch.equal(checkpoint[k], torch.from_numpy(v)) for k, v in run.load_upload(1, 2, "update").items())
+
+
+class Undecodable(Array):
+    """An array the server must never decode."""
+
+    def numpy(self):
+        raise AssertionError("the server decoded an oversized upload")
+
+
+def test_a_12_gib_feature_upload_is_refused_without_decoding(tmp_path):
+    sets = 12 * 2 ** 30 // (17 * MICRO_WIDTH * 4)
+
+    def oversized(c):
+        record = encode(c)
+        real = record["features"]["features"]
+        record["features"]["features"] = Undecodable(dtype="float32", shape=(sets, 17, MICRO_WIDTH), stype=real.stype,
+                                                     data=real.data)
+        return record
+
+    run = run_attack(tmp_path, on_train({0: oversized}))
+    claimed = len(client_partition("photos", "", MICRO_PRESET, 60, 0, 2, run.config().beta)[0])
+    assert run.metrics()[0]["dropped"] == {
+        "0": f"features 'features' declares shape ({sets}, 17, {MICRO_WIDTH}): expected 1..{2 * claimed} rows"}
+
+
+def test_truth_with_extra_keys_or_foreign_sample_ids_is_refused(tmp_path):
+    def extra_key(c):
+        return with_part(c, "truth", {**c["truth"], "images": np.zeros((2, 32, 32, 3), np.int64)})
+
+    def foreign_ids(c):
+        ids = c["truth"]["sample_ids"].copy()
+        ids[0] = 10 ** 9
+        return with_part(c, "truth", {**c["truth"], "sample_ids": ids})
+
+    run = run_attack(tmp_path, on_train({0: extra_key, 1: foreign_ids}), clients=3)
+    assert run.metrics()[0]["dropped"] == {"0": "truth has wrong entries (missing [], unexpected ['images'])",
+                                           "1": "truth 'sample_ids' name images outside this run's training set"}
+    assert sorted(p.name for p in run.truth_path(1, 2).parent.iterdir()) == [run.truth_path(1, 2).name]

@@ -1,7 +1,7 @@
 """parse_reply: what the server accepts from a client, and the reason it gives for everything else.
 
 Each case is a reply a broken or hostile client could send; the full-server versions (over the in-process
-grid) are in test_hostile_replies.py."""
+grid) are in test_server.py."""
 
 import io
 
@@ -354,3 +354,98 @@ def test_one_kept_patch_id_out_of_range_in_one_set_is_refused(spec, bad_id):
              "class_counts": np.array([40] + [0] * 9, np.int64)}
     with pytest.raises(UploadError, match=r"kept_ids' must be distinct patch ids in \[0, 64\)"):
         validate_truth(to_record(truth), spec, 40, 2)
+
+
+def dp_spec(spec, canaries=0):
+    """The spec of a --dp-eps run (num-examples and feature rows fixed per partition by the public schedule)."""
+    from dataclasses import replace
+    return replace(spec, dp_sizes={2: (40, 8)}, canaries=canaries)
+
+
+def test_dp_truth_without_features_names_each_held_image_once_and_counts_at_most_the_schedule(spec):
+    """Under --dp-eps num-examples is the public schedule (40): a fedavg-style truth names the images the client
+    really holds (here 30, so its sample_ids are 30 long) and its class counts sum to at most 40, never more."""
+    dp = dp_spec(spec)
+    held = spec.train_ids[:30].astype(np.int64)
+    counts = np.array([3] * 10, np.int64)
+    truth = validate_truth(to_record({"sample_ids": held, "class_counts": counts}), dp, 40, None)
+    assert np.array_equal(truth["sample_ids"], held)
+    for sample_ids, class_counts, reason in [
+            (spec.train_ids[:41].astype(np.int64), counts, r"'sample_ids' .*1\.\.40|sample_ids"),
+            (np.zeros(0, np.int64), counts, "sample_ids"),
+            (held, np.array([5] * 10, np.int64), r"sum to at most num-examples \(40\)"),
+            (held, np.zeros(10, np.int64), r"sum to at most num-examples \(40\)")]:
+        with pytest.raises(UploadError, match=reason):
+            validate_truth(to_record({"sample_ids": sample_ids, "class_counts": class_counts}), dp, 40, None)
+    # without DP the same 30 ids under n = 40 are refused: the count is exact there
+    with pytest.raises(UploadError, match="sample_ids"):
+        validate_truth(to_record({"sample_ids": held, "class_counts": counts}), spec, 40, None)
+
+
+def test_dp_truth_of_a_padded_release_marks_null_rows_minus_one_and_only_then(spec):
+    """A DP feature release is null-padded to its fixed row count: a null row's sample id is -1; any other id
+    must still be one of the run's training images, and -1 means nothing without DP."""
+    ids = np.concatenate([spec.train_ids[:5], [-1, -1, -1]]).astype(np.int64)
+    truth = {"sample_ids": ids, "kept_ids": np.tile(np.arange(16), (8, 1)).astype(np.int64),
+             "class_counts": np.array([4] * 10, np.int64)}
+    assert np.array_equal(validate_truth(to_record(truth), dp_spec(spec), 40, 8)["sample_ids"], ids)
+    with pytest.raises(UploadError, match="outside this run's training set"):
+        validate_truth(to_record({**truth, "sample_ids": np.where(ids == -1, -2, ids)}), dp_spec(spec), 40, 8)
+    with pytest.raises(UploadError, match="outside this run's training set"):
+        validate_truth(to_record(truth), spec, 40, 8)
+
+
+def test_canary_truth_names_distinct_owned_canaries_and_their_inclusion_bits(spec):
+    """With canaries the truth carries the client's canary ids (distinct, in [0, canaries)) and one 0/1 inclusion
+    bit each; as many as the record declares, up to the run's count."""
+    with_canaries = dp_spec(spec, canaries=6)
+    base = {"sample_ids": spec.train_ids[:30].astype(np.int64), "class_counts": np.array([3] * 10, np.int64)}
+    owned = {"canary_ids": np.array([0, 4, 5], np.int64), "canary_included": np.array([1, 0, 1], np.int64)}
+    truth = validate_truth(to_record({**base, **owned}), with_canaries, 40, None)
+    assert np.array_equal(truth["canary_ids"], owned["canary_ids"])
+    assert np.array_equal(truth["canary_included"], owned["canary_included"])
+    none_owned = validate_truth(to_record({**base, "canary_ids": np.zeros(0, np.int64),
+                                           "canary_included": np.zeros(0, np.int64)}), with_canaries, 40, None)
+    assert none_owned["canary_ids"].size == 0
+    for canary_ids, included, reason in [
+            ([0, 4, 6], [1, 0, 1], r"distinct ids in \[0, 6\)"),
+            ([0, -1, 5], [1, 0, 1], r"distinct ids in \[0, 6\)"),
+            ([0, 4, 4], [1, 0, 1], r"distinct ids in \[0, 6\)"),
+            ([0, 4, 5], [1, 2, 1], "bits 0 or 1"),
+            ([0, 4, 5], [1, 0], "canary_included"),
+            (list(range(7)), [0] * 7, "canary_ids")]:
+        with pytest.raises(UploadError, match=reason):
+            validate_truth(to_record({**base, "canary_ids": np.array(canary_ids, np.int64),
+                                      "canary_included": np.array(included, np.int64)}), with_canaries, 40, None)
+    with pytest.raises(UploadError, match="canary_ids"):  # a canary run's truth must say which canaries it holds
+        validate_truth(to_record(base), with_canaries, 40, None)
+
+
+def test_a_dp_reply_reports_its_public_schedule_and_releases_exactly_its_rows(good, spec):
+    """Under --dp-eps partition 2's schedule fixes num-examples 40 and 8 released rows: its reply must say 40 (not
+    the count of images it holds, nor the row count) and carry exactly 8 feature rows, no fewer."""
+    _, features, _, metrics = good
+    dp = dp_spec(spec)
+    assert validate_metrics(ConfigRecord(metrics), 2, dp).num_examples == 40
+    for claimed in (39, 8):
+        with pytest.raises(UploadError, match=f"'num-examples' {claimed} is not the 40 of this client's public "
+                                              "schedule"):
+            validate_metrics(ConfigRecord({**metrics, "num-examples": claimed}), 2, dp)
+    rows = {"features": np.zeros((8, 17, 192), np.float32), "labels": np.zeros(8, np.int64)}
+    assert len(validate_features(to_record(rows), dp, 40, rows=8)["labels"]) == 8
+    with pytest.raises(UploadError, match=r"'features' .*8"):
+        validate_features(to_record(features), dp, 40, rows=8)  # 5 rows: a size that would leak the data
+
+
+def test_loss_gap_replies_carry_a_finite_global_loss_and_it_is_kept(good, spec):
+    """--client-selection loss-gap: each reply must carry 'global-loss' (finite), and the parsed metrics keep it
+    and the CPU seconds per epoch."""
+    from dataclasses import replace
+    _, _, _, metrics = good
+    gap = replace(spec, reports_global_loss=True)
+    parsed = validate_metrics(ConfigRecord({**metrics, "global-loss": 1.25}), 2, gap)
+    assert parsed.global_loss == 1.25 and parsed.epoch_cpu_seconds == [0.9]
+    with pytest.raises(UploadError, match="global-loss"):
+        validate_metrics(ConfigRecord(metrics), 2, gap)
+    with pytest.raises(UploadError, match="global-loss"):
+        validate_metrics(ConfigRecord({**metrics, "global-loss": float("nan")}), 2, gap)

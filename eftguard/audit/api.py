@@ -15,7 +15,7 @@ from __future__ import annotations
 import math
 import time
 from contextlib import contextmanager
-from dataclasses import replace
+from dataclasses import dataclass, replace
 from pathlib import Path
 
 from rich.console import Console
@@ -26,13 +26,55 @@ from eftguard.attack_report import AttackReport
 from eftguard.attacks.base import AttackError, Progress, ThreatModel
 from eftguard.audit.families import FAMILIES, Family, Job, family_named
 from eftguard.methods import method_spec
-from eftguard.options import SEED_LIMIT, options_of, whole_number
+from eftguard.options import SEED_LIMIT, option, options_of, whole_number
 from eftguard.paths import input_file_problem, unwritable_reason
 from eftguard.report import write_attack_report
 from eftguard.rundir import RunDirectory, RunError, client_name, round_name
 
 SEED = whole_number(0, SEED_LIMIT)
 ROUND = whole_number(1)
+
+
+def partition_ids(text: str) -> str:
+    """'all' or comma-separated partition ids, as given (round_clients reads it)."""
+    parts = text.split(",")
+    if text != "all" and not all(part.strip().isascii() and part.strip().isdigit() for part in parts):
+        raise ValueError(f"must be 'all' or comma-separated partition ids, got '{text}'")
+    return text
+
+
+@dataclass(frozen=True)
+class AttackRunOptions:
+    """What every attack takes beside its family's and its method's options, declared once (eftguard.options):
+    run_attack's keyword arguments, the attack commands' flags and an audit file's [[attack]] keys are checked
+    from here."""
+
+    round_number: int | None = option(None, "round whose uploads are attacked (default: the last completed round)",
+                                      ROUND, flag="--round")
+    clients: str = option("all", "'all' or comma-separated partition ids", partition_ids)
+    seed: int = option(0, "seed of the attack's own randomness", SEED)  # of the families whose attacks draw
+    lpips_backend: str = option("auto", "LPIPS implementation: lpips-alex (standard, needs torchvision's AlexNet "
+                                        "weights in the torch hub cache or the network), stlpips-alex "
+                                        "(shift-tolerant, weights shipped, offline); auto takes lpips-alex when it "
+                                        "can. Reports name it", choices=metrics.LPIPS_BACKENDS, noun="backend")
+    power_check: bool = option(True, "the power check: the same attack and budget on public images through the "
+                                     "same channel with the defense off (docs/reports.md); without it a low verdict "
+                                     "reads 'unchecked'")
+
+
+COMMON_OPTIONS = {o.name: o for o in options_of(AttackRunOptions)}
+
+
+def common_options(given: dict, error: type[Exception] = AttackError, as_written: bool = False) -> dict:
+    """The common options given (by name), each checked against its declaration; clients may be a list of ids.
+    as_written: errors name the option by its file key (round, not round_number)."""
+    checked = {}
+    for name, value in given.items():
+        if name == "clients" and isinstance(value, (list, tuple)):
+            value = ",".join(map(str, value))
+        option_ = COMMON_OPTIONS[name]
+        checked[name] = option_.value(value, error, option_.key if as_written else None)
+    return checked
 
 
 def attack_names(family: str | None = None) -> list[str]:
@@ -51,12 +93,11 @@ def run_attack(run: str | Path | RunDirectory, family: str, method: str | None =
     positive control (Family.control) and store its figures beside the attack's; without it a "low" verdict
     reads "unchecked"."""
     chosen = family_named(family)
-    if not isinstance(power_check, bool):
-        raise AttackError(f"power_check must be true or false, got {power_check!r}")
+    common = common_options({"power_check": power_check, "seed": seed, "round_number": round_number,
+                             "clients": clients, "lpips_backend": lpips_backend})
+    seed, round_number, clients = common["seed"], common["round_number"], common["clients"]
     cls = chosen.registry.get(chosen.registry.default if method is None else method)
     family_options, method_options = resolve_options(chosen, cls, options)
-    seed = checked("seed", SEED, seed)
-    round_number = None if round_number is None else checked("round_number", ROUND, round_number)
     run_dir, round_number, picked = open_round(run, key, round_number, clients, chosen)
     check_tampered(run_dir, round_number, cls)
     folder = out_root(run_dir, out) if out is not None else None
@@ -103,14 +144,6 @@ def resolve_options(family: Family, cls: type, given: dict) -> tuple[dict, dict]
             {name: o.value(given[name], AttackError) if name in given else o.default for name, o in methods.items()})
 
 
-def checked(name: str, parse, value):
-    """A keyword argument of run_attack checked as its CLI flag is: AttackError("seed must be ...")."""
-    try:
-        return parse(str(value))
-    except ValueError as exc:
-        raise AttackError(f"{name} {exc}") from None
-
-
 # --- the checks before any work -----------------------------------------------------------------------------
 
 def open_run(path: str | Path | RunDirectory, key: Path | None) -> RunDirectory:
@@ -139,18 +172,14 @@ def resolve_round(run: RunDirectory, round_number: int | None) -> int:
     return round_number
 
 
-def round_clients(run: RunDirectory, round_number: int, choice: str | list[int] = "all") -> list[int]:
-    """Partitions with uploads in the round: all, or a list of partition ids (comma-separated text or ints)."""
+def round_clients(run: RunDirectory, round_number: int, choice: str = "all") -> list[int]:
+    """Partitions with uploads in the round: all, or the comma-separated partition ids of choice (partition_ids)."""
     present = run.uploaded_partitions(round_number)
     if not present:
         raise RunError(f"{run.upload_dir(round_number, 0).parent} holds no uploads")
     if choice == "all":
         return present
-    try:
-        ids = choice.split(",") if isinstance(choice, str) else [str(c) for c in choice]
-        wanted = sorted({int(c) for c in ids})
-    except (ValueError, TypeError):
-        raise RunError(f"--clients must be 'all' or comma-separated partition ids, got '{choice}'") from None
+    wanted = sorted({int(c) for c in choice.split(",")})
     missing = [c for c in wanted if c not in present]
     if missing or not wanted:
         raise RunError(f"no uploads of client(s) {missing} in round {round_number}; clients with uploads: {present}")
@@ -243,7 +272,7 @@ def check_tampered(run: RunDirectory, round_number: int, cls: type) -> None:
 
 
 def open_round(path: str | Path | RunDirectory, key: Path | None, round_number: int | None,
-               choice: str | list[int], family: Family) -> tuple[RunDirectory, int, list[int]]:
+               choice: str, family: Family) -> tuple[RunDirectory, int, list[int]]:
     """The checks of the run an attack needs before it starts: the run, its round, the chosen clients with
     uploads, intact files, weights that load."""
     run = open_run(path, key)

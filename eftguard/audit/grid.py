@@ -33,12 +33,11 @@ import eftguard.defenses
 from eftguard import audit as api, runs
 from eftguard.attacks.base import AttackError
 from eftguard.audit import gate as gates_module
-from eftguard.audit.api import ROUND, SEED, checked, resolve_options, stage_progress
+from eftguard.audit.api import COMMON_OPTIONS, common_options, resolve_options, stage_progress
 from eftguard.audit.families import FAMILIES
 from eftguard.config import TrainConfig, read_toml
 from eftguard.data import DataError
 from eftguard.errors import ConfigError
-from eftguard.metrics import LPIPS_BACKENDS
 from eftguard.model import ModelError
 from eftguard.paths import atomic_write, read_text_file
 from eftguard.report import write_audit_report
@@ -48,8 +47,9 @@ SCHEMA_VERSION = 1
 AUDIT_KEYS = ("title", "train", "grid", "attack")
 # run_attack arguments the audit sets itself, not an [[attack]] table
 RESERVED_ATTACK_KEYS = ("run", "key", "out", "progress")
-# run_attack arguments every family takes; any other key of an [[attack]] table is a family or method option
-COMMON_ATTACK_KEYS = ("round_number", "clients", "seed", "lpips_backend", "power_check")
+# an [[attack]] table's keys for the options every family takes (round_number's is round); any other key is a
+# family or method option
+COMMON_KEYS = {option.key: name for name, option in COMMON_OPTIONS.items()}
 SAFE_NAME = re.compile(r"(?!\.+$)[A-Za-z0-9._=,+-]{1,100}")  # a folder name, and never . or .. (this or the parent)
 GRID_LIMIT = 10_000  # configurations of one audit: each is a training of minutes (--shard spreads one over machines)
 
@@ -195,8 +195,7 @@ def attack_entries(tables, source: str) -> list[AttackEntry]:
         if name in entries:
             raise ConfigError(f"{where}: a second attack named '{name}': give each a distinct name = \"...\"")
         options = {key.replace("-", "_"): value for key, value in table.items() if key not in ("family", "method", "name")}
-        if "round" in options:
-            options["round_number"] = options.pop("round")
+        options = {COMMON_KEYS.get(key, key): value for key, value in options.items()}  # round -> round_number
         reserved = [key for key in options if key in RESERVED_ATTACK_KEYS]
         if reserved:
             raise ConfigError(f"{where}: '{reserved[0]}' is set by eftguard audit (the run it trains, --out, --key): "
@@ -212,16 +211,10 @@ def check_attack_options(family: str, method: str, options: dict, where: str) ->
     try:
         chosen = FAMILIES[family]
         resolve_options(chosen, chosen.registry.get(method),
-                        {k: v for k, v in options.items() if k not in COMMON_ATTACK_KEYS})
-        checked("seed", SEED, options.get("seed", 0))
-        checked("round", ROUND, options.get("round_number", 1))
+                        {k: v for k, v in options.items() if k not in COMMON_OPTIONS})
+        common_options({k: v for k, v in options.items() if k in COMMON_OPTIONS}, as_written=True)
     except AttackError as exc:
         raise ConfigError(f"{where}: {exc}") from None
-    if options.get("lpips_backend", "auto") not in LPIPS_BACKENDS:
-        raise ConfigError(f"{where}: lpips_backend must be one of {', '.join(LPIPS_BACKENDS)}, "
-                          f"got {options['lpips_backend']!r}")
-    if not isinstance(options.get("power_check", True), bool):
-        raise ConfigError(f"{where}: power_check must be true or false, got {options['power_check']!r}")
 
 
 # --- code version and reuse -------------------------------------------------------------------------------

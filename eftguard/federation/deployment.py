@@ -58,6 +58,17 @@ class CertsOptions:
 
 
 @dataclass(frozen=True)
+class TrainDeploymentOptions:
+    """eftguard train --federation deployment's flags (not stored in config.toml)."""
+
+    superlink: str | None = option(None, "address of the running SuperLink", metavar="HOST:PORT",
+                                   check=lambda address: check_address(address))  # defined below
+    root_certificates: Path | None = option(None, "CA certificate that signed the SuperLink's TLS certificate (TLS "
+                                                  "is the default)", metavar="CA.crt")
+    insecure: bool = option(False, "plaintext gRPC/HTTP instead of TLS (trusted networks only)")
+
+
+@dataclass(frozen=True)
 class SuperLinkOptions:
     """eftguard superlink."""
 

@@ -1,6 +1,7 @@
-"""End-to-end differential privacy (issue 11): with --dp-eps, everything a client uploads is a DP release —
-its parameters (DP-SGD) and its patch features, labels and row counts (eftguard.defenses.feature_dp) — composed per
-client in one accountant, enforced by the client's own ledger, and recorded per channel in metrics.jsonl."""
+"""The feature channel's DP release (eftguard.defenses.feature_dp; end-to-end DP, issue 11): with --dp-eps,
+everything a client uploads is a DP release — its parameters (DP-SGD) and its patch features, labels and row counts
+— composed per client in one accountant, enforced by the client's own ledger, and recorded per channel in
+metrics.jsonl. The decoder attack under the release is in test_inversion.py, --server-epochs 0 in test_server.py."""
 
 import dataclasses
 import math
@@ -186,50 +187,6 @@ def test_dp_run_records_epsilon_per_channel_and_uploads_one_row_per_image(tmp_pa
         assert metrics["epsilon_server"][k] == pytest.approx(metrics["epsilon"][k], rel=1e-9)
         assert metrics["feature_noise_multiplier"][k] > 0 and metrics["noise_multiplier"][k] > 0
     assert math.isfinite(metrics["test_accuracy"])
-
-
-def test_decoder_inversion_of_kept_patches_falls_to_the_mean_image_under_the_feature_channel():
-    """The calibration pair of tests/test_inversion.py (whose undefended half puts the kept patches 6+ dB above
-    the mean image with this decoder) under the DP feature release: from rows released with the feature noise
-    --dp-eps 8 calibrates (3 rounds, a client of 250 images, delta 1e-5, batch 64) the same decoder learns nothing
-    but an average image, even knowing the mechanism (it trains on auxiliary features with the same clipping scale
-    and per-coordinate noise)."""
-    from eftguard.attacks.base import ThreatModel
-    from eftguard.attacks.inversion import DecoderInversion, RoundFeatures
-    from eftguard.defenses.feature_dp import DEFAULT_CLIP
-    from eftguard.data.registry import load_dataset
-    from test_inversion import kept_patch_psnr, mean_image_kept_psnr, observe
-
-    photos = load_dataset("photos", None, 32)
-    model = build_model("vit-tiny-32", photos.num_classes, local_layers=2, seed=0)
-    targets = photos.train.images[::50][:32]
-    client, keep = observe(model, targets, mask_ratio=0.75, positions_known=True)
-    sigma = calibrate(8.0, 1e-5, "rdp", 64 / 250, 12, 3, 0.5)[1]
-    client.features, _ = release_rows(client.features, client.labels, 10, DEFAULT_CLIP, sigma,
-                                      torch.Generator().manual_seed(1))
-    per_coordinate = sigma * sensitivity(DEFAULT_CLIP) / DEFAULT_CLIP
-    observation = RoundFeatures(1, [client], model, 0.75, photos.public.images, DEFAULT_CLIP, per_coordinate,
-                                clip_per_image=True)
-    attack = DecoderInversion(ThreatModel(positions_known=True), steps=100, lr=1e-2, width=64, depth=1,
-                              batch_size=16)
-    truth = targets.astype(np.float32) / 255
-    attacked = kept_patch_psnr(attack.reconstruct(observation)[0].images, truth, keep).mean()
-    baseline = mean_image_kept_psnr(photos, truth, keep).mean()
-    assert abs(attacked - baseline) < 1.5, (attacked, baseline)
-
-
-def test_server_epochs_zero_leaves_theta_as_initialised(tmp_path):
-    """The baseline of the privacy-utility table: with --server-epochs 0 the global module never learns from the
-    uploaded features (the clients' averaged local modules and heads still change)."""
-    from eftguard.rundir import RunDirectory
-
-    run = RunDirectory.open(train_in_process(tmp_path / "run", model=MICRO_PRESET, server_epochs=0, train_samples=64))
-    start, after = run.load_checkpoint(0), run.load_checkpoint(1)
-    changed = {k for k in start if not torch.equal(start[k], after[k])}
-    assert changed and not any(k.startswith("global_module.") for k in changed)
-    assert any(k.startswith("local_module.") for k in changed)
-    (metrics,) = run.metrics()
-    assert metrics["server_loss"] is None
 
 
 @pytest.mark.parametrize("changes, message", [

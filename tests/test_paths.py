@@ -1,8 +1,8 @@
-"""Paths that are folders where a file belongs, or files where a folder belongs, for the commands outside the
-attacks (tests/test_bad_input.py has those): one `eftguard: error:` line that names the problem, exit 2, before
-any work, and nothing that was there removed. Each case was a traceback, or a crash after all the work (bench)."""
+"""Paths (eftguard/paths.py): the checks of an output or input path, and how the commands outside the attacks
+(tests/test_attack_cli.py has those) refuse folders where a file belongs, or files where a folder belongs: one
+`eftguard: error:` line that names the problem, exit 2, before any work, and nothing that was there removed. Each
+case was a traceback, or a crash after all the work (bench)."""
 
-import json
 import os
 import subprocess
 import sys
@@ -10,10 +10,7 @@ from pathlib import Path
 
 import pytest
 
-from conftest import run_cli
-from eftguard.cli import main
-from eftguard.data.cifar import load_cifar
-from eftguard.data import DataError
+from conftest import LINUX_PROC, run_cli
 from eftguard.paths import file_in_the_way, output_file_problem, read_text_file
 
 
@@ -67,7 +64,6 @@ def test_the_write_check_leaves_nothing_behind(places):
     assert sorted(p.name for p in (places / "adir").iterdir()) == ["kept"]
 
 
-LINUX_PROC = pytest.mark.skipif(not os.path.isdir("/proc/self"), reason="needs Linux's /proc")
 
 
 @LINUX_PROC
@@ -95,15 +91,6 @@ def test_an_out_folder_where_nothing_can_be_created_is_one_line_before_any_work(
     assert message in err
 
 
-@LINUX_PROC
-def test_a_reports_folder_where_nothing_can_be_written_is_refused_before_the_attack():
-    from eftguard.audit.api import out_root
-    from eftguard.rundir import RunError
-
-    with pytest.raises(RunError, match=r"cannot write reports to /proc/reports \(/proc is not writable: "):
-        out_root(None, Path("/proc/reports"))
-
-
 @pytest.mark.parametrize("argv, message", [
     (["node-key", "--out", "{tmp}/adir"], "{tmp}/adir is a folder: give --out a file path for the node's key"),
     (["node-key", "--out", "{tmp}/adir", "--force"], "{tmp}/adir is a folder: give --out a file path"),
@@ -127,37 +114,6 @@ def test_a_path_of_the_wrong_kind_is_one_line_before_any_work(capsys, places, ar
     assert message.format(tmp=places) in err
     assert sorted(p.name for p in places.iterdir()) == ["adir", "afile"]  # no run, key or bench started
     assert (places / "adir" / "kept").read_text() == "still here\n"  # --force did not touch the folder
-
-
-def test_load_cifar_names_a_data_dir_that_is_a_file(places):
-    with pytest.raises(DataError, match="afile is a file: give the folder that holds"):
-        load_cifar("cifar10", places / "afile")
-
-
-def test_the_bench_replaces_its_json_whole_or_not_at_all(capsys, places, monkeypatch):
-    """The JSON is written at the end of a long bench: a disk that fills half-way through the write leaves the
-    earlier file intact and no temporary file behind."""
-    import errno
-    import pathlib
-
-    import eftguard.bench
-
-    out = places / "adir" / "bench.json"
-    out.write_text('{"earlier": true}\n')
-    monkeypatch.setattr(eftguard.bench, "run_bench", lambda cfg, progress=None: {"config": {"steps": 10}})
-    monkeypatch.setattr(eftguard.bench, "print_tables", lambda result: None)
-    write_text = pathlib.Path.write_text
-
-    def full_disk(path, text, *args, **kwargs):
-        write_text(path, text[:len(text) // 2], *args, **kwargs)
-        raise OSError(errno.ENOSPC, "No space left on device")
-
-    monkeypatch.setattr(pathlib.Path, "write_text", full_disk)
-    with pytest.raises(OSError, match="No space left"):
-        main(["bench", "--out", str(out)])
-    monkeypatch.undo()
-    assert json.loads(out.read_text()) == {"earlier": True}
-    assert sorted(p.name for p in out.parent.iterdir()) == ["bench.json", "kept"]
 
 
 def test_flower_stays_quiet_when_it_is_first_imported_after_the_setting():

@@ -1,5 +1,6 @@
-"""Every attack command and `eftguard report`, given bad input, answer with one `eftguard: error:` line that names
-the problem and the fix, exit 2, before doing any work, and leave no new file behind.
+"""The attack commands and `eftguard report` (eftguard/attack_cli.py). Given bad input, every one answers with one
+`eftguard: error:` line that names the problem and the fix, exits 2, before doing any work, and leaves no new file
+behind; then `eftguard attack invert` and `eftguard report` end to end on a run written by the real server code.
 
 Written as the user's accident or a tampered run: NaN, infinities and out-of-range values in every numeric option,
 files where folders belong, bad keys, truncated files, a hand-edited config.toml, malformed and hostile reports.
@@ -12,8 +13,11 @@ from html.parser import HTMLParser
 from pathlib import Path
 
 import pytest
-from markdown_it import MarkdownIt
 
+from conftest import MICRO_PRESET, run_cli, train_in_process
+from eftguard.attacks.base import ThreatModel
+from eftguard.attacks.inversion import DecoderInversion
+from eftguard.audit.observe import observe_features
 from eftguard.cli import main
 from eftguard.rundir import RunDirectory
 
@@ -38,7 +42,7 @@ BAD_OPTIONS = [
     (INVERT + ["--seed", "nan"], "argument --seed: must be a whole number in 0..4294967295"),
     (INVERT + ["--seed", "-1"], "argument --seed: must be a whole number in 0..4294967295"),
     (INVERT + ["--seed", str(2 ** 64)], "argument --seed: must be a whole number in 0..4294967295"),
-    (INVERT + ["--clients", "0,x"], "--clients must be 'all' or comma-separated partition ids"),
+    (INVERT + ["--clients", "0,x"], "argument --clients: must be 'all' or comma-separated partition ids"),
     (INVERT + ["--clients", "5"], "no uploads of client(s) [5]"),
     (INVERT + ["--aux", "mnist"], "unknown dataset"),
     (INVERT + ["--aux", "imagefolder:{tmp}/nothing"], "is not a folder"),
@@ -64,7 +68,7 @@ BAD_OPTIONS = [
     (LABELS + ["--link-threshold", "1.5"], "argument --link-threshold: must be a finite number in (0, 1]"),
     (LABELS + ["--method", "magic"], "argument --method: invalid choice: 'magic'"),
     (LABELS + ["--round", "inf"], "argument --round: must be a whole number >= 1"),
-    (LABELS + ["--clients", ","], "--clients must be 'all' or comma-separated partition ids"),
+    (LABELS + ["--clients", ","], "argument --clients: must be 'all' or comma-separated partition ids"),
     (LABELS + ["--out", "{file}"], "exists and is not a folder: pass --out with a folder"),
     (LABELS + ["--key", "{tmp}/missing.key"], "key file {tmp}/missing.key does not exist"),
     (["attack", "labels", ""], "argument RUN: must be a path, got an empty string"),
@@ -77,9 +81,10 @@ BAD_OPTIONS = [
     (GRADIENT + ["--method", "ig", "--steps", "inf"], "argument --steps: must be a whole number >= 1"),
     (GRADIENT + ["--method", "ig", "--steps", "0"], "argument --steps: must be a whole number >= 1"),
     (GRADIENT + ["--restarts", "nan"], "argument --restarts: must be a whole number >= 1"),
-    (GRADIENT + ["--client", "nan"], "--clients must be 'all' or comma-separated partition ids, got 'nan'"),
+    (GRADIENT + ["--clients", "nan"], "argument --clients: must be 'all' or comma-separated partition ids, got 'nan'"),
+    (GRADIENT + ["--client", "0"], "--client is now --clients: give --clients 0"),
     (GRADIENT + ["--clients", "0,1"], "give one partition id to --clients"),
-    (GRADIENT + ["--client", "7"], "no uploads of client(s) [7]"),
+    (GRADIENT + ["--clients", "7"], "no uploads of client(s) [7]"),
     (GRADIENT + ["--seed", "inf"], "argument --seed: must be a whole number in 0..4294967295"),
     (GRADIENT + ["--round=-inf"], "argument --round: must be a whole number >= 1, got '-inf'"),
     (GRADIENT + ["--lpips-backend", "alex"], "argument --lpips-backend: invalid choice: 'alex'"),
@@ -154,7 +159,7 @@ DAMAGED_RUNS = [
     (GRADIENT, truncate(CHECKPOINT), f"{CHECKPOINT} is damaged"),
     (INVERT, truncate(FEATURES), f"{FEATURES} is damaged"),
     (LABELS, truncate(FEATURES), f"{FEATURES} is damaged"),
-    (GRADIENT + ["--client", "1"], truncate(UPDATE), f"{UPDATE} is damaged"),
+    (GRADIENT + ["--clients", "1"], truncate(UPDATE), f"{UPDATE} is damaged"),
     (INVERT, truncate(TRUTH), f"{TRUTH} is damaged"),
     (LABELS, lambda run: (run / CHECKPOINT).unlink(), f"{CHECKPOINT} is missing: it holds the weights round 1"),
     (GRADIENT + ["--clients", "1"], lambda run: (run / UPDATE).unlink(), f"{UPDATE} is missing (manifest.json lists it"),
@@ -251,75 +256,97 @@ def test_stray_folders_are_not_uploads_or_checkpoints(capsys, feature_run, tmp_p
     assert report["clients"] == [0, 1]
 
 
-# --- a hostile report folder ------------------------------------------------------------------------------
+# --- eftguard attack invert and eftguard report end to end, on a run written by the real server code ----------
 
-PAYLOADS = ['<img src=x onerror=alert(1)>', '"><script>alert(2)</script>', "<svg onload=alert(3)>"]
-PAGE_TAGS = {"html", "head", "meta", "title", "style", "body", "h1", "h2", "h3", "p", "pre", "code", "table", "thead",
-             "tbody", "tr", "th", "td", "ul", "li", "img", "details", "summary"}
+FAST = ["--steps", "3", "--max-images", "6", "--lpips-backend", "stlpips-alex"]
 
 
-class Tags(HTMLParser):
-    """Every start tag with its attributes."""
+def test_invert_writes_the_report_and_the_run_report_gathers_it(feature_run, tmp_path, capsys):
+    out = tmp_path / "reports"
+    main(["attack", "invert", str(feature_run), "--out", str(out), *FAST])
+    report = json.loads((out / "invert-decoder" / "report.json").read_text())
+    assert report["attack"] == "invert-decoder" and report["round"] == 1
+    assert report["capabilities"]["positions_known"] is True
+    assert report["lpips_backend"] == "stlpips-alex"
+    for group in ("metrics", "baseline"):
+        assert set(report[group]) == {"psnr", "ssim", "cw_ssim", "lpips", "iip", "iip_lpips", "iip_features"}
+        assert report[group]["psnr"]["n"] == 12  # 6 feature sets of each of 2 clients
+    assert set(report["metrics_kept"]) == {"psnr", "ssim", "cw_ssim", "lpips", "iip"}
+    assert set(report["chance"]) == {"iip", "iip_lpips", "iip_features", "iip_kept"}
+    assert 0 < report["chance"]["iip"]["mean"] < 1 / 6  # the uploaded images and the public images of their label
+    assert (out / "invert-decoder" / "grid.png").stat().st_size > 0
+    assert "stlpips-alex" in (out / "invert-decoder" / "report.md").read_text()
+    assert "invert-decoder" in capsys.readouterr().out  # the summary table
 
-    def __init__(self):
-        super().__init__()
-        self.found: list[tuple[str, dict]] = []
+    main(["attack", "invert", str(feature_run), "--out", str(out), "--method", "optimize",
+          "--positions", "unknown", "--restarts", "1", *FAST])
+    optimized = json.loads((out / "invert-optimize" / "report.json").read_text())
+    assert optimized["capabilities"]["positions_known"] is False
+    # kept positions inferred from the features alone: a random guess of 4 of 16 positions scores about 0.15
+    assert optimized["details"]["position_accuracy"]["mean"] > 0.8
 
-    def handle_starttag(self, tag, attrs):
-        self.found.append((tag, dict(attrs)))
+    main(["report", str(feature_run), "--reports", str(out)])
+    page = (out / "report.html").read_text()
+    assert "invert-decoder" in page and "invert-optimize" in page and "stlpips-alex" in page
 
+    class Resources(HTMLParser):
+        external: list = []
 
-def tags_of(page: str) -> list[tuple[str, dict]]:
-    parser = Tags()
+        def handle_starttag(self, tag, attrs):
+            for name, value in attrs:
+                if name in ("src", "href") and not value.startswith("data:"):
+                    self.external.append(value)
+
+    parser = Resources()
     parser.feed(page)
-    return parser.found
+    assert parser.external == []  # self-contained: every image is inlined
+    assert page.count("data:image/png;base64,") == 5  # two grids, two rankings and the accuracy plot
+    assert "invert-optimize" in (out / "report.md").read_text()
+    assert [a["attack"] for a in json.loads((out / "report.json").read_text())["attacks"]] == \
+        ["invert-decoder", "invert-optimize"]
 
 
-def hostile_report() -> dict:
-    """A well-typed report.json with a script payload in every string a page could show."""
-    a, b, c = PAYLOADS
-    stat = {"mean": 1.0, "std": 0.5, "n": 3}
-    return {"attack": a, "run": b, "round": 1, "clients": [0],
-            "capabilities": {a: b, "aux_data": c}, "lpips_backend": c,
-            "metrics": {a: stat, b: stat}, "baseline": {c: stat}, b: {a: stat},
-            "histograms": {a: {"true": [b], "estimated": [c]}}, "per_client": {a: {b: c}},
-            "details": {a: b, "nested": {c: [a, b]}, "histogram": f"{a} / {b}"}}
+def test_the_attack_never_reads_ground_truth(feature_run, monkeypatch, tmp_path):
+    def forbidden(*args, **kwargs):
+        raise AssertionError("the attack read truth/")
+
+    monkeypatch.setattr(RunDirectory, "truth_path", forbidden)
+    run = RunDirectory.open(feature_run)
+    observation, _ = observe_features(run, 1, [0, 1], max_images=4, seed=0, positions_known=False,
+                                   aux=run_dataset_public(run))
+    recon = DecoderInversion(ThreatModel(positions_known=False), steps=2, probe_steps=2, width=32, depth=1)
+    assert set(recon.reconstruct(observation)) == {0, 1}
 
 
-def test_hostile_report_json_reaches_the_page_only_as_text(feature_run, tmp_path):
-    from PIL import Image
+def run_dataset_public(run):
+    from eftguard.data.registry import load_dataset
 
-    run = tmp_path / "run"
-    shutil.copytree(feature_run, run)
-    config = run / "config.toml"  # a value that tries to close the Markdown code fence around the configuration
-    config.write_text(config.read_text().replace('data_dir = ""', f'data_dir = """\n```\n{PAYLOADS[0]}\n"""'))
-    folder = run / "reports" / PAYLOADS[1].replace("/", "")
-    folder.mkdir(parents=True)
-    (folder / "report.json").write_text(json.dumps(hostile_report()))
-    Image.new("RGB", (4, 4)).save(folder / "grid.png")
-    main(["report", str(run)])
-
-    page = (run / "reports" / "report.html").read_text()
-    rendered_md = MarkdownIt("commonmark").render((run / "reports" / "report.md").read_text())
-    for html_text in (page, rendered_md):
-        tags = tags_of(html_text)
-        assert {t for t, _ in tags} <= PAGE_TAGS
-        assert not [name for _, attrs in tags for name in attrs if name.startswith("on")]
-        images = [attrs["src"] for tag, attrs in tags if tag == "img"]
-        assert images and not [src for src in images if src.startswith("x")]
-    assert page.count("&lt;img src=x onerror=alert(1)&gt;") >= 6  # shown as text: title, caps, metric, details...
-    assert "<img src=x" not in page and "<script>" not in page and "<svg onload" not in page
+    cfg = run.config()
+    return load_dataset(cfg.dataset, cfg.data_dir, 32).public.images
 
 
-def test_a_weight_that_may_be_zero_is_refused_below_zero_with_its_real_bound():
-    """--tv and the like: 0 switches the term off and is accepted; a negative or NaN weight is one message that
-    names the bound a user can type (">= 0", not an epsilon below zero)."""
-    from eftguard.options import finite_number
+def test_encrypted_runs_need_their_key(tmp_path, capsys, micro_preset):
+    from eftguard.defenses.at_rest import create_key
 
-    parse = finite_number(0, zero_allowed=True)
-    assert parse("0") == 0.0 and parse("0.3") == 0.3
-    for text in ("-1", "-1e-13", "nan", "inf"):
-        with pytest.raises(ValueError, match=r"must be a finite number >= 0, got"):
-            parse(text)
-    with pytest.raises(ValueError, match=r"> 0, got '0'"):
-        finite_number(0)("0")
+    key = tmp_path / "key"
+    create_key(key)
+    run = train_in_process(tmp_path / "run", model=MICRO_PRESET, encrypt_at_rest=str(key), train_samples=80)
+    for argv in (["attack", "invert", run, *FAST], ["report", run]):
+        code, err = run_cli(capsys, *argv)
+        assert code == 2 and "pass --key KEYFILE" in err
+    main(["attack", "invert", str(run), "--key", str(key), *FAST])
+    main(["report", str(run), "--key", str(key)])
+    assert (run / "reports" / "report.html").exists()
+
+
+def test_fedavg_runs_have_no_features_to_invert(tmp_path, capsys, micro_preset, monkeypatch):
+    """Refused before LPIPS loads (seconds, and the demo's Fed-Full process waits for it at its end)."""
+    from eftguard import metrics
+
+    def no_lpips(backend):
+        raise AssertionError(f"LPIPS {backend} loaded for an attack that does not apply")
+
+    run = train_in_process(tmp_path / "fedavg", model=MICRO_PRESET, method="fedavg", train_samples=80)
+    monkeypatch.setattr(metrics, "load_lpips", no_lpips)
+    code, err = run_cli(capsys, "attack", "invert", run, *FAST)
+    assert code == 2 and "uploads no patch features" in err
