@@ -31,7 +31,7 @@ GRID_IMAGES = 8
 # Public images of an original's label that compete with its reconstruction for IIP (the first ones of the split):
 # bounds the model and LPIPS passes per scoring (a ViT pass per candidate). Fewer candidates can only make an image
 # easier to identify, and the chance group says how many there were.
-IIP_PUBLIC_PER_LABEL = 100
+IIP_PUBLIC_PER_LABEL = 50
 RANKED_IMAGES = 8  # the most exposed images a report shows
 
 
