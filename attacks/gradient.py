@@ -366,7 +366,7 @@ class InvertingGradients:
         prepare_numerics(obs.model)
         params, target = _observed_parameters(obs, self._matched(obs))
         target_norm = _norm(target)
-        labels = torch.from_numpy(recover_labels(obs))
+        labels = torch.from_numpy(self.labels(obs))
         keep, kept_ids = _keep_ids_for(obs, obs.batch_size)
         generator = torch.Generator().manual_seed(self.seed)
         best, best_loss = None, math.inf
@@ -398,6 +398,10 @@ class InvertingGradients:
                                             "budget": f"{self.steps} steps per restart; the reference implementation "
                                                       f"takes {PUBLISHED_IG_STEPS}: this run had "
                                                       f"{self.steps / PUBLISHED_IG_STEPS:.1%} of it"})
+
+    def labels(self, obs: GradientObservation) -> np.ndarray:
+        """The labels the dummies are given: read off the head-bias gradient."""
+        return recover_labels(obs)
 
     def _matched(self, obs: GradientObservation) -> list[str]:
         head = [name for name in obs.gradients if name.startswith("head.")]

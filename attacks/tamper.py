@@ -13,6 +13,23 @@ model the server would have sent), registered under its name in eftguard.config.
   decay (a uniform scale), so the map the client uploads is the crafted one.
 - stealth-embed: identity-embed with every exact zero and the isometry disguised, so that only a comparison with
   the previous round's model (or a published hash of the first one) tells it from an honest model.
+- imprint ("Robbing the Fed", Fowl et al., ICLR 2022, adapted to the ViT's patch tokens): the patch embedding
+  writes each token as its patch pixels, their brightness, two constants, a code of its position and a balancing
+  coordinate (so the token's mean is zero and the first block's LayerNorm only divides it by its norm); the first
+  block's attention is zeroed and its MLP becomes the imprint: hidden unit j fires on tokens brighter than the
+  threshold t_j (the thresholds: quantiles of the public patches' brightness), and every unit reads out the same
+  tiny vector, so a token's gradient is the same scalar times its (normalised) token in every unit it fires.
+  The difference of consecutive units' weight updates is then the sum over the tokens in one brightness bin: a bin
+  that one token fell into gives that token, its patch and position, back exactly (attacks/imprint.py). The
+  read-out is tiny (IMPRINT_READOUT) so that the gradients stay far below AdamW's eps, where its steps are linear
+  in them and the weights the imprint reads start at exactly zero (float32 keeps their small updates whole).
+- class-fish (Wen et al., ICML 2022, "Fishing for user data in large-batch federated learning via gradient
+  magnification"; class fishing): the head's rows of every class but one (the class the public split holds fewest
+  of) are zeroed and their biases set to FISH_LOGIT, so the fished class's probability is 0 for every image: an
+  image of another class has no gradient below the head, and the body's update is the gradient of the client's
+  images of the fished class alone; with one such image, a batch-1 gradient inversion (attacks/gradient.py,
+  `--method fishing`). The fished row is scaled so that one image's body gradient stays near FISH_GRADIENT, far
+  below AdamW's eps, where the update is proportional to the gradient (the inversion matches it, not its signs).
 - label-probe: the head's input is made one constant vector of tiny entries (final LayerNorm weight 0, bias
   PROBE_SCALE), so that every head-weight gradient is PROBE_SCALE * (p - class fraction of the batch) and so small
   that AdamW, dividing by (sqrt(v) + eps), moves the head weights linearly in it: the head update then measures
@@ -26,16 +43,34 @@ from __future__ import annotations
 
 from typing import Callable
 
+import functools
+from dataclasses import dataclass
+
 import numpy as np
 import torch
 
 from eftguard.config import TAMPERINGS
 from eftguard.data.partition import seeded
+from eftguard.data.plan import run_dataset
 from eftguard.errors import FederationError
+from eftguard.model import build_model, patch_pixels
 
 PROBE_SCALE = 1e-10  # label-probe's head input: gradients ~1e-11, far below AdamW's eps (1e-8)
 STEALTH_SCALE = 1e-9  # stealth-embed's stand-in for zero
 POSITION_CODE_SCALE = 4.0  # norm of each position's code in identity-embed (tokens' pixel part is ~1)
+FISH_LOGIT = 1e3  # class-fish: the other classes' logit (Wen et al.'s): the fished class's probability is exactly 0
+FISH_GRADIENT = 1e-9  # class-fish: the largest body gradient of one public image of the fished class
+IMPRINT_BLOCK = "local_module.blocks.0"  # the block whose MLP the imprint takes over
+IMPRINT_CONSTANT = 1.0  # the value of the imprint token's two constant coordinates
+IMPRINT_READOUT = 1e-8  # norm of each imprint unit's read-out: token gradients ~1e-12, far below AdamW's eps
+IMPRINT_SHARPNESS = 50.0  # how far (in GELU's input) a unit moves across a median-width bin: on well inside it
+IMPRINT_CODE_WIDTH = 16  # coordinates of the position code (fewer where the width leaves fewer)
+IMPRINT_CLS_BRIGHTNESS = -5.0  # the cls token's brightness: below every threshold, so it fires no unit
+# the tokens' scale: the LayerNorm before the imprint divides it out, while the parameters that make the tokens move
+# by at most a few lr per step of the client's training: at 1000 times their usual size that drift is 1e-6 of
+# them, so a patch seen in several steps stays one token (within MAX_PARAMETER_VALUE and MAX_FEATURE_VALUE)
+IMPRINT_TOKEN_SCALE = 1e3
+IMPRINT_MAX_WEIGHT = 5e3  # half the largest parameter the server accepts in an upload (validation.MAX_PARAMETER_VALUE)
 
 Tamper = Callable[[dict[str, torch.Tensor], object, int], dict[str, torch.Tensor]]
 TAMPER_FUNCTIONS: dict[str, Tamper] = {}  # the function of each name of TAMPERINGS
@@ -117,6 +152,143 @@ def label_probe(state: dict[str, torch.Tensor], cfg, seed: int) -> dict[str, tor
     norm = state["global_module.norm.weight"]
     out["global_module.norm.weight"] = torch.zeros_like(norm)
     out["global_module.norm.bias"] = torch.full_like(norm, PROBE_SCALE)
+    return out
+
+
+@dataclass(frozen=True)
+class ImprintLayout:
+    """Where the imprint token keeps what: pixels in 0..P-1, then brightness, the threshold's constant, the
+    reference constant (its imprint weights are zero, so its update is read exactly), the position code, and the
+    balancing coordinate that makes every token's mean zero."""
+
+    width: int
+    pixels: int
+
+    @property
+    def brightness(self) -> int:
+        return self.pixels
+
+    @property
+    def threshold_constant(self) -> int:
+        return self.pixels + 1
+
+    @property
+    def reference(self) -> int:
+        return self.pixels + 2
+
+    @property
+    def codes(self) -> slice:
+        return slice(self.pixels + 3, self.pixels + 3 + min(IMPRINT_CODE_WIDTH, self.width - self.pixels - 4))
+
+    @property
+    def balance(self) -> int:
+        return self.codes.stop
+
+    @classmethod
+    def of(cls, width: int, pixels: int) -> "ImprintLayout":
+        if width < pixels + 6:
+            raise TamperError(f"imprint needs an embedding width of at least the patch's {pixels} pixel values + 6, "
+                              f"the model has {width}")
+        return cls(width, pixels)
+
+
+@functools.lru_cache(maxsize=2)
+def public_patches(dataset: str, data_dir: str, model: str, train_samples: int, seed: int) -> np.ndarray:
+    """The run's public images as the model's standardised patch pixels [patches, C p p]: the server's own data,
+    which sets the imprint's brightness bins."""
+    vit = build_model(model, 10, 1, seed=seed)
+    images = torch.from_numpy(run_dataset(dataset, data_dir, model, train_samples, 0, seed).public.images)
+    patch = int(vit.local_module.patch_embed.patch_size[0])
+    return patch_pixels(vit.normalize(images), patch).flatten(0, 1).double().numpy()
+
+
+@tampering("imprint")
+def imprint(state: dict[str, torch.Tensor], cfg, seed: int) -> dict[str, torch.Tensor]:
+    """Token = layout(patch pixels, brightness, constants, position code); block 0's MLP: one unit per brightness
+    threshold, each reading out the same IMPRINT_READOUT-sized vector."""
+    _check_no_pre_norm(state)
+    out = dict(state)
+    weight = state["local_module.patch_embed.proj.weight"]
+    width, pixels = weight.shape[0], weight[0].numel()
+    layout = ImprintLayout.of(width, pixels)
+    fc1 = state[f"{IMPRINT_BLOCK}.mlp.fc1.weight"]
+    units = fc1.shape[0]
+    patches = public_patches(cfg.dataset, cfg.data_dir, cfg.model, cfg.train_samples, cfg.seed)
+    brightness = patches.mean(axis=1)
+    thresholds = np.quantile(brightness, np.arange(units) / units)
+    thresholds[0] -= 1.0  # the darkest public patch fires unit 0 too
+    gaps = np.diff(thresholds)
+    token_norm = np.median(np.sqrt((patches ** 2).sum(axis=1) + brightness ** 2 + 2 * IMPRINT_CONSTANT ** 2))
+    sharpness = min(IMPRINT_SHARPNESS * token_norm / np.sqrt(width) / np.median(gaps[gaps > 0]),
+                    IMPRINT_MAX_WEIGHT / max(1.0, np.abs(thresholds).max() / IMPRINT_CONSTANT))
+
+    generator = torch.Generator().manual_seed(seed)
+    embed = torch.zeros(width, pixels, dtype=torch.float64)
+    embed[:pixels] = torch.eye(pixels, dtype=torch.float64)
+    embed[layout.brightness] = 1.0 / pixels
+    embed[layout.balance] = -(1.0 + 1.0 / pixels)
+    bias = torch.zeros(width, dtype=torch.float64)
+    bias[[layout.threshold_constant, layout.reference]] = IMPRINT_CONSTANT
+    bias[layout.balance] = -2 * IMPRINT_CONSTANT
+    positions = state["local_module.token_embedding.pos_embed"]
+    codes = torch.randn(positions.shape[1] - 1, layout.codes.stop - layout.codes.start, generator=generator,
+                        dtype=torch.float64)
+    codes = codes - codes.mean(dim=1, keepdim=True)  # zero-sum: the token's mean stays zero
+    codes = POSITION_CODE_SCALE * codes / codes.norm(dim=1, keepdim=True)
+    position_embed = torch.zeros(positions.shape[1:], dtype=torch.float64)
+    position_embed[1:, layout.codes] = codes
+    cls = torch.zeros(width, dtype=torch.float64)
+    cls[layout.brightness] = IMPRINT_CLS_BRIGHTNESS
+    cls[[layout.threshold_constant, layout.reference]] = IMPRINT_CONSTANT
+    cls[layout.balance] = -IMPRINT_CLS_BRIGHTNESS - 2 * IMPRINT_CONSTANT
+    units_in = torch.zeros(units, width, dtype=torch.float64)
+    units_in[:, layout.brightness] = sharpness
+    units_in[:, layout.threshold_constant] = -sharpness * torch.from_numpy(thresholds) / IMPRINT_CONSTANT
+    readout = torch.randn(width, generator=generator, dtype=torch.float64)
+    readout = IMPRINT_READOUT * readout / readout.norm()
+
+    def put(key: str, value: torch.Tensor) -> None:
+        out[key] = value.reshape(state[key].shape).to(state[key].dtype)
+
+    put("local_module.patch_embed.proj.weight", IMPRINT_TOKEN_SCALE * embed)
+    put("local_module.patch_embed.proj.bias", IMPRINT_TOKEN_SCALE * bias)
+    put("local_module.token_embedding.pos_embed", IMPRINT_TOKEN_SCALE * position_embed)
+    put("local_module.token_embedding.cls_token", IMPRINT_TOKEN_SCALE * cls)
+    for part in ("attn.proj.weight", "attn.proj.bias", "mlp.fc1.bias", "mlp.fc2.bias", "norm2.bias"):
+        put(f"{IMPRINT_BLOCK}.{part}", torch.zeros_like(state[f"{IMPRINT_BLOCK}.{part}"], dtype=torch.float64))
+    put(f"{IMPRINT_BLOCK}.norm2.weight", torch.ones(width, dtype=torch.float64))
+    put(f"{IMPRINT_BLOCK}.mlp.fc1.weight", units_in)
+    put(f"{IMPRINT_BLOCK}.mlp.fc2.weight", readout[:, None].expand(width, units))
+    return out
+
+
+def fished_class(cfg, classes: int) -> int:
+    """The class the class-fish tampering fishes: the one the run's public split holds fewest images of (public;
+    the rarer the class, the likelier a client holds one image of it)."""
+    public = run_dataset(cfg.dataset, cfg.data_dir, cfg.model, cfg.train_samples, 0, cfg.seed).public
+    return int(np.argmin(np.bincount(public.labels, minlength=classes)[:classes]))
+
+
+@tampering("class-fish")
+def class_fish(state: dict[str, torch.Tensor], cfg, seed: int) -> dict[str, torch.Tensor]:
+    """Head rows of every other class 0 with bias FISH_LOGIT; the fished row scaled to FISH_GRADIENT."""
+    out = dict(state)
+    weight, bias = state["head.weight"], state["head.bias"]
+    fished = fished_class(cfg, len(bias))
+    out["head.weight"] = torch.zeros_like(weight)
+    out["head.weight"][fished] = weight[fished]
+    out["head.bias"] = torch.full_like(bias, FISH_LOGIT)
+    out["head.bias"][fished] = 0.0
+    model = build_model(cfg.model, len(bias), cfg.local_layers, seed=cfg.seed)
+    model.load_state_dict(out)
+    public = run_dataset(cfg.dataset, cfg.data_dir, cfg.model, cfg.train_samples, 0, cfg.seed).public
+    images = model.normalize(torch.from_numpy(public.images[:8]))
+    body = [p for name, p in model.named_parameters() if not name.startswith("head.")]
+    largest = 0.0
+    for image in images:
+        loss = torch.nn.functional.cross_entropy(model(image[None]), torch.tensor([fished]))
+        largest = max(largest, max(float(g.abs().max()) for g in torch.autograd.grad(loss, body)))
+    out["head.weight"][fished] *= FISH_GRADIENT / max(largest, 1e-30)
     return out
 
 

@@ -33,6 +33,7 @@ from eftguard.model import PRESETS, ModelError, build_model
 from eftguard.options import (add_argument, add_arguments, check_values, given_values, name_value, option, options_of,
                               path_value)
 from eftguard.paths import atomic_write, file_in_the_way, output_file_problem, unwritable_reason
+from eftguard.plan import PlanOptions, plan_lines, plan_run
 from eftguard.precision import PRECISIONS, resolve_precision
 from eftguard.pretrain import (PretrainConfig, PretrainError, check_out_path, pretrain, public_loss,
                                resume_path, save_pretrained)
@@ -205,6 +206,18 @@ def build_parser() -> argparse.ArgumentParser:
     add_arguments(bench, BenchConfig)
     add_arguments(bench, BenchCommandOptions)
 
+    plan = sub.add_parser("plan", help="the bytes a run directory will hold, per round and in all, before it runs "
+                                       "(docs/run-directory.md#size)",
+                          description="Projects a run's size from its options (those of eftguard train, or --config): "
+                                      "the checkpoint and each client's update, features, heads and ground truth per "
+                                      "round, from the model's parameter shapes, the method's upload shapes and the "
+                                      "clients' feature rows, and what --keep-rounds, --keep-clients and "
+                                      "--store-uploads keep. Nothing is trained.")
+    plan.add_argument("--config", type=Path, help="TOML file of training options; flags override it")
+    _add_train_options(plan)
+    add_arguments(plan, PlanOptions, defaults=True)
+    plan.add_argument("--out", type=Path, default=None, help="write the plan as JSON to this file")
+
     add_attack_parser(sub)
     add_report_parser(sub)
     return parser
@@ -311,7 +324,8 @@ def demo_audit(args: argparse.Namespace):
                            "lpips_backend": args.lpips_backend, "precision": precision})
     return parse_audit({"title": "demo: EFTViT vs Fed-Full on the bundled photos",
                         "train": {"rounds": args.rounds, "train_samples": args.train_samples,
-                                  "test_samples": args.test_samples, "precision": precision},
+                                  "test_samples": args.test_samples, "precision": precision,
+                                  "keep_rounds": "last"},  # the round it attacks (Fed-Full uploads whole models)
                         "grid": {"method": list(DEMO_METHODS)}, "attack": attacks}, "eftguard demo")
 
 
@@ -337,7 +351,6 @@ def cmd_demo(args: argparse.Namespace) -> None:
                ] + (["--verbose"] if args.verbose else [])
     failed = demo_processes(audit, options, out)
     summary = finish_audit(audit, out, [])
-    drop_earlier_uploads(summary, out)
     trained = {c["varied"]["method"]: c for c in summary["configurations"] if c["train_seconds"] is not None}
     results = {method: RunDirectory.open(out / c["run"]).metrics() for method, c in trained.items()}
     cfg = audit.defaults
@@ -359,16 +372,6 @@ def cmd_demo(args: argparse.Namespace) -> None:
     if failed:
         raise SystemExit(1)
     exit_on_problems(summary)
-
-
-def drop_earlier_uploads(summary: dict, out: Path) -> None:
-    """The demo attacks the last round of each run: the uploads of the earlier rounds (every Fed-Full client's
-    whole 21 MB model per round) are removed once the audit is written, so the demo keeps a fraction of what it
-    wrote. The runs stay complete and attackable in their last round."""
-    for configuration in summary["configurations"]:
-        if configuration["status"] == "done":
-            run = RunDirectory.open(out / configuration["run"])
-            run.drop_uploads_before(run.completed_rounds())
 
 
 def _mean_epoch_cpu_seconds(records: list[dict]) -> float:
@@ -458,6 +461,16 @@ def cmd_bench(args: argparse.Namespace) -> None:
         print(f"wrote {args.out}", file=sys.stderr)
 
 
+def cmd_plan(args: argparse.Namespace) -> None:
+    cfg = config_from_args(args)
+    check_values(PlanOptions(args.images_per_client))
+    result = plan_run(cfg, args.images_per_client)
+    for line in plan_lines(result):
+        print(line)
+    if args.out:
+        args.out.write_text(json.dumps(result, indent=2) + "\n")
+
+
 def cmd_certs(args: argparse.Namespace) -> None:
     files = write_certificates(args.out, tuple(args.san or DEFAULT_SANS), args.force)
     print(f"wrote {files.ca_cert} (give to SuperNodes), {files.server_cert}, {files.server_key} (SuperLink) and "
@@ -509,7 +522,7 @@ def main(argv: list[str] | None = None) -> None:
         commands = {"train": cmd_train, "demo": cmd_demo, "certs": cmd_certs, "superlink": cmd_superlink,
                     "supernode": cmd_supernode, "node-key": cmd_node_key, "register-node": cmd_register_node,
                     "attack": cmd_attack, "report": cmd_report, "audit": cmd_audit, "pretrain": cmd_pretrain,
-                    "bench": cmd_bench}
+                    "bench": cmd_bench, "plan": cmd_plan}
         commands[args.command](args)
     except USER_ERRORS as exc:
         print(f"eftguard: error: {exc}", file=sys.stderr)

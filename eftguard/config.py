@@ -19,6 +19,7 @@ from eftguard.model import PRESETS, ModelError, check_local_layers
 from eftguard.options import SEED, Bound, above, at_least, check_values, from_mapping, option
 from eftguard.paths import input_file_problem
 from eftguard.precision import PRECISIONS
+from eftguard.retention import KEEP_ROUNDS_HELP, STORE_DTYPES, Retention, parse_keep_clients, parse_keep_rounds
 from eftguard.sampling import BALANCE_MODES
 
 METHODS = tuple(METHOD_SPECS)
@@ -30,7 +31,12 @@ CLIENT_SELECTION = ("random", "loss-gap")
 # malicious: the server tampers with one round's model; adaptive: every round it moves each client's model towards
 # the tampering as far as the clients' model check allows (attacks/tamper.py)
 THREATS = ("honest", "malicious", "adaptive")
-TAMPERINGS = ("identity-embed", "stealth-embed", "label-probe")  # --tamper: eftguard.attacks.tamper implements each
+# --tamper: eftguard.attacks.tamper implements each
+TAMPERINGS = ("identity-embed", "stealth-embed", "label-probe", "imprint", "class-fish")
+# the tamperings that read the parameter update (the rest read the feature and head uploads), and the parameter
+# whose update they read: a method whose clients do not train it cannot take them
+UPDATE_TAMPERINGS = {"imprint": "local_module.blocks.0.mlp.fc1.weight",
+                     "class-fish": "local_module.patch_embed.proj.weight"}
 DP_EPS_LIMIT = 100.0  # above it e^epsilon bounds nothing, and the accountants' noise search does not end
 DP_ROUNDS_LIMIT = 10_000  # with --dp-eps, every client's rounds are listed and accounted for before round 1
 FRACTION = Bound(lambda value: 0.0 <= value < 1.0, "in [0, 1)")
@@ -123,6 +129,17 @@ class TrainConfig:
                                       "reveals each client's class histogram")
     encrypt_at_rest: str = option("", "KEYFILE: store uploads in observed/ encrypted (AES-256-GCM); a missing file "
                                       "gets a new random key (mode 0600). Attacks and reports then need the key")
+    keep_rounds: str = option("all", "the rounds whose uploads and ground truth the run keeps for its auditor, with "
+                                     "the checkpoints their attacks read (the final model always): " + KEEP_ROUNDS_HELP
+                                     + ". The server trains on every upload either way "
+                                       "(docs/run-directory.md#retention)",
+                              check=parse_keep_rounds, metavar="ROUNDS")
+    keep_clients: str = option("all", "the clients whose uploads and ground truth kept rounds keep: all, or N (a "
+                                      "seeded sample of N clients, the same every round)",
+                               check=parse_keep_clients, metavar="CLIENTS")
+    store_uploads: str = option("float32", "the precision the uploads are kept in on disk for the auditor: float32, "
+                                           "float16 or bfloat16 (half the bytes; the server trains on what was "
+                                           "sent either way)", choices=STORE_DTYPES, noun="precision")
     round_timeout: float = option(3600.0, "seconds to wait for client replies in a round; late clients are dropped",
                                   bound=above(0))
     dp_eps: float = option(0.0, "end-to-end differential privacy: total epsilon per client over all the rounds it "
@@ -199,6 +216,7 @@ class TrainConfig:
             where = "is not a folder" if Path(self.data_dir).exists() else "does not exist"
             raise ConfigError(f"--data-dir {self.data_dir} {where}: create it or point to your dataset copy")
         self._check_canaries()
+        Retention.of(self).check()
 
     def _check_dp(self, method) -> None:
         if self.precision != "fp32" and self.dp_eps > 0:
@@ -267,7 +285,13 @@ class TrainConfig:
         if self.threat == "adaptive" and self.tamper_round:
             raise ConfigError("--tamper-round is for --threat malicious: an adaptive server drifts towards its "
                               "tampering every round")
-        if not method_spec(self.method).uploads_features:
+        if self.tamper in UPDATE_TAMPERINGS:
+            read = UPDATE_TAMPERINGS[self.tamper]
+            if not method_spec(self.method).trains_parameter(read):
+                training = ", ".join(m.name for m in METHOD_SPECS.values() if m.trains_parameter(read))
+                raise ConfigError(f"--tamper {self.tamper} reads the update of {read}, which --method {self.method} "
+                                  f"clients do not train (methods that do: {training})")
+        elif not method_spec(self.method).uploads_features:
             uploading = ", ".join(m.name for m in methods_with("uploads_features"))
             raise ConfigError(f"--tamper targets the feature and head uploads; --method {self.method} uploads no "
                               f"features (methods that do: {uploading})")

@@ -230,7 +230,9 @@ def thresholds_text() -> str:
 POWER_CHECK_TEXT = ("Power check: the same attack with the same budget on a positive control (public images through "
                     "the same model and channel with the defense off, scored against their known truth). A low level "
                     "holds only where a control got past its baseline by the medium threshold; inconclusive: the "
-                    "attack was too weak here (its control failed); unchecked: no control was run.")
+                    "attack was too weak here (its control failed); unchecked: no control was run. A DP audit's "
+                    "control must also reach the claimed epsilon, which its canaries may never certify: "
+                    "inconclusive then names the most they can.")
 
 
 def control_cell(v: verdict.ChannelVerdict) -> str:
@@ -239,7 +241,7 @@ def control_cell(v: verdict.ChannelVerdict) -> str:
         return ""
     c, digits = v.control, 1 if v.control.headline.unit else 3
     return (f"; control {c.value:.{digits}f}{c.headline.unit} vs {c.baseline:.{digits}f}{c.headline.unit}"
-            f"{'' if c.passed else ' (failed)'}")
+            f"{'' if c.passed else ' (failed)'}{f'; {c.limit_text}' if c.capped else ''}")
 
 
 def config_differences(config_toml: str) -> list[list[str]] | None:

@@ -29,9 +29,9 @@ from pathlib import Path
 
 import numpy as np
 import torch
-from safetensors.numpy import load as load_numpy_bytes, load_file as load_numpy, save as save_numpy_bytes, \
-    save_file as save_numpy
-from safetensors.torch import load_file as load_torch, save_file as save_torch
+from safetensors.numpy import load_file as load_numpy, save_file as save_numpy
+from safetensors.torch import load as load_torch_bytes, load_file as load_torch, save as save_torch_bytes, \
+    save_file as save_torch
 
 from eftguard.config import TrainConfig
 from eftguard.defenses import at_rest
@@ -39,6 +39,7 @@ from eftguard.errors import ConfigError
 from eftguard.methods import method_spec
 from eftguard.model import build_model
 from eftguard.paths import atomic_write, file_in_the_way, fsync_dir, input_file_problem, make_dirs, read_text_file
+from eftguard.retention import Retention, ranges
 
 FORMAT = "eftguard-run"
 FORMAT_VERSION = 1
@@ -76,6 +77,12 @@ def is_disk_full(error: BaseException) -> bool:
             return True
         error = error.__cause__ or error.__context__
     return False
+
+
+def _remove_empty_rounds(folder: Path) -> None:
+    for item in folder.glob("round-*"):
+        if item.is_dir() and not any(item.iterdir()):
+            item.rmdir()
 
 
 def round_number_of(name: str) -> int | None:
@@ -330,13 +337,40 @@ class RunDirectory:
         return records
 
     def completed_rounds(self) -> int:
-        """The last round whose metrics line and checkpoint both exist (0: none)."""
-        last = 0
+        """The last round whose metrics line and checkpoint both exist (0: none); the rounds before it have their
+        metrics lines, and their checkpoints unless the run's retention dropped them."""
+        last, kept = 0, set(self.retention.checkpoints_kept)
         for expected, record in enumerate(self.metrics(), start=1):
-            if record.get("round") != expected or not self.checkpoint_path(expected).exists():
+            if record.get("round") != expected:
                 break
-            last = expected
+            if self.checkpoint_path(expected).exists():
+                last = expected
+            elif expected in kept:
+                break
         return last
+
+    @property
+    def retention(self) -> Retention:
+        return Retention.of(self.config())
+
+    def drop_unkept(self, done: int) -> None:
+        """Remove what the run's retention does not keep of rounds 1..done, once round done is complete: the
+        checkpoints before done that no kept round reads (done's stays: resume starts from it), and the uploads and
+        ground truth of rounds and clients not kept (the server does not write those; a run resumed with more
+        --rounds can leave some behind)."""
+        retention = self.retention
+        for item in sorted((self.path / "checkpoints").glob("round-*")):
+            number = round_number_of(item.name)
+            if number is not None and number < done and number not in retention.checkpoints_kept:
+                item.unlink()
+        for folder in ("observed", "truth"):
+            for item in sorted((self.path / folder).glob("round-*/client-*")):
+                number, client = round_number_of(item.parent.name), CLIENT_FOLDER.match(item.name)
+                if number is not None and client and number <= done and not retention.keeps_upload(
+                        number, int(client.group(1))):
+                    shutil.rmtree(item) if item.is_dir() else item.unlink()
+            _remove_empty_rounds(self.path / folder)
+        self._forget_missing_artefacts()
 
     def round_files(self, round_number: int) -> list[str]:
         """The artefacts the manifest records for round_number: its checkpoint, observed uploads and truth."""
@@ -364,6 +398,7 @@ class RunDirectory:
                   f"resuming after round {done - 1}, its later rounds are discarded", file=sys.stderr, flush=True)
             done -= 1
         self.discard_after(done)
+        self.drop_unkept(done)  # a crash between a round's metrics line and this cleanup left them
         return done
 
     def discard_after(self, round_number: int) -> None:
@@ -377,17 +412,6 @@ class RunDirectory:
                     shutil.rmtree(item) if item.is_dir() else item.unlink()
         for tmp in self.path.rglob(".*.tmp"):  # writes a crash interrupted before their rename
             tmp.unlink()
-        self._forget_missing_artefacts()
-
-    def drop_uploads_before(self, round_number: int) -> None:
-        """Remove the uploads and ground truth of the rounds before round_number, for a run of which only later
-        rounds are attacked (eftguard demo). Checkpoints stay: they mark the rounds complete, and resume needs
-        only the last round's files."""
-        for folder in ("observed", "truth"):
-            for item in sorted((self.path / folder).glob("round-*")):
-                number = round_number_of(item.name)
-                if number is not None and number < round_number:
-                    shutil.rmtree(item)
         self._forget_missing_artefacts()
 
     def _forget_missing_artefacts(self) -> None:
@@ -449,13 +473,30 @@ class RunDirectory:
         return self.upload_dir(round_number, partition) / name
 
     def save_upload(self, round_number: int, partition: int, kind: str, arrays: dict[str, np.ndarray]) -> None:
-        self._save_sealed(self.upload_path(round_number, partition, kind), arrays)
+        """One part of a client's upload, its floating arrays in the run's --store-uploads precision."""
+        dtype = getattr(torch, self.config().store_uploads)
+        self._save_sealed(self.upload_path(round_number, partition, kind),
+                          {k: stored(torch.from_numpy(np.require(v, requirements=["C", "W"])), dtype)
+                           for k, v in arrays.items()})
 
     def load_upload(self, round_number: int, partition: int, kind: str) -> dict[str, np.ndarray]:
+        """One part of a client's upload as the server received it, but for --store-uploads: floating arrays are
+        float32 whatever precision they were kept in."""
         path = self.upload_path(round_number, partition, kind)
         if not path.exists():
-            raise RunError(f"{path} does not exist: no {kind} upload of client {partition} in round {round_number}")
+            raise RunError(f"{path} does not exist: no {kind} upload of client {partition} in round {round_number}"
+                           f"{self.kept_uploads_note()}")
         return self._load_sealed(path)
+
+    def kept_uploads_note(self) -> str:
+        """Where a run's retention kept no uploads: which rounds and clients it kept, as the end of an error
+        message ("" for a run that keeps them all)."""
+        retention = self.retention
+        if retention.keep_rounds == "all" and retention.keep_clients == "all":
+            return ""
+        return (f" (this run keeps the uploads of rounds {ranges(retention.rounds_kept)} (--keep-rounds "
+                f"{retention.keep_rounds}) and of clients {ranges(retention.clients_kept)} (--keep-clients "
+                f"{retention.keep_clients}) only")
 
     def truth_path(self, round_number: int, partition: int) -> Path:
         """truth/.../client-KK.safetensors, with .enc when the run is encrypted at rest."""
@@ -474,28 +515,32 @@ class RunDirectory:
                            "the run asks for it unless --no-record-truth), so attacks can run but cannot be scored")
         return self._load_sealed(path)
 
-    def _save_sealed(self, path: Path, arrays: dict[str, np.ndarray]) -> None:
-        """Arrays as safetensors, AES-GCM encrypted (bound to the relative path) when the run is encrypted."""
+    def _save_sealed(self, path: Path, tensors: dict[str, torch.Tensor | np.ndarray]) -> None:
+        """Tensors as safetensors, AES-GCM encrypted (bound to the relative path) when the run is encrypted."""
+        tensors = {k: torch.from_numpy(np.require(v, requirements=["C", "W"])) if isinstance(v, np.ndarray) else v
+                   for k, v in tensors.items()}
         if not self.encrypted:
-            self.save_arrays(path, arrays)
+            atomic_write(path, lambda p: save_torch(tensors, str(p)))
+            self.record_artefact(path)
             return
         if self.key is None:
             raise RunError(f"{self.path} stores uploads encrypted at rest but no key was given")
-        plaintext = save_numpy_bytes({k: np.ascontiguousarray(v) for k, v in arrays.items()})
-        blob = at_rest.encrypt(self.key, plaintext, path.relative_to(self.path).as_posix())
+        blob = at_rest.encrypt(self.key, save_torch_bytes(tensors), path.relative_to(self.path).as_posix())
         atomic_write(path, lambda p: p.write_bytes(blob))
         self.record_artefact(path)
 
     def _load_sealed(self, path: Path) -> dict[str, np.ndarray]:
+        """The arrays of a file _save_sealed wrote; floating ones as float32 (numpy has no bfloat16)."""
         if not self.encrypted:
-            return self.load_arrays(path)
+            return as_numpy(load_torch(str(path)))
         if self.key is None:
             raise RunError(f"{self.path}'s uploads are encrypted at rest: pass --key KEYFILE "
                            "(the file given to --encrypt-at-rest)")
         try:
-            return load_numpy_bytes(at_rest.decrypt(self.key, path.read_bytes(), path.relative_to(self.path).as_posix()))
+            plaintext = at_rest.decrypt(self.key, path.read_bytes(), path.relative_to(self.path).as_posix())
         except at_rest.AtRestError as exc:
             raise RunError(str(exc)) from None
+        return as_numpy(load_torch_bytes(plaintext))
 
     def save_arrays(self, path: Path, arrays: dict[str, np.ndarray], metadata: dict[str, str] | None = None) -> None:
         arrays = {k: np.ascontiguousarray(v) for k, v in arrays.items()}
@@ -504,6 +549,20 @@ class RunDirectory:
 
     def load_arrays(self, path: Path) -> dict[str, np.ndarray]:
         return load_numpy(str(path))
+
+
+def stored(tensor: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """A floating tensor in dtype for keeping on disk; as it is when it does not fit (a value beyond float16's
+    65504 would become infinite) or is not floating."""
+    if not tensor.is_floating_point() or tensor.dtype == dtype:
+        return tensor
+    narrow = tensor.to(dtype)
+    return narrow if bool(torch.isfinite(narrow).all()) or not bool(torch.isfinite(tensor).all()) else tensor
+
+
+def as_numpy(tensors: dict[str, torch.Tensor]) -> dict[str, np.ndarray]:
+    """safetensors' tensors as numpy arrays, those kept in 16 bits as float32."""
+    return {k: (t.float() if t.dtype in (torch.float16, torch.bfloat16) else t).numpy() for k, t in tensors.items()}
 
 
 def _versions() -> dict[str, str]:

@@ -7,6 +7,9 @@ never "safe". A "low" holds only behind a passing power check: the same attack w
 control (public images through the same channel with the defense off, stored as the figures "control.*" and
 "control_baseline.*") got past its baseline by at least the medium threshold, so the attack could have found
 leakage here. A low whose controls all fail reads "inconclusive", one without a control "unchecked".
+Where the figure tests a claim (the DP audit's ε lower bound against the claimed ε, figures "claimed.*"), the
+control must also reach the claim, or the audit could not have refuted it; when even every guess right
+("ceiling.*") stays below the claim, the low reads "inconclusive: the audit can certify at most ...".
 """
 
 from __future__ import annotations
@@ -30,6 +33,7 @@ UNCHECKED = "unchecked"  # low, and no power check was run (skipped, or the fami
 LEVEL_TEXT = {INCONCLUSIVE: "inconclusive: the attack was too weak here",
               UNCHECKED: "unchecked: low, but no power check showed the attack could find leakage here"}
 CONTROL, CONTROL_BASELINE = "control", "control_baseline"  # the score groups of the power check (Family.control)
+CLAIMED, CEILING = "claimed", "ceiling"  # the claim a figure tests, and the most the attack's test can ever show
 
 
 def higher_leaks(headline: Headline) -> bool:
@@ -60,16 +64,34 @@ class PowerCheck:
     value: float
     baseline: float
     headline: Headline
+    claim: float | None = None    # the claim the figure tests (the DP audit: the claimed ε), None where none
+    ceiling: float | None = None  # the most the attack's test can show at all (the DP audit: every guess right)
+
+    @property
+    def capped(self) -> bool:
+        """The test cannot reach the claim whatever the attack does: a low says nothing about the claim."""
+        return self.claim is not None and self.ceiling is not None and self.ceiling < self.claim
 
     @property
     def passed(self) -> bool:
-        return level(self.headline, self.value, self.baseline) != LOW
+        """Past the control's baseline by the medium threshold and, where the figure tests a claim, at the claim
+        (the attack could have refuted it)."""
+        reaches_claim = self.claim is None or self.value >= self.claim
+        return level(self.headline, self.value, self.baseline) != LOW and reaches_claim
+
+    @property
+    def limit_text(self) -> str:
+        """Why a capped test cannot refute its claim: "the audit can certify at most 1.52, below the claimed 8.00"."""
+        return f"the audit can certify at most {self.ceiling:.2f}, below the claimed {self.claim:.2f}"
 
     @property
     def text(self) -> str:
         digits = 1 if self.headline.unit else 3
+        claim = "" if self.claim is None else f" (claimed {self.claim:.{digits}f}{self.headline.unit})"
+        limit = f"; {self.limit_text}" if self.capped else ""
         return (f"{self.attack} on the control: {self.value:.{digits}f}{self.headline.unit} vs "
-                f"{self.baseline:.{digits}f}{self.headline.unit}, {'passed' if self.passed else 'failed'}")
+                f"{self.baseline:.{digits}f}{self.headline.unit}{claim}{limit}, "
+                f"{'passed' if self.passed else 'failed'}")
 
 
 def power_check(name: str, figures: dict, channel: Channel) -> PowerCheck | None:
@@ -78,7 +100,9 @@ def power_check(name: str, figures: dict, channel: Channel) -> PowerCheck | None
         value = figures.get(f"{CONTROL}.{headline.figure}")
         baseline = figures.get(f"{CONTROL_BASELINE}.{headline.figure}")
         if finite(value) and finite(baseline):
-            return PowerCheck(name, float(value), float(baseline), headline)
+            claim, ceiling = (figures.get(f"{group}.{headline.figure}") for group in (CLAIMED, CEILING))
+            return PowerCheck(name, float(value), float(baseline), headline,
+                              float(claim) if finite(claim) else None, float(ceiling) if finite(ceiling) else None)
     return None
 
 
@@ -103,7 +127,11 @@ class ChannelVerdict:
 
     @property
     def level_text(self) -> str:
-        """The level as a reader gets it: "inconclusive: the attack was too weak here"."""
+        """The level as a reader gets it: "inconclusive: the attack was too weak here", or for a DP audit whose
+        canaries cannot reach the claim "inconclusive: the audit can certify at most 1.52, below the claimed
+        8.00"."""
+        if self.level == INCONCLUSIVE and self.control is not None and self.control.capped:
+            return f"{INCONCLUSIVE}: {self.control.limit_text}"
         return LEVEL_TEXT.get(self.level, self.level)
 
     @property

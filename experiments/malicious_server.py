@@ -14,9 +14,20 @@ of tests/fakegrid.py (no Ray), vit-tiny-32 on photos.
    attack beats its baseline (kept-patch PSNR 6 dB above the mean image's; label L1 at most half the prior's),
    found by bisection between probes. Without the check the tampering works in round 1 (part 1);
 4. 20 honest rounds with the check on (4 clients): refusals (false alarms) and how close the models came to each
-   drift limit.
+   drift limit;
+5. the imprint (--tamper imprint, on fedavg and eftvit; `attack gradient --method imprint`): single patches
+   recovered with the check off for each client (client sizes 100 and 16 images), the check's refusals in rounds
+   1 and 2 (and in round 1 under trust-first-model), and the adaptive server: the rounds until the imprint fits
+   the check's bounds (the one-round bound from the public configuration, as the campaigns' nearest_within moves)
+   and the attack on the model it sends in the campaign's last declared round (a client of 64 images trained from
+   it in process);
+6. class fishing (--tamper class-fish, fedavg; `attack gradient --method fishing` at its defaults) with the check
+   off on the clients holding 1 to 3 images of the fished class, beside Inverting Gradients on the honest update of
+   the client holding one; the check's refusals; the adaptive server as in 5 (the probe: a client of 64 images,
+   one of the fished class; at rounds 1, 4, 16, 64, 128, 256 and 400: a partly fished head works long before the
+   whole tampering fits).
 
-    OMP_NUM_THREADS=1 python experiments/malicious_server.py --out /tmp/malicious [--parts 1 2 3 4]
+    OMP_NUM_THREADS=1 python experiments/malicious_server.py --out /tmp/malicious [--parts 1 2 3 4 5 6]
 """
 
 import argparse
@@ -30,7 +41,14 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from eftguard.attacks.tamper import disguised, nearest_within, tamper_state  # noqa: E402
+from eftguard.attacks.gradient import GradientObservation, LocalTraining  # noqa: E402
+from eftguard.attacks.fishing import FishingAttack  # noqa: E402
+from eftguard.attacks.imprint import ImprintAttack  # noqa: E402
+from eftguard import metrics  # noqa: E402
+from eftguard.attacks.tamper import DRIFT_MARGIN, disguised, fished_class, nearest_within, tamper_state  # noqa: E402
+from eftguard.data.plan import run_dataset  # noqa: E402
+from eftguard.model import patch_pixels  # noqa: E402
+from eftguard.training import OptimConfig, train_local  # noqa: E402
 from eftguard.audit import run_attack  # noqa: E402
 from eftguard.runs import server_threat_of
 from eftguard.config import TAMPERINGS, TrainConfig  # noqa: E402
@@ -56,6 +74,11 @@ def train(path: Path, check: bool, node=None, **changes) -> RunDirectory:
         run_server(FakeGrid(cfg.clients, node_config={"model-check": check, **(node or {})}), run.path,
                    server_threat_of(cfg))
     return run
+
+
+def trained(path: Path, **changes) -> RunDirectory:
+    """A one-round run with the check off, trained once: a rerun of the script attacks it again."""
+    return RunDirectory.open(path) if (path / "metrics.jsonl").exists() else train(path, False, **changes)
 
 
 def refused(run: RunDirectory, round_number: int) -> str:
@@ -169,10 +192,120 @@ def campaign(out: Path, tamper: str) -> dict:
             "largest_distance_left": run.remaining(), "figures": {str(k): v for k, v in sorted(figures.items())}}
 
 
+IMPRINT = {"threat": "malicious", "tamper": "imprint"}
+EXACT_DB = 30.0
+
+
+def imprint_attack(run: RunDirectory) -> dict:
+    """`attack gradient --method imprint` on every client of the run's round 1."""
+    rows = {}
+    for client in range(run.config().clients):
+        report = run_attack(run.path, "gradient", "imprint", clients=[client], lpips_backend="stlpips-alex",
+                            power_check=False)
+        figures, details = report.figures(), report.details
+        rows[client] = {"images": run.metrics()[0]["num_examples"][str(client)],
+                        "filled_bins": details["filled_bins"], "single_token_bins": details["single_token_bins"],
+                        "patches_above_30_db": details["patches_above_30_db"],
+                        **{k: figures[k] for k in ("psnr_kept", "ssim_kept", "baseline_kept.psnr",
+                                                   "baseline_kept.ssim")}}
+    return rows
+
+
+def imprint_probe(cfg: TrainConfig, state: dict[str, np.ndarray], images: int = 64) -> dict:
+    """A client holding the run's first `images` training images trains one round (the run's optimiser, one epoch) from
+    the model an adaptive server sends, and the imprint attack reads its update: patches recovered, their PSNR
+    against the nearest patch of the client's images at the same position (beside the mean public image's patch
+    there, matched the same way)."""
+    model = build_model(cfg.model, 10, cfg.local_layers, seed=cfg.seed)
+    model.load_state_dict({k: torch.from_numpy(v.astype(np.float32)) for k, v in state.items()})
+    sent = build_model(cfg.model, 10, cfg.local_layers, seed=cfg.seed)
+    sent.load_state_dict(model.state_dict())
+    data = run_dataset(cfg.dataset, cfg.data_dir, cfg.model, cfg.train_samples, 0, cfg.seed).train
+    pixels, labels = torch.from_numpy(data.images[:images]), torch.from_numpy(data.labels[:images])
+    optim = OptimConfig(cfg.local_epochs, cfg.batch_size, cfg.lr, cfg.weight_decay)
+    train_local(model, pixels, labels, cfg.method, cfg.mask_ratio, optim, torch.Generator().manual_seed(cfg.seed))
+    uploaded = {k: v.detach().clone() for k, v in model.named_parameters()}
+    patch = int(sent.local_module.patch_embed.patch_size[0])
+    training = LocalTraining(uploaded, images, cfg.local_epochs, cfg.batch_size, cfg.lr, cfg.weight_decay,
+                             sent.local_module.num_patches, None)
+    size = data.images.shape[1]
+    result = ImprintAttack().reconstruct(GradientObservation(sent, {}, 1, size, sent.mean, sent.std,
+                                                             local_training=training))
+    truth = patch_pixels(pixels.permute(0, 3, 1, 2).double() / 255, patch)
+    recovered = patch_pixels(torch.from_numpy(result.images).permute(0, 3, 1, 2).double(), patch)
+    mean_image = patch_pixels(torch.from_numpy(run_dataset(cfg.dataset, cfg.data_dir, cfg.model, cfg.train_samples,
+                                                           0, cfg.seed).public.images).permute(0, 3, 1, 2).double()
+                              .div(255).mean(dim=0, keepdim=True), patch)[0]
+
+    def nearest_psnr(guess: torch.Tensor, at: int) -> float:
+        error = float(((truth[:, at] - guess) ** 2).mean(dim=1).min())
+        return min(60.0, -10 * np.log10(max(error, 1e-12)))
+
+    positions = result.kept_ids[:, 0]
+    psnr = np.array([nearest_psnr(recovered[i, at], at) for i, at in enumerate(positions)])
+    baseline = np.array([nearest_psnr(mean_image[at], at) for at in positions])
+    return {**result.details, "patches_above_30_db": int((psnr >= EXACT_DB).sum()),
+            "median_psnr": float(np.median(psnr)), "median_psnr_of_the_mean_image": float(np.median(baseline))}
+
+
+def fishing_probe(cfg: TrainConfig, state: dict[str, np.ndarray], images: int = 64) -> dict:
+    """A client holding one image of the fished class and `images` - 1 of others trains one round from the model an
+    adaptive server sends; `attack gradient --method fishing` (its defaults) on its update, scored against that
+    image beside the mean public image."""
+    model = build_model(cfg.model, 10, cfg.local_layers, seed=cfg.seed)
+    model.load_state_dict({k: torch.from_numpy(v.astype(np.float32)) for k, v in state.items()})
+    sent = build_model(cfg.model, 10, cfg.local_layers, seed=cfg.seed)
+    sent.load_state_dict(model.state_dict())
+    dataset = run_dataset(cfg.dataset, cfg.data_dir, cfg.model, cfg.train_samples, 0, cfg.seed)
+    fished = fished_class(cfg, 10)
+    chosen = np.concatenate([np.flatnonzero(dataset.train.labels == fished)[:1],
+                             np.flatnonzero(dataset.train.labels != fished)[:images - 1]])
+    pixels, labels = torch.from_numpy(dataset.train.images[chosen]), torch.from_numpy(dataset.train.labels[chosen])
+    optim = OptimConfig(cfg.local_epochs, cfg.batch_size, cfg.lr, cfg.weight_decay)
+    train_local(model, pixels, labels, cfg.method, cfg.mask_ratio, optim, torch.Generator().manual_seed(cfg.seed))
+    steps = cfg.local_epochs * int(np.ceil(images / cfg.batch_size))
+    after = dict(model.named_parameters())
+    gradients = {name: (p.detach() - after[name].detach()) / (cfg.lr * steps) - cfg.weight_decay * p.detach()
+                 for name, p in sent.named_parameters()}
+    public = dataset.public.images.astype(np.float32) / 255
+    size = public.shape[1]
+    result = FishingAttack().reconstruct(GradientObservation(sent, gradients, 1, size, sent.mean, sent.std,
+                                                             prior=public.mean(axis=0)))
+    truth = pixels[:1].numpy().astype(np.float32) / 255
+    return {"psnr": float(metrics.psnr(result.images, truth)[0]),
+            "baseline.psnr": float(metrics.psnr(public.mean(axis=0)[None], truth)[0]),
+            "gradient_cosine_distance": result.details["gradient_cosine_distance"]}
+
+
+def adaptive_campaign(tamper: str, probe, declared_rounds: int = CAMPAIGN_ROUNDS,
+                      probe_rounds: tuple[int, ...] = (CAMPAIGN_ROUNDS,)) -> dict:
+    """Rounds until a tampering fits the check's bounds at the defaults of `eftguard train` on fedavg: per
+    coordinate the distance to it (its zeroed weights disguised) over DRIFT_MARGIN of the one-round bound from the
+    initial model; and its attack (probe) on the model the adaptive server sends in each of probe_rounds (round r:
+    the tampering clipped to r - 1 rounds' bound from the initial model, where the campaign's steady drift is)."""
+    cfg = TrainConfig(method="fedavg", threat="adaptive", tamper=tamper, rounds=declared_rounds).resolved()
+    model = build_model(cfg.model, 10, cfg.local_layers, seed=cfg.seed)
+    initial = {k: v.numpy().astype(np.float64) for k, v in model.state_dict().items()}
+    target = disguised({k: v.numpy().astype(np.float64) for k, v in
+                        tamper_state(tamper, model.state_dict(), cfg, 0).items()}, initial)
+    limits = model_check_limits(cfg)
+    one_round = limits(2, initial, 1)
+    needed = {k: float(np.max(np.abs(target[k] - initial[k]) / (DRIFT_MARGIN * np.maximum(one_round[k], 1e-30))))
+              for k in target}
+    slowest = max(needed, key=needed.get)
+    attacks = {}
+    for round_number in probe_rounds:
+        sent = nearest_within(target, [(initial, limits(round_number, initial, round_number - 1))])
+        attacks[f"attack_in_round_{round_number}"] = probe(cfg, sent)
+        print(json.dumps({tamper: {round_number: attacks[f"attack_in_round_{round_number}"]}}), flush=True)
+    return {"rounds_to_fit": 1 + int(np.ceil(needed[slowest])), "slowest_parameter": slowest,
+            "one_round_bound_of_it": float(one_round[slowest].max()), **attacks}
+
+
 def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--out", type=Path, required=True)
-    parser.add_argument("--parts", type=int, nargs="+", default=[1, 2, 3, 4])
+    parser.add_argument("--parts", type=int, nargs="+", default=[1, 2, 3, 4, 5, 6])
     args = parser.parse_args()
     out = args.out
     results_file = out / "results.json"
@@ -221,6 +354,59 @@ def main() -> None:
                              "median_share_of_limit": float(np.median([r[1] for r in rows])),
                              "largest_share_of_limit_from_initial": max(r[3] for r in rows)}
         print(json.dumps({"honest": results["honest"]}), flush=True)
+    if 5 in args.parts:
+        results["imprint"] = {}
+        for name, changes in {"fedavg, 100 images per client": {"method": "fedavg"},
+                              "fedavg, 16 images per client": {"method": "fedavg", "train_samples": 64},
+                              "eftvit, 100 images per client": {"method": "eftvit"}}.items():
+            run = train(out / f"imprint-{name.replace(', ', '-').replace(' ', '')}", False, rounds=1,
+                        **IMPRINT, **changes)
+            results["imprint"][name] = imprint_attack(run)
+            print(json.dumps({name: results["imprint"][name]}), flush=True)
+        results["imprint"]["caught"] = {
+            "round 1": refused(train(out / "imprint-check-r1", True, rounds=1, method="fedavg", **IMPRINT), 1),
+            "round 2": refused(train(out / "imprint-check-r2", True, rounds=2, tamper_round=2, method="fedavg",
+                                     **IMPRINT), 2),
+            "round 1, trust-first-model": refused(train(out / "imprint-check-r1-tofu", True,
+                                                        {"trust-first-model": True}, rounds=1, method="fedavg",
+                                                        **IMPRINT), 1)}
+        print(json.dumps({"caught": results["imprint"]["caught"]}), flush=True)
+        results["imprint"]["adaptive"] = adaptive_campaign("imprint", imprint_probe)
+        print(json.dumps({"adaptive": results["imprint"]["adaptive"]}), flush=True)
+    if 6 in args.parts:
+        fishing = results["fishing"] = {}
+        run = trained(out / "fishing", rounds=1, method="fedavg", threat="malicious", tamper="class-fish")
+        honest = trained(out / "fishing-honest", rounds=1, method="fedavg")
+        fished = fished_class(run.config(), 10)
+        counts = {k: int(run.load_truth(1, k)["class_counts"][fished]) for k in range(run.config().clients)}
+        fishing["of_the_fished_class"] = counts
+        # IG on a ViT costs minutes on a CPU: the clients holding 1 to 3 images of the fished class, fewest first
+        for client in sorted((k for k, n in counts.items() if 1 <= n <= 3), key=counts.get):
+            report = run_attack(run.path, "gradient", "fishing", clients=[client], lpips_backend="stlpips-alex",
+                                power_check=False)
+            figures = report.figures()
+            fishing[client] = {"images": run.metrics()[0]["num_examples"][str(client)],
+                               "of_the_fished_class": counts[client],
+                               "matched_the_fished_class": report.details["label_accuracy"]["mean"],
+                               **{k: figures[k] for k in ("psnr", "ssim", "baseline.psnr", "baseline.ssim")}}
+            if counts[client] == 1:
+                plain = run_attack(honest.path, "gradient", "ig", clients=[client], start="prior", match="body",
+                                   lpips_backend="stlpips-alex", power_check=False).figures()
+                fishing[client]["honest round, ig --start prior --match body"] = {
+                    k: plain[k] for k in ("psnr", "ssim", "baseline.psnr", "baseline.ssim")}
+            print(json.dumps({"fishing": {client: fishing[client]}}), flush=True)
+            if counts[client] == 1:
+                fishing["caught"] = {
+                    "round 1": refused(train(out / "fishing-check-r1", True, rounds=1, method="fedavg",
+                                             threat="malicious", tamper="class-fish"), 1),
+                    "round 1, trust-first-model": refused(train(out / "fishing-check-r1-tofu", True,
+                                                                {"trust-first-model": True}, rounds=1,
+                                                                method="fedavg", threat="malicious",
+                                                                tamper="class-fish"), 1)}
+                print(json.dumps({"caught": fishing["caught"]}), flush=True)
+                fishing["adaptive"] = adaptive_campaign("class-fish", fishing_probe,
+                                                        probe_rounds=(1, 4, 16, 64, 128, 256, CAMPAIGN_ROUNDS))
+                print(json.dumps({"adaptive": fishing["adaptive"]}), flush=True)
     out.mkdir(parents=True, exist_ok=True)
     results_file.write_text(json.dumps(results, indent=1))
 

@@ -364,8 +364,8 @@ def test_the_demo_is_an_audit_of_both_methods(monkeypatch):
                                           "stlpips-alex", "--precision", "fp32"])  # auto: tests/test_precision.py
     audit = cli.demo_audit(args)
     assert [c.id for c in audit.configurations] == ["method=eftvit", "method=fedavg"]
-    assert {(c.config.rounds, c.config.train_samples, c.config.test_samples) for c in audit.configurations} == {
-        (2, 1500, 500)}
+    assert {(c.config.rounds, c.config.train_samples, c.config.test_samples, c.config.keep_rounds)
+            for c in audit.configurations} == {(2, 1500, 500, "last")}  # it attacks the last round only
     assert [(a.name, a.options) for a in audit.attacks] == [
         ("invert-decoder", {"steps": 7, "max_images": 32, "lpips_backend": "stlpips-alex", "precision": "fp32"}),
         ("labels-head", {}), ("labels-bias-corrected", {}),

@@ -13,11 +13,13 @@ from scipy.stats import norm
 
 from eftguard.attacks.dp_audit import CanaryAttack, gradient_alignment
 from eftguard.audit import observe, run_attack, scoring
+from eftguard.channels import CHANNELS
 from eftguard.audit.families import DPAuditFamily
 from eftguard.audit.scoring import audit_p_value, epsilon_lower_bound, guess_inclusion
 from eftguard.canaries import canary_set, inclusion_bits, with_canaries
 from eftguard.cli import main
 from eftguard.rundir import RunDirectory
+from eftguard.verdict import INCONCLUSIVE, verdict
 from conftest import attacks_guarded, train_in_process, truth_out_of_reach
 
 DELTA = 1e-5
@@ -77,12 +79,20 @@ def test_the_bound_grows_with_every_right_guess():
     assert bounds[-1] > bounds[-2] > bounds[30] > 0
 
 
-def brute_force_p_value(canaries: int, guesses: int, correct: int, epsilons: np.ndarray, delta: float) -> np.ndarray:
-    """The same tail, at every epsilon, from all 2^r outcomes of r randomised-response guesses, term by term."""
+def outcome_mass(guesses: int, epsilons: np.ndarray) -> np.ndarray:
+    """[r + 1, len(epsilons)]: the probability of each number of right guesses, at every epsilon, summed over all
+    2^r outcomes of r randomised-response guesses."""
     q = np.exp(epsilons) / (1 + np.exp(epsilons))
     mass = np.zeros((guesses + 1, len(q)))
     for right in map(sum, itertools.product((0, 1), repeat=guesses)):
         mass[right] += q ** right * (1 - q) ** (guesses - right)
+    return mass
+
+
+def brute_force_p_value(canaries: int, guesses: int, correct: int, epsilons: np.ndarray, delta: float,
+                        mass: np.ndarray | None = None) -> np.ndarray:
+    """The same tail, at every epsilon, from all 2^r outcomes of r randomised-response guesses, term by term."""
+    mass = outcome_mass(guesses, epsilons) if mass is None else mass
     tail = mass[correct:].sum(axis=0)
     worst = np.max([mass[correct - i:correct].sum(axis=0) / i for i in range(1, correct + 1)], axis=0)
     return np.minimum(1.0, tail + 2 * canaries * delta * worst)
@@ -99,6 +109,32 @@ def test_the_bound_matches_a_brute_force_tail_and_grid_search(canaries, guesses,
     rejected = grid[brute <= 0.05]  # the largest epsilon on a fine grid that the audit still rejects
     expected = rejected.max() if len(rejected) else 0.0
     assert epsilon_lower_bound(canaries, guesses, correct, delta, 0.95) == pytest.approx(expected, abs=0.0015)
+
+
+def brute_force_ceiling(canaries: int, confidence: float, delta: float, guesses: int | None = None) -> float:
+    """The largest epsilon any outcome rejects, by enumeration: every guess count r (or the one given) and every
+    number of right guesses v <= r, each tail summed over all 2^r outcomes (brute_force_p_value), on a fine grid."""
+    grid = np.arange(0, 6, 0.001)
+    best = 0.0
+    for r in [guesses] if guesses else range(1, canaries + 1):
+        mass = outcome_mass(r, grid)
+        for v in range(1, r + 1):  # no right guess rejects nothing
+            rejected = grid[brute_force_p_value(canaries, r, v, grid, delta, mass) <= 1 - confidence]
+            best = max(best, rejected.max() if len(rejected) else 0.0)
+    return best
+
+
+@pytest.mark.parametrize("canaries, delta", [(10, 0.0), (11, 1e-3)])
+def test_the_ceiling_is_the_largest_bound_any_guesses_among_the_canaries_can_show(canaries, delta):
+    """epsilon_ceiling(m, r) (every one of r guesses right) is the most r guesses can show, and with r = m the most
+    m canaries can show: a claim above it cannot be refuted, however strong the score."""
+    from eftguard.audit.scoring import epsilon_ceiling
+
+    assert epsilon_ceiling(canaries, canaries, delta, 0.95) == pytest.approx(
+        brute_force_ceiling(canaries, 0.95, delta), abs=0.0015)
+    assert epsilon_ceiling(canaries, 6, delta, 0.95) == pytest.approx(
+        brute_force_ceiling(canaries, 0.95, delta, guesses=6), abs=0.0015)
+    assert epsilon_ceiling(canaries, 6, delta, 0.95) < epsilon_ceiling(canaries, canaries, delta, 0.95)
 
 
 # --- canaries in a real run -----------------------------------------------------------------------------------
@@ -147,7 +183,7 @@ def test_the_audit_never_sees_the_bits_and_finds_the_uploaded_canaries(canary_ru
     monkeypatch.setattr(DPAuditFamily, "observe", observe_without_truth)
     calls = attacks_guarded(monkeypatch, canary_run, CanaryAttack)
     report = run_attack(canary_run, "dp-audit", channel="features")
-    assert calls == ["CanaryAttack"]
+    assert calls == ["CanaryAttack", "CanaryAttack"]  # the run, then its power check, both without truth/
     details = report.details
     assert details["claimed_epsilon"] == "no DP" and details["canaries"] == 32 and details["guesses"] == 16
     # a canary's own tokens match its uploaded row: the features give most guesses away (12 or more of 16 right
@@ -159,10 +195,31 @@ def test_a_bound_above_the_claimed_epsilon_is_reported_as_a_bug(canary_run, monk
     from eftguard.audit import scoring
 
     monkeypatch.setattr(scoring, "claimed_privacy", lambda run, sources: (0.01, 1e-5))
-    report = run_attack(canary_run, "dp-audit", channel="features")
+    report = run_attack(canary_run, "dp-audit", channel="features", power_check=False)
     assert report.details["epsilon_lower_bound"] > 0.01
     assert "from the features channel exceeds the claimed total epsilon 0.010" in report.details["warning"]
     assert report.figures()["claimed.epsilon_lower_bound"] == 0.01
+
+
+@pytest.fixture(scope="module")
+def overfit_canary_run(tmp_path_factory, micro_preset):
+    """A one-round EFTViT run of the micro ViT without DP: 40 natural images and 32 mislabelled canaries, 10 local
+    epochs, so that an upload gives its included canaries away."""
+    return train_in_process(tmp_path_factory.mktemp("runs") / "overfit", canaries=32, train_samples=40,
+                            local_epochs=10, model=micro_preset)
+
+
+def test_without_dp_the_control_passes_and_backs_the_verdict(overfit_canary_run):
+    # measured: 15 of 16 guesses right on the control (bound 1.03); 13 suffice for the medium threshold (0.34),
+    # and 13 or more right by chance has probability 1%
+    report = run_attack(overfit_canary_run, "dp-audit", channel="features")
+    figures = report.figures()
+    assert figures["control_baseline.epsilon_lower_bound"] == 0.0  # guesses at chance, as the headline's baseline
+    assert figures["control.epsilon_lower_bound"] >= CHANNELS["dp-audit"].headlines[0].levels.medium_from
+    assert figures["control.epsilon_lower_bound"] <= figures["ceiling.epsilon_lower_bound"]
+    assert "fresh coins" in report.details["power_check"] and "inconclusive" not in report.details
+    check = {v.family: v for v in verdict([report])}["dp-audit"].control
+    assert check.passed and check.claim is None
 
 
 def test_the_cli_writes_the_report(canary_run, tmp_path, capsys):
@@ -174,8 +231,9 @@ def test_the_cli_writes_the_report(canary_run, tmp_path, capsys):
 
 
 def test_the_api_and_the_cli_write_the_same_report(canary_run, tmp_path):
-    run_attack(canary_run, "dp-audit", channel="parameters", guesses_in=6, out=tmp_path / "api")
-    main(["attack", "dp-audit", str(canary_run), "--guesses-in", "6", "--out", str(tmp_path / "cli")])
+    run_attack(canary_run, "dp-audit", channel="parameters", guesses_in=6, out=tmp_path / "api", power_check=False)
+    main(["attack", "dp-audit", str(canary_run), "--guesses-in", "6", "--no-power-check", "--out",
+          str(tmp_path / "cli")])
     api, cli = (json.loads((tmp_path / side / "dp-audit-canary" / "report.json").read_text())
                 for side in ("api", "cli"))
     for report in (api, cli):
@@ -245,6 +303,15 @@ def test_a_dp_run_with_canaries_keeps_every_upload_and_its_bound_stays_below_the
         claimed = report.figures()["claimed.epsilon_lower_bound"]
         assert 0.995 * 8 <= claimed <= 8.0  # the total, both channels composed: the run spends all of epsilon 8
         assert report.figures()["epsilon_lower_bound"] <= claimed and "warning" not in report.details
+        # 16 guesses among 32 canaries certify at most 1.58: the audit cannot refute epsilon 8, and its low says so
+        # (measured: bound 0 on both channels; the features control 1.58 without DP, still below the claim)
+        ceiling = report.figures()["ceiling.epsilon_lower_bound"]
+        assert ceiling == pytest.approx(scoring.epsilon_ceiling(32, 16, report.details["delta"], 0.95))
+        assert report.details["inconclusive"].startswith(f"32 canaries can certify at most {ceiling:.3f}")
+        v = {v.family: v for v in verdict([report])}["dp-audit"]
+        assert v.level == INCONCLUSIVE and v.control.capped and not v.control.passed
+        assert v.level_text == (f"inconclusive: the audit can certify at most {ceiling:.2f}, below the claimed "
+                                f"{claimed:.2f}")
 
 
 # --- gradient canaries on the parameter channel -------------------------------------------------------------

@@ -1,7 +1,7 @@
 """The power check behind every verdict (issue 36, item 2): each image family, and the labels family, runs the same
 attack with the same budget on public images through the same channel with the defense off, stores the control's
 figures beside the attack's, and the verdict reads a low as inconclusive when the control failed, unchecked when
-none ran."""
+none ran. The DP audit's control must also reach the claimed epsilon (its end-to-end tests: test_dp_audit.py)."""
 
 import numpy as np
 import pytest
@@ -194,3 +194,31 @@ def test_a_dp_run_reads_low_for_labels_beside_a_passing_power_check(tmp_path, mi
     report = run_attack(run, "labels", "bias-corrected")
     v = channel_of(report)
     assert v.level == verdict.LOW and v.control.passed, (v.value, v.baseline, v.control)
+
+
+def dp_audit_verdict(bound: float, control: float, ceiling: float, claim: float | None = None):
+    """The DP-audit channel's verdict from one dp-audit attack's figures, as summary.json holds them."""
+    figures = {"epsilon_lower_bound": bound, "control.epsilon_lower_bound": control,
+               "control_baseline.epsilon_lower_bound": 0.0, "ceiling.epsilon_lower_bound": ceiling}
+    if claim is not None:
+        figures["claimed.epsilon_lower_bound"] = claim
+    verdicts = verdict.verdict_of_attacks({"dp-audit-canary": {"family": "dp-audit", "figures": figures}})
+    return {v.family: v for v in verdicts}["dp-audit"]
+
+
+def test_a_dp_audit_low_holds_only_where_its_control_could_have_refuted_the_claim():
+    """Without a claim (a run without DP) the control needs the medium threshold (0.2); with one, it must also
+    reach the claim; a claim above what every guess right certifies reads inconclusive, naming that ceiling."""
+    from eftguard.report import control_cell
+
+    assert dp_audit_verdict(0.0, 0.5, 2.3).level == verdict.LOW
+    assert dp_audit_verdict(0.0, 0.1, 2.3).level == verdict.INCONCLUSIVE
+    assert dp_audit_verdict(0.0, 1.1, 2.3, claim=1.0).level == verdict.LOW
+    weak = dp_audit_verdict(0.0, 0.5, 2.3, claim=1.0)  # past the medium threshold, short of the claim
+    assert weak.level == verdict.INCONCLUSIVE and weak.level_text == verdict.LEVEL_TEXT[verdict.INCONCLUSIVE]
+    capped = dp_audit_verdict(0.0, 2.3, 2.3, claim=8.0)  # every guess right on the control, still short
+    assert capped.level == verdict.INCONCLUSIVE and capped.control.capped
+    assert capped.level_text == "inconclusive: the audit can certify at most 2.30, below the claimed 8.00"
+    assert control_cell(capped).endswith("(failed); the audit can certify at most 2.30, below the claimed 8.00")
+    assert "(claimed 8.000)" in capped.control_text
+    assert dp_audit_verdict(0.9, 0.0, 2.3, claim=8.0).level == verdict.HIGH  # a bound shown is shown

@@ -72,21 +72,6 @@ def test_partial_round_is_not_complete_and_is_discarded(run):
     assert run.verify() == []
 
 
-def test_dropping_earlier_uploads_keeps_the_run_complete_and_resumable(run):
-    """eftguard demo keeps only the attacked round's uploads: the run must still read as complete and intact."""
-    for r in (0, 1, 2):
-        run.save_checkpoint(r, {"w": torch.zeros(1)})
-    for r in (1, 2):
-        run.save_upload(r, 0, "update", {"w": np.full(4, r, np.float32)})
-        run.save_truth(r, 0, {"class_counts": np.zeros(10, np.int64)})
-        run.append_metrics({"round": r})
-    run.drop_uploads_before(2)
-    assert not (run.path / "observed/round-0001").exists() and not (run.path / "truth/round-0001").exists()
-    assert run.load_upload(2, 0, "update")["w"][0] == 2 and run.truth_path(2, 0).exists()
-    assert run.uploaded_partitions(1) == [] and run.checkpoint_path(1).exists()
-    assert run.verify() == [] and run.completed_rounds() == 2 and run.resume() == 2
-
-
 def test_existing_directory_is_not_overwritten(run):
     with pytest.raises(RunError, match="--resume"):
         RunDirectory.create(run.path, TrainConfig().resolved())

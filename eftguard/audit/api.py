@@ -29,6 +29,7 @@ from eftguard.methods import method_spec
 from eftguard.options import SEED_LIMIT, option, options_of, whole_number
 from eftguard.paths import input_file_problem, unwritable_reason
 from eftguard.report import write_attack_report
+from eftguard.retention import ranges
 from eftguard.rundir import RunDirectory, RunError, client_name, round_name
 
 SEED = whole_number(0, SEED_LIMIT)
@@ -166,9 +167,14 @@ def resolve_round(run: RunDirectory, round_number: int | None) -> int:
     if completed == 0:
         raise RunError(f"{run.path} has no completed round to attack: train it first (or --resume it)")
     if round_number is None:
-        return completed
-    if not 1 <= round_number <= completed:
+        round_number = completed
+    elif not 1 <= round_number <= completed:
         raise RunError(f"--round {round_number} is not a completed round of {run.path} (choose 1..{completed})")
+    retention = run.retention
+    if round_number not in retention.rounds_kept:
+        kept = [t for t in retention.rounds_kept if t <= completed]
+        raise RunError(f"round {round_number} of {run.path} was not kept (--keep-rounds {retention.keep_rounds}): "
+                       f"rounds with uploads to attack: {ranges(kept)}")
     return round_number
 
 
@@ -182,7 +188,8 @@ def round_clients(run: RunDirectory, round_number: int, choice: str = "all") -> 
     wanted = sorted({int(c) for c in choice.split(",")})
     missing = [c for c in wanted if c not in present]
     if missing or not wanted:
-        raise RunError(f"no uploads of client(s) {missing} in round {round_number}; clients with uploads: {present}")
+        raise RunError(f"no uploads of client(s) {missing} in round {round_number}; clients with uploads: {present}"
+                       f"{run.kept_uploads_note()}")
     return wanted
 
 

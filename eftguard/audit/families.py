@@ -21,6 +21,8 @@ from eftguard.attack_report import AttackReport
 from eftguard.attacks.base import Attack, AttackError, Registry, ThreatModel
 from eftguard.attacks.dp_audit import CHANNELS, DP_AUDIT
 from eftguard.attacks.gradient import GRADIENT
+from eftguard.attacks.fishing import FishingAttack  # noqa: F401  registers the gradient family's fishing method
+from eftguard.attacks.imprint import ImprintAttack  # noqa: F401  registers the gradient family's imprint method
 from eftguard.attacks.inversion import INVERT
 from eftguard.attacks.labels import LABELS
 from eftguard.attacks.membership import MEMBERSHIP, TARGETS, LossAttack, reference_threat
@@ -279,6 +281,7 @@ class GradientOptions:
     batch: int = option(1, "images to reconstruct; with --observe probe also the probe's batch size", whole_number(1))
 
 
+EXACT_PATCH_DB = 30.0  # a patch attack's count of patches recovered at least this well (report details)
 ORIGINALS = {
     "probe": "the probe's batch; reconstructions matched to it one-to-one (Hungarian, MSE)",
     "upload": "each reconstruction scored against the client training image it matches best (one-to-one, MSE): "
@@ -322,12 +325,41 @@ class GradientFamily(Family):
         public = public_images(job.run)
         prior = public.mean(axis=0)
         partition, batch = job.clients[0], job.options["batch"]
+        sent = self.sent(job, attack)
         if job.options["observe"] == "probe":
+            if sent is not None:
+                raise AttackError(f"the {attack.name} attack reads the update of a tampered round: use --observe "
+                                  "upload")
             obs, probe, details = observe.probe_observation(job.run, job.round_number, partition, batch, job.seed,
                                                             prior)
         else:
-            (obs, details), probe = observe.upload_observation(job.run, job.round_number, partition, batch, prior), None
-        return Observed(obs, {"probe": probe, "details": details, "public": public})
+            (obs, details), probe = observe.upload_observation(job.run, job.round_number, partition, batch, prior,
+                                                               sent), None
+        return Observed(obs, {"probe": probe, "details": details, "public": public, "sent": sent})
+
+    @staticmethod
+    def sent(job: Job, attack: Attack):
+        """The tampered model a malicious-server attack's round was sent (None for the others); refused where the
+        round carries another tampering than the one the attack reads."""
+        if attack.threat_model.server != "malicious":
+            return None
+        tampered = job.run.metrics()[job.round_number - 1]["tampered"]
+        if tampered != attack.tampering:
+            raise AttackError(f"round {job.round_number} of {job.run.path} was tampered with {tampered}: the "
+                              f"{attack.name} method reads a round of --tamper {attack.tampering}")
+        return observe.sent_model(job.run, job.round_number)
+
+    @staticmethod
+    def matched(attack: Attack, result, pool: np.ndarray, patch: int) -> tuple[np.ndarray, np.ndarray | None]:
+        """Each reconstruction's original in the pool, and its scored pixels where the attack says (bool [n, H, W];
+        None: the pool's own masks decide). An image attack: a one-to-one match by MSE. A patch attack (one patch
+        per reconstruction, at result.kept_ids): the pool image whose patch there is nearest (several recovered
+        patches may come from one image)."""
+        if getattr(attack, "recovers", "images") != "patches":
+            return metrics.match_to_pool(result.images, pool), None
+        kept = metrics.kept_pixels(result.kept_ids, pool.shape[1], patch)
+        errors = [((pool - image) ** 2)[:, mask].sum(axis=(1, 2)) for image, mask in zip(result.images, kept)]
+        return np.array([int(np.argmin(e)) for e in errors]), kept
 
     def score(self, job: Job, attack: Attack, observed: Observed, result, seconds: float) -> AttackReport:
         partition, probe = job.clients[0], observed.auditor["probe"]
@@ -336,15 +368,17 @@ class GradientFamily(Family):
         else:
             data = scoring.client_training_set(job.run, partition)
             pool, pool_labels, pool_keep = scoring.as_float_images(data.images), data.labels, upload_masks(observed)
-        rows = metrics.match_to_pool(result.images, pool)
         obs = observed.observation
         patch = int(obs.model.local_module.patch_embed.patch_size[0])
-        kept = metrics.kept_pixels(pool_keep[rows], obs.image_size, patch) if pool_keep is not None else None
-        labels = (np.asarray(result.details["labels"]), pool_labels)
+        rows, kept = self.matched(attack, result, pool, patch)
+        true_kept = pool_keep[rows] if pool_keep is not None and kept is None else None
+        if true_kept is not None:
+            kept = metrics.kept_pixels(true_kept, obs.image_size, patch)
+        labels = (np.asarray(result.details["labels"]), pool_labels) if "labels" in result.details else None
         lpips = metrics.load_lpips(job.lpips_backend)
         scores = scoring.score_client(partition, replace(result, rows=rows), pool[rows], kept,
-                                      observed.auditor["public"], lpips, patch,
-                                      pool_keep[rows] if pool_keep is not None else None, labels, client_images=pool,
+                                      observed.auditor["public"], lpips, patch, true_kept, labels,
+                                      client_images=pool,
                                       same_label=(pool_labels[rows], observe.run_public_labels(job.run.config())),
                                       features=scoring.model_features(job.run.start_model(job.round_number)))
         details = {**observed.auditor["details"], "method": attack.summary, "observe": job.options["observe"],
@@ -355,6 +389,11 @@ class GradientFamily(Family):
                                 "no masking"}
         if hasattr(attack, "steps"):
             details["steps"] = attack.steps
+        if getattr(attack, "recovers", "images") == "patches":
+            details["originals"] = ("each recovered patch scored against the client training image whose patch at "
+                                    "its position is nearest (several patches may come from one image)")
+            details[f"patches_above_{EXACT_PATCH_DB:g}_db"] = int(
+                (scores.groups["metrics_kept"]["psnr"] >= EXACT_PATCH_DB).sum())
         return self.report(job, attack, scoring.image_summary([scores], details), lpips.name, scores.grid_rows)
 
     def control(self, job: Job, attack: Attack, observed: Observed, progress=None) -> tuple[dict, str]:
@@ -371,18 +410,20 @@ class GradientFamily(Family):
             count = obs.local_training.num_examples
             images, labels, _ = observe.public_sample(cfg, count, job.seed)
             control = observe.public_update_observation(job.run, job.round_number, partition, batch, obs.prior,
-                                                        images, labels)
+                                                        images, labels, observed.auditor["sent"])
             pool = images
             training = control.local_training
             pool_keep = first_masks(training.schedule, count) if training.mask_ratio is not None \
                 and training.schedule is not None else None
             what = (f"the same attack and budget on the update of the client's local training (its optimiser, "
-                    f"epochs and batches, no DP-SGD) run on {count} public images from the round's start weights")
+                    f"epochs and batches, no DP-SGD) run on {count} public images from the round's start weights"
+                    + (" (the tampered model the round was sent)" if observed.auditor["sent"] is not None else ""))
         result = attack.reconstruct(control, progress)
         truth = scoring.as_float_images(pool)
-        rows = metrics.match_to_pool(result.images, truth)
         patch = int(control.model.local_module.patch_embed.patch_size[0])
-        kept = metrics.kept_pixels(pool_keep[rows], control.image_size, patch) if pool_keep is not None else None
+        rows, kept = self.matched(attack, result, truth, patch)
+        if kept is None and pool_keep is not None:
+            kept = metrics.kept_pixels(pool_keep[rows], control.image_size, patch)
         return scoring.control_groups(result.images, truth[rows], kept, observed.auditor["public"]), what
 
 
@@ -449,28 +490,87 @@ class DPAuditFamily(Family):
                                                np.array(list(sources), dtype=np.int64))
         return Observed(observation, {"sources": sources})
 
+    def guessed_bound(self, job: Job, observed: Observed, scores: np.ndarray, bits: np.ndarray
+                      ) -> tuple[scoring.AuditGuesses, float, float | None, float]:
+        """(guesses, epsilon lower bound, claimed epsilon or None, delta) of canary scores against inclusion
+        bits, at the job's guess counts and confidence: the audit's statistic, for the run and its control."""
+        guesses = scoring.guess_inclusion(scores, bits, *self.guess_counts(job.options, len(bits)))
+        claimed, delta = scoring.claimed_privacy(job.run, observed.auditor["sources"])
+        bound = scoring.epsilon_lower_bound(guesses.canaries, guesses.guesses, guesses.correct, delta,
+                                            job.options["confidence"])
+        return guesses, bound, claimed, delta
+
     def score(self, job: Job, attack: Attack, observed: Observed, result, seconds: float) -> AttackReport:
         sources, options, cfg = observed.auditor["sources"], job.options, job.run.config()
         bits = scoring.canary_bits(job.run, sources)
-        guesses = scoring.guess_inclusion(result.scores, bits, *self.guess_counts(options, len(bits)))
-        claimed, delta = scoring.claimed_privacy(job.run, sources)
-        bound = scoring.epsilon_lower_bound(guesses.canaries, guesses.guesses, guesses.correct, delta,
-                                            options["confidence"])
+        guesses, bound, claimed, delta = self.guessed_bound(job, observed, result.scores, bits)
+        ceiling, every_canary = (scoring.epsilon_ceiling(guesses.canaries, r, delta, options["confidence"])
+                                 for r in (guesses.guesses, guesses.canaries))
         details = {"channel": options["channel"], "canary_kind": cfg.canary_kind, "score": result.details["score"],
                    "epsilon_lower_bound": round(bound, 4),
                    "claimed_epsilon": "no DP" if claimed is None else round(claimed, 4),
                    "delta": delta, "confidence": options["confidence"], **vars(guesses),
+                   "ceiling": (f"{guesses.guesses} guesses among {guesses.canaries} canaries certify at most "
+                               f"{ceiling:.3f} at confidence {options['confidence']} (every guess right; "
+                               f"{every_canary:.3f} guessing all {guesses.canaries})"),
                    "attack_seconds": round(seconds, 2)}
         if claimed is not None and bound > claimed:
             details["warning"] = (f"the epsilon lower bound {bound:.3f} from the {options['channel']} channel exceeds "
                                   f"the claimed total epsilon {claimed:.3f}: the trainer's DP guarantee does not "
                                   "hold (a bug)")
+        if claimed is not None and ceiling < claimed:
+            details["inconclusive"] = (f"{guesses.canaries} canaries can certify at most {ceiling:.3f} with these "
+                                       f"guesses, below the claimed {claimed:.3f}: this audit cannot refute the claim "
+                                       "(train with more --canaries, or audit a smaller epsilon)")
         right = np.r_[np.ones(guesses.correct), np.zeros(guesses.guesses - guesses.correct)]
         groups = {"metrics": {"epsilon_lower_bound": metrics.summarize(np.array([bound])),
-                              "guess_accuracy": metrics.summarize(right)}}
+                              "guess_accuracy": metrics.summarize(right)},
+                  "ceiling": {"epsilon_lower_bound": metrics.summarize(np.array([ceiling]))}}
         if claimed is not None:  # the claim beside the bound, in the report's table
             groups["claimed"] = {"epsilon_lower_bound": metrics.summarize(np.array([claimed]))}
         return self.report(job, attack, scoring.Summary(groups, {}, details), None)
+
+    def control(self, job: Job, attack: Attack, observed: Observed, progress=None) -> tuple[dict, str]:
+        """The same score, guesses and confidence on the same canaries with fresh seeded coins: each owner's local
+        training (no DP-SGD) on a mix of public images as skewed as the run's split (the loss-drop score depends on
+        it), as many as its natural ones, plus its included control canaries, gives its update and (features)
+        every row, released without clipping or noise. The verdict also wants this bound to reach the claimed
+        epsilon: below it the audit could not have refuted the claim."""
+        channel, obs = job.options["channel"], observed.observation
+        if channel == "model":
+            raise AttackError("the model channel's control would retrain the whole federation without DP; the "
+                              "parameters and features channels have one")
+        cfg = job.run.config()
+        bits = np.random.default_rng([job.seed, 31]).integers(0, 2, len(obs.labels))
+        natural = natural_counts(job, observed)
+        updates, features = {}, {}
+        for partition in sorted(obs.updates):
+            images, labels = observe.public_skewed_sample(cfg, natural[partition], job.seed + partition)
+            included = np.flatnonzero((obs.owners == partition) & (bits == 1))
+            updates[partition], features[partition] = observe.public_canary_upload(
+                job.run, job.round_number, partition, np.concatenate([images, obs.images[included]]),
+                np.concatenate([labels, obs.labels[included]]), list(obs.updates[partition]), channel == "features")
+        control = replace(obs, start_model=job.run.start_model(job.round_number), updates=updates,
+                          features=features if channel == "features" else {})
+        guesses, bound, _, _ = self.guessed_bound(job, observed, attack.reconstruct(control, progress).scores, bits)
+        return ({"control": {"epsilon_lower_bound": metrics.summarize(np.array([bound]))},
+                 "control_baseline": {"epsilon_lower_bound": metrics.summarize(np.array([0.0]))}},
+                f"the same score, guesses and confidence on the run's {guesses.canaries} canaries with fresh coins, "
+                f"each owner's local training (no DP-SGD) from the round's start weights on a Dirichlet({cfg.beta}) "
+                f"mix of public images, as many as its natural ones, and its included canaries"
+                f"{', every row released without clipping or noise' if channel == 'features' else ''}: "
+                f"{guesses.correct} of {guesses.guesses} guesses right")
+
+
+def natural_counts(job: Job, observed: Observed) -> dict[int, int]:
+    """Each attacked owner's natural images (its reported n_k less the canaries it counts: every canary it owns
+    under DP-SGD, whose schedule counts the whole pool, else those it included), so that the control's owners
+    train on as much as the run's."""
+    obs = observed.observation
+    reported = job.run.metrics()[job.round_number - 1]["num_examples"]
+    counted = scoring.canary_bits(job.run, observed.auditor["sources"]) if job.run.config().dp_eps <= 0 else \
+        np.ones(len(obs.owners), dtype=np.int64)
+    return {k: int(reported[str(k)]) - int(counted[obs.owners == k].sum()) for k in obs.updates}
 
 
 # --- membership ---------------------------------------------------------------------------------------------

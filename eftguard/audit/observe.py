@@ -21,6 +21,7 @@ from eftguard.attacks.gradient import GradientObservation, LocalTraining, prepar
 from eftguard.attacks.inversion import ClientFeatures, RoundFeatures, client_local_module
 from eftguard.attacks.labels import ClientUploads, LabelObservation
 from eftguard.attacks.membership import MembershipObservation
+from eftguard.attacks.tamper import tamper_state
 from eftguard.attacks.update_inversion import replay_schedule
 from eftguard.audit import scoring
 from eftguard.canaries import canary_set
@@ -138,6 +139,19 @@ def attack_model(run: RunDirectory, round_number: int) -> EFTViT:
     return model
 
 
+def sent_model(run: RunDirectory, round_number: int) -> EFTViT:
+    """The model the clients of a --threat malicious round received: the server's model with the round's tampering
+    (as eftguard.attacks.tamper.OneRoundTampering made it; the server knows what it sent)."""
+    cfg = run.config()
+    if cfg.threat != "malicious":
+        raise AttackError(f"{run.path} is a --threat {cfg.threat} run: the models its server sent are not recorded; "
+                          "attack a --threat malicious run")
+    model = attack_model(run, round_number)
+    tampering = run.metrics()[round_number - 1]["tampered"]
+    model.load_state_dict(tamper_state(tampering, model.state_dict(), cfg, seeded(cfg.seed, round_number, 8)))
+    return model
+
+
 def trained_names(model: EFTViT, method: str) -> list[str]:
     """Parameters a client trains (and uploads), as the method table says."""
     spec = method_spec(method)
@@ -223,14 +237,16 @@ def probe_of(run: RunDirectory, round_number: int, partition: int, images: np.nd
 
 
 def upload_observation(run: RunDirectory, round_number: int, partition: int, batch: int,
-                       prior: np.ndarray | None) -> tuple[GradientObservation, dict]:
+                       prior: np.ndarray | None, sent: EFTViT | None = None) -> tuple[GradientObservation, dict]:
     """The client's uploaded update as one scaled gradient. The server knows lr, weight decay, epochs and
-    batch size from the configuration and the client's sample count n_k (FedAvg's weight)."""
+    batch size from the configuration and the client's sample count n_k (FedAvg's weight). sent: the model the
+    client received where it is not the round's start model (a tampered round, sent_model)."""
     num_examples = run.metrics()[round_number - 1]["num_examples"][str(partition)]
     if batch > num_examples:
         raise RunError(f"--batch {batch} is larger than client {partition}'s {num_examples} training images")
     uploaded = run.load_upload(round_number, partition, "update")
-    return update_observation(run, round_number, partition, batch, prior, attack_model(run, round_number),
+    return update_observation(run, round_number, partition, batch, prior,
+                              attack_model(run, round_number) if sent is None else sent,
                               {k: torch.from_numpy(v) for k, v in uploaded.items()}, num_examples,
                               replayable=run.config().dp_eps <= 0)
 
@@ -280,15 +296,17 @@ def public_probe_observation(run: RunDirectory, round_number: int, partition: in
 
 
 def public_update_observation(run: RunDirectory, round_number: int, partition: int, batch: int,
-                              prior: np.ndarray | None, images: np.ndarray, labels: np.ndarray
-                              ) -> GradientObservation:
+                              prior: np.ndarray | None, images: np.ndarray, labels: np.ndarray,
+                              sent: EFTViT | None = None) -> GradientObservation:
     """The upload channel with the defense off: the client's local training (its optimiser, epochs, batches and
     masking, seeded as a simulated client seeds them; no DP-SGD) run on these public images from the round's
-    start weights, observed as the real upload is."""
+    start weights (or the tampered model the clients were sent), observed as the real upload is."""
     cfg = run.config()
-    model = attack_model(run, round_number)
+    model = attack_model(run, round_number) if sent is None else sent
     prune_as_client(run, round_number, partition, model, trained_names(model, cfg.method))
     trained = run.start_model(round_number)
+    if sent is not None:
+        trained.load_state_dict(sent.state_dict())
     prune_as_client(run, round_number, partition, trained, trained_names(trained, cfg.method))
     optim = OptimConfig(cfg.local_epochs, cfg.batch_size, cfg.lr * cfg.lr_factor(round_number), cfg.weight_decay)
     generator = torch.Generator().manual_seed(seeded(cfg.seed, round_number, partition, 1))
@@ -314,6 +332,39 @@ def public_skewed_sample(cfg, count: int, seed: int) -> tuple[np.ndarray, np.nda
     return public.images[chosen], public.labels[chosen]
 
 
+def train_as_client(run: RunDirectory, round_number: int, partition: int, images: np.ndarray, labels: np.ndarray
+                    ) -> tuple[EFTViT, torch.Generator]:
+    """The client's local training with the defense off: its optimiser, epochs, batches and masking, seeded as a
+    simulated client seeds them, no DP-SGD, on these images from the round's start weights. Returns the trained
+    model and the generator, drawn on as the client goes on to draw its feature masks."""
+    cfg = run.config()
+    trained = run.start_model(round_number)
+    prune_as_client(run, round_number, partition, trained, trained_names(trained, cfg.method))
+    optim = OptimConfig(cfg.local_epochs, cfg.batch_size, cfg.lr * cfg.lr_factor(round_number), cfg.weight_decay)
+    generator = torch.Generator().manual_seed(seeded(cfg.seed, round_number, partition, 1))
+    train_local(trained, torch.from_numpy(images), torch.from_numpy(labels), cfg.method, cfg.mask_ratio, optim,
+                generator, precision=cfg.precision)
+    return trained, generator
+
+
+def public_canary_upload(run: RunDirectory, round_number: int, partition: int, images: np.ndarray,
+                         labels: np.ndarray, names: list[str], with_features: bool
+                         ) -> tuple[dict[str, np.ndarray], np.ndarray | None]:
+    """The DP audit's channels with the defense off, for one canary owner: its local training (train_as_client)
+    on these images (public images and the control's included canaries) gives the update it uploads (the
+    parameters `names` of the real upload); with_features: every image's features under the run's masking,
+    released without clipping or noise (the rows of the DP release, noise off)."""
+    trained, generator = train_as_client(run, round_number, partition, images, labels)
+    state = trained.state_dict()
+    update = {name: state[name].detach().numpy().copy() for name in names}
+    if not with_features:
+        return update, None
+    ratio = method_spec(run.config().method).mask_ratio(run.config().mask_ratio)
+    features, _ = extract_features(trained, torch.from_numpy(images), ratio, generator,
+                                   precision=run.config().precision)
+    return update, features.numpy()
+
+
 def public_label_observation(run: RunDirectory, round_number: int, partition: int, images: np.ndarray,
                              labels: np.ndarray, observation: LabelObservation) -> LabelObservation:
     """The label channel with the defense off, for one client: its local training (optimiser, epochs, batches and
@@ -322,12 +373,7 @@ def public_label_observation(run: RunDirectory, round_number: int, partition: in
     (--balance) and their features released without clipping or noise; n_k is their count. The attack's
     observation gives the rest (start model, balance, training settings)."""
     cfg = run.config()
-    trained = run.start_model(round_number)
-    prune_as_client(run, round_number, partition, trained, trained_names(trained, cfg.method))
-    optim = OptimConfig(cfg.local_epochs, cfg.batch_size, cfg.lr * cfg.lr_factor(round_number), cfg.weight_decay)
-    generator = torch.Generator().manual_seed(seeded(cfg.seed, round_number, partition, 1))
-    train_local(trained, torch.from_numpy(images), torch.from_numpy(labels), cfg.method, cfg.mask_ratio, optim,
-                generator, precision=cfg.precision)
+    trained, generator = train_as_client(run, round_number, partition, images, labels)
     uploaded_labels = features = None
     if method_spec(cfg.method).uploads_features:
         chosen = balanced_indices(labels, observation.num_classes, cfg.balance,
@@ -373,6 +419,10 @@ def canary_sources(run: RunDirectory, round_number: int, channel: str, clients: 
     if channel == "features" and cfg.canary_kind == "gradient":
         raise RunError(f"{run.path} has gradient canaries, which never enter the feature upload: use --channel "
                        "parameters or model, or train with --canary-kind mislabelled")
+    if channel == "model" and (cfg.keep_rounds, cfg.keep_clients) != ("all", "all"):
+        raise RunError(f"--channel model reads the initial model and every round's ground truth up to round "
+                       f"{round_number}; {run.path} keeps only some (--keep-rounds {cfg.keep_rounds}, --keep-clients "
+                       f"{cfg.keep_clients}): use --channel parameters or features, or train with the defaults (all)")
     owners = canary_set(cfg).owners
     latest = {k: round_number for k in clients} if channel != "model" else \
         {k: r for r in range(1, round_number + 1) for k in run.uploaded_partitions(r)}

@@ -107,7 +107,7 @@ def reference_models(run: RunDirectory, round_number: int, pool: ImageSet, count
             if not (folder / RUN).is_dir():
                 reference_cfg = dataclasses.replace(
                     cfg, dataset=f"imagefolder:{data.resolve()}", data_dir="", train_samples=0, test_samples=0,
-                    rounds=round_number, record_truth=False, encrypt_at_rest="",
+                    rounds=round_number, record_truth=False, encrypt_at_rest="", keep_rounds="none",  # final model only
                     seed=int(np.random.default_rng([seed, index, 16]).integers(2 ** 31))).resolved()
                 RunDirectory.create(folder / RUN, reference_cfg)
             train_in_process(folder / RUN, cfg.clients)

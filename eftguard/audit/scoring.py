@@ -407,6 +407,13 @@ def epsilon_lower_bound(canaries: int, guesses: int, correct: int, delta: float,
     return low
 
 
+def epsilon_ceiling(canaries: int, guesses: int, delta: float, confidence: float) -> float:
+    """The largest bound `guesses` guesses among `canaries` canaries can ever show at `confidence`: every guess
+    right (the bound grows with every right guess, and with the guesses when all are right). A claimed epsilon
+    above it cannot be refuted by this audit, however strong its score."""
+    return epsilon_lower_bound(canaries, guesses, guesses, delta, confidence)
+
+
 @dataclass
 class AuditGuesses:
     """The auditor's guesses from canary scores: included for the k+ highest, excluded for the k- lowest,

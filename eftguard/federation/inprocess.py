@@ -12,7 +12,7 @@ from flwr.supercore.task_identity import TaskIdentity
 
 from eftguard.federation import apps
 from eftguard.federation.server import run_server
-from eftguard.federation.simulation import simulated_node_defaults
+from eftguard.federation.simulation import forget_received_models, simulated_node_defaults
 from eftguard.rundir import RunDirectory
 
 
@@ -76,7 +76,9 @@ def task_identity():
 
 def train_in_process(run_dir: Path, clients: int) -> None:
     """Train (or resume) the run in run_dir as a simulation would: nodes share truth as the run asks, keep their
-    privacy ledgers in the run directory and seed from the run's seed alone."""
+    privacy ledgers in the run directory and seed from the run's seed alone, and their copies of the last model
+    they accepted until the run has all its rounds."""
     cfg = RunDirectory.open(run_dir).config()
     with task_identity():
         run_server(InProcessGrid(clients, simulated_node_defaults(run_dir, cfg)), Path(run_dir))
+    forget_received_models(run_dir, cfg)

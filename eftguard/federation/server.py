@@ -35,6 +35,7 @@ from eftguard.federation.validation import (UploadSpec, validate_features, valid
 from eftguard.masking import kept_token_count
 from eftguard.methods import method_spec
 from eftguard.model import EFTViT, build_model
+from eftguard.retention import Retention
 from eftguard.rundir import RunDirectory
 from eftguard.training import OptimConfig, TrainResult, evaluate, keep_if_not_worse, train_global
 
@@ -263,6 +264,7 @@ def serve_rounds(grid: Grid, run: RunDirectory, cfg: TrainConfig, threat: Server
                                budgets, public, threat)
             record["elapsed_seconds"] = round(time.perf_counter() - started, 3)
             run.append_metrics(record)
+            run.drop_unkept(round_number)
             progress.update(rounds_task, completed=round_number)
             progress.console.print(round_summary(record, cfg.rounds))
 
@@ -405,6 +407,7 @@ def run_round(grid: Grid, run: RunDirectory, cfg: TrainConfig, model: EFTViT, sp
     if threat:
         threat.accepted(round_number, sorted(p for p, reply in replies.items() if not reply.has_error()))
 
+    retention = Retention.of(cfg)
     accepted: list[AcceptedUpload] = []
     epsilon: dict[str, dict[str, float]] = {}  # what each DP client reports it has spent (its ledger)
     dropped: dict[str, str] = {}
@@ -424,13 +427,14 @@ def run_round(grid: Grid, run: RunDirectory, cfg: TrainConfig, model: EFTViT, sp
             dropped[str(partition)] = str(exc)
             progress.console.print(f"[yellow]round {round_number}: dropped client {partition}'s upload: {exc}")
             continue
-        run.save_upload(round_number, partition, "update", upload.update)
-        if upload.features is not None:
-            run.save_upload(round_number, partition, "features", upload.features)
-        if upload.heads is not None:
-            run.save_upload(round_number, partition, "heads", upload.heads)
-        if truth is not None:
-            run.save_truth(round_number, partition, truth)
+        if retention.keeps_upload(round_number, partition):  # the round trains on it either way
+            run.save_upload(round_number, partition, "update", upload.update)
+            if upload.features is not None:
+                run.save_upload(round_number, partition, "features", upload.features)
+            if upload.heads is not None:
+                run.save_upload(round_number, partition, "heads", upload.heads)
+            if truth is not None:
+                run.save_truth(round_number, partition, truth)
         accepted.append(upload)
 
     server_loss, server_seconds, server_update_kept = None, 0.0, None

@@ -1,0 +1,141 @@
+"""Size planning (eftguard plan): the bytes a run directory will hold, per round and in all, before anything is
+trained: from the model's parameter shapes, the method's upload shapes, each client's feature rows (the run's data
+plan: the dataset's labels, partition and median sampling) and the run's retention (docs/run-directory.md#size)."""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+
+from eftguard.config import TrainConfig
+from eftguard.data.plan import client_partition, run_dataset
+from eftguard.masking import kept_token_count
+from eftguard.methods import method_spec
+from eftguard.model import build_model
+from eftguard.options import at_least, option
+from eftguard.retention import Retention
+from eftguard.sampling import balanced_indices
+
+Shapes = dict[str, tuple[tuple[int, ...], torch.dtype]]
+SAFETENSORS_DTYPES = {torch.float32: "F32", torch.float16: "F16", torch.bfloat16: "BF16", torch.int64: "I64"}
+
+
+@dataclass
+class PlanOptions:
+    images_per_client: int = option(0, "images (feature rows) every client uploads per round, for data not on this "
+                                       "machine (e.g. 500 for CIFAR-100 over 100 clients); 0: each client's own rows "
+                                       "from the run's data plan (the dataset is read, nothing is trained)",
+                                    bound=at_least(0))
+
+
+def safetensors_bytes(shapes: Shapes) -> int:
+    """The size of a safetensors file of these tensors: 8 bytes, its JSON header padded to 8, the data."""
+    header, offset = {}, 0
+    for name, (shape, dtype) in shapes.items():
+        size = int(np.prod(shape, dtype=np.int64)) * torch.empty(0, dtype=dtype).element_size()
+        header[name] = {"dtype": SAFETENSORS_DTYPES[dtype], "shape": list(shape),
+                        "data_offsets": [offset, offset + size]}
+        offset += size
+    text = len(json.dumps(header, separators=(",", ":")))
+    return 8 + text + (-text) % 8 + offset
+
+
+def shapes_of(state: dict[str, torch.Tensor], floats: torch.dtype) -> Shapes:
+    return {k: (tuple(v.shape), floats if v.is_floating_point() else v.dtype) for k, v in state.items()}
+
+
+def client_rows(cfg: TrainConfig, num_classes: int, images_per_client: int) -> list[int]:
+    """The rows of each client's upload and truth per round: its median-sampled feature sets, whose count does not
+    depend on the draw (T per class it holds), or for a method without features its images; images_per_client for
+    every client when given."""
+    if images_per_client:
+        return [images_per_client] * cfg.clients
+    partitions = client_partition(cfg.dataset, cfg.data_dir, cfg.model, cfg.train_samples, cfg.seed, cfg.clients,
+                                  cfg.beta)
+    if not method_spec(cfg.method).uploads_features:
+        return [len(ids) for ids in partitions]
+    labels = run_dataset(cfg.dataset, cfg.data_dir, cfg.model, cfg.train_samples, 0, cfg.seed).train.labels
+    return [len(balanced_indices(labels[ids], num_classes, cfg.balance, np.random.default_rng(0)))
+            for ids in partitions]
+
+
+def plan_run(cfg: TrainConfig, images_per_client: int = 0) -> dict:
+    """Bytes per round (checkpoint; update, features, heads and truth per client) and the projected run
+    directory: checkpoints, uploads and truth the retention keeps, and what simulated nodes hold while it trains."""
+    from eftguard.federation.client import select_clients  # Flower (0.4 s): only this command needs it
+
+    method = method_spec(cfg.method)
+    num_classes = run_dataset(cfg.dataset, cfg.data_dir, cfg.model, cfg.train_samples, cfg.test_samples,
+                              cfg.seed).num_classes
+    model = build_model(cfg.model, num_classes, cfg.local_layers, seed=cfg.seed, adapt=method.model_adapter(cfg))
+    store = getattr(torch, cfg.store_uploads)
+    checkpoint = safetensors_bytes(shapes_of(model.state_dict(), torch.float32))
+    update = safetensors_bytes(shapes_of(method.heads.kept_update(method.uploaded_state(model), model), store))
+    _, heads = method.heads.upload_layout(model, cfg.head_sparsity)
+    head_record = safetensors_bytes({"importance": ((heads[0], heads[1]), store),
+                                     "kept": ((heads[0], heads[2]), torch.int64)}) if heads else 0
+    tokens = 1 + kept_token_count(model.local_module.num_patches, method.mask_ratio(cfg.mask_ratio))
+    width = model.local_module.token_embedding.pos_embed.shape[-1]
+    rows = client_rows(cfg, num_classes, images_per_client)
+    per_client = []
+    for n in rows:
+        features = safetensors_bytes({"features": ((n, tokens, width), store), "labels": ((n,), torch.int64)}) \
+            if method.uploads_features else 0
+        truth = safetensors_bytes({"sample_ids": ((n,), torch.int64), "class_counts": ((num_classes,), torch.int64),
+                                   **({"kept_ids": ((n, tokens - 1), torch.int64)} if method.uploads_features
+                                      else {})}) if cfg.record_truth else 0
+        per_client.append({"update": update, "features": features, "heads": head_record, "truth": truth})
+    retention = Retention.of(cfg)
+    uploads = {r: [k for k in select_clients(cfg, r) if retention.keeps_upload(r, k)] for r in retention.rounds_kept}
+    kept_upload_bytes = sum(sum(per_client[k].values()) for clients in uploads.values() for k in clients)
+    every_upload = sum(sum(per_client[k].values()) for r in range(1, cfg.rounds + 1) for k in select_clients(cfg, r))
+    checkpoints = len(retention.checkpoints_kept) * checkpoint
+    mean = {part: round(float(np.mean([c[part] for c in per_client]))) for part in per_client[0]}
+    return {
+        "config": {"model": cfg.model, "method": cfg.method, "clients": cfg.clients,
+                   "clients_per_round": cfg.clients_per_round, "rounds": cfg.rounds, "mask_ratio": cfg.mask_ratio,
+                   "keep_rounds": cfg.keep_rounds, "keep_clients": cfg.keep_clients,
+                   "store_uploads": cfg.store_uploads, "record_truth": cfg.record_truth},
+        "rows_per_client": {"mean": float(np.mean(rows)), "min": min(rows), "max": max(rows),
+                            "source": "--images-per-client" if images_per_client else "the run's data plan"},
+        "bytes_per_round": {"checkpoint": checkpoint, "per_client": mean,
+                            "uploads_and_truth_all_clients": round(every_upload / cfg.rounds)},
+        "kept": {"checkpoints": list(retention.checkpoints_kept), "rounds": list(retention.rounds_kept),
+                 "clients": list(retention.clients_kept), "uploads": sum(map(len, uploads.values()))},
+        "projected_bytes": {"checkpoints": checkpoints, "uploads_and_truth": kept_upload_bytes,
+                            "total": checkpoints + kept_upload_bytes,
+                            "keeping_everything": (cfg.rounds + 1) * checkpoint + every_upload},
+        "while_training": {"model_check_copies": cfg.clients * checkpoint if cfg.model_check else 0},
+    }
+
+
+def size(count: float) -> str:
+    for unit in ("B", "KB", "MB", "GB", "TB"):
+        if abs(count) < 1000 or unit == "TB":
+            return f"{count:.0f} {unit}" if unit == "B" else f"{count:.1f} {unit}"
+        count /= 1000
+    raise AssertionError("unreachable")
+
+
+def plan_lines(plan: dict) -> list[str]:
+    """The plan as the command prints it."""
+    c, per_round, kept, projected = plan["config"], plan["bytes_per_round"], plan["kept"], plan["projected_bytes"]
+    client = per_round["per_client"]
+    rows = plan["rows_per_client"]
+    return [
+        f"{c['model']} {c['method']}, {c['clients']} clients ({c['clients_per_round']} per round), {c['rounds']} "
+        f"rounds, uploads kept as {c['store_uploads']}; {rows['mean']:.0f} feature rows per client ({rows['source']})",
+        f"per round: checkpoint {size(per_round['checkpoint'])}; per client: update {size(client['update'])}, "
+        f"features {size(client['features'])}, heads {size(client['heads'])}, truth {size(client['truth'])}; "
+        f"all the round's clients {size(per_round['uploads_and_truth_all_clients'])}",
+        f"kept (--keep-rounds {c['keep_rounds']}, --keep-clients {c['keep_clients']}): {len(kept['checkpoints'])} "
+        f"checkpoints, {kept['uploads']} client uploads over {len(kept['rounds'])} rounds",
+        f"projected run directory: {size(projected['total'])} (checkpoints {size(projected['checkpoints'])}, uploads "
+        f"and truth {size(projected['uploads_and_truth'])}); keeping everything: "
+        f"{size(projected['keeping_everything'])}",
+        f"while it trains (simulation, --model-check): nodes/received holds one model per client, "
+        f"{size(plan['while_training']['model_check_copies'])}, removed when the run ends",
+    ]
