@@ -70,8 +70,8 @@ class Channel:
     plot: Plot
 
 
-IMAGE_DIRECTIONS = {"psnr": 1, "ssim": 1, "lpips": -1, "psnr_kept": 1, "ssim_kept": 1, "lpips_kept": -1,
-                    "iip": 1, "iip_kept": 1}
+IMAGE_DIRECTIONS = {"psnr": 1, "ssim": 1, "cw_ssim": 1, "lpips": -1, "psnr_kept": 1, "ssim_kept": 1, "cw_ssim_kept": 1,
+                    "lpips_kept": -1, "iip": 1, "iip_kept": 1, "iip_lpips": 1, "iip_features": 1}
 IMAGE_LEVELS = Levels("images", "PSNR above the mean-image baseline", *PSNR_GAIN_DB, unit=" dB")
 IMAGE_AXIS = "PSNR (dB, higher = more leakage)"
 # Image channels lead with the kept patches: on a masked run the dropped patches were never sent, and the

@@ -40,7 +40,8 @@ DP_SCOPE = ("--dp-eps, when on, bounds everything a client uploads (parameters b
             "labels and row counts by a Gaussian release) by (epsilon, delta) per client over the run "
             "(docs/dp.md); without it, the uploaded patch features are a direct function of the client's images.")
 RANKING_TEXT = ("Most exposed images first: those whose reconstruction's nearest image (pixel distance) among the "
-                "client's images and the public images is the true one (rank 1: identified; counted in iip), on the "
+                "client's images and the public images of its label is the true one (rank 1: identified; counted in "
+                "iip; iip_lpips and iip_features rank in LPIPS and in the model's features), on the "
                 "whole image or, where the run masks, on the kept patches (what was sent; iip_kept), then by PSNR.")
 RECONSTRUCTIONS_NOTE = ("Per configuration group (its first configuration that has one), the image grid of the "
                         "strongest attack on each image channel: the client's original, what the client sent (the "

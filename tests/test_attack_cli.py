@@ -268,9 +268,12 @@ def test_invert_writes_the_report_and_the_run_report_gathers_it(feature_run, tmp
     assert report["attack"] == "invert-decoder" and report["round"] == 1
     assert report["capabilities"]["positions_known"] is True
     assert report["lpips_backend"] == "stlpips-alex"
-    for group in ("metrics", "metrics_kept", "baseline"):
-        assert set(report[group]) == {"psnr", "ssim", "lpips", "iip"}
+    for group in ("metrics", "baseline"):
+        assert set(report[group]) == {"psnr", "ssim", "cw_ssim", "lpips", "iip", "iip_lpips", "iip_features"}
         assert report[group]["psnr"]["n"] == 12  # 6 feature sets of each of 2 clients
+    assert set(report["metrics_kept"]) == {"psnr", "ssim", "cw_ssim", "lpips", "iip"}
+    assert set(report["chance"]) == {"iip", "iip_lpips", "iip_features", "iip_kept"}
+    assert 0 < report["chance"]["iip"]["mean"] < 1 / 6  # the uploaded images and the public images of their label
     assert (out / "invert-decoder" / "grid.png").stat().st_size > 0
     assert "stlpips-alex" in (out / "invert-decoder" / "report.md").read_text()
     assert "invert-decoder" in capsys.readouterr().out  # the summary table

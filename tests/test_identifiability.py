@@ -31,17 +31,22 @@ class SquaredError(torch.nn.Module):
         return ((a - b) ** 2).mean(dim=1, keepdim=True)
 
 
-FAKE_LPIPS = metrics.LPIPS("squared-error", SquaredError())
+class FakeLPIPS(metrics.LPIPS):
+    def embed(self, images):
+        return images.reshape(len(images), -1) / np.sqrt(3)  # the channel mean of SquaredError, per pixel
+
+
+FAKE_LPIPS = FakeLPIPS("squared-error", SquaredError())
 
 
 def test_a_perfect_reconstruction_is_identified_and_the_mean_image_is_chance(images):
     client, public = images
     ranks, candidates = metrics.identifiability_ranks(client, client, public)
-    assert candidates == 48 and ranks.tolist() == [1] * 8
+    assert candidates.tolist() == [48] * 8 and ranks.tolist() == [1] * 8
     # A client image uploaded twice is one candidate, not a rival of itself.
     twice = np.concatenate([client, client[:2]])
     ranks, candidates = metrics.identifiability_ranks(twice, twice, public)
-    assert candidates == 48 and (ranks == 1).all()
+    assert (candidates == 48).all() and (ranks == 1).all()
     # Slightly noisy reconstructions are still identified; swapped ones are not, and rank their true image below
     # the image they show.
     noisy = np.clip(client + np.random.default_rng(0).normal(0, 0.05, client.shape), 0, 1)
@@ -82,7 +87,7 @@ def test_ranks_match_a_one_pair_at_a_time_reference(images):
     for w in (None, weights):
         ranks, count = metrics.identifiability_ranks(recon, truth, candidates, w)
         expected, expected_count = brute_force_ranks(recon, truth, candidates, w)
-        assert count == expected_count == 48
+        assert (count == expected_count).all() and expected_count == 48
         assert ranks.tolist() == expected.tolist()
         assert ranks[4] >= 2 and 1 in ranks and ranks.max() > 2  # the comparison is not vacuous
 
@@ -158,3 +163,91 @@ def test_a_report_with_a_damaged_ranking_is_refused(tmp_path):
     file.write_text(json.dumps({"attack": "invert-decoder", "round": 1, "ranking": [{"client": 0, "image": "x"}]}))
     with pytest.raises(RunError, match='"ranking" is not a list'):
         read_attack_report(file, older=True)
+
+
+@pytest.fixture(scope="module")
+def spaces(micro_preset):
+    """The two learned spaces of IIP: LPIPS (the offline backend) and a seeded micro ViT's pre-head features."""
+    from eftguard.model import build_model
+
+    model = build_model(micro_preset, num_classes=10, local_layers=1, seed=0).eval()
+    return metrics.load_lpips("stlpips-alex"), scoring.model_features(model)
+
+
+def test_iip_is_one_in_every_space_for_exact_reconstructions_and_chance_for_blind_guesses(images, spaces):
+    """Pixels, LPIPS and the model's features alike: reconstructions equal to the originals are all identified;
+    a guess drawn blindly from each image's candidates (the client's images and the public images of its label) is
+    identified at the chance rate 1 / candidates, which the report's "chance" group holds."""
+    lpips, features = spaces
+    client, public = images
+    labels, public_labels = np.arange(8) % 5, np.arange(40) % 4  # label 4: no public image
+    same_label = (labels, public_labels)
+
+    def score(recon):
+        return scoring.score_client(0, ImageReconstruction(recon, rows=np.arange(8)), client, None, public, lpips, 4,
+                                    same_label=same_label, features=features).groups
+
+    exact = score(client.copy())
+    for name in ("iip", "iip_lpips", "iip_features"):
+        assert exact["metrics"][name].tolist() == [1.0] * 8
+    candidates = [np.concatenate([client, public[public_labels == label]]) for label in labels]
+    chance = np.array([1 / len(c) for c in candidates])  # 8 client images + 10 or 0 public ones of the label
+    assert exact["chance"]["iip_features"] == pytest.approx(chance, rel=1e-12)
+    assert set(np.round(1 / chance).astype(int)) == {8, 18}
+    # 25 blind guesses per image, ranked in one call per space
+    generator = np.random.default_rng(0)
+    picks = [[generator.integers(len(c)) for c in candidates] for _ in range(25)]
+    guesses = np.stack([candidates[i][k] for draw in picks for i, k in enumerate(draw)])
+    hits = np.array([k == i for draw in picks for i, k in enumerate(draw)])  # drew its own image (client row i)
+    competes = np.tile(public_labels[None, :] == labels[:, None], (25, 1))
+    for space in (None, lpips.embed, features):
+        ranks = metrics.identifiability_ranks(guesses, np.tile(client, (25, 1, 1, 1)), np.concatenate([client, public]),
+                                              space=space, competes=np.hstack([np.ones((200, 8), bool), competes]))[0]
+        assert np.array_equal(ranks == 1, hits)  # identified exactly when it drew the true image, in every space
+    expected = chance.mean()
+    assert abs(hits.mean() - expected) < 3 * np.sqrt(expected * (1 - expected) / hits.size)
+    # a derangement of the client's images is never identified, and the mean image at most once per space
+    shuffled = score(client[[1, 2, 3, 4, 5, 6, 7, 0]])
+    for name in ("iip", "iip_lpips", "iip_features"):
+        assert shuffled["metrics"][name].sum() == 0 and exact["baseline"][name].sum() <= 1
+
+
+def test_only_public_images_of_the_originals_label_compete(images):
+    """A reconstruction nearer to a public image than to its own competes with that image only when the public
+    image has the original's label, as the field draws the candidates."""
+    client, public = images
+    nearest = int(metrics.squared_errors(client[:1], public).argmin())  # the public image most like client image 0
+    recon = client.copy()
+    recon[0] = 0.45 * client[0] + 0.55 * public[nearest]
+    assert ((recon[0] - client[0]) ** 2).sum() > ((recon[0] - public[nearest]) ** 2).sum()
+    assert ((recon[0] - client[0]) ** 2).sum() < min(((recon[0] - c) ** 2).sum() for c in client[1:])
+    labels, public_labels = np.zeros(8, dtype=int), np.ones(40, dtype=int)
+    public_labels[nearest] = 0
+    rival = scored_with_labels(client, public, recon, (labels, public_labels))
+    assert rival.groups["chance"]["iip"].tolist() == [1 / 9] * 8 and {r["candidates"] for r, _ in rival.exposure} == {9}
+    assert rival.groups["metrics"]["iip"][0] == 0.0
+    other_label = scored_with_labels(client, public, recon, (labels, np.ones(40, dtype=int)))
+    assert other_label.groups["chance"]["iip"].tolist() == [1 / 8] * 8
+    assert other_label.groups["metrics"]["iip"][0] == 1.0
+    everyone = scored_with_labels(client, public, recon, None)  # no labels: every public image competes
+    assert everyone.groups["chance"]["iip"].tolist() == [1 / 48] * 8 and everyone.groups["metrics"]["iip"][0] == 0.0
+
+
+def test_the_public_candidates_of_a_label_are_bounded(images, monkeypatch):
+    """At most IIP_PUBLIC_PER_LABEL public images of the label compete (the first of the split), so that scoring
+    stays a bounded number of model passes; the chance group counts them."""
+    client, public = images
+    labels, public_labels = np.zeros(8, dtype=int), np.zeros(40, dtype=int)
+    late = 5 + int(metrics.squared_errors(client[:1], public[5:]).argmin())  # beyond the bound of 5 below
+    recon = client.copy()
+    recon[0] = 0.45 * client[0] + 0.55 * public[late]  # nearer to that public image than to its own
+    unbounded = scored_with_labels(client, public, recon, (labels, public_labels))
+    assert unbounded.groups["chance"]["iip"].tolist() == [1 / 48] * 8 and unbounded.groups["metrics"]["iip"][0] == 0
+    monkeypatch.setattr(scoring, "IIP_PUBLIC_PER_LABEL", 5)
+    bounded = scored_with_labels(client, public, recon, (labels, public_labels))
+    assert bounded.groups["chance"]["iip"].tolist() == [1 / 13] * 8 and bounded.groups["metrics"]["iip"][0] == 1
+
+
+def scored_with_labels(client, public, recon, same_label):
+    return scoring.score_client(0, ImageReconstruction(recon, rows=np.arange(len(recon))), client, None, public,
+                                FAKE_LPIPS, 4, same_label=same_label)

@@ -230,7 +230,8 @@ def test_kept_scores_weight_the_composite_by_kept_pixels(six_photos, lpips):
     assert np.array_equal(mixed[:, :16], recon[:, :16]) and np.array_equal(mixed[:, 16:], six_photos[:, 16:])
     scores = metrics.score(recon, six_photos, lpips, kept)
     assert set(scores) == {"metrics", "metrics_kept"}
-    assert set(scores["metrics"]) == set(scores["metrics_kept"]) == {"psnr", "ssim", "lpips"}
+    assert set(scores["metrics"]) == set(scores["metrics_kept"]) == {"psnr", "ssim", "cw_ssim", "lpips"}
+    assert scores["metrics_kept"]["cw_ssim"] == pytest.approx(metrics.cw_ssim(mixed, six_photos, kept), rel=1e-12)
     assert scores["metrics_kept"]["ssim"] == pytest.approx(metrics.ssim(mixed, six_photos, kept))
     assert (scores["metrics_kept"]["ssim"] < metrics.ssim(mixed, six_photos) - 0.1).all()
     assert scores["metrics_kept"]["lpips"] == pytest.approx(lpips(mixed, six_photos, kept), rel=1e-5)
@@ -335,3 +336,58 @@ def test_standard_lpips_is_alexnet_lpips_with_spatial_maps_and_quiet(monkeypatch
         warnings.simplefilter("error")
         network = metrics._standard_lpips()
     assert built == [{"net": "alex", "spatial": True, "verbose": False}] and not network.training
+
+
+def test_cw_ssim_is_one_on_identical_images_tolerates_a_shift_that_ssim_punishes_and_falls_with_noise(photos):
+    """The reason papers report CW-SSIM beside SSIM: a reconstruction shifted by a pixel or two keeps its structure
+    (CW-SSIM stays high) while SSIM drops; noise of the same PSNR lowers both, CW-SSIM well below the shift."""
+    from test_baselines import independent_cw_ssim
+
+    assert metrics.cw_ssim(photos, photos) == pytest.approx(np.ones(len(photos)), abs=1e-12)
+    assert np.allclose(metrics.cw_ssim(photos[:3], photos[3:6]), independent_cw_ssim(photos[:3], photos[3:6]),
+                       rtol=1e-9)
+    shifted = np.roll(photos, 2, axis=2)
+    noisy = np.clip(photos + np.random.default_rng(0).normal(0, 0.08, photos.shape), 0, 1)
+    assert metrics.psnr(noisy, photos).mean() >= metrics.psnr(shifted, photos).mean() - 1  # no easier than the shift
+    shift_cw, shift_ssim = metrics.cw_ssim(shifted, photos).mean(), metrics.ssim(shifted, photos).mean()
+    assert shift_cw > 0.8 and shift_ssim < 0.75 and shift_cw - shift_ssim > 0.1
+    noise_cw = metrics.cw_ssim(noisy, photos)
+    assert noise_cw.mean() < shift_cw - 0.15 and (noise_cw < 1).all()
+    louder = np.clip(photos + np.random.default_rng(0).normal(0, 0.2, photos.shape), 0, 1)
+    assert (metrics.cw_ssim(louder, photos) < noise_cw).all()
+    # unrelated images and the mean image are far below all of these
+    assert metrics.cw_ssim(photos[::-1], photos).mean() < 0.4
+
+
+def test_cw_ssim_on_kept_pixels_charges_only_what_was_sent(photos, lpips):
+    """Kept-patch CW-SSIM scores the composite (the original outside the kept patches): the steerable pyramid's
+    filters reach across the image, so errors where nothing was sent must not lower it, and errors on the kept
+    patches must."""
+    kept = np.zeros(photos.shape[:3], dtype=bool)
+    kept[:, :16] = True
+    other = photos[::-1]
+    wrong_outside = metrics.score(np.where(kept[..., None], photos, other), photos, lpips, kept)
+    assert wrong_outside["metrics_kept"]["cw_ssim"] == pytest.approx(np.ones(len(photos)), abs=1e-12)
+    assert (wrong_outside["metrics"]["cw_ssim"] < 0.9).all()
+    wrong_inside = metrics.score(np.where(kept[..., None], other, photos), photos, lpips, kept)
+    assert (wrong_inside["metrics_kept"]["cw_ssim"] < wrong_inside["metrics"]["cw_ssim"]).all()
+    assert metrics.cw_ssim(other, photos, np.ones_like(kept)) == pytest.approx(metrics.cw_ssim(other, photos),
+                                                                                rel=1e-9)
+
+
+def test_lpips_embedding_distances_are_the_networks_lpips(photos, lpips):
+    """IIP ranks thousands of pairs by LPIPS from one network pass per image: the embedding's squared distances
+    equal LPIPS' non-spatial form (each layer's map averaged at its own resolution) computed pair by pair."""
+    a, b = photos[:6], photos[6:12]
+    embedded = lpips.embed(np.concatenate([a, b]))
+    from_embedding = ((embedded[:6] - embedded[6:]) ** 2).sum(axis=1)
+    lpips.network.spatial = False
+    try:
+        with torch.no_grad():
+            direct = lpips.network(*map(metrics._to_lpips_tensor, (a, b)), normalize=True).flatten().numpy()
+    finally:
+        lpips.network.spatial = True
+    assert from_embedding == pytest.approx(direct, rel=1e-4)
+    assert direct.min() > 0.05  # distinct photos: the comparison is not between zeros
+    # and the spatial map's mean, which the reports' lpips figure shows, ranks the pairs alike
+    assert np.argsort(lpips(a, b)).tolist() == np.argsort(direct).tolist()

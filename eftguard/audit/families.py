@@ -66,7 +66,7 @@ class Family:
     help: str  # one line: the subcommand in `eftguard attack --help`
     description: str  # the subcommand's --help
     options_type: type  # a dataclass of the family's own options, declared with eftguard.attacks.base.option
-    image_metrics: bool  # scored by PSNR / SSIM / LPIPS (takes --lpips-backend)
+    image_metrics: bool  # scored by PSNR / SSIM / CW-SSIM / LPIPS (takes --lpips-backend)
     seeded: bool  # draws randomness of its own (takes --seed)
     cli_method: str  # --method's default on the command line ("all": every method)
 
@@ -153,8 +153,9 @@ class InvertFamily(Family):
     name = "invert"
     registry = INVERT
     help = "reconstruct client images from the patch features the server received"
-    description = ("Feature inversion against an EFTViT run. Scored against truth/ by PSNR, SSIM and LPIPS over the "
-                   "whole image and over the kept patches only, beside a mean-image baseline. The features are protected by "
+    description = ("Feature inversion against an EFTViT run. Scored against truth/ by PSNR, SSIM, CW-SSIM and LPIPS "
+                   "over the whole image and over the kept patches only, and by identifiability (IIP in pixels, "
+                   "LPIPS and the model's features), beside a mean-image baseline. The features are protected by "
                    "the run's --dp-eps (its feature channel: clipped rows with Gaussian noise) or by --feature-noise; "
                    "the attack applies the run's release to its own training data too.")
     options_type = InvertOptions
@@ -178,10 +179,10 @@ class InvertFamily(Family):
     def score(self, job: Job, attack: Attack, observed: Observed, result, seconds: float) -> AttackReport:
         cfg = job.run.config()
         lpips = metrics.load_lpips(job.lpips_backend)
-        public = scoring.as_float_images(observed.auditor["dataset"].public.images)
         patch = PRESETS[cfg.model].patch_size
+        features = scoring.model_features(job.run.start_model(job.round_number))
         scores = [scoring.score_upload_reconstruction(job.run, job.round_number, k, observed.auditor["rows_of"][k],
-                                                      result[k], observed.auditor["dataset"], public, lpips, patch)
+                                                      result[k], observed.auditor["dataset"], lpips, patch, features)
                   for k in job.clients]
         details = {"method": attack.name, "steps": attack.steps, "attack_seconds": round(seconds, 1),
                    "mask_ratio": cfg.mask_ratio, "local_layers": cfg.local_layers,
@@ -293,7 +294,8 @@ class GradientFamily(Family):
     registry = GRADIENT
     help = "reconstruct a client's images from its parameter update or a one-step gradient"
     description = ("Gradient leakage against one client (--clients K; default: the lowest with an upload in the "
-                   "round), scored against its images by PSNR, SSIM and LPIPS beside a mean-image baseline.")
+                   "round), scored against its images by PSNR, SSIM, CW-SSIM, LPIPS and identifiability (IIP in "
+                   "pixels, LPIPS and the model's features) beside a mean-image baseline.")
     options_type = GradientOptions
     image_metrics = True
     seeded = True
@@ -376,7 +378,9 @@ class GradientFamily(Family):
         lpips = metrics.load_lpips(job.lpips_backend)
         scores = scoring.score_client(partition, replace(result, rows=rows), pool[rows], kept,
                                       observed.auditor["public"], lpips, patch, true_kept, labels,
-                                      client_images=pool)
+                                      client_images=pool,
+                                      same_label=(pool_labels[rows], observe.run_public_labels(job.run.config())),
+                                      features=scoring.model_features(job.run.start_model(job.round_number)))
         details = {**observed.auditor["details"], "method": attack.summary, "observe": job.options["observe"],
                    "batch": job.options["batch"], "originals": ORIGINALS[job.options["observe"]],
                    "reconstructed_images": len(result.images), "attack_seconds": round(seconds, 2),

@@ -501,6 +501,11 @@ def run_public_images(cfg) -> np.ndarray:
     return run_dataset(cfg.dataset, cfg.data_dir, cfg.model, cfg.train_samples, 0, cfg.seed).public.images
 
 
+def run_public_labels(cfg) -> np.ndarray:
+    """The labels of run_public_images."""
+    return run_dataset(cfg.dataset, cfg.data_dir, cfg.model, cfg.train_samples, 0, cfg.seed).public.labels
+
+
 # --- membership: the target model, the client's uploads and the attacker's reference models -----------------
 
 def round_model(run: RunDirectory, round_number: int) -> EFTViT:

@@ -9,9 +9,11 @@ the prior-only baseline), then `label_summary`.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import numpy as np
+import torch
 from scipy.spatial.distance import jensenshannon
 from scipy.special import expit
 
@@ -26,6 +28,10 @@ from eftguard.model import PRESETS
 from eftguard.rundir import RunDirectory, RunError
 
 GRID_IMAGES = 8
+# Public images of an original's label that compete with its reconstruction for IIP (the first ones of the split):
+# bounds the model and LPIPS passes per scoring (a ViT pass per candidate). Fewer candidates can only make an image
+# easier to identify, and the chance group says how many there were.
+IIP_PUBLIC_PER_LABEL = 50
 RANKED_IMAGES = 8  # the most exposed images a report shows
 
 
@@ -59,27 +65,34 @@ class ClientScores:
 def score_client(partition: int, recon: ImageReconstruction, originals: np.ndarray, kept: np.ndarray | None,
                  public_images: np.ndarray, lpips: metrics.LPIPS, patch_size: int,
                  true_kept_ids: np.ndarray | None = None, labels: tuple[np.ndarray, np.ndarray] | None = None,
-                 client_images: np.ndarray | None = None) -> ClientScores:
+                 client_images: np.ndarray | None = None, same_label: tuple[np.ndarray, np.ndarray] | None = None,
+                 features: Callable[[np.ndarray], np.ndarray] | None = None) -> ClientScores:
     """Score reconstructions against originals (float [n, H, W, 3]); kept: bool [n, H, W] kept pixels or None.
 
     Reconstructions with unknown order (recon.rows None) are first matched to originals (Hungarian).
-    labels: (recovered, true) class labels, scored order-free. iip: whether a reconstruction's nearest image
-    among the client's images (client_images, else the originals) and the public images is its own
-    (metrics.identifiability_ranks); the ranks also order the images by exposure for the report."""
+    labels: (recovered, true) class labels, scored order-free. iip: whether a reconstruction's nearest image among
+    the client's images (client_images, else the originals) and the public images is its own
+    (metrics.identifiability_ranks), in pixels, in LPIPS and, given `features` (model_features), in the attacked
+    model's feature space; same_label: (the originals' labels, the public images' labels), so that only public
+    images of the original's label compete, as the field draws the candidates. The pixel ranks also order the
+    images by exposure for the report."""
     images = recon.images
     if recon.rows is None:
         images = images[metrics.hungarian_match(images, originals)]
     scored = metrics.score(images, originals, lpips, kept)
     mean_image = metrics.mean_image_baseline(public_images, len(originals))
     base = metrics.score(mean_image, originals, lpips, kept)
-    others = np.concatenate([originals if client_images is None else client_images, public_images])
-    exposure = add_identifiability(partition, images, mean_image, originals, others, kept, scored, base)
+    spaces = {"iip": None, "iip_lpips": lpips.embed, **({"iip_features": features} if features is not None else {})}
+    chance, exposure = add_identifiability(partition, images, mean_image, originals,
+                                           originals if client_images is None else client_images, public_images,
+                                           same_label, kept, scored, base, spaces)
     groups = {"metrics": scored["metrics"], "baseline": base["metrics"]}
     if kept is not None:
         groups["metrics_kept"] = scored["metrics_kept"]
         groups["baseline_kept"] = base["metrics_kept"]
         blurred = metrics.blurred_kept_baseline(originals, kept, sigma=patch_size)
         groups["baseline_blur"] = metrics.score(blurred, originals, lpips)["metrics"]
+    groups["chance"] = chance
     shown = np.where(kept[..., None], originals, 0.5) if kept is not None else originals
     grid_rows = [[originals[i], shown[i], images[i]] for i in range(min(GRID_IMAGES, len(images)))]
     position_accuracy = None
@@ -92,24 +105,62 @@ def score_client(partition: int, recon: ImageReconstruction, originals: np.ndarr
 
 
 def add_identifiability(partition: int, images: np.ndarray, mean_image: np.ndarray, originals: np.ndarray,
-                        others: np.ndarray, kept: np.ndarray | None, scored: dict, base: dict
-                        ) -> list[tuple[dict, list[np.ndarray]]]:
-    """Adds "iip" to the attack's and the mean image's score groups (metrics.score's dicts): on the whole image,
-    and where the run masks also on the true image's kept patches (what was sent); returns each image's exposure
-    row (PSNR, the rank of its true image among the candidates) with its [original, reconstruction]."""
-    ranks, candidates = metrics.identifiability_ranks(images, originals, others)
-    rows = [{"client": partition, "image": i, "psnr": float(scored["metrics"]["psnr"][i]), "rank": int(rank),
-             "candidates": candidates} for i, rank in enumerate(ranks)]
-    scored["metrics"]["iip"] = (ranks == 1).astype(np.float64)
-    base["metrics"]["iip"] = (metrics.identifiability_ranks(mean_image, originals, others)[0] == 1).astype(np.float64)
-    if kept is not None:
-        ranks_kept = metrics.identifiability_ranks(images, originals, others, kept)[0]
-        scored["metrics_kept"]["iip"] = (ranks_kept == 1).astype(np.float64)
-        base["metrics_kept"]["iip"] = (metrics.identifiability_ranks(mean_image, originals, others, kept)[0] == 1
-                                       ).astype(np.float64)
-        for row, rank in zip(rows, ranks_kept):
-            row["rank_kept"] = int(rank)
-    return [(row, [originals[i], images[i]]) for i, row in enumerate(rows)]
+                        client_images: np.ndarray, public_images: np.ndarray,
+                        same_label: tuple[np.ndarray, np.ndarray] | None, kept: np.ndarray | None, scored: dict,
+                        base: dict, spaces: dict) -> tuple[dict, list[tuple[dict, list[np.ndarray]]]]:
+    """Adds each IIP figure of `spaces` (name -> metrics.identifiability_ranks' space) to the attack's and the mean
+    image's score groups (metrics.score's dicts), and "iip_kept" (pixels, on the true image's kept patches: what
+    was sent) where the run masks. Returns the chance rate of every figure (1 / the image's candidates: a guess
+    that carries nothing about the image) and each image's exposure row (PSNR, the pixel rank of its true image
+    among the candidates) with its [original, reconstruction]."""
+    candidates = np.concatenate([client_images, public_images])
+    competes = np.ones((len(originals), len(candidates)), dtype=bool)
+    if same_label is not None:
+        original_labels, public_labels = map(np.asarray, same_label)
+        first = np.zeros(len(public_labels), dtype=bool)  # the first IIP_PUBLIC_PER_LABEL public images of each label
+        for label in np.unique(public_labels):
+            first[np.flatnonzero(public_labels == label)[:IIP_PUBLIC_PER_LABEL]] = True
+        competes[:, len(client_images):] = (public_labels[None, :] == original_labels[:, None]) & first
+    # The attack and the mean image ranked in one call, so that each space embeds the candidates once.
+    both, truth, competes = (np.concatenate([a, b]) for a, b in ((images, mean_image), (originals, originals),
+                                                                  (competes, competes)))
+    count = len(images)
+    names = [*spaces, *(["iip_kept"] if kept is not None else [])]
+    for name in names:
+        weights = np.concatenate([kept, kept]) if name == "iip_kept" else None
+        ranks, candidate_counts = metrics.identifiability_ranks(both, truth, candidates, weights, spaces.get(name),
+                                                                competes)
+        group = "metrics_kept" if name == "iip_kept" else "metrics"
+        scored[group][name.removesuffix("_kept")] = (ranks[:count] == 1).astype(np.float64)
+        base[group][name.removesuffix("_kept")] = (ranks[count:] == 1).astype(np.float64)
+        if name == "iip":
+            rows = [{"client": partition, "image": i, "psnr": float(scored["metrics"]["psnr"][i]), "rank": int(rank),
+                     "candidates": int(n)} for i, (rank, n) in enumerate(zip(ranks[:count], candidate_counts))]
+        elif name == "iip_kept":
+            for row, rank in zip(rows, ranks[:count]):
+                row["rank_kept"] = int(rank)
+    chance = {name: 1.0 / candidate_counts[:count] for name in names}
+    return chance, [(row, [originals[i], images[i]]) for i, row in enumerate(rows)]
+
+
+def model_features(model: torch.nn.Module) -> Callable[[np.ndarray], np.ndarray]:
+    """The attacked model's feature space for IIP: its pre-head representation (the class token after the global
+    module's final norm, what the classifier head reads, as breaching's "self" score takes the last linear layer's
+    input) of float images [N, H, W, 3], unit-normalised so that squared distances are 2 (1 - cosine)."""
+    known: dict[bytes, np.ndarray] = {}  # the public candidates recur for every client and score group
+
+    def embed(images: np.ndarray, batch_size: int = 64) -> np.ndarray:
+        keys = [np.ascontiguousarray(image, dtype=np.float32).tobytes() for image in images]
+        missing = [i for i, key in enumerate(keys) if key not in known]
+        with torch.no_grad():
+            for start in range(0, len(missing), batch_size):
+                rows = missing[start:start + batch_size]
+                x = torch.from_numpy(np.ascontiguousarray(images[rows], dtype=np.float32)).permute(0, 3, 1, 2)
+                tokens = model.local_module(model.standardize(x))
+                vectors = torch.nn.functional.normalize(model.global_module(tokens)[:, 0], dim=1).numpy()
+                known.update((keys[i], v) for i, v in zip(rows, vectors))
+        return np.stack([known[key] for key in keys])
+    return embed
 
 
 @dataclass
@@ -174,15 +225,18 @@ def image_rows(run: RunDirectory, round_number: int, partition: int, rows: int) 
 
 
 def score_upload_reconstruction(run: RunDirectory, round_number: int, partition: int, rows: np.ndarray,
-                                recon: ImageReconstruction, dataset, public_images: np.ndarray,
-                                lpips: metrics.LPIPS, patch_size: int) -> ClientScores:
-    """Score reconstructions of a client's uploaded feature sets `rows` against the images behind them."""
+                                recon: ImageReconstruction, dataset, lpips: metrics.LPIPS, patch_size: int,
+                                features: Callable[[np.ndarray], np.ndarray] | None = None) -> ClientScores:
+    """Score reconstructions of a client's uploaded feature sets `rows` against the images behind them, beside
+    the dataset's public images (the mean-image baseline; same-label IIP candidates)."""
     truth = run.load_truth(round_number, partition)
     sample_ids = truth["sample_ids"][rows]
     originals = as_float_images(dataset.train.images[sample_ids])
     true_kept = truth["kept_ids"][rows]
     kept = metrics.kept_pixels(true_kept, originals.shape[1], patch_size)
-    return score_client(partition, recon, originals, kept, public_images, lpips, patch_size, true_kept)
+    return score_client(partition, recon, originals, kept, as_float_images(dataset.public.images), lpips, patch_size,
+                        true_kept, same_label=(dataset.train.labels[sample_ids], dataset.public.labels),
+                        features=features)
 
 
 # --- label-distribution attacks ---------------------------------------------------------------------------
