@@ -3,7 +3,7 @@ the real server loop runs without Ray or sockets) with a tamper hook that can co
 
 from eftguard.federation.inprocess import InProcessGrid, task_identity
 
-__all__ = ["FakeGrid", "task_identity"]
+__all__ = ["FakeGrid", "run_with_checking_nodes", "task_identity"]
 
 
 class FakeGrid(InProcessGrid):
@@ -16,3 +16,18 @@ class FakeGrid(InProcessGrid):
 
     def reply_to(self, node, reply):
         return self.tamper(node, reply)
+
+
+def run_with_checking_nodes(path, cfg) -> tuple:
+    """cfg's server (its threat included) against two nodes that check the model they are sent, keeping what they
+    receive under path/nodes; returns (the run, client 0's received models)."""
+    import numpy as np
+
+    from eftguard.federation.server import run_server
+    from eftguard.rundir import RunDirectory
+    from eftguard.runs import server_threat_of
+
+    run = RunDirectory.create(path / "run", cfg)
+    run_server(FakeGrid(2, node_config={"model-check": True, "ledger-dir": str(path / "nodes")}), run.path,
+               server_threat_of(cfg))
+    return run, np.load(path / "nodes" / "received" / f"{run.run_id}-client-00.npz")

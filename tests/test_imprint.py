@@ -12,7 +12,7 @@ from eftguard.config import TrainConfig
 from eftguard.federation.server import run_server
 from eftguard.rundir import RunDirectory
 from eftguard.runs import server_threat_of
-from fakegrid import FakeGrid, task_identity
+from fakegrid import FakeGrid, run_with_checking_nodes, task_identity
 
 pytestmark = pytest.mark.usefixtures("task_identity_set")
 
@@ -99,12 +99,9 @@ def test_an_adaptive_imprint_server_stays_within_every_bound(tmp_path, micro_pre
     from eftguard.federation.client import model_check_limits
 
     cfg = config(micro_preset, rounds=3, train_samples=40, threat="adaptive", tamper="imprint")
-    run = RunDirectory.create(tmp_path / "run", cfg)
-    run_server(FakeGrid(2, node_config={"model-check": True, "ledger-dir": str(tmp_path / "nodes")}), run.path,
-               server_threat_of(cfg))
+    run, received = run_with_checking_nodes(tmp_path, cfg)
     records = run.metrics()
     assert [r["dropped"] for r in records] == [{}] * 3 and [r["tampered"] for r in records] == ["imprint"] * 3
-    received = np.load(tmp_path / "nodes" / "received" / f"{run.run_id}-client-00.npz")
     initial = run.load_checkpoint(0)
     target = tamper_state("imprint", initial, cfg, 0)
     key = "local_module.blocks.0.mlp.fc1.weight"

@@ -11,15 +11,12 @@ import torch
 from eftguard.attacks.tamper import DRIFT_MARGIN
 from eftguard.defenses.model_check import (PER_ROUND, ModelCheck, ModelCheckError, Schedule, adam_step_bound,
                                            adamw_drift, drift_limits, pinned_settings)
-from eftguard.runs import server_threat_of
 from eftguard.config import TrainConfig
 from eftguard.federation.client import model_check_limits
 from eftguard.federation.records import ClientSettings
-from eftguard.federation.server import run_server
 from eftguard.methods import method_spec
 from eftguard.model import build_model
-from eftguard.rundir import RunDirectory
-from fakegrid import FakeGrid
+from fakegrid import run_with_checking_nodes
 
 pytestmark = pytest.mark.usefixtures("task_identity_set")  # messages are built outside Flower
 
@@ -186,12 +183,9 @@ def test_an_adaptive_server_stays_within_every_bound_and_moves_as_far_as_they_al
     little less: each round's step is also held within the bound from the client's last accepted model)."""
     cfg = TrainConfig(model=micro_preset, clients=2, rounds=4, train_samples=40, test_samples=8, batch_size=16,
                       threat="adaptive", tamper="label-probe").resolved()
-    run = RunDirectory.create(tmp_path / "run", cfg)
-    run_server(FakeGrid(2, node_config={"model-check": True, "ledger-dir": str(tmp_path / "nodes")}), run.path,
-               server_threat_of(cfg))
+    run, received = run_with_checking_nodes(tmp_path, cfg)
     records = run.metrics()
     assert [r["dropped"] for r in records] == [{}] * 4 and [r["tampered"] for r in records] == ["label-probe"] * 4
-    received = np.load(tmp_path / "nodes" / "received" / f"{run.run_id}-client-00.npz")
     initial = {k: v.numpy() for k, v in run.load_checkpoint(0).items()}
     key = "global_module.norm.weight"
     limit = model_check_limits(cfg)(4, initial, 3)[key]
