@@ -207,3 +207,24 @@ def test_accuracy_counts_every_batch(model):
     labels = torch.where(torch.arange(7) < 4, predicted, (predicted + 1) % 10)  # 4 of 7 right
     assert evaluate(model, images, labels, batch_size=3) == pytest.approx(4 / 7)
     assert evaluate(model, images[:1], labels[:1]) == 1.0
+
+
+def test_server_training_in_bf16_trains_theta_in_bf16_products(model, monkeypatch):
+    """--precision bf16 reaches the server's training of theta: its forward passes run under bf16 autocast (the
+    model's attention unfused there), and theta still moves."""
+    from eftguard import precision
+
+    entered = []
+    original = precision.computing_in
+
+    def recording(module, chosen):
+        entered.append((module, chosen))
+        return original(module, chosen)
+
+    features, _ = extract_features(model, images_and_labels(8)[0], 0.75, torch.Generator().manual_seed(0))
+    monkeypatch.setattr(training, "computing_in", recording)
+    theta = state_of(model.global_module)
+    train_global(model, features, images_and_labels(8)[1], OptimConfig(1, 4, 1e-3, 0.0),
+                 torch.Generator().manual_seed(0), precision="bf16")
+    assert entered and all(module is model and chosen == "bf16" for module, chosen in entered)
+    assert moved(theta, model.global_module)
