@@ -113,7 +113,7 @@ MODULES=(
   "training|eftguard/training.py|tests/test_training.py tests/test_precision.py tests/test_dp_clipping.py tests/test_model.py tests/test_dp.py tests/test_sampling.py tests/test_dp_server_training.py --deselect=tests/test_model.py::test_paper_preset_splits_like_timm"
   "validation|eftguard/federation/validation.py|tests/test_validation.py tests/test_server.py::test_every_hostile_reply_is_rejected_with_a_reason_and_the_honest_one_passes tests/test_headprune.py::test_a_hostile_head_record_or_update_is_refused_with_a_reason"
   "dp|defenses/dp.py|tests/test_dp.py tests/test_feature_dp.py::test_both_channels_are_calibrated_jointly_to_spend_the_budget_asked_for tests/test_feature_dp.py::test_ledger_holds_the_composed_total_not_a_split tests/test_training.py tests/test_dp_clipping.py"
-  "clipping|defenses/clipping.py|tests/test_dp.py tests/test_dp_clipping.py tests/test_training.py"
+  "clipping|defenses/clipping.py|tests/test_dp.py tests/test_dp_clipping.py tests/test_training.py tests/test_peft.py::test_the_dp_step_of_each_peft_method_is_the_mean_of_its_clipped_per_sample_gradients"
   "ledger|defenses/ledger.py|tests/test_ledger.py ${LEDGER_ROUNDS[*]}"
   "at_rest|defenses/at_rest.py|tests/test_at_rest.py"
   "node_auth|defenses/node_auth.py|tests/test_node_auth.py"
