@@ -89,6 +89,13 @@ class ThreatModel:
         return asdict(self)
 
 
+def reads_a_tampered_round(cls: type) -> bool:
+    """A malicious server's attack (threat model server "malicious"): it reads a round whose model the server
+    crafted, so it is run only when named, on such a round, and never offered instead of a curious server's."""
+    threat = getattr(cls, "threat_model", None)  # a property where an instance's options decide it: not malicious
+    return isinstance(threat, ThreatModel) and threat.server == "malicious"
+
+
 @dataclass
 class ImageReconstruction:
     """Reconstructed images of one client, float [n, H, W, 3] in [0, 1].

@@ -19,7 +19,7 @@ from rich.console import Console
 from rich.table import Table
 
 from eftguard.attack_report import AttackReport
-from eftguard.attacks.base import AttackError
+from eftguard.attacks.base import AttackError, reads_a_tampered_round
 from eftguard.audit.api import AttackRunOptions, open_run, out_root, run_attack, stage_progress
 from eftguard.audit.families import FAMILIES
 from eftguard.options import Option, add_argument, add_arguments, add_renamed, escaped, option, options_of, path_value
@@ -242,8 +242,7 @@ def curious_methods(registry, observe: str | None = None) -> tuple[str, ...]:
     """--method all: every method a curious server can run on the chosen --observe; those that read a round the
     server tampered with (threat model server "malicious") must be named."""
     return tuple(name for name, cls in registry.classes.items()
-                 if getattr(getattr(cls, "threat_model", None), "server", "") != "malicious"
-                 and (observe is None or observe in getattr(cls, "observes", (observe,))))
+                 if not reads_a_tampered_round(cls) and (observe is None or observe in getattr(cls, "observes", (observe,))))
 
 
 def named_only(registry) -> str:

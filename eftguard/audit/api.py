@@ -23,7 +23,7 @@ from rich.progress import BarColumn, MofNCompleteColumn, Progress as ProgressBar
 
 from eftguard import metrics
 from eftguard.attack_report import AttackReport
-from eftguard.attacks.base import AttackError, Progress, ThreatModel
+from eftguard.attacks.base import AttackError, Progress, reads_a_tampered_round
 from eftguard.audit.families import FAMILIES, Family, Job, family_named
 from eftguard.methods import method_spec
 from eftguard.options import SEED_LIMIT, option, options_of, whole_number
@@ -264,8 +264,7 @@ def check_model_loads(run: RunDirectory, round_number: int) -> None:
 def check_tampered(run: RunDirectory, round_number: int, cls: type) -> None:
     """A malicious server's attack (threat model server "malicious") reads a round whose model the server crafted:
     on a round that was not tampered with, its figures would measure nothing, so it is refused, saying so."""
-    threat = getattr(cls, "threat_model", None)  # a property where an instance's options decide it: not malicious
-    if not isinstance(threat, ThreatModel) or threat.server != "malicious":
+    if not reads_a_tampered_round(cls):
         return
     records = run.metrics()
     if records[round_number - 1].get("tampered") is None:

@@ -18,7 +18,7 @@ import numpy as np
 
 from eftguard import channels, metrics
 from eftguard.attack_report import AttackReport
-from eftguard.attacks.base import Attack, AttackError, Registry, ThreatModel
+from eftguard.attacks.base import Attack, AttackError, Registry, ThreatModel, reads_a_tampered_round
 from eftguard.attacks.dp_audit import CHANNELS, DP_AUDIT
 from eftguard.attacks.gradient import GRADIENT
 from eftguard.attacks.fishing import FishingAttack  # noqa: F401  registers the gradient family's fishing method
@@ -315,7 +315,8 @@ class GradientFamily(Family):
         spec = method_spec(job.run.config().method)
         missing = [name for name in cls.reads if not spec.trains_parameter(name)]
         if missing:
-            usable = [c.name for c in self.registry.classes.values() if all(map(spec.trains_parameter, c.reads))]
+            usable = [c.name for c in self.registry.classes.values()
+                      if all(map(spec.trains_parameter, c.reads)) and not reads_a_tampered_round(c)]
             raise AttackError(f"the {cls.name} attack reads the gradient of {', '.join(missing)}, which a "
                               f"{spec.name} client neither trains nor uploads: use --method "
                               f"{' or '.join(usable) or '(none applies)'}")
