@@ -156,8 +156,13 @@ def start_session(namespace: list[str]) -> tuple[subprocess.Popen, str, list[psu
     ready, _, _ = select.select([driver.stdout], [], [], 120)
     assert ready, "the session holder did not start"
     tag = driver.stdout.readline().strip()
-    helpers = [p for p in psutil.process_iter() if environ_of(p).get(RAY_SESSION_VARIABLE) == tag and
-               p.cmdline()[-1:] == ["import time; time.sleep(300)"]]
+    deadline = time.monotonic() + 30  # under load the helper's /proc entry may lag its start: poll, bounded
+    while True:
+        helpers = [p for p in psutil.process_iter() if environ_of(p).get(RAY_SESSION_VARIABLE) == tag and
+                   p.cmdline()[-1:] == ["import time; time.sleep(300)"]]
+        if helpers or time.monotonic() > deadline:
+            break
+        time.sleep(0.2)
     assert len(helpers) == 1
     return driver, tag, helpers
 
