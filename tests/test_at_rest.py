@@ -51,6 +51,16 @@ def test_unusable_key_file_is_named_with_the_problem(tmp_path, content, message)
         read_key(path)
 
 
+def test_key_file_padded_past_the_limit_is_refused_whole_not_read_for_its_key(tmp_path):
+    """A valid key followed by megabytes of blanks is not a key file: reading it whole would let any file that ends
+    in whitespace (a log, a device's dump) be read into memory before the check."""
+    path = tmp_path / "key"
+    path.write_text("ab" * 32 + " " * at_rest.KEY_FILE_LIMIT_BYTES)
+    with pytest.raises(AtRestError, match=f"^key file {path} cannot be read "
+                                          rf"\({path} is over {at_rest.KEY_FILE_LIMIT_BYTES} bytes\)$"):
+        read_key(path)
+
+
 def test_fingerprint_is_stable_and_reveals_nothing_of_the_key():
     """Manifests written earlier name their key by this value: it must not change between versions."""
     key = bytes(range(32))

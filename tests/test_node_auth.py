@@ -38,3 +38,24 @@ def test_forced_node_key_is_new_and_private_even_over_a_readable_file(tmp_path):
     write_node_key(tmp_path / "node", force=True)
     assert private.read_bytes() != old and file_mode(private) == 0o600
     assert load_ssh_public_key(public.read_bytes()) == load_ssh_private_key(private.read_bytes(), None).public_key()
+
+
+@pytest.mark.parametrize("where", ["folder", "public folder", "under a file"])
+def test_node_key_path_that_cannot_hold_a_file_is_refused_before_a_key_is_made(tmp_path, where):
+    """--out names a file; a folder there (or at PATH.pub), or a file where a folder must be, is one line naming the
+    path and what to give instead, and nothing is written."""
+    if where == "folder":
+        (tmp_path / "node").mkdir()
+        out, message = tmp_path / "node", f"^{tmp_path / 'node'} is a folder: give --out a file path for the node's key$"
+    elif where == "public folder":
+        (tmp_path / "node.pub").mkdir()
+        out, message = tmp_path / "node", f"^{tmp_path / 'node.pub'} is a folder: give --out a file path"
+    else:
+        (tmp_path / "keys").write_text("a file\n")
+        out = tmp_path / "keys" / "node"
+        message = (f"^--out {out} is under {tmp_path / 'keys'}, which is a file: give a path in a folder for "
+                   "the node's key$")
+    before = sorted(p.name for p in tmp_path.iterdir())
+    with pytest.raises(CertificateError, match=message):
+        write_node_key(out)
+    assert sorted(p.name for p in tmp_path.iterdir()) == before
