@@ -417,11 +417,13 @@ def sha256_of(value) -> str:
     return hashlib.sha256(json.dumps(value, sort_keys=True).encode()).hexdigest()
 
 
-def chained(entries, terms=TERMS, partition=0):
+def chained(entries, terms=TERMS, partition=0, first=None):
     """Ledger entries as a node writes them: each names the sha256 of the one before (of its sorted JSON), the
-    first the sha256 of [run id, partition, terms] (written out here, independently of the ledger's helpers)."""
-    previous = sha256_of([RUN_ID, partition, {"declared_epsilon": terms.declared_epsilon, "delta": terms.delta,
-                                              "accountant": terms.accountant, "feature_share": terms.feature_share}])
+    first the sha256 of [run id, partition, terms] (written out here, independently of the ledger's helpers), or
+    `first` where given."""
+    previous = first or sha256_of([RUN_ID, partition, {"declared_epsilon": terms.declared_epsilon,
+                                                       "delta": terms.delta, "accountant": terms.accountant,
+                                                       "feature_share": terms.feature_share}])
     out = []
     for entry in entries:
         out.append({**entry, "previous": previous})
@@ -434,10 +436,19 @@ def ledger_json(ledger, run_id=RUN_ID):
 
 
 def write_ledger(ledger, **changes):
-    """A ledger file as _write would leave it after one QUIET round, with some fields changed (a hand edit)."""
+    """A ledger file as _write would leave it after one QUIET round, with some fields changed by an editor who knows
+    the format: the hash chain recomputed for the new terms and entries (anyone can), the mark removed (a lost mark
+    is rewritten from the ledger). Only the check of the changed field itself can then refuse it."""
     ledger.record(RUN_ID, TERMS, [QUIET])
     data = {**ledger_json(ledger), **changes}
+    terms, entries = data["terms"], data["entries"]
+    if {"terms", "entries"} & changes.keys() and isinstance(entries, list) and all(isinstance(e, dict) for e in entries):
+        start = {"declared_epsilon": terms.get("declared_epsilon"), "delta": terms.get("delta"),
+                 "accountant": terms.get("accountant"), "feature_share": terms.get("feature_share", 0.0)}
+        data["entries"] = chained([{k: v for k, v in e.items() if k != "previous"} for e in entries],
+                                  first=sha256_of([RUN_ID, ledger.partition, start]))
     ledger.path(RUN_ID).write_text(json.dumps(data))
+    ledger.mark_path(RUN_ID).unlink()
 
 
 # --- composition ------------------------------------------------------------------------------------------------
@@ -685,7 +696,9 @@ def test_a_deleted_ledger_is_refused_while_its_mark_remains(tmp_path):
     ledger = three_rounds(tmp_path)
     ledger.path(RUN_ID).unlink()
     with pytest.raises(LedgerError, match=rf"^privacy ledger {re.escape(str(ledger.path(RUN_ID)))} is missing, but "
-                                          r"its mark .* records 3 spends in this run: restore the ledger"):
+                                          rf"its mark {re.escape(str(ledger.mark_path(RUN_ID)))} records 3 spends in "
+                                          r"this run: restore the ledger from a backup; a missing record would give "
+                                          r"this run a fresh budget, so the node refuses to train$"):
         ledger.authorize(RUN_ID, 4, TERMS, [Spend(4, 8.0, 0.25, 4)])
 
 
@@ -710,6 +723,33 @@ def test_a_lost_mark_is_rewritten_from_the_ledger_and_a_damaged_one_is_refused(t
     ledger.mark_path(RUN_ID).write_text("{")
     with pytest.raises(LedgerError, match=r"^privacy ledger mark .* is damaged"):
         ledger.read(RUN_ID)
+
+
+@pytest.mark.parametrize("edit", [{"format": "other"}, {"run_id": "0" * 32}, {"partition": 1}, {"entries": -1},
+                                  {"entries": "3"}, {"head": None}])
+def test_a_mark_of_another_run_or_node_or_out_of_shape_is_refused(tmp_path, edit):
+    """Each field alone: a mark copied from another run or node, or edited, is not this ledger's high-water mark."""
+    ledger = three_rounds(tmp_path)
+    ledger.mark_path(RUN_ID).write_text(json.dumps({**json.loads(ledger.mark_path(RUN_ID).read_text()), **edit}))
+    with pytest.raises(LedgerError, match=rf"^privacy ledger mark {re.escape(str(ledger.mark_path(RUN_ID)))} is "
+                                          r"damaged \(not this node's mark of this run\): restore it, or the ledger "
+                                          r"cannot be checked against it and the node refuses to train$"):
+        ledger.read(RUN_ID)
+
+
+def test_marks_live_in_eftguard_home_or_the_given_folder_keyed_by_the_ledger_folder(tmp_path, monkeypatch):
+    """A node finds the marks it wrote before an upgrade only if this layout stays: a mark not found reads as a
+    fresh run, so a deleted ledger would go unnoticed. $EFTGUARD_HOME, else ~/.eftguard, else the folder given."""
+    folder = hashlib.sha256(str((tmp_path / "ledgers").resolve()).encode()).hexdigest()[:16]
+    name = f"{RUN_ID}-client-00.json"
+    monkeypatch.setenv("EFTGUARD_HOME", str(tmp_path / "home"))
+    assert PrivacyLedger(tmp_path / "ledgers", 0).mark_path(RUN_ID) == tmp_path / "home" / "ledger-marks" / folder / name
+    monkeypatch.delenv("EFTGUARD_HOME")
+    monkeypatch.setenv("HOME", str(tmp_path / "user"))
+    assert PrivacyLedger(tmp_path / "ledgers", 0).mark_path(RUN_ID) == \
+        tmp_path / "user" / ".eftguard" / "ledger-marks" / folder / name
+    assert PrivacyLedger(tmp_path / "ledgers", 0, marks=tmp_path / "marks").mark_path(RUN_ID) == \
+        tmp_path / "marks" / folder / name
 
 
 def test_two_ledger_folders_keep_their_own_marks(tmp_path):
