@@ -206,3 +206,72 @@ def test_ca_bundle_without_basic_constraints_is_read_whole(tmp_path, issued):
             .sign(ca_key, hashes.SHA256()))
     (tmp_path / "bundle.crt").write_bytes(bare.public_bytes(Encoding.PEM) + ca.public_bytes(Encoding.PEM))
     assert read_ca_certificates(tmp_path / "bundle.crt") == [bare, ca]
+
+
+def test_output_under_a_file_or_where_nothing_can_be_created_is_refused_before_any_key(tmp_path):
+    (tmp_path / "out").write_text("x")
+    with pytest.raises(CertificateError, match=f"^--out {tmp_path / 'out' / 'certs'} is under {tmp_path / 'out'}, "
+                                               "which is a file: give a folder for the certificate files$"):
+        write_certificates(tmp_path / "out" / "certs")
+    with pytest.raises(CertificateError, match=r"^--out /proc/eftguard-certs: no file can be created there \(.+\): "
+                                               "give a folder you can write to for the certificate files$"):
+        write_certificates(Path("/proc/eftguard-certs"))
+
+
+def test_ca_file_padded_past_the_limit_is_refused_whole(tmp_path):
+    """A valid CA followed by megabytes is not read into memory for its first certificate."""
+    files = write_certificates(tmp_path / "certs")
+    path = tmp_path / "ca.crt"
+    path.write_bytes(files.ca_cert.read_bytes() + b"\n" * tls.CERTIFICATE_LIMIT_BYTES)
+    with pytest.raises(CertificateError, match=rf"^--root-certificates {path} is not a PEM CA certificate \({path} is "
+                                               rf"over {tls.CERTIFICATE_LIMIT_BYTES} bytes\): give the ca.crt"):
+        read_ca_certificates(path)
+
+
+def ca_valid(ca_key, ca, start, end, serial):
+    return (x509.CertificateBuilder().subject_name(ca.subject).issuer_name(ca.subject).public_key(ca_key.public_key())
+            .serial_number(serial).not_valid_before(start).not_valid_after(end)
+            .add_extension(x509.BasicConstraints(ca=True, path_length=0), critical=True).sign(ca_key, hashes.SHA256()))
+
+
+@pytest.fixture
+def clock_at(monkeypatch):
+    """Sets the time tls reads as now (its validity checks), to the second."""
+    def set_to(moment):
+        monkeypatch.setattr(tls, "dt", type("dt", (), {"datetime": type("datetime", (), {
+            "now": staticmethod(lambda tz=None: moment)}), "timezone": dt.timezone}))
+    return set_to
+
+
+def test_a_certificate_is_valid_through_both_ends_of_its_period_and_refused_a_second_outside(tmp_path, issued,
+                                                                                              clock_at):
+    """RFC 5280: the validity period includes notBefore and notAfter."""
+    ca_key, ca, _, _ = issued
+    end = NOW + dt.timedelta(days=1)
+    path = tmp_path / "ca.crt"
+    path.write_bytes(ca_valid(ca_key, ca, NOW, end, 11).public_bytes(Encoding.PEM))
+    for moment in (NOW, end):
+        clock_at(moment)
+        assert len(read_ca_certificates(path)) == 1
+    clock_at(end + dt.timedelta(seconds=1))
+    with pytest.raises(CertificateError, match=rf"^--root-certificates {path} expired on 2026-01-03 03:04 UTC: "
+                                               "recreate the certificates with eftguard certs --force$"):
+        read_ca_certificates(path)
+    clock_at(NOW - dt.timedelta(seconds=1))
+    with pytest.raises(CertificateError, match=rf"^--root-certificates {path} is not valid before 2026-01-02 03:04 "
+                                               "UTC: check this host's clock, or recreate the certificates with "
+                                               "eftguard certs --force$"):
+        read_ca_certificates(path)
+
+
+def test_a_bundle_is_refused_only_when_every_root_is_outside_its_period_naming_the_first(tmp_path, issued, clock_at):
+    ca_key, ca, _, _ = issued
+    first = ca_valid(ca_key, ca, NOW, NOW + dt.timedelta(days=1), 21)
+    second = ca_valid(ca_key, ca, NOW, NOW + dt.timedelta(days=2), 22)
+    path = tmp_path / "bundle.crt"
+    path.write_bytes(first.public_bytes(Encoding.PEM) + second.public_bytes(Encoding.PEM))
+    clock_at(NOW + dt.timedelta(days=1, hours=1))  # the first expired, the second still valid
+    assert read_ca_certificates(path) == [first, second]
+    clock_at(NOW + dt.timedelta(days=3))
+    with pytest.raises(CertificateError, match=rf"^--root-certificates {path} expired on 2026-01-03 03:04 UTC"):
+        read_ca_certificates(path)
