@@ -112,16 +112,35 @@ def clip_one_batch(model: nn.Module):
 def test_a_layer_that_runs_twice_is_refused():
     """Its per-sample norm would be two norms instead of the norm of the sum."""
     shared = nn.Linear(4, 4)
-    with pytest.raises(NotImplementedError, match="Linear ran twice in one step"):
+    with pytest.raises(NotImplementedError, match=r"^DP-SGD: Linear ran twice in one step; per-sample clipping does "
+                                                  r"not support a layer used twice \(shared parameters\)$"):
         clip_one_batch(nn.Sequential(shared, nn.Tanh(), shared, nn.Linear(4, 2)))
 
 
 def test_a_layer_output_changed_in_place_is_refused():
     """An in-place ReLU rewrites the Linear's output: the gradient read there would be the ReLU output's."""
     model = nn.Sequential(nn.Linear(4, 4), nn.ReLU(inplace=True), nn.Linear(4, 2))
-    with pytest.raises(RuntimeError, match="the output of Linear was changed in place"):
+    with pytest.raises(RuntimeError, match="^DP-SGD: the output of Linear was changed in place after the layer ran, "
+                                           "so its gradient cannot be read off; make that operation out of place$"):
         clip_one_batch(model)
     assert all(p.grad is None for p in model.parameters())
+
+
+class SelfAttention(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.attention, self.head = nn.MultiheadAttention(4, 1, batch_first=True), nn.Linear(4, 2)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        tokens = x.unsqueeze(1)
+        return self.head(self.attention(tokens, tokens, tokens)[0][:, 0])
+
+
+def test_a_trained_layer_that_returns_a_tuple_is_refused():
+    """torch's MultiheadAttention returns (output, weights): no single output gradient to read per sample."""
+    with pytest.raises(NotImplementedError, match=r"^DP-SGD: MultiheadAttention returns a tuple, per-sample clipping "
+                                                  "needs trained layers that return one tensor$"):
+        clip_one_batch(SelfAttention())
 
 
 class SharedTokens(nn.Module):
@@ -146,7 +165,9 @@ class WithSharedTokens(nn.Module):
 
 
 def test_a_layer_output_without_the_batch_dimension_first_is_refused():
-    with pytest.raises(NotImplementedError, match=r"SharedTokens maps \(4, 4\) to \(1, 2\) for 4 samples"):
+    with pytest.raises(NotImplementedError, match=r"^DP-SGD: SharedTokens maps \(4, 4\) to \(1, 2\) for 4 samples; "
+                                                  "per-sample clipping needs trained layers whose input and output "
+                                                  "have the batch dimension first$"):
         clip_one_batch(WithSharedTokens())
 
 
@@ -166,3 +187,93 @@ def test_dp_training_clips_linear_layers_by_ghost_norms_without_per_sample_gradi
     linear = [m for m in model.modules() if type(m) is nn.Linear and any(p.requires_grad for p in m.parameters())]
     assert len(linear) > 2 and materialised  # the layer norms still get per-sample gradients
     assert not any(type(layer) is nn.Linear for layer in materialised)
+
+
+class ScaleWithSpare(nn.Module):
+    """A layer no ghost norm or opacus sampler knows (torch.func computes its per-sample gradients), with a trained
+    parameter its forward never uses."""
+
+    def __init__(self):
+        super().__init__()
+        self.weight, self.spare = nn.Parameter(torch.linspace(0.5, 1.5, 4)), nn.Parameter(torch.zeros(4))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return x * self.weight
+
+
+class WithUnusedHead(nn.Module):
+    """A trained auxiliary head computed in every forward but left out of the loss (as a distillation head is)."""
+
+    def __init__(self):
+        super().__init__()
+        torch.manual_seed(0)
+        self.first, self.scale, self.head, self.aux = nn.Linear(4, 4), ScaleWithSpare(), nn.Linear(4, 2), nn.Linear(4, 3)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        hidden = self.scale(torch.tanh(self.first(x)))
+        self.aux(hidden)
+        return self.head(hidden)
+
+
+def clipped_sum_by_brute_force(model: nn.Module, batches, clip: float) -> dict[str, torch.Tensor]:
+    """Each sample's gradient over every trained parameter jointly, clipped to `clip`, summed over all batches."""
+    total = {name: torch.zeros_like(p) for name, p in model.named_parameters()}
+    for x, labels in batches:
+        for i in range(len(labels)):
+            loss = nn.functional.cross_entropy(model(x[i:i + 1]), labels[i:i + 1])
+            grads = torch.autograd.grad(loss, list(model.parameters()), allow_unused=True, materialize_grads=True)
+            factor = min(1.0, clip / (float(torch.cat([g.flatten() for g in grads]).norm()) + 1e-6))
+            for (name, _), g in zip(model.named_parameters(), grads):
+                total[name] += factor * g
+    return total
+
+
+def toy_batches(count: int):
+    g = torch.Generator().manual_seed(1)
+    return [(torch.randn(BATCH, 4, generator=g, dtype=torch.float64), torch.randint(0, 2, (BATCH,), generator=g))
+            for _ in range(count)]
+
+
+def test_backward_twice_before_a_step_adds_both_clipped_sums_and_unused_parameters_get_zeros():
+    """Gradient accumulation over two batches (each batch's hooks captured afresh, none captured while torch.func
+    reruns a layer), a layer on the torch.func path, a trained head left out of the loss and a parameter its layer
+    never uses: every trained parameter ends with the brute-force clipped sum, zeros where it had no gradient."""
+    torch.set_default_dtype(torch.float64)  # put back after the test (conftest)
+    model = WithUnusedHead().double().train()
+    batches, clip = toy_batches(2), 0.05
+    expected = clipped_sum_by_brute_force(model, batches, clip)
+    wrapped, _, criterion, _ = make_private(model, torch.optim.SGD(model.parameters(), lr=0.0),
+                                            DPSGD(0.0, clip, 1.0, 0), BATCH)
+    try:
+        for x, labels in batches:
+            criterion(wrapped(x), labels).backward()
+    finally:
+        wrapped.to_standard_module()
+    for name, p in model.named_parameters():
+        torch.testing.assert_close(p.grad, expected[name], rtol=1e-9, atol=1e-12, msg=name)
+    assert not model.aux.weight.grad.any() and not model.scale.spare.grad.any()
+    assert expected["scale.weight"].any() and expected["first.weight"].any()
+
+
+def test_forward_in_eval_mode_or_without_grad_is_not_clipped():
+    """An evaluation between steps (no_grad, or eval mode) is no training step: it is not captured, and a backward
+    after eval-mode forwards alone is refused rather than read as an empty step."""
+    torch.set_default_dtype(torch.float64)  # put back after the test (conftest)
+    model = WithUnusedHead().double().train()
+    [(x, labels)], clip = toy_batches(1), 0.05
+    expected = clipped_sum_by_brute_force(model, [(x, labels)], clip)
+    wrapped, _, criterion, _ = make_private(model, torch.optim.SGD(model.parameters(), lr=0.0),
+                                            DPSGD(0.0, clip, 1.0, 0), BATCH)
+    try:
+        with torch.no_grad():
+            wrapped(x)
+        loss = criterion(wrapped(x), labels)
+        model.eval()
+        wrapped(x)
+        loss.backward()
+        torch.testing.assert_close(model.head.weight.grad, expected["head.weight"], rtol=1e-9, atol=1e-12)
+        with pytest.raises(RuntimeError, match=r"^DP-SGD: no trained layer ran in training mode since the last step; "
+                                               r"call the wrapped model in train mode before each backward\(\)$"):
+            criterion(wrapped(x), labels).backward()
+    finally:
+        wrapped.to_standard_module()
