@@ -222,6 +222,19 @@ def test_without_dp_the_control_passes_and_backs_the_verdict(overfit_canary_run)
     assert check.passed and check.claim is None
 
 
+def test_the_model_channel_control_replays_the_federation_without_dp_and_passes(overfit_canary_run):
+    """The model after the round sees the included canaries through the clients' training and the server's: the
+    federation replayed without DP-SGD on public images with fresh coins gives them away about as well as the run
+    without DP does (measured at 12 + 12 guesses: control 19 of 24 right, bound 0.45; the run 16 of 24; at 8 + 8
+    the control's 10-12 of 16 stay below the medium level, as the run's 13 do)."""
+    report = run_attack(overfit_canary_run, "dp-audit", channel="model", guesses_in=12, guesses_out=12)
+    figures = report.figures()
+    assert figures["control.epsilon_lower_bound"] >= CHANNELS["dp-audit"].headlines[0].levels.medium_from
+    assert figures["control.epsilon_lower_bound"] <= figures["ceiling.epsilon_lower_bound"]
+    assert "every round up to 1 replayed from the run's initial weights" in report.details["power_check"]
+    assert {v.family: v for v in verdict([report])}["dp-audit"].control.passed
+
+
 def test_the_cli_writes_the_report(canary_run, tmp_path, capsys):
     main(["attack", "dp-audit", str(canary_run), "--channel", "model", "--out", str(tmp_path)])
     report = json.loads((tmp_path / "dp-audit-canary" / "report.json").read_text())

@@ -535,43 +535,54 @@ class DPAuditFamily(Family):
         """The same score, guesses and confidence on the same canaries with fresh seeded coins: each owner's local
         training (no DP-SGD) on a mix of public images as skewed as the run's split (the loss-drop score depends on
         it), as many as its natural ones, plus its included control canaries, gives its update and (features)
-        every row, released without clipping or noise. The verdict also wants this bound to reach the claimed
-        epsilon: below it the audit could not have refuted the claim."""
+        every row, released without clipping or noise; the model channel replays every round so up to the audited
+        one (observe.public_federation). The verdict also wants this bound to reach the claimed epsilon: below it
+        the audit could not have refuted the claim."""
         channel, obs = job.options["channel"], observed.observation
-        if channel == "model":
-            raise AttackError("the model channel's control would retrain the whole federation without DP; the "
-                              "parameters and features channels have one")
         cfg = job.run.config()
         bits = np.random.default_rng([job.seed, 31]).integers(0, 2, len(obs.labels))
-        natural = natural_counts(job, observed)
-        updates, features = {}, {}
-        for partition in sorted(obs.updates):
-            images, labels = observe.public_skewed_sample(cfg, natural[partition], job.seed + partition)
+
+        def client_data(round_number: int, partition: int) -> tuple[np.ndarray, np.ndarray]:
+            images, labels = observe.public_skewed_sample(
+                cfg, natural_counts(job, observed, round_number)[partition],
+                job.seed + partition + 1000 * (job.round_number - round_number))
             included = np.flatnonzero((obs.owners == partition) & (bits == 1))
-            updates[partition], features[partition] = observe.public_canary_upload(
-                job.run, job.round_number, partition, np.concatenate([images, obs.images[included]]),
-                np.concatenate([labels, obs.labels[included]]), list(obs.updates[partition]), channel == "features")
-        control = replace(obs, start_model=job.run.start_model(job.round_number), updates=updates,
-                          features=features if channel == "features" else {})
+            return np.concatenate([images, obs.images[included]]), np.concatenate([labels, obs.labels[included]])
+
+        if channel == "model":
+            control = replace(obs, after=observe.public_federation(job.run, job.round_number, client_data))
+            how = (f"every round up to {job.round_number} replayed from the run's initial weights, each client that "
+                   "took part training (no DP-SGD) on as many public images as its natural ones plus its included "
+                   "canaries, the server averaging the uploads and training on their features as it does")
+        else:
+            updates, features = {}, {}
+            for partition in sorted(obs.updates):
+                images, labels = client_data(job.round_number, partition)
+                updates[partition], features[partition] = observe.public_canary_upload(
+                    job.run, job.round_number, partition, images, labels, list(obs.updates[partition]),
+                    channel == "features")
+            control = replace(obs, start_model=job.run.start_model(job.round_number), updates=updates,
+                              features=features if channel == "features" else {})
+            how = ("each owner's local training (no DP-SGD) from the round's start weights on as many public images "
+                   "as its natural ones and its included canaries"
+                   f"{', every row released without clipping or noise' if channel == 'features' else ''}")
         guesses, bound, _, _ = self.guessed_bound(job, observed, attack.reconstruct(control, progress).scores, bits)
         return ({"control": {"epsilon_lower_bound": metrics.summarize(np.array([bound]))},
                  "control_baseline": {"epsilon_lower_bound": metrics.summarize(np.array([0.0]))}},
                 f"the same score, guesses and confidence on the run's {guesses.canaries} canaries with fresh coins, "
-                f"each owner's local training (no DP-SGD) from the round's start weights on a Dirichlet({cfg.beta}) "
-                f"mix of public images, as many as its natural ones, and its included canaries"
-                f"{', every row released without clipping or noise' if channel == 'features' else ''}: "
-                f"{guesses.correct} of {guesses.guesses} guesses right")
+                f"public images in a Dirichlet({cfg.beta}) mix, {how}: {guesses.correct} of {guesses.guesses} "
+                "guesses right")
 
 
-def natural_counts(job: Job, observed: Observed) -> dict[int, int]:
-    """Each attacked owner's natural images (its reported n_k less the canaries it counts: every canary it owns
-    under DP-SGD, whose schedule counts the whole pool, else those it included), so that the control's owners
+def natural_counts(job: Job, observed: Observed, round_number: int) -> dict[int, int]:
+    """Each client's natural images in a round (its reported n_k less the canaries it counts: every canary it owns
+    under DP-SGD, whose schedule counts the whole pool, else those it included), so that the control's clients
     train on as much as the run's."""
     obs = observed.observation
-    reported = job.run.metrics()[job.round_number - 1]["num_examples"]
+    reported = job.run.metrics()[round_number - 1]["num_examples"]
     counted = scoring.canary_bits(job.run, observed.auditor["sources"]) if job.run.config().dp_eps <= 0 else \
         np.ones(len(obs.owners), dtype=np.int64)
-    return {k: int(reported[str(k)]) - int(counted[obs.owners == k].sum()) for k in obs.updates}
+    return {int(k): int(n) - int(counted[obs.owners == int(k)].sum()) for k, n in reported.items()}
 
 
 # --- membership ---------------------------------------------------------------------------------------------
