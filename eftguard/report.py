@@ -50,7 +50,9 @@ RECONSTRUCTIONS_NOTE = ("Per configuration group (its first configuration that h
 FIGURES_NOTE = ("Mean ± standard deviation over the seeds of each configuration; in brackets the mean of the "
                 "attack's baseline (the mean image, or the prior for labels): an attack is only as strong as its "
                 "distance from that. Test accuracy is after the last round. ε: the largest total any client spent "
-                "(its ledger), with the largest per channel in brackets.")
+                "(its ledger), with the largest per channel in brackets. Level: what the attack alone shows on "
+                "each seed; a low stands only behind a passing power check (docs/reports.md), else it reads "
+                "inconclusive, or unchecked where none ran.")
 NO_DP = "No configuration ran DP-SGD (no ε): no privacy-budget plot."
 LEVEL_CLASS = {verdict.LOW: "low", verdict.MEDIUM: "medium", verdict.HIGH: "high",  # CSS class per level
                verdict.INCONCLUSIVE: "inconclusive", verdict.UNCHECKED: "inconclusive"}
@@ -447,7 +449,7 @@ def figure_rows(configurations: list[dict]) -> list[list[str]]:
     channels = {name: channel_of(next(attacks_of(c)[name] for c in done if name in attacks_of(c))) for name in attacks}
     headlines = list(dict.fromkeys(h for name in attacks if channels[name] for h in channels[name].headlines))
     rows = [["configuration", "seeds", "test accuracy", "ε", "attack",
-             *(h.short + (f" ({h.unit.strip()})" if h.unit else "") for h in headlines)]]
+             *(h.short + (f" ({h.unit.strip()})" if h.unit else "") for h in headlines), "level (power check)"]]
     groups: dict[str, list[dict]] = {}
     for configuration in done:
         group = configuration.get("group")
@@ -459,8 +461,26 @@ def figure_rows(configurations: list[dict]) -> list[list[str]]:
         for i, name in enumerate(names):
             own = channels[name].headlines if channels.get(name) else ()
             rows.append([*(first if i == 0 else [""] * len(first)), name,
-                         *(headline_cell(members, name, h) if h in own else "" for h in headlines)])
+                         *(headline_cell(members, name, h) if h in own else "" for h in headlines),
+                         level_cell(members, name, channels.get(name))])
     return rows
+
+
+def level_cell(members: list[dict], name: str, channel: Channel | None) -> str:
+    """The level one attack supports on each seed, its power check included ("low" only behind a passing control,
+    else "inconclusive" or "unchecked"), once when the seeds agree."""
+    if channel is None:
+        return ""
+    levels = []
+    for member in members:
+        figures = (attack_entry(member, name) or {}).get("figures")
+        if isinstance(figures, dict) and figures:
+            found = verdict.channel_verdict(channel, {name: figures}, True)
+            if found.level != verdict.NOT_SCORED:
+                capped = found.level == verdict.INCONCLUSIVE and found.control is not None and found.control.capped
+                levels.append(found.level + (f" (certifies at most {found.control.ceiling:.2f}, claimed "
+                                             f"{found.control.claim:.2f})" if capped else ""))
+    return " / ".join(dict.fromkeys(levels))
 
 
 def reconstruction_gallery(configurations: list[dict], out: Path) -> list[Picture]:

@@ -362,15 +362,34 @@ def test_figure_table_gives_each_group_its_mean_and_spread_over_seeds_beside_the
 
     rows = figure_rows(summary()["configurations"])
     assert rows[0] == ["configuration", "seeds", "test accuracy", "ε", "attack", "kept patches (dB)",
-                       "whole image (dB)", "L1"]
+                       "whole image (dB)", "L1", "level (power check)"]
     assert [row[0] for row in rows[1:] if row[0]] == ["mask_ratio=0.5", "mask_ratio=0.9", "dp_eps=3", HOSTILE]
     assert rows[1:3] == [  # one row per attack, the group's own cells on its first row only
-        ["mask_ratio=0.5", "2", "0.400 ± 0.014", "off", "invert-decoder", "27.0 ± 1.4 (12.0)", "20.0 ± 0.0 (12.0)", ""],
-        ["", "", "", "", "labels-head", "", "", "0.400 ± 0.141 (0.900)"]]
+        ["mask_ratio=0.5", "2", "0.400 ± 0.014", "off", "invert-decoder", "27.0 ± 1.4 (12.0)", "20.0 ± 0.0 (12.0)", "",
+         "high"],
+        ["", "", "", "", "labels-head", "", "", "0.400 ± 0.141 (0.900)", "high / medium"]]  # each seed's level
+    # a low without a power check is never shown as low
+    assert rows[6][4:] == ["labels-head", "", "", "0.800 (0.900)", "unchecked"]
     # one seed without accuracy and with a NaN figure: the other seed's values alone, without a spread
     assert rows[3][:6] == ["mask_ratio=0.9", "2", "0.350", "off", "invert-decoder", "15.0 (12.0)"]
-    assert rows[4][4:] == ["labels-head", "", "", "–"]  # one seed ran no label attack, the other scored none
+    assert rows[4][4:] == ["labels-head", "", "", "–", ""]  # one seed ran no label attack, the other scored none
     assert rows[5][:4] == ["dp_eps=3", "1", "0.300", "3.00"]
+
+
+def test_figure_table_reads_a_dp_audit_low_behind_a_capped_control_as_inconclusive():
+    """200 canaries certify at most 3.49: an epsilon-8 claim cannot be refuted, whatever the bound."""
+    from eftguard.report import figure_rows
+
+    figures = {"epsilon_lower_bound": 0.0, "guess_accuracy": 0.5, "ceiling.epsilon_lower_bound": 3.49,
+               "claimed.epsilon_lower_bound": 7.98, "control.epsilon_lower_bound": 2.1,
+               "control_baseline.epsilon_lower_bound": 0.0}
+    audited = {"dp-audit-features": {"family": "dp-audit", "status": "done", "figures": figures}}
+    passing = {"dp-audit-features": {"family": "dp-audit", "status": "done",
+                                     "figures": {**figures, "claimed.epsilon_lower_bound": 1.0}}}
+    rows = figure_rows([configuration("dp_eps=8", "dp_eps=8", 0.3, audited),
+                        configuration("dp_eps=1", "dp_eps=1", 0.2, passing)])
+    assert rows[1][-1] == "inconclusive (certifies at most 3.49, claimed 7.98)"
+    assert rows[2][-1] == "low"
 
 
 def test_figure_table_gives_epsilon_per_channel_when_recorded():
@@ -388,7 +407,7 @@ def test_figure_table_names_an_attack_that_does_not_apply_to_a_method():
     skipped = {"invert-decoder": {"family": "invert", "status": "not applicable", "figures": {}}}
     rows = figure_rows([configuration("method=fedavg", "method=fedavg", 0.3, skipped),
                         configuration("method=eftvit", "method=eftvit", 0.4, invert(25.0))])
-    assert rows[1][5:] == ["not applicable", "not applicable"] and rows[2][5] == "25.0 (12.0)"
+    assert rows[1][5:] == ["not applicable", "not applicable", ""] and rows[2][5] == "25.0 (12.0)"
 
 
 def test_audit_report_shows_hostile_strings_as_text(tmp_path):
