@@ -74,13 +74,14 @@ def physical_memory() -> int:
 def server_memory(cfg: TrainConfig, model: EFTViT, round_rows: int, tokens: int, width: int,
                   memory: int) -> dict | None:
     """What the server holds while it trains theta on round_rows feature rows (None: the method trains no theta).
-    It keeps every accepted upload's feature rows in memory as float32, as received, and trains on their
-    concatenation, a second copy (eftguard.federation.server.run_round): nothing streams from disk, so the rows
-    must fit. Theta's training adds the whole model, the global module's gradients and AdamW's two moments, and a
+    eftguard.federation.server.run_round holds every row of the round in memory three times while theta trains:
+    the replies as received (float32 .npy bytes), their decoded arrays and the concatenation theta trains on.
+    Nothing streams from disk, so the rows must fit. Theta's training adds the whole model, the global module's gradients and AdamW's two moments, and a
     batch's activations (measured: the tensors autograd saves for one row, times the batch size)."""
     if not method_spec(cfg.method).server_trains or not cfg.server_epochs:
         return None
     row = tokens * width * 4 + 8  # float32 tokens and an int64 label
+    copies = 3
     theta = sum(p.numel() for p in model.global_module.parameters()) * 4
     model.train()
     model.head.requires_grad_(False)  # as train_global trains theta
@@ -93,12 +94,12 @@ def server_memory(cfg: TrainConfig, model: EFTViT, round_rows: int, tokens: int,
     model.head.requires_grad_(True)
     whole_model = sum(p.numel() for p in model.parameters()) * 4
     training = whole_model + 3 * theta + activations
-    store = 2 * round_rows * row
-    return {"rows_in_largest_round": round_rows, "bytes_per_row": row, "feature_store": store,
+    store = copies * round_rows * row
+    return {"rows_in_largest_round": round_rows, "bytes_per_row": row, "copies": copies, "feature_store": store,
             "theta_training": {"model": whole_model, "gradients_and_adamw": 3 * theta,
                                "activations_per_batch": activations, "total": training},
             "total": store + training, "memory": memory, "fits": store + training <= memory,
-            "rows_that_fit": max(0, (memory - training) // (2 * row)), "streams_from_disk": False}
+            "rows_that_fit": max(0, (memory - training) // (copies * row)), "streams_from_disk": False}
 
 
 def plan_run(cfg: TrainConfig, images_per_client: int = 0, server_memory_gb: float = 0.0) -> dict:
@@ -193,7 +194,7 @@ def server_memory_lines(memory: dict | None) -> list[str]:
                f"does NOT fit in {size(memory['memory'])}: at most {memory['rows_that_fit']} rows do "
                f"(fewer clients per round, a smaller --images-per-client or a larger --mask-ratio)")
     return [f"server memory in its largest round: {memory['rows_in_largest_round']} feature rows of "
-            f"{size(memory['bytes_per_row'])}, held twice (the uploads and their concatenation; nothing streams "
-            f"from disk) {size(memory['feature_store'])}, and theta's training {size(theta['total'])} (model "
+            f"{size(memory['bytes_per_row'])}, held {memory['copies']} times (the replies, their decoded arrays and the "
+            f"concatenation; nothing streams from disk) {size(memory['feature_store'])}, and theta's training {size(theta['total'])} (model "
             f"{size(theta['model'])}, gradients and AdamW {size(theta['gradients_and_adamw'])}, activations of a "
             f"batch {size(theta['activations_per_batch'])}): {size(memory['total'])}, {verdict}"]
