@@ -71,8 +71,8 @@ class Preset:
 
 PRESETS_BY_NAME = {
     "gpu": Preset(model="vit-b16-224", bench_steps=3, bench_batch=32, attack_steps=3, classes=10,
-                  images_per_class=60, train_samples=200, clients=4, batch_size=32, decoder_steps=200, inverted_images=8,
-                  lira_references=2, lira_candidates=40),
+                  images_per_class=60, train_samples=200, clients=4, batch_size=32, decoder_steps=200,
+                  inverted_images=8, lira_references=2, lira_candidates=40),
     "cpu": Preset(model="vit-tiny-32", bench_steps=1, bench_batch=8, attack_steps=1, classes=4, images_per_class=30,
                   train_samples=36, clients=2, batch_size=16, decoder_steps=5, inverted_images=4, lira_references=2,
                   lira_candidates=12),
@@ -149,7 +149,8 @@ def run_check(preset_name: str, out: Path, say=print) -> dict:
     result["training"] = {}
     for method in TRAINED_METHODS:
         cfg = TrainConfig(dataset=f"imagefolder:{data}", model=preset.model, method=method, rounds=2,
-                          clients=preset.clients, batch_size=preset.batch_size, train_samples=preset.train_samples, test_samples=0).resolved()
+                          clients=preset.clients, batch_size=preset.batch_size, train_samples=preset.train_samples,
+                          test_samples=0).resolved()
         result["training"][method], _ = timed(say, f"two rounds of {method}, {preset.clients} clients",
                                               lambda: train_row(work / method, cfg))
 

@@ -23,7 +23,8 @@ def rows_of(check: dict) -> dict[str, str]:
         accuracy = ", ".join(f"{a:.3f}" for a in run["test_accuracy"])
         rows[f"{method}: 2 rounds (test accuracy per round)"] = f"{run['seconds']:.1f} s ({accuracy})"
     decoder = check["decoder_inversion"]
-    rows["decoder inversion (PSNR, SSIM)"] = f"{decoder['seconds']:.1f} s ({decoder['psnr']:.2f} dB, {decoder['ssim']:.3f})"
+    rows["decoder inversion (PSNR, SSIM)"] = (f"{decoder['seconds']:.1f} s ({decoder['psnr']:.2f} dB, "
+                                              f"{decoder['ssim']:.3f})")
     rows["LiRA (AUC)"] = f"{check['lira']['seconds']:.1f} s ({check['lira']['auc']:.3f})"
     rows["whole check"] = f"{check['seconds']:.0f} s"
     return rows
