@@ -38,7 +38,8 @@ from eftguard.masking import kept_token_count, random_keep_ids
 from eftguard.methods import METHODS, MethodSpec
 from eftguard.model import EFTViT, build_model
 from eftguard.sampling import balanced_indices
-from eftguard.training import OptimConfig, TrainResult, extract_features, train_global, train_local
+from eftguard.training import (OptimConfig, TrainResult, extract_features, saved_activation_bytes, train_global,
+                               train_local)
 
 IG_IMAGE_STEPS = InvertingGradients().steps * InvertingGradients().restarts  # the attack's defaults: one image
 SCHEMA_VERSION = 1
@@ -105,23 +106,6 @@ def count_flops(run: Callable[[], object]) -> int:
 
 
 # --- memory -----------------------------------------------------------------------------------------------------
-
-def saved_activation_bytes(model: nn.Module, run: Callable[[], object]) -> int:
-    """Bytes of the tensors autograd saves for the backward pass while `run` computes (the activations a step holds
-    at the end of its forward pass), each storage counted once, the model's parameters left out."""
-    parameters = {p.untyped_storage().data_ptr() for p in model.parameters()}
-    storages: dict[int, int] = {}
-
-    def pack(tensor: torch.Tensor) -> torch.Tensor:
-        storage = tensor.untyped_storage()
-        if storage.data_ptr() not in parameters:
-            storages[storage.data_ptr()] = max(storages.get(storage.data_ptr(), 0), storage.nbytes())
-        return tensor
-
-    with torch.autograd.graph.saved_tensors_hooks(pack, lambda tensor: tensor):
-        run()
-    return sum(storages.values())
-
 
 def step_memory(model: EFTViT, spec: MethodSpec, activations: int) -> dict[str, int]:
     """A client step's memory in bytes: the whole model (a client runs the forward through all of it), the

@@ -463,8 +463,8 @@ def cmd_bench(args: argparse.Namespace) -> None:
 
 def cmd_plan(args: argparse.Namespace) -> None:
     cfg = config_from_args(args)
-    check_values(PlanOptions(args.images_per_client))
-    result = plan_run(cfg, args.images_per_client)
+    check_values(PlanOptions(args.images_per_client, args.server_memory_gb))
+    result = plan_run(cfg, args.images_per_client, args.server_memory_gb)
     for line in plan_lines(result):
         print(line)
     if args.out:

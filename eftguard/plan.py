@@ -5,6 +5,7 @@ plan: the dataset's labels, partition and median sampling) and the run's retenti
 from __future__ import annotations
 
 import json
+import os
 from dataclasses import dataclass
 
 import numpy as np
@@ -14,10 +15,12 @@ from eftguard.config import TrainConfig
 from eftguard.data.plan import client_partition, run_dataset
 from eftguard.masking import kept_token_count
 from eftguard.methods import method_spec
-from eftguard.model import build_model
+from eftguard.model import EFTViT, build_model
 from eftguard.options import at_least, option
+from eftguard.precision import computing_in
 from eftguard.retention import Retention
 from eftguard.sampling import balanced_indices
+from eftguard.training import saved_activation_bytes
 
 Shapes = dict[str, tuple[tuple[int, ...], torch.dtype]]
 SAFETENSORS_DTYPES = {torch.float32: "F32", torch.float16: "F16", torch.bfloat16: "BF16", torch.int64: "I64"}
@@ -29,6 +32,8 @@ class PlanOptions:
                                        "machine (e.g. 500 for CIFAR-100 over 100 clients); 0: each client's own rows "
                                        "from the run's data plan (the dataset is read, nothing is trained)",
                                     bound=at_least(0))
+    server_memory_gb: float = option(0.0, "memory the server may use for a round's feature rows and theta's training, "
+                                          "in GB (1e9 bytes); 0: this machine's physical memory", bound=at_least(0))
 
 
 def safetensors_bytes(shapes: Shapes) -> int:
@@ -62,9 +67,46 @@ def client_rows(cfg: TrainConfig, num_classes: int, images_per_client: int) -> l
             for ids in partitions]
 
 
-def plan_run(cfg: TrainConfig, images_per_client: int = 0) -> dict:
+def physical_memory() -> int:
+    return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+
+
+def server_memory(cfg: TrainConfig, model: EFTViT, round_rows: int, tokens: int, width: int,
+                  memory: int) -> dict | None:
+    """What the server holds while it trains theta on round_rows feature rows (None: the method trains no theta).
+    eftguard.federation.server.run_round holds every row of the round in memory three times while theta trains:
+    the replies as received (float32 .npy bytes), their decoded arrays and the concatenation theta trains on.
+    Nothing streams from disk, so the rows must fit. Theta's training adds the whole model, the global module's
+    gradients and AdamW's two moments, and a batch's activations (measured: the tensors autograd saves for one row,
+    times the batch size)."""
+    if not method_spec(cfg.method).server_trains or not cfg.server_epochs:
+        return None
+    row = tokens * width * 4 + 8  # float32 tokens and an int64 label
+    copies = 3
+    theta = sum(p.numel() for p in model.global_module.parameters()) * 4
+    model.train()
+    model.head.requires_grad_(False)  # as train_global trains theta
+
+    def one_row() -> None:
+        with computing_in(model, cfg.precision):
+            model.classify(torch.zeros(1, tokens, width))
+
+    activations = saved_activation_bytes(model, one_row) * cfg.batch_size
+    model.head.requires_grad_(True)
+    whole_model = sum(p.numel() for p in model.parameters()) * 4
+    training = whole_model + 3 * theta + activations
+    store = copies * round_rows * row
+    return {"rows_in_largest_round": round_rows, "bytes_per_row": row, "copies": copies, "feature_store": store,
+            "theta_training": {"model": whole_model, "gradients_and_adamw": 3 * theta,
+                               "activations_per_batch": activations, "total": training},
+            "total": store + training, "memory": memory, "fits": store + training <= memory,
+            "rows_that_fit": max(0, (memory - training) // (copies * row)), "streams_from_disk": False}
+
+
+def plan_run(cfg: TrainConfig, images_per_client: int = 0, server_memory_gb: float = 0.0) -> dict:
     """Bytes per round (checkpoint; update, features, heads and truth per client) and the projected run
-    directory: checkpoints, uploads and truth the retention keeps, and what simulated nodes hold while it trains."""
+    directory: checkpoints, uploads and truth the retention keeps, and what simulated nodes hold while it trains; and
+the server's memory in its largest round (server_memory)."""
     from eftguard.federation.client import select_clients  # Flower (0.4 s): only this command needs it
 
     method = method_spec(cfg.method)
@@ -93,6 +135,7 @@ def plan_run(cfg: TrainConfig, images_per_client: int = 0) -> dict:
     kept_upload_bytes = sum(sum(per_client[k].values()) for clients in uploads.values() for k in clients)
     every_upload = sum(sum(per_client[k].values()) for r in range(1, cfg.rounds + 1) for k in select_clients(cfg, r))
     checkpoints = len(retention.checkpoints_kept) * checkpoint
+    largest_round = max(sum(rows[k] for k in select_clients(cfg, r)) for r in range(1, cfg.rounds + 1))
     mean = {part: round(float(np.mean([c[part] for c in per_client]))) for part in per_client[0]}
     return {
         "config": {"model": cfg.model, "method": cfg.method, "clients": cfg.clients,
@@ -109,6 +152,8 @@ def plan_run(cfg: TrainConfig, images_per_client: int = 0) -> dict:
                             "total": checkpoints + kept_upload_bytes,
                             "keeping_everything": (cfg.rounds + 1) * checkpoint + every_upload},
         "while_training": {"model_check_copies": cfg.clients * checkpoint if cfg.model_check else 0},
+        "server_memory": server_memory(cfg, model, largest_round, tokens, width,
+                                       round(server_memory_gb * 1e9) if server_memory_gb else physical_memory()),
     }
 
 
@@ -138,4 +183,20 @@ def plan_lines(plan: dict) -> list[str]:
         f"{size(projected['keeping_everything'])}",
         f"while it trains (simulation, --model-check): nodes/received holds one model per client, "
         f"{size(plan['while_training']['model_check_copies'])}, removed when the run ends",
+        *server_memory_lines(plan["server_memory"]),
     ]
+
+
+def server_memory_lines(memory: dict | None) -> list[str]:
+    if memory is None:
+        return ["server memory: this method trains no theta on uploaded features"]
+    theta = memory["theta_training"]
+    verdict = (f"fits in {size(memory['memory'])}" if memory["fits"] else
+               f"does NOT fit in {size(memory['memory'])}: at most {memory['rows_that_fit']} rows do "
+               f"(fewer clients per round, a smaller --images-per-client or a larger --mask-ratio)")
+    return [f"server memory in its largest round: {memory['rows_in_largest_round']} feature rows of "
+            f"{size(memory['bytes_per_row'])}, held {memory['copies']} times (the replies, their decoded arrays and "
+            f"the concatenation; nothing streams from disk) {size(memory['feature_store'])}, and theta's training "
+            f"{size(theta['total'])} (model "
+            f"{size(theta['model'])}, gradients and AdamW {size(theta['gradients_and_adamw'])}, activations of a "
+            f"batch {size(theta['activations_per_batch'])}): {size(memory['total'])}, {verdict}"]

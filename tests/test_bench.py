@@ -10,7 +10,8 @@ import torch
 from timm.models.vision_transformer import Block
 from torch import nn
 
-from eftguard.bench import Timed, count_flops, interleave, saved_activation_bytes
+from eftguard.bench import Timed, count_flops, interleave
+from eftguard.training import saved_activation_bytes
 from eftguard.cli import main
 from eftguard.methods import METHODS
 from eftguard.training import TrainResult

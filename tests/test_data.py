@@ -144,6 +144,20 @@ def test_imagefolder_splits_deterministically(tmp_path):
     assert not {i.tobytes() for i in a.train.images} & {i.tobytes() for i in a.test.images}
 
 
+@pytest.mark.parametrize("tree", ["flat", "presplit"])
+def test_imagefolder_ids_are_positions_in_their_split_as_ground_truth_reads_them(tmp_path, tree):
+    if tree == "flat":
+        write_tree(tmp_path / "t")
+    else:  # train is split again into train and public
+        write_tree(tmp_path / "t" / "train", per_class=5)
+        write_tree(tmp_path / "t" / "test", per_class=2)
+    data = load_imagefolder(tmp_path / "t", 32)
+    for split in (data.train, data.test, data.public):
+        assert np.array_equal(split.ids, np.arange(len(split)))  # truth's sample ids index split.images
+    subset = data.limited(5, None, seed=1).train
+    assert np.array_equal(data.train.images[subset.ids], subset.images)
+
+
 def test_imagefolder_keeps_existing_train_test_split(tmp_path):
     write_tree(tmp_path / "t" / "train", per_class=5)
     write_tree(tmp_path / "t" / "test", per_class=2)

@@ -3,10 +3,12 @@ rounds' and clients' uploads and truth and the checkpoints their attacks read; a
 same model; attacks on what was dropped are refused in one line; --store-uploads keeps 16-bit copies without
 changing what the server trains on; eftguard plan projects a run's size within a stated tolerance."""
 
+import gc
 import json
 
 import numpy as np
 import pytest
+from flwr.app import Message
 
 from conftest import MICRO_PRESET, run_cli, train_in_process
 from eftguard.audit import observe
@@ -18,6 +20,7 @@ from eftguard.plan import plan_run
 from eftguard.retention import Retention
 from eftguard.rundir import RunDirectory, RunError
 from eftguard.runs import resume_run
+from eftguard.training import saved_activation_bytes
 from fakegrid import FakeGrid, task_identity
 
 pytestmark = pytest.mark.usefixtures("micro_preset")  # the runs' subject is their files, not the model's size
@@ -221,6 +224,42 @@ def test_the_plan_is_within_its_tolerance_of_the_run_it_plans(tmp_path, config):
     assert projected["uploads_and_truth"] == pytest.approx(measured["observed"] + measured["truth"],
                                                            rel=PLAN_TOLERANCE)
     assert plan["kept"]["checkpoints"] == list(run.retention.checkpoints_kept)
+
+
+def test_the_plan_projects_the_servers_memory_as_the_run_holds_it(tmp_path, monkeypatch):
+    """The feature store is the rows the server trains theta on in its largest round, held three times (the
+    replies, their decoded arrays and the concatenation); a batch's activations are measured per row and scaled,
+    which a full batch confirms."""
+    held, original = [], server.train_global
+
+    def spy(model, features, labels, optim, *args, **kwargs):
+        model.head.requires_grad_(False)
+        one_batch = features[:optim.batch_size].clone()  # its own storage, as train_global's indexing makes it
+        batch = saved_activation_bytes(model, lambda: model.classify(one_batch))
+        model.head.requires_grad_(True)
+        live = gc.get_objects()  # the copies run_round still holds while theta trains
+        received = sum(len(array.data) for m in live if isinstance(m, Message) and m.has_content()
+                       and "features" in m.content for array in m.content["features"].values())
+        decoded = sum(a.nbytes for u in live if isinstance(u, server.AcceptedUpload) and u.features
+                      for a in u.features.values())
+        held.append((len(labels), features.nbytes + labels.nbytes, batch, received, decoded))
+        return original(model, features, labels, optim, *args, **kwargs)
+
+    monkeypatch.setattr(server, "train_global", spy)
+    config = dict(clients_per_round=2, rounds=2)
+    train_in_process(tmp_path / "run", **{**TINY, **config})
+    memory = plan_run(tiny_config(**config))["server_memory"]
+    rows, store, batch, received, decoded = max(held)
+    assert decoded == store and received == pytest.approx(store, rel=0.01)  # .npy headers: 128 bytes an array
+    assert rows >= TINY["batch_size"]  # so the measured batch is a full one
+    assert memory["rows_in_largest_round"] == rows and memory["feature_store"] == 3 * store
+    assert memory["theta_training"]["activations_per_batch"] == pytest.approx(batch, rel=0.01)
+    assert memory["streams_from_disk"] is False and memory["fits"]
+
+    half_the_rows = (memory["theta_training"]["total"] + memory["feature_store"] / 2) / 1e9  # room for half the rows
+    short = plan_run(tiny_config(**config), server_memory_gb=half_the_rows)["server_memory"]
+    assert not short["fits"] and short["rows_that_fit"] == rows // 2
+    assert plan_run(tiny_config(method="fedavg"))["server_memory"] is None  # no theta trained on features
 
 
 def test_the_plan_command_prints_the_size_per_round_and_in_all(capsys, tmp_path):

@@ -94,7 +94,8 @@ def _rgb_of(image: Image.Image, file: Path) -> np.ndarray:
 
 
 def _split(images: ImageSet, fractions: dict[str, float]) -> dict[str, ImageSet]:
-    """Split every class by the given fractions, with a fixed seed (the split never depends on the run seed)."""
+    """Split every class by the given fractions, with a fixed seed (the split never depends on the run seed). Each
+    split is a full split of the dataset: its ids are positions in it (ImageSet), which ground truth indexes."""
     rng = np.random.default_rng(0)
     picked: dict[str, list[np.ndarray]] = {name: [] for name in fractions}
     for label in np.unique(images.labels):
@@ -102,4 +103,5 @@ def _split(images: ImageSet, fractions: dict[str, float]) -> dict[str, ImageSet]
         bounds = np.round(np.cumsum([0.0, *fractions.values()]) * len(members)).astype(int)
         for (name, _), start, stop in zip(fractions.items(), bounds[:-1], bounds[1:]):
             picked[name].append(members[start:stop])
-    return {name: images.subset(np.sort(np.concatenate(parts))) for name, parts in picked.items()}
+    splits = {name: images.subset(np.sort(np.concatenate(parts))) for name, parts in picked.items()}
+    return {name: ImageSet(split.images, split.labels) for name, split in splits.items()}  # ids: positions in it

@@ -1,0 +1,187 @@
+"""The paper-scale check (issue 37): `eftguard bench` of the model for every method, two rounds of EFTViT and
+Fed-Full on a generated ImageFolder tree at the model's image size, one decoder inversion and one LiRA on the
+EFTViT run; writes OUT/gpu_check.json (and OUT/bench.json), printing a line per stage. `--preset gpu`
+(vit-b16-224, 224 px) is sized to finish in under 10 minutes on the lent GPU machine; `--preset cpu` (vit-tiny-32,
+32 px, few images) runs the same code on a CPU in about a minute and is what tests/test_paper_check.py runs.
+
+    OMP_NUM_THREADS=1 python experiments/paper/gpu_check.py --preset cpu --out /tmp/paper-check
+    python experiments/paper/make_table.py OUT/gpu_check.json   # the rows of docs/bench.md#paper-scale
+
+Device: eftguard selects no device; every model and tensor stays on the CPU (machine.cuda_available in the JSON
+says whether a GPU was there unused). On the GPU machine this script therefore measures its CPUs until the trainer
+moves to CUDA; the JSON says which device computed.
+
+The GPU machine's image has torch, timm, safetensors and numpy but not Flower, Opacus, dp-accounting or the LPIPS
+packages eftguard imports. Carry them as wheels (/work/.library/device/README.md): here, in the repository root,
+`echo /.whl/ >> .git/info/exclude`, then for each of flwr, opacus, dp-accounting, stlpips-pytorch, lpips and
+their missing requirements (`unzip -p .whl/NAME-*.whl '*/METADATA' | grep ^Requires-Dist`)
+`python3 -m pip download --no-deps --only-binary=:all: --python-version 3.12 --implementation cp
+--platform manylinux_2_28_x86_64 --platform manylinux_2_17_x86_64 --platform manylinux2014_x86_64 -d .whl NAME==VER`
+(pure-Python ones as any-platform wheels); then run with `carry: [".whl"]`:
+
+    python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site \\
+        .whl/*.whl && export PYTHONPATH=/tmp/site:$PWD && PYTHONUNBUFFERED=1 HF_HUB_OFFLINE=1 \\
+        FLWR_TELEMETRY_ENABLED=0 python3 experiments/paper/gpu_check.py --preset gpu --out $OUT
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import shutil
+import time
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+import numpy as np
+import torch
+from PIL import Image
+
+from eftguard.audit import run_attack
+from eftguard.bench import run_bench
+from eftguard.bench_config import BenchConfig
+from eftguard.config import TrainConfig
+from eftguard.federation.inprocess import train_in_process
+from eftguard.model import PRESETS
+from eftguard.rundir import RunDirectory
+
+SCHEMA_VERSION = 1
+TRAINED_METHODS = ("eftvit", "fedavg")
+
+
+@dataclass(frozen=True)
+class Preset:
+    """How much of everything one check runs: the GPU preset is the paper's model at its size, the CPU preset the
+    same stages small enough for the test suite."""
+
+    model: str
+    bench_steps: int
+    bench_batch: int
+    attack_steps: int
+    classes: int
+    images_per_class: int
+    train_samples: int  # under the train split (60 %): LiRA needs held-out images of the clients' classes
+    clients: int
+    batch_size: int
+    decoder_steps: int
+    inverted_images: int
+    lira_references: int
+    lira_candidates: int
+
+
+PRESETS_BY_NAME = {
+    # sized from the measured vit-b16-224 bench on CPU (9 min at 1 thread, batch 8, 3 steps; experiments/results/
+    # bench.md), since every stage runs on the CPU (see the module's docstring); not yet timed on the GPU machine
+    "gpu": Preset(model="vit-b16-224", bench_steps=2, bench_batch=8, attack_steps=2, classes=10,
+                  images_per_class=40, train_samples=120, clients=4, batch_size=32, decoder_steps=100,
+                  inverted_images=8, lira_references=2, lira_candidates=40),
+    "cpu": Preset(model="vit-tiny-32", bench_steps=1, bench_batch=8, attack_steps=1, classes=4, images_per_class=30,
+                  train_samples=36, clients=2, batch_size=16, decoder_steps=5, inverted_images=4, lira_references=2,
+                  lira_candidates=12),
+}
+
+
+def write_imagefolder(root: Path, classes: int, per_class: int, size: int, seed: int) -> None:
+    """A learnable ImageFolder tree: class c's images are noise around its own colour, so accuracy can rise above
+    chance in two rounds, yet every image differs (the attacks have something to recover)."""
+    rng = np.random.default_rng(seed)
+    colours = rng.integers(40, 216, size=(classes, 3))
+    for c in range(classes):
+        folder = root / f"class{c:02d}"
+        folder.mkdir(parents=True, exist_ok=True)
+        for i in range(per_class):
+            pixels = np.clip(colours[c] + rng.normal(0, 40, size=(size, size, 3)), 0, 255).astype(np.uint8)
+            Image.fromarray(pixels).save(folder / f"{i:04d}.png")
+
+
+def timed(say, stage: str, work):
+    say(f"{stage} ...")
+    start = time.perf_counter()
+    result = work()
+    seconds = time.perf_counter() - start
+    say(f"{stage}: {seconds:.1f} s")
+    return result, seconds
+
+
+def train_row(run: Path, cfg: TrainConfig) -> dict:
+    RunDirectory.create(run, cfg)
+    start = time.perf_counter()
+    train_in_process(run, cfg.clients)
+    rounds = RunDirectory.open(run).metrics()
+    return {"seconds": time.perf_counter() - start, "rounds": len(rounds),
+            "test_accuracy": [r["test_accuracy"] for r in rounds],
+            "client_seconds_max": [max(r["client_seconds"].values()) for r in rounds],
+            "server_seconds": [r["server_seconds"] for r in rounds],
+            "upload_bytes_per_client": [float(np.mean(list(r["upload_bytes"].values()))) for r in rounds]}
+
+
+def figure(report, name: str) -> float:
+    """The attack's figure over all its clients (the report's first score group holds the attack's own rows)."""
+    group = next(iter(report.groups.values()))
+    return float(group[name]["mean"])
+
+
+def run_check(preset_name: str, out: Path, say=print) -> dict:
+    started = time.perf_counter()
+    preset = PRESETS_BY_NAME[preset_name]
+    size = PRESETS[preset.model].image_size
+    out.mkdir(parents=True, exist_ok=True)
+    work = out / "work"
+    shutil.rmtree(work, ignore_errors=True)
+    result = {"schema_version": SCHEMA_VERSION, "preset": preset_name, "settings": asdict(preset),
+              "machine": {"device": "cpu", "cuda_available": torch.cuda.is_available(),
+                          "cuda_device": torch.cuda.get_device_name(0) if torch.cuda.is_available() else None,
+                          "torch_threads": torch.get_num_threads()}}
+
+    bench, seconds = timed(say, f"bench {preset.model}, every method", lambda: run_bench(
+        BenchConfig(model=preset.model, steps=preset.bench_steps, batch_size=preset.bench_batch,
+                    attack_steps=preset.attack_steps), say))
+    (out / "bench.json").write_text(json.dumps(bench, indent=2) + "\n")
+    result["machine"].update(bench["machine"])
+    result["bench"] = {"seconds": seconds, "clients": {k: {"step_seconds": v["step_seconds"]["median"],
+                                                           "speedup": v["speedup"], "flop_ratio": v["flop_ratio"],
+                                                           "bound_fraction": v["bound_fraction"],
+                                                           "peak_bytes": v["memory_bytes"]["peak"]}
+                                                       for k, v in bench["clients"].items()},
+                       "server_samples_per_second": bench["server"]["samples_per_second"]}
+
+    data = work / "imagefolder"
+    timed(say, f"writing {preset.classes} x {preset.images_per_class} images of {size} px",
+          lambda: write_imagefolder(data, preset.classes, preset.images_per_class, size, seed=0))
+    result["training"] = {}
+    for method in TRAINED_METHODS:
+        cfg = TrainConfig(dataset=f"imagefolder:{data}", model=preset.model, method=method, rounds=2,
+                          clients=preset.clients, batch_size=preset.batch_size, train_samples=preset.train_samples,
+                          test_samples=0).resolved()
+        result["training"][method], _ = timed(say, f"two rounds of {method}, {preset.clients} clients",
+                                              lambda: train_row(work / method, cfg))
+
+    eftvit_run = work / "eftvit"
+    decoder, seconds = timed(say, f"decoder inversion, {preset.decoder_steps} steps", lambda: run_attack(
+        eftvit_run, "invert", "decoder", steps=preset.decoder_steps, max_images=preset.inverted_images,
+        lpips_backend="stlpips-alex", power_check=False))
+    result["decoder_inversion"] = {"seconds": seconds, "psnr": figure(decoder, "psnr"),
+                                   "ssim": figure(decoder, "ssim")}
+    lira, seconds = timed(say, f"LiRA, {preset.lira_references} reference runs", lambda: run_attack(
+        eftvit_run, "membership", "lira", references=preset.lira_references, candidates=preset.lira_candidates,
+        queries="2", power_check=False))
+    result["lira"] = {"seconds": seconds, "auc": figure(lira, "auc")}
+    shutil.rmtree(work)
+    result["seconds"] = time.perf_counter() - started
+    (out / "gpu_check.json").write_text(json.dumps(result, indent=2) + "\n")
+    say(f"wrote {out / 'gpu_check.json'}")
+    return result
+
+
+def main(argv: list[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--preset", choices=sorted(PRESETS_BY_NAME), default="gpu")
+    parser.add_argument("--out", type=Path, required=True, help="folder for gpu_check.json and bench.json")
+    args = parser.parse_args(argv)
+    if args.out.exists() and not args.out.is_dir():
+        parser.error(f"--out {args.out} is a file: give a folder")
+    run_check(args.preset, args.out, lambda line: print(line, flush=True))
+
+
+if __name__ == "__main__":
+    main()
