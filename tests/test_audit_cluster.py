@@ -1,0 +1,120 @@
+"""eftguard audit --ray-address: bad input refused in one line before any work, and a real two-node Ray cluster on
+127.0.0.1 that loses a worker node mid-audit and still ends with the summary of a one-machine run."""
+
+import json
+import os
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import pytest
+
+from test_audit_grid import Fakes, audit_cli
+
+TINY = """
+[train]
+rounds = 2
+clients = 2
+train_samples = 100
+test_samples = 40
+batch_size = 32
+
+[grid]
+method = ["eftvit", "fedavg"]
+
+[[attack]]
+family = "labels"
+method = "bias-corrected"
+"""
+
+
+def free_port() -> int:
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        return probe.getsockname()[1]
+
+
+@pytest.mark.parametrize("argv, expected", [
+    (["--ray-address", "127.0.0.1:6379", "--shard", "1/2"], "--ray-address runs every configuration on the "
+                                                             "cluster: drop --shard"),
+    (["--ray-address", "localhost"], "--ray-address must be HOST:PORT of the cluster's head"),
+    (["--ray-address", "127.0.0.1:0"], "--ray-address must be HOST:PORT"),
+    (["--cpus-per-configuration", "0", "--ray-address", "127.0.0.1:6379"], "must be a whole number >= 1"),
+])
+def test_bad_cluster_flags_are_one_line_before_any_work(capsys, tmp_path, monkeypatch, argv, expected):
+    fakes = Fakes(monkeypatch)
+    code, _, err, summary = audit_cli(capsys, tmp_path, *argv)
+    assert code == 2 and expected in err and summary is None and fakes.calls == 0
+    assert "Traceback" not in err
+
+
+def test_an_unreachable_cluster_is_one_line_before_any_work(capsys, tmp_path, monkeypatch):
+    fakes = Fakes(monkeypatch)
+    port = free_port()  # nothing listens there
+    start = time.monotonic()
+    code, _, err, summary = audit_cli(capsys, tmp_path, "--ray-address", f"127.0.0.1:{port}")
+    assert code == 2 and f"--ray-address 127.0.0.1:{port}: no Ray cluster answers there" in err
+    assert err.count("\n") == 1 and summary is None and fakes.calls == 0 and time.monotonic() - start < 30
+
+
+def comparable(summary: dict) -> list:
+    """What a summary says of each configuration, without what differs between two machines or two runs of the
+    same code (training seconds, run ids inside fingerprints, paths)."""
+    return [(c["id"], c["status"], c["accuracy"], c["epsilon"],
+             {name: (a["status"], a.get("figures")) for name, a in c["attacks"].items()})
+            for c in summary["configurations"]] + [summary["pending"]]
+
+
+@pytest.mark.slow
+def test_an_audit_on_a_two_node_cluster_survives_a_killed_worker_and_matches_one_machine(tmp_path, monkeypatch):
+    """A head and a worker node (one CPU each) on 127.0.0.1; both configurations start, one on each node; the
+    worker node is killed; Ray retries its configuration on the head, which resumes its run; the summary equals
+    that of the same audit on one machine."""
+    from ray.cluster_utils import Cluster
+
+    audit_file = tmp_path / "tiny.toml"
+    audit_file.write_text(TINY)
+    env = {**os.environ, "HF_HUB_OFFLINE": "1", "FLWR_TELEMETRY_ENABLED": "0", "FLWR_DISABLE_UPDATE_CHECK": "1",
+           "OMP_NUM_THREADS": "1"}
+
+    def audit(out, *argv, **kwargs):
+        return [sys.executable, "-m", "eftguard.cli", "audit", str(audit_file), "--out", str(out), *argv]
+
+    alone = subprocess.run(audit(tmp_path / "alone"), env=env, capture_output=True, text=True, timeout=600)
+    assert alone.returncode == 0, alone.stderr[-3000:]
+    expected = json.loads((tmp_path / "alone" / "summary.json").read_text())
+
+    # the cluster's own temp folder (short: Ray's socket paths must fit 107 bytes), so nothing of another Ray
+    # session on this machine is read or written; every node is stopped by the cluster's shutdown
+    ray_dir = tempfile.mkdtemp(prefix="eg-ray-")
+    monkeypatch.setenv("RAY_TMPDIR", ray_dir)
+    for name, value in env.items():
+        monkeypatch.setenv(name, value)
+    cluster = Cluster(initialize_head=True, head_node_args={"num_cpus": 1, "node_ip_address": "127.0.0.1",
+                                                            "include_dashboard": False})
+    driver = None
+    try:
+        worker = cluster.add_node(num_cpus=1, node_ip_address="127.0.0.1")
+        cluster.wait_for_nodes()
+        out = tmp_path / "cluster"
+        driver = subprocess.Popen(audit(out, "--ray-address", cluster.address), env={**env, "RAY_TMPDIR": ray_dir},
+                                  stderr=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
+        deadline = time.monotonic() + 300
+        while len(list((out / "runs").glob("*/manifest.json"))) < 2:  # both configurations are training
+            assert driver.poll() is None and time.monotonic() < deadline, driver.communicate()[1][-3000:]
+            time.sleep(0.2)
+        cluster.remove_node(worker, allow_graceful=False)  # its processes, by the handles the cluster started
+        stdout, stderr = driver.communicate(timeout=600)
+    finally:
+        if driver is not None and driver.poll() is None:
+            driver.kill()
+            driver.wait()
+        cluster.shutdown()
+    assert driver.returncode == 0, stderr[-3000:]
+    assert "resuming" in stderr, stderr[-3000:]  # the retried configuration continued its run on the head
+    summary = json.loads((out / "summary.json").read_text())
+    assert comparable(summary) == comparable(expected)
+    assert all(c["status"] == "done" for c in summary["configurations"])
