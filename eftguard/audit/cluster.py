@@ -35,6 +35,7 @@ from eftguard.audit import gate as gates_module, grid
 from eftguard.audit.families import FAMILIES
 from eftguard.audit.grid import Audit, Configuration, console
 from eftguard.errors import ConfigError
+from eftguard.federation.simulation import configure_ray_and_flower
 
 RETRIES = 3  # attempts after the first, for a task whose node or worker died or whose child process was killed
 PROBE_SECONDS = 120  # for the probe task of every node to report (a node that cannot start a worker never does)
@@ -141,6 +142,7 @@ def run_audit_on_cluster(audit: Audit, out: Path, address: str, cpus: int, gpus:
     check_reachable(address)
     grid.check_data_and_model(audit, audit.configurations, out)
     out.mkdir(parents=True, exist_ok=True)
+    configure_ray_and_flower(verbose)
     ray.init(address=address, logging_level="WARNING" if verbose else "ERROR", log_to_driver=True)
     try:
         check_resources(cpus, gpus, audit)
