@@ -3,6 +3,7 @@
 
 import json
 import os
+import shutil
 import socket
 import subprocess
 import sys
@@ -116,6 +117,7 @@ def test_an_audit_on_a_two_node_cluster_survives_a_killed_worker_and_matches_one
             driver.kill()
             driver.wait()
         cluster.shutdown()
+        shutil.rmtree(ray_dir, ignore_errors=True)
     assert driver.returncode == 0, stderr[-3000:]
     assert "resuming" in stderr, stderr[-3000:]  # the retried configuration continued its run on the head
     summary = json.loads((out / "summary.json").read_text())
