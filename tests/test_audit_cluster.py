@@ -104,6 +104,10 @@ def test_an_audit_on_a_two_node_cluster_survives_a_killed_worker_and_matches_one
         worker = cluster.add_node(num_cpus=1, node_ip_address="127.0.0.1")
         cluster.wait_for_nodes()
         out = tmp_path / "cluster"
+        too_big = subprocess.run(audit(out, "--ray-address", cluster.address, "--cpus-per-configuration", "2"),
+                                 env={**env, "RAY_TMPDIR": ray_dir}, capture_output=True, text=True, timeout=300)
+        assert too_big.returncode == 2 and "no node of the cluster has 2 CPUs" in too_big.stderr, too_big.stderr[-3000:]
+        assert not (out / "runs").exists()
         driver = subprocess.Popen(audit(out, "--ray-address", cluster.address), env={**env, "RAY_TMPDIR": ray_dir},
                                   stderr=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
         deadline = time.monotonic() + 300
@@ -123,3 +127,17 @@ def test_an_audit_on_a_two_node_cluster_survives_a_killed_worker_and_matches_one
     summary = json.loads((out / "summary.json").read_text())
     assert comparable(summary) == comparable(expected)
     assert all(c["status"] == "done" for c in summary["configurations"])
+
+
+def test_the_probe_names_what_a_node_cannot_see(tmp_path):
+    """What check_nodes reads from each node: a missing folder by what it is, and an output folder that holds
+    another token (another file system mounted at the same path) as not seen."""
+    from eftguard.audit.cluster import probe_node
+
+    token_file = tmp_path / ".cluster-probe-x"
+    token_file.write_text("abc")
+    seen = probe_node({"the output folder": str(tmp_path), "the working folder": str(tmp_path / "gone")},
+                      str(token_file), "abc")
+    assert seen["missing"] == {"the working folder": str(tmp_path / "gone")} and seen["sees_out"]
+    assert not probe_node({"the output folder": str(tmp_path)}, str(token_file), "other")["sees_out"]
+    assert not probe_node({"the output folder": str(tmp_path)}, str(tmp_path / "absent"), "abc")["sees_out"]
