@@ -13,7 +13,7 @@ from pathlib import Path
 
 import pytest
 
-from test_audit_grid import Fakes, audit_cli
+from test_audit_grid import SWEEP, Fakes, audit_cli
 
 TINY = """
 [train]
@@ -141,3 +141,17 @@ def test_the_probe_names_what_a_node_cannot_see(tmp_path):
     assert seen["missing"] == {"the working folder": str(tmp_path / "gone")} and seen["sees_out"]
     assert not probe_node({"the output folder": str(tmp_path)}, str(token_file), "other")["sees_out"]
     assert not probe_node({"the output folder": str(tmp_path)}, str(tmp_path / "absent"), "abc")["sees_out"]
+
+
+def test_a_configuration_task_smaller_than_a_simulated_client_is_refused(capsys, tmp_path, monkeypatch):
+    """Checked before Ray is joined: a local Ray of fewer CPUs than a client reserves would hold no client."""
+    import eftguard.audit.cluster as cluster
+
+    fakes = Fakes(monkeypatch)
+    monkeypatch.setattr(cluster, "check_reachable", lambda address: None)
+    monkeypatch.setattr(cluster.ray, "init", lambda **kwargs: None)
+    monkeypatch.setattr(cluster.ray, "shutdown", lambda: None)
+    code, _, err, summary = audit_cli(capsys, tmp_path, "--ray-address", "127.0.0.1:6379",
+                                      text=SWEEP.replace("[train]\n", "[train]\ncpus_per_client = 1.5\n"))
+    assert code == 2 and "--cpus-per-configuration 1 is below the 1.5 CPUs a simulated client reserves" in err
+    assert "give --cpus-per-configuration 2 or more" in err and summary is None and fakes.calls == 0

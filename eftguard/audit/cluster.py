@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import ctypes
 import json
+import math
 import os
 import pickle
 import secrets
@@ -56,7 +57,8 @@ def parse_address(text: str) -> tuple[str, int]:
 
 
 def check_reachable(address: str) -> None:
-    """One line, before Ray's own connection attempts (which retry for about a minute), when nothing listens."""
+    """One line when nothing listens: ray.init itself kept retrying for over 5 minutes here on an address it could
+    not reach."""
     host, port = parse_address(address)
     try:
         socket.create_connection((host, port), timeout=5).close()
@@ -71,12 +73,12 @@ def check_resources(cpus: int, gpus: float, audit: Audit) -> None:
     needed = max(c.config.cpus_per_client for c in audit.configurations)
     if cpus < needed:
         raise ConfigError(f"--cpus-per-configuration {cpus} is below the {needed:g} CPUs a simulated client reserves "
-                          f"(cpus_per_client): give --cpus-per-configuration {int(-(-needed // 1))} or more")
+                          f"(cpus_per_client): give --cpus-per-configuration {math.ceil(needed)} or more")
     nodes = [node["Resources"] for node in ray.nodes() if node["Alive"]]
     if not any(node.get("CPU", 0) >= cpus and node.get("GPU", 0) >= gpus for node in nodes):
-        largest = ", ".join(f"{node.get('CPU', 0):g} CPUs {node.get('GPU', 0):g} GPUs" for node in nodes)
+        offered = ", ".join(f"{node.get('CPU', 0):g} CPUs {node.get('GPU', 0):g} GPUs" for node in nodes)
         raise ConfigError(f"no node of the cluster has {cpus} CPUs and {gpus:g} GPUs for a configuration (nodes: "
-                          f"{largest}): lower --cpus-per-configuration / --gpus-per-configuration or add a node")
+                          f"{offered}): lower --cpus-per-configuration / --gpus-per-configuration or add a node")
 
 
 def probe_node(folders: dict[str, str], token_file: str, token: str) -> dict:
