@@ -30,8 +30,8 @@ from eftguard.errors import ConfigError, FederationError
 from eftguard.federation import deployment
 from eftguard.metrics import LPIPS_BACKENDS, MetricError
 from eftguard.model import PRESETS, ModelError, build_model
-from eftguard.options import (add_argument, add_arguments, check_values, finite_number, given_values, name_value, option,
-                              options_of, path_value, whole_number)
+from eftguard.options import (add_argument, add_arguments, check_values, finite_number, given_values, name_value,
+                              option, options_of, path_value, whole_number)
 from eftguard.paths import atomic_write, file_in_the_way, output_file_problem, unwritable_reason
 from eftguard.plan import PlanOptions, plan_lines, plan_run
 from eftguard.precision import PRECISIONS, resolve_precision
