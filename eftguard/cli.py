@@ -30,8 +30,8 @@ from eftguard.errors import ConfigError, FederationError
 from eftguard.federation import deployment
 from eftguard.metrics import LPIPS_BACKENDS, MetricError
 from eftguard.model import PRESETS, ModelError, build_model
-from eftguard.options import (add_argument, add_arguments, check_values, given_values, name_value, option, options_of,
-                              path_value)
+from eftguard.options import (add_argument, add_arguments, check_values, finite_number, given_values, name_value,
+                              option, options_of, path_value, whole_number)
 from eftguard.paths import atomic_write, file_in_the_way, output_file_problem, unwritable_reason
 from eftguard.plan import PlanOptions, plan_lines, plan_run
 from eftguard.precision import PRECISIONS, resolve_precision
@@ -85,6 +85,16 @@ class AuditOptions:
                                metavar="I/N")
     key: Path | None = option(None, "at-rest key for the attacks (default: the [train] encrypt_at_rest key file)",
                               metavar="KEYFILE")
+    ray_address: str | None = option(None, "run every configuration (its training and attacks) as a task of the Ray "
+                                           "cluster whose head is at HOST:PORT (`ray start --head --port PORT`); "
+                                           "--out must be on a file system every node shares. Same reuse, resume "
+                                           "and summary as on one machine; a task whose node dies is retried "
+                                           "(docs/audit.md)", metavar="HOST:PORT")
+    cpus_per_configuration: int = option(1, "with --ray-address: CPUs of a configuration's task; its Flower "
+                                            "simulation runs on a Ray instance of its own with these CPUs",
+                                         whole_number(1), metavar="N")
+    gpus_per_configuration: float = option(0.0, "with --ray-address: GPUs of a configuration's task (a fraction "
+                                                "shares one)", finite_number(0, zero_allowed=True), metavar="N")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -427,19 +437,31 @@ def cmd_audit(args: argparse.Namespace) -> None:
     shard = parse_shard(args.shard) if args.shard is not None else None
     if args.key is not None and not args.key.is_file():
         raise ConfigError(f"--key {args.key} is not a file: give the key file the runs were encrypted with")
+    if args.ray_address is not None:
+        from eftguard.audit.cluster import parse_address, run_audit_on_cluster  # Ray (1 s): with --ray-address only
+
+        parse_address(args.ray_address)
+        if shard is not None:
+            raise ConfigError("--ray-address runs every configuration on the cluster: drop --shard (it splits an "
+                              "audit by hand over machines)")
     audit = read_audit(args.audit_file)
     out = args.out or Path("audits") / args.audit_file.stem
     check_out_folder(out, "the audit")
-    summary = run_audit(audit, out, gates, shard, args.key, args.verbose)
+    lost = []
+    if args.ray_address is None:
+        summary = run_audit(audit, out, gates, shard, args.key, args.verbose)
+    else:
+        summary, lost = run_audit_on_cluster(audit, out, args.ray_address, args.cpus_per_configuration,
+                                             args.gpus_per_configuration, gates, args.key, args.verbose)
     print_summary(summary)
-    exit_on_problems(summary)
+    exit_on_problems(summary, lost)
 
 
-def exit_on_problems(summary: dict) -> None:
-    """Exit 1 naming every failed configuration and every gate crossing."""
+def exit_on_problems(summary: dict, lost: list[str] = ()) -> None:
+    """Exit 1 naming every failed configuration, every gate crossing and every configuration a cluster lost."""
     from eftguard.audit.grid import problems  # Flower (0.4 s), through eftguard.runs: loaded by the commands that train
 
-    found = problems(summary)
+    found = [*problems(summary), *lost]
     for line in found:
         print(f"eftguard: {line}", file=sys.stderr)
     if found:
