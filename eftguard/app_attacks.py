@@ -1,0 +1,178 @@
+"""`eftguard attack gradient | labels RUN` on a recorded Flower app (eftguard.federation.recorder, docs/flower-apps.md).
+
+The attacks are eftguard's own, given the user's model rebuilt from app.toml's `module:factory`: iDLG, DLG and
+Inverting Gradients on a one-step update (-update / lr is then the client's gradient, exactly, for SGD), and the
+label attacks that read the last layer's update alone (bias-corrected, LLG). Both need a classifier whose output
+is a linear layer's; any other model, or a multi-step update, is refused on one line that says why. Scores join
+truth/ (shared only by clients with the share_truth mod) after the attack, as the auditor does for eftguard runs.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from dataclasses import dataclass
+from pathlib import Path
+from types import SimpleNamespace
+
+import numpy as np
+import torch
+from torch import nn
+
+from eftguard.apprun import AppRun
+from eftguard.attacks.base import AttackError
+from eftguard.attacks.gradient import GRADIENT, GradientObservation
+from eftguard.attacks.labels import LABELS, ClientUploads, LabelObservation
+from eftguard.metrics import hungarian_match, psnr
+from eftguard.paths import atomic_write
+from eftguard.rundir import RunError
+
+GRADIENT_METHODS = ("idlg", "dlg", "ig")  # those that take any classifier; analytic reads a ViT's embeddings
+LABEL_METHODS = ("bias-corrected", "llg")  # those that read the last layer's update alone
+
+
+@dataclass
+class ClientResult:
+    client: int
+    scores: dict
+
+
+def last_linear(model: nn.Module, image_size: int) -> str:
+    """The name of the nn.Linear whose output is the model's output (the classifier's last layer)."""
+    produced: dict[int, str] = {}
+    hooks = [module.register_forward_hook(lambda m, i, out, name=name: produced.__setitem__(id(out), name))
+             for name, module in model.named_modules() if isinstance(module, nn.Linear)]
+    try:
+        with torch.no_grad():
+            output = model(torch.zeros(1, 3, image_size, image_size))
+    finally:
+        for hook in hooks:
+            hook.remove()
+    if id(output) not in produced:
+        last = [type(m).__name__ for m in model.modules()][-1]
+        raise AttackError(f"the app's model {type(model).__name__} does not end in a linear layer (its output is not "
+                          f"an nn.Linear's; last module: {last}): the gradient and label attacks read a linear last "
+                          "layer's update")
+    return produced[id(output)]
+
+
+def chosen_clients(run: AppRun, round_number: int, clients) -> list[int]:
+    available = run.uploaded_partitions(round_number)
+    chosen = available if clients in (None, "all") else [int(c) for c in (clients if isinstance(clients, (list, tuple))
+                                                                            else str(clients).split(","))]
+    missing = sorted(set(chosen) - set(available))
+    if missing:
+        raise RunError(f"no uploads of client(s) {missing} in round {round_number}; clients with uploads: {available}")
+    return chosen
+
+
+def round_of(run: AppRun, round_number: int | None) -> tuple[int, dict]:
+    records = run.metrics()
+    if not records:
+        raise RunError(f"{run.path} has no completed round to attack")
+    round_number = round_number or len(records)
+    if not 1 <= round_number <= len(records):
+        raise RunError(f"round {round_number} of {run.path} is not recorded: rounds 1-{len(records)}")
+    return round_number, records[round_number - 1]
+
+
+def one_step_gradient(run: AppRun, model: nn.Module, round_number: int, record: dict, client: int, method: str
+                      ) -> tuple[dict[str, torch.Tensor], int]:
+    """-update / lr, the gradient of the client's one SGD step, and n_k; a multi-step update is refused."""
+    spec = run.spec()
+    num_examples = int(record["num_examples"][str(client)])
+    steps = spec.local_epochs * math.ceil(num_examples / spec.batch_size)
+    if steps != 1:
+        raise AttackError(f"client {client}'s update in round {round_number} is {steps} local steps (n_k "
+                          f"{num_examples}, batch {spec.batch_size}, {spec.local_epochs} epoch(s)): --method {method} "
+                          "inverts one step's gradient, exact only when n_k <= batch size and one epoch")
+    update = run.load_upload(round_number, client, "update")
+    lr = float(record["lr"])
+    return {name: -(torch.from_numpy(update[name]) - p.detach()) / lr
+            for name, p in model.named_parameters()}, num_examples
+
+
+def attack_gradient(run: AppRun, method: str, options: dict, round_number: int | None, clients) -> list[ClientResult]:
+    if method not in GRADIENT_METHODS:
+        raise AttackError(f"--method {method} reads a ViT's patch and positional embeddings; on a Flower app's model "
+                          f"use --method {' | '.join(GRADIENT_METHODS)}")
+    round_number, record = round_of(run, round_number)
+    spec = run.spec()
+    results = []
+    for client in chosen_clients(run, round_number, clients):
+        model = run.start_model(round_number)
+        head = last_linear(model, spec.image_size)
+        gradients, num_examples = one_step_gradient(run, model, round_number, record, client, method)
+        observation = GradientObservation(model, gradients, num_examples, spec.image_size, spec.mean, spec.std,
+                                          head_bias=f"{head}.bias")
+        reconstruction = GRADIENT.get(method)(**options).reconstruct(observation)
+        scores = {"images": num_examples}
+        truth = shared_truth(run, round_number, client)
+        if truth is not None:
+            originals = truth["images"].astype(np.float64) / 255.0
+            matched = reconstruction.images[hungarian_match(reconstruction.images, originals)]
+            scores["psnr_db"] = float(psnr(matched, originals).mean())
+            mean_colour = np.broadcast_to(originals.mean(axis=(1, 2), keepdims=True), originals.shape)
+            scores["baseline_psnr_db"] = float(psnr(mean_colour, originals).mean())
+        results.append(ClientResult(client, scores))
+    return results
+
+
+def attack_labels(run: AppRun, method: str, round_number: int | None, clients) -> list[ClientResult]:
+    if method not in LABEL_METHODS:
+        raise AttackError(f"--method {method} reads uploaded features or a ViT; on a Flower app's model use "
+                          f"--method {' | '.join(LABEL_METHODS)} (they read the last linear layer's update alone)")
+    round_number, record = round_of(run, round_number)
+    model = run.start_model(round_number)
+    head_name = last_linear(model, run.spec().image_size)
+    head = model.get_submodule(head_name)
+    if head.bias is None:
+        raise AttackError(f"the app's last layer {head_name} has no bias: the label attacks read the bias update")
+    uploads = []
+    for client in chosen_clients(run, round_number, clients):
+        update = run.load_upload(round_number, client, "update")
+        uploads.append(ClientUploads(client, int(record["num_examples"][str(client)]), None, None,
+                                     update[f"{head_name}.weight"], update[f"{head_name}.bias"]))
+    observation = LabelObservation(round_number, head.out_features, uploads, start_model=SimpleNamespace(head=head))
+    estimates = LABELS.get(method)().reconstruct(observation)
+    results = []
+    for client in uploads:
+        scores = {"estimated_counts": estimates[client.partition].counts.round(2).tolist()}
+        truth = shared_truth(run, round_number, client.partition)
+        if truth is not None:
+            true = np.bincount(truth["labels"], minlength=head.out_features).astype(np.float64)
+            share = true / true.sum()
+            estimate = estimates[client.partition].counts / max(estimates[client.partition].counts.sum(), 1e-12)
+            scores["true_counts"] = true.tolist()
+            scores["l1"] = float(np.abs(estimate - share).sum())
+            scores["baseline_l1"] = float(np.abs(np.full_like(share, 1 / len(share)) - share).sum())  # uniform guess
+        results.append(ClientResult(client.partition, scores))
+    return results
+
+
+def shared_truth(run: AppRun, round_number: int, client: int) -> dict | None:
+    return run.load_truth(round_number, client) if run.truth_path(round_number, client).exists() else None
+
+
+def write_report(run: AppRun, family: str, method: str, results: list[ClientResult], out: Path | None) -> Path:
+    """reports/<family>-<method>/report.json: the scores per client, the attack and the app's model."""
+    folder = (out or run.path / "reports") / f"{family}-{method}"
+    folder.mkdir(parents=True, exist_ok=True)
+    report = {"family": family, "method": method, "model": run.spec().model,
+              "clients": {str(r.client): r.scores for r in results}}
+    atomic_write(folder / "report.json", lambda p: p.write_text(json.dumps(report, indent=2) + "\n"))
+    return folder / "report.json"
+
+
+def run_app_attack(path: Path, family: str, method: str, options: dict, round_number: int | None, clients,
+                   out: Path | None) -> tuple[list[ClientResult], Path]:
+    run = AppRun.open(path)
+    if family == "gradient":
+        results = attack_gradient(run, method, options, round_number, clients)
+    elif family == "labels":
+        results = attack_labels(run, method, round_number, clients)
+    else:
+        raise AttackError(f"eftguard attack {family} does not read a recorded Flower app yet: attack it with "
+                          f"gradient (--method {'|'.join(GRADIENT_METHODS)}) or labels (--method "
+                          f"{'|'.join(LABEL_METHODS)})")
+    return results, write_report(run, family, method, results, out)

@@ -1,0 +1,103 @@
+"""A third-party-style Flower app (examples/flower-app: its own CNN, ClientApp and FedAvg ServerApp), recorded by
+eftguard's RecordingStrategy for two rounds over the in-process grid, then attacked through the CLI."""
+
+from __future__ import annotations
+
+import json
+import sys
+from pathlib import Path
+
+import numpy as np
+import pytest
+from PIL import Image
+
+from eftguard.cli import main
+
+APP = Path(__file__).resolve().parents[1] / "examples" / "flower-app"
+CLASSES = 4
+
+
+@pytest.fixture(scope="module")
+def recorded_app(tmp_path_factory) -> Path:
+    """Two rounds of the example app, 2 nodes with 2 images each (one SGD step per round: n_k <= batch size)."""
+    sys.path.insert(0, str(APP))
+    from flower_app.client_app import app as client_app
+    from flower_app.server_app import app as server_app
+    from flwr.app import Context, RecordDict
+
+    from eftguard.federation.inprocess import InProcessGrid, task_identity
+
+    work = tmp_path_factory.mktemp("flower-app")
+    rng = np.random.default_rng(0)
+    for label in range(CLASSES):  # one distinct smooth colour pattern per class
+        (work / "images" / f"class-{label}").mkdir(parents=True)
+        ramp = np.linspace(0, 1, 16)[None, :, None] * rng.uniform(0.2, 1, 3) + rng.uniform(0, 0.5, 3)
+        pixels = np.clip(np.broadcast_to(ramp, (16, 16, 3)) * 255, 0, 255).astype(np.uint8)
+        Image.fromarray(np.rot90(pixels, label).copy()).save(work / "images" / f"class-{label}" / "0.png")
+    run = work / "run"
+    config = {"num-server-rounds": 2, "lr": 0.1, "local-epochs": 1, "batch-size": 8,
+              "data-dir": str(work / "images"), "record-to": str(run)}
+    grid = InProcessGrid(2, client_app=client_app, run_config=config)
+    with task_identity():
+        server_app(grid, Context(run_id=1, node_id=0, state=RecordDict({}), run_config=config, node_config={}))
+    yield run
+    sys.path.remove(str(APP))
+
+
+def test_the_recorder_writes_the_run_directory_contract(recorded_app):
+    records = [json.loads(line) for line in (recorded_app / "metrics.jsonl").read_text().splitlines()]
+    assert [r["round"] for r in records] == [1, 2]
+    assert records[1]["num_examples"] == {"0": 2, "1": 2} and not records[1]["dropped"]
+    for round_name in ("round-0001", "round-0002"):
+        for client in ("client-00", "client-01"):
+            assert (recorded_app / "observed" / round_name / client / "update.safetensors").is_file()
+            assert (recorded_app / "truth" / round_name / f"{client}.safetensors").is_file()
+    assert sorted(p.name for p in (recorded_app / "checkpoints").iterdir()) == \
+        ["round-0000.safetensors", "round-0001.safetensors", "round-0002.safetensors"]
+    assert 'model = "flower_app.task:Net"' in (recorded_app / "app.toml").read_text()
+
+
+def test_gradient_attack_on_the_recorded_app_beats_the_mean_colour(recorded_app, tmp_path):
+    main(["attack", "gradient", str(recorded_app), "--method", "idlg", "--steps", "300", "--out", str(tmp_path)])
+    report = json.loads((tmp_path / "gradient-idlg" / "report.json").read_text())
+    for scores in report["clients"].values():
+        assert scores["psnr_db"] > scores["baseline_psnr_db"] + 5, scores
+
+
+def test_label_attack_on_the_recorded_app_recovers_the_labels(recorded_app, tmp_path):
+    main(["attack", "labels", str(recorded_app), "--method", "bias-corrected", "--out", str(tmp_path)])
+    report = json.loads((tmp_path / "labels-bias-corrected" / "report.json").read_text())
+    for scores in report["clients"].values():
+        assert scores["l1"] < 0.05 < scores["baseline_l1"], scores
+
+
+def test_attacks_that_need_a_vit_are_refused_on_one_line(recorded_app, capsys):
+    with pytest.raises(SystemExit) as stop:
+        main(["attack", "gradient", str(recorded_app), "--method", "analytic"])
+    assert stop.value.code == 2
+    err = capsys.readouterr().err.strip()
+    assert len(err.splitlines()) == 1 and "--method idlg | dlg | ig" in err
+
+
+def test_a_model_without_a_linear_last_layer_is_refused(tmp_path, monkeypatch, capsys):
+    """A fully convolutional classifier (global pooling after a conv): the attacks say why they cannot run."""
+    from torch import nn
+
+    from eftguard.apprun import AppRun, AppSpec
+
+    (tmp_path / "pooled_app.py").write_text(
+        "from torch import nn\n"
+        "def Net():\n"
+        "    return nn.Sequential(nn.Conv2d(3, 4, 3), nn.AdaptiveAvgPool2d(1), nn.Flatten())\n")
+    monkeypatch.syspath_prepend(str(tmp_path))
+    run = AppRun.create(tmp_path / "run", AppSpec("pooled_app:Net", 16, batch_size=8))
+    state = nn.Sequential(nn.Conv2d(3, 4, 3), nn.AdaptiveAvgPool2d(1), nn.Flatten()).state_dict()
+    run.save_checkpoint(0, state)
+    run.save_upload(1, 0, "update", {k: (v + 0.01).numpy() for k, v in state.items()})
+    run.append_metrics({"round": 1, "lr": 0.1, "num_examples": {"0": 1}, "dropped": {}})
+    for family, method in (("gradient", "idlg"), ("labels", "bias-corrected")):
+        with pytest.raises(SystemExit) as stop:
+            main(["attack", family, str(run.path), "--method", method])
+        assert stop.value.code == 2
+        err = capsys.readouterr().err.strip()
+        assert len(err.splitlines()) == 1 and "does not end in a linear layer" in err, err
