@@ -2,8 +2,10 @@
 
 The attacks are eftguard's own, given the user's model rebuilt from app.toml's `module:factory`: iDLG, DLG and
 Inverting Gradients on a one-step update (-update / lr is then the client's gradient, exactly, for SGD), and the
-label attacks that read the last layer's update alone (bias-corrected, LLG). Both need a classifier whose output
-is a linear layer's; any other model, or a multi-step update, is refused on one line that says why. Scores join
+label attacks that read the last layer's update alone (bias-corrected, LLG); on a multi-step update, update
+inversion (`updates`), which simulates the client's local SGD (or AdamW) steps. All need a classifier whose output
+is a linear layer's; any other model, or a multi-step update given to a one-step method, is refused on one line
+that says why. Scores join
 truth/ (shared only by clients with the share_truth mod) after the attack, as the auditor does for eftguard runs.
 """
 
@@ -21,13 +23,15 @@ from torch import nn
 
 from eftguard.apprun import AppRun
 from eftguard.attacks.base import AttackError
-from eftguard.attacks.gradient import GRADIENT, GradientObservation
+from eftguard.attacks.gradient import GRADIENT, GradientObservation, LocalTraining
+from eftguard.attacks.update_inversion import UpdateInversion
 from eftguard.attacks.labels import LABELS, ClientUploads, LabelObservation
 from eftguard.metrics import hungarian_match, psnr
 from eftguard.paths import atomic_write
 from eftguard.rundir import RunError
 
-GRADIENT_METHODS = ("idlg", "dlg", "ig")  # those that take any classifier; analytic reads a ViT's embeddings
+GRADIENT_METHODS = ("idlg", "dlg", "ig", UpdateInversion.name)  # those that take any classifier; analytic reads a ViT's
+ONE_STEP_METHODS = ("idlg", "dlg", "ig")  # invert one gradient; updates simulates the client's local steps
 LABEL_METHODS = ("bias-corrected", "llg")  # those that read the last layer's update alone
 
 
@@ -76,20 +80,25 @@ def round_of(run: AppRun, round_number: int | None) -> tuple[int, dict]:
     return round_number, records[round_number - 1]
 
 
-def one_step_gradient(run: AppRun, model: nn.Module, round_number: int, record: dict, client: int, method: str
-                      ) -> tuple[dict[str, torch.Tensor], int]:
-    """-update / lr, the gradient of the client's one SGD step, and n_k; a multi-step update is refused."""
+def client_observation(run: AppRun, model: nn.Module, head: str, round_number: int, record: dict, client: int,
+                       method: str) -> GradientObservation:
+    """The client's update as the server holds it: -update / (lr * steps), its gradient when it took one SGD step
+    (the only case dlg, idlg and ig may read), and the local training the updates attack simulates."""
     spec = run.spec()
     num_examples = int(record["num_examples"][str(client)])
     steps = spec.local_epochs * math.ceil(num_examples / spec.batch_size)
-    if steps != 1:
-        raise AttackError(f"client {client}'s update in round {round_number} is {steps} local steps (n_k "
-                          f"{num_examples}, batch {spec.batch_size}, {spec.local_epochs} epoch(s)): --method {method} "
-                          "inverts one step's gradient, exact only when n_k <= batch size and one epoch")
+    if method in ONE_STEP_METHODS and (steps != 1 or spec.optimizer != "sgd"):
+        raise AttackError(f"client {client}'s update in round {round_number} is {steps} local {spec.optimizer} "
+                          f"step(s) (n_k {num_examples}, batch {spec.batch_size}, {spec.local_epochs} epoch(s)): "
+                          f"--method {method} inverts one SGD step's gradient; use --method updates --schedule fixed")
     update = run.load_upload(round_number, client, "update")
     lr = float(record["lr"])
-    return {name: -(torch.from_numpy(update[name]) - p.detach()) / lr
-            for name, p in model.named_parameters()}, num_examples
+    trained = {name: torch.from_numpy(update[name]) for name, _ in model.named_parameters()}
+    gradients = {name: -(trained[name] - p.detach()) / (lr * steps) for name, p in model.named_parameters()}
+    training = LocalTraining(trained, num_examples, spec.local_epochs, spec.batch_size, lr, spec.weight_decay,
+                             num_patches=0, mask_ratio=None, optimizer=spec.optimizer)
+    return GradientObservation(model, gradients, num_examples, spec.image_size, spec.mean, spec.std,
+                               head_bias=f"{head}.bias", local_training=training)
 
 
 def attack_gradient(run: AppRun, method: str, options: dict, round_number: int | None, clients) -> list[ClientResult]:
@@ -101,12 +110,10 @@ def attack_gradient(run: AppRun, method: str, options: dict, round_number: int |
     results = []
     for client in chosen_clients(run, round_number, clients):
         model = run.start_model(round_number)
-        head = last_linear(model, spec.image_size)
-        gradients, num_examples = one_step_gradient(run, model, round_number, record, client, method)
-        observation = GradientObservation(model, gradients, num_examples, spec.image_size, spec.mean, spec.std,
-                                          head_bias=f"{head}.bias")
+        observation = client_observation(run, model, last_linear(model, spec.image_size), round_number, record,
+                                         client, method)
         reconstruction = GRADIENT.get(method)(**options).reconstruct(observation)
-        scores = {"images": num_examples}
+        scores = {"images": observation.batch_size}
         truth = shared_truth(run, round_number, client)
         if truth is not None:
             originals = truth["images"].astype(np.float64) / 255.0

@@ -34,7 +34,9 @@ class AppSpec:
     std: tuple[float, float, float] = (0.5, 0.5, 0.5)
     local_epochs: int = 1
     batch_size: int = 32
-    lr: float = 0.01  # the clients' SGD learning rate (the server's config "lr" overrides it per round)
+    lr: float = 0.01  # the clients' learning rate (the server's config "lr" overrides it per round)
+    optimizer: str = "sgd"  # the clients' optimiser: "sgd" (plain) or "adamw" (torch's defaults otherwise)
+    weight_decay: float = 0.0
 
     def to_toml(self) -> str:
         def value(v) -> str:

@@ -17,31 +17,41 @@ APP = Path(__file__).resolve().parents[1] / "examples" / "flower-app"
 CLASSES = 4
 
 
-@pytest.fixture(scope="module")
-def recorded_app(tmp_path_factory) -> Path:
-    """Two rounds of the example app, 2 nodes with 2 images each (one SGD step per round: n_k <= batch size)."""
-    sys.path.insert(0, str(APP))
+def record_app(work: Path, batch_size: int) -> Path:
+    """Two rounds of the example app over the in-process grid: 2 nodes with 2 generated images each (one distinct
+    smooth colour pattern per class), plain SGD at the given batch size, truth shared by both nodes."""
     from flower_app.client_app import app as client_app
     from flower_app.server_app import app as server_app
     from flwr.app import Context, RecordDict
 
     from eftguard.federation.inprocess import InProcessGrid, task_identity
 
-    work = tmp_path_factory.mktemp("flower-app")
     rng = np.random.default_rng(0)
-    for label in range(CLASSES):  # one distinct smooth colour pattern per class
+    for label in range(CLASSES):
         (work / "images" / f"class-{label}").mkdir(parents=True)
         ramp = np.linspace(0, 1, 16)[None, :, None] * rng.uniform(0.2, 1, 3) + rng.uniform(0, 0.5, 3)
         pixels = np.clip(np.broadcast_to(ramp, (16, 16, 3)) * 255, 0, 255).astype(np.uint8)
         Image.fromarray(np.rot90(pixels, label).copy()).save(work / "images" / f"class-{label}" / "0.png")
     run = work / "run"
-    config = {"num-server-rounds": 2, "lr": 0.1, "local-epochs": 1, "batch-size": 8,
+    config = {"num-server-rounds": 2, "lr": 0.1, "local-epochs": 1, "batch-size": batch_size,
               "data-dir": str(work / "images"), "record-to": str(run)}
-    grid = InProcessGrid(2, client_app=client_app, run_config=config)
     with task_identity():
-        server_app(grid, Context(run_id=1, node_id=0, state=RecordDict({}), run_config=config, node_config={}))
-    yield run
+        server_app(InProcessGrid(2, client_app=client_app, run_config=config),
+                   Context(run_id=1, node_id=0, state=RecordDict({}), run_config=config, node_config={}))
+    return run
+
+
+@pytest.fixture(scope="module", autouse=True)
+def example_app_importable():
+    sys.path.insert(0, str(APP))
+    yield
     sys.path.remove(str(APP))
+
+
+@pytest.fixture(scope="module")
+def recorded_app(tmp_path_factory, example_app_importable) -> Path:
+    """One SGD step per round (n_k 2 <= batch size 8): the client's update is its gradient times -lr."""
+    return record_app(tmp_path_factory.mktemp("flower-app"), batch_size=8)
 
 
 def test_the_recorder_writes_the_run_directory_contract(recorded_app):
@@ -101,3 +111,19 @@ def test_a_model_without_a_linear_last_layer_is_refused(tmp_path, monkeypatch, c
         assert stop.value.code == 2
         err = capsys.readouterr().err.strip()
         assert len(err.splitlines()) == 1 and "does not end in a linear layer" in err, err
+
+
+def test_a_multi_step_update_is_inverted_by_simulating_the_client(tmp_path_factory, tmp_path, capsys):
+    """Batch size 1: two SGD steps per round. The one-step attacks refuse it on one line; update inversion
+    simulates both steps and beats the mean colour."""
+    run = record_app(tmp_path_factory.mktemp("flower-app-steps"), batch_size=1)
+    with pytest.raises(SystemExit) as stop:
+        main(["attack", "gradient", str(run), "--method", "idlg"])
+    assert stop.value.code == 2
+    err = capsys.readouterr().err.strip()
+    assert len(err.splitlines()) == 1 and "2 local sgd step(s)" in err and "--method updates" in err, err
+    main(["attack", "gradient", str(run), "--method", "updates", "--schedule", "fixed", "--steps", "300",
+          "--out", str(tmp_path)])
+    report = json.loads((tmp_path / "gradient-updates" / "report.json").read_text())
+    for scores in report["clients"].values():
+        assert scores["psnr_db"] > scores["baseline_psnr_db"] + 5, scores

@@ -15,7 +15,7 @@ STD = (0.5, 0.5, 0.5)
 class Net(nn.Module):
     """Two strided sigmoid convolutions and a linear classifier (LeNet-like, as in DLG's experiments)."""
 
-    def __init__(self, num_classes: int = 4):
+    def __init__(self, num_classes: int = 10):
         super().__init__()
         self.features = nn.Sequential(nn.Conv2d(3, 12, 5, stride=2, padding=2), nn.Sigmoid(),
                                       nn.Conv2d(12, 12, 5, stride=2, padding=2), nn.Sigmoid())
