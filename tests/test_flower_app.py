@@ -17,7 +17,7 @@ APP = Path(__file__).resolve().parents[1] / "examples" / "flower-app"
 CLASSES = 4
 
 
-def record_app(work: Path, batch_size: int) -> Path:
+def record_app(work: Path, batch_size: int, grid_class=None) -> Path:
     """Two rounds of the example app over the in-process grid: 2 nodes with 2 generated images each (one distinct
     smooth colour pattern per class), plain SGD at the given batch size, truth shared by both nodes."""
     from flower_app.client_app import app as client_app
@@ -26,6 +26,7 @@ def record_app(work: Path, batch_size: int) -> Path:
 
     from eftguard.federation.inprocess import InProcessGrid, task_identity
 
+    grid_class = grid_class or InProcessGrid
     rng = np.random.default_rng(0)
     for label in range(CLASSES):
         (work / "images" / f"class-{label}").mkdir(parents=True)
@@ -36,7 +37,7 @@ def record_app(work: Path, batch_size: int) -> Path:
     config = {"num-server-rounds": 2, "lr": 0.1, "local-epochs": 1, "batch-size": batch_size,
               "data-dir": str(work / "images"), "record-to": str(run)}
     with task_identity():
-        server_app(InProcessGrid(2, client_app=client_app, run_config=config),
+        server_app(grid_class(2, client_app=client_app, run_config=config),
                    Context(run_id=1, node_id=0, state=RecordDict({}), run_config=config, node_config={}))
     return run
 
@@ -127,3 +128,28 @@ def test_a_multi_step_update_is_inverted_by_simulating_the_client(tmp_path_facto
     report = json.loads((tmp_path / "gradient-updates" / "report.json").read_text())
     for scores in report["clients"].values():
         assert scores["psnr_db"] > scores["baseline_psnr_db"] + 5, scores
+
+
+def test_an_upload_that_fails_validation_is_not_recorded(tmp_path_factory):
+    """Node 101 returns a classifier weight of 1e5 (beyond MAX_PARAMETER_VALUE): the recorder keeps it out of
+    observed/ and says why, node 100's upload is recorded, and the app's own strategy still averages both."""
+    from flwr.app import Array
+
+    from eftguard.federation.inprocess import InProcessGrid
+    from eftguard.federation.validation import MAX_PARAMETER_VALUE
+    from safetensors.numpy import load_file
+
+    class TamperingGrid(InProcessGrid):
+        def reply_to(self, node, reply):
+            if node == 101 and not reply.has_error():
+                weight = reply.content["arrays"]["classifier.weight"].numpy()
+                reply.content["arrays"]["classifier.weight"] = Array(np.full_like(weight, 1e5))
+            return reply
+
+    run = record_app(tmp_path_factory.mktemp("flower-app-tampered"), batch_size=8, grid_class=TamperingGrid)
+    record = json.loads((run / "metrics.jsonl").read_text().splitlines()[0])
+    assert "MAX_PARAMETER_VALUE" in record["dropped"]["1"] and list(record["num_examples"]) == ["0"]
+    assert (run / "observed" / "round-0001" / "client-00" / "update.safetensors").is_file()
+    assert not (run / "observed" / "round-0001" / "client-01").exists()
+    aggregate = load_file(run / "checkpoints" / "round-0001.safetensors")["classifier.weight"]
+    assert np.abs(aggregate).max() > MAX_PARAMETER_VALUE / 4  # FedAvg averaged the tampered reply in
