@@ -183,3 +183,66 @@ def run_app_attack(path: Path, family: str, method: str, options: dict, round_nu
                           f"gradient (--method {'|'.join(GRADIENT_METHODS)}) or labels (--method "
                           f"{'|'.join(LABEL_METHODS)})")
     return results, write_report(run, family, method, results, out)
+
+
+LEAK_MARGIN_DB = 3.0  # a reconstruction this far above the mean-colour baseline shows more than the image's colour
+AUDIT_STEPS = {"idlg": 1000, "updates": 300}
+
+
+def verdict(figures: list[dict], figure: str, baseline: str, leaks, threshold: str) -> str:
+    """One channel's verdict from its clients' scores; never "low": no power check runs on a Flower app's model,
+    so an attack that failed here is inconclusive, not evidence of privacy."""
+    scored = [f for f in figures if figure in f]
+    if not scored:
+        return "unscored: no client of the round shared its truth (the share_truth mod)"
+    value = float(np.mean([f[figure] for f in scored]))
+    reference = float(np.mean([f[baseline] for f in scored]))
+    if leaks(value, reference):
+        return f"leaks: {figure} {value:.3g} against {reference:.3g} for the baseline"
+    return (f"inconclusive: {figure} {value:.3g} against {reference:.3g} for the baseline; the attack at this budget "
+            f"did not reach {threshold}, which is not evidence of privacy")
+
+
+def audit_app(path: Path, out: Path) -> dict:
+    """Every attack that reads a recorded Flower app, on its last round: the gradient family's iDLG where every
+    client took one SGD step, else update inversion; the bias-corrected label attack. OUT/summary.json and report.md
+    hold the verdict per channel, then the figures per client."""
+    run = AppRun.open(path)
+    round_number, record = round_of(run, None)
+    spec = run.spec()
+    one_step = all(spec.optimizer == "sgd" and spec.local_epochs * math.ceil(n / spec.batch_size) == 1
+                   for n in record["num_examples"].values())
+    gradient_method = "idlg" if one_step else UpdateInversion.name
+    options = {"steps": AUDIT_STEPS[gradient_method], **({} if one_step else {"schedule": "fixed"})}
+    channels = {}
+    for channel, attack, figure, baseline, leaks, threshold in (
+            ("images from the parameter updates", lambda: attack_gradient(run, gradient_method, options, None, "all"),
+             "psnr_db", "baseline_psnr_db", lambda value, reference: value > reference + LEAK_MARGIN_DB,
+             f"{LEAK_MARGIN_DB:g} dB above the baseline"),
+            ("labels from the last layer's update", lambda: attack_labels(run, "bias-corrected", None, "all"),
+             "l1", "baseline_l1", lambda value, reference: value < reference / 2, "half the baseline's error")):
+        method = gradient_method if figure == "psnr_db" else "bias-corrected"
+        try:
+            results = attack()
+        except AttackError as exc:
+            channels[channel] = {"attack": method, "verdict": f"not applicable: {exc}", "clients": {}}
+            continue
+        figures = [r.scores for r in results]
+        channels[channel] = {"attack": method, "verdict": verdict(figures, figure, baseline, leaks, threshold),
+                             "clients": {str(r.client): {k: v for k, v in r.scores.items() if not isinstance(v, list)}
+                                         for r in results}}
+    summary = {"run": str(run.path), "model": spec.model, "round": round_number, "channels": channels}
+    out.mkdir(parents=True, exist_ok=True)
+    atomic_write(out / "summary.json", lambda p: p.write_text(json.dumps(summary, indent=2) + "\n"))
+    lines = [f"# Audit of {run.path} ({spec.model}), round {round_number}", ""]
+    lines += [f"- **{channel}** ({entry['attack']}): {entry['verdict']}" for channel, entry in channels.items()]
+    for channel, entry in channels.items():
+        columns = sorted({k for scores in entry["clients"].values() for k in scores})
+        if columns:
+            lines += ["", f"## {channel}", "", "| client | " + " | ".join(columns) + " |",
+                      "| --- |" + " --- |" * len(columns)]
+            lines += [f"| {client} | " + " | ".join(f"{scores.get(c, ''):.4g}" if isinstance(scores.get(c), float)
+                                                    else str(scores.get(c, "")) for c in columns) + " |"
+                      for client, scores in entry["clients"].items()]
+    atomic_write(out / "report.md", lambda p: p.write_text("\n".join(lines) + "\n"))
+    return summary

@@ -10,6 +10,8 @@ arrays the client sent (its model's state dict), the truth the images and labels
 from __future__ import annotations
 
 import importlib
+import os
+import sys
 import time
 import tomllib
 import uuid
@@ -55,11 +57,13 @@ class AppSpec:
         module_name, _, attribute = self.model.partition(":")
         if not module_name or not attribute:
             raise RunError(f"model {self.model!r} is not 'module:factory' (e.g. 'my_app.task:Net')")
+        if os.getcwd() not in sys.path:  # the app's folder, as `python -m` and `flwr run` find the app's modules
+            sys.path.insert(0, os.getcwd())
         try:
             factory = getattr(importlib.import_module(module_name), attribute)
         except (ImportError, AttributeError) as exc:
             raise RunError(f"cannot import the app's model {self.model!r} ({exc}): run from the app's folder or "
-                           "install the app") from None
+                           "pip install it") from None
         model = factory()
         if not isinstance(model, nn.Module):
             raise RunError(f"{self.model} returned {type(model).__name__}, not a torch.nn.Module")

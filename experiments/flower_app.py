@@ -1,7 +1,7 @@
 """Record examples/flower-app (a Flower app in the PyTorch quickstart's shape) on the bundled photos and attack it
 (docs/flower-apps.md): three runs of two rounds over eftguard's in-process grid, 2 nodes with 1 or 4 photos each
 (resized to the app's 16 px), with one SGD step per round (batch 8) or four (batch 1); each attacked by every
-gradient and label method that reads a Flower app's run. The scores go to experiments/results/flower_app.md.
+gradient and label method that reads a Flower app's run, and audited (eftguard audit RUN). The scores go to experiments/results/flower_app.md.
 
     OMP_NUM_THREADS=1 python experiments/flower_app.py --work /tmp/flower-app --out experiments/results/flower_app.md
 """
@@ -10,12 +10,14 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import shutil
 import sys
 import time
 from pathlib import Path
 
 import numpy as np
+import torch
 from PIL import Image
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -48,6 +50,7 @@ def write_photos(folder: Path, per_node: int, clients: int) -> None:
 
 
 def record(work: Path, per_node: int, batch_size: int) -> Path:
+    torch.manual_seed(0)  # the app's initial model (Net() in its ServerApp): the same for every measurement
     shutil.rmtree(work / "images", ignore_errors=True)
     write_photos(work / "images", per_node, clients=2)
     config = {"num-server-rounds": 2, "lr": 0.1, "local-epochs": 1, "batch-size": batch_size,
@@ -56,6 +59,17 @@ def record(work: Path, per_node: int, batch_size: int) -> Path:
         server_app(InProcessGrid(2, client_app=client_app, run_config=config),
                    Context(run_id=1, node_id=0, state=RecordDict({}), run_config=config, node_config={}))
     return Path(config["record-to"])
+
+
+def audit(run: Path) -> Path:
+    """eftguard audit RUN, from the app's folder (where its model's module is found); its summary.json."""
+    here = os.getcwd()
+    os.chdir(ROOT / "examples" / "flower-app")
+    try:
+        main(["audit", str(run), "--out", str(run / "audit")])
+    finally:
+        os.chdir(here)
+    return run / "audit" / "summary.json"
 
 
 def main_experiment(work: Path, out: Path) -> None:
@@ -70,6 +84,7 @@ def main_experiment(work: Path, out: Path) -> None:
              "| images per node, batch size (SGD steps per round) | attack | client | PSNR (dB) | baseline PSNR (dB) "
              "| label L1 | baseline L1 | seconds (attack, both clients) |",
              "| --- | --- | --- | --- | --- | --- | --- | --- |"]
+    verdicts = []
     for per_node, batch_size, attacks in RUNS:
         steps = -(-per_node // batch_size)
         run = record(work, per_node, batch_size)
@@ -83,6 +98,12 @@ def main_experiment(work: Path, out: Path) -> None:
                         [f"{s[k]:.3f}" if k in s else "" for k in ("l1", "baseline_l1")]
                 lines.append(f"| {per_node}, {batch_size} ({steps}) | {family} {method} | {client} | {' | '.join(cells)} | "
                              f"{seconds:.1f} |")
+        verdicts.append(f"- `eftguard audit {run}` ({per_node} images per node, batch {batch_size}):")
+        summary = json.loads(audit(run).read_text())
+        verdicts += [f"  - {channel} ({entry['attack']}): {entry['verdict']}"
+                     for channel, entry in summary["channels"].items()]
+    lines += ["", "The audit of each run (`eftguard audit RUN --out RUN/audit`, run from examples/flower-app):", "",
+              *verdicts]
     out.write_text("\n".join(lines) + "\n")
     print("\n".join(lines))
 

@@ -9,6 +9,7 @@ from pathlib import Path
 
 import numpy as np
 import pytest
+import torch
 from PIL import Image
 
 from eftguard.cli import main
@@ -27,6 +28,7 @@ def record_app(work: Path, batch_size: int, grid_class=None) -> Path:
     from eftguard.federation.inprocess import InProcessGrid, task_identity
 
     grid_class = grid_class or InProcessGrid
+    torch.manual_seed(0)  # the app's initial model
     rng = np.random.default_rng(0)
     for label in range(CLASSES):
         (work / "images" / f"class-{label}").mkdir(parents=True)
@@ -80,6 +82,18 @@ def test_label_attack_on_the_recorded_app_recovers_the_labels(recorded_app, tmp_
     report = json.loads((tmp_path / "labels-bias-corrected" / "report.json").read_text())
     for scores in report["clients"].values():
         assert scores["l1"] < 0.05 < scores["baseline_l1"], scores
+
+
+def test_the_audit_of_the_recorded_app_says_what_leaks(recorded_app, tmp_path, capsys):
+    main(["audit", str(recorded_app), "--out", str(tmp_path)])
+    summary = json.loads((tmp_path / "summary.json").read_text())
+    channels = summary["channels"]
+    assert channels["images from the parameter updates"]["attack"] == "idlg"
+    assert all(entry["verdict"].startswith("leaks: ") for entry in channels.values()), channels
+    assert "leaks" in (tmp_path / "report.md").read_text() and "report.md" in capsys.readouterr().out
+    with pytest.raises(SystemExit) as stop:
+        main(["audit", str(recorded_app), "--gate", "gradient.psnr_db < 20"])
+    assert stop.value.code == 2
 
 
 def test_attacks_that_need_a_vit_are_refused_on_one_line(recorded_app, capsys):
