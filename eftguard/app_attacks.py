@@ -5,8 +5,8 @@ Inverting Gradients on a one-step update (-update / lr is then the client's grad
 label attacks that read the last layer's update alone (bias-corrected, LLG); on a multi-step update, update
 inversion (`updates`), which simulates the client's local SGD (or AdamW) steps. All need a classifier whose output
 is a linear layer's; any other model, or a multi-step update given to a one-step method, is refused on one line
-that says why. Scores join
-truth/ (shared only by clients with the share_truth mod) after the attack, as the auditor does for eftguard runs.
+that says why. Scores join truth/ (shared only by clients with the share_truth mod) after the attack, as the
+auditor does for eftguard runs.
 """
 
 from __future__ import annotations
@@ -24,13 +24,13 @@ from torch import nn
 from eftguard.apprun import AppRun
 from eftguard.attacks.base import AttackError
 from eftguard.attacks.gradient import GRADIENT, GradientObservation, LocalTraining
-from eftguard.attacks.update_inversion import UpdateInversion
 from eftguard.attacks.labels import LABELS, ClientUploads, LabelObservation
+from eftguard.attacks.update_inversion import UpdateInversion
 from eftguard.metrics import hungarian_match, psnr
 from eftguard.paths import atomic_write
 from eftguard.rundir import RunError
 
-GRADIENT_METHODS = ("idlg", "dlg", "ig", UpdateInversion.name)  # those that take any classifier; analytic reads a ViT's
+GRADIENT_METHODS = ("idlg", "dlg", "ig", UpdateInversion.name)  # any classifier; analytic reads a ViT's embeddings
 ONE_STEP_METHODS = ("idlg", "dlg", "ig")  # invert one gradient; updates simulates the client's local steps
 LABEL_METHODS = ("bias-corrected", "llg")  # those that read the last layer's update alone
 
@@ -43,8 +43,8 @@ class ClientResult:
 
 def last_linear(model: nn.Module, image_size: int) -> str:
     """The name of the nn.Linear whose output is the model's output (the classifier's last layer)."""
-    produced: dict[int, str] = {}
-    hooks = [module.register_forward_hook(lambda m, i, out, name=name: produced.__setitem__(id(out), name))
+    produced: list[tuple[str, torch.Tensor]] = []  # the tensors themselves: an id could be reused once freed
+    hooks = [module.register_forward_hook(lambda m, i, out, name=name: produced.append((name, out)))
              for name, module in model.named_modules() if isinstance(module, nn.Linear)]
     try:
         with torch.no_grad():
@@ -52,12 +52,13 @@ def last_linear(model: nn.Module, image_size: int) -> str:
     finally:
         for hook in hooks:
             hook.remove()
-    if id(output) not in produced:
+    names = [name for name, out in produced if out is output]
+    if not names:
         last = [type(m).__name__ for m in model.modules()][-1]
         raise AttackError(f"the app's model {type(model).__name__} does not end in a linear layer (its output is not "
                           f"an nn.Linear's; last module: {last}): the gradient and label attacks read a linear last "
                           "layer's update")
-    return produced[id(output)]
+    return names[0]
 
 
 def chosen_clients(run: AppRun, round_number: int, clients) -> list[int]:
@@ -147,6 +148,9 @@ def attack_labels(run: AppRun, method: str, round_number: int | None, clients) -
         scores = {"estimated_counts": estimates[client.partition].counts.round(2).tolist()}
         truth = shared_truth(run, round_number, client.partition)
         if truth is not None:
+            if truth["labels"].max(initial=0) >= head.out_features:
+                raise RunError(f"client {client.partition}'s shared truth has label {truth['labels'].max()}, but the "
+                               f"model has {head.out_features} classes: share the labels the client trained on")
             true = np.bincount(truth["labels"], minlength=head.out_features).astype(np.float64)
             share = true / true.sum()
             estimate = estimates[client.partition].counts / max(estimates[client.partition].counts.sum(), 1e-12)

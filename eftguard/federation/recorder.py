@@ -75,7 +75,8 @@ class RecordingStrategy(Strategy):
                 update, metrics = self._validated(reply)
                 self.run.save_upload(server_round, client, "update", update)
                 if truth is not None:
-                    self.run.save_truth(server_round, client, validate_truth(truth, len_of(metrics, self)))
+                    self.run.save_truth(server_round, client,
+                                        validate_truth(truth, len_of(metrics, self), self.spec.image_size))
                     truth_shared.append(client)
             except UploadError as exc:
                 dropped[str(client)] = str(exc)
@@ -125,15 +126,14 @@ def len_of(metrics: dict, recorder: RecordingStrategy) -> int:
     return int(value)
 
 
-def validate_truth(record: ArrayRecord, num_examples: int) -> dict[str, np.ndarray]:
-    """A client's shared truth: the n_k images (uint8 [n, H, W, 3]) and labels (int64 [n]) it trained on."""
+def validate_truth(record: ArrayRecord, num_examples: int, image_size: int) -> dict[str, np.ndarray]:
+    """A client's shared truth: the n_k images it trained on, as the model saw them (uint8 [n, S, S, 3], S the
+    app's image size), and their labels (int64 [n])."""
     images = record["images"] if "images" in record else None
     if images is None or "labels" not in record:
         raise UploadError("the shared truth needs 'images' and 'labels'")
     rows = _declared_rows("truth 'images'", images, num_examples, num_examples)
-    shape = tuple(images.shape)
-    if len(shape) != 4 or shape[3] != 3:
-        raise UploadError(f"truth 'images' declares shape {shape}: expected [n, H, W, 3]")
+    shape = (rows, image_size, image_size, 3)
     _check_layout("truth", record, {"images": ("uint8", shape), "labels": ("int64", (rows,))})
     truth = from_record(record, "truth")
     if (truth["labels"] < 0).any():
