@@ -96,6 +96,18 @@ def test_the_audit_of_the_recorded_app_says_what_leaks(recorded_app, tmp_path, c
     assert stop.value.code == 2
 
 
+def test_without_shared_truth_the_audit_runs_unscored(recorded_app, tmp_path):
+    """Nodes without the share_truth mod: the attacks still run, and no channel gets a verdict it cannot back."""
+    import shutil
+
+    run = tmp_path / "run"
+    shutil.copytree(recorded_app, run, ignore=shutil.ignore_patterns("truth", "reports"))
+    main(["audit", str(run), "--out", str(tmp_path / "audit")])
+    channels = json.loads((tmp_path / "audit" / "summary.json").read_text())["channels"]
+    assert all(entry["verdict"].startswith("unscored: ") for entry in channels.values()), channels
+    assert set(channels["images from the parameter updates"]["clients"]) == {"0", "1"}
+
+
 def test_attacks_that_need_a_vit_are_refused_on_one_line(recorded_app, capsys):
     with pytest.raises(SystemExit) as stop:
         main(["attack", "gradient", str(recorded_app), "--method", "analytic"])
