@@ -175,17 +175,22 @@ def write_report(run: AppRun, family: str, method: str, results: list[ClientResu
     return folder / "report.json"
 
 
-def run_app_attack(path: Path, family: str, method: str, options: dict, round_number: int | None, clients,
-                   out: Path | None) -> tuple[list[ClientResult], Path]:
-    run = AppRun.open(path)
-    if family == "gradient":
-        results = attack_gradient(run, method, options, round_number, clients)
-    elif family == "labels":
-        results = attack_labels(run, method, round_number, clients)
-    else:
+def app_methods(family: str) -> tuple[str, ...]:
+    """The methods of a family that read a recorded Flower app; a family with none is refused on one line."""
+    methods = {"gradient": GRADIENT_METHODS, "labels": LABEL_METHODS}.get(family)
+    if methods is None:
         raise AttackError(f"eftguard attack {family} does not read a recorded Flower app yet: attack it with "
                           f"gradient (--method {'|'.join(GRADIENT_METHODS)}) or labels (--method "
                           f"{'|'.join(LABEL_METHODS)})")
+    return methods
+
+
+def run_app_attack(path: Path, family: str, method: str, options: dict, round_number: int | None, clients,
+                   out: Path | None) -> tuple[list[ClientResult], Path]:
+    run = AppRun.open(path)
+    app_methods(family)
+    attack = attack_gradient if family == "gradient" else lambda r, m, o, t, c: attack_labels(r, m, t, c)
+    results = attack(run, method, options, round_number, clients)
     return results, write_report(run, family, method, results, out)
 
 

@@ -18,7 +18,7 @@ from pathlib import Path
 from rich.console import Console
 from rich.table import Table
 
-from eftguard.app_attacks import GRADIENT_METHODS, LABEL_METHODS, run_app_attack
+from eftguard.app_attacks import app_methods, run_app_attack
 from eftguard.apprun import is_app_run
 from eftguard.attack_report import AttackReport
 from eftguard.attacks.base import AttackError, reads_a_tampered_round
@@ -245,8 +245,7 @@ def cmd_attack(args: argparse.Namespace) -> None:
 
 def attack_recorded_app(args: argparse.Namespace, family) -> None:
     """A run recorded from a user's Flower app (eftguard.federation.recorder): the attacks that take any classifier."""
-    app_methods = {"gradient": GRADIENT_METHODS, "labels": LABEL_METHODS}.get(family.name, ())
-    for method in app_methods if args.method == "all" else (args.method,):
+    for method in app_methods(family.name) if args.method == "all" else (args.method,):
         cls = family.registry.get(method)
         options = {o.name: getattr(args, o.name) for o in options_of(cls) if hasattr(args, o.name)}
         if "seed" in {f.name for f in dataclasses.fields(cls)}:

@@ -108,12 +108,18 @@ def test_without_shared_truth_the_audit_runs_unscored(recorded_app, tmp_path):
     assert set(channels["images from the parameter updates"]["clients"]) == {"0", "1"}
 
 
-def test_attacks_that_need_a_vit_are_refused_on_one_line(recorded_app, capsys):
+def test_attacks_that_need_a_vit_or_an_eftguard_run_are_refused_on_one_line(recorded_app, capsys):
     with pytest.raises(SystemExit) as stop:
         main(["attack", "gradient", str(recorded_app), "--method", "analytic"])
     assert stop.value.code == 2
     err = capsys.readouterr().err.strip()
     assert len(err.splitlines()) == 1 and "--method idlg | dlg | ig" in err
+    for method in ("lira", "all"):
+        with pytest.raises(SystemExit) as stop:
+            main(["attack", "membership", str(recorded_app), "--method", method])
+        assert stop.value.code == 2
+        err = capsys.readouterr().err.strip()
+        assert len(err.splitlines()) == 1 and "does not read a recorded Flower app yet" in err, err
 
 
 def test_a_model_without_a_linear_last_layer_is_refused(tmp_path, monkeypatch, capsys):
