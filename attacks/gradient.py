@@ -66,6 +66,7 @@ class LocalTraining:
     mask_ratio: float | None
     schedule: list[Step] | None = None
     precision: str = "fp32"  # of the client's forward passes (the run's, eftguard.precision)
+    optimizer: str = "adamw"  # the client's: "adamw" (eftguard's trainer) or "sgd" (plain, e.g. a Flower app's)
 
     @property
     def steps(self) -> int:

@@ -75,11 +75,11 @@ def _sqrt(values: torch.Tensor) -> torch.Tensor:
 
 def simulate_local_training(model: nn.Module, start: dict[str, torch.Tensor], images: torch.Tensor,
                             labels: torch.Tensor, schedule: list[Step], lr: float, weight_decay: float,
-                            create_graph: bool = False, softness: float = 0.0, precision: str = "fp32"
-                            ) -> dict[str, torch.Tensor]:
-    """The parameters after AdamW on `schedule` from `start` (names of the trained parameters; the model's other
-    parameters stay as they are): normalised images [n, 3, H, W], hard labels [n], forward passes in the client's
-    precision. Differentiable in the images when create_graph."""
+                            create_graph: bool = False, softness: float = 0.0, precision: str = "fp32",
+                            optimizer: str = "adamw") -> dict[str, torch.Tensor]:
+    """The parameters after AdamW (or plain SGD, optimizer "sgd") on `schedule` from `start` (names of the trained
+    parameters; the model's other parameters stay as they are): normalised images [n, 3, H, W], hard labels [n],
+    forward passes in the client's precision. Differentiable in the images when create_graph."""
     params = {name: value.detach().requires_grad_(True) for name, value in start.items()}
     exp_avg = {name: torch.zeros_like(value) for name, value in start.items()}
     exp_avg_sq = {name: torch.zeros_like(value) for name, value in start.items()}
@@ -90,6 +90,10 @@ def simulate_local_training(model: nn.Module, start: dict[str, torch.Tensor], im
             logits = functional_call(model, params, inputs).float()
         loss = nn.functional.cross_entropy(logits, labels[batch])
         grads = torch.autograd.grad(loss, list(params.values()), create_graph=create_graph)
+        if optimizer == "sgd":
+            params = {name: param * (1 - lr * weight_decay) - lr * grad
+                      for (name, param), grad in zip(params.items(), grads)}
+            continue
         step_size = lr / (1 - beta1 ** step)
         bias_correction2_sqrt = (1 - beta2 ** step) ** 0.5
         updated = {}
@@ -153,7 +157,7 @@ class UpdateInversion:
         def distance(images: torch.Tensor) -> torch.Tensor:
             final = simulate_local_training(obs.model, start, images, labels, schedule, training.lr,
                                             training.weight_decay, create_graph=True, softness=self.softness,
-                                            precision=training.precision)
+                                            precision=training.precision, optimizer=training.optimizer)
             return cosine_distance([final[name] - start[name] for name in start], observed, observed_norm)
 
         images = obs.to_input(self._start_pixels(obs, n, generator)).requires_grad_(True)

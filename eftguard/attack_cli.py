@@ -18,6 +18,8 @@ from pathlib import Path
 from rich.console import Console
 from rich.table import Table
 
+from eftguard.app_attacks import app_methods, run_app_attack
+from eftguard.apprun import is_app_run
 from eftguard.attack_report import AttackReport
 from eftguard.attacks.base import AttackError, reads_a_tampered_round
 from eftguard.audit.api import AttackRunOptions, open_run, out_root, run_attack, stage_progress
@@ -221,6 +223,9 @@ def options_per_method(args: argparse.Namespace, family, methods: tuple[str, ...
 def cmd_attack(args: argparse.Namespace) -> None:
     family = FAMILIES[args.family]
     run = args.run
+    if is_app_run(run):
+        attack_recorded_app(args, family)
+        return
     methods = curious_methods(family.registry, getattr(args, "observe", None)) if args.method == "all" else \
         (args.method,)
     per_method = options_per_method(args, family, methods)
@@ -236,6 +241,26 @@ def cmd_attack(args: argparse.Namespace) -> None:
             console.print(f"skipped --method {method}: {exc}")
             continue
         print_summary(report, out / report.attack)
+
+
+def attack_recorded_app(args: argparse.Namespace, family) -> None:
+    """A run recorded from a user's Flower app (eftguard.federation.recorder): the attacks that take any classifier."""
+    for method in app_methods(family.name) if args.method == "all" else (args.method,):
+        cls = family.registry.get(method)
+        options = {o.name: getattr(args, o.name) for o in options_of(cls) if hasattr(args, o.name)}
+        if "seed" in {f.name for f in dataclasses.fields(cls)}:
+            options["seed"] = args.seed
+        results, report = run_app_attack(args.run, family.name, method, options, args.round_number,
+                                         args.clients, args.out)
+        table = Table(title=f"{family.name} {method}, {args.run}")
+        columns = sorted({k for r in results for k, v in r.scores.items() if not isinstance(v, list)})
+        for column in ["client", *columns]:
+            table.add_column(column)
+        for result in results:
+            table.add_row(str(result.client), *(f"{result.scores.get(c, ''):.4g}" if isinstance(result.scores.get(c),
+                                                float) else str(result.scores.get(c, "")) for c in columns))
+        Console().print(table)
+        console.print(f"report: {report}")
 
 
 def curious_methods(registry, observe: str | None = None) -> tuple[str, ...]:

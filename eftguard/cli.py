@@ -18,6 +18,8 @@ from rich.console import Console
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 from rich.table import Table
 
+from eftguard.app_attacks import audit_app
+from eftguard.apprun import is_app_run
 from eftguard.attack_cli import add_attack_parser, add_report_parser, cmd_attack, cmd_report
 from eftguard.attacks.base import AttackError
 from eftguard.audit.gate import parse_gate
@@ -72,7 +74,7 @@ class DemoOptions:
 class AuditOptions:
     """eftguard audit (declared once: eftguard.options)."""
 
-    audit_file: Path = option(dataclasses.MISSING, "the audit file (see experiments/*.toml)", metavar="AUDIT.toml",
+    audit_file: Path = option(dataclasses.MISSING, "the audit file (see experiments/*.toml), or a run recorded from your own Flower app (docs/flower-apps.md)", metavar="AUDIT.toml",
                               positional=True)
     out: Path | None = option(None, "folder of the audit's runs, reports and summary (default: audits/<file name>)")
     gate: tuple[str, ...] = option((), "privacy gate, e.g. 'invert.psnr_kept < 18' (FAMILY-or-ATTACK.FIGURE OP "
@@ -433,6 +435,9 @@ def cmd_audit(args: argparse.Namespace) -> None:
     # Flower (0.4 s), through eftguard.runs: loaded by the commands that train
     from eftguard.audit.grid import parse_shard, print_summary, read_audit, run_audit
 
+    if is_app_run(args.audit_file):
+        audit_recorded_app(args)
+        return
     gates = [parse_gate(text) for text in args.gate or ()]
     shard = parse_shard(args.shard) if args.shard is not None else None
     if args.key is not None and not args.key.is_file():
@@ -455,6 +460,18 @@ def cmd_audit(args: argparse.Namespace) -> None:
                                              args.gpus_per_configuration, gates, args.key, args.verbose)
     print_summary(summary)
     exit_on_problems(summary, lost)
+
+
+def audit_recorded_app(args: argparse.Namespace) -> None:
+    """eftguard audit RUN on a run recorded from a user's Flower app (docs/flower-apps.md): its attacks, one report."""
+    if args.gate or args.shard or args.key or args.ray_address:
+        raise ConfigError("--gate, --shard, --key and --ray-address apply to an audit file; a recorded Flower app is "
+                          "audited as is")
+    out = args.out or args.audit_file / "audit"
+    summary = audit_app(args.audit_file, out)
+    for channel, entry in summary["channels"].items():
+        print(f"{channel} ({entry['attack']}): {entry['verdict']}")
+    print(f"report: {out / 'report.md'}")
 
 
 def exit_on_problems(summary: dict, lost: list[str] = ()) -> None:

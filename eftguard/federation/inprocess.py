@@ -17,13 +17,17 @@ from eftguard.rundir import RunDirectory
 
 
 class InProcessGrid:
-    """Delivers each message to apps.describe / apps.train of node 100 + partition. node_config: node-config keys
-    for every node (a key set to None is left out)."""
+    """Delivers each message to apps.describe / apps.train of node 100 + partition, or to client_app (any Flower
+    ClientApp, e.g. a user's app under eftguard's recorder) with run_config. node_config: node-config keys for every
+    node (a key set to None is left out)."""
 
-    def __init__(self, clients: int, node_config: dict | None = None, partitions: dict[int, int] | None = None):
+    def __init__(self, clients: int, node_config: dict | None = None, partitions: dict[int, int] | None = None,
+                 client_app=None, run_config: dict | None = None):
         self.partitions = partitions or {100 + k: k for k in range(clients)}
         self.clients = clients
         self.node_config = {k: v for k, v in (node_config or {}).items() if v is not None}
+        self.client_app = client_app
+        self.run_config = run_config or {}
         self.outbox = {}
 
     def get_node_ids(self):
@@ -35,11 +39,11 @@ class InProcessGrid:
 
     def _deliver(self, msg):
         node = msg.metadata.dst_node_id
-        context = Context(run_id=1, node_id=node, state=RecordDict({}), run_config={},
+        context = Context(run_id=1, node_id=node, state=RecordDict({}), run_config=self.run_config,
                           node_config={"partition-id": self.partitions[node], "num-partitions": self.clients,
                                        **self.node_config})
         msg.metadata.__dict__["_message_id"] = f"msg-{node}-{len(self.outbox)}"
-        handler = apps.describe if msg.metadata.message_type == "query" else apps.train
+        handler = self.client_app or (apps.describe if msg.metadata.message_type == "query" else apps.train)
         reply = handler(msg, context)
         body = {"error": reply.error} if reply.has_error() else {"content": reply.content}
         reply = Message(**body, metadata=Metadata(

@@ -1,0 +1,257 @@
+"""`eftguard attack gradient | labels RUN` on a recorded Flower app (eftguard.federation.recorder, docs/flower-apps.md).
+
+The attacks are eftguard's own, given the user's model rebuilt from app.toml's `module:factory`: iDLG, DLG and
+Inverting Gradients on a one-step update (-update / lr is then the client's gradient, exactly, for SGD), and the
+label attacks that read the last layer's update alone (bias-corrected, LLG); on a multi-step update, update
+inversion (`updates`), which simulates the client's local SGD (or AdamW) steps. All need a classifier whose output
+is a linear layer's; any other model, or a multi-step update given to a one-step method, is refused on one line
+that says why. Scores join truth/ (shared only by clients with the share_truth mod) after the attack, as the
+auditor does for eftguard runs.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from dataclasses import dataclass
+from pathlib import Path
+from types import SimpleNamespace
+
+import numpy as np
+import torch
+from torch import nn
+
+from eftguard.apprun import AppRun
+from eftguard.attacks.base import AttackError
+from eftguard.attacks.gradient import GRADIENT, GradientObservation, LocalTraining
+from eftguard.attacks.labels import LABELS, ClientUploads, LabelObservation
+from eftguard.attacks.update_inversion import UpdateInversion
+from eftguard.metrics import hungarian_match, psnr
+from eftguard.paths import atomic_write
+from eftguard.rundir import RunError
+
+GRADIENT_METHODS = ("idlg", "dlg", "ig", UpdateInversion.name)  # any classifier; analytic reads a ViT's embeddings
+ONE_STEP_METHODS = ("idlg", "dlg", "ig")  # invert one gradient; updates simulates the client's local steps
+LABEL_METHODS = ("bias-corrected", "llg")  # those that read the last layer's update alone
+
+
+@dataclass
+class ClientResult:
+    client: int
+    scores: dict
+
+
+def last_linear(model: nn.Module, image_size: int) -> str:
+    """The name of the nn.Linear whose output is the model's output (the classifier's last layer)."""
+    produced: list[tuple[str, torch.Tensor]] = []  # the tensors themselves: an id could be reused once freed
+    hooks = [module.register_forward_hook(lambda m, i, out, name=name: produced.append((name, out)))
+             for name, module in model.named_modules() if isinstance(module, nn.Linear)]
+    try:
+        with torch.no_grad():
+            output = model(torch.zeros(1, 3, image_size, image_size))
+    finally:
+        for hook in hooks:
+            hook.remove()
+    names = [name for name, out in produced if out is output]
+    if not names:
+        last = [type(m).__name__ for m in model.modules()][-1]
+        raise AttackError(f"the app's model {type(model).__name__} does not end in a linear layer (its output is not "
+                          f"an nn.Linear's; last module: {last}): the gradient and label attacks read a linear last "
+                          "layer's update")
+    return names[0]
+
+
+def chosen_clients(run: AppRun, round_number: int, clients) -> list[int]:
+    available = run.uploaded_partitions(round_number)
+    chosen = available if clients in (None, "all") else [int(c) for c in (clients if isinstance(clients, (list, tuple))
+                                                                            else str(clients).split(","))]
+    missing = sorted(set(chosen) - set(available))
+    if missing:
+        raise RunError(f"no uploads of client(s) {missing} in round {round_number}; clients with uploads: {available}")
+    return chosen
+
+
+def round_of(run: AppRun, round_number: int | None) -> tuple[int, dict]:
+    records = run.metrics()
+    if not records:
+        raise RunError(f"{run.path} has no completed round to attack")
+    round_number = round_number or len(records)
+    if not 1 <= round_number <= len(records):
+        raise RunError(f"round {round_number} of {run.path} is not recorded: rounds 1-{len(records)}")
+    return round_number, records[round_number - 1]
+
+
+def client_observation(run: AppRun, model: nn.Module, head: str, round_number: int, record: dict, client: int,
+                       method: str) -> GradientObservation:
+    """The client's update as the server holds it: -update / (lr * steps), its gradient when it took one SGD step
+    (the only case dlg, idlg and ig may read), and the local training the updates attack simulates."""
+    spec = run.spec()
+    num_examples = int(record["num_examples"][str(client)])
+    steps = spec.local_epochs * math.ceil(num_examples / spec.batch_size)
+    if method in ONE_STEP_METHODS and (steps != 1 or spec.optimizer != "sgd"):
+        raise AttackError(f"client {client}'s update in round {round_number} is {steps} local {spec.optimizer} "
+                          f"step(s) (n_k {num_examples}, batch {spec.batch_size}, {spec.local_epochs} epoch(s)): "
+                          f"--method {method} inverts one SGD step's gradient; use --method updates --schedule fixed")
+    update = run.load_upload(round_number, client, "update")
+    lr = float(record["lr"])
+    trained = {name: torch.from_numpy(update[name]) for name, _ in model.named_parameters()}
+    gradients = {name: -(trained[name] - p.detach()) / (lr * steps) for name, p in model.named_parameters()}
+    training = LocalTraining(trained, num_examples, spec.local_epochs, spec.batch_size, lr, spec.weight_decay,
+                             num_patches=0, mask_ratio=None, optimizer=spec.optimizer)
+    return GradientObservation(model, gradients, num_examples, spec.image_size, spec.mean, spec.std,
+                               head_bias=f"{head}.bias", local_training=training)
+
+
+def attack_gradient(run: AppRun, method: str, options: dict, round_number: int | None, clients) -> list[ClientResult]:
+    if method not in GRADIENT_METHODS:
+        raise AttackError(f"--method {method} reads a ViT's patch and positional embeddings; on a Flower app's model "
+                          f"use --method {' | '.join(GRADIENT_METHODS)}")
+    round_number, record = round_of(run, round_number)
+    spec = run.spec()
+    results = []
+    for client in chosen_clients(run, round_number, clients):
+        model = run.start_model(round_number)
+        observation = client_observation(run, model, last_linear(model, spec.image_size), round_number, record,
+                                         client, method)
+        reconstruction = GRADIENT.get(method)(**options).reconstruct(observation)
+        scores = {"images": observation.batch_size}
+        truth = shared_truth(run, round_number, client)
+        if truth is not None:
+            originals = truth["images"].astype(np.float64) / 255.0
+            matched = reconstruction.images[hungarian_match(reconstruction.images, originals)]
+            scores["psnr_db"] = float(psnr(matched, originals).mean())
+            mean_colour = np.broadcast_to(originals.mean(axis=(1, 2), keepdims=True), originals.shape)
+            scores["baseline_psnr_db"] = float(psnr(mean_colour, originals).mean())
+        results.append(ClientResult(client, scores))
+    return results
+
+
+def attack_labels(run: AppRun, method: str, round_number: int | None, clients) -> list[ClientResult]:
+    if method not in LABEL_METHODS:
+        raise AttackError(f"--method {method} reads uploaded features or a ViT; on a Flower app's model use "
+                          f"--method {' | '.join(LABEL_METHODS)} (they read the last linear layer's update alone)")
+    round_number, record = round_of(run, round_number)
+    model = run.start_model(round_number)
+    head_name = last_linear(model, run.spec().image_size)
+    head = model.get_submodule(head_name)
+    if head.bias is None:
+        raise AttackError(f"the app's last layer {head_name} has no bias: the label attacks read the bias update")
+    uploads = []
+    for client in chosen_clients(run, round_number, clients):
+        update = run.load_upload(round_number, client, "update")
+        uploads.append(ClientUploads(client, int(record["num_examples"][str(client)]), None, None,
+                                     update[f"{head_name}.weight"], update[f"{head_name}.bias"]))
+    observation = LabelObservation(round_number, head.out_features, uploads, start_model=SimpleNamespace(head=head))
+    estimates = LABELS.get(method)().reconstruct(observation)
+    results = []
+    for client in uploads:
+        scores = {"estimated_counts": estimates[client.partition].counts.round(2).tolist()}
+        truth = shared_truth(run, round_number, client.partition)
+        if truth is not None:
+            if truth["labels"].max(initial=0) >= head.out_features:
+                raise RunError(f"client {client.partition}'s shared truth has label {truth['labels'].max()}, but the "
+                               f"model has {head.out_features} classes: share the labels the client trained on")
+            true = np.bincount(truth["labels"], minlength=head.out_features).astype(np.float64)
+            share = true / true.sum()
+            estimate = estimates[client.partition].counts / max(estimates[client.partition].counts.sum(), 1e-12)
+            scores["true_counts"] = true.tolist()
+            scores["l1"] = float(np.abs(estimate - share).sum())
+            scores["baseline_l1"] = float(np.abs(np.full_like(share, 1 / len(share)) - share).sum())  # uniform guess
+        results.append(ClientResult(client.partition, scores))
+    return results
+
+
+def shared_truth(run: AppRun, round_number: int, client: int) -> dict | None:
+    return run.load_truth(round_number, client) if run.truth_path(round_number, client).exists() else None
+
+
+def write_report(run: AppRun, family: str, method: str, results: list[ClientResult], out: Path | None) -> Path:
+    """reports/<family>-<method>/report.json: the scores per client, the attack and the app's model."""
+    folder = (out or run.path / "reports") / f"{family}-{method}"
+    folder.mkdir(parents=True, exist_ok=True)
+    report = {"family": family, "method": method, "model": run.spec().model,
+              "clients": {str(r.client): r.scores for r in results}}
+    atomic_write(folder / "report.json", lambda p: p.write_text(json.dumps(report, indent=2) + "\n"))
+    return folder / "report.json"
+
+
+def app_methods(family: str) -> tuple[str, ...]:
+    """The methods of a family that read a recorded Flower app; a family with none is refused on one line."""
+    methods = {"gradient": GRADIENT_METHODS, "labels": LABEL_METHODS}.get(family)
+    if methods is None:
+        raise AttackError(f"eftguard attack {family} does not read a recorded Flower app yet: attack it with "
+                          f"gradient (--method {'|'.join(GRADIENT_METHODS)}) or labels (--method "
+                          f"{'|'.join(LABEL_METHODS)})")
+    return methods
+
+
+def run_app_attack(path: Path, family: str, method: str, options: dict, round_number: int | None, clients,
+                   out: Path | None) -> tuple[list[ClientResult], Path]:
+    run = AppRun.open(path)
+    app_methods(family)
+    attack = attack_gradient if family == "gradient" else lambda r, m, o, t, c: attack_labels(r, m, t, c)
+    results = attack(run, method, options, round_number, clients)
+    return results, write_report(run, family, method, results, out)
+
+
+LEAK_MARGIN_DB = 3.0  # a reconstruction this far above the mean-colour baseline shows more than the image's colour
+AUDIT_STEPS = {"idlg": 1000, "updates": 300}
+
+
+def verdict(figures: list[dict], figure: str, baseline: str, leaks, threshold: str) -> str:
+    """One channel's verdict from its clients' scores; never "low": no power check runs on a Flower app's model,
+    so an attack that failed here is inconclusive, not evidence of privacy."""
+    scored = [f for f in figures if figure in f]
+    if not scored:
+        return "unscored: no client of the round shared its truth (the share_truth mod)"
+    value = float(np.mean([f[figure] for f in scored]))
+    reference = float(np.mean([f[baseline] for f in scored]))
+    if leaks(value, reference):
+        return f"leaks: {figure} {value:.3g} against {reference:.3g} for the baseline"
+    return (f"inconclusive: {figure} {value:.3g} against {reference:.3g} for the baseline; the attack at this budget "
+            f"did not reach {threshold}, which is not evidence of privacy")
+
+
+def audit_app(path: Path, out: Path) -> dict:
+    """Every attack that reads a recorded Flower app, on its last round: the gradient family's iDLG where every
+    client took one SGD step, else update inversion; the bias-corrected label attack. OUT/summary.json and report.md
+    hold the verdict per channel, then the figures per client."""
+    run = AppRun.open(path)
+    round_number, record = round_of(run, None)
+    spec = run.spec()
+    one_step = all(spec.optimizer == "sgd" and spec.local_epochs * math.ceil(n / spec.batch_size) == 1
+                   for n in record["num_examples"].values())
+    gradient_method = "idlg" if one_step else UpdateInversion.name
+    options = {"steps": AUDIT_STEPS[gradient_method], **({} if one_step else {"schedule": "fixed"})}
+    channels = {}
+    for channel, attack, figure, baseline, leaks, threshold in (
+            ("images from the parameter updates", lambda: attack_gradient(run, gradient_method, options, None, "all"),
+             "psnr_db", "baseline_psnr_db", lambda value, reference: value > reference + LEAK_MARGIN_DB,
+             f"{LEAK_MARGIN_DB:g} dB above the baseline"),
+            ("labels from the last layer's update", lambda: attack_labels(run, "bias-corrected", None, "all"),
+             "l1", "baseline_l1", lambda value, reference: value < reference / 2, "half the baseline's error")):
+        method = gradient_method if figure == "psnr_db" else "bias-corrected"
+        try:
+            results = attack()
+        except AttackError as exc:
+            channels[channel] = {"attack": method, "verdict": f"not applicable: {exc}", "clients": {}}
+            continue
+        figures = [r.scores for r in results]
+        channels[channel] = {"attack": method, "verdict": verdict(figures, figure, baseline, leaks, threshold),
+                             "clients": {str(r.client): {k: v for k, v in r.scores.items() if not isinstance(v, list)}
+                                         for r in results}}
+    summary = {"run": str(run.path), "model": spec.model, "round": round_number, "channels": channels}
+    out.mkdir(parents=True, exist_ok=True)
+    atomic_write(out / "summary.json", lambda p: p.write_text(json.dumps(summary, indent=2) + "\n"))
+    lines = [f"# Audit of {run.path} ({spec.model}), round {round_number}", ""]
+    lines += [f"- **{channel}** ({entry['attack']}): {entry['verdict']}" for channel, entry in channels.items()]
+    for channel, entry in channels.items():
+        columns = sorted({k for scores in entry["clients"].values() for k in scores})
+        if columns:
+            lines += ["", f"## {channel}", "", "| client | " + " | ".join(columns) + " |",
+                      "| --- |" + " --- |" * len(columns)]
+            lines += [f"| {client} | " + " | ".join(f"{scores.get(c, ''):.4g}" if isinstance(scores.get(c), float)
+                                                    else str(scores.get(c, "")) for c in columns) + " |"
+                      for client, scores in entry["clients"].items()]
+    atomic_write(out / "report.md", lambda p: p.write_text("\n".join(lines) + "\n"))
+    return summary

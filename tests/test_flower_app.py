@@ -1,0 +1,187 @@
+"""A third-party-style Flower app (examples/flower-app: its own CNN, ClientApp and FedAvg ServerApp), recorded by
+eftguard's RecordingStrategy for two rounds over the in-process grid, then attacked through the CLI."""
+
+from __future__ import annotations
+
+import json
+import sys
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+from PIL import Image
+
+from eftguard.cli import main
+
+APP = Path(__file__).resolve().parents[1] / "examples" / "flower-app"
+CLASSES = 4
+
+
+def record_app(work: Path, batch_size: int, grid_class=None) -> Path:
+    """Two rounds of the example app over the in-process grid: 2 nodes with 2 generated images each (one distinct
+    smooth colour pattern per class), plain SGD at the given batch size, truth shared by both nodes."""
+    from flower_app.client_app import app as client_app
+    from flower_app.server_app import app as server_app
+    from flwr.app import Context, RecordDict
+
+    from eftguard.federation.inprocess import InProcessGrid, task_identity
+
+    grid_class = grid_class or InProcessGrid
+    torch.manual_seed(0)  # the app's initial model
+    rng = np.random.default_rng(0)
+    for label in range(CLASSES):
+        (work / "images" / f"class-{label}").mkdir(parents=True)
+        ramp = np.linspace(0, 1, 16)[None, :, None] * rng.uniform(0.2, 1, 3) + rng.uniform(0, 0.5, 3)
+        pixels = np.clip(np.broadcast_to(ramp, (16, 16, 3)) * 255, 0, 255).astype(np.uint8)
+        Image.fromarray(np.rot90(pixels, label).copy()).save(work / "images" / f"class-{label}" / "0.png")
+    run = work / "run"
+    config = {"num-server-rounds": 2, "lr": 0.1, "local-epochs": 1, "batch-size": batch_size,
+              "data-dir": str(work / "images"), "record-to": str(run)}
+    with task_identity():
+        server_app(grid_class(2, client_app=client_app, run_config=config),
+                   Context(run_id=1, node_id=0, state=RecordDict({}), run_config=config, node_config={}))
+    return run
+
+
+@pytest.fixture(scope="module", autouse=True)
+def example_app_importable():
+    sys.path.insert(0, str(APP))
+    yield
+    sys.path.remove(str(APP))
+
+
+@pytest.fixture(scope="module")
+def recorded_app(tmp_path_factory, example_app_importable) -> Path:
+    """One SGD step per round (n_k 2 <= batch size 8): the client's update is its gradient times -lr."""
+    return record_app(tmp_path_factory.mktemp("flower-app"), batch_size=8)
+
+
+def test_the_recorder_writes_the_run_directory_contract(recorded_app):
+    records = [json.loads(line) for line in (recorded_app / "metrics.jsonl").read_text().splitlines()]
+    assert [r["round"] for r in records] == [1, 2]
+    assert records[1]["num_examples"] == {"0": 2, "1": 2} and not records[1]["dropped"]
+    for round_name in ("round-0001", "round-0002"):
+        for client in ("client-00", "client-01"):
+            assert (recorded_app / "observed" / round_name / client / "update.safetensors").is_file()
+            assert (recorded_app / "truth" / round_name / f"{client}.safetensors").is_file()
+    assert sorted(p.name for p in (recorded_app / "checkpoints").iterdir()) == \
+        ["round-0000.safetensors", "round-0001.safetensors", "round-0002.safetensors"]
+    assert 'model = "flower_app.task:Net"' in (recorded_app / "app.toml").read_text()
+
+
+def test_gradient_attack_on_the_recorded_app_beats_the_mean_colour(recorded_app, tmp_path):
+    main(["attack", "gradient", str(recorded_app), "--method", "idlg", "--steps", "300", "--out", str(tmp_path)])
+    report = json.loads((tmp_path / "gradient-idlg" / "report.json").read_text())
+    for scores in report["clients"].values():
+        assert scores["psnr_db"] > scores["baseline_psnr_db"] + 5, scores
+
+
+def test_label_attack_on_the_recorded_app_recovers_the_labels(recorded_app, tmp_path):
+    main(["attack", "labels", str(recorded_app), "--method", "bias-corrected", "--out", str(tmp_path)])
+    report = json.loads((tmp_path / "labels-bias-corrected" / "report.json").read_text())
+    for scores in report["clients"].values():
+        assert scores["l1"] < 0.05 < scores["baseline_l1"], scores
+
+
+def test_the_audit_of_the_recorded_app_says_what_leaks(recorded_app, tmp_path, capsys):
+    main(["audit", str(recorded_app), "--out", str(tmp_path)])
+    summary = json.loads((tmp_path / "summary.json").read_text())
+    channels = summary["channels"]
+    assert channels["images from the parameter updates"]["attack"] == "idlg"
+    assert all(entry["verdict"].startswith("leaks: ") for entry in channels.values()), channels
+    assert "leaks" in (tmp_path / "report.md").read_text() and "report.md" in capsys.readouterr().out
+    with pytest.raises(SystemExit) as stop:
+        main(["audit", str(recorded_app), "--gate", "gradient.psnr_db < 20"])
+    assert stop.value.code == 2
+
+
+def test_without_shared_truth_the_audit_runs_unscored(recorded_app, tmp_path):
+    """Nodes without the share_truth mod: the attacks still run, and no channel gets a verdict it cannot back."""
+    import shutil
+
+    run = tmp_path / "run"
+    shutil.copytree(recorded_app, run, ignore=shutil.ignore_patterns("truth", "reports"))
+    main(["audit", str(run), "--out", str(tmp_path / "audit")])
+    channels = json.loads((tmp_path / "audit" / "summary.json").read_text())["channels"]
+    assert all(entry["verdict"].startswith("unscored: ") for entry in channels.values()), channels
+    assert set(channels["images from the parameter updates"]["clients"]) == {"0", "1"}
+
+
+def test_attacks_that_need_a_vit_or_an_eftguard_run_are_refused_on_one_line(recorded_app, capsys):
+    with pytest.raises(SystemExit) as stop:
+        main(["attack", "gradient", str(recorded_app), "--method", "analytic"])
+    assert stop.value.code == 2
+    err = capsys.readouterr().err.strip()
+    assert len(err.splitlines()) == 1 and "--method idlg | dlg | ig" in err
+    for method in ("lira", "all"):
+        with pytest.raises(SystemExit) as stop:
+            main(["attack", "membership", str(recorded_app), "--method", method])
+        assert stop.value.code == 2
+        err = capsys.readouterr().err.strip()
+        assert len(err.splitlines()) == 1 and "does not read a recorded Flower app yet" in err, err
+
+
+def test_a_model_without_a_linear_last_layer_is_refused(tmp_path, monkeypatch, capsys):
+    """A fully convolutional classifier (global pooling after a conv): the attacks say why they cannot run."""
+    from torch import nn
+
+    from eftguard.apprun import AppRun, AppSpec
+
+    (tmp_path / "pooled_app.py").write_text(
+        "from torch import nn\n"
+        "def Net():\n"
+        "    return nn.Sequential(nn.Conv2d(3, 4, 3), nn.AdaptiveAvgPool2d(1), nn.Flatten())\n")
+    monkeypatch.syspath_prepend(str(tmp_path))
+    run = AppRun.create(tmp_path / "run", AppSpec("pooled_app:Net", 16, batch_size=8))
+    state = nn.Sequential(nn.Conv2d(3, 4, 3), nn.AdaptiveAvgPool2d(1), nn.Flatten()).state_dict()
+    run.save_checkpoint(0, state)
+    run.save_upload(1, 0, "update", {k: (v + 0.01).numpy() for k, v in state.items()})
+    run.append_metrics({"round": 1, "lr": 0.1, "num_examples": {"0": 1}, "dropped": {}})
+    for family, method in (("gradient", "idlg"), ("labels", "bias-corrected")):
+        with pytest.raises(SystemExit) as stop:
+            main(["attack", family, str(run.path), "--method", method])
+        assert stop.value.code == 2
+        err = capsys.readouterr().err.strip()
+        assert len(err.splitlines()) == 1 and "does not end in a linear layer" in err, err
+
+
+def test_a_multi_step_update_is_inverted_by_simulating_the_client(tmp_path_factory, tmp_path, capsys):
+    """Batch size 1: two SGD steps per round. The one-step attacks refuse it on one line; update inversion
+    simulates both steps and beats the mean colour."""
+    run = record_app(tmp_path_factory.mktemp("flower-app-steps"), batch_size=1)
+    with pytest.raises(SystemExit) as stop:
+        main(["attack", "gradient", str(run), "--method", "idlg"])
+    assert stop.value.code == 2
+    err = capsys.readouterr().err.strip()
+    assert len(err.splitlines()) == 1 and "2 local sgd step(s)" in err and "--method updates" in err, err
+    main(["attack", "gradient", str(run), "--method", "updates", "--schedule", "fixed", "--steps", "300",
+          "--out", str(tmp_path)])
+    report = json.loads((tmp_path / "gradient-updates" / "report.json").read_text())
+    for scores in report["clients"].values():
+        assert scores["psnr_db"] > scores["baseline_psnr_db"] + 5, scores
+
+
+def test_an_upload_that_fails_validation_is_not_recorded(tmp_path_factory):
+    """Node 101 returns a classifier weight of 1e5 (beyond MAX_PARAMETER_VALUE): the recorder keeps it out of
+    observed/ and says why, node 100's upload is recorded, and the app's own strategy still averages both."""
+    from flwr.app import Array
+
+    from eftguard.federation.inprocess import InProcessGrid
+    from eftguard.federation.validation import MAX_PARAMETER_VALUE
+    from safetensors.numpy import load_file
+
+    class TamperingGrid(InProcessGrid):
+        def reply_to(self, node, reply):
+            if node == 101 and not reply.has_error():
+                weight = reply.content["arrays"]["classifier.weight"].numpy()
+                reply.content["arrays"]["classifier.weight"] = Array(np.full_like(weight, 1e5))
+            return reply
+
+    run = record_app(tmp_path_factory.mktemp("flower-app-tampered"), batch_size=8, grid_class=TamperingGrid)
+    record = json.loads((run / "metrics.jsonl").read_text().splitlines()[0])
+    assert "MAX_PARAMETER_VALUE" in record["dropped"]["1"] and list(record["num_examples"]) == ["0"]
+    assert (run / "observed" / "round-0001" / "client-00" / "update.safetensors").is_file()
+    assert not (run / "observed" / "round-0001" / "client-01").exists()
+    aggregate = load_file(run / "checkpoints" / "round-0001.safetensors")["classifier.weight"]
+    assert np.abs(aggregate).max() > MAX_PARAMETER_VALUE / 4  # FedAvg averaged the tampered reply in
