@@ -488,6 +488,21 @@ class RunDirectory:
                            f"{self.kept_uploads_note()}")
         return self._load_sealed(path)
 
+    def aggregate_path(self, round_number: int) -> Path:
+        """observed/round-NNN/aggregate.safetensors (.enc at rest): a --secagg round's one upload, the cohort's
+        weighted average update (a difference from the round's model)."""
+        name = "aggregate.safetensors" + (".enc" if self.encrypted else "")
+        return self.path / "observed" / round_name(round_number) / name
+
+    def save_aggregate(self, round_number: int, arrays: dict[str, np.ndarray]) -> None:
+        self._save_sealed(self.aggregate_path(round_number), arrays)
+
+    def load_aggregate(self, round_number: int) -> dict[str, np.ndarray]:
+        path = self.aggregate_path(round_number)
+        if not path.exists():
+            raise RunError(f"{path} does not exist: round {round_number} was not securely aggregated (--secagg)")
+        return self._load_sealed(path)
+
     def kept_uploads_note(self) -> str:
         """Where a run's retention kept no uploads: which rounds and clients it kept, as the end of an error
         message ("" for a run that keeps them all)."""
