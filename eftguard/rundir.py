@@ -136,6 +136,9 @@ def where_the_runs_are(folder: Path) -> str:
     return f". It is {kind}: give one of its runs, e.g. {runs[0]}{count}"
 
 
+SUM_ONLY = ("the server sees only the sum (--secagg): no client's update is stored, only the cohort's average "
+            "(observed/round-NNN/aggregate.safetensors)")  # why a per-client update attack is not applicable
+
 class RunDirectory:
     """A run directory; key decrypts uploads stored encrypted at rest (None: plaintext run or no key)."""
 
@@ -483,6 +486,8 @@ class RunDirectory:
         """One part of a client's upload as the server received it, but for --store-uploads: floating arrays are
         float32 whatever precision they were kept in."""
         path = self.upload_path(round_number, partition, kind)
+        if not path.exists() and kind == "update" and self.config().secagg:
+            raise RunError(SUM_ONLY)
         if not path.exists():
             raise RunError(f"{path} does not exist: no {kind} upload of client {partition} in round {round_number}"
                            f"{self.kept_uploads_note()}")

@@ -2,6 +2,12 @@
 weighted average of the updates while storing only the aggregate, survive a client that drops out after sharing
 its keys, and refuse the combinations that can never work."""
 
+import json
+import os
+import re
+import subprocess
+import sys
+
 import numpy as np
 import pytest
 from flwr.app import Error, Message
@@ -9,8 +15,10 @@ from flwr.common.secure_aggregation.secaggplus_constants import RECORD_KEY_CONFI
 
 from eftguard.config import TrainConfig
 from eftguard.errors import ConfigError
+from eftguard.federation.local_deployment import QUIET, LocalDeployment
 from eftguard.federation.server import run_server
-from eftguard.rundir import RunDirectory
+from eftguard.audit.api import run_attack
+from eftguard.rundir import SUM_ONLY, RunDirectory, RunError
 from conftest import MICRO_PRESET
 from fakegrid import FakeGrid, task_identity
 
@@ -42,10 +50,18 @@ def plain_run(tmp_path_factory, micro_preset):
     return trained(tmp_path_factory.mktemp("secagg") / "plain", method="fed-bias")
 
 
-def test_the_server_ends_with_the_plain_average_and_stores_only_the_aggregate(tmp_path, plain_run):
-    run = trained(tmp_path / "secure", method="fed-bias", secagg=True)
+@pytest.fixture(scope="module")
+def secure_run(tmp_path_factory, micro_preset):
+    return trained(tmp_path_factory.mktemp("secagg") / "secure", method="fed-bias", secagg=True)
+
+
+def test_the_server_ends_with_the_plain_average_and_stores_only_the_aggregate(secure_run, plain_run):
+    run = secure_run
     record = run.metrics()[0]
-    assert record["secagg"] == {"cohort": [0, 1, 2], "unverified": {}} and record["dropped"] == {}
+    assert record["secagg"]["cohort"] == [0, 1, 2] and record["secagg"]["unverified"] == {}
+    assert record["dropped"] == {}
+    update_bytes = sum(a.nbytes for a in plain_run.load_upload(1, 0, "update").values())
+    assert record["secagg"]["received_bytes"] > 3 * update_bytes  # three masked vectors at least
     assert run.uploaded_partitions(1) == []  # no client's update on disk
     aggregate = run.load_aggregate(1)
     expected = weighted_average(plain_run, [0, 1, 2])
@@ -76,6 +92,12 @@ def test_a_client_dropping_after_sharing_its_keys_leaves_the_others_sum(tmp_path
         np.testing.assert_allclose(aggregate[key], expected[key], atol=1e-4)
 
 
+@pytest.mark.parametrize("family, method", [("labels", "llg"), ("labels", "bias-corrected"), ("gradient", None)])
+def test_per_client_update_attacks_are_not_applicable_under_secagg(secure_run, family, method):
+    with pytest.raises(RunError, match=re.escape(SUM_ONLY)):
+        run_attack(secure_run.path, family, method, power_check=False)
+
+
 @pytest.mark.parametrize("config, words", [
     (dict(method="headprune-lora"), "--method headprune-lora cannot be securely aggregated"),
     (dict(method="fedavg", clients_per_round=1), "--secagg needs --clients-per-round 2 or more"),
@@ -83,3 +105,51 @@ def test_a_client_dropping_after_sharing_its_keys_leaves_the_others_sum(tmp_path
 def test_combinations_that_cannot_work_are_refused_before_any_round(config, words):
     with pytest.raises(ConfigError, match=words):
         TrainConfig(**{**TINY, **config, "secagg": True}).resolved().validate()
+
+
+# --- through Flower's runtimes: the simulation engine (Ray) and a TLS deployment on 127.0.0.1 -------------------
+
+SECURE_RUN = ["--method", "fed-bias", "--secagg", "--rounds", "1", "--train-samples", "60", "--test-samples", "20",
+              "--batch-size", "16"]
+
+
+def check_secure_run(out):
+    record = json.loads((out / "metrics.jsonl").read_text().splitlines()[0])
+    assert record["dropped"] == {} and record["secagg"]["cohort"] == list(range(len(record["clients"])))
+    run = RunDirectory.open(out)
+    assert run.uploaded_partitions(1) == []
+    aggregate, before, after = run.load_aggregate(1), run.load_checkpoint(0), run.load_checkpoint(1)
+    for key, delta in aggregate.items():  # the model moved by exactly the stored aggregate
+        np.testing.assert_allclose(before[key].numpy() + delta, after[key].numpy(), atol=1e-6)
+    assert max(float(np.abs(delta).max()) for delta in aggregate.values()) > 0
+
+
+@pytest.mark.slow
+def test_a_secagg_round_in_the_simulation_engine(tmp_path):
+    out = tmp_path / "run"
+    result = subprocess.run([sys.executable, "-m", "eftguard.cli", "train", "--out", str(out), "--clients", "3",
+                             *SECURE_RUN], env={**os.environ, **QUIET}, capture_output=True, text=True, timeout=400)
+    assert result.returncode == 0, result.stderr[-3000:]
+    check_secure_run(out)
+
+
+@pytest.mark.slow
+def test_a_secagg_round_in_the_tls_deployment(tmp_path):
+    """Two SuperNodes over TLS on 127.0.0.1; every process started here is stopped by LocalDeployment's exit."""
+    out = tmp_path / "run"
+    with LocalDeployment(tmp_path) as federation:
+        for partition in range(2):
+            federation.start_supernode(partition, 2)
+        with open(tmp_path / "train.log", "w") as training_log:
+            training = subprocess.Popen(
+                [sys.executable, "-m", "eftguard.cli", "train", "--federation", "deployment", "--superlink",
+                 federation.control_address, "--root-certificates", str(federation.ca_cert), "--out", str(out),
+                 "--clients", "2", *SECURE_RUN], env=federation.env, stdout=training_log, stderr=training_log)
+        try:
+            training.wait(timeout=400)
+        finally:
+            training.kill()  # a no-op once it ended
+            training.wait()
+        logs = "".join((tmp_path / f).read_text()[-1500:] for f in ("train.log", "superlink.log", "supernode0.log"))
+        assert training.returncode == 0, logs
+    check_secure_run(out)

@@ -30,7 +30,7 @@ from eftguard.options import SEED_LIMIT, option, options_of, whole_number
 from eftguard.paths import input_file_problem, unwritable_reason
 from eftguard.report import write_attack_report
 from eftguard.retention import ranges
-from eftguard.rundir import RunDirectory, RunError, client_name, round_name
+from eftguard.rundir import SUM_ONLY, RunDirectory, RunError, client_name, round_name
 
 SEED = whole_number(0, SEED_LIMIT)
 ROUND = whole_number(1)
@@ -181,6 +181,8 @@ def resolve_round(run: RunDirectory, round_number: int | None) -> int:
 def round_clients(run: RunDirectory, round_number: int, choice: str = "all") -> list[int]:
     """Partitions with uploads in the round: all, or the comma-separated partition ids of choice (partition_ids)."""
     present = run.uploaded_partitions(round_number)
+    if not present and run.config().secagg:
+        raise RunError(SUM_ONLY)
     if not present:
         raise RunError(f"{run.upload_dir(round_number, 0).parent} holds no uploads")
     if choice == "all":

@@ -27,6 +27,7 @@ import numpy as np
 from flwr.app import Array, ArrayRecord, ConfigRecord, Context, Message, RecordDict
 from flwr.client.mod import secaggplus_mod
 from flwr.common import Code, FitIns, FitRes, Parameters, Status, ndarrays_to_parameters, parameters_to_ndarrays
+from flwr.common.serde import recorddict_to_proto
 from flwr.common.secure_aggregation.secaggplus_constants import RECORD_KEY_CONFIGS
 from flwr.server.compat.legacy_context import LegacyContext
 from flwr.server.strategy import Strategy
@@ -143,13 +144,38 @@ class _EftguardMessages(SecAggPlusWorkflow):
         return ready
 
 
+class CountingGrid:
+    """The run's Grid, counting the protocol's traffic in serialised bytes (what SecAgg+ costs on the wire)."""
+
+    def __init__(self, grid: Grid):
+        self.grid = grid
+        self.sent_bytes = self.received_bytes = 0
+
+    def __getattr__(self, name):
+        return getattr(self.grid, name)
+
+    def send_and_receive(self, messages, timeout=None):
+        messages = list(messages)
+        self.sent_bytes += sum(wire_bytes(m.content) for m in messages)
+        replies = list(self.grid.send_and_receive(messages, timeout=timeout))
+        self.received_bytes += sum(wire_bytes(r.content) for r in replies if not r.has_error())
+        return replies
+
+
+def wire_bytes(content: RecordDict) -> int:
+    return recorddict_to_proto(content).ByteSize()
+
+
 @dataclass
 class SecureRound:
-    """What the server learns in a --secagg round: the average update and, per node, its clear metrics."""
+    """What the server learns in a --secagg round: the average update and, per node, its clear metrics; and what
+    the protocol cost (all four stages, both directions, serialised bytes)."""
 
     average: list[np.ndarray] | None  # the sample-weighted average of the cohort's updates (differences)
     metrics: dict[int, dict]  # node id -> its FitRes metrics (clear arrays as npy bytes under CLEAR_PREFIX)
     num_examples: dict[int, int]
+    sent_bytes: int
+    received_bytes: int
 
 
 def run_secure_round(grid: Grid, contents: dict[int, RecordDict], round_number: int, max_examples: int,
@@ -162,9 +188,11 @@ def run_secure_round(grid: Grid, contents: dict[int, RecordDict], round_number: 
                             strategy=strategy)
     workflow = _EftguardMessages(contents, num_shares=1.0, reconstruction_threshold=RECONSTRUCTION_FRACTION,
                                  max_weight=max(float(max_examples), 1.0) * MAX_WEIGHT_MARGIN, timeout=timeout)
-    workflow(grid, context)
+    counting = CountingGrid(grid)
+    workflow(counting, context)
     return SecureRound(strategy.average, {n: dict(r.metrics) for n, r in strategy.replies.items()},
-                       {n: r.num_examples for n, r in strategy.replies.items()})
+                       {n: r.num_examples for n, r in strategy.replies.items()}, counting.sent_bytes,
+                       counting.received_bytes)
 
 
 def clear_part(metrics: dict, part: str) -> ArrayRecord | None:

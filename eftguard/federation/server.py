@@ -457,7 +457,8 @@ def secure_uploads(grid: Grid, run: RunDirectory, cfg: TrainConfig, model: EFTVi
     gives no feature rows, but its update is in the sum already: the server cannot take it out.
 
     Returns the averaged parameters (None: no sum), the accepted clear parts, the dropped clients, what each DP
-    client reports it spent, and metrics.jsonl's "secagg" record (the cohort in the sum, unverified clients)."""
+    client reports it spent, and metrics.jsonl's "secagg" record (the cohort in the sum, clients whose clear parts
+    were refused, and the protocol's serialised bytes sent to and received from the nodes over its four stages)."""
     partition_of = {nodes[p]: p for p in messages}
     task = progress.add_task(f"round {round_number}: client training under SecAgg+", total=None)
     result = secagg.run_secure_round(grid, {nodes[p]: m.content for p, m in messages.items()}, round_number,
@@ -499,7 +500,9 @@ def secure_uploads(grid: Grid, run: RunDirectory, cfg: TrainConfig, model: EFTVi
             run.save_aggregate(round_number, deltas)
         state = model.state_dict()
         averaged = {k: state[k].numpy() + delta for k, delta in deltas.items()}
-    return averaged, accepted, dropped, epsilon, {"cohort": summed, "unverified": unverified}
+    return averaged, accepted, dropped, epsilon, {"cohort": summed, "unverified": unverified,
+                                                  "sent_bytes": result.sent_bytes,
+                                                  "received_bytes": result.received_bytes}
 
 
 def run_round(grid: Grid, run: RunDirectory, cfg: TrainConfig, model: EFTViT, spec: UploadSpec,
