@@ -136,6 +136,7 @@ def where_the_runs_are(folder: Path) -> str:
     return f". It is {kind}: give one of its runs, e.g. {runs[0]}{count}"
 
 
+COHORT = -1  # the attacked "client" of an attack on a --secagg round's aggregate: the cohort in the sum
 SUM_ONLY = ("the server sees only the sum (--secagg): no client's update is stored, only the cohort's average "
             "(observed/round-NNN/aggregate.safetensors)")  # why a per-client update attack is not applicable
 
@@ -501,6 +502,10 @@ class RunDirectory:
 
     def save_aggregate(self, round_number: int, arrays: dict[str, np.ndarray]) -> None:
         self._save_sealed(self.aggregate_path(round_number), arrays)
+
+    def cohort(self, round_number: int) -> list[int]:
+        """The partitions whose masked update is in a --secagg round's sum."""
+        return list((self.metrics()[round_number - 1].get("secagg") or {}).get("cohort", []))
 
     def load_aggregate(self, round_number: int) -> dict[str, np.ndarray]:
         path = self.aggregate_path(round_number)

@@ -13,12 +13,13 @@ import pytest
 from flwr.app import Error, Message
 from flwr.common.secure_aggregation.secaggplus_constants import RECORD_KEY_CONFIGS, Key
 
+from eftguard.attacks.base import AttackError
 from eftguard.config import TrainConfig
 from eftguard.errors import ConfigError
 from eftguard.federation.local_deployment import QUIET, LocalDeployment
 from eftguard.federation.server import run_server
 from eftguard.audit.api import run_attack
-from eftguard.rundir import SUM_ONLY, RunDirectory, RunError
+from eftguard.rundir import COHORT, SUM_ONLY, RunDirectory, RunError
 from conftest import MICRO_PRESET
 from fakegrid import FakeGrid, task_identity
 
@@ -92,10 +93,31 @@ def test_a_client_dropping_after_sharing_its_keys_leaves_the_others_sum(tmp_path
         np.testing.assert_allclose(aggregate[key], expected[key], atol=1e-4)
 
 
-@pytest.mark.parametrize("family, method", [("labels", "llg"), ("labels", "bias-corrected"), ("gradient", None)])
-def test_per_client_update_attacks_are_not_applicable_under_secagg(secure_run, family, method):
+def test_per_client_update_attacks_are_not_applicable_under_secagg(secure_run):
     with pytest.raises(RunError, match=re.escape(SUM_ONLY)):
-        run_attack(secure_run.path, family, method, power_check=False)
+        run_attack(secure_run.path, "gradient", power_check=False)
+
+
+@pytest.mark.parametrize("method", ["llg", "bias-corrected"])
+def test_the_label_attacks_on_the_head_update_run_on_the_cohorts_sum(secure_run, plain_run, method):
+    report = run_attack(secure_run.path, "labels", method, power_check=False)
+    assert report.clients == [COHORT]
+    histograms = report.histograms[str(COHORT)]
+    true_total = sum(plain_run.load_truth(1, k)["class_counts"].astype(int) for k in (0, 1, 2))
+    assert histograms["true"] == true_total.tolist()  # the cohort's histogram, not one client's
+    assert sum(histograms["estimated"]) == pytest.approx(true_total.sum())  # n: the cohort's size
+    assert np.isfinite(report.groups["metrics"]["l1"]["mean"])
+
+
+def test_eftvit_under_secagg_hides_the_head_update_but_not_the_uploaded_labels_or_features(tmp_path):
+    run = trained(tmp_path / "eftvit", method="eftvit", secagg=True)
+    assert run.uploaded_partitions(1) == [0, 1, 2]  # the features, per client: they cannot be summed
+    assert not run.upload_path(1, 0, "update").exists()
+    with pytest.raises(AttackError, match="the server sees only the sum"):
+        run_attack(run.path, "labels", "head", power_check=False)
+    presence = run_attack(run.path, "labels", "presence", power_check=False)
+    assert presence.clients == [0, 1, 2]
+    assert presence.groups["metrics"]["presence_f1"]["mean"] == 1.0  # the labels travel in the clear: exact
 
 
 @pytest.mark.parametrize("config, words", [

@@ -30,7 +30,7 @@ from eftguard.options import SEED_LIMIT, option, options_of, whole_number
 from eftguard.paths import input_file_problem, unwritable_reason
 from eftguard.report import write_attack_report
 from eftguard.retention import ranges
-from eftguard.rundir import SUM_ONLY, RunDirectory, RunError, client_name, round_name
+from eftguard.rundir import COHORT, SUM_ONLY, RunDirectory, RunError, client_name, round_name
 
 SEED = whole_number(0, SEED_LIMIT)
 ROUND = whole_number(1)
@@ -285,6 +285,14 @@ def open_round(path: str | Path | RunDirectory, key: Path | None, round_number: 
     uploads, intact files, weights that load."""
     run = open_run(path, key)
     round_number = resolve_round(run, round_number)
+    if run.config().secagg and family.attacks_the_sum and not run.uploaded_partitions(round_number):
+        # the server holds no client's upload, only the sum (eftvit's features are still per client: attacked so)
+        if choice != "all":
+            raise RunError(f"{run.path} is a --secagg run: the {family.name} attack reads the cohort's sum, not one "
+                           "client's update: drop --clients")
+        check_intact(run, round_number, [])
+        check_round_record(run, round_number, run.cohort(round_number))
+        return run, round_number, [COHORT]
     clients = family.pick_clients(round_clients(run, round_number, choice), choice)
     check_intact(run, round_number, clients)
     check_round_record(run, round_number, clients)
