@@ -11,8 +11,8 @@ import json
 import sys
 from pathlib import Path
 
-ATTACKS = {"labels-bias-corrected": "l1", "labels-llg": "l1", "labels-presence": "presence_f1",
-           "gradient-analytic-upload": "psnr"}
+ATTACKS = {"labels-bias-corrected": "l1", "labels-llg": "l1", "labels-presence": "l1",
+           "gradient-analytic-upload": "psnr"}  # eftvit's gradient figure is psnr_kept (the kept patches)
 
 
 def attack_cell(entry: dict | None, figure: str) -> str:
@@ -21,7 +21,9 @@ def attack_cell(entry: dict | None, figure: str) -> str:
     if entry["status"] != "done":
         reason = entry.get("reason", entry["status"])
         return "n/a (the server sees only the sum)" if "sees only the sum" in reason else f"n/a ({reason[:60]})"
-    value, baseline = entry["figures"].get(figure), entry["figures"].get(f"baseline.{figure}")
+    figures = entry["figures"]
+    figure = figure if figure in figures else f"{figure}_kept"
+    value, baseline = figures.get(figure), figures.get(f"baseline.{figure}", figures.get(f"baseline_kept.{figure[:-5]}"))
     if value is None:
         return "–"
     return f"{value:.3f}" + (f" (prior {baseline:.3f})" if baseline is not None else "")
