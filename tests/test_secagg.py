@@ -10,6 +10,7 @@ import sys
 
 import numpy as np
 import pytest
+import torch
 from flwr.app import Error, Message
 from flwr.common.secure_aggregation.secaggplus_constants import RECORD_KEY_CONFIGS, Key
 
@@ -78,19 +79,36 @@ def test_the_server_ends_with_the_plain_average_and_stores_only_the_aggregate(se
     assert truth.keys() == plain_run.load_truth(1, 0).keys()
 
 
-def test_a_client_dropping_after_sharing_its_keys_leaves_the_others_sum(tmp_path, plain_run):
-    def drop_client_2(node, reply):
+def dropping_masked_vectors(*nodes):
+    """A grid tamper: the given nodes drop out after sharing their keys (their masked vector never arrives)."""
+    def tamper(node, reply):
         configs = {} if reply.has_error() else reply.content.config_records.get(RECORD_KEY_CONFIGS, {})
-        if node == 102 and Key.MASKED_PARAMETERS in configs:
+        if node in nodes and Key.MASKED_PARAMETERS in configs:
             return Message(error=Error(0, "gone"), metadata=reply.metadata)
         return reply
+    return tamper
 
-    run = trained(tmp_path / "secure", FakeGrid(3, tamper=drop_client_2), method="fed-bias", secagg=True)
+
+def test_a_client_dropping_after_sharing_its_keys_leaves_the_others_sum(tmp_path, plain_run):
+    run = trained(tmp_path / "secure", FakeGrid(3, tamper=dropping_masked_vectors(102)), method="fed-bias",
+                  secagg=True)
     record = run.metrics()[0]
     assert record["secagg"]["cohort"] == [0, 1] and list(record["dropped"]) == ["2"]
     aggregate, expected = run.load_aggregate(1), weighted_average(plain_run, [0, 1])
     for key in expected:
         np.testing.assert_allclose(aggregate[key], expected[key], atol=1e-4)
+
+
+def test_below_the_reconstruction_threshold_the_round_has_no_sum_and_the_model_stays(tmp_path):
+    """Three clients, threshold 2 (half the shares, at least 2): two dropping leaves one, whose masks no one can
+    remove; the round ends without a sum rather than with a wrong one."""
+    run = trained(tmp_path / "secure", FakeGrid(3, tamper=dropping_masked_vectors(101, 102)), method="fed-bias",
+                  secagg=True)
+    record = run.metrics()[0]
+    assert record["secagg"]["cohort"] == [] and sorted(record["dropped"]) == ["0", "1", "2"]
+    before, after = run.load_checkpoint(0), run.load_checkpoint(1)
+    assert all(torch.equal(before[k], after[k]) for k in before)
+    assert not run.aggregate_path(1).exists()
 
 
 def test_per_client_update_attacks_are_not_applicable_under_secagg(secure_run):
