@@ -22,6 +22,7 @@ from eftguard.federation.server import run_server
 from eftguard.audit.api import run_attack
 from eftguard.rundir import COHORT, SUM_ONLY, RunDirectory, RunError
 from conftest import MICRO_PRESET
+from eftguard.verdict import NOT_APPLICABLE, NOT_SCORED, verdict_of_attacks
 from fakegrid import FakeGrid, task_identity
 
 pytestmark = pytest.mark.usefixtures("micro_preset")
@@ -114,6 +115,17 @@ def test_below_the_reconstruction_threshold_the_round_has_no_sum_and_the_model_s
 def test_per_client_update_attacks_are_not_applicable_under_secagg(secure_run):
     with pytest.raises(RunError, match=re.escape(SUM_ONLY)):
         run_attack(secure_run.path, "gradient", power_check=False)
+
+
+def test_a_channel_the_server_sees_only_summed_is_never_read_as_not_applicable():
+    """"not applicable" says the method sends nothing on the channel; under --secagg the sum is sent and the
+    attacks on one client's update cannot measure it, so the channel's verdict must not read as if it were safe."""
+    attacks = {"gradient-analytic-upload": {"family": "gradient", "status": "not applicable", "reason": SUM_ONLY}}
+    (gradient,) = [v for v in verdict_of_attacks(attacks) if v.family == "gradient"]
+    assert gradient.level == NOT_SCORED
+    attacks["gradient-analytic-upload"]["reason"] = "fedavg uploads no features"
+    (gradient,) = [v for v in verdict_of_attacks(attacks) if v.family == "gradient"]
+    assert gradient.level == NOT_APPLICABLE
 
 
 @pytest.mark.parametrize("method", ["llg", "bias-corrected"])
