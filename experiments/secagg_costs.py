@@ -12,7 +12,7 @@ import sys
 from pathlib import Path
 
 ATTACKS = {"labels-bias-corrected": "l1", "labels-llg": "l1", "labels-presence": "l1",
-           "gradient-analytic-upload": "psnr"}  # eftvit's gradient figure is psnr_kept (the kept patches)
+           "gradient-analytic-upload": "psnr"}
 
 
 def attack_cell(entry: dict | None, figure: str) -> str:
@@ -20,10 +20,11 @@ def attack_cell(entry: dict | None, figure: str) -> str:
         return "not run"
     if entry["status"] != "done":
         reason = entry.get("reason", entry["status"])
-        return "n/a (the server sees only the sum)" if "sees only the sum" in reason else f"n/a ({reason[:60]})"
+        if "sees only the sum" in reason:
+            return "n/a (the server sees only the sum)"
+        return f"n/a ({reason.split(' run: ', 1)[-1][:48]}...)"  # the reason without the run's path
     figures = entry["figures"]
-    figure = figure if figure in figures else f"{figure}_kept"
-    value, baseline = figures.get(figure), figures.get(f"baseline.{figure}", figures.get(f"baseline_kept.{figure[:-5]}"))
+    value, baseline = figures.get(figure), figures.get(f"baseline.{figure}")
     if value is None:
         return "–"
     return f"{value:.3f}" + (f" (prior {baseline:.3f})" if baseline is not None else "")
