@@ -117,6 +117,14 @@ def test_per_client_update_attacks_are_not_applicable_under_secagg(secure_run):
         run_attack(secure_run.path, "gradient", power_check=False)
 
 
+def test_a_damaged_aggregate_is_named_before_the_attack_on_the_sum(tmp_path, micro_preset):
+    run = trained(tmp_path / "secure", method="fed-bias", secagg=True)
+    path = run.aggregate_path(1)
+    path.write_bytes(path.read_bytes()[:-8])
+    with pytest.raises(RunError, match="aggregate.safetensors is missing or damaged"):
+        run_attack(run.path, "labels", "llg", power_check=False)
+
+
 def test_a_channel_the_server_sees_only_summed_is_never_read_as_not_applicable():
     """"not applicable" says the method sends nothing on the channel; under --secagg the sum is sent and the
     attacks on one client's update cannot measure it, so the channel's verdict must not read as if it were safe."""

@@ -291,6 +291,9 @@ def open_round(path: str | Path | RunDirectory, key: Path | None, round_number: 
             raise RunError(f"{run.path} is a --secagg run: the {family.name} attack reads the cohort's sum, not one "
                            "client's update: drop --clients")
         check_intact(run, round_number, [])
+        if run.verify((f"observed/{round_name(round_number)}/aggregate",)):
+            raise RunError(f"{run.aggregate_path(round_number)} is missing or damaged (it no longer matches the sha256 "
+                           "manifest.json recorded): restore it from a backup, or attack another --round")
         check_round_record(run, round_number, run.cohort(round_number))
         return run, round_number, [COHORT]
     clients = family.pick_clients(round_clients(run, round_number, choice), choice)
