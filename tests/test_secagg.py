@@ -17,6 +17,7 @@ from flwr.common.secure_aggregation.secaggplus_constants import RECORD_KEY_CONFI
 from eftguard.attacks.base import AttackError
 from eftguard.config import TrainConfig
 from eftguard.errors import ConfigError
+from eftguard.federation.secagg import METRICS_KEY
 from eftguard.federation.local_deployment import QUIET, LocalDeployment
 from eftguard.federation.server import run_server
 from eftguard.audit.api import run_attack
@@ -98,6 +99,22 @@ def test_a_client_dropping_after_sharing_its_keys_leaves_the_others_sum(tmp_path
     aggregate, expected = run.load_aggregate(1), weighted_average(plain_run, [0, 1])
     for key in expected:
         np.testing.assert_allclose(aggregate[key], expected[key], atol=1e-4)
+
+
+def test_a_client_whose_sum_weight_differs_from_its_reported_n_is_named_and_gives_nothing_else(tmp_path):
+    def lie_about_n(node, reply):
+        configs = {} if reply.has_error() else reply.content.config_records.get(RECORD_KEY_CONFIGS, {})
+        if node == 102 and Key.MASKED_PARAMETERS in configs:
+            record = reply.content.config_records["fitres.metrics"]
+            metrics = json.loads(record[METRICS_KEY])
+            record[METRICS_KEY] = json.dumps({**metrics, "num-examples": metrics["num-examples"] + 1}).encode()
+        return reply
+
+    run = trained(tmp_path / "secure", FakeGrid(3, tamper=lie_about_n), method="fed-bias", secagg=True)
+    record = run.metrics()[0]
+    assert record["secagg"]["cohort"] == [0, 1, 2]  # its update is in the sum: the server cannot take it out
+    assert "is weighted by n =" in record["secagg"]["unverified"]["2"]
+    assert sorted(record["num_examples"]) == ["0", "1"]
 
 
 def test_below_the_reconstruction_threshold_the_round_has_no_sum_and_the_model_stays(tmp_path):

@@ -173,7 +173,7 @@ class SecureRound:
 
     average: list[np.ndarray] | None  # the sample-weighted average of the cohort's updates (differences)
     metrics: dict[int, dict]  # node id -> its FitRes metrics (clear arrays as npy bytes under CLEAR_PREFIX)
-    num_examples: dict[int, int]
+    num_examples: dict[int, int]  # node id -> the weight its masked update carries in the sum
     sent_bytes: int
     received_bytes: int
 

@@ -428,11 +428,14 @@ def plain_uploads(grid: Grid, run: RunDirectory, cfg: TrainConfig, spec: UploadS
     return accepted, dropped, epsilon
 
 
-def parse_clear(metrics: dict, partition: int, spec: UploadSpec, method: str,
+def parse_clear(metrics: dict, weight: int, partition: int, spec: UploadSpec, method: str,
                 record_truth: bool) -> tuple[AcceptedUpload, dict | None]:
-    """A --secagg reply's clear parts (its update is only in the sum): metrics, eftvit's features and the
-    auditor's truth, validated as parse_reply validates them; raises UploadError naming what is wrong."""
+    """A --secagg reply's clear parts (its update is only in the sum, weighted by `weight`): metrics, eftvit's
+    features and the auditor's truth, validated as parse_reply validates them; raises UploadError naming what is
+    wrong."""
     reported = validate_metrics(secagg.metrics_record(metrics), partition, spec)
+    if reported.num_examples != weight:
+        raise UploadError(f"its update is weighted by n = {weight} in the sum, it reports n = {reported.num_examples}")
     features = None
     if method_spec(method).uploads_features:
         record = secagg.clear_part(metrics, "features")
@@ -474,7 +477,8 @@ def secure_uploads(grid: Grid, run: RunDirectory, cfg: TrainConfig, model: EFTVi
     for node, metrics in result.metrics.items():
         partition = partition_of[node]
         try:
-            upload, truth = parse_clear(metrics, partition, spec, cfg.method, cfg.record_truth)
+            upload, truth = parse_clear(metrics, result.num_examples[node], partition, spec, cfg.method,
+                                        cfg.record_truth)
             if budgets:
                 epsilon[str(partition)] = check_dp_report(secagg.metrics_record(metrics), budgets[partition],
                                                           cfg.dp_eps)
