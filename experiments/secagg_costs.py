@@ -11,6 +11,11 @@ import json
 import sys
 from pathlib import Path
 
+import numpy as np
+from safetensors.numpy import load_file
+
+from eftguard.methods import method_spec
+
 ATTACKS = {"labels-bias-corrected": "l1", "labels-llg": "l1", "labels-presence": "l1",
            "gradient-analytic-upload": "psnr"}
 
@@ -38,6 +43,21 @@ def round_cost(run: Path) -> tuple[int, float]:
     return received, record["elapsed_seconds"]
 
 
+def secagg_error(folder: Path, configurations: list[dict]) -> dict[str, float]:
+    """Per method: the largest difference between the models after round 1 with and without --secagg (same seed, so
+    the same client training), over the parameters the clients train (eftvit's theta is the server's own)."""
+    runs = {(c["varied"]["method"], c["varied"]["secagg"]): folder / c["run"] for c in configurations}
+    errors = {}
+    for (method, secure), run in runs.items():
+        if secure and (method, False) in runs:
+            plain = load_file(str(runs[method, False] / "checkpoints/round-0001.safetensors"))
+            summed = load_file(str(run / "checkpoints/round-0001.safetensors"))
+            spec = method_spec(method)
+            errors[method] = max(float(np.abs(plain[k] - summed[k]).max()) for k in plain
+                                 if spec.trains_parameter(k))
+    return errors
+
+
 def main(folder: Path) -> None:
     summary = json.loads((folder / "summary.json").read_text())
     print(f"# {summary['title']}\n")
@@ -53,6 +73,10 @@ def main(folder: Path) -> None:
         received, seconds = round_cost(folder / configuration["run"])
         cells += [f"{received:,}", f"{seconds:.1f}", f"{configuration['accuracy']:.3f}"]
         print("| " + " | ".join(cells) + " |")
+    print("\nLargest difference per parameter between the models after round 1 with and without --secagg (SecAgg+'s "
+          "quantisation; eftvit: phi and the head):\n")
+    for method, error in secagg_error(folder, summary["configurations"]).items():
+        print(f"- {method}: {error:.1e}")
 
 
 if __name__ == "__main__":
