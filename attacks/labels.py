@@ -57,8 +57,8 @@ class ClientUploads:
     num_examples: int
     labels: np.ndarray | None
     features: np.ndarray | None
-    head_weight: np.ndarray
-    head_bias: np.ndarray
+    head_weight: np.ndarray | None  # None: --secagg, the server holds the head only in the cohort's sum
+    head_bias: np.ndarray | None
 
 
 @dataclass
@@ -204,6 +204,8 @@ def head_update(observation: LabelObservation, client: ClientUploads) -> np.ndar
     """[C, D + 1]: the client's head update [W | b] - [W | b]_start, a scaled negative mean gradient."""
     if observation.start_model is None:
         raise AttackError("the head-update attacks need the round's start model (checkpoint t-1)")
+    if client.head_weight is None:
+        raise AttackError("the server sees only the sum (--secagg): no client's head update to attack")
     head = observation.start_model.head
     start = torch.cat([head.weight.detach(), head.bias.detach()[:, None]], dim=1).double().numpy()
     return np.concatenate([client.head_weight, client.head_bias[:, None]], axis=1).astype(np.float64) - start

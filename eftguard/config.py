@@ -140,6 +140,9 @@ class TrainConfig:
     store_uploads: str = option("float32", "the precision the uploads are kept in on disk for the auditor: float32, "
                                            "float16 or bfloat16 (half the bytes; the server trains on what was "
                                            "sent either way)", choices=STORE_DTYPES, noun="precision")
+    secagg: bool = option(False, "secure aggregation (Flower's SecAgg+): the server learns only the cohort's "
+                                 "weighted average parameter update, never one client's; metrics, and eftvit's patch "
+                                 "features, still travel in the clear (docs/secagg.md)")
     round_timeout: float = option(3600.0, "seconds to wait for client replies in a round; late clients are dropped",
                                   bound=above(0))
     dp_eps: float = option(0.0, "end-to-end differential privacy: total epsilon per client over all the rounds it "
@@ -210,6 +213,7 @@ class TrainConfig:
             raise ConfigError(f"--clients-per-round must be between 1 and --clients ({self.clients}), "
                               f"got {self.clients_per_round}")
         self._check_threat()
+        self._check_secagg(method)
         if self.dataset in ("cifar10", "cifar100") and not self.data_dir:
             raise ConfigError(f"--dataset {self.dataset} needs --data-dir DIR (a local copy, or where to download it)")
         if self.data_dir and not Path(self.data_dir).is_dir():
@@ -246,6 +250,20 @@ class TrainConfig:
             uploading = ", ".join(m.name for m in methods_with("uploads_features"))
             raise ConfigError(f"--feature-clip/--feature-noise apply to uploaded features; --method {method.name} "
                               f"uploads none (methods that do: {uploading})")
+
+    def _check_secagg(self, method) -> None:
+        if not self.secagg:
+            return
+        if method.no_secagg_reason:
+            summed = ", ".join(m.name for m in METHOD_SPECS.values() if not m.no_secagg_reason)
+            raise ConfigError(f"--secagg: --method {method.name} cannot be securely aggregated: "
+                              f"{method.no_secagg_reason} (methods that can: {summed})")
+        if self.clients_per_round < 2:
+            raise ConfigError("--secagg needs --clients-per-round 2 or more: the sum of one client's update is "
+                              "its update")
+        if self.threat != "honest":
+            raise ConfigError("--secagg with --threat: the tampering campaigns read each client's update; run them "
+                              "without --secagg")
 
     def _check_canaries(self) -> None:
         if self.canaries and not self.record_truth:

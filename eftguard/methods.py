@@ -58,6 +58,7 @@ class MethodSpec:
     heads: AllHeads = ALL_HEADS  # hooks of the clients' heads: PRUNED_HEADS keeps each client's most important
     # heads, uploads only those (+ importances), and averages each head over its keepers (eftguard.headprune)
     default_lr: float = 1e-3  # the client lr where --lr is not given (from a pretrained checkpoint: docs/peft.md)
+    no_secagg_reason: str = ""  # why the server cannot aggregate this method's updates as one sum (--secagg refused)
 
     def __post_init__(self):
         if self.server_trains and not self.uploads_features:
@@ -120,7 +121,9 @@ METHODS: dict[str, MethodSpec] = {spec.name: spec for spec in (
                trains=("head.",), trains_suffixes=HEAD_LORA_SUFFIXES, masked=False, uploads_features=False,
                dp_sgd=False, server_trains=False, adapt=head_lora_hook, heads=PRUNED_HEADS,
                no_dp_reason="its clients upload head importances and kept heads computed from their data outside "
-                            "DP-SGD"),
+                            "DP-SGD",
+               no_secagg_reason="each head is averaged over the clients that kept it, weighted by importances the "
+                                "server must read per client: no sum of the uploads is its aggregate"),
 )}
 
 

@@ -136,6 +136,10 @@ def where_the_runs_are(folder: Path) -> str:
     return f". It is {kind}: give one of its runs, e.g. {runs[0]}{count}"
 
 
+COHORT = -1  # the attacked "client" of an attack on a --secagg round's aggregate: the cohort in the sum
+SUM_ONLY = ("the server sees only the sum (--secagg): no client's update is stored, only the cohort's average "
+            "(observed/round-NNN/aggregate.safetensors)")  # why a per-client update attack is not applicable
+
 class RunDirectory:
     """A run directory; key decrypts uploads stored encrypted at rest (None: plaintext run or no key)."""
 
@@ -483,9 +487,30 @@ class RunDirectory:
         """One part of a client's upload as the server received it, but for --store-uploads: floating arrays are
         float32 whatever precision they were kept in."""
         path = self.upload_path(round_number, partition, kind)
+        if not path.exists() and kind == "update" and self.config().secagg:
+            raise RunError(SUM_ONLY)
         if not path.exists():
             raise RunError(f"{path} does not exist: no {kind} upload of client {partition} in round {round_number}"
                            f"{self.kept_uploads_note()}")
+        return self._load_sealed(path)
+
+    def aggregate_path(self, round_number: int) -> Path:
+        """observed/round-NNN/aggregate.safetensors (.enc at rest): a --secagg round's one upload, the cohort's
+        weighted average update (a difference from the round's model)."""
+        name = "aggregate.safetensors" + (".enc" if self.encrypted else "")
+        return self.path / "observed" / round_name(round_number) / name
+
+    def save_aggregate(self, round_number: int, arrays: dict[str, np.ndarray]) -> None:
+        self._save_sealed(self.aggregate_path(round_number), arrays)
+
+    def cohort(self, round_number: int) -> list[int]:
+        """The partitions whose masked update is in a --secagg round's sum."""
+        return list((self.metrics()[round_number - 1].get("secagg") or {}).get("cohort", []))
+
+    def load_aggregate(self, round_number: int) -> dict[str, np.ndarray]:
+        path = self.aggregate_path(round_number)
+        if not path.exists():
+            raise RunError(f"{path} does not exist: round {round_number} was not securely aggregated (--secagg)")
         return self._load_sealed(path)
 
     def kept_uploads_note(self) -> str:

@@ -20,6 +20,7 @@ from typing import TYPE_CHECKING
 
 from eftguard.channels import CHANNELS, Channel, Headline
 from eftguard.figures import figure_direction
+from eftguard.rundir import SUM_ONLY
 
 if TYPE_CHECKING:
     from eftguard.attack_report import AttackReport
@@ -180,7 +181,8 @@ def verdict_of_attacks(attacks: dict) -> list[ChannelVerdict]:
     verdicts = []
     for channel in CHANNELS.values():
         entries = {str(name): a for name, a in attacks.items() if isinstance(a, dict) and a.get("family") == channel.family}
-        if entries and all(a.get("status") == "not applicable" for a in entries.values()):
+        if entries and all(a.get("status") == "not applicable" and SUM_ONLY not in str(a.get("reason", ""))
+                           for a in entries.values()):  # --secagg: the channel reaches the server, summed
             verdicts.append(ChannelVerdict(channel.name, channel.family, NOT_APPLICABLE))
             continue
         verdicts.append(channel_verdict(channel, figures_of_family(entries, channel.family), bool(entries)))

@@ -30,7 +30,7 @@ from eftguard.options import SEED_LIMIT, option, options_of, whole_number
 from eftguard.paths import input_file_problem, unwritable_reason
 from eftguard.report import write_attack_report
 from eftguard.retention import ranges
-from eftguard.rundir import RunDirectory, RunError, client_name, round_name
+from eftguard.rundir import COHORT, SUM_ONLY, RunDirectory, RunError, client_name, round_name
 
 SEED = whole_number(0, SEED_LIMIT)
 ROUND = whole_number(1)
@@ -181,6 +181,8 @@ def resolve_round(run: RunDirectory, round_number: int | None) -> int:
 def round_clients(run: RunDirectory, round_number: int, choice: str = "all") -> list[int]:
     """Partitions with uploads in the round: all, or the comma-separated partition ids of choice (partition_ids)."""
     present = run.uploaded_partitions(round_number)
+    if not present and run.config().secagg:
+        raise RunError(SUM_ONLY)
     if not present:
         raise RunError(f"{run.upload_dir(round_number, 0).parent} holds no uploads")
     if choice == "all":
@@ -283,6 +285,17 @@ def open_round(path: str | Path | RunDirectory, key: Path | None, round_number: 
     uploads, intact files, weights that load."""
     run = open_run(path, key)
     round_number = resolve_round(run, round_number)
+    if run.config().secagg and family.attacks_the_sum and not run.uploaded_partitions(round_number):
+        # the server holds no client's upload, only the sum (eftvit's features are still per client: attacked so)
+        if choice != "all":
+            raise RunError(f"{run.path} is a --secagg run: the {family.name} attack reads the cohort's sum, not one "
+                           "client's update: drop --clients")
+        check_intact(run, round_number, [])
+        if run.verify((f"observed/{round_name(round_number)}/aggregate",)):
+            raise RunError(f"{run.aggregate_path(round_number)} is missing or damaged (it no longer matches the sha256 "
+                           "manifest.json recorded): restore it from a backup, or attack another --round")
+        check_round_record(run, round_number, run.cohort(round_number))
+        return run, round_number, [COHORT]
     clients = family.pick_clients(round_clients(run, round_number, choice), choice)
     check_intact(run, round_number, clients)
     check_round_record(run, round_number, clients)

@@ -34,7 +34,7 @@ from eftguard.data.registry import load_dataset
 from eftguard.methods import method_spec
 from eftguard.model import PRESETS
 from eftguard.options import Option, finite_number, name_value, option, options_of, path_value, whole_number
-from eftguard.rundir import RunDirectory
+from eftguard.rundir import COHORT, RunDirectory
 
 
 @dataclass
@@ -69,6 +69,7 @@ class Family:
     image_metrics: bool  # scored by PSNR / SSIM / CW-SSIM / LPIPS (takes --lpips-backend)
     seeded: bool  # draws randomness of its own (takes --seed)
     cli_method: str  # --method's default on the command line ("all": every method)
+    attacks_the_sum: bool = False  # on a --secagg run it attacks the cohort's aggregate (the client COHORT)
 
     @property
     def options(self) -> tuple[Option, ...]:
@@ -233,6 +234,7 @@ class LabelsFamily(Family):
     image_metrics = False
     seeded = False  # the label attacks are deterministic
     cli_method = "all"
+    attacks_the_sum = True  # the cohort's histogram from the summed head update, n = the cohort's sample count
 
     def observe(self, job: Job, attack: Attack) -> Observed:
         with_model = attack.threat_model.knows_weights  # the weights only where the threat model grants them
@@ -254,6 +256,9 @@ class LabelsFamily(Family):
 
     def control(self, job: Job, attack: Attack, observed: Observed, progress=None) -> tuple[dict, str]:
         cfg, partition, observation = job.run.config(), job.clients[0], observed.observation
+        if partition == COHORT:
+            raise AttackError("no power check on a --secagg round's sum yet (its control would replay every client "
+                              "of the cohort)")
         num_examples = next(c.num_examples for c in observation.clients if c.partition == partition)
         images, labels = observe.public_skewed_sample(cfg, num_examples, job.seed)
         control = observe.public_label_observation(job.run, job.round_number, partition, images, labels, observation)

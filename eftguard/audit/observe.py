@@ -34,7 +34,7 @@ from eftguard.defenses.feature_dp import row_clip, sensitivity
 from eftguard.masking import random_keep_ids
 from eftguard.methods import method_spec
 from eftguard.model import EFTViT
-from eftguard.rundir import RunDirectory, RunError, round_name
+from eftguard.rundir import COHORT, RunDirectory, RunError, round_name
 from eftguard.sampling import balanced_indices
 from eftguard.training import OptimConfig, extract_features, train_global, train_local
 
@@ -100,8 +100,15 @@ def observe_labels(run: RunDirectory, round_number: int, clients: list[int], wit
                           "attacks on the head update alone apply (--method bias-corrected or llg)")
     reported = run.metrics()[round_number - 1]["num_examples"]  # checked before any work (api.check_round_record)
     num_classes = run.load_checkpoint(round_number - 1)["head.weight"].shape[0]
+    if clients == [COHORT]:
+        return cohort_labels(run, round_number, num_classes, reads_labels)
     observed = []
     for partition in clients:
+        if cfg.secagg:  # eftvit under --secagg: the labels and features per client, the head only in the sum
+            features = run.load_upload(round_number, partition, "features")
+            observed.append(ClientUploads(partition, reported[str(partition)], features["labels"],
+                                          features["features"], None, None))
+            continue
         update = run.load_upload(round_number, partition, "update")
         if "head.weight" not in update or "head.bias" not in update:
             raise AttackError(f"{run.path} is a {cfg.method} run: its clients upload no head, which every label "
@@ -111,6 +118,26 @@ def observe_labels(run: RunDirectory, round_number: int, clients: list[int], wit
                                       features.get("features"), update["head.weight"], update["head.bias"]))
     model = run.start_model(round_number) if with_model else None
     return LabelObservation(round_number, num_classes, observed, cfg.balance, model,
+                            (cfg.local_epochs, cfg.batch_size, cfg.lr, cfg.weight_decay))
+
+
+def cohort_labels(run: RunDirectory, round_number: int, num_classes: int, reads_labels: bool) -> LabelObservation:
+    """A --secagg round as the server holds it: one "client", the cohort, whose head is the start head plus the
+    summed (sample-weighted average) update and whose n is the cohort's total sample count (the side information
+    every client reports in the clear)."""
+    cfg = run.config()
+    if reads_labels:
+        raise AttackError(f"{run.path} is a --secagg run: this attack reads each client's uploaded labels; on the "
+                          "cohort's sum the attacks on the head update alone apply (--method bias-corrected or llg)")
+    aggregate = run.load_aggregate(round_number)
+    if "head.weight" not in aggregate or "head.bias" not in aggregate:
+        raise AttackError(f"{run.path} is a {cfg.method} run: its sum holds no head, which every label attack reads")
+    start = run.load_checkpoint(round_number - 1)
+    reported = run.metrics()[round_number - 1]["num_examples"]
+    total = sum(int(reported[str(p)]) for p in run.cohort(round_number))
+    cohort = ClientUploads(COHORT, total, None, None, start["head.weight"].numpy() + aggregate["head.weight"],
+                           start["head.bias"].numpy() + aggregate["head.bias"])
+    return LabelObservation(round_number, num_classes, [cohort], cfg.balance, run.start_model(round_number),
                             (cfg.local_epochs, cfg.batch_size, cfg.lr, cfg.weight_decay))
 
 

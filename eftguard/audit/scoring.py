@@ -25,7 +25,7 @@ from eftguard.data.plan import client_partition, run_dataset
 from eftguard.data.registry import load_dataset
 from eftguard.defenses.dp import default_delta
 from eftguard.model import PRESETS
-from eftguard.rundir import RunDirectory, RunError
+from eftguard.rundir import COHORT, RunDirectory, RunError
 
 GRID_IMAGES = 8
 # Public images of an original's label that compete with its reconstruction for IIP (the first ones of the split):
@@ -242,7 +242,10 @@ def score_upload_reconstruction(run: RunDirectory, round_number: int, partition:
 # --- label-distribution attacks ---------------------------------------------------------------------------
 
 def true_class_counts(run: RunDirectory, round_number: int, partition: int) -> np.ndarray:
-    """The client's class histogram over all its samples (not just the uploaded ones)."""
+    """The client's class histogram over all its samples (not just the uploaded ones); COHORT: the sum over the
+    --secagg round's cohort."""
+    if partition == COHORT:
+        return sum(true_class_counts(run, round_number, p) for p in run.cohort(round_number))
     return run.load_truth(round_number, partition)["class_counts"].astype(np.int64)
 
 

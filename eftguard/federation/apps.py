@@ -33,7 +33,7 @@ from flwr.serverapp import Grid, ServerApp
 from eftguard.defenses.dp import PrivacyBudgetError
 from eftguard.defenses.ledger import SPENT_NOTE, LedgerError, PrivacyLedger, spent_per_channel
 from eftguard.defenses.model_check import ModelCheck, ModelCheckError
-from eftguard.federation import server
+from eftguard.federation import secagg, server
 from eftguard.federation.client import ClientUpload, client_round, initial_model
 from eftguard.federation.records import ClientSettings, from_record, to_record
 
@@ -63,8 +63,17 @@ def describe(msg: Message, context: Context) -> Message:
 
 
 def train(msg: Message, context: Context, node_defaults: dict | None = None) -> Message:
-    """One round on this node. node_defaults: node-config values for keys the node was not given
-    (simulated nodes: their run's ledger folder, truth sharing and noise-secret 0)."""
+    """One round on this node, or one stage of it under the server's --secagg (Flower's SecAgg+ masks the update).
+    node_defaults: node-config values for keys the node was not given (simulated nodes: their run's ledger folder,
+    truth sharing and noise-secret 0)."""
+    if secagg.is_secure_stage(msg):
+        return secagg.secure_train(msg, context, lambda stage_msg, stage_context: plain_train(
+            stage_msg, stage_context, node_defaults))
+    return plain_train(msg, context, node_defaults)
+
+
+def plain_train(msg: Message, context: Context, node_defaults: dict | None = None) -> Message:
+    """One round on this node: its reply holds the update as trained."""
     node = {**(node_defaults or {}), **context.node_config}
     partition, partitions = _node_partition(context)
     settings = ClientSettings.from_record(msg.content["settings"])

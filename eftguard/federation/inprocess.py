@@ -4,6 +4,7 @@ configuration through the normal trainer); tests/fakegrid.py adds a tamper hook 
 
 from __future__ import annotations
 
+import copy
 from contextlib import contextmanager
 from pathlib import Path
 
@@ -29,6 +30,7 @@ class InProcessGrid:
         self.client_app = client_app
         self.run_config = run_config or {}
         self.outbox = {}
+        self.node_states: dict[int, RecordDict] = {}  # each node's Context.state, kept across messages (SecAgg+ stages)
 
     def get_node_ids(self):
         return list(self.partitions)
@@ -39,10 +41,13 @@ class InProcessGrid:
 
     def _deliver(self, msg):
         node = msg.metadata.dst_node_id
-        context = Context(run_id=1, node_id=node, state=RecordDict({}), run_config=self.run_config,
+        context = Context(run_id=1, node_id=node, state=self.node_states.setdefault(node, RecordDict({})),
+                          run_config=self.run_config,
                           node_config={"partition-id": self.partitions[node], "num-partitions": self.clients,
                                        **self.node_config})
         msg.metadata.__dict__["_message_id"] = f"msg-{node}-{len(self.outbox)}"
+        msg = Message(content=copy.deepcopy(msg.content), metadata=msg.metadata)  # as a transport would: a node's
+        # handler (Flower's SecAgg+ mod pops its stage) must not edit the content the server shares between nodes
         handler = self.client_app or (apps.describe if msg.metadata.message_type == "query" else apps.train)
         reply = handler(msg, context)
         body = {"error": reply.error} if reply.has_error() else {"content": reply.content}

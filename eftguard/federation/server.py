@@ -28,6 +28,7 @@ from eftguard.data.plan import run_dataset
 from eftguard.defenses.dp import ClientBudget
 from eftguard.defenses.ledger import SPENT_NOTE
 from eftguard.errors import FederationError, Interrupted
+from eftguard.federation import secagg
 from eftguard.federation.client import dp_budget, participation, release_size, schedule_size, select_clients
 from eftguard.federation.records import ClientSettings, UploadError, to_record
 from eftguard.federation.validation import (UploadSpec, validate_features, validate_heads, validate_metrics,
@@ -383,24 +384,12 @@ def average(cfg: TrainConfig, spec: UploadSpec, model: EFTViT, accepted: list[Ac
                                                  spec.heads, spec.head_index)
 
 
-def run_round(grid: Grid, run: RunDirectory, cfg: TrainConfig, model: EFTViT, spec: UploadSpec,
-              nodes: dict[int, int], round_number: int, test_images: torch.Tensor, test_labels: torch.Tensor,
-              progress: Progress, budgets: dict[int, ClientBudget],
-              public: tuple[torch.Tensor, torch.Tensor] | None = None, threat: ServerThreat | None = None) -> dict:
-    """One round. public: the server's own labelled images, given under DP, where theta's update on the noisy
-    feature rows is kept only if their accuracy did not fall (None: always kept). threat: what a --threat run's
-    server sends instead of its model; it keeps aggregating into its own model either way."""
-    selected = round_clients(cfg, round_number, run.metrics())
-    state = model.state_dict()
-    sent = threat.sent(round_number, selected, state) if threat else dict.fromkeys(selected, state)
-    records = {id(s): to_record(s) for s in sent.values()}  # one record per distinct model
-    messages = {}
-    for p in selected:
-        sigma, feature_sigma = (budgets[p].noise_multiplier, budgets[p].feature_noise_multiplier) if budgets else (0, 0)
-        settings = ClientSettings.from_config(cfg, round_number, float(sigma), run.run_id,
-                                              float(feature_sigma)).to_record()
-        messages[p] = Message(RecordDict({"model": records[id(sent[p])], "settings": settings}), nodes[p],
-                              MessageType.TRAIN)
+def plain_uploads(grid: Grid, run: RunDirectory, cfg: TrainConfig, spec: UploadSpec, messages: dict[int, Message],
+                  round_number: int, budgets: dict[int, ClientBudget], progress: Progress,
+                  threat: ServerThreat | None) -> tuple[list[AcceptedUpload], dict[str, str], dict]:
+    """The round's exchange without --secagg: each client's upload is validated, kept for the auditor as the run's
+    retention says, and accepted or dropped (reason per partition); also what each DP client reports it spent."""
+    selected = list(messages)
     task = progress.add_task(f"round {round_number}: client training", total=len(selected))
     replies = exchange(grid, messages, cfg.round_timeout, progress, task)
     progress.remove_task(task)
@@ -436,10 +425,119 @@ def run_round(grid: Grid, run: RunDirectory, cfg: TrainConfig, model: EFTViT, sp
             if truth is not None:
                 run.save_truth(round_number, partition, truth)
         accepted.append(upload)
+    return accepted, dropped, epsilon
+
+
+def parse_clear(metrics: dict, weight: int, partition: int, spec: UploadSpec, method: str,
+                record_truth: bool) -> tuple[AcceptedUpload, dict | None]:
+    """A --secagg reply's clear parts (its update is only in the sum, weighted by `weight`): metrics, eftvit's
+    features and the auditor's truth, validated as parse_reply validates them; raises UploadError naming what is
+    wrong."""
+    reported = validate_metrics(secagg.metrics_record(metrics), partition, spec)
+    if reported.num_examples != weight:
+        raise UploadError(f"its update is weighted by n = {weight} in the sum, it reports n = {reported.num_examples}")
+    features = None
+    if method_spec(method).uploads_features:
+        record = secagg.clear_part(metrics, "features")
+        if record is None:
+            raise UploadError("reply has no features")
+        rows = spec.dp_sizes[partition][1] if spec.dp_sizes else None
+        features = validate_features(record, spec, reported.num_examples, rows)
+    record = secagg.clear_part(metrics, "truth") if record_truth else None
+    truth = None if record is None else validate_truth(record, spec, reported.num_examples,
+                                                       len(features["labels"]) if features else None)
+    upload_bytes = sum(a.nbytes for a in (features or {}).values())
+    return AcceptedUpload(partition, {}, features, reported.num_examples, reported.loss, reported.epoch_seconds,
+                          reported.epoch_cpu_seconds, upload_bytes, None, reported.global_loss), truth
+
+
+def secure_uploads(grid: Grid, run: RunDirectory, cfg: TrainConfig, model: EFTViT, spec: UploadSpec,
+                   nodes: dict[int, int], messages: dict[int, Message], round_number: int,
+                   budgets: dict[int, ClientBudget], progress: Progress):
+    """The round's exchange under --secagg (Flower's SecAgg+, eftguard.federation.secagg): the server learns the
+    cohort's sample-weighted average update and keeps only it (observed/round-NNN/aggregate.safetensors); each
+    client's clear parts are validated and kept as without --secagg. A client whose clear parts fail validation
+    gives no feature rows, but its update is in the sum already: the server cannot take it out.
+
+    Returns the averaged parameters (None: no sum), the accepted clear parts, the dropped clients, what each DP
+    client reports it spent, and metrics.jsonl's "secagg" record (the cohort in the sum, clients whose clear parts
+    were refused, and the protocol's serialised bytes sent to and received from the nodes over its four stages)."""
+    partition_of = {nodes[p]: p for p in messages}
+    task = progress.add_task(f"round {round_number}: client training under SecAgg+", total=None)
+    result = secagg.run_secure_round(grid, {nodes[p]: m.content for p, m in messages.items()}, round_number,
+                                     len(spec.train_ids), cfg.round_timeout)
+    progress.remove_task(task)
+    summed = sorted(partition_of[node] for node in result.metrics)
+    dropped = {str(p): "not in the secure sum (no masked update: dropped out or refused)"
+               for p in messages if p not in summed}
+    retention = Retention.of(cfg)
+    accepted: list[AcceptedUpload] = []
+    epsilon: dict[str, dict[str, float]] = {}
+    unverified: dict[str, str] = {}
+    for node, metrics in result.metrics.items():
+        partition = partition_of[node]
+        try:
+            upload, truth = parse_clear(metrics, result.num_examples[node], partition, spec, cfg.method,
+                                        cfg.record_truth)
+            if budgets:
+                epsilon[str(partition)] = check_dp_report(secagg.metrics_record(metrics), budgets[partition],
+                                                          cfg.dp_eps)
+        except UploadError as exc:
+            unverified[str(partition)] = str(exc)
+            progress.console.print(f"[yellow]round {round_number}: client {partition}'s clear parts refused (its "
+                                   f"update is in the sum): {exc}")
+            continue
+        if retention.keeps_upload(round_number, partition):
+            if upload.features is not None:
+                run.save_upload(round_number, partition, "features", upload.features)
+            if truth is not None:
+                run.save_truth(round_number, partition, truth)
+        accepted.append(upload)
+    averaged = None
+    if result.average is not None:
+        shapes = [tuple(a.shape) for a in result.average]
+        if shapes != list(spec.update_shapes.values()):
+            raise FederationError(f"the secure sum has layout {shapes[:3]}..., the method uploads "
+                                  f"{list(spec.update_shapes.values())[:3]}...")
+        deltas = dict(zip(spec.update_shapes, result.average))
+        if round_number in retention.rounds_kept:
+            run.save_aggregate(round_number, deltas)
+        state = model.state_dict()
+        averaged = {k: state[k].numpy() + delta for k, delta in deltas.items()}
+    return averaged, accepted, dropped, epsilon, {"cohort": summed, "unverified": unverified,
+                                                  "sent_bytes": result.sent_bytes,
+                                                  "received_bytes": result.received_bytes}
+
+
+def run_round(grid: Grid, run: RunDirectory, cfg: TrainConfig, model: EFTViT, spec: UploadSpec,
+              nodes: dict[int, int], round_number: int, test_images: torch.Tensor, test_labels: torch.Tensor,
+              progress: Progress, budgets: dict[int, ClientBudget],
+              public: tuple[torch.Tensor, torch.Tensor] | None = None, threat: ServerThreat | None = None) -> dict:
+    """One round. public: the server's own labelled images, given under DP, where theta's update on the noisy
+    feature rows is kept only if their accuracy did not fall (None: always kept). threat: what a --threat run's
+    server sends instead of its model; it keeps aggregating into its own model either way."""
+    selected = round_clients(cfg, round_number, run.metrics())
+    state = model.state_dict()
+    sent = threat.sent(round_number, selected, state) if threat else dict.fromkeys(selected, state)
+    records = {id(s): to_record(s) for s in sent.values()}  # one record per distinct model
+    messages = {}
+    for p in selected:
+        sigma, feature_sigma = (budgets[p].noise_multiplier, budgets[p].feature_noise_multiplier) if budgets else (0, 0)
+        settings = ClientSettings.from_config(cfg, round_number, float(sigma), run.run_id,
+                                              float(feature_sigma)).to_record()
+        messages[p] = Message(RecordDict({"model": records[id(sent[p])], "settings": settings}), nodes[p],
+                              MessageType.TRAIN)
+    if cfg.secagg:
+        averaged, accepted, dropped, epsilon, secure = secure_uploads(grid, run, cfg, model, spec, nodes, messages,
+                                                                      round_number, budgets, progress)
+    else:
+        accepted, dropped, epsilon = plain_uploads(grid, run, cfg, spec, messages, round_number, budgets, progress,
+                                                   threat)
+        averaged, secure = (average(cfg, spec, model, accepted) if accepted else None), None
 
     server_loss, server_seconds, server_update_kept = None, 0.0, None
-    if accepted:
-        load_average(model, average(cfg, spec, model, accepted))
+    if averaged is not None:
+        load_average(model, averaged)
         if method_spec(cfg.method).server_trains and cfg.server_epochs:
             features = torch.from_numpy(np.concatenate([u.features["features"] for u in accepted]))
             labels = torch.from_numpy(np.concatenate([u.features["labels"] for u in accepted]))
@@ -487,6 +585,7 @@ def run_round(grid: Grid, run: RunDirectory, cfg: TrainConfig, model: EFTViT, sp
         "clients": selected,
         "dropped": dropped,
         "tampered": threat.tampering(round_number) if threat else None,
+        "secagg": secure,
     }
 
 
