@@ -32,7 +32,7 @@ from eftguard.audit.references import ReferenceOutputs, reference_models
 from eftguard.data import ImageSet
 from eftguard.data.registry import load_dataset
 from eftguard.methods import method_spec
-from eftguard.model import PRESETS
+from eftguard.model import PRESETS, build_model
 from eftguard.options import Option, finite_number, name_value, option, options_of, path_value, whole_number
 from eftguard.rundir import RunDirectory
 
@@ -532,15 +532,15 @@ class DPAuditFamily(Family):
         return self.report(job, attack, scoring.Summary(groups, {}, details), None)
 
     def control(self, job: Job, attack: Attack, observed: Observed, progress=None) -> tuple[dict, str]:
-        """The same score, guesses and confidence on the same canaries with fresh seeded coins: each owner's local
+        """The same score, guesses and confidence on the same canaries with fresh seeded coins (model channel:
+        model_control). Parameters and features: each owner's local
         training (no DP-SGD) on a mix of public images as skewed as the run's split (the loss-drop score depends on
         it), as many as its natural ones, plus its included control canaries, gives its update and (features)
         every row, released without clipping or noise. The verdict also wants this bound to reach the claimed
         epsilon: below it the audit could not have refuted the claim."""
         channel, obs = job.options["channel"], observed.observation
         if channel == "model":
-            raise AttackError("the model channel's control would retrain the whole federation without DP; the "
-                              "parameters and features channels have one")
+            return self.model_control(job, attack, observed, progress)
         cfg = job.run.config()
         bits = np.random.default_rng([job.seed, 31]).integers(0, 2, len(obs.labels))
         natural = natural_counts(job, observed)
@@ -553,14 +553,51 @@ class DPAuditFamily(Family):
                 np.concatenate([labels, obs.labels[included]]), list(obs.updates[partition]), channel == "features")
         control = replace(obs, start_model=job.run.start_model(job.round_number), updates=updates,
                           features=features if channel == "features" else {})
+        return self.control_bound(job, attack, observed, control, bits, progress,
+                                  f"each owner's local training (no DP-SGD) from the round's start weights on a "
+                                  f"Dirichlet({cfg.beta}) mix of public images, as many as its natural ones, and its "
+                                  f"included canaries{', every row released without clipping or noise' if channel == 'features' else ''}")
+
+    def model_control(self, job: Job, attack: Attack, observed: Observed, progress=None) -> tuple[dict, str]:
+        """The model channel's control: the federation trained again by the normal trainer for as many rounds, with
+        the run's configuration less its defenses (no DP-SGD, no feature clipping or noise, no canaries of its own),
+        on half of the public split plus the run's canaries with fresh coins (each in with probability 1/2); the
+        same loss-drop score from that run's initial model to its final one. Cached under
+        RUN/reports/dp-audit-control (one training run, about what the run's own rounds cost)."""
+        obs, cfg = observed.observation, job.run.config()
+        public = ImageSet(observe.run_public_images(cfg), observe.run_public_labels(cfg))
+        registered = ReferenceOutputs()  # where the control run lies: its initial model is built from its config
+        # reference_models counts the included canaries in the run's images; the run's canaries come on top of its
+        # natural images, so the control's budget is that many more (about half of the canaries are in)
+        budget = cfg.train_samples and cfg.train_samples + len(obs.labels) // 2
+        models, trained_on = reference_models(
+            job.run, job.round_number, public, 2, job.seed, job.run.path / "reports" / "dp-audit-control",
+            ImageSet(obs.images, obs.labels), progress, registered,
+            replace(defense_off(cfg), canaries=0, train_samples=budget), only=[0])
+        control_run = RunDirectory.open(registered.folders[models[0]] / "run")
+        control = replace(obs, start_model=initial_model(control_run), after=models[0])
+        return self.control_bound(job, attack, observed, control, trained_on[0].astype(np.int64), progress,
+                                  f"the federation trained for {job.round_number} round(s) without DP-SGD on public "
+                                  "images (about as many as the run's natural ones) and the included canaries, "
+                                  "scored from its initial to its final model")
+
+    def control_bound(self, job: Job, attack: Attack, observed: Observed, control, bits: np.ndarray, progress,
+                      what: str) -> tuple[dict, str]:
+        """The control's groups (its epsilon lower bound against guesses at chance) and what it was."""
         guesses, bound, _, _ = self.guessed_bound(job, observed, attack.reconstruct(control, progress).scores, bits)
         return ({"control": {"epsilon_lower_bound": metrics.summarize(np.array([bound]))},
                  "control_baseline": {"epsilon_lower_bound": metrics.summarize(np.array([0.0]))}},
                 f"the same score, guesses and confidence on the run's {guesses.canaries} canaries with fresh coins, "
-                f"each owner's local training (no DP-SGD) from the round's start weights on a Dirichlet({cfg.beta}) "
-                f"mix of public images, as many as its natural ones, and its included canaries"
-                f"{', every row released without clipping or noise' if channel == 'features' else ''}: "
-                f"{guesses.correct} of {guesses.guesses} guesses right")
+                f"{what}: {guesses.correct} of {guesses.guesses} guesses right")
+
+
+def initial_model(run: RunDirectory):
+    """A run's initial model (checkpoint 0), built from its configuration as its server builds it: a run that
+    keeps only its final model (--keep-rounds none) has no checkpoint 0."""
+    cfg = run.config()
+    classes = int(run.load_checkpoint(cfg.rounds)["head.weight"].shape[0])
+    return build_model(cfg.model, classes, cfg.local_layers, cfg.pretrained, cfg.checkpoint or None, cfg.seed,
+                       method_spec(cfg.method).model_adapter(cfg)).eval()
 
 
 def natural_counts(job: Job, observed: Observed) -> dict[int, int]:
