@@ -457,6 +457,9 @@ class DPAuditOptions:
     guesses_out: int | None = option(None, "guess 'excluded' for this many lowest-scored canaries (default: a "
                                            "quarter of the canaries scored)", whole_number(0))
     confidence: float = option(0.95, "confidence of the epsilon lower bound, in (0, 1)", confidence_level)
+    control_dir: Path | None = option(None, "--channel model: cache of its power check's training run (default: "
+                                            "RUN/reports/dp-audit-control); runs that differ only in their defenses "
+                                            "share it", path_value)
 
 
 class DPAuditFamily(Family):
@@ -562,8 +565,8 @@ class DPAuditFamily(Family):
         """The model channel's control: the federation trained again by the normal trainer for as many rounds, with
         the run's configuration less its defenses (no DP-SGD, no feature clipping or noise, no canaries of its own),
         on half of the public split plus the run's canaries with fresh coins (each in with probability 1/2); the
-        same loss-drop score from that run's initial model to its final one. Cached under
-        RUN/reports/dp-audit-control (one training run, about what the run's own rounds cost)."""
+        same loss-drop score from that run's initial model to its final one. Cached under --control-dir (one
+        training run, about what the run's own rounds cost; the same for every defense of a configuration)."""
         obs, cfg = observed.observation, job.run.config()
         public = ImageSet(observe.run_public_images(cfg), observe.run_public_labels(cfg))
         registered = ReferenceOutputs()  # where the control run lies: its initial model is built from its config
@@ -571,7 +574,8 @@ class DPAuditFamily(Family):
         # natural images, so the control's budget is that many more (about half of the canaries are in)
         budget = cfg.train_samples and cfg.train_samples + len(obs.labels) // 2
         models, trained_on = reference_models(
-            job.run, job.round_number, public, 2, job.seed, job.run.path / "reports" / "dp-audit-control",
+            job.run, job.round_number, public, 2, job.seed,
+            job.options["control_dir"] or job.run.path / "reports" / "dp-audit-control",
             ImageSet(obs.images, obs.labels), progress, registered,
             replace(defense_off(cfg), canaries=0, train_samples=budget), only=[0])
         control_run = RunDirectory.open(registered.folders[models[0]] / "run")
