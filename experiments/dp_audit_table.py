@@ -23,9 +23,11 @@ def row(file: Path) -> list[str]:
     figures = report.figures()
     control = re.search(r"(\d+) of \d+ guesses right$", details.get("power_check", ""))
     level = {v.family: v for v in verdict([report])}["dp-audit"].level_text
+    claimed = details["claimed_epsilon"]
+    claim = claimed if isinstance(claimed, str) else f"{claimed:.2f}"
     return [file.parts[-4], details["channel"], f"{details['correct']} / {details['epsilon_lower_bound']:.2f}",
             f"{control.group(1)} / {figures['control.epsilon_lower_bound']:.2f}" if control else "not run",
-            f"{figures['ceiling.epsilon_lower_bound']:.2f}", str(details["claimed_epsilon"]), level]
+            f"{figures['ceiling.epsilon_lower_bound']:.2f}", claim, level]
 
 
 def main(audit: Path) -> None:
