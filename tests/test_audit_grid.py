@@ -492,7 +492,10 @@ def test_the_console_line_names_each_familys_headline_figure():
 
 def test_an_audits_configurations_share_the_membership_reference_models(tmp_path):
     """Keyed by configuration and data, the models of one configuration serve its attacks and the power checks of
-    the same configuration with DP; an [[attack]] table's own references_dir wins (it is merged after)."""
+    the same configuration with DP; an [[attack]] table's own references_dir wins (it is merged after). The DP
+    audit's model-channel control run is shared the same way."""
     lira = grid.AttackEntry("membership-lira", "membership", "lira", {})
     assert grid.shared_caches(lira, tmp_path) == {"references_dir": tmp_path / "membership-references"}
+    model_audit = grid.AttackEntry("dp-audit-model", "dp-audit", "canary", {"channel": "model"})
+    assert grid.shared_caches(model_audit, tmp_path) == {"control_dir": tmp_path / "dp-audit-control"}
     assert grid.shared_caches(grid.AttackEntry("invert-decoder", "invert", "decoder", {}), tmp_path) == {}

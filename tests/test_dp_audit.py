@@ -11,7 +11,7 @@ import torch
 from torch import nn
 from scipy.stats import norm
 
-from eftguard.attacks.dp_audit import CanaryAttack, gradient_alignment
+from eftguard.attacks.dp_audit import CanaryAttack, CanaryScores, gradient_alignment
 from eftguard.audit import observe, run_attack, scoring
 from eftguard.channels import CHANNELS
 from eftguard.audit.families import DPAuditFamily
@@ -222,17 +222,42 @@ def test_without_dp_the_control_passes_and_backs_the_verdict(overfit_canary_run)
     assert check.passed and check.claim is None
 
 
-def test_the_model_channel_control_replays_the_federation_without_dp_and_passes(overfit_canary_run):
-    """The model after the round sees the included canaries through the clients' training and the server's: the
-    federation replayed without DP-SGD on public images with fresh coins gives them away about as well as the run
-    without DP does (measured at 12 + 12 guesses: control 19 of 24 right, bound 0.45; the run 16 of 24; at 8 + 8
-    the control's 10-12 of 16 stay below the medium level, as the run's 13 do)."""
-    report = run_attack(overfit_canary_run, "dp-audit", channel="model", guesses_in=12, guesses_out=12)
+@pytest.fixture(scope="module")
+def memorising_canary_run(tmp_path_factory, micro_preset):
+    """A one-round EFTViT run of the micro ViT without DP: 20 natural images and 64 mislabelled canaries, 30 local
+    epochs, so that the final model remembers its included canaries (the model channel's loss drop sees them)."""
+    return train_in_process(tmp_path_factory.mktemp("runs") / "memorising", canaries=64, train_samples=20,
+                            local_epochs=30, model=micro_preset)
+
+
+def test_the_model_channel_control_retrains_without_dp_and_backs_the_verdict(memorising_canary_run):
+    # the model channel's control: the federation trained again without DP-SGD on public images and the canaries
+    # with fresh coins, scored from its initial to its final model (cached: a second audit does not train again).
+    # measured: the run 26 of 32 guesses right, the control 23 (bound 0.24; 23 or more by chance: 1%)
+    run = memorising_canary_run
+    report = run_attack(run, "dp-audit", channel="model")
     figures = report.figures()
     assert figures["control.epsilon_lower_bound"] >= CHANNELS["dp-audit"].headlines[0].levels.medium_from
     assert figures["control.epsilon_lower_bound"] <= figures["ceiling.epsilon_lower_bound"]
-    assert "every round up to 1 replayed from the run's initial weights" in report.details["power_check"]
-    assert {v.family: v for v in verdict([report])}["dp-audit"].control.passed
+    assert "without DP-SGD" in report.details["power_check"]
+    check = {v.family: v for v in verdict([report])}["dp-audit"].control
+    assert check.passed
+    controls = list((run / "reports" / "dp-audit-control").glob("reference-*"))
+    assert len(controls) == 1
+    again = run_attack(run, "dp-audit", channel="model")
+    assert again.figures()["control.epsilon_lower_bound"] == figures["control.epsilon_lower_bound"]
+    assert list((run / "reports" / "dp-audit-control").glob("reference-*")) == controls
+
+
+def test_a_model_channel_low_beside_a_failing_control_reads_inconclusive(memorising_canary_run, monkeypatch):
+    # an attack that scores every canary alike shows nothing on the run nor on the control: a low model channel
+    # beside its failing control reads inconclusive, never low or unchecked
+    monkeypatch.setattr(CanaryAttack, "reconstruct", lambda self, obs, progress=None: CanaryScores(
+        np.zeros(len(obs.labels)), {"score": "none"}))
+    report = run_attack(memorising_canary_run, "dp-audit", channel="model")
+    assert report.figures()["control.epsilon_lower_bound"] < CHANNELS["dp-audit"].headlines[0].levels.medium_from
+    found = {v.family: v for v in verdict([report])}["dp-audit"]
+    assert found.level == INCONCLUSIVE and not found.control.passed
 
 
 def test_the_cli_writes_the_report(canary_run, tmp_path, capsys):

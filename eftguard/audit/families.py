@@ -32,7 +32,7 @@ from eftguard.audit.references import ReferenceOutputs, reference_models
 from eftguard.data import ImageSet
 from eftguard.data.registry import load_dataset
 from eftguard.methods import method_spec
-from eftguard.model import PRESETS
+from eftguard.model import PRESETS, build_model
 from eftguard.options import Option, finite_number, name_value, option, options_of, path_value, whole_number
 from eftguard.rundir import COHORT, RunDirectory
 
@@ -462,6 +462,9 @@ class DPAuditOptions:
     guesses_out: int | None = option(None, "guess 'excluded' for this many lowest-scored canaries (default: a "
                                            "quarter of the canaries scored)", whole_number(0))
     confidence: float = option(0.95, "confidence of the epsilon lower bound, in (0, 1)", confidence_level)
+    control_dir: Path | None = option(None, "--channel model: cache of its power check's training run (default: "
+                                            "RUN/reports/dp-audit-control); runs that differ only in their defenses "
+                                            "share it", path_value)
 
 
 class DPAuditFamily(Family):
@@ -537,57 +540,84 @@ class DPAuditFamily(Family):
         return self.report(job, attack, scoring.Summary(groups, {}, details), None)
 
     def control(self, job: Job, attack: Attack, observed: Observed, progress=None) -> tuple[dict, str]:
-        """The same score, guesses and confidence on the same canaries with fresh seeded coins: each owner's local
+        """The same score, guesses and confidence on the same canaries with fresh seeded coins (model channel:
+        model_control). Parameters and features: each owner's local
         training (no DP-SGD) on a mix of public images as skewed as the run's split (the loss-drop score depends on
         it), as many as its natural ones, plus its included control canaries, gives its update and (features)
-        every row, released without clipping or noise; the model channel replays every round so up to the audited
-        one (observe.public_federation). The verdict also wants this bound to reach the claimed epsilon: below it
-        the audit could not have refuted the claim."""
+        every row, released without clipping or noise. The verdict also wants this bound to reach the claimed
+        epsilon: below it the audit could not have refuted the claim."""
         channel, obs = job.options["channel"], observed.observation
+        if channel == "model":
+            return self.model_control(job, attack, observed, progress)
         cfg = job.run.config()
         bits = np.random.default_rng([job.seed, 31]).integers(0, 2, len(obs.labels))
-
-        def client_data(round_number: int, partition: int) -> tuple[np.ndarray, np.ndarray]:
-            images, labels = observe.public_skewed_sample(
-                cfg, natural_counts(job, observed, round_number)[partition],
-                job.seed + partition + 1000 * (job.round_number - round_number))
+        natural = natural_counts(job, observed)
+        updates, features = {}, {}
+        for partition in sorted(obs.updates):
+            images, labels = observe.public_skewed_sample(cfg, natural[partition], job.seed + partition)
             included = np.flatnonzero((obs.owners == partition) & (bits == 1))
-            return np.concatenate([images, obs.images[included]]), np.concatenate([labels, obs.labels[included]])
+            updates[partition], features[partition] = observe.public_canary_upload(
+                job.run, job.round_number, partition, np.concatenate([images, obs.images[included]]),
+                np.concatenate([labels, obs.labels[included]]), list(obs.updates[partition]), channel == "features")
+        control = replace(obs, start_model=job.run.start_model(job.round_number), updates=updates,
+                          features=features if channel == "features" else {})
+        return self.control_bound(job, attack, observed, control, bits, progress,
+                                  f"each owner's local training (no DP-SGD) from the round's start weights on a "
+                                  f"Dirichlet({cfg.beta}) mix of public images, as many as its natural ones, and its "
+                                  f"included canaries{', every row released without clipping or noise' if channel == 'features' else ''}")
 
-        if channel == "model":
-            control = replace(obs, after=observe.public_federation(job.run, job.round_number, client_data))
-            how = (f"every round up to {job.round_number} replayed from the run's initial weights, each client that "
-                   "took part training (no DP-SGD) on as many public images as its natural ones plus its included "
-                   "canaries, the server averaging the uploads and training on their features as it does")
-        else:
-            updates, features = {}, {}
-            for partition in sorted(obs.updates):
-                images, labels = client_data(job.round_number, partition)
-                updates[partition], features[partition] = observe.public_canary_upload(
-                    job.run, job.round_number, partition, images, labels, list(obs.updates[partition]),
-                    channel == "features")
-            control = replace(obs, start_model=job.run.start_model(job.round_number), updates=updates,
-                              features=features if channel == "features" else {})
-            how = ("each owner's local training (no DP-SGD) from the round's start weights on as many public images "
-                   "as its natural ones and its included canaries"
-                   f"{', every row released without clipping or noise' if channel == 'features' else ''}")
+    def model_control(self, job: Job, attack: Attack, observed: Observed, progress=None) -> tuple[dict, str]:
+        """The model channel's control: the federation trained again by the normal trainer for as many rounds, with
+        the run's configuration less its defenses (no DP-SGD, no feature clipping or noise, no canaries of its own),
+        on half of the public split plus the run's canaries with fresh coins (each in with probability 1/2); the
+        same loss-drop score from that run's initial model to its final one. Cached under --control-dir (one
+        training run, about what the run's own rounds cost; the same for every defense of a configuration)."""
+        obs, cfg = observed.observation, job.run.config()
+        public = ImageSet(observe.run_public_images(cfg), observe.run_public_labels(cfg))
+        registered = ReferenceOutputs()  # where the control run lies: its initial model is built from its config
+        # reference_models counts the included canaries in the run's images; the run's canaries come on top of its
+        # natural images, so the control's budget is that many more (about half of the canaries are in)
+        budget = cfg.train_samples and cfg.train_samples + len(obs.labels) // 2
+        models, trained_on = reference_models(
+            job.run, job.round_number, public, 2, job.seed,
+            job.options["control_dir"] or job.run.path / "reports" / "dp-audit-control",
+            ImageSet(obs.images, obs.labels), progress, registered,
+            replace(defense_off(cfg), canaries=0, train_samples=budget), only=[0])
+        control_run = RunDirectory.open(registered.folders[models[0]] / "run")
+        control = replace(obs, start_model=initial_model(control_run), after=models[0])
+        return self.control_bound(job, attack, observed, control, trained_on[0].astype(np.int64), progress,
+                                  f"the federation trained for {job.round_number} round(s) without DP-SGD on public "
+                                  "images (about as many as the run's natural ones) and the included canaries, "
+                                  "scored from its initial to its final model")
+
+    def control_bound(self, job: Job, attack: Attack, observed: Observed, control, bits: np.ndarray, progress,
+                      what: str) -> tuple[dict, str]:
+        """The control's groups (its epsilon lower bound against guesses at chance) and what it was."""
         guesses, bound, _, _ = self.guessed_bound(job, observed, attack.reconstruct(control, progress).scores, bits)
         return ({"control": {"epsilon_lower_bound": metrics.summarize(np.array([bound]))},
                  "control_baseline": {"epsilon_lower_bound": metrics.summarize(np.array([0.0]))}},
                 f"the same score, guesses and confidence on the run's {guesses.canaries} canaries with fresh coins, "
-                f"public images in a Dirichlet({cfg.beta}) mix, {how}: {guesses.correct} of {guesses.guesses} "
-                "guesses right")
+                f"{what}: {guesses.correct} of {guesses.guesses} guesses right")
 
 
-def natural_counts(job: Job, observed: Observed, round_number: int) -> dict[int, int]:
-    """Each client's natural images in a round (its reported n_k less the canaries it counts: every canary it owns
-    under DP-SGD, whose schedule counts the whole pool, else those it included), so that the control's clients
+def initial_model(run: RunDirectory):
+    """A run's initial model (checkpoint 0), built from its configuration as its server builds it: a run that
+    keeps only its final model (--keep-rounds none) has no checkpoint 0."""
+    cfg = run.config()
+    classes = int(run.load_checkpoint(cfg.rounds)["head.weight"].shape[0])
+    return build_model(cfg.model, classes, cfg.local_layers, cfg.pretrained, cfg.checkpoint or None, cfg.seed,
+                       method_spec(cfg.method).model_adapter(cfg)).eval()
+
+
+def natural_counts(job: Job, observed: Observed) -> dict[int, int]:
+    """Each attacked owner's natural images (its reported n_k less the canaries it counts: every canary it owns
+    under DP-SGD, whose schedule counts the whole pool, else those it included), so that the control's owners
     train on as much as the run's."""
     obs = observed.observation
-    reported = job.run.metrics()[round_number - 1]["num_examples"]
+    reported = job.run.metrics()[job.round_number - 1]["num_examples"]
     counted = scoring.canary_bits(job.run, observed.auditor["sources"]) if job.run.config().dp_eps <= 0 else \
         np.ones(len(obs.owners), dtype=np.int64)
-    return {int(k): int(n) - int(counted[obs.owners == int(k)].sum()) for k, n in reported.items()}
+    return {k: int(reported[str(k)]) - int(counted[obs.owners == k].sum()) for k in obs.updates}
 
 
 # --- membership ---------------------------------------------------------------------------------------------

@@ -334,9 +334,12 @@ def run_one_attack(run_dir: Path, attack: AttackEntry, out: Path, reports: Path,
 
 def shared_caches(attack: AttackEntry, out: Path) -> dict:
     """Caches that every configuration of an audit shares unless the [[attack]] table names its own: membership's
-    reference models (keyed by configuration and data, so a configuration finds only its own, and a DP one's power
-    check finds the models of the same configuration without DP trained)."""
-    return {"references_dir": out / "membership-references"} if attack.family == "membership" else {}
+    reference models and the DP audit's model-channel control run (keyed by configuration and data, so a
+    configuration finds only its own, and a DP one's power check finds the models of the same configuration without
+    DP trained)."""
+    caches = {"membership": {"references_dir": out / "membership-references"},
+              "dp-audit": {"control_dir": out / "dp-audit-control"}}
+    return caches.get(attack.family, {})
 
 
 def reusable(previous: dict, out: Path) -> bool:

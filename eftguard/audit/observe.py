@@ -8,7 +8,6 @@ only. The batch it used is kept for scoring, out of the attack's reach.
 
 from __future__ import annotations
 
-import copy
 import math
 from dataclasses import dataclass, replace
 
@@ -16,7 +15,6 @@ import numpy as np
 import torch
 from torch import nn
 
-from eftguard.aggregate import fedavg
 from eftguard.attacks.base import AttackError
 from eftguard.attacks.dp_audit import CanaryObservation
 from eftguard.attacks.gradient import GradientObservation, LocalTraining, prepare_numerics
@@ -36,7 +34,7 @@ from eftguard.methods import method_spec
 from eftguard.model import EFTViT
 from eftguard.rundir import COHORT, RunDirectory, RunError, round_name
 from eftguard.sampling import balanced_indices
-from eftguard.training import OptimConfig, extract_features, train_global, train_local
+from eftguard.training import OptimConfig, extract_features, train_local
 
 # --- invert: uploaded patch features ------------------------------------------------------------------------
 
@@ -361,54 +359,19 @@ def public_skewed_sample(cfg, count: int, seed: int) -> tuple[np.ndarray, np.nda
     return public.images[chosen], public.labels[chosen]
 
 
-def train_as_client(run: RunDirectory, round_number: int, partition: int, images: np.ndarray, labels: np.ndarray,
-                    start: EFTViT | None = None) -> tuple[EFTViT, torch.Generator]:
+def train_as_client(run: RunDirectory, round_number: int, partition: int, images: np.ndarray, labels: np.ndarray
+                    ) -> tuple[EFTViT, torch.Generator]:
     """The client's local training with the defense off: its optimiser, epochs, batches and masking, seeded as a
-    simulated client seeds them, no DP-SGD, on these images from the round's start weights (or a copy of `start`).
-    Returns the trained model and the generator, drawn on as the client goes on to draw its feature masks."""
+    simulated client seeds them, no DP-SGD, on these images from the round's start weights. Returns the trained
+    model and the generator, drawn on as the client goes on to draw its feature masks."""
     cfg = run.config()
-    trained = run.start_model(round_number) if start is None else copy.deepcopy(start)
+    trained = run.start_model(round_number)
     prune_as_client(run, round_number, partition, trained, trained_names(trained, cfg.method))
     optim = OptimConfig(cfg.local_epochs, cfg.batch_size, cfg.lr * cfg.lr_factor(round_number), cfg.weight_decay)
     generator = torch.Generator().manual_seed(seeded(cfg.seed, round_number, partition, 1))
     train_local(trained, torch.from_numpy(images), torch.from_numpy(labels), cfg.method, cfg.mask_ratio, optim,
                 generator, precision=cfg.precision)
     return trained, generator
-
-
-def public_federation(run: RunDirectory, last_round: int, client_data) -> EFTViT:
-    """The model after last_round of the run's federation with the defense off: from the run's initial weights,
-    each round's clients (those that took part in the run's round) train as train_as_client does on
-    client_data(round, partition) -> (images, labels); the server averages their uploads (FedAvg by image count)
-    and, where the method trains on the server, trains theta on their features (median-sampled as the client
-    samples them, released without clipping or noise) as the server does without DP."""
-    cfg = run.config()
-    spec = method_spec(cfg.method)
-    model = run.start_model(1)
-    names = trained_names(model, cfg.method)
-    for round_number in range(1, last_round + 1):
-        states, weights, rows, row_labels = [], [], [], []
-        for partition in sorted(int(k) for k in run.metrics()[round_number - 1]["num_examples"]):
-            images, labels = client_data(round_number, partition)
-            trained, generator = train_as_client(run, round_number, partition, images, labels, start=model)
-            state = trained.state_dict()
-            states.append({name: state[name].detach().numpy() for name in names})
-            weights.append(len(labels))
-            if spec.server_trains:
-                chosen = balanced_indices(labels, int(model.head.out_features), cfg.balance,
-                                          np.random.default_rng(seeded(cfg.seed, round_number, partition, 2)))
-                released, _ = extract_features(trained, torch.from_numpy(images[chosen]),
-                                               spec.mask_ratio(cfg.mask_ratio), generator, precision=cfg.precision)
-                rows.append(released)
-                row_labels.append(torch.from_numpy(labels[chosen].astype(np.int64)))
-        model.load_state_dict({name: torch.from_numpy(value) for name, value in fedavg(states, weights).items()},
-                              strict=False)
-        if spec.server_trains and cfg.server_epochs:
-            train_global(model, torch.cat(rows), torch.cat(row_labels),
-                         OptimConfig(cfg.server_epochs, cfg.batch_size, cfg.server_lr * cfg.lr_factor(round_number),
-                                     cfg.weight_decay),
-                         torch.Generator().manual_seed(seeded(cfg.seed, round_number, 4)), precision=cfg.precision)
-    return model.eval()
 
 
 def public_canary_upload(run: RunDirectory, round_number: int, partition: int, images: np.ndarray,
