@@ -13,7 +13,7 @@ from pathlib import Path
 
 import pytest
 
-from test_audit_grid import SWEEP, Fakes, audit_cli
+from auditfakes import SWEEP, Fakes, audit_cli
 
 TINY = """
 [train]
