@@ -258,7 +258,8 @@ def test_a_family_added_through_the_registries_gets_its_verdict_row_and_plot(fea
     audit_page = Page(write_audit_report({"configurations": configurations}, tmp_path)[0].read_text())
     verdicts, figures = audit_page.tables[0], audit_page.tables[1]  # no gates: verdict, then figures
     assert verdicts[0][-1] == "toy channel" and verdicts[1][-1] == "hit rate 0.900 vs 0.500, toy-count: high"
-    assert figures[0][-1] == "hit rate" and figures[1][-1] == "0.900 ± 0.000 (0.500)"
+    assert figures[0][-2:] == ["hit rate", "level (power check)"]
+    assert figures[1][-2:] == ["0.900 ± 0.000 (0.500)", "high"]
     assert [attrs["alt"] for tag, attrs in audit_page.tags if tag == "img"] == [
         "Test accuracy against the strongest toy attack (hit rate), one point per configuration group",
         "Toy guessing against the DP-SGD budget ε (DP configurations only)"]
