@@ -74,15 +74,16 @@ def physical_memory() -> int:
 def server_memory(cfg: TrainConfig, model: EFTViT, round_rows: int, tokens: int, width: int,
                   memory: int) -> dict | None:
     """What the server holds while it trains theta on round_rows feature rows (None: the method trains no theta).
-    eftguard.federation.server.run_round holds every row of the round in memory three times while theta trains:
-    the replies as received (float32 .npy bytes), their decoded arrays and the concatenation theta trains on.
+    eftguard.federation.server.run_round holds every row of the round in memory twice while theta trains: the
+    decoded arrays of the accepted uploads and the concatenation theta trains on (the replies as received are
+    released when the uploads are parsed).
     Nothing streams from disk, so the rows must fit. Theta's training adds the whole model, the global module's
     gradients and AdamW's two moments, and a batch's activations (measured: the tensors autograd saves for one row,
     times the batch size)."""
     if not method_spec(cfg.method).server_trains or not cfg.server_epochs:
         return None
     row = tokens * width * 4 + 8  # float32 tokens and an int64 label
-    copies = 3
+    copies = 2
     theta = sum(p.numel() for p in model.global_module.parameters()) * 4
     model.train()
     model.head.requires_grad_(False)  # as train_global trains theta
@@ -195,8 +196,8 @@ def server_memory_lines(memory: dict | None) -> list[str]:
                f"does NOT fit in {size(memory['memory'])}: at most {memory['rows_that_fit']} rows do "
                f"(fewer clients per round, a smaller --images-per-client or a larger --mask-ratio)")
     return [f"server memory in its largest round: {memory['rows_in_largest_round']} feature rows of "
-            f"{size(memory['bytes_per_row'])}, held {memory['copies']} times (the replies, their decoded arrays and "
-            f"the concatenation; nothing streams from disk) {size(memory['feature_store'])}, and theta's training "
+            f"{size(memory['bytes_per_row'])}, held {memory['copies']} times (the decoded uploads and the "
+            f"concatenation; nothing streams from disk) {size(memory['feature_store'])}, and theta's training "
             f"{size(theta['total'])} (model "
             f"{size(theta['model'])}, gradients and AdamW {size(theta['gradients_and_adamw'])}, activations of a "
             f"batch {size(theta['activations_per_batch'])}): {size(memory['total'])}, {verdict}"]
