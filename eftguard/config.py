@@ -25,6 +25,7 @@ from eftguard.sampling import BALANCE_MODES
 METHODS = tuple(METHOD_SPECS)
 ACCOUNTANTS = ("prv", "rdp")  # opacus accountants that calibrate DP-SGD noise
 FEDERATIONS = ("simulation", "deployment")
+SERVER_ROWS = ("memory", "disk")  # where the server holds a round's feature rows (eftguard.federation.rows)
 HEAD_PRUNING = ("importance", "random")  # headprune-lora: which heads a client keeps
 HEAD_WEIGHTING = ("importance", "samples")  # headprune-lora: each head's average weighted by alpha_c or by n_k
 CLIENT_SELECTION = ("random", "loss-gap")
@@ -140,6 +141,11 @@ class TrainConfig:
     store_uploads: str = option("float32", "the precision the uploads are kept in on disk for the auditor: float32, "
                                            "float16 or bfloat16 (half the bytes; the server trains on what was "
                                            "sent either way)", choices=STORE_DTYPES, noun="precision")
+    server_rows: str = option("memory", "where the server holds a round's uploaded feature rows while theta trains on "
+                                        "them: memory (every row twice: decoded and concatenated), or disk (spooled "
+                                        "to RUN/tmp/ as each reply arrives and memory-mapped: one client's rows and "
+                                        "one batch in memory; eftguard plan says which fits)",
+                              choices=SERVER_ROWS, noun="place")
     secagg: bool = option(False, "secure aggregation (Flower's SecAgg+): the server learns only the cohort's "
                                  "weighted average parameter update, never one client's; metrics, and eftvit's patch "
                                  "features, still travel in the clear (docs/secagg.md)")

@@ -71,19 +71,21 @@ def physical_memory() -> int:
     return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
 
 
-def server_memory(cfg: TrainConfig, model: EFTViT, round_rows: int, tokens: int, width: int,
+def server_memory(cfg: TrainConfig, model: EFTViT, round_rows: int, client_rows: int, tokens: int, width: int,
                   memory: int) -> dict | None:
     """What the server holds while it trains theta on round_rows feature rows (None: the method trains no theta).
-    eftguard.federation.server.run_round holds every row of the round in memory twice while theta trains: the
-    decoded arrays of the accepted uploads and the concatenation theta trains on (the replies as received are
-    released when the uploads are parsed).
-    Nothing streams from disk, so the rows must fit. Theta's training adds the whole model, the global module's
-    gradients and AdamW's two moments, and a batch's activations (measured: the tensors autograd saves for one row,
-    times the batch size)."""
+    --server-rows memory: eftguard.federation.server.run_round holds every row of the round twice while theta
+    trains, the decoded uploads and the concatenation theta trains on (each reply is released once parsed).
+    --server-rows disk (eftguard.federation.rows): the rows go to a spool under RUN/tmp/ as each reply is parsed and
+    theta reads its batches from a memory-mapped file, so the server holds one client's rows at a time, twice
+    (its reply and their decoding; replies that arrive within one poll are held together), and the round's rows
+    take their bytes on disk instead. Theta's training adds the whole model, the global module's gradients and
+    AdamW's two moments, and a batch's activations (measured: the tensors autograd saves for one row, times the
+    batch size)."""
     if not method_spec(cfg.method).server_trains or not cfg.server_epochs:
         return None
     row = tokens * width * 4 + 8  # float32 tokens and an int64 label
-    copies = 2
+    on_disk = cfg.server_rows == "disk"
     theta = sum(p.numel() for p in model.global_module.parameters()) * 4
     model.train()
     model.head.requires_grad_(False)  # as train_global trains theta
@@ -96,12 +98,16 @@ def server_memory(cfg: TrainConfig, model: EFTViT, round_rows: int, tokens: int,
     model.head.requires_grad_(True)
     whole_model = sum(p.numel() for p in model.parameters()) * 4
     training = whole_model + 3 * theta + activations
-    store = copies * round_rows * row
-    return {"rows_in_largest_round": round_rows, "bytes_per_row": row, "copies": copies, "feature_store": store,
+    store = 2 * (client_rows if on_disk else round_rows) * row
+    fits = store + training <= memory
+    return {"server_rows": cfg.server_rows, "rows_in_largest_round": round_rows, "bytes_per_row": row,
+            "rows_held": client_rows if on_disk else round_rows, "copies": 2, "feature_store": store,
+            "spool_on_disk": round_rows * row if on_disk else 0,
             "theta_training": {"model": whole_model, "gradients_and_adamw": 3 * theta,
                                "activations_per_batch": activations, "total": training},
-            "total": store + training, "memory": memory, "fits": store + training <= memory,
-            "rows_that_fit": max(0, (memory - training) // (copies * row)), "streams_from_disk": False}
+            "total": store + training, "memory": memory, "fits": fits,
+            "rows_that_fit": None if on_disk else max(0, (memory - training) // (2 * row)),
+            "streams_from_disk": on_disk}
 
 
 def plan_run(cfg: TrainConfig, images_per_client: int = 0, server_memory_gb: float = 0.0) -> dict:
@@ -142,7 +148,8 @@ the server's memory in its largest round (server_memory)."""
         "config": {"model": cfg.model, "method": cfg.method, "clients": cfg.clients,
                    "clients_per_round": cfg.clients_per_round, "rounds": cfg.rounds, "mask_ratio": cfg.mask_ratio,
                    "keep_rounds": cfg.keep_rounds, "keep_clients": cfg.keep_clients,
-                   "store_uploads": cfg.store_uploads, "record_truth": cfg.record_truth},
+                   "store_uploads": cfg.store_uploads, "record_truth": cfg.record_truth,
+                   "server_rows": cfg.server_rows},
         "rows_per_client": {"mean": float(np.mean(rows)), "min": min(rows), "max": max(rows),
                             "source": "--images-per-client" if images_per_client else "the run's data plan"},
         "bytes_per_round": {"checkpoint": checkpoint, "per_client": mean,
@@ -153,7 +160,7 @@ the server's memory in its largest round (server_memory)."""
                             "total": checkpoints + kept_upload_bytes,
                             "keeping_everything": (cfg.rounds + 1) * checkpoint + every_upload},
         "while_training": {"model_check_copies": cfg.clients * checkpoint if cfg.model_check else 0},
-        "server_memory": server_memory(cfg, model, largest_round, tokens, width,
+        "server_memory": server_memory(cfg, model, largest_round, max(rows), tokens, width,
                                        round(server_memory_gb * 1e9) if server_memory_gb else physical_memory()),
     }
 
@@ -192,12 +199,20 @@ def server_memory_lines(memory: dict | None) -> list[str]:
     if memory is None:
         return ["server memory: this method trains no theta on uploaded features"]
     theta = memory["theta_training"]
-    verdict = (f"fits in {size(memory['memory'])}" if memory["fits"] else
-               f"does NOT fit in {size(memory['memory'])}: at most {memory['rows_that_fit']} rows do "
-               f"(fewer clients per round, a smaller --images-per-client or a larger --mask-ratio)")
+    if memory["streams_from_disk"]:
+        held = (f"spooled to disk ({size(memory['spool_on_disk'])} under RUN/tmp/ while the round trains) and "
+                f"memory-mapped; in memory one client's {memory['rows_held']} rows, its reply and their decoding, "
+                f"{size(memory['feature_store'])}")
+        verdict = (f"fits in {size(memory['memory'])}" if memory["fits"] else
+                   f"does NOT fit in {size(memory['memory'])} (a smaller --images-per-client or --batch-size)")
+    else:
+        held = (f"held {memory['copies']} times (the decoded uploads and the concatenation; --server-rows disk "
+                f"streams them) {size(memory['feature_store'])}")
+        verdict = (f"fits in {size(memory['memory'])}" if memory["fits"] else
+                   f"does NOT fit in {size(memory['memory'])}: at most {memory['rows_that_fit']} rows do "
+                   f"(--server-rows disk, fewer clients per round, a smaller --images-per-client or a larger "
+                   f"--mask-ratio)")
     return [f"server memory in its largest round: {memory['rows_in_largest_round']} feature rows of "
-            f"{size(memory['bytes_per_row'])}, held {memory['copies']} times (the decoded uploads and the "
-            f"concatenation; nothing streams from disk) {size(memory['feature_store'])}, and theta's training "
-            f"{size(theta['total'])} (model "
+            f"{size(memory['bytes_per_row'])}, {held}, and theta's training {size(theta['total'])} (model "
             f"{size(theta['model'])}, gradients and AdamW {size(theta['gradients_and_adamw'])}, activations of a "
             f"batch {size(theta['activations_per_batch'])}): {size(memory['total'])}, {verdict}"]

@@ -15,6 +15,7 @@ from eftguard.audit import observe
 from eftguard.config import TrainConfig
 from eftguard.errors import ConfigError, Interrupted
 from eftguard.federation import inprocess, server
+from eftguard.federation.rows import RoundRows
 from eftguard.federation.server import run_server
 from eftguard.plan import plan_run
 from eftguard.retention import Retention
@@ -226,10 +227,12 @@ def test_the_plan_is_within_its_tolerance_of_the_run_it_plans(tmp_path, config):
     assert plan["kept"]["checkpoints"] == list(run.retention.checkpoints_kept)
 
 
-def test_the_plan_projects_the_servers_memory_as_the_run_holds_it(tmp_path, monkeypatch):
-    """The feature store is the rows the server trains theta on in its largest round, held twice (the decoded
-    uploads and the concatenation; no reply is still alive); a batch's activations are measured per row and scaled,
-    which a full batch confirms."""
+@pytest.mark.parametrize("server_rows", ["memory", "disk"])
+def test_the_plan_projects_the_servers_memory_as_the_run_holds_it(tmp_path, monkeypatch, server_rows):
+    """The feature store is what the server holds of its largest round's rows while theta trains: in memory the
+    decoded uploads and their concatenation (no reply is still alive); on disk no decoded row at all, theta reading
+    the spool, whose size the plan gives. A batch's activations are measured per row and scaled, which a full batch
+    confirms."""
     held, original = [], server.train_global
 
     def spy(model, features, labels, optim, *args, **kwargs):
@@ -240,26 +243,51 @@ def test_the_plan_projects_the_servers_memory_as_the_run_holds_it(tmp_path, monk
         live = gc.get_objects()  # the copies run_round still holds while theta trains
         received = sum(len(array.data) for m in live if isinstance(m, Message) and m.has_content()
                        and "features" in m.content for array in m.content["features"].values())
-        decoded = sum(a.nbytes for u in live if isinstance(u, server.AcceptedUpload) and u.features
-                      for a in u.features.values())
-        held.append((len(labels), features.nbytes + labels.nbytes, batch, received, decoded))
+        stores = [r for r in live if isinstance(r, RoundRows)]
+        decoded = sum(a.nbytes for r in stores for a in [*r.features.values(), *r.labels.values()])
+        decoded += sum(a.nbytes for u in live if isinstance(u, server.AcceptedUpload) and u.features
+                       for a in u.features.values())
+        spooled = sum(f.stat().st_size for r in stores if r.spool for f in r.spool.iterdir())
+        concatenated = 0 if server_rows == "disk" else features.nbytes + labels.nbytes
+        held.append((len(labels), features.nbytes + labels.nbytes, batch, received, decoded + concatenated, spooled))
         return original(model, features, labels, optim, *args, **kwargs)
 
     monkeypatch.setattr(server, "train_global", spy)
-    config = dict(clients_per_round=2, rounds=2)
+    config = dict(clients_per_round=2, rounds=2, server_rows=server_rows)
     train_in_process(tmp_path / "run", **{**TINY, **config})
+    assert not (tmp_path / "run" / "tmp").exists()  # the spool is removed with its round
     memory = plan_run(tiny_config(**config))["server_memory"]
-    rows, store, batch, received, decoded = max(held)
-    assert decoded == store and received == 0  # the replies were released when their uploads were parsed
+    rows, store, batch, received, in_memory, spooled = max(held)
+    assert received == 0  # the replies were released when their uploads were parsed
     assert rows >= TINY["batch_size"]  # so the measured batch is a full one
-    assert memory["rows_in_largest_round"] == rows and memory["feature_store"] == 2 * store
+    assert memory["rows_in_largest_round"] == rows
     assert memory["theta_training"]["activations_per_batch"] == pytest.approx(batch, rel=0.01)
-    assert memory["streams_from_disk"] is False and memory["fits"]
-
-    half_the_rows = (memory["theta_training"]["total"] + memory["feature_store"] / 2) / 1e9  # room for half the rows
-    short = plan_run(tiny_config(**config), server_memory_gb=half_the_rows)["server_memory"]
-    assert not short["fits"] and short["rows_that_fit"] == rows // 2
+    if server_rows == "memory":
+        assert in_memory == 2 * store and spooled == 0
+        assert memory["feature_store"] == 2 * store and memory["streams_from_disk"] is False and memory["fits"]
+        half_the_rows = (memory["theta_training"]["total"] + memory["feature_store"] / 2) / 1e9  # room for half
+        short = plan_run(tiny_config(**config), server_memory_gb=half_the_rows)["server_memory"]
+        assert not short["fits"] and short["rows_that_fit"] == rows // 2
+    else:
+        assert in_memory == rows * 8  # the int64 labels only: no decoded feature, theta reads the memory-mapped spool
+        assert memory["streams_from_disk"] is True and memory["spool_on_disk"] == store
+        assert spooled == pytest.approx(store, abs=4096)  # the .npy header; the labels stay in memory
+        assert memory["feature_store"] == 2 * memory["rows_held"] * memory["bytes_per_row"] < 2 * store
     assert plan_run(tiny_config(method="fedavg"))["server_memory"] is None  # no theta trained on features
+
+
+def test_rows_spooled_to_disk_train_the_same_model_as_rows_in_memory(tmp_path):
+    """--server-rows changes where the rows are held, not what theta learns from them: the same checkpoints, byte for
+    byte, and the same feature sets and server losses per round."""
+    config = dict(clients_per_round=2, rounds=2)
+    for where in ("memory", "disk"):
+        train_in_process(tmp_path / where, **{**TINY, **config, "server_rows": where})
+    memory, disk = RunDirectory.open(tmp_path / "memory"), RunDirectory.open(tmp_path / "disk")
+    for round_number in (1, 2):
+        a, b = memory.load_checkpoint(round_number), disk.load_checkpoint(round_number)
+        assert all(np.array_equal(a[k], b[k]) for k in a), round_number
+    assert [r["feature_sets"] for r in memory.metrics()] == [r["feature_sets"] for r in disk.metrics()]
+    assert [r["server_loss"] for r in memory.metrics()] == [r["server_loss"] for r in disk.metrics()]
 
 
 def test_the_plan_command_prints_the_size_per_round_and_in_all(capsys, tmp_path):

@@ -645,7 +645,8 @@ def test_exchange_returns_each_partitions_reply_as_soon_as_all_are_in(sleeps):
     messages = {p: Message(RecordDict({}), 100 + p, "query") for p in (1, 0)}
     with quiet_progress() as progress:
         task = progress.add_task("clients", total=2)
-        replies = exchange(grid, messages, 1.0, progress, task)
+        replies = {}
+        assert exchange(grid, messages, 1.0, progress, task, replies.__setitem__) == {0, 1}
         assert progress.tasks[0].completed == 2
     assert {p: r.metadata.src_node_id for p, r in replies.items()} == {0: 100, 1: 101}
     assert (grid.pulls, sleeps) == (1, [])
@@ -654,7 +655,7 @@ def test_exchange_returns_each_partitions_reply_as_soon_as_all_are_in(sleeps):
 def test_exchange_gives_up_at_the_timeout_without_replies():
     with quiet_progress() as progress:
         assert exchange(Silent(2), {0: Message(RecordDict({}), 100, "query")}, 0.01, progress,
-                        progress.add_task("clients", total=1)) == {}
+                        progress.add_task("clients", total=1), pytest.fail) == set()
 
 
 def test_stop_request_interrupts_the_exchange():
@@ -662,7 +663,7 @@ def test_stop_request_interrupts_the_exchange():
     try:
         with quiet_progress() as progress, pytest.raises(Interrupted):
             exchange(Silent(2), {0: Message(RecordDict({}), 100, "query")}, 5.0, progress,
-                     progress.add_task("clients", total=1))
+                     progress.add_task("clients", total=1), pytest.fail)
     finally:
         server.STOP_REQUESTED.clear()
 
@@ -1016,7 +1017,11 @@ def test_truth_sent_to_a_run_that_does_not_record_it_is_dropped(tmp_path, micro_
 
 def test_client_without_a_reply_is_dropped_as_late(tmp_path, micro_preset, monkeypatch):
     real_exchange = server.exchange
-    monkeypatch.setattr(server, "exchange", lambda *args: {p: r for p, r in real_exchange(*args).items() if p != 1})
+
+    def lose_client_1(grid, messages, timeout, progress, task, receive):
+        return real_exchange(grid, messages, timeout, progress, task, lambda p, r: p != 1 and receive(p, r)) - {1}
+
+    monkeypatch.setattr(server, "exchange", lose_client_1)
     cfg = config(micro_preset, round_timeout=90.0)
     run = train(tmp_path / "run", cfg)
     [record] = run.metrics()

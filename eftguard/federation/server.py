@@ -8,9 +8,9 @@ import math
 import re
 import threading
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
-from typing import Protocol
+from typing import Callable, Protocol
 
 import numpy as np
 import torch
@@ -30,6 +30,7 @@ from eftguard.defenses.ledger import SPENT_NOTE
 from eftguard.errors import FederationError, Interrupted
 from eftguard.federation import secagg
 from eftguard.federation.client import dp_budget, participation, release_size, schedule_size, select_clients
+from eftguard.federation.rows import RoundRows
 from eftguard.federation.records import ClientSettings, UploadError, to_record
 from eftguard.federation.validation import (UploadSpec, validate_features, validate_heads, validate_metrics,
                                             validate_truth, validate_update)
@@ -204,20 +205,26 @@ def check_dp_report(metrics: ConfigRecord, budget: ClientBudget, dp_eps: float) 
     return spent
 
 
-def exchange(grid: Grid, messages: dict[int, Message], timeout: float, progress: Progress, task) -> dict[int, Message]:
-    """Send one message per partition and collect replies as they arrive (progress per client)."""
+def exchange(grid: Grid, messages: dict[int, Message], timeout: float, progress: Progress, task,
+             receive: Callable[[int, Message], None]) -> set[int]:
+    """Send one message per partition and hand each reply to receive as it arrives (progress per client), so that
+    each is decoded and let go before the next is pulled; returns the partitions that replied in time."""
     ids = dict(zip(grid.push_messages(messages.values()), messages))
-    replies: dict[int, Message] = {}
+    replied: set[int] = set()
     deadline = time.monotonic() + timeout
-    while len(replies) < len(ids) and time.monotonic() < deadline:
+    while len(replied) < len(ids) and time.monotonic() < deadline:
         check_stop()
-        pending = [i for i, p in ids.items() if p not in replies]
-        for reply in grid.pull_messages(pending):
-            replies[ids[reply.metadata.reply_to_message_id]] = reply
-            progress.update(task, completed=len(replies))
-        if len(replies) < len(ids):
+        pending = [i for i, p in ids.items() if p not in replied]
+        pulled = list(grid.pull_messages(pending))
+        while pulled:
+            reply = pulled.pop()
+            partition = ids[reply.metadata.reply_to_message_id]
+            replied.add(partition)
+            receive(partition, reply)
+            progress.update(task, completed=len(replied))
+        if len(replied) < len(ids):
             time.sleep(POLL_SECONDS)
-    return replies
+    return replied
 
 
 def run_server(grid: Grid, run_dir: Path, threat: ServerThreat | None = None) -> None:
@@ -386,46 +393,69 @@ def average(cfg: TrainConfig, spec: UploadSpec, model: EFTViT, accepted: list[Ac
 
 def plain_uploads(grid: Grid, run: RunDirectory, cfg: TrainConfig, spec: UploadSpec, messages: dict[int, Message],
                   round_number: int, budgets: dict[int, ClientBudget], progress: Progress,
-                  threat: ServerThreat | None) -> tuple[list[AcceptedUpload], dict[str, str], dict]:
-    """The round's exchange without --secagg: each client's upload is validated, kept for the auditor as the run's
-    retention says, and accepted or dropped (reason per partition); also what each DP client reports it spent."""
+                  threat: ServerThreat | None, rows: RoundRows) -> tuple[list[AcceptedUpload], dict[str, str], dict]:
+    """The round's exchange without --secagg: each client's upload is validated as it arrives, kept for the auditor
+    as the run's retention says and its feature rows given to rows, and accepted or dropped (reason per partition);
+    also what each DP client reports it spent."""
     selected = list(messages)
-    task = progress.add_task(f"round {round_number}: client training", total=len(selected))
-    replies = exchange(grid, messages, cfg.round_timeout, progress, task)
-    progress.remove_task(task)
-    if threat:
-        threat.accepted(round_number, sorted(p for p, reply in replies.items() if not reply.has_error()))
-
     retention = Retention.of(cfg)
-    accepted: list[AcceptedUpload] = []
+    outcomes: dict[int, AcceptedUpload | UploadError] = {}
     epsilon: dict[str, dict[str, float]] = {}  # what each DP client reports it has spent (its ledger)
-    dropped: dict[str, str] = {}
-    for partition in selected:
-        if partition not in replies:
-            dropped[str(partition)] = f"no reply within {cfg.round_timeout:.0f} s"
-            continue
-        refused_spend = refusal_spend(replies[partition], cfg.dp_eps)
+    failed: set[int] = set()
+
+    def receive(partition: int, reply: Message) -> None:
+        if reply.has_error():
+            failed.add(partition)
+        refused_spend = refusal_spend(reply, cfg.dp_eps)
         if refused_spend is not None:
             epsilon[str(partition)] = {"total": refused_spend}
         try:
-            upload, truth = parse_reply(replies[partition], partition, spec, cfg.method, cfg.record_truth)
+            upload, truth = parse_reply(reply, partition, spec, cfg.method, cfg.record_truth)
             if budgets:
-                epsilon[str(partition)] = check_dp_report(replies[partition].content["metrics"], budgets[partition],
-                                                          cfg.dp_eps)
+                epsilon[str(partition)] = check_dp_report(reply.content["metrics"], budgets[partition], cfg.dp_eps)
         except UploadError as exc:
-            dropped[str(partition)] = str(exc)
-            progress.console.print(f"[yellow]round {round_number}: dropped client {partition}'s upload: {exc}")
-            continue
-        if retention.keeps_upload(round_number, partition):  # the round trains on it either way
-            run.save_upload(round_number, partition, "update", upload.update)
-            if upload.features is not None:
-                run.save_upload(round_number, partition, "features", upload.features)
-            if upload.heads is not None:
-                run.save_upload(round_number, partition, "heads", upload.heads)
-            if truth is not None:
-                run.save_truth(round_number, partition, truth)
-        accepted.append(upload)
+            outcomes[partition] = exc
+            return
+        outcomes[partition] = keep_upload(run, retention, rows, round_number, upload, truth)
+
+    task = progress.add_task(f"round {round_number}: client training", total=len(selected))
+    replied = exchange(grid, messages, cfg.round_timeout, progress, task, receive)
+    progress.remove_task(task)
+    if threat:
+        threat.accepted(round_number, sorted(replied - failed))
+
+    accepted: list[AcceptedUpload] = []
+    dropped: dict[str, str] = {}
+    for partition in selected:
+        outcome = outcomes.get(partition)
+        if outcome is None:
+            dropped[str(partition)] = f"no reply within {cfg.round_timeout:.0f} s"
+        elif isinstance(outcome, UploadError):
+            dropped[str(partition)] = str(outcome)
+            progress.console.print(f"[yellow]round {round_number}: dropped client {partition}'s upload: {outcome}")
+        else:
+            accepted.append(outcome)
     return accepted, dropped, epsilon
+
+
+def keep_upload(run: RunDirectory, retention: Retention, rows: RoundRows, round_number: int, upload: AcceptedUpload,
+                truth: dict | None) -> AcceptedUpload:
+    """What the server keeps of an accepted upload: the auditor's copy where the run's retention keeps it (the
+    round trains on it either way), and its feature rows, which move to rows (the upload returned holds none)."""
+    partition = upload.partition
+    if retention.keeps_upload(round_number, partition):
+        if upload.update:  # none under --secagg: the client's update is only in the sum
+            run.save_upload(round_number, partition, "update", upload.update)
+        if upload.features is not None:
+            run.save_upload(round_number, partition, "features", upload.features)
+        if upload.heads is not None:
+            run.save_upload(round_number, partition, "heads", upload.heads)
+        if truth is not None:
+            run.save_truth(round_number, partition, truth)
+    if upload.features is None:
+        return upload
+    rows.add(partition, upload.features["features"], upload.features["labels"])
+    return replace(upload, features=None)
 
 
 def parse_clear(metrics: dict, weight: int, partition: int, spec: UploadSpec, method: str,
@@ -453,10 +483,10 @@ def parse_clear(metrics: dict, weight: int, partition: int, spec: UploadSpec, me
 
 def secure_uploads(grid: Grid, run: RunDirectory, cfg: TrainConfig, model: EFTViT, spec: UploadSpec,
                    nodes: dict[int, int], messages: dict[int, Message], round_number: int,
-                   budgets: dict[int, ClientBudget], progress: Progress):
+                   budgets: dict[int, ClientBudget], progress: Progress, rows: RoundRows):
     """The round's exchange under --secagg (Flower's SecAgg+, eftguard.federation.secagg): the server learns the
     cohort's sample-weighted average update and keeps only it (observed/round-NNN/aggregate.safetensors); each
-    client's clear parts are validated and kept as without --secagg. A client whose clear parts fail validation
+    client's clear parts are validated and kept as without --secagg (feature rows to rows). A client whose clear parts fail validation
     gives no feature rows, but its update is in the sum already: the server cannot take it out.
 
     Returns the averaged parameters (None: no sum), the accepted clear parts, the dropped clients, what each DP
@@ -487,12 +517,7 @@ def secure_uploads(grid: Grid, run: RunDirectory, cfg: TrainConfig, model: EFTVi
             progress.console.print(f"[yellow]round {round_number}: client {partition}'s clear parts refused (its "
                                    f"update is in the sum): {exc}")
             continue
-        if retention.keeps_upload(round_number, partition):
-            if upload.features is not None:
-                run.save_upload(round_number, partition, "features", upload.features)
-            if truth is not None:
-                run.save_truth(round_number, partition, truth)
-        accepted.append(upload)
+        accepted.append(keep_upload(run, retention, rows, round_number, upload, truth))
     averaged = None
     if result.average is not None:
         shapes = [tuple(a.shape) for a in result.average]
@@ -527,39 +552,20 @@ def run_round(grid: Grid, run: RunDirectory, cfg: TrainConfig, model: EFTViT, sp
                                               float(feature_sigma)).to_record()
         messages[p] = Message(RecordDict({"model": records[id(sent[p])], "settings": settings}), nodes[p],
                               MessageType.TRAIN)
-    if cfg.secagg:
-        averaged, accepted, dropped, epsilon, secure = secure_uploads(grid, run, cfg, model, spec, nodes, messages,
-                                                                      round_number, budgets, progress)
-    else:
-        accepted, dropped, epsilon = plain_uploads(grid, run, cfg, spec, messages, round_number, budgets, progress,
-                                                   threat)
-        averaged, secure = (average(cfg, spec, model, accepted) if accepted else None), None
-
-    server_loss, server_seconds, server_update_kept = None, 0.0, None
-    if averaged is not None:
-        load_average(model, averaged)
-        if method_spec(cfg.method).server_trains and cfg.server_epochs:
-            features = torch.from_numpy(np.concatenate([u.features["features"] for u in accepted]))
-            labels = torch.from_numpy(np.concatenate([u.features["labels"] for u in accepted]))
-            task = progress.add_task(f"round {round_number}: server training", total=cfg.server_epochs)
-            generator = torch.Generator().manual_seed(seeded(cfg.seed, round_number, 4))
-
-            def train() -> TrainResult:
-                return train_global(model, features, labels,
-                                    OptimConfig(cfg.server_epochs, cfg.batch_size,
-                                                cfg.server_lr * cfg.lr_factor(round_number), cfg.weight_decay),
-                                    generator, lambda done, total: progress.update(task, completed=done),
-                                    cfg.precision)
-
-            if public is None:
-                result = train()
-            else:  # DP rows are mostly noise: keep theta's update only if the server's own public images agree
-                result, server_update_kept = keep_if_not_worse(model.global_module, train,
-                                                               lambda: evaluate(model, *public, precision=cfg.precision))
-            progress.remove_task(task)
-            server_loss, server_seconds = result.loss, result.seconds
-    else:
-        progress.console.print(f"[red]round {round_number}: no valid upload, the model is unchanged")
+    rows = RoundRows.of(cfg.server_rows, run.path, round_number)
+    try:
+        if cfg.secagg:
+            averaged, accepted, dropped, epsilon, secure = secure_uploads(grid, run, cfg, model, spec, nodes, messages,
+                                                                          round_number, budgets, progress, rows)
+        else:
+            accepted, dropped, epsilon = plain_uploads(grid, run, cfg, spec, messages, round_number, budgets,
+                                                       progress, threat, rows)
+            averaged, secure = (average(cfg, spec, model, accepted) if accepted else None), None
+        server_loss, server_seconds, server_update_kept = train_server(cfg, model, averaged, accepted, rows,
+                                                                       round_number, progress, public)
+        feature_sets = rows.counts([u.partition for u in accepted])
+    finally:
+        rows.close()
 
     eval_start = time.perf_counter()
     accuracy = evaluate(model, test_images, test_labels, precision=cfg.precision)
@@ -578,7 +584,7 @@ def run_round(grid: Grid, run: RunDirectory, cfg: TrainConfig, model: EFTViT, sp
         "eval_seconds": round(eval_seconds, 4),
         "upload_bytes": {str(u.partition): u.upload_bytes for u in accepted},
         "num_examples": {str(u.partition): u.num_examples for u in accepted},
-        "feature_sets": {str(u.partition): len(u.features["labels"]) for u in accepted if u.features},
+        "feature_sets": feature_sets,
         "local_losses": {str(u.partition): u.loss for u in accepted if not budgets},
         "global_losses": {str(u.partition): u.global_loss for u in accepted if u.global_loss is not None},
         **privacy_metrics(budgets, selected, round_number, epsilon),
@@ -587,6 +593,38 @@ def run_round(grid: Grid, run: RunDirectory, cfg: TrainConfig, model: EFTViT, sp
         "tampered": threat.tampering(round_number) if threat else None,
         "secagg": secure,
     }
+
+
+def train_server(cfg: TrainConfig, model: EFTViT, averaged: dict[str, np.ndarray] | None,
+                 accepted: list[AcceptedUpload], rows: RoundRows, round_number: int, progress: Progress,
+                 public: tuple[torch.Tensor, torch.Tensor] | None) -> tuple[float | None, float, bool | None]:
+    """The server's part of a round: the averaged update loaded, then (eftvit) theta trained on the round's rows.
+    Returns theta's loss, seconds, and whether its update was kept (see run_round's public)."""
+    server_loss, server_seconds, server_update_kept = None, 0.0, None
+    if averaged is None:
+        progress.console.print(f"[red]round {round_number}: no valid upload, the model is unchanged")
+        return server_loss, server_seconds, server_update_kept
+    load_average(model, averaged)
+    if method_spec(cfg.method).server_trains and cfg.server_epochs:
+        features, labels = rows.tensors([u.partition for u in accepted])
+        task = progress.add_task(f"round {round_number}: server training", total=cfg.server_epochs)
+        generator = torch.Generator().manual_seed(seeded(cfg.seed, round_number, 4))
+
+        def train() -> TrainResult:
+            return train_global(model, features, labels,
+                                OptimConfig(cfg.server_epochs, cfg.batch_size,
+                                            cfg.server_lr * cfg.lr_factor(round_number), cfg.weight_decay),
+                                generator, lambda done, total: progress.update(task, completed=done),
+                                cfg.precision)
+
+        if public is None:
+            result = train()
+        else:  # DP rows are mostly noise: keep theta's update only if the server's own public images agree
+            result, server_update_kept = keep_if_not_worse(model.global_module, train,
+                                                           lambda: evaluate(model, *public, precision=cfg.precision))
+        progress.remove_task(task)
+        server_loss, server_seconds = result.loss, result.seconds
+    return server_loss, server_seconds, server_update_kept
 
 
 def client_timings(accepted: list[AcceptedUpload], withheld: bool) -> dict:
