@@ -1,7 +1,7 @@
 """Gradient leakage from a PEFT method's FedSGD probe: every method that trains the classifier uploads its
 gradient f (p - y)^T, the image's final feature, and Inverting Gradients started from the mean public image
-inverts it (docs/peft.md, "Does head pruning change gradient leakage?"); DP-SGD noise puts the attack back at the
-mean image. A head-pruning client's probe is what that client computes: only its kept heads."""
+inverts it (experiments/results/peft.md, "Does head pruning change gradient leakage?"); DP-SGD noise puts the
+attack back at the mean image. A head-pruning client's probe is what that client computes: only its kept heads."""
 
 import numpy as np
 import pytest
