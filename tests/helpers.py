@@ -1,7 +1,8 @@
 """Helpers that several test files share (fixtures live in conftest.py): reading a report page, what a server
 observes of a client's features, the DP noise the gradient attacks are tested under, and a small model that
-memorises for the membership tests."""
+memorises for the membership tests; what a --secagg run through Flower's runtimes must have stored."""
 
+import json
 from html.parser import HTMLParser
 
 import numpy as np
@@ -14,6 +15,7 @@ from eftguard.audit.observe import DPNoise
 from eftguard.defenses.dp import client_budget
 from eftguard.masking import random_keep_ids
 from eftguard.methods import method_spec
+from eftguard.rundir import RunDirectory
 
 
 class Page(HTMLParser):
@@ -130,3 +132,20 @@ def fitted(images: np.ndarray, labels: np.ndarray, seed: int) -> TinyNet:
         nn.functional.cross_entropy(model(x), y).backward()
         optimizer.step()
     return model.eval()
+
+
+SECURE_RUN = ["--method", "fed-bias", "--secagg", "--rounds", "1", "--train-samples", "60", "--test-samples", "20",
+              "--batch-size", "16"]
+
+
+def check_secure_run(out):
+    """A SECURE_RUN's one round: every client in the sum, no per-client update stored, and the model moved by exactly
+    the stored aggregate (which is not zero)."""
+    record = json.loads((out / "metrics.jsonl").read_text().splitlines()[0])
+    assert record["dropped"] == {} and record["secagg"]["cohort"] == list(range(len(record["clients"])))
+    run = RunDirectory.open(out)
+    assert run.uploaded_partitions(1) == []
+    aggregate, before, after = run.load_aggregate(1), run.load_checkpoint(0), run.load_checkpoint(1)
+    for key, delta in aggregate.items():
+        np.testing.assert_allclose(before[key].numpy() + delta, after[key].numpy(), atol=1e-6)
+    assert max(float(np.abs(delta).max()) for delta in aggregate.values()) > 0

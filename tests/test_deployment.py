@@ -24,6 +24,7 @@ import threading
 import tomllib
 import types
 from concurrent.futures import ThreadPoolExecutor
+from contextlib import contextmanager
 from pathlib import Path
 
 import httpx
@@ -45,6 +46,7 @@ from eftguard.federation.deployment import (SupernodeLogCheck, check_tls_choice,
 from eftguard.federation.fleet_gateway import fleet_gateway
 from eftguard.federation.local_deployment import LocalDeployment
 from eftguard.rundir import RunError
+from helpers import SECURE_RUN, check_secure_run
 
 
 @pytest.fixture
@@ -372,37 +374,50 @@ def start_a_supernode_trusting_another_ca(federation, folder):
         federation.ca_cert = trusted
 
 
+@contextmanager
+def trained_in_deployment(federation, out, *options):
+    """`eftguard train` of two clients on the deployment, its output in OUT.log (a file: a full pipe would stall
+    it); the body runs while it trains, then it must end well within 400 s, and is killed otherwise."""
+    log = out.with_suffix(".log")
+    with open(log, "w") as training_log:
+        training = subprocess.Popen(
+            [sys.executable, "-m", "eftguard.cli", "train", "--federation", "deployment", "--superlink",
+             federation.control_address, "--root-certificates", str(federation.ca_cert), "--out", str(out),
+             "--clients", "2", *options], env=federation.env, stdout=training_log, stderr=training_log)
+    try:
+        yield
+        training.wait(timeout=400)
+    finally:
+        training.kill()  # a no-op once it ended
+        training.wait()
+    logs = "".join((federation.folder / f).read_text()[-1500:] for f in ("superlink.log", "supernode0.log"))
+    assert training.returncode == 0, log.read_text()[-1500:] + logs
+
+
 @pytest.mark.slow
-def test_eftvit_rounds_over_tls_with_node_auth_while_the_control_api_stays_on_loopback_and_strangers_are_refused(
+def test_eftvit_and_secagg_rounds_over_tls_with_node_auth_while_the_control_api_stays_on_loopback_and_strangers_are_refused(
         tmp_path):
     """One deployment (each costs about 100 s), TLS with node authentication on (it covers plain TLS too): two
     EFTViT rounds train while, meanwhile, the Control API is shown to be on loopback only (--node-auth with an
     outsider holding the public ca.crt), an unregistered SuperNode is refused and one trusting another CA fails with
-    one clear error. The refusals run while the rounds wait on their clients: they cost no extra deployment."""
+    one clear error. The refusals run while the rounds wait on their clients: they cost no extra deployment. Then a
+    second run on the same SuperNodes trains a round under --secagg (Flower's SecAgg+ over TLS)."""
     with LocalDeployment(tmp_path, node_auth=True) as federation:
         check_the_control_api_listens_on_loopback_only(federation)
         with ThreadPoolExecutor(2) as both:  # each registration and start waits on a process's start-up
             list(both.map(lambda k: federation.start_supernode(k, 2, "--auth-key",
                                                                str(federation.registered_key(f"node{k}"))), range(2)))
         out = tmp_path / "run"
-        with open(tmp_path / "train.log", "w") as training_log:  # a file: a full pipe would stall the training
-            training = subprocess.Popen(
-                [sys.executable, "-m", "eftguard.cli", "train", "--federation", "deployment", "--superlink",
-                 federation.control_address, "--root-certificates", str(federation.ca_cert), "--out", str(out),
-                 "--clients", "2", "--rounds", "2", "--train-samples", "100", "--test-samples", "40",
-                 "--batch-size", "32"], env=federation.env, stdout=training_log, stderr=training_log)
-        try:
+        with trained_in_deployment(federation, out, "--rounds", "2", "--train-samples", "100", "--test-samples",
+                                   "40", "--batch-size", "32"):
             check_an_outsider_can_neither_list_runs_nor_register_a_key(federation, tmp_path / "keys")
             stranger_key, _ = write_node_key(tmp_path / "keys" / "stranger")
             stranger = federation.start_supernode(0, 2, "--auth-key", str(stranger_key), log="stranger.log")
             wrong_ca = start_a_supernode_trusting_another_ca(federation, tmp_path / "other")
             assert stranger.wait(seconds=120) == 2 and wrong_ca.wait(seconds=120) == 2
-            training.wait(timeout=400)
-        finally:
-            training.kill()  # a no-op once it ended
-            training.wait()
-        logs = "".join((tmp_path / f).read_text()[-1500:] for f in ("train.log", "superlink.log", "supernode0.log"))
-        assert training.returncode == 0, logs
+        with trained_in_deployment(federation, tmp_path / "secure", *SECURE_RUN):
+            pass
+    check_secure_run(tmp_path / "secure")
     assert "its key is not registered" in (tmp_path / "stranger.log").read_text()
     assert "TLS verification failed" in (tmp_path / "wrong-ca.log").read_text()
     records = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]

@@ -18,13 +18,14 @@ from eftguard.attacks.base import AttackError
 from eftguard.config import TrainConfig
 from eftguard.errors import ConfigError
 from eftguard.federation.secagg import METRICS_KEY
-from eftguard.federation.local_deployment import QUIET, LocalDeployment
+from eftguard.federation.local_deployment import QUIET
 from eftguard.federation.server import run_server
 from eftguard.audit.api import run_attack
 from eftguard.rundir import COHORT, SUM_ONLY, RunDirectory, RunError
 from conftest import MICRO_PRESET
 from eftguard.verdict import NOT_APPLICABLE, NOT_SCORED, verdict_of_attacks
 from fakegrid import FakeGrid, task_identity
+from helpers import SECURE_RUN, check_secure_run
 
 pytestmark = pytest.mark.usefixtures("micro_preset")
 
@@ -184,22 +185,7 @@ def test_combinations_that_cannot_work_are_refused_before_any_round(config, word
         TrainConfig(**{**TINY, **config, "secagg": True}).resolved().validate()
 
 
-# --- through Flower's runtimes: the simulation engine (Ray) and a TLS deployment on 127.0.0.1 -------------------
-
-SECURE_RUN = ["--method", "fed-bias", "--secagg", "--rounds", "1", "--train-samples", "60", "--test-samples", "20",
-              "--batch-size", "16"]
-
-
-def check_secure_run(out):
-    record = json.loads((out / "metrics.jsonl").read_text().splitlines()[0])
-    assert record["dropped"] == {} and record["secagg"]["cohort"] == list(range(len(record["clients"])))
-    run = RunDirectory.open(out)
-    assert run.uploaded_partitions(1) == []
-    aggregate, before, after = run.load_aggregate(1), run.load_checkpoint(0), run.load_checkpoint(1)
-    for key, delta in aggregate.items():  # the model moved by exactly the stored aggregate
-        np.testing.assert_allclose(before[key].numpy() + delta, after[key].numpy(), atol=1e-6)
-    assert max(float(np.abs(delta).max()) for delta in aggregate.values()) > 0
-
+# --- through Flower's simulation engine (Ray); the TLS deployment's round: tests/test_deployment.py -------------
 
 @pytest.mark.slow
 def test_a_secagg_round_in_the_simulation_engine(tmp_path):
@@ -207,26 +193,4 @@ def test_a_secagg_round_in_the_simulation_engine(tmp_path):
     result = subprocess.run([sys.executable, "-m", "eftguard.cli", "train", "--out", str(out), "--clients", "3",
                              *SECURE_RUN], env={**os.environ, **QUIET}, capture_output=True, text=True, timeout=400)
     assert result.returncode == 0, result.stderr[-3000:]
-    check_secure_run(out)
-
-
-@pytest.mark.slow
-def test_a_secagg_round_in_the_tls_deployment(tmp_path):
-    """Two SuperNodes over TLS on 127.0.0.1; every process started here is stopped by LocalDeployment's exit."""
-    out = tmp_path / "run"
-    with LocalDeployment(tmp_path) as federation:
-        for partition in range(2):
-            federation.start_supernode(partition, 2)
-        with open(tmp_path / "train.log", "w") as training_log:
-            training = subprocess.Popen(
-                [sys.executable, "-m", "eftguard.cli", "train", "--federation", "deployment", "--superlink",
-                 federation.control_address, "--root-certificates", str(federation.ca_cert), "--out", str(out),
-                 "--clients", "2", *SECURE_RUN], env=federation.env, stdout=training_log, stderr=training_log)
-        try:
-            training.wait(timeout=400)
-        finally:
-            training.kill()  # a no-op once it ended
-            training.wait()
-        logs = "".join((tmp_path / f).read_text()[-1500:] for f in ("train.log", "superlink.log", "supernode0.log"))
-        assert training.returncode == 0, logs
     check_secure_run(out)
