@@ -28,6 +28,7 @@ from eftguard.config import METHODS, TrainConfig
 from eftguard.data import DataError, load_dataset
 from eftguard.defenses.node_auth import write_node_key
 from eftguard.defenses.tls import DEFAULT_SANS, CertificateError, certificate_names, write_certificates
+from eftguard.device import DeviceOptions, computing_on, resolve_device
 from eftguard.errors import ConfigError, FederationError
 from eftguard.federation import deployment
 from eftguard.metrics import LPIPS_BACKENDS, MetricError
@@ -162,6 +163,7 @@ def build_parser() -> argparse.ArgumentParser:
         add_argument(where if opt.name in RUN_FOLDER else train, opt)
     deploy = train.add_argument_group("deployment (--federation deployment; not stored in config.toml)")
     add_arguments(deploy, deployment.TrainDeploymentOptions, defaults=True)
+    add_arguments(train, DeviceOptions, defaults=True)  # not stored in config.toml: a run's bytes do not name it
     _add_train_options(train)
 
     certs = sub.add_parser("certs", help="create a CA and a SuperLink certificate for TLS deployments",
@@ -217,6 +219,7 @@ def build_parser() -> argparse.ArgumentParser:
                                        "saves JSON.")
     add_arguments(bench, BenchConfig)
     add_arguments(bench, BenchCommandOptions)
+    add_arguments(bench, DeviceOptions, defaults=True)
 
     plan = sub.add_parser("plan", help="the bytes a run directory will hold, per round and in all, before it runs "
                                        "(docs/run-directory.md#size)",
@@ -248,6 +251,7 @@ def add_pretrain_parser(sub) -> None:
         add_argument(pretrain, train_options[name], default=train_options[name].default)
     add_arguments(pretrain, PretrainCommandOptions, defaults=True)
     add_arguments(pretrain, PretrainConfig)
+    add_arguments(pretrain, DeviceOptions, defaults=True)
 
 
 def config_from_args(args: argparse.Namespace) -> TrainConfig:
@@ -562,7 +566,9 @@ def main(argv: list[str] | None = None) -> None:
                     "supernode": cmd_supernode, "node-key": cmd_node_key, "register-node": cmd_register_node,
                     "attack": cmd_attack, "report": cmd_report, "audit": cmd_audit, "pretrain": cmd_pretrain,
                     "bench": cmd_bench, "plan": cmd_plan}
-        commands[args.command](args)
+        # --device (train, pretrain, bench, attack): resolved before any work, a GPU that is not there refused
+        with computing_on(resolve_device(getattr(args, "device", "cpu"))):
+            commands[args.command](args)
     except USER_ERRORS as exc:
         print(f"eftguard: error: {exc}", file=sys.stderr)
         raise SystemExit(2)

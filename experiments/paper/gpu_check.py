@@ -41,8 +41,11 @@ from eftguard.audit import run_attack
 from eftguard.bench import run_bench
 from eftguard.bench_config import BenchConfig
 from eftguard.config import TrainConfig
+from eftguard.device import DeviceOptions, computing_on, describe, resolve_device
+from eftguard.errors import ConfigError
 from eftguard.federation.inprocess import train_in_process
 from eftguard.model import PRESETS
+from eftguard.options import add_arguments
 from eftguard.rundir import RunDirectory
 
 SCHEMA_VERSION = 1
@@ -55,6 +58,7 @@ class Preset:
     same stages small enough for the test suite."""
 
     model: str
+    device: str  # eftguard's --device (eftguard.device); --device overrides it
     bench_steps: int
     bench_batch: int
     attack_steps: int
@@ -71,11 +75,11 @@ class Preset:
 
 PRESETS_BY_NAME = {
     # sized from the measured vit-b16-224 bench on CPU (9 min at 1 thread, batch 8, 3 steps; experiments/results/
-    # bench.md), since every stage runs on the CPU (see the module's docstring); not yet timed on the GPU machine
-    "gpu": Preset(model="vit-b16-224", bench_steps=2, bench_batch=8, attack_steps=2, classes=10,
+    # bench.md), which the GPU can only shorten; not yet timed on the GPU machine
+    "gpu": Preset(model="vit-b16-224", device="cuda", bench_steps=2, bench_batch=8, attack_steps=2, classes=10,
                   images_per_class=40, train_samples=120, clients=4, batch_size=32, decoder_steps=100,
                   inverted_images=8, lira_references=2, lira_candidates=40),
-    "cpu": Preset(model="vit-tiny-32", bench_steps=1, bench_batch=8, attack_steps=1, classes=4, images_per_class=30,
+    "cpu": Preset(model="vit-tiny-32", device="cpu", bench_steps=1, bench_batch=8, attack_steps=1, classes=4, images_per_class=30,
                   train_samples=36, clients=2, batch_size=16, decoder_steps=5, inverted_images=4, lira_references=2,
                   lira_candidates=12),
 }
@@ -121,17 +125,25 @@ def figure(report, name: str) -> float:
     return float(group[name]["mean"])
 
 
-def run_check(preset_name: str, out: Path, say=print) -> dict:
-    started = time.perf_counter()
+def run_check(preset_name: str, out: Path, say=print, device: str | None = None) -> dict:
+    """Every stage on the preset's device (or `device`: eftguard's --device), refused in one ConfigError before
+    any work where that device is not here."""
     preset = PRESETS_BY_NAME[preset_name]
+    computed_on = resolve_device(device or preset.device)
+    with computing_on(computed_on):
+        if computed_on.type == "cuda":
+            torch.cuda.reset_peak_memory_stats(computed_on)
+        return _run_check(preset_name, preset, out, say, computed_on)
+
+
+def _run_check(preset_name: str, preset: Preset, out: Path, say, computed_on: torch.device) -> dict:
+    started = time.perf_counter()
     size = PRESETS[preset.model].image_size
     out.mkdir(parents=True, exist_ok=True)
     work = out / "work"
     shutil.rmtree(work, ignore_errors=True)
     result = {"schema_version": SCHEMA_VERSION, "preset": preset_name, "settings": asdict(preset),
-              "machine": {"device": "cpu", "cuda_available": torch.cuda.is_available(),
-                          "cuda_device": torch.cuda.get_device_name(0) if torch.cuda.is_available() else None,
-                          "torch_threads": torch.get_num_threads()}}
+              "machine": {"cuda_available": torch.cuda.is_available(), "torch_threads": torch.get_num_threads()}}
 
     bench, seconds = timed(say, f"bench {preset.model}, every method", lambda: run_bench(
         BenchConfig(model=preset.model, steps=preset.bench_steps, batch_size=preset.bench_batch,
@@ -141,8 +153,12 @@ def run_check(preset_name: str, out: Path, say=print) -> dict:
     result["bench"] = {"seconds": seconds, "clients": {k: {"step_seconds": v["step_seconds"]["median"],
                                                            "speedup": v["speedup"], "flop_ratio": v["flop_ratio"],
                                                            "bound_fraction": v["bound_fraction"],
+                                                           "token_bound": v["token_bound"],
+                                                           "token_bound_fraction": v["token_bound_fraction"],
+                                                           "goal": v["goal"],
                                                            "peak_bytes": v["memory_bytes"]["peak"]}
                                                        for k, v in bench["clients"].items()},
+                       "product_share": bench["product_share"],
                        "server_samples_per_second": bench["server"]["samples_per_second"]}
 
     data = work / "imagefolder"
@@ -167,6 +183,7 @@ def run_check(preset_name: str, out: Path, say=print) -> dict:
         queries="2", power_check=False))
     result["lira"] = {"seconds": seconds, "auc": figure(lira, "auc")}
     shutil.rmtree(work)
+    result["machine"].update(describe(computed_on))  # the device, and a GPU's name and peak allocated bytes
     result["seconds"] = time.perf_counter() - started
     (out / "gpu_check.json").write_text(json.dumps(result, indent=2) + "\n")
     say(f"wrote {out / 'gpu_check.json'}")
@@ -177,10 +194,14 @@ def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--preset", choices=sorted(PRESETS_BY_NAME), default="gpu")
     parser.add_argument("--out", type=Path, required=True, help="folder for gpu_check.json and bench.json")
+    add_arguments(parser, DeviceOptions)  # absent: the preset's (gpu: cuda, cpu: cpu)
     args = parser.parse_args(argv)
     if args.out.exists() and not args.out.is_dir():
         parser.error(f"--out {args.out} is a file: give a folder")
-    run_check(args.preset, args.out, lambda line: print(line, flush=True))
+    try:
+        run_check(args.preset, args.out, lambda line: print(line, flush=True), args.device)
+    except ConfigError as exc:  # --device cuda where torch finds no GPU: one line, before any work
+        parser.error(str(exc))
 
 
 if __name__ == "__main__":
