@@ -9,10 +9,12 @@ the allocator warms up in the first step of a call). docs/bench.md documents eve
 
 from __future__ import annotations
 
+import contextlib
 import copy
 import os
 import platform
 import statistics
+import sys
 import time
 from dataclasses import dataclass
 from typing import Callable
@@ -116,11 +118,26 @@ PRODUCT_OPS = ("addmm", "aten::mm", "aten::bmm", "aten::linear", "aten::matmul",
 def product_share(run: Callable[[int], TrainResult]) -> float:
     """p: the share of a step's wall time spent in matrix products and attention (self CPU time of those ops in
     torch's profiler), over two steps of `run` (its first allocates AdamW's moments, as every timed call's does)."""
-    with profile(activities=[ProfilerActivity.CPU]) as profiler:
+    with native_stderr_silenced(), profile(activities=[ProfilerActivity.CPU]) as profiler:
         result = run(2)
     products = sum(event.self_cpu_time_total for event in profiler.key_averages()
                    if any(op in event.key.lower() for op in PRODUCT_OPS)) / 1e6
     return min(1.0, products / result.seconds)
+
+
+@contextlib.contextmanager
+def native_stderr_silenced():
+    """The process's stderr (file descriptor 2) discarded for the block: torch's profiler library logs its start and
+    stop, and on a machine without a GPU a failed GPU count as an ERROR, from C++, past Python's sys.stderr."""
+    sys.stderr.flush()
+    saved = os.dup(2)
+    try:
+        with open(os.devnull, "w") as null:
+            os.dup2(null.fileno(), 2)
+        yield
+    finally:
+        os.dup2(saved, 2)
+        os.close(saved)
 
 
 def token_bound(share: float, flop_ratio: float, token_ratio: float) -> float:

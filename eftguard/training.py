@@ -232,12 +232,12 @@ def mean_loss(model: EFTViT, images: torch.Tensor, labels: torch.Tensor, batch_s
 def saved_activation_bytes(model: nn.Module, run: Callable[[], object]) -> int:
     """Bytes of the tensors autograd saves for the backward pass while `run` computes (the activations a step holds
     at the end of its forward pass), each storage counted once, the model's parameters left out."""
-    parameters = {p.untyped_storage().data_ptr() for p in model.parameters()}
     storages: dict[int, int] = {}
 
     def pack(tensor: torch.Tensor) -> torch.Tensor:
         storage = tensor.untyped_storage()
-        if storage.data_ptr() not in parameters:
+        # the parameters where they are now: run may hold the model on the compute device (eftguard.device)
+        if storage.data_ptr() not in {p.untyped_storage().data_ptr() for p in model.parameters()}:
             storages[storage.data_ptr()] = max(storages.get(storage.data_ptr(), 0), storage.nbytes())
         return tensor
 

@@ -5,23 +5,43 @@ EFTViT run; writes OUT/gpu_check.json (and OUT/bench.json), printing a line per 
 32 px, few images) runs the same code on a CPU in about a minute and is what tests/test_paper_check.py runs.
 
     OMP_NUM_THREADS=1 python experiments/paper/gpu_check.py --preset cpu --out /tmp/paper-check
-    python experiments/paper/make_table.py OUT/gpu_check.json   # the rows of docs/bench.md#paper-scale
+    python experiments/paper/make_table.py --cpu OUT/gpu_check.json   # the rows of docs/bench.md#paper-scale
 
-Device: eftguard selects no device; every model and tensor stays on the CPU (machine.cuda_available in the JSON
-says whether a GPU was there unused). On the GPU machine this script therefore measures its CPUs until the trainer
-moves to CUDA; the JSON says which device computed.
+Device: each preset names eftguard's --device (gpu: cuda, cpu: cpu; `--device` overrides it). Every stage computes
+there (eftguard.device); `cuda` where torch finds no GPU is one line, exit 2, before any stage. The JSON names the device (machine.device) and, on a GPU, its
+name (machine.cuda_device, torch.cuda.get_device_name) and the peak of torch.cuda.max_memory_allocated over the
+whole check (machine.cuda_peak_bytes).
 
-The GPU machine's image has torch, timm, safetensors and numpy but not Flower, Opacus, dp-accounting or the LPIPS
-packages eftguard imports. Carry them as wheels (/work/.library/device/README.md): here, in the repository root,
-`echo /.whl/ >> .git/info/exclude`, then for each of flwr, opacus, dp-accounting, stlpips-pytorch, lpips and
-their missing requirements (`unzip -p .whl/NAME-*.whl '*/METADATA' | grep ^Requires-Dist`)
-`python3 -m pip download --no-deps --only-binary=:all: --python-version 3.12 --implementation cp
---platform manylinux_2_28_x86_64 --platform manylinux_2_17_x86_64 --platform manylinux2014_x86_64 -d .whl NAME==VER`
-(pure-Python ones as any-platform wheels); then run with `carry: [".whl"]`:
+On the device tool's GPU machine (nvidia-h200: Python 3.12, torch 2.11 with CUDA, timm, numpy, safetensors,
+scikit-image, matplotlib, rich, grpcio, protobuf, typer, psutil, jinja2 ...; no network) the packages this check
+imports that its image lacks travel as wheels. Measured here: the check imports flwr, opacus, cryptography, cffi,
+grpcio-health-checking, iterators, pycryptodome, pyrtools, stlpips-pytorch (whose IPython import pulls ipython,
+traitlets, prompt-toolkit, wcwidth), tomli-w and torchsummary besides the image's; not Ray (the trainings use the
+in-process grid), not dp-accounting or lpips. Once, here, in the root of the checkout the device tool sends:
 
-    python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site \\
-        .whl/*.whl && export PYTHONPATH=/tmp/site:$PWD && PYTHONUNBUFFERED=1 HF_HUB_OFFLINE=1 \\
-        FLWR_TELEMETRY_ENABLED=0 python3 experiments/paper/gpu_check.py --preset gpu --out $OUT
+    echo /.whl/ >> .git/info/exclude
+    python3 -m pip download --no-deps --only-binary=:all: --python-version 3.12 --implementation cp \
+        --platform manylinux_2_28_x86_64 --platform manylinux_2_17_x86_64 --platform manylinux2014_x86_64 \
+        --platform manylinux1_x86_64 -d .whl flwr==1.42.0 opacus==1.6.0 cryptography==50.0.2 cffi==2.1.1 \
+        pycparser grpcio-health-checking==1.81.1 iterators==0.0.2 pycryptodome==3.24.1 pyrtools==1.1.1 \
+        stlpips-pytorch==0.0.2 tomli-w==1.2.0 torchsummary==1.5.1 ipython==9.18.1 ipython-pygments-lexers \
+        traitlets==5.16.1 prompt-toolkit==3.0.53 wcwidth==0.9.4
+    # stlpips' wheel is 64 MB, 59 of them VGG weights the check never loads: keep its code and AlexNet weights
+    (cd .whl && unzip -q stlpips_pytorch-*.whl -x '*/vgg_shift_tolerant.pth' -d stlpips && rm stlpips_pytorch-*.whl)
+
+(about 18 MB, under the 64 MiB a call carries). Then one call of the device tool's `run`, with carry [".whl"] and
+timeout_s 600 (the preset is sized to end well inside it, leaving device time to run it again once):
+
+    set -o pipefail; python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade \
+        --target /tmp/site .whl/*.whl && python3 -m pip install -q --no-index --no-deps --no-build-isolation \
+        --no-compile --target /tmp/site . && export PYTHONPATH=/tmp/site:$PWD/.whl/stlpips PYTHONUNBUFFERED=1 \
+        HF_HUB_OFFLINE=1 FLWR_TELEMETRY_ENABLED=0 FLWR_DISABLE_UPDATE_CHECK=1 && nvidia-smi -L && \
+        python3 experiments/paper/gpu_check.py --preset gpu --out $OUT 2>&1 | tee $OUT/log
+
+The second install puts eftguard itself (with its attacks and defenses folders as eftguard.attacks and
+eftguard.defenses) beside the wheels, without its declared requirements: the image's torch (2.11) is older than
+the torch>=2.14 eftguard declares, and no other can travel (its wheel is far over 64 MiB); this is untried. Copy
+$OUT's gpu_check.json to experiments/results/paper/gpu.json and run make_table.py with --gpu to fill the table.
 """
 
 from __future__ import annotations
