@@ -208,8 +208,8 @@ def make_private(model: nn.Module, optimizer: torch.optim.Optimizer, dp: DPSGD, 
                  ) -> tuple[PerSampleClipping, DPOptimizerFastGradientClipping, Callable[..., ClippedLoss],
                             RDPAccountant]:
     """Per-sample clipping hooks on the model, the optimizer wrapped to add noise (from dp.noise_seed, drawn on the
-    model's device: a GPU draws other values of the same distribution) to the clipped sum and average it, and the cross-entropy whose backward() clips. Frozen parameters (theta) get no
-    hooks. Remove the hooks with `wrapped.to_standard_module()` after training. The accountant is opacus' step
+    model's device: a GPU draws other values of the same distribution) to the clipped sum and average it, and the
+    cross-entropy whose backward() clips. Frozen parameters (theta) get no hooks. Remove the hooks with `wrapped.to_standard_module()` after training. The accountant is opacus' step
     hook on the optimizer: its history is the (noise multiplier, sample rate, steps) the optimizer really
     applied, which is what the client records and reports."""
     wrapped = PerSampleClipping(model, dp.max_grad_norm)

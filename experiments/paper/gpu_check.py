@@ -8,9 +8,9 @@ EFTViT run; writes OUT/gpu_check.json (and OUT/bench.json), printing a line per 
     python experiments/paper/make_table.py --cpu OUT/gpu_check.json   # the rows of docs/bench.md#paper-scale
 
 Device: each preset names eftguard's --device (gpu: cuda, cpu: cpu; `--device` overrides it). Every stage computes
-there (eftguard.device); `cuda` where torch finds no GPU is one line, exit 2, before any stage. The JSON names the device (machine.device) and, on a GPU, its
-name (machine.cuda_device, torch.cuda.get_device_name) and the peak of torch.cuda.max_memory_allocated over the
-whole check (machine.cuda_peak_bytes).
+there (eftguard.device); `cuda` where torch finds no GPU is one line, exit 2, before any stage. The JSON names the
+device (machine.device) and, on a GPU, its name (machine.cuda_device, torch.cuda.get_device_name) and the peak of
+torch.cuda.max_memory_allocated over the whole check (machine.cuda_peak_bytes).
 
 On the device tool's GPU machine (nvidia-h200: Python 3.12, torch 2.11 with CUDA, timm, numpy, safetensors,
 scikit-image, matplotlib, rich, grpcio, protobuf, typer, psutil, jinja2 ...; no network) the packages this check
@@ -99,9 +99,9 @@ PRESETS_BY_NAME = {
     "gpu": Preset(model="vit-b16-224", device="cuda", bench_steps=2, bench_batch=8, attack_steps=2, classes=10,
                   images_per_class=40, train_samples=120, clients=4, batch_size=32, decoder_steps=100,
                   inverted_images=8, lira_references=2, lira_candidates=40),
-    "cpu": Preset(model="vit-tiny-32", device="cpu", bench_steps=1, bench_batch=8, attack_steps=1, classes=4, images_per_class=30,
-                  train_samples=36, clients=2, batch_size=16, decoder_steps=5, inverted_images=4, lira_references=2,
-                  lira_candidates=12),
+    "cpu": Preset(model="vit-tiny-32", device="cpu", bench_steps=1, bench_batch=8, attack_steps=1, classes=4,
+                  images_per_class=30, train_samples=36, clients=2, batch_size=16, decoder_steps=5, inverted_images=4,
+                  lira_references=2, lira_candidates=12),
 }
 
 
