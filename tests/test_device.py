@@ -198,3 +198,18 @@ def test_a_run_on_device_cpu_has_the_bytes_of_the_default(tmp_path):
                 train_in_process(tmp_path / name, cfg.clients)
         runs.append(_bytes_of(tmp_path / name))
     assert runs[0] == runs[1] and any(name.startswith("observed/") for name in runs[0])
+
+
+def test_simulated_clients_share_a_gpu_as_the_cpus_run_them_and_train_on_the_one_ray_assigns(monkeypatch, tmp_path):
+    import eftguard.federation.simulation as simulation
+
+    cfg = TrainConfig(cpus_per_client=2.0)
+    assert simulation.gpus_per_client(cfg) == 0.0  # a CPU run asks Ray for no GPU
+    assert simulation.simulated_node_defaults(tmp_path, cfg)["device"] == "cpu"
+    monkeypatch.setattr(simulation.os, "cpu_count", lambda: 16)
+    with computing_on("meta"):  # a device that is no GPU: none asked for either
+        assert simulation.gpus_per_client(cfg) == 0.0
+    monkeypatch.setattr(simulation, "compute_device", lambda: torch.device("cuda:1"))
+    assert simulation.gpus_per_client(cfg) == 2 / 16  # 8 clients at once on 16 cores, 8 on the GPU
+    assert simulation.gpus_per_client(TrainConfig(cpus_per_client=32.0)) == 1.0
+    assert simulation.simulated_node_defaults(tmp_path, cfg)["device"] == "cuda:1"  # the in-process grid's nodes
