@@ -97,7 +97,8 @@ class AuditOptions:
                                             "simulation runs on a Ray instance of its own with these CPUs",
                                          whole_number(1), metavar="N")
     gpus_per_configuration: float = option(0.0, "with --ray-address: GPUs of a configuration's task (a fraction "
-                                                "shares one)", finite_number(0, zero_allowed=True), metavar="N")
+                                                "shares one); a task given one trains and attacks on it",
+                                           finite_number(0, zero_allowed=True), metavar="N")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -202,6 +203,7 @@ def build_parser() -> argparse.ArgumentParser:
                                       "writes the audit's summary.json and report. Rerun with "
                                       "the same --out to continue an interrupted demo.")
     add_arguments(demo, DemoOptions, defaults=True)
+    add_arguments(demo, DeviceOptions, defaults=True)
 
     audit = sub.add_parser("audit", parents=[logs], help="train a grid of configurations, attack every run, compare",
                            description="Trains every configuration of AUDIT.toml (reusing finished runs of the same "
@@ -209,6 +211,7 @@ def build_parser() -> argparse.ArgumentParser:
                                        "writes OUT/summary.json, report.html and report.md. Interrupted, it "
                                        "continues where it stopped when run again. Format: docs/audit.md.")
     add_arguments(audit, AuditOptions, defaults=True)
+    add_arguments(audit, DeviceOptions, defaults=True)
 
     add_pretrain_parser(sub)
 
@@ -363,7 +366,7 @@ def cmd_demo(args: argparse.Namespace) -> None:
           f"each, training in {audit.defaults.precision} -> {out}", file=sys.stderr)
     options = ["--out", str(out), "--rounds", str(args.rounds), "--train-samples", str(args.train_samples),
                "--test-samples", str(args.test_samples), "--attack-steps", str(args.attack_steps),
-               "--lpips-backend", args.lpips_backend, "--precision", audit.defaults.precision
+               "--lpips-backend", args.lpips_backend, "--precision", audit.defaults.precision, "--device", args.device
                ] + (["--verbose"] if args.verbose else [])
     failed = demo_processes(audit, options, out)
     summary = finish_audit(audit, out, [])
@@ -450,6 +453,9 @@ def cmd_audit(args: argparse.Namespace) -> None:
         from eftguard.audit.cluster import parse_address, run_audit_on_cluster  # Ray (1 s): with --ray-address only
 
         parse_address(args.ray_address)
+        if args.device != "auto":
+            raise ConfigError(f"--device {args.device} with --ray-address: a configuration computes on the GPU its "
+                              "task is given (--gpus-per-configuration), else on its node's CPUs; drop --device")
         if shard is not None:
             raise ConfigError("--ray-address runs every configuration on the cluster: drop --shard (it splits an "
                               "audit by hand over machines)")
@@ -566,7 +572,8 @@ def main(argv: list[str] | None = None) -> None:
                     "supernode": cmd_supernode, "node-key": cmd_node_key, "register-node": cmd_register_node,
                     "attack": cmd_attack, "report": cmd_report, "audit": cmd_audit, "pretrain": cmd_pretrain,
                     "bench": cmd_bench, "plan": cmd_plan}
-        # --device (train, pretrain, bench, attack): resolved before any work, a GPU that is not there refused
+        # --device (train, pretrain, bench, attack, audit, demo): resolved before any work, a GPU that is not there
+        # refused
         with computing_on(resolve_device(getattr(args, "device", "cpu"))):
             commands[args.command](args)
     except USER_ERRORS as exc:

@@ -20,7 +20,7 @@ from eftguard.options import options_of
 from eftguard.training import OptimConfig, evaluate, extract_features, train_global, train_local
 
 ROOT = Path(__file__).resolve().parents[1]
-COMPUTING_COMMANDS = (["train"], ["pretrain", "--out", "x.safetensors"], ["bench"],
+COMPUTING_COMMANDS = (["train"], ["pretrain", "--out", "x.safetensors"], ["bench"], ["audit", "a.toml"], ["demo"],
                       *(["attack", family, "RUN"] for family in ("invert", "labels", "gradient", "membership")))
 NO_GPU = pytest.mark.skipif(torch.cuda.is_available(), reason="checks the refusal where torch finds no GPU")
 
@@ -62,13 +62,14 @@ def test_the_device_is_not_a_training_option_so_config_toml_does_not_name_it():
 @NO_GPU
 @pytest.mark.parametrize("command", [["bench"], ["train", "--out", "{tmp}/run", "--rounds", "1"],
                                      ["pretrain", "--out", "{tmp}/p.safetensors"],
-                                     ["attack", "invert", "{tmp}/run"]], ids=lambda c: c[0])
+                                     ["attack", "invert", "{tmp}/run"], ["audit", "{tmp}/a.toml"],
+                                     ["demo", "--out", "{tmp}/demo"]], ids=lambda c: c[0])
 def test_cuda_where_torch_finds_none_is_one_line_before_any_work(command, tmp_path, capsys, monkeypatch):
     import eftguard.cli as cli
 
     def no_work(*args, **kwargs):
         raise AssertionError("work started")
-    for name in ("cmd_train", "cmd_bench", "cmd_pretrain", "cmd_attack"):
+    for name in ("cmd_train", "cmd_bench", "cmd_pretrain", "cmd_attack", "cmd_audit", "cmd_demo"):
         monkeypatch.setattr(cli, name, no_work)
     with pytest.raises(SystemExit) as exit_:
         main([part.format(tmp=tmp_path) for part in command] + ["--device", "cuda"])
@@ -213,3 +214,24 @@ def test_simulated_clients_share_a_gpu_as_the_cpus_run_them_and_train_on_the_one
     assert simulation.gpus_per_client(cfg) == 2 / 16  # 8 clients at once on 16 cores, 8 on the GPU
     assert simulation.gpus_per_client(TrainConfig(cpus_per_client=32.0)) == 1.0
     assert simulation.simulated_node_defaults(tmp_path, cfg)["device"] == "cuda:1"  # the in-process grid's nodes
+
+
+def test_an_audit_on_a_ray_cluster_computes_where_its_tasks_get_a_gpu(monkeypatch, capsys):
+    """--device does not reach a cluster's nodes: --gpus-per-configuration does (the task's child reads the GPU Ray
+    assigned it); --device with --ray-address is refused in one line."""
+    pytest.importorskip("ray")
+    from eftguard.audit.cluster import task_device
+
+    monkeypatch.delenv("RAY_OVERRIDE_RESOURCES", raising=False)
+    assert task_device() == torch.device("cpu")
+    monkeypatch.setenv("RAY_OVERRIDE_RESOURCES", '{"CPU": 1, "GPU": 0}')
+    assert task_device() == torch.device("cpu")
+    monkeypatch.setenv("RAY_OVERRIDE_RESOURCES", '{"CPU": 1, "GPU": 0.5}')
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 1)
+    assert task_device() == torch.device("cuda")
+    monkeypatch.undo()
+    with pytest.raises(SystemExit) as exit_:
+        main(["audit", "a.toml", "--ray-address", "127.0.0.1:1", "--device", "cpu"])
+    err = capsys.readouterr().err
+    assert exit_.value.code == 2 and err.count("\n") == 1 and "--device cpu with --ray-address" in err
