@@ -265,6 +265,9 @@ def config_from_args(args: argparse.Namespace) -> TrainConfig:
 def check_train_flags(args: argparse.Namespace, cfg: TrainConfig) -> None:
     if cfg.federation != "deployment" and (args.superlink or args.root_certificates or args.insecure):
         raise ConfigError("--superlink, --root-certificates and --insecure need --federation deployment")
+    if cfg.federation == "deployment" and args.device not in ("auto", "cpu"):
+        raise ConfigError(f"--device {args.device} with --federation deployment: a deployed run's SuperNodes train "
+                          "where their node config's device key says, its ServerApp on the CPU; drop --device")
     check_values(deployment.TrainDeploymentOptions(args.superlink, args.root_certificates, args.insecure))
 
 
