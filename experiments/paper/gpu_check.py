@@ -40,7 +40,8 @@ timeout_s 600 (the preset is sized to end well inside it, leaving device time to
 
 The second install puts eftguard itself (with its attacks and defenses folders as eftguard.attacks and
 eftguard.defenses) beside the wheels, without its declared requirements: the image's torch (2.11) is older than
-the torch>=2.14 eftguard declares, and no other can travel (its wheel is far over 64 MiB); this is untried. Copy
+the torch>=2.14 eftguard declares, and no other can travel (its wheel is far over 64 MiB); its timm is used as it
+is too. This is untried: a first run may stop at an import or an API torch 2.11 lacks. Copy
 $OUT's gpu_check.json to experiments/results/paper/gpu.json and run make_table.py with --gpu to fill the table.
 """
 
