@@ -427,7 +427,8 @@ def print_tables(result: dict, console=None) -> None:
         table.add_row(key, f"{step['median']:.4f}", f"{step['iqr']:.4f}", f"{row['flops'] / 1e9:.2f}",
                       f"{row['speedup']:.2f}x", f"{row['flop_ratio']:.2f}x", f"{row['bound_fraction']:.2f}",
                       "-" if row["token_bound"] is None else f"{row['token_bound']:.2f}x",
-                      "-" if row["token_bound"] is None else f"{row['token_bound_fraction']:.2f}", row["goal"],
+                      "-" if row["token_bound"] is None else f"{row['token_bound_fraction']:.2f}",
+                      {"token-aware": "token", "flop": "FLOP"}[row["goal"]],
                       _mib(memory["peak"]), _mib(memory["activations"]), _mib(memory["optimizer_state"]),
                       _mib(row["upload_bytes"]["total"]))
     console.print(table)
