@@ -246,3 +246,26 @@ def test_a_deployed_run_refuses_a_device_it_would_not_use(monkeypatch, capsys):
         main(["train", "--federation", "deployment", "--device", "cuda", "--superlink", "127.0.0.1:1", "--insecure"])
     err = capsys.readouterr().err
     assert exit_.value.code == 2 and err.count("\n") == 1 and "--device cuda with --federation deployment" in err
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU (run it where the device tool lends one)")
+def test_a_gpu_run_makes_the_choices_of_a_cpu_run_and_writes_the_same_layout(tmp_path):
+    """On a GPU the seeded choices (sample ids, kept patches, class counts: truth/) are the CPU run's byte for byte,
+    and every checkpoint and upload has the CPU run's keys, dtypes and shapes, with finite values."""
+    from safetensors.torch import load_file
+
+    from eftguard.federation.inprocess import train_in_process
+    from eftguard.rundir import RunDirectory
+
+    cfg = TrainConfig(clients=2, rounds=1, train_samples=96, test_samples=16, batch_size=32).resolved()
+    for name in ("cpu", "cuda"):
+        RunDirectory.create(tmp_path / name, cfg)
+        with computing_on(resolve_device(name)):
+            train_in_process(tmp_path / name, cfg.clients)
+    cpu, gpu = _bytes_of(tmp_path / "cpu"), _bytes_of(tmp_path / "cuda")
+    assert cpu.keys() == gpu.keys()
+    assert all(cpu[name] == gpu[name] for name in cpu if name.startswith("truth/"))
+    for name in (n for n in cpu if n.endswith(".safetensors") and not n.startswith("truth/")):
+        on_cpu, on_gpu = load_file(tmp_path / "cpu" / name), load_file(tmp_path / "cuda" / name)
+        assert {k: (v.dtype, v.shape) for k, v in on_cpu.items()} == {k: (v.dtype, v.shape) for k, v in on_gpu.items()}
+        assert all(bool(v.isfinite().all()) for v in on_gpu.values() if v.is_floating_point())
