@@ -36,7 +36,11 @@ timeout_s 600 (the preset is meant to end inside it, untimed on a GPU so far; $O
         --target /tmp/site .whl/*.whl && python3 -m pip install -q --no-index --no-deps --no-build-isolation \
         --no-compile --target /tmp/site . && export PYTHONPATH=/tmp/site:$PWD/.whl/stlpips PYTHONUNBUFFERED=1 \
         HF_HUB_OFFLINE=1 FLWR_TELEMETRY_ENABLED=0 FLWR_DISABLE_UPDATE_CHECK=1 && nvidia-smi -L && \
-        python3 experiments/paper/gpu_check.py --preset gpu --out $OUT 2>&1 | tee $OUT/log
+        python3 experiments/paper/gpu_check.py --preset gpu --out $OUT 2>&1 | tee $OUT/log; \
+        python3 -P -m pytest tests/test_device.py -q -p no:cacheprovider -n 0 2>&1 | tee $OUT/pytest.log
+
+(-P: the checkout's own eftguard/ folder, which lacks eftguard.attacks, must not shadow the installed one;
+tests/test_device.py then runs its GPU test, a run's choices and layout on cuda against the CPU's.)
 
 The second install puts eftguard itself (with its attacks and defenses folders as eftguard.attacks and
 eftguard.defenses) beside the wheels, without its declared requirements: the image's torch (2.11) is older than
