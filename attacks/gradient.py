@@ -31,7 +31,7 @@ import torch
 from torch import nn
 
 from eftguard.attacks.base import AttackError, ImageReconstruction, Progress, Registry, ThreatModel, total_variation
-
+from eftguard.device import computing, device_of, placed
 from eftguard.options import finite_number, name_value, option, whole_number
 
 EFTVIT_POS_EMBED = "local_module.token_embedding.pos_embed"
@@ -102,14 +102,14 @@ class GradientObservation:
 
     def to_pixels(self, normalised: torch.Tensor) -> np.ndarray:
         """model input [B, 3, H, W] -> float images [B, H, W, 3] clipped to [0, 1]."""
-        mean = torch.tensor(self.mean, dtype=normalised.dtype).view(1, 3, 1, 1)
-        std = torch.tensor(self.std, dtype=normalised.dtype).view(1, 3, 1, 1)
-        return (normalised.detach() * std + mean).clamp(0, 1).permute(0, 2, 3, 1).float().numpy()
+        mean = torch.tensor(self.mean, dtype=normalised.dtype, device=normalised.device).view(1, 3, 1, 1)
+        std = torch.tensor(self.std, dtype=normalised.dtype, device=normalised.device).view(1, 3, 1, 1)
+        return (normalised.detach() * std + mean).clamp(0, 1).permute(0, 2, 3, 1).float().cpu().numpy()
 
     def to_input(self, pixels: torch.Tensor) -> torch.Tensor:
         """[B, 3, H, W] in [0, 1] -> normalised model input."""
-        mean = torch.tensor(self.mean, dtype=pixels.dtype).view(1, 3, 1, 1)
-        std = torch.tensor(self.std, dtype=pixels.dtype).view(1, 3, 1, 1)
+        mean = torch.tensor(self.mean, dtype=pixels.dtype, device=pixels.device).view(1, 3, 1, 1)
+        std = torch.tensor(self.std, dtype=pixels.dtype, device=pixels.device).view(1, 3, 1, 1)
         return (pixels - mean) / std
 
 
@@ -155,13 +155,14 @@ def _forward(obs: GradientObservation, images: torch.Tensor, keep_ids: torch.Ten
 
 def _observed_parameters(obs: GradientObservation, names: list[str] | None = None
                          ) -> tuple[list[nn.Parameter], list[torch.Tensor]]:
-    """The model's parameters and their observed gradients: all of them, or those named."""
+    """The model's parameters and their observed gradients (on the model's device): all of them, or those named.
+    Call it with the model where it computes (eftguard.device.computing)."""
     named = dict(obs.model.named_parameters())
     missing = [k for k in obs.gradients if k not in named]
     if missing:
         raise ValueError(f"observed gradients name parameters the model lacks: {missing[:3]}")
     names = list(obs.gradients) if names is None else names
-    return [named[k] for k in names], [obs.gradients[k].detach() for k in names]
+    return [named[k] for k in names], [placed(obs.gradients[k].detach(), device_of(obs.model)) for k in names]
 
 
 def _gradients(obs: GradientObservation, params: list[nn.Parameter], images: torch.Tensor,
@@ -174,15 +175,18 @@ def _gradients(obs: GradientObservation, params: list[nn.Parameter], images: tor
 
 
 def _keep_ids_for(obs: GradientObservation, count: int) -> tuple[torch.Tensor | None, np.ndarray | None]:
-    """The kept positions every candidate image is forwarded with (the gradient's non-zero positions)."""
+    """The kept positions every candidate image is forwarded with (the gradient's non-zero positions), on the
+    model's device."""
     positions = kept_positions(obs)
     if positions is None:
         return None, None
-    return torch.from_numpy(positions).long().unsqueeze(0).expand(count, -1), np.repeat(positions[None], count, 0)
+    keep = placed(torch.from_numpy(positions).long(), device_of(obs.model))
+    return keep.unsqueeze(0).expand(count, -1), np.repeat(positions[None], count, 0)
 
 
 def _random_pixels(obs: GradientObservation, count: int, generator: torch.Generator) -> torch.Tensor:
-    return torch.rand(count, 3, obs.image_size, obs.image_size, generator=generator)
+    """Drawn on the CPU generator (the same start on every device), then on the model's device."""
+    return placed(torch.rand(count, 3, obs.image_size, obs.image_size, generator=generator), device_of(obs.model))
 
 
 @GRADIENT.register
@@ -274,6 +278,10 @@ class DLGAttack:
     seed: int = 0
 
     def reconstruct(self, obs: GradientObservation, progress: Progress | None = None) -> ImageReconstruction:
+        with computing(obs.model):  # on the compute device (eftguard.device); the result on the CPU
+            return self._reconstruct(obs, progress)
+
+    def _reconstruct(self, obs: GradientObservation, progress: Progress | None) -> ImageReconstruction:
         prepare_numerics(obs.model)
         params, target = _observed_parameters(obs)
         generator = torch.Generator().manual_seed(self.seed)
@@ -281,10 +289,11 @@ class DLGAttack:
         images = obs.to_input(_random_pixels(obs, b, generator)).requires_grad_(True)
         keep, kept_ids = _keep_ids_for(obs, b)
         if self.recover_label:
-            labels = torch.from_numpy(recover_labels(obs))
+            labels = placed(torch.from_numpy(recover_labels(obs)), device_of(obs.model))
             variables = [images]
         else:
-            label_logits = torch.randn(b, _num_classes(obs), generator=generator).requires_grad_(True)
+            label_logits = placed(torch.randn(b, _num_classes(obs), generator=generator),
+                                  device_of(obs.model)).requires_grad_(True)
             variables = [images, label_logits]
         optimizer = torch.optim.LBFGS(variables, lr=1.0, max_iter=LBFGS_ITERATIONS_PER_STEP, history_size=100)
         best = {"loss": math.inf, "images": images.detach().clone(), "evaluations": 0}
@@ -309,7 +318,7 @@ class DLGAttack:
                 progress(self.name, min(best["evaluations"], self.steps), self.steps)
             if best["evaluations"] - before <= 1 or not all(torch.isfinite(v).all() for v in variables):
                 break  # converged (L-BFGS stops without evaluating) or diverged: keep the best image seen
-        predicted = labels.numpy() if self.recover_label else label_logits.detach().argmax(dim=1).numpy()
+        predicted = (labels if self.recover_label else label_logits.detach().argmax(dim=1)).cpu().numpy()
         return ImageReconstruction(obs.to_pixels(best["images"]), rows=None, kept_ids=kept_ids,
                                    details={"gradient_distance": best["loss"], "labels": predicted.tolist(),
                                             **budget_details(best["evaluations"], self.steps)})
@@ -364,10 +373,14 @@ class InvertingGradients:
     seed: int = 0
 
     def reconstruct(self, obs: GradientObservation, progress: Progress | None = None) -> ImageReconstruction:
+        with computing(obs.model):  # on the compute device (eftguard.device); the result on the CPU
+            return self._reconstruct(obs, progress)
+
+    def _reconstruct(self, obs: GradientObservation, progress: Progress | None) -> ImageReconstruction:
         prepare_numerics(obs.model)
         params, target = _observed_parameters(obs, self._matched(obs))
         target_norm = _norm(target)
-        labels = torch.from_numpy(self.labels(obs))
+        labels = placed(torch.from_numpy(self.labels(obs)), device_of(obs.model))
         keep, kept_ids = _keep_ids_for(obs, obs.batch_size)
         generator = torch.Generator().manual_seed(self.seed)
         best, best_loss = None, math.inf
@@ -377,7 +390,8 @@ class InvertingGradients:
             optimizer = torch.optim.Adam([images], lr=self.lr)
             milestones = [int(self.steps * f) for f in (3 / 8, 5 / 8, 7 / 8)]
             schedule = torch.optim.lr_scheduler.MultiStepLR(optimizer, milestones=milestones, gamma=0.1)
-            low, high = obs.to_input(torch.zeros(1, 3, 1, 1)), obs.to_input(torch.ones(1, 3, 1, 1))
+            low, high = (obs.to_input(placed(torch.full((1, 3, 1, 1), value), device_of(obs.model)))
+                         for value in (0.0, 1.0))
             for step in range(self.steps):
                 optimizer.zero_grad()
                 grads = _gradients(obs, params, images, labels, keep)
@@ -394,7 +408,7 @@ class InvertingGradients:
             if best is None or final < best_loss:  # (a diverged restart reads NaN and never wins over another)
                 best, best_loss = images.detach().clone(), final
         return ImageReconstruction(obs.to_pixels(best), rows=None, kept_ids=kept_ids,
-                                   details={"gradient_cosine_distance": best_loss, "labels": labels.tolist(),
+                                   details={"gradient_cosine_distance": best_loss, "labels": labels.cpu().tolist(),
                                             "restarts": self.restarts, "matched": len(params),
                                             "budget": f"{self.steps} steps per restart; the reference implementation "
                                                       f"takes {PUBLISHED_IG_STEPS}: this run had "
@@ -421,7 +435,7 @@ class InvertingGradients:
         pixels = prior.unsqueeze(0).repeat(obs.batch_size, 1, 1, 1)
         if restart:
             pixels = pixels + 0.1 * torch.randn(pixels.shape, generator=generator)
-        return pixels.clamp(0, 1)
+        return placed(pixels.clamp(0, 1), device_of(obs.model))
 
 
 def _num_classes(obs: GradientObservation) -> int:

@@ -33,6 +33,7 @@ from eftguard.attacks.base import ImageReconstruction, Progress, Registry, Threa
 from eftguard.options import option, whole_number
 from eftguard.defenses.feature_dp import clip_rows
 from eftguard.defenses.feature_noise import release_features
+from eftguard.device import device_of, placed
 from eftguard.masking import random_keep_ids
 from eftguard.model import EFTViT, LocalModule
 from eftguard.precision import PRECISIONS, computing_in
@@ -83,8 +84,8 @@ class RoundFeatures:
         clipped = self.clipped(features)
         if self.feature_clip <= 0 or self.feature_noise == 0:
             return clipped
-        return clipped + torch.randn(clipped.shape, generator=generator, dtype=clipped.dtype) * (
-            self.feature_noise * self.feature_clip)
+        noise = placed(torch.randn(clipped.shape, generator=generator, dtype=clipped.dtype), clipped.device)
+        return clipped + noise * (self.feature_noise * self.feature_clip)
 
 
 def client_local_module(model: EFTViT, state: dict[str, torch.Tensor]) -> LocalModule:
@@ -132,7 +133,8 @@ class AuxFeatures:
 
     @torch.no_grad()
     def batch(self, size: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        """(images01 [B, H, W, 3], features [B, 1 + keep, D], kept ids [B, keep])."""
+        """(images01 [B, H, W, 3], features [B, 1 + keep, D], kept ids [B, keep]) on the local module's device;
+        the images, flips and masks drawn on the CPU generator."""
         local = self.locals[self.calls % len(self.locals)]
         self.calls += 1
         index = torch.randint(len(self.images), (size,), generator=self.generator)
@@ -140,6 +142,7 @@ class AuxFeatures:
         flip = torch.rand(size, generator=self.generator) < 0.5
         images = torch.where(flip.view(-1, 1, 1, 1), images.flip(2), images)
         keep = random_keep_ids(size, local.num_patches, self.rf.mask_ratio, self.generator)
+        images, keep = placed(images, device_of(local)), placed(keep, device_of(local))
         return images, self.rf.released(self.rf.features_of(local, images, keep), self.generator), keep
 
 
@@ -181,7 +184,7 @@ def monotone_assignment(logp: torch.Tensor) -> torch.Tensor:
         score[:, :i] = -math.inf
         score[:, length - k + i + 1:] = -math.inf
         back.append(prev_arg)
-    positions = torch.empty(b, k, dtype=torch.long)
+    positions = torch.empty(b, k, dtype=torch.long, device=logp.device)
     positions[:, -1] = score.argmax(dim=1)
     for i in range(k - 1, 0, -1):
         positions[:, i - 1] = back[i - 1].gather(1, positions[:, i:i + 1])[:, 0]
@@ -225,7 +228,7 @@ def train_position_probe(aux: AuxFeatures, width: int, num_patches: int, steps: 
                          progress: Progress | None = None) -> PositionProbe:
     with torch.random.fork_rng(devices=[]):  # seeded initialisation without touching the caller's RNG
         torch.manual_seed(seed)
-        probe = PositionProbe(width, num_patches)
+        probe = placed(PositionProbe(width, num_patches), device_of(aux.locals[0]))  # where aux's batches are
     optimizer = torch.optim.Adam(probe.parameters(), lr=1e-2)
     for step in range(steps):
         _, features, keep = aux.batch(batch_size)
@@ -239,7 +242,7 @@ def train_position_probe(aux: AuxFeatures, width: int, num_patches: int, steps: 
 
 
 def _positions(client: ClientFeatures, probe: PositionProbe | None) -> torch.Tensor:
-    return client.kept_ids if probe is None else probe.infer(client.features)
+    return client.kept_ids if probe is None else probe.infer(placed(client.features, device_of(probe))).cpu()
 
 
 @INVERT.register
@@ -265,7 +268,8 @@ class DecoderInversion:
     def reconstruct(self, observation: RoundFeatures, progress: Progress | None = None
                     ) -> dict[int, ImageReconstruction]:
         generator = torch.Generator().manual_seed(self.seed)
-        locals_ = [client_local_module(observation.model, c.local_state) for c in observation.clients]
+        # on the compute device (eftguard.device): the copies of phi_k, the probe and the decoder; CPU results
+        locals_ = [placed(client_local_module(observation.model, c.local_state)) for c in observation.clients]
         aux = AuxFeatures(observation, locals_, generator)
         local = locals_[0]
         width, num_patches, patch = observation.clients[0].features.shape[-1], local.num_patches, patch_size_of(local)
@@ -273,7 +277,7 @@ class DecoderInversion:
             aux, width, num_patches, self.probe_steps, self.batch_size, self.seed, progress)
         with torch.random.fork_rng(devices=[]):
             torch.manual_seed(self.seed)
-            decoder = InversionDecoder(width, num_patches, patch, self.width, self.depth)
+            decoder = placed(InversionDecoder(width, num_patches, patch, self.width, self.depth), device_of(local))
         optimizer = torch.optim.AdamW(decoder.parameters(), lr=self.lr, weight_decay=0.05)
         decoder.train()
         final_loss = math.nan
@@ -295,8 +299,8 @@ class DecoderInversion:
         with torch.no_grad(), computing_in(decoder, self.precision):
             for client in observation.clients:
                 keep = _positions(client, probe)
-                images = torch.cat([decoder(f, k).float() for f, k in zip(client.features.split(256),
-                                                                          keep.split(256))])
+                images = torch.cat([decoder(placed(f, device_of(local)), placed(k, device_of(local))).float().cpu()
+                                    for f, k in zip(client.features.split(256), keep.split(256))])
                 results[client.partition] = ImageReconstruction(
                     images.clamp(0, 1).numpy(), rows=np.arange(len(images)), kept_ids=keep.numpy(),
                     details={"decoder_train_mse": final_loss})

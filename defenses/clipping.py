@@ -17,6 +17,7 @@ from torch import nn
 from torch.utils.hooks import RemovableHandle
 
 from eftguard.defenses.dp import DPSGD
+from eftguard.device import device_of
 from eftguard.model import PatchProjection, TokenEmbedding
 
 
@@ -206,16 +207,17 @@ def _per_sample_gradients(layer: nn.Module, inputs: torch.Tensor, output_grad: t
 def make_private(model: nn.Module, optimizer: torch.optim.Optimizer, dp: DPSGD, expected_batch_size: int
                  ) -> tuple[PerSampleClipping, DPOptimizerFastGradientClipping, Callable[..., ClippedLoss],
                             RDPAccountant]:
-    """Per-sample clipping hooks on the model, the optimizer wrapped to add noise (from dp.noise_seed) to the
-    clipped sum and average it, and the cross-entropy whose backward() clips. Frozen parameters (theta) get no
-    hooks. Remove the hooks with `wrapped.to_standard_module()` after training. The accountant is opacus' step
+    """Per-sample clipping hooks on the model, the optimizer wrapped to add noise (from dp.noise_seed, drawn on the
+    model's device: a GPU draws other values of the same distribution) to the clipped sum and average it, and the
+    cross-entropy whose backward() clips. Frozen parameters (theta) get no hooks. Remove the hooks with `wrapped.to_standard_module()` after training. The accountant is opacus' step
     hook on the optimizer: its history is the (noise multiplier, sample rate, steps) the optimizer really
     applied, which is what the client records and reports."""
     wrapped = PerSampleClipping(model, dp.max_grad_norm)
     dp_optimizer = DPOptimizerFastGradientClipping(optimizer, noise_multiplier=dp.noise_multiplier,
                                                    max_grad_norm=dp.max_grad_norm,
                                                    expected_batch_size=expected_batch_size, loss_reduction="mean",
-                                                   generator=torch.Generator().manual_seed(dp.noise_seed))
+                                                   generator=torch.Generator(device_of(model)).manual_seed(
+                                                       dp.noise_seed))
     applied = RDPAccountant()
     dp_optimizer.attach_step_hook(applied.get_optimizer_hook_fn(sample_rate=dp.sample_rate))
     return wrapped, dp_optimizer, wrapped.cross_entropy, applied

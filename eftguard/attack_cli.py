@@ -24,6 +24,7 @@ from eftguard.attack_report import AttackReport
 from eftguard.attacks.base import AttackError, reads_a_tampered_round
 from eftguard.audit.api import AttackRunOptions, open_run, out_root, run_attack, stage_progress
 from eftguard.audit.families import FAMILIES
+from eftguard.device import DeviceOptions
 from eftguard.options import Option, add_argument, add_arguments, add_renamed, escaped, option, options_of, path_value
 from eftguard.paths import output_file_problem, read_text_file
 from eftguard.report import summary_table, write_audit_report, write_run_report
@@ -192,6 +193,7 @@ def add_family_parser(kinds: argparse._SubParsersAction, family) -> argparse.Arg
         add_argument(parser, option, default=option.default)
     add_argument(parser, command["out"])
     add_argument(parser, command["key"])
+    add_arguments(parser, DeviceOptions, defaults=True)
     add_renamed(parser, "--client", "--clients")
     return parser
 

@@ -9,10 +9,12 @@ the allocator warms up in the first step of a call). docs/bench.md documents eve
 
 from __future__ import annotations
 
+import contextlib
 import copy
 import os
 import platform
 import statistics
+import sys
 import time
 from dataclasses import dataclass
 from typing import Callable
@@ -22,6 +24,7 @@ import torch
 from rich.console import Console
 from rich.table import Table
 from torch import nn
+from torch.profiler import ProfilerActivity, profile
 from torch.utils.flop_counter import FlopCounterMode, sdpa_backward_flop_count, sdpa_flop_count
 
 from eftguard.attacks.base import ThreatModel
@@ -33,6 +36,7 @@ from eftguard.config import TrainConfig
 from eftguard.data import dirichlet_partition
 from eftguard.data.plan import run_dataset
 from eftguard.defenses.dp import DPSGD
+from eftguard.device import compute_device, describe
 from eftguard.errors import ConfigError
 from eftguard.masking import kept_token_count, random_keep_ids
 from eftguard.methods import METHODS, MethodSpec
@@ -103,6 +107,60 @@ def count_flops(run: Callable[[], object]) -> int:
     with flop_counter() as counter:
         run()
     return int(counter.get_total_flops())
+
+
+# --- the token-aware bound ---------------------------------------------------------------------------------------
+
+PRODUCT_OPS = ("addmm", "aten::mm", "aten::bmm", "aten::linear", "aten::matmul", "convolution", "conv2d",
+               "scaled_dot_product", "flash_attention")  # matrix products and attention (the FLOP-bound work)
+
+
+def product_share(run: Callable[[int], TrainResult]) -> float:
+    """p: the share of a step's wall time spent in matrix products and attention (self CPU time of those ops in
+    torch's profiler), over two steps of `run` (its first allocates AdamW's moments, as every timed call's does)."""
+    with native_stderr_silenced(), profile(activities=[ProfilerActivity.CPU]) as profiler:
+        result = run(2)
+    products = sum(event.self_cpu_time_total for event in profiler.key_averages()
+                   if any(op in event.key.lower() for op in PRODUCT_OPS)) / 1e6
+    return min(1.0, products / result.seconds)
+
+
+@contextlib.contextmanager
+def native_stderr_silenced():
+    """The process's stderr (file descriptor 2) discarded for the block: torch's profiler library logs its start and
+    stop, and on a machine without a GPU a failed GPU count as an ERROR, from C++, past Python's sys.stderr."""
+    sys.stderr.flush()
+    saved = os.dup(2)
+    try:
+        with open(os.devnull, "w") as null:
+            os.dup2(null.fileno(), 2)
+        yield
+    finally:
+        os.dup2(saved, 2)
+        os.close(saved)
+
+
+def token_bound(share: float, flop_ratio: float, token_ratio: float) -> float:
+    """The speed-up a step reaches if its products and attention (share p of the reference step) shrink with the
+    FLOP ratio and everything else (norms, GELU, element-wise work, the optimizer, Python) with the token count:
+    1 / (p / flop_ratio + (1 - p) / token_ratio) (docs/bench.md#two-bounds-for-eftvits-masked-step)."""
+    return 1.0 / (share / flop_ratio + (1.0 - share) / token_ratio)
+
+
+def add_bounds(clients: dict[str, dict], share: float, tokens: int, device_type: str) -> None:
+    """Beside the FLOP bound, each masking configuration's token-aware bound (tokens: the reference's per image)
+    and the fraction of it its speed-up reaches; `goal`: the bound a configuration is measured against, the
+    token-aware one for a masked step on a CPU (per-token and per-call work does not shrink with FLOPs there), the
+    FLOP bound on a GPU and for a method that does not mask."""
+    for row in clients.values():
+        masked = METHODS[row["method"]].masked
+        if masked:
+            kept = 1 + kept_token_count(tokens - 1, row["mask_ratio"])
+            row["token_bound"] = token_bound(share, row["flop_ratio"], tokens / kept)
+            row["token_bound_fraction"] = row["speedup"] / row["token_bound"]
+        else:
+            row["token_bound"] = row["token_bound_fraction"] = None
+        row["goal"] = "token-aware" if masked and device_type == "cpu" else "flop"
 
 
 # --- memory -----------------------------------------------------------------------------------------------------
@@ -280,6 +338,9 @@ def run_bench(cfg: BenchConfig, progress: Progress | None = None) -> dict:
     interleave(timed, cfg.steps, cfg.warmup, say)
     times = {entry.key: spread(entry.seconds) for entry in timed}
     add_speedups(clients, times)
+    say("profiling the reference step (the share of its time in products and attention)")
+    share = product_share(bench.client_step(Setting(REFERENCE, 0.0)))
+    add_bounds(clients, share, bench.models[REFERENCE].local_module.num_patches + 1, compute_device().type)
 
     result = {
         "schema_version": SCHEMA_VERSION,
@@ -288,6 +349,7 @@ def run_bench(cfg: BenchConfig, progress: Progress | None = None) -> dict:
                    "steps": cfg.steps, "warmup": cfg.warmup, "batch_size": cfg.batch_size,
                    "attack_steps": cfg.attack_steps, "seed": cfg.seed, "local_layers": default.local_layers,
                    "reference": REFERENCE, "precision": cfg.precision},
+        "product_share": share,
         "clients": clients,
         "dp": {plain.method: dp_row(bench, plain, dp, times) for plain, dp in pairs},
     }
@@ -299,6 +361,7 @@ def run_bench(cfg: BenchConfig, progress: Progress | None = None) -> dict:
         result["attacks"] = attack_costs(bench.models[server_method.name], server_method, bench.inputs,
                                          default.mask_ratio, cfg)
     result["machine"]["loadavg_after"] = list(os.getloadavg())
+    result["machine"].update(describe(compute_device()))  # a GPU's name and peak memory, once all has run
     return result
 
 
@@ -306,7 +369,7 @@ def machine(load_before: tuple[float, float, float]) -> dict:
     """Where the numbers came from: a bench's figures mean little without the machine and its load."""
     return {"platform": platform.platform(), "processor": platform.processor() or platform.machine(),
             "cpu_count": os.cpu_count(), "torch_threads": torch.get_num_threads(), "torch": torch.__version__,
-            "device": "cpu", "loadavg_before": list(load_before)}
+            "device": str(compute_device()), "loadavg_before": list(load_before)}
 
 
 def attack_costs(model: EFTViT, spec: MethodSpec, inputs: BenchInputs, mask_ratio: float, cfg: BenchConfig) -> dict:
@@ -354,14 +417,18 @@ def print_tables(result: dict, console=None) -> None:
     m = result["machine"]
     table = Table(title=f"client step, {result['config']['model']}, batch {result['config']['batch_size']}, "
                         f"{result['config']['precision']}, median of {result['config']['steps']} (load {m['loadavg_before'][0]:.1f}, "
-                        f"{m['torch_threads']} torch threads)")
-    for column in ("configuration", "step s", "IQR s", "GFLOP", "speed-up", "FLOP ratio", "of bound", "peak MiB",
-                   "activ. MiB", "optim. MiB", "upload MiB"):
+                        f"{m['torch_threads']} torch threads, {m['device']}; products and attention "
+                        f"{result['product_share']:.0%} of the reference step)")
+    for column in ("configuration", "step s", "IQR s", "GFLOP", "speed-up", "FLOP ratio", "of bound",
+                   "token bound", "of token b.", "goal", "peak MiB", "activ. MiB", "optim. MiB", "upload MiB"):
         table.add_column(column, justify="left" if column == "configuration" else "right")
     for key, row in result["clients"].items():
         step, memory = row["step_seconds"], row["memory_bytes"]
         table.add_row(key, f"{step['median']:.4f}", f"{step['iqr']:.4f}", f"{row['flops'] / 1e9:.2f}",
                       f"{row['speedup']:.2f}x", f"{row['flop_ratio']:.2f}x", f"{row['bound_fraction']:.2f}",
+                      "-" if row["token_bound"] is None else f"{row['token_bound']:.2f}x",
+                      "-" if row["token_bound"] is None else f"{row['token_bound_fraction']:.2f}",
+                      {"token-aware": "token", "flop": "FLOP"}[row["goal"]],
                       _mib(memory["peak"]), _mib(memory["activations"]), _mib(memory["optimizer_state"]),
                       _mib(row["upload_bytes"]["total"]))
     console.print(table)

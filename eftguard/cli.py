@@ -28,6 +28,7 @@ from eftguard.config import METHODS, TrainConfig
 from eftguard.data import DataError, load_dataset
 from eftguard.defenses.node_auth import write_node_key
 from eftguard.defenses.tls import DEFAULT_SANS, CertificateError, certificate_names, write_certificates
+from eftguard.device import DeviceOptions, computing_on, resolve_device
 from eftguard.errors import ConfigError, FederationError
 from eftguard.federation import deployment
 from eftguard.metrics import LPIPS_BACKENDS, MetricError
@@ -96,7 +97,8 @@ class AuditOptions:
                                             "simulation runs on a Ray instance of its own with these CPUs",
                                          whole_number(1), metavar="N")
     gpus_per_configuration: float = option(0.0, "with --ray-address: GPUs of a configuration's task (a fraction "
-                                                "shares one)", finite_number(0, zero_allowed=True), metavar="N")
+                                                "shares one); a task given one trains and attacks on it",
+                                           finite_number(0, zero_allowed=True), metavar="N")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -162,6 +164,7 @@ def build_parser() -> argparse.ArgumentParser:
         add_argument(where if opt.name in RUN_FOLDER else train, opt)
     deploy = train.add_argument_group("deployment (--federation deployment; not stored in config.toml)")
     add_arguments(deploy, deployment.TrainDeploymentOptions, defaults=True)
+    add_arguments(train, DeviceOptions, defaults=True)  # not stored in config.toml: a run's bytes do not name it
     _add_train_options(train)
 
     certs = sub.add_parser("certs", help="create a CA and a SuperLink certificate for TLS deployments",
@@ -200,6 +203,7 @@ def build_parser() -> argparse.ArgumentParser:
                                       "writes the audit's summary.json and report. Rerun with "
                                       "the same --out to continue an interrupted demo.")
     add_arguments(demo, DemoOptions, defaults=True)
+    add_arguments(demo, DeviceOptions, defaults=True)
 
     audit = sub.add_parser("audit", parents=[logs], help="train a grid of configurations, attack every run, compare",
                            description="Trains every configuration of AUDIT.toml (reusing finished runs of the same "
@@ -207,6 +211,7 @@ def build_parser() -> argparse.ArgumentParser:
                                        "writes OUT/summary.json, report.html and report.md. Interrupted, it "
                                        "continues where it stopped when run again. Format: docs/audit.md.")
     add_arguments(audit, AuditOptions, defaults=True)
+    add_arguments(audit, DeviceOptions, defaults=True)
 
     add_pretrain_parser(sub)
 
@@ -217,6 +222,7 @@ def build_parser() -> argparse.ArgumentParser:
                                        "saves JSON.")
     add_arguments(bench, BenchConfig)
     add_arguments(bench, BenchCommandOptions)
+    add_arguments(bench, DeviceOptions, defaults=True)
 
     plan = sub.add_parser("plan", help="the bytes a run directory will hold, per round and in all, before it runs "
                                        "(docs/run-directory.md#size)",
@@ -248,6 +254,7 @@ def add_pretrain_parser(sub) -> None:
         add_argument(pretrain, train_options[name], default=train_options[name].default)
     add_arguments(pretrain, PretrainCommandOptions, defaults=True)
     add_arguments(pretrain, PretrainConfig)
+    add_arguments(pretrain, DeviceOptions, defaults=True)
 
 
 def config_from_args(args: argparse.Namespace) -> TrainConfig:
@@ -258,6 +265,9 @@ def config_from_args(args: argparse.Namespace) -> TrainConfig:
 def check_train_flags(args: argparse.Namespace, cfg: TrainConfig) -> None:
     if cfg.federation != "deployment" and (args.superlink or args.root_certificates or args.insecure):
         raise ConfigError("--superlink, --root-certificates and --insecure need --federation deployment")
+    if cfg.federation == "deployment" and args.device not in ("auto", "cpu"):
+        raise ConfigError(f"--device {args.device} with --federation deployment: a deployed run's SuperNodes train "
+                          "where their node config's device key says, its ServerApp on the CPU; drop --device")
     check_values(deployment.TrainDeploymentOptions(args.superlink, args.root_certificates, args.insecure))
 
 
@@ -359,7 +369,7 @@ def cmd_demo(args: argparse.Namespace) -> None:
           f"each, training in {audit.defaults.precision} -> {out}", file=sys.stderr)
     options = ["--out", str(out), "--rounds", str(args.rounds), "--train-samples", str(args.train_samples),
                "--test-samples", str(args.test_samples), "--attack-steps", str(args.attack_steps),
-               "--lpips-backend", args.lpips_backend, "--precision", audit.defaults.precision
+               "--lpips-backend", args.lpips_backend, "--precision", audit.defaults.precision, "--device", args.device
                ] + (["--verbose"] if args.verbose else [])
     failed = demo_processes(audit, options, out)
     summary = finish_audit(audit, out, [])
@@ -446,6 +456,9 @@ def cmd_audit(args: argparse.Namespace) -> None:
         from eftguard.audit.cluster import parse_address, run_audit_on_cluster  # Ray (1 s): with --ray-address only
 
         parse_address(args.ray_address)
+        if args.device != "auto":
+            raise ConfigError(f"--device {args.device} with --ray-address: a configuration computes on the GPU its "
+                              "task is given (--gpus-per-configuration), else on its node's CPUs; drop --device")
         if shard is not None:
             raise ConfigError("--ray-address runs every configuration on the cluster: drop --shard (it splits an "
                               "audit by hand over machines)")
@@ -562,7 +575,10 @@ def main(argv: list[str] | None = None) -> None:
                     "supernode": cmd_supernode, "node-key": cmd_node_key, "register-node": cmd_register_node,
                     "attack": cmd_attack, "report": cmd_report, "audit": cmd_audit, "pretrain": cmd_pretrain,
                     "bench": cmd_bench, "plan": cmd_plan}
-        commands[args.command](args)
+        # --device (train, pretrain, bench, attack, audit, demo): resolved before any work, a GPU that is not there
+        # refused
+        with computing_on(resolve_device(getattr(args, "device", "cpu"))):
+            commands[args.command](args)
     except USER_ERRORS as exc:
         print(f"eftguard: error: {exc}", file=sys.stderr)
         raise SystemExit(2)

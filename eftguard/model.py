@@ -176,8 +176,8 @@ class EFTViT(nn.Module):
 
     def standardize(self, images01: torch.Tensor) -> torch.Tensor:
         """float [B, 3, H, W] in [0, 1] -> the model's input (differentiable, for attacks that optimise pixels)."""
-        mean = torch.tensor(self.mean).view(1, 3, 1, 1)
-        std = torch.tensor(self.std).view(1, 3, 1, 1)
+        mean = torch.tensor(self.mean, device=images01.device).view(1, 3, 1, 1)
+        std = torch.tensor(self.std, device=images01.device).view(1, 3, 1, 1)
         return (images01 - mean) / std
 
 

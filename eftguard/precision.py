@@ -3,8 +3,9 @@ autocast), everything that is kept or sent in float32 (weights, gradients, optim
 
 On a CPU with AMX tiles (Intel Xeon 4th generation and later) a bfloat16 matrix product is about 5x a float32 one,
 with AVX-512 BF16 (AMD Zen 4 and later, Intel Cooper Lake) about 2.8x; without either, bfloat16 is emulated and far
-slower than float32, hence `auto` (`eftguard demo`). Attention runs unfused in bfloat16: torch's CPU flash-attention
-backward in bfloat16 took 6x its float32 time (docs/bench.md). DP-SGD stays in float32: its privacy rests on every
+slower than float32, hence `auto` (`eftguard demo`). Attention runs unfused in bfloat16 on a CPU: torch's CPU
+flash-attention backward in bfloat16 took 6x its float32 time (docs/bench.md); on a GPU autocast runs on its device.
+DP-SGD stays in float32: its privacy rests on every
 per-sample gradient norm being at most the clipping bound, which bfloat16's three significant digits cannot promise."""
 
 from __future__ import annotations
@@ -51,12 +52,13 @@ def computing_in(model: nn.Module, precision: str):
     if precision == "fp32":
         yield
         return
-    attention = [m for m in model.modules() if hasattr(m, "fused_attn")]
+    device_type = next(model.parameters()).device.type  # autocast on the device the model computes on
+    attention = [m for m in model.modules() if hasattr(m, "fused_attn")] if device_type == "cpu" else []
     fused = [m.fused_attn for m in attention]
     for module in attention:
         module.fused_attn = False
     try:
-        with torch.autocast("cpu", dtype=torch.bfloat16):
+        with torch.autocast(device_type, dtype=torch.bfloat16):
             yield
     finally:
         for module, value in zip(attention, fused):

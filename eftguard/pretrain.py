@@ -23,6 +23,7 @@ from torch import nn
 from torch.nn import functional as F
 
 from eftguard.data import ImageSet
+from eftguard.device import computing, placed
 from eftguard.errors import ConfigError
 from eftguard.masking import random_keep_ids
 from eftguard.model import PRESETS, EFTViT, to_timm_state
@@ -91,7 +92,7 @@ def random_resized_crop_flip(images: torch.Tensor, generator: torch.Generator) -
     theta = torch.zeros(count, 2, 3)
     theta[:, 0, 0], theta[:, 1, 1] = width * flip, height
     theta[:, 0, 2], theta[:, 1, 2] = uniform(-1, 1) * (1 - width), uniform(-1, 1) * (1 - height)
-    grid = F.affine_grid(theta, list(images.shape), align_corners=False)
+    grid = F.affine_grid(placed(theta, images.device), list(images.shape), align_corners=False)
     return F.grid_sample(images, grid, mode="bilinear", padding_mode="reflection", align_corners=False)
 
 
@@ -135,12 +136,12 @@ def mae_loss(model: EFTViT, decoder: PatchDecoder, images: torch.Tensor, mask_ra
     """Mean squared error on the hidden patches, each target patch normalised to zero mean and unit variance
     (MAE's normalised-pixel loss)."""
     num_patches = model.local_module.num_patches
-    keep_ids = random_keep_ids(images.shape[0], num_patches, mask_ratio, generator)
+    keep_ids = placed(random_keep_ids(images.shape[0], num_patches, mask_ratio, generator), images.device)
     tokens = model.global_module(model.local_module(images, keep_ids))
     predicted = decoder(tokens, keep_ids)
     target = patchify(images, PRESETS[model.preset].patch_size)
     target = (target - target.mean(-1, keepdim=True)) / (target.var(-1, keepdim=True) + 1e-6).sqrt()
-    hidden = torch.ones(images.shape[0], num_patches)
+    hidden = torch.ones(images.shape[0], num_patches, device=images.device)
     hidden.scatter_(1, keep_ids, 0.0)
     return (((predicted - target) ** 2).mean(-1) * hidden).sum() / hidden.sum()
 
@@ -159,18 +160,25 @@ def pretrain(model: EFTViT, public: ImageSet, cfg: PretrainConfig, progress: Epo
     is continued from (it must have been written for the same `identity`: dataset, model and recipe), so that an
     interrupted pretraining loses at most the epoch it was in, and ends with the very weights an uninterrupted one
     gives. Stops with a PretrainError when the loss, or the trained model's output, is not finite (nothing is
-    saved)."""
+    saved). Computes on the compute device (eftguard.device); the random choices stay on a CPU generator."""
     cfg.check()
     if len(public) == 0:
         raise PretrainError("the dataset's public split is empty: nothing to pretrain on")
+    with computing(model):  # before the optimizer: its state (and a resumed one) lives on the model's device
+        return _pretrain(model, public, cfg, progress, epoch_done, resume, identity)
+
+
+def _pretrain(model: EFTViT, public: ImageSet, cfg: PretrainConfig, progress: EpochProgress | None,
+              epoch_done: Callable[[int, float], None] | None, resume: Path | None,
+              identity: dict[str, str] | None) -> list[float]:
     generator = torch.Generator().manual_seed(cfg.seed)
     images, labels = torch.from_numpy(public.images), torch.from_numpy(public.labels)
     decoder = None
     if cfg.uses_mae:
         with torch.random.fork_rng(devices=[]):
             torch.manual_seed(cfg.seed)
-            decoder = PatchDecoder(model.head.in_features, model.local_module.num_patches,
-                                   PRESETS[model.preset].patch_size)
+            decoder = placed(PatchDecoder(model.head.in_features, model.local_module.num_patches,
+                                          PRESETS[model.preset].patch_size))
     params = list(model.parameters()) + (list(decoder.parameters()) if decoder else [])
     optimizer = torch.optim.AdamW(params, lr=cfg.lr, weight_decay=cfg.weight_decay)
     steps_per_epoch = math.ceil(len(labels) / cfg.batch_size)
@@ -189,12 +197,12 @@ def pretrain(model: EFTViT, public: ImageSet, cfg: PretrainConfig, progress: Epo
     for epoch in range(len(history), cfg.epochs):
         total = 0.0
         for step, batch in enumerate(torch.randperm(len(labels), generator=generator).split(cfg.batch_size)):
-            x = model.normalize(images[batch])
+            x = model.normalize(placed(images[batch]))
             if cfg.augment:
                 x = random_resized_crop_flip(x, generator)
-            loss = torch.zeros(())
+            loss = torch.zeros((), device=x.device)
             if cfg.uses_labels:
-                loss = loss + F.cross_entropy(model(x), labels[batch], label_smoothing=cfg.label_smoothing)
+                loss = loss + F.cross_entropy(model(x), placed(labels[batch]), label_smoothing=cfg.label_smoothing)
             if decoder:
                 loss = loss + mae_loss(model, decoder, x, cfg.mask_ratio, generator)
             if not torch.isfinite(loss):
@@ -213,7 +221,7 @@ def pretrain(model: EFTViT, public: ImageSet, cfg: PretrainConfig, progress: Epo
             epoch_done(epoch + 1, history[-1])
     model.eval()
     with torch.no_grad():
-        if not model(model.normalize(images[:cfg.batch_size])).isfinite().all():
+        if not model(model.normalize(placed(images[:cfg.batch_size]))).isfinite().all():
             raise diverged("the trained model's outputs are not finite", cfg, resume)
     return history
 
@@ -230,7 +238,7 @@ def load_state(path: Path, key: dict[str, str], modules: dict, generator: torch.
     """Restore what save_state wrote (weights_only: no pickled objects) for the same key; returns the finished
     epochs' losses."""
     try:  # a link to /dev/zero or a named pipe would be read forever: refused before any read
-        state = torch.load(path, weights_only=True) if input_file_problem(path) is None else None
+        state = torch.load(path, weights_only=True, map_location="cpu") if input_file_problem(path) is None else None
     except Exception:  # torch's own words would suggest weights_only=False: never for a file found on disk
         state = None
     if not isinstance(state, dict) or state.get("format") != "eftguard-pretrain-resume":

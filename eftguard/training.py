@@ -1,6 +1,8 @@
 """The computations of one round, free of any transport: client training, feature extraction,
 server training of the global module, evaluation. Every random choice comes from the generator
-passed in, so a round is a pure function of (model state, data, seed)."""
+passed in, so a round is a pure function of (model state, data, seed). Each function computes on the compute
+device (eftguard.device: the model there for the call, each batch moved there) and returns CPU tensors; its
+random choices stay on the CPU generators given."""
 
 from __future__ import annotations
 
@@ -14,6 +16,7 @@ import torch
 from torch import nn
 
 from eftguard.defenses.dp import DPSGD, poisson_batch
+from eftguard.device import computing, placed, synchronize
 from eftguard.masking import random_keep_ids
 from eftguard.methods import method_spec, methods_with
 from eftguard.model import EFTViT
@@ -62,6 +65,7 @@ def _fit(params: list[nn.Parameter], n: int, optim: OptimConfig, generator: torc
             optimizer.step()
             total += float(loss.detach())
             steps += 1
+        synchronize()
         epoch_seconds.append(time.perf_counter() - start)
         epoch_cpu_seconds.append(time.process_time() - start_cpu)
         if progress:
@@ -90,12 +94,14 @@ def _fit_private(model: EFTViT, params: list[nn.Parameter], images: torch.Tensor
                 if len(batch) == 0:
                     clipping.noise_only_step(dp_optimizer)
                 else:
-                    loss = criterion(wrapped(model.normalize(images[batch]), keep_ids(len(batch))), labels[batch])
+                    loss = criterion(wrapped(model.normalize(placed(images[batch])), keep_ids(len(batch))),
+                                     placed(labels[batch]))
                     loss.backward()
                     dp_optimizer.step()
                     total += float(loss.detach()) * len(batch)
                     seen += len(batch)
                 steps += 1
+            synchronize()
             epoch_seconds.append(time.perf_counter() - start)
             epoch_cpu_seconds.append(time.process_time() - start_cpu)
             if progress:
@@ -118,6 +124,13 @@ def train_local(model: EFTViT, images: torch.Tensor, labels: torch.Tensor, metho
         raise ValueError(f"DP-SGD is implemented for {scope} only")
     if dp is not None and precision != "fp32":
         raise ValueError(f"DP-SGD runs in fp32 only (its clipping bound needs exact norms), not {precision}")
+    with computing(model):  # first: the parameters below are the ones on the compute device
+        return _train_local(model, images, labels, spec, mask_ratio, optim, generator, progress, dp, precision)
+
+
+def _train_local(model: EFTViT, images: torch.Tensor, labels: torch.Tensor, spec, mask_ratio: float,
+                 optim: OptimConfig, generator: torch.Generator, progress: Progress | None, dp: DPSGD | None,
+                 precision: str) -> TrainResult:
     model.train()
     frozen = [p for name, p in model.named_parameters() if not spec.trains_parameter(name) and p.requires_grad]
     for parameter in frozen:
@@ -125,14 +138,14 @@ def train_local(model: EFTViT, images: torch.Tensor, labels: torch.Tensor, metho
     params = spec.trained_parameters(model)
     num_patches = model.local_module.num_patches
 
-    def keep_ids(count: int) -> torch.Tensor | None:
-        return random_keep_ids(count, num_patches, mask_ratio, generator) if spec.masked else None
+    def keep_ids(count: int) -> torch.Tensor | None:  # drawn on the CPU generator: the same patches on any device
+        return placed(random_keep_ids(count, num_patches, mask_ratio, generator)) if spec.masked else None
 
     def loss_of_batch(batch: torch.Tensor) -> torch.Tensor:
-        x = model.normalize(images[batch])
+        x = model.normalize(placed(images[batch]))
         with computing_in(model, precision):
             logits = model(x, keep_ids(len(batch))).float()
-        return nn.functional.cross_entropy(logits, labels[batch])
+        return nn.functional.cross_entropy(logits, placed(labels[batch]))
 
     try:
         if dp is not None:
@@ -150,8 +163,9 @@ def extract_features(model: EFTViT, images: torch.Tensor, mask_ratio: float, gen
     [n, keep]."""
     model.eval()
     keep_ids = random_keep_ids(len(images), model.local_module.num_patches, mask_ratio, generator)
-    with computing_in(model, precision):
-        features = [model.local_module(model.normalize(images[i:i + batch_size]), keep_ids[i:i + batch_size]).float()
+    with computing(model), computing_in(model, precision):
+        features = [model.local_module(model.normalize(placed(images[i:i + batch_size])),
+                                       placed(keep_ids[i:i + batch_size])).float().cpu()
                     for i in range(0, len(images), batch_size)]
     return torch.cat(features).contiguous(), keep_ids
 
@@ -164,11 +178,13 @@ def train_global(model: EFTViT, features: torch.Tensor, labels: torch.Tensor, op
 
     def loss_of_batch(batch: torch.Tensor) -> torch.Tensor:
         with computing_in(model, precision):
-            logits = model.classify(features[batch]).float()
-        return nn.functional.cross_entropy(logits, labels[batch])
+            logits = model.classify(placed(features[batch])).float()
+        return nn.functional.cross_entropy(logits, placed(labels[batch]))
 
     try:
-        return _fit(list(model.global_module.parameters()), len(labels), optim, generator, loss_of_batch, progress)
+        with computing(model):
+            return _fit(list(model.global_module.parameters()), len(labels), optim, generator, loss_of_batch,
+                        progress)
     finally:
         model.head.requires_grad_(True)
 
@@ -192,10 +208,10 @@ def evaluate(model: EFTViT, images: torch.Tensor, labels: torch.Tensor, batch_si
     """Top-1 accuracy of the assembled model on full, unmasked images."""
     model.eval()
     correct = 0
-    with computing_in(model, precision):
+    with computing(model), computing_in(model, precision):
         for i in range(0, len(labels), batch_size):
-            logits = model(model.normalize(images[i:i + batch_size])).float()
-            correct += int((logits.argmax(1) == labels[i:i + batch_size]).sum())
+            logits = model(model.normalize(placed(images[i:i + batch_size]))).float()
+            correct += int((logits.argmax(1) == placed(labels[i:i + batch_size])).sum())
     return correct / max(len(labels), 1)
 
 
@@ -205,22 +221,23 @@ def mean_loss(model: EFTViT, images: torch.Tensor, labels: torch.Tensor, batch_s
     """The assembled model's mean cross-entropy on full, unmasked images (uint8, as evaluate)."""
     model.eval()
     total = 0.0
-    for i in range(0, len(labels), batch_size):
-        with computing_in(model, precision):
-            logits = model(model.normalize(images[i:i + batch_size])).float()
-        total += float(nn.functional.cross_entropy(logits, labels[i:i + batch_size], reduction="sum"))
+    with computing(model):
+        for i in range(0, len(labels), batch_size):
+            with computing_in(model, precision):
+                logits = model(model.normalize(placed(images[i:i + batch_size]))).float()
+            total += float(nn.functional.cross_entropy(logits, placed(labels[i:i + batch_size]), reduction="sum"))
     return total / max(len(labels), 1)
 
 
 def saved_activation_bytes(model: nn.Module, run: Callable[[], object]) -> int:
     """Bytes of the tensors autograd saves for the backward pass while `run` computes (the activations a step holds
     at the end of its forward pass), each storage counted once, the model's parameters left out."""
-    parameters = {p.untyped_storage().data_ptr() for p in model.parameters()}
     storages: dict[int, int] = {}
 
     def pack(tensor: torch.Tensor) -> torch.Tensor:
         storage = tensor.untyped_storage()
-        if storage.data_ptr() not in parameters:
+        # the parameters where they are now: run may hold the model on the compute device (eftguard.device)
+        if storage.data_ptr() not in {p.untyped_storage().data_ptr() for p in model.parameters()}:
             storages[storage.data_ptr()] = max(storages.get(storage.data_ptr(), 0), storage.nbytes())
         return tensor
 

@@ -103,6 +103,11 @@ def test_short_bench_writes_every_documented_key(tmp_path, capsys):
     # per-sample clipping: norms and clipped sums of phi and h on top of the plain step (ghost clipping's second
     # backward pass, through the frozen global module too, made it 1.56x)
     assert 1 < result["dp"]["eftvit"]["flop_ratio"] < 1.25
+    # the token-aware bound beside the FLOP bound: below it where fewer tokens are kept than FLOPs are saved
+    assert 0 < result["product_share"] <= 1 and result["machine"]["device"] == "cpu"
+    assert 1 < eftvit["token_bound"] < eftvit["flop_ratio"]
+    assert eftvit["token_bound_fraction"] == eftvit["speedup"] / eftvit["token_bound"]
+    assert eftvit["goal"] == "token-aware" and fedavg["goal"] == "flop" and fedavg["token_bound"] is None
     assert "fedavg" in capsys.readouterr().out
 
 
@@ -187,3 +192,28 @@ def test_the_bench_replaces_its_json_whole_or_not_at_all(capsys, tmp_path, monke
     monkeypatch.undo()
     assert json.loads(out.read_text()) == {"earlier": True}
     assert sorted(p.name for p in out.parent.iterdir()) == ["bench.json", "kept"]
+
+
+def test_the_token_aware_bound_is_the_documented_formula():
+    """docs/bench.md's two bounds at p = 0.706 (vit-tiny-32's products and attention share of Fed-Full's step):
+    5.48x FLOPs with 17 of 65 tokens gives 4.86x, 13.39x with 7 of 65 gives 11.85x; all the time in products
+    leaves the FLOP bound, none of it the token ratio."""
+    from eftguard.bench import token_bound
+
+    assert round(token_bound(0.706, 5.48, 65 / 17), 2) == 4.86
+    assert round(token_bound(0.706, 13.39, 65 / 7), 2) == 11.85
+    assert token_bound(1.0, 13.39, 65 / 7) == pytest.approx(13.39)
+    assert token_bound(0.0, 13.39, 65 / 7) == pytest.approx(65 / 7)
+
+
+@pytest.mark.parametrize("device_type, goal", [("cpu", "token-aware"), ("cuda", "flop")])
+def test_the_goal_of_a_masked_step_is_the_token_aware_bound_on_a_cpu_and_the_flop_bound_on_a_gpu(device_type, goal):
+    from eftguard.bench import add_bounds
+
+    clients = {"fedavg": {"method": "fedavg", "mask_ratio": 0.0, "flop_ratio": 1.0, "speedup": 1.0},
+               "eftvit r_m 0.9": {"method": "eftvit", "mask_ratio": 0.9, "flop_ratio": 13.39, "speedup": 10.66}}
+    add_bounds(clients, 0.706, 65, device_type)
+    masked = clients["eftvit r_m 0.9"]
+    assert round(masked["token_bound"], 2) == 11.85 and round(masked["token_bound_fraction"], 2) == 0.90
+    assert masked["goal"] == goal and clients["fedavg"]["goal"] == "flop"
+    assert clients["fedavg"]["token_bound"] is None is clients["fedavg"]["token_bound_fraction"]

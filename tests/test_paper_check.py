@@ -42,7 +42,10 @@ def test_the_cpu_preset_measures_every_stage_and_the_table_shows_it(tmp_path, ca
     assert result["training"]["eftvit"]["server_seconds"][0] > 0 == result["training"]["fedavg"]["server_seconds"][0]
     assert result["decoder_inversion"]["seconds"] > 0 and math.isfinite(result["decoder_inversion"]["psnr"])
     assert 0 <= result["lira"]["auc"] <= 1 and result["lira"]["seconds"] > 0
-    assert result["machine"]["device"] == "cpu" and result["seconds"] > 0
+    assert result["machine"]["device"] == "cpu" and result["seconds"] > 0 and "cuda_device" not in result["machine"]
+    masked = bench["eftvit r_m 0.75"]
+    assert masked["goal"] == "token-aware" and 1 < masked["token_bound"] < masked["flop_ratio"]
+    assert bench["fedavg"]["goal"] == "flop" and 0 < result["bench"]["product_share"] <= 1
 
     make_table.main(["--cpu", str(tmp_path / "gpu_check.json")])
     table = capsys.readouterr().out
@@ -59,3 +62,14 @@ def test_the_check_and_the_table_refuse_a_file_for_a_folder_in_one_line(tmp_path
         assert exit_.value.code == 2
         assert capsys.readouterr().err.strip().splitlines()[-1].endswith(
             ("is a file: give a folder", "is not a file: give the gpu_check.json that gpu_check.py --out wrote"))
+
+
+@pytest.mark.skipif(__import__("torch").cuda.is_available(), reason="checks the refusal where torch finds no GPU")
+@pytest.mark.parametrize("argv", [["--preset", "gpu"], ["--preset", "cpu", "--device", "cuda"]])
+def test_the_gpu_preset_where_torch_finds_no_gpu_is_one_line_before_any_stage(tmp_path, capsys, argv):
+    """The GPU preset computes on cuda: here it stops at once instead of measuring this machine's CPUs."""
+    with pytest.raises(SystemExit) as exit_:
+        script("gpu_check").main([*argv, "--out", str(tmp_path / "out")])
+    err = capsys.readouterr().err.strip().splitlines()
+    assert exit_.value.code == 2 and "--device cuda: torch finds no CUDA GPU here" in err[-1]
+    assert not (tmp_path / "out").exists()

@@ -35,6 +35,7 @@ from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 from eftguard.audit import gate as gates_module, grid
 from eftguard.audit.families import FAMILIES
 from eftguard.audit.grid import Audit, Configuration, console
+from eftguard.device import CPU, computing_on, resolve_device
 from eftguard.errors import ConfigError
 from eftguard.federation.simulation import configure_ray_and_flower
 
@@ -209,7 +210,15 @@ def child_main() -> None:
     ctypes.CDLL(None, use_errno=True).prctl(PR_SET_PDEATHSIG, signal.SIGKILL)
     if os.getppid() != parent:  # the worker died before prctl took effect
         raise SystemExit(1)
-    grid.audit_configuration(audit, configuration, out, key, verbose)
+    with computing_on(task_device()):
+        grid.audit_configuration(audit, configuration, out, key, verbose)
+
+
+def task_device():
+    """Where a configuration's task computes: on the GPU Ray gave it (--gpus-per-configuration, a share of one
+    included), else on the CPU."""
+    assigned = json.loads(os.environ.get("RAY_OVERRIDE_RESOURCES", "{}"))
+    return resolve_device("cuda") if assigned.get("GPU", 0) > 0 else CPU
 
 
 if __name__ == "__main__":

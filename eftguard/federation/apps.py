@@ -17,6 +17,7 @@ What a node does is the node operator's decision (Flower's --node-config), never
                initial model from it (default: none, the seeded initialisation of the run's configuration)
   trust-first-model the model check anchors on the first model the node receives instead of rebuilding the
                initial model (trust on first use; default: false)
+  device       where the node trains: cpu, cuda, cuda:N or auto (eftguard.device; default: cpu)
 """
 
 from __future__ import annotations
@@ -33,6 +34,7 @@ from flwr.serverapp import Grid, ServerApp
 from eftguard.defenses.dp import PrivacyBudgetError
 from eftguard.defenses.ledger import SPENT_NOTE, LedgerError, PrivacyLedger, spent_per_channel
 from eftguard.defenses.model_check import ModelCheck, ModelCheckError
+from eftguard.device import computing_on, resolve_device
 from eftguard.federation import secagg, server
 from eftguard.federation.client import ClientUpload, client_round, initial_model
 from eftguard.federation.records import ClientSettings, from_record, to_record
@@ -89,8 +91,9 @@ def plain_train(msg: Message, context: Context, node_defaults: dict | None = Non
             trust_first = _node_flag(node.get("trust-first-model", False), "trust-first-model")
             check = ModelCheck(folder / "received", partition,
                                None if trust_first else initial_model(str(node.get("initial-model", ""))))
-        upload = client_round(settings, from_record(msg.content["model"], "model"), partition, partitions, secret,
-                              ledger, check)
+        with computing_on(resolve_device(str(node.get("device", "cpu")))):
+            upload = client_round(settings, from_record(msg.content["model"], "model"), partition, partitions,
+                                  secret, ledger, check)
     except (PrivacyBudgetError, LedgerError, ModelCheckError) as exc:  # a refusal: recorded by the server as dropped
         return Message(error=Error(ErrorCode.CLIENT_APP_RAISED_EXCEPTION,
                                    f"client refuses{spent_note(ledger, settings.run_id)}: {exc}"), reply_to=msg)

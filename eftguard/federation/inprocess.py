@@ -86,7 +86,8 @@ def task_identity():
 def train_in_process(run_dir: Path, clients: int) -> None:
     """Train (or resume) the run in run_dir as a simulation would: nodes share truth as the run asks, keep their
     privacy ledgers in the run directory and seed from the run's seed alone, and their copies of the last model
-    they accepted until the run has all its rounds."""
+    they accepted until the run has all its rounds. Server and nodes compute on the command's compute device
+    (eftguard.device.computing_on)."""
     cfg = RunDirectory.open(run_dir).config()
     with task_identity():
         run_server(InProcessGrid(clients, simulated_node_defaults(run_dir, cfg)), Path(run_dir))

@@ -18,6 +18,7 @@ from pathlib import Path
 import psutil
 
 from eftguard.config import TrainConfig
+from eftguard.device import compute_device
 from eftguard.rundir import RunDirectory
 
 
@@ -157,13 +158,15 @@ def _runs(process: psutil.Process) -> bool:
         return False
 
 
-def simulated_node_defaults(run_dir: Path, cfg: TrainConfig) -> dict:
+def simulated_node_defaults(run_dir: Path, cfg: TrainConfig, device: str | None = None) -> dict:
     """The operator runs every simulated node: they share ground truth when the run records it, keep their
     privacy ledgers (and the last model each accepted, for --model-check) in the run directory (nodes/), so a
     resumed simulation sees what they spent, rebuild the initial model from the run's own checkpoint, and seed from
-    the run's seed alone (noise-secret 0), so simulations are reproducible."""
+    the run's seed alone (noise-secret 0), so simulations are reproducible. They train on device (default: the
+    command's compute device, eftguard.device)."""
     return {"share-truth": cfg.record_truth, "ledger-dir": str(Path(run_dir).resolve() / "nodes"), "noise-secret": 0,
-            "model-check": cfg.model_check, "initial-model": cfg.checkpoint}
+            "model-check": cfg.model_check, "initial-model": cfg.checkpoint,
+            "device": str(device or compute_device())}
 
 
 def forget_received_models(run_dir: Path, cfg: TrainConfig) -> None:
@@ -173,8 +176,18 @@ def forget_received_models(run_dir: Path, cfg: TrainConfig) -> None:
         shutil.rmtree(Path(run_dir) / "nodes" / "received", ignore_errors=True)
 
 
+def gpus_per_client(cfg: TrainConfig) -> float:
+    """A simulated client's share of a GPU on a GPU run (0 on a CPU one): as many clients share one GPU as train at
+    once on the machine's CPUs (cpus_per_client each), so the GPU does not limit the simulation's parallelism."""
+    if compute_device().type != "cuda":
+        return 0.0
+    return min(1.0, cfg.cpus_per_client / (os.cpu_count() or 1))
+
+
 def run_simulated(run_dir: Path, cfg: TrainConfig, verbose: bool = False, threat=None) -> None:
-    """Run the ServerApp against cfg.clients simulated SuperNodes, one Ray actor per cfg.cpus_per_client.
+    """Run the ServerApp against cfg.clients simulated SuperNodes, one Ray actor per cfg.cpus_per_client, all on
+    the command's compute device (eftguard.device): on a GPU, Ray gives each actor its share of one
+    (gpus_per_client) and the node trains on the GPU Ray assigned it.
 
     Ray runs as a fresh local instance in the run's own session folder (ray_session), so helpers left by an earlier
     driver that was killed (SIGKILL) cannot be joined; the leftovers of sessions whose driver is gone are stopped
@@ -198,7 +211,7 @@ def run_simulated(run_dir: Path, cfg: TrainConfig, verbose: bool = False, threat
     stop_ray_leftovers()
     with ray_session() as session:
         backend_config = {
-            "client_resources": {"num_cpus": cfg.cpus_per_client, "num_gpus": 0.0},
+            "client_resources": {"num_cpus": cfg.cpus_per_client, "num_gpus": gpus_per_client(cfg)},
             "init_args": {"logging_level": "WARNING" if verbose else "ERROR", "log_to_driver": verbose,
                           "include_dashboard": False, "address": "local", "_temp_dir": str(session.folder)},
         }
@@ -208,7 +221,8 @@ def run_simulated(run_dir: Path, cfg: TrainConfig, verbose: bool = False, threat
         ray_utils.set_sigterm_handler = lambda handler: None
         try:
             run_simulation(server_app=build_server_app(Path(run_dir).resolve(), threat),
-                           client_app=build_client_app(simulated_node_defaults(run_dir, cfg)),
+                           client_app=build_client_app(simulated_node_defaults(
+                               run_dir, cfg, "cuda" if compute_device().type == "cuda" else "cpu")),
                            num_supernodes=cfg.clients, backend_config=backend_config, verbose_logging=verbose)
             forget_received_models(run_dir, cfg)
         finally:

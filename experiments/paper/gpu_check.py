@@ -1,27 +1,52 @@
 """The paper-scale check (issue 37): `eftguard bench` of the model for every method, two rounds of EFTViT and
 Fed-Full on a generated ImageFolder tree at the model's image size, one decoder inversion and one LiRA on the
 EFTViT run; writes OUT/gpu_check.json (and OUT/bench.json), printing a line per stage. `--preset gpu`
-(vit-b16-224, 224 px) is sized to finish in under 10 minutes on the lent GPU machine; `--preset cpu` (vit-tiny-32,
+(vit-b16-224, 224 px) is meant to finish in under 10 minutes on the lent GPU machine (not yet timed there); `--preset cpu` (vit-tiny-32,
 32 px, few images) runs the same code on a CPU in about a minute and is what tests/test_paper_check.py runs.
 
     OMP_NUM_THREADS=1 python experiments/paper/gpu_check.py --preset cpu --out /tmp/paper-check
-    python experiments/paper/make_table.py OUT/gpu_check.json   # the rows of docs/bench.md#paper-scale
+    python experiments/paper/make_table.py --cpu OUT/gpu_check.json   # the rows of docs/bench.md#paper-scale
 
-Device: eftguard selects no device; every model and tensor stays on the CPU (machine.cuda_available in the JSON
-says whether a GPU was there unused). On the GPU machine this script therefore measures its CPUs until the trainer
-moves to CUDA; the JSON says which device computed.
+Device: each preset names eftguard's --device (gpu: cuda, cpu: cpu; `--device` overrides it). Every stage computes
+there (eftguard.device); `cuda` where torch finds no GPU is one line, exit 2, before any stage. The JSON names the
+device (machine.device) and, on a GPU, its name (machine.cuda_device, torch.cuda.get_device_name) and the peak of
+torch.cuda.max_memory_allocated over the whole check (machine.cuda_peak_bytes).
 
-The GPU machine's image has torch, timm, safetensors and numpy but not Flower, Opacus, dp-accounting or the LPIPS
-packages eftguard imports. Carry them as wheels (/work/.library/device/README.md): here, in the repository root,
-`echo /.whl/ >> .git/info/exclude`, then for each of flwr, opacus, dp-accounting, stlpips-pytorch, lpips and
-their missing requirements (`unzip -p .whl/NAME-*.whl '*/METADATA' | grep ^Requires-Dist`)
-`python3 -m pip download --no-deps --only-binary=:all: --python-version 3.12 --implementation cp
---platform manylinux_2_28_x86_64 --platform manylinux_2_17_x86_64 --platform manylinux2014_x86_64 -d .whl NAME==VER`
-(pure-Python ones as any-platform wheels); then run with `carry: [".whl"]`:
+On the device tool's GPU machine (nvidia-h200: Python 3.12, torch 2.11 with CUDA, timm, numpy, safetensors,
+scikit-image, matplotlib, rich, grpcio, protobuf, typer, psutil, jinja2 ...; no network) the packages this check
+imports that its image lacks travel as wheels. Measured here: the check imports flwr, opacus, cryptography, cffi,
+grpcio-health-checking, iterators, pycryptodome, pyrtools, stlpips-pytorch (whose IPython import pulls ipython,
+traitlets, prompt-toolkit, wcwidth), tomli-w and torchsummary besides the image's; not Ray (the trainings use the
+in-process grid), not dp-accounting or lpips. Once, here, in the root of the checkout the device tool sends:
 
-    python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site \\
-        .whl/*.whl && export PYTHONPATH=/tmp/site:$PWD && PYTHONUNBUFFERED=1 HF_HUB_OFFLINE=1 \\
-        FLWR_TELEMETRY_ENABLED=0 python3 experiments/paper/gpu_check.py --preset gpu --out $OUT
+    echo /.whl/ >> .git/info/exclude
+    python3 -m pip download --no-deps --only-binary=:all: --python-version 3.12 --implementation cp \
+        --platform manylinux_2_28_x86_64 --platform manylinux_2_17_x86_64 --platform manylinux2014_x86_64 \
+        --platform manylinux1_x86_64 -d .whl flwr==1.42.0 opacus==1.6.0 cryptography==50.0.2 cffi==2.1.1 \
+        pycparser grpcio-health-checking==1.81.1 iterators==0.0.2 pycryptodome==3.24.1 pyrtools==1.1.1 \
+        stlpips-pytorch==0.0.2 tomli-w==1.2.0 torchsummary==1.5.1 ipython==9.18.1 ipython-pygments-lexers \
+        traitlets==5.16.1 prompt-toolkit==3.0.53 wcwidth==0.9.4
+    # stlpips' wheel is 64 MB, 59 of them VGG weights the check never loads: keep its code and AlexNet weights
+    (cd .whl && unzip -q stlpips_pytorch-*.whl -x '*/vgg_shift_tolerant.pth' -d stlpips && rm stlpips_pytorch-*.whl)
+
+(about 18 MB, under the 64 MiB a call carries). Then one call of the device tool's `run`, with carry [".whl"] and
+timeout_s 600 (the preset is meant to end inside it, untimed on a GPU so far; $OUT keeps what a cut run wrote):
+
+    set -o pipefail; python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade \
+        --target /tmp/site .whl/*.whl && python3 -m pip install -q --no-index --no-deps --no-build-isolation \
+        --no-compile --target /tmp/site . && export PYTHONPATH=/tmp/site:$PWD/.whl/stlpips PYTHONUNBUFFERED=1 \
+        HF_HUB_OFFLINE=1 FLWR_TELEMETRY_ENABLED=0 FLWR_DISABLE_UPDATE_CHECK=1 && nvidia-smi -L && \
+        python3 experiments/paper/gpu_check.py --preset gpu --out $OUT 2>&1 | tee $OUT/log; \
+        python3 -P -m pytest tests/test_device.py -q -p no:cacheprovider -n 0 2>&1 | tee $OUT/pytest.log
+
+(-P: the checkout's own eftguard/ folder, which lacks eftguard.attacks, must not shadow the installed one;
+tests/test_device.py then runs its GPU test, a run's choices and layout on cuda against the CPU's.)
+
+The second install puts eftguard itself (with its attacks and defenses folders as eftguard.attacks and
+eftguard.defenses) beside the wheels, without its declared requirements: the image's torch (2.11) is older than
+the torch>=2.14 eftguard declares, and no other can travel (its wheel is far over 64 MiB); its timm is used as it
+is too. This is untried: a first run may stop at an import or an API torch 2.11 lacks. Copy
+$OUT's gpu_check.json to experiments/results/paper/gpu.json and run make_table.py with --gpu to fill the table.
 """
 
 from __future__ import annotations
@@ -41,8 +66,11 @@ from eftguard.audit import run_attack
 from eftguard.bench import run_bench
 from eftguard.bench_config import BenchConfig
 from eftguard.config import TrainConfig
+from eftguard.device import DeviceOptions, computing_on, describe, resolve_device
+from eftguard.errors import ConfigError
 from eftguard.federation.inprocess import train_in_process
 from eftguard.model import PRESETS
+from eftguard.options import add_arguments
 from eftguard.rundir import RunDirectory
 
 SCHEMA_VERSION = 1
@@ -55,6 +83,7 @@ class Preset:
     same stages small enough for the test suite."""
 
     model: str
+    device: str  # eftguard's --device (eftguard.device); --device overrides it
     bench_steps: int
     bench_batch: int
     attack_steps: int
@@ -71,13 +100,13 @@ class Preset:
 
 PRESETS_BY_NAME = {
     # sized from the measured vit-b16-224 bench on CPU (9 min at 1 thread, batch 8, 3 steps; experiments/results/
-    # bench.md), since every stage runs on the CPU (see the module's docstring); not yet timed on the GPU machine
-    "gpu": Preset(model="vit-b16-224", bench_steps=2, bench_batch=8, attack_steps=2, classes=10,
+    # bench.md), which the GPU can only shorten; not yet timed on the GPU machine
+    "gpu": Preset(model="vit-b16-224", device="cuda", bench_steps=2, bench_batch=8, attack_steps=2, classes=10,
                   images_per_class=40, train_samples=120, clients=4, batch_size=32, decoder_steps=100,
                   inverted_images=8, lira_references=2, lira_candidates=40),
-    "cpu": Preset(model="vit-tiny-32", bench_steps=1, bench_batch=8, attack_steps=1, classes=4, images_per_class=30,
-                  train_samples=36, clients=2, batch_size=16, decoder_steps=5, inverted_images=4, lira_references=2,
-                  lira_candidates=12),
+    "cpu": Preset(model="vit-tiny-32", device="cpu", bench_steps=1, bench_batch=8, attack_steps=1, classes=4,
+                  images_per_class=30, train_samples=36, clients=2, batch_size=16, decoder_steps=5, inverted_images=4,
+                  lira_references=2, lira_candidates=12),
 }
 
 
@@ -121,17 +150,25 @@ def figure(report, name: str) -> float:
     return float(group[name]["mean"])
 
 
-def run_check(preset_name: str, out: Path, say=print) -> dict:
-    started = time.perf_counter()
+def run_check(preset_name: str, out: Path, say=print, device: str | None = None) -> dict:
+    """Every stage on the preset's device (or `device`: eftguard's --device), refused in one ConfigError before
+    any work where that device is not here."""
     preset = PRESETS_BY_NAME[preset_name]
+    computed_on = resolve_device(device or preset.device)
+    with computing_on(computed_on):
+        if computed_on.type == "cuda":
+            torch.cuda.reset_peak_memory_stats(computed_on)
+        return _run_check(preset_name, preset, out, say, computed_on)
+
+
+def _run_check(preset_name: str, preset: Preset, out: Path, say, computed_on: torch.device) -> dict:
+    started = time.perf_counter()
     size = PRESETS[preset.model].image_size
     out.mkdir(parents=True, exist_ok=True)
     work = out / "work"
     shutil.rmtree(work, ignore_errors=True)
     result = {"schema_version": SCHEMA_VERSION, "preset": preset_name, "settings": asdict(preset),
-              "machine": {"device": "cpu", "cuda_available": torch.cuda.is_available(),
-                          "cuda_device": torch.cuda.get_device_name(0) if torch.cuda.is_available() else None,
-                          "torch_threads": torch.get_num_threads()}}
+              "machine": {"cuda_available": torch.cuda.is_available(), "torch_threads": torch.get_num_threads()}}
 
     bench, seconds = timed(say, f"bench {preset.model}, every method", lambda: run_bench(
         BenchConfig(model=preset.model, steps=preset.bench_steps, batch_size=preset.bench_batch,
@@ -141,8 +178,12 @@ def run_check(preset_name: str, out: Path, say=print) -> dict:
     result["bench"] = {"seconds": seconds, "clients": {k: {"step_seconds": v["step_seconds"]["median"],
                                                            "speedup": v["speedup"], "flop_ratio": v["flop_ratio"],
                                                            "bound_fraction": v["bound_fraction"],
+                                                           "token_bound": v["token_bound"],
+                                                           "token_bound_fraction": v["token_bound_fraction"],
+                                                           "goal": v["goal"],
                                                            "peak_bytes": v["memory_bytes"]["peak"]}
                                                        for k, v in bench["clients"].items()},
+                       "product_share": bench["product_share"],
                        "server_samples_per_second": bench["server"]["samples_per_second"]}
 
     data = work / "imagefolder"
@@ -167,6 +208,7 @@ def run_check(preset_name: str, out: Path, say=print) -> dict:
         queries="2", power_check=False))
     result["lira"] = {"seconds": seconds, "auc": figure(lira, "auc")}
     shutil.rmtree(work)
+    result["machine"].update(describe(computed_on))  # the device, and a GPU's name and peak allocated bytes
     result["seconds"] = time.perf_counter() - started
     (out / "gpu_check.json").write_text(json.dumps(result, indent=2) + "\n")
     say(f"wrote {out / 'gpu_check.json'}")
@@ -177,10 +219,14 @@ def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--preset", choices=sorted(PRESETS_BY_NAME), default="gpu")
     parser.add_argument("--out", type=Path, required=True, help="folder for gpu_check.json and bench.json")
+    add_arguments(parser, DeviceOptions)  # absent: the preset's (gpu: cuda, cpu: cpu)
     args = parser.parse_args(argv)
     if args.out.exists() and not args.out.is_dir():
         parser.error(f"--out {args.out} is a file: give a folder")
-    run_check(args.preset, args.out, lambda line: print(line, flush=True))
+    try:
+        run_check(args.preset, args.out, lambda line: print(line, flush=True), args.device)
+    except ConfigError as exc:  # --device cuda where torch finds no GPU: one line, before any work
+        parser.error(str(exc))
 
 
 if __name__ == "__main__":

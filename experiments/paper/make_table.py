@@ -16,8 +16,10 @@ def rows_of(check: dict) -> dict[str, str]:
     """Figure name -> cell, in the table's order."""
     rows = {}
     for key, row in check["bench"]["clients"].items():
-        rows[f"bench: {key} step (speed-up, of FLOP bound)"] = (
-            f"{row['step_seconds']:.3f} s ({row['speedup']:.2f}x, {row['bound_fraction']:.2f})")
+        token = "" if row.get("token_bound") is None else f", {row['token_bound_fraction']:.2f}"
+        rows[f"bench: {key} step (speed-up, of FLOP bound, of token-aware bound)"] = (
+            f"{row['step_seconds']:.3f} s ({row['speedup']:.2f}x, {row['bound_fraction']:.2f}{token}; goal "
+            f"{row.get('goal', 'flop')})")
     rows["bench: server feature training"] = f"{check['bench']['server_samples_per_second']:.1f} samples/s"
     for method, run in check["training"].items():
         accuracy = ", ".join(f"{a:.3f}" for a in run["test_accuracy"])
@@ -32,8 +34,11 @@ def rows_of(check: dict) -> dict[str, str]:
 
 def header(check: dict) -> str:
     m, s = check["machine"], check["settings"]
-    return (f"{s['model']}, {m['device']} ({m['cpu_count']} cores, {m['torch_threads']} torch threads"
-            f"{', CUDA unused: ' + m['cuda_device'] if m['cuda_available'] else ''})")
+    if m["device"].startswith("cuda"):
+        gpu = f", {m['cuda_device']}, peak {m['cuda_peak_bytes'] / 2 ** 30:.1f} GiB allocated"
+    else:
+        gpu = ", a CUDA GPU unused" if m["cuda_available"] else ""
+    return f"{s['model']}, {m['device']} ({m['cpu_count']} cores, {m['torch_threads']} torch threads{gpu})"
 
 
 def table(cpu: dict, gpu: dict | None, gpu_missing: str) -> str:
