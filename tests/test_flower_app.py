@@ -18,9 +18,22 @@ APP = Path(__file__).resolve().parents[1] / "examples" / "flower-app"
 CLASSES = 4
 
 
-def record_app(work: Path, batch_size: int, grid_class=None) -> Path:
+def write_class_images(folder: Path, seed: int, constant: bool = False) -> None:
+    """One 16 px image per class: a distinct smooth colour pattern (or, constant, one flat colour) per class."""
+    rng = np.random.default_rng(seed)
+    for label in range(CLASSES):
+        (folder / f"class-{label}").mkdir(parents=True)
+        ramp = np.linspace(0, 1, 16)[None, :, None] * rng.uniform(0.2, 1, 3) + rng.uniform(0, 0.5, 3)
+        pixels = np.clip(np.broadcast_to(ramp, (16, 16, 3)) * 255, 0, 255).astype(np.uint8)
+        if constant:
+            pixels = np.broadcast_to(pixels.mean(axis=(0, 1), dtype=np.float64).astype(np.uint8), pixels.shape)
+        Image.fromarray(np.rot90(pixels, label).copy()).save(folder / f"class-{label}" / "0.png")
+
+
+def record_app(work: Path, batch_size: int, grid_class=None, constant: bool = False) -> Path:
     """Two rounds of the example app over the in-process grid: 2 nodes with 2 generated images each (one distinct
-    smooth colour pattern per class), plain SGD at the given batch size, truth shared by both nodes."""
+    smooth colour pattern per class, or one flat colour), plain SGD at the given batch size, truth shared by both
+    nodes."""
     from flower_app.client_app import app as client_app
     from flower_app.server_app import app as server_app
     from flwr.app import Context, RecordDict
@@ -29,12 +42,7 @@ def record_app(work: Path, batch_size: int, grid_class=None) -> Path:
 
     grid_class = grid_class or InProcessGrid
     torch.manual_seed(0)  # the app's initial model
-    rng = np.random.default_rng(0)
-    for label in range(CLASSES):
-        (work / "images" / f"class-{label}").mkdir(parents=True)
-        ramp = np.linspace(0, 1, 16)[None, :, None] * rng.uniform(0.2, 1, 3) + rng.uniform(0, 0.5, 3)
-        pixels = np.clip(np.broadcast_to(ramp, (16, 16, 3)) * 255, 0, 255).astype(np.uint8)
-        Image.fromarray(np.rot90(pixels, label).copy()).save(work / "images" / f"class-{label}" / "0.png")
+    write_class_images(work / "images", seed=0, constant=constant)
     run = work / "run"
     config = {"num-server-rounds": 2, "lr": 0.1, "local-epochs": 1, "batch-size": batch_size,
               "data-dir": str(work / "images"), "record-to": str(run)}
@@ -85,27 +93,92 @@ def test_label_attack_on_the_recorded_app_recovers_the_labels(recorded_app, tmp_
 
 
 def test_the_audit_of_the_recorded_app_says_what_leaks(recorded_app, tmp_path, capsys):
+    """One image per node recovered and its labels exact: both channels high, each beside its power check (on the
+    bundled photos, no --public given); membership not audited without the auditor's images, saying why."""
     main(["audit", str(recorded_app), "--out", str(tmp_path)])
     summary = json.loads((tmp_path / "summary.json").read_text())
     channels = summary["channels"]
-    assert channels["images from the parameter updates"]["attack"] == "idlg"
-    assert all(entry["verdict"].startswith("leaks: ") for entry in channels.values()), channels
-    assert "leaks" in (tmp_path / "report.md").read_text() and "report.md" in capsys.readouterr().out
+    assert channels["parameter updates"]["attack"] == "gradient-idlg"
+    assert channels["parameter updates"]["level"] == channels["labels"]["level"] == "high", channels
+    assert all("on the control" in channels[c]["power_check"] for c in ("parameter updates", "labels"))
+    assert "bundled photos" in summary["public"] and "no --public given" in (tmp_path / "report.md").read_text()
+    assert channels["membership"]["level"] == "not audited" and "--public DIR" in channels["membership"]["verdict"]
+    assert "high" in (tmp_path / "report.md").read_text() and "report.md" in capsys.readouterr().out
+
+
+def test_a_gate_on_the_app_audit_fails_naming_the_figure(recorded_app, tmp_path, capsys):
     with pytest.raises(SystemExit) as stop:
-        main(["audit", str(recorded_app), "--gate", "gradient.psnr_db < 20"])
+        main(["audit", str(recorded_app), "--out", str(tmp_path), "--gate", "gradient.psnr < 20",
+              "--gate", "labels.l1 > 1.5"])
+    assert stop.value.code == 1
+    err = capsys.readouterr().err
+    assert "gate 'gradient.psnr < 20' does not hold for run: gradient-idlg.psnr" in err, err
+    assert "gate 'labels.l1 > 1.5' does not hold" in err
+    gates = json.loads((tmp_path / "summary.json").read_text())["gates"]
+    assert [g["passed"] for g in gates] == [False, False]
+    main(["audit", str(recorded_app), "--out", str(tmp_path), "--gate", "gradient.psnr < 100"])  # holds: exit 0
+    with pytest.raises(SystemExit) as stop:
+        main(["audit", str(recorded_app), "--out", str(tmp_path), "--gate", "gradient.psnr_typo < 20"])
     assert stop.value.code == 2
 
 
+def test_audit_file_options_are_refused_on_an_app_run_on_one_line(recorded_app, tmp_path, capsys):
+    for flags in (["--shard", "1/2"], ["--ray-address", "127.0.0.1:6379"]):
+        with pytest.raises(SystemExit) as stop:
+            main(["audit", str(recorded_app), "--out", str(tmp_path), *flags])
+        assert stop.value.code == 2
+        err = capsys.readouterr().err.strip()
+        assert len(err.splitlines()) == 1 and "a recorded Flower app is one run" in err, err
+    audit_file = tmp_path / "grid.toml"
+    audit_file.write_text("[train]\n")
+    with pytest.raises(SystemExit) as stop:
+        main(["audit", str(audit_file), "--public", str(tmp_path)])
+    assert stop.value.code == 2
+    err = capsys.readouterr().err.strip()
+    assert len(err.splitlines()) == 1 and "drop --public" in err, err
+
+
+@pytest.fixture(scope="module")
+def flat_app(tmp_path_factory, example_app_importable) -> tuple[Path, Path]:
+    """Flat-colour images, one SGD step: iDLG cannot beat each image's own mean colour (the baseline is exact), so
+    the channel's gain is low; the auditor's smooth patterns (another seed) are the control's public images."""
+    work = tmp_path_factory.mktemp("flower-app-flat")
+    write_class_images(work / "public", seed=1)
+    return record_app(work, batch_size=8, constant=True), work / "public"
+
+
+def test_a_low_stands_behind_a_passing_control(flat_app, tmp_path):
+    run, public = flat_app
+    main(["audit", str(run), "--out", str(tmp_path), "--public", str(public)])
+    channel = json.loads((tmp_path / "summary.json").read_text())["channels"]["parameter updates"]
+    figures = channel["figures"]
+    assert figures["psnr"] < figures["baseline.psnr"] + 2 and \
+        figures["control.psnr"] > figures["control_baseline.psnr"] + 2, figures
+    assert channel["level"] == "low" and channel["power_check"].endswith("passed"), channel
+
+
+def test_a_failing_control_keeps_the_low_inconclusive(flat_app, tmp_path, monkeypatch):
+    """The same run with a one-step iDLG: too weak to recover the public images either, so no "low"."""
+    from eftguard import app_audit
+
+    run, public = flat_app
+    monkeypatch.setitem(app_audit.AUDIT_STEPS, "idlg", 1)
+    main(["audit", str(run), "--out", str(tmp_path), "--public", str(public)])
+    channel = json.loads((tmp_path / "summary.json").read_text())["channels"]["parameter updates"]
+    assert channel["level"] == "inconclusive" and channel["power_check"].endswith("failed"), channel
+    assert "inconclusive: the attack was too weak here" in (tmp_path / "report.md").read_text()
+
+
 def test_without_shared_truth_the_audit_runs_unscored(recorded_app, tmp_path):
-    """Nodes without the share_truth mod: the attacks still run, and no channel gets a verdict it cannot back."""
+    """Nodes without the share_truth mod: the attacks still run, and no channel gets a level it cannot back."""
     import shutil
 
     run = tmp_path / "run"
-    shutil.copytree(recorded_app, run, ignore=shutil.ignore_patterns("truth", "reports"))
+    shutil.copytree(recorded_app, run, ignore=shutil.ignore_patterns("truth", "reports", "audit"))
     main(["audit", str(run), "--out", str(tmp_path / "audit")])
     channels = json.loads((tmp_path / "audit" / "summary.json").read_text())["channels"]
-    assert all(entry["verdict"].startswith("unscored: ") for entry in channels.values()), channels
-    assert set(channels["images from the parameter updates"]["clients"]) == {"0", "1"}
+    assert channels["parameter updates"]["level"] == channels["labels"]["level"] == "not scored", channels
+    assert set(channels["parameter updates"]["clients"]) == {"0", "1"}
 
 
 def test_attacks_that_need_a_vit_or_an_eftguard_run_are_refused_on_one_line(recorded_app, capsys):
@@ -119,7 +192,7 @@ def test_attacks_that_need_a_vit_or_an_eftguard_run_are_refused_on_one_line(reco
             main(["attack", "membership", str(recorded_app), "--method", method])
         assert stop.value.code == 2
         err = capsys.readouterr().err.strip()
-        assert len(err.splitlines()) == 1 and "does not read a recorded Flower app yet" in err, err
+        assert len(err.splitlines()) == 1 and "eftguard audit RUN --public DIR" in err, err
 
 
 def test_a_model_without_a_linear_last_layer_is_refused(tmp_path, monkeypatch, capsys):
