@@ -258,3 +258,81 @@ def test_an_upload_that_fails_validation_is_not_recorded(tmp_path_factory):
     assert not (run / "observed" / "round-0001" / "client-01").exists()
     aggregate = load_file(run / "checkpoints" / "round-0001.safetensors")["classifier.weight"]
     assert np.abs(aggregate).max() > MAX_PARAMETER_VALUE / 4  # FedAvg averaged the tampered reply in
+
+
+TINY_APP = """from torch import nn
+
+
+def Net():
+    return nn.Sequential(nn.Conv2d(3, 8, 3), nn.ReLU(), nn.Flatten(), nn.Linear(8 * 6 * 6, 4))
+"""
+
+
+def noise_images(rng: np.random.Generator, count: int) -> tuple[np.ndarray, np.ndarray]:
+    return rng.integers(0, 256, (count, 8, 8, 3), dtype=np.uint8), rng.integers(0, 4, count).astype(np.int64)
+
+
+def tiny_app_run(folder: Path, memorised: bool):
+    """One recorded round of a tiny CNN's app: 2 clients with 16 random-noise images and random labels each, trained
+    40 epochs by the app's own shuffled SGD (memorised), or a global model that never saw them (the clients' updates
+    not applied); the auditor's 120 images of the same kind in folder/public."""
+    from torch import nn
+
+    from eftguard.apprun import AppRun, AppSpec
+    from tiny_app import Net
+
+    rng = np.random.default_rng(0)
+    run = AppRun.create(folder / "run", AppSpec("tiny_app:Net", 8, local_epochs=40, batch_size=8, lr=0.1))
+    torch.manual_seed(0)
+    start = Net()
+    run.save_checkpoint(0, start.state_dict())
+    states = []
+    for client in range(2):
+        images, labels = noise_images(rng, 16)
+        model = Net()
+        model.load_state_dict(start.state_dict())
+        optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+        inputs = (torch.from_numpy(images).float().permute(0, 3, 1, 2) / 255 - 0.5) / 0.5
+        for _ in range(40):
+            for batch in torch.randperm(16).split(8):
+                optimizer.zero_grad()
+                nn.functional.cross_entropy(model(inputs[batch]), torch.from_numpy(labels)[batch]).backward()
+                optimizer.step()
+        states.append(model.state_dict())
+        run.save_upload(1, client, "update", {k: v.numpy() for k, v in model.state_dict().items()})
+        run.save_truth(1, client, {"images": images, "labels": labels})
+    run.save_checkpoint(1, {k: (states[0][k] + states[1][k]) / 2 for k in states[0]} if memorised else
+                        start.state_dict())
+    run.append_metrics({"round": 1, "lr": 0.1, "num_examples": {"0": 16, "1": 16}, "dropped": {}})
+    for i, (image, label) in enumerate(zip(*noise_images(rng, 120))):
+        (folder / "public" / f"c{label}").mkdir(parents=True, exist_ok=True)
+        Image.fromarray(image).save(folder / "public" / f"c{label}" / f"{i}.png")
+    return run
+
+
+def test_lira_on_an_app_model_finds_memorised_members_and_only_them(tmp_path, monkeypatch):
+    """Online LiRA on a tiny CNN app's global model, its reference models the app's federation replayed on the
+    auditor's images of the same kind: on a model that memorised its clients' images the AUC is far above 0.5; on
+    one that never trained on them it is near 0.5, and with the leave-one-out control passing, the level is "low".
+    Without the auditor's images it is refused, saying why."""
+    from dataclasses import replace
+
+    from eftguard.app_audit import Channel, channel_entries, membership_attack, public_images
+    from eftguard.attacks.base import AttackError
+
+    (tmp_path / "tiny_app.py").write_text(TINY_APP)
+    monkeypatch.syspath_prepend(str(tmp_path))
+    levels = {}
+    for memorised in (True, False):
+        run = tiny_app_run(tmp_path / str(memorised), memorised)
+        public = public_images(tmp_path / str(memorised) / "public", run.spec(), 4)
+        figures, control, details = membership_attack(run, 1, public, seed=0)
+        entry = channel_entries([Channel("membership", "membership-lira", figures, control, details=details)]
+                                )["membership"]
+        assert figures["control.auc"] > 0.7 and entry["power_check"].endswith("passed"), entry
+        assert (figures["auc"] > 0.8) if memorised else (0.3 < figures["auc"] < 0.6), figures
+        levels[memorised] = entry["level"]
+    assert levels == {True: "high", False: "low"}
+    assert "replay of the clients' sgd steps" in details["reference_models"]
+    with pytest.raises(AttackError, match="give --public DIR"):
+        membership_attack(run, 1, replace(public, given=False), seed=0)
