@@ -150,11 +150,13 @@ def flat_app(tmp_path_factory, example_app_importable) -> tuple[Path, Path]:
 def test_a_low_stands_behind_a_passing_control(flat_app, tmp_path):
     run, public = flat_app
     main(["audit", str(run), "--out", str(tmp_path), "--public", str(public)])
-    channel = json.loads((tmp_path / "summary.json").read_text())["channels"]["parameter updates"]
+    summary = json.loads((tmp_path / "summary.json").read_text())
+    channel = summary["channels"]["parameter updates"]
     figures = channel["figures"]
     assert figures["psnr"] < figures["baseline.psnr"] + 2 and \
         figures["control.psnr"] > figures["control_baseline.psnr"] + 2, figures
     assert channel["level"] == "low" and channel["power_check"].endswith("passed"), channel
+    assert summary["trainer"] == "the app's trainer flower_app.task:train" and str(public) in summary["public"]
 
 
 def test_a_failing_control_keeps_the_low_inconclusive(flat_app, tmp_path, monkeypatch):
@@ -167,6 +169,24 @@ def test_a_failing_control_keeps_the_low_inconclusive(flat_app, tmp_path, monkey
     channel = json.loads((tmp_path / "summary.json").read_text())["channels"]["parameter updates"]
     assert channel["level"] == "inconclusive" and channel["power_check"].endswith("failed"), channel
     assert "inconclusive: the attack was too weak here" in (tmp_path / "report.md").read_text()
+
+
+def test_a_trainer_that_does_not_import_is_refused_on_one_line(tmp_path, capsys):
+    from flower_app.task import Net
+
+    from eftguard.apprun import AppRun, AppSpec
+
+    run = AppRun.create(tmp_path / "run", AppSpec("flower_app.task:Net", 16, batch_size=8,
+                                                  trainer="flower_app.task:no_such_train"))
+    state = Net().state_dict()
+    run.save_checkpoint(0, state)
+    run.save_upload(1, 0, "update", {k: v.numpy() for k, v in state.items()})
+    run.append_metrics({"round": 1, "lr": 0.1, "num_examples": {"0": 1}, "dropped": {}})
+    with pytest.raises(SystemExit) as stop:
+        main(["audit", str(run.path), "--out", str(tmp_path / "audit")])
+    assert stop.value.code == 2
+    err = capsys.readouterr().err.strip()
+    assert len(err.splitlines()) == 1 and "cannot import the app's trainer 'flower_app.task:no_such_train'" in err, err
 
 
 def test_without_shared_truth_the_audit_runs_unscored(recorded_app, tmp_path):
