@@ -48,6 +48,7 @@ from eftguard.paths import atomic_write
 from eftguard.verdict import NOT_AUDITED, ChannelVerdict, verdict_of_attacks
 
 AUDIT_STEPS = {"idlg": 1000, "updates": 300}  # the gradient attack's budget, the same on the control
+AUDIT_SEED = 0  # of the control's images and LiRA's candidates, reference data and inclusion
 FAMILIES = ("gradient", "labels", "membership")
 ATTACKS = ("gradient-idlg", "gradient-updates", "labels-bias-corrected", "membership-lira")  # what gates may name
 CONTROL_BETA = 0.5  # Dirichlet concentration of the control's class mix: skewed like a client's, not uniform
@@ -231,10 +232,10 @@ def shared_members(run: AppRun, round_number: int) -> ImageSet | None:
     return ImageSet(np.stack(images), np.asarray(labels, dtype=np.int64)) if images else None
 
 
-def membership_attack(run: AppRun, round_number: int, public: PublicImages, seed: int,
-                      references: int = REFERENCES) -> tuple[dict, str, dict]:
+def membership_attack(run: AppRun, round_number: int, public: PublicImages, seed: int) -> tuple[dict, str, dict]:
     """Online LiRA on the global model after the round: (figures with the control's, what the control was, the
     attack's details)."""
+    references = REFERENCES
     if not public.given:
         raise AttackError("LiRA needs the auditor's images of the app's own kind as population and non-members: give "
                           "--public DIR (a folder of class folders); the bundled photos would tell members apart by "
@@ -286,7 +287,7 @@ def membership_attack(run: AppRun, round_number: int, public: PublicImages, seed
 # --- the audit -------------------------------------------------------------------------------------------
 
 @dataclass
-class Channel:
+class ChannelResult:
     family: str
     attack: str = ""
     figures: dict | None = None
@@ -297,14 +298,14 @@ class Channel:
 
 
 def gradient_channel(run: AppRun, round_number: int, record: dict, control: Control | None, why_no_control: str
-                     ) -> Channel:
+                     ) -> ChannelResult:
     spec = run.spec()
     one_step = all(spec.optimizer == "sgd" and spec.local_epochs * math.ceil(n / spec.batch_size) == 1
                    for n in record["num_examples"].values())
     method = "idlg" if one_step else UpdateInversion.name
     options = {"steps": AUDIT_STEPS[method], **({} if one_step else {"schedule": "fixed"})}
     results = attack_gradient(run, method, options, round_number, "all")
-    channel = Channel("gradient", f"gradient-{method}", mean_of(results, {"psnr_db": "psnr",
+    channel = ChannelResult("gradient", f"gradient-{method}", mean_of(results, {"psnr_db": "psnr",
                                                                            "baseline_psnr_db": "baseline.psnr"}),
                       clients={str(r.client): r.scores for r in results})
     if control is None:
@@ -315,10 +316,10 @@ def gradient_channel(run: AppRun, round_number: int, record: dict, control: Cont
     return channel
 
 
-def labels_channel(run: AppRun, round_number: int, control: Control | None, why_no_control: str) -> Channel:
+def labels_channel(run: AppRun, round_number: int, control: Control | None, why_no_control: str) -> ChannelResult:
     method = "bias-corrected"
     results = attack_labels(run, method, round_number, "all")
-    channel = Channel("labels", f"labels-{method}", mean_of(results, {"l1": "l1", "baseline_l1": "baseline.l1"}),
+    channel = ChannelResult("labels", f"labels-{method}", mean_of(results, {"l1": "l1", "baseline_l1": "baseline.l1"}),
                       clients={str(r.client): {k: v for k, v in r.scores.items() if not isinstance(v, list)}
                                for r in results})
     if control is None:
@@ -329,8 +330,7 @@ def labels_channel(run: AppRun, round_number: int, control: Control | None, why_
     return channel
 
 
-def audit_app(path: Path, out: Path, public_folder: Path | None = None, gates: tuple[str, ...] = (),
-              seed: int = 0, references: int = REFERENCES) -> dict:
+def audit_app(path: Path, out: Path, public_folder: Path | None = None, gates: tuple[str, ...] = ()) -> dict:
     """Every attack that reads a recorded Flower app, on its last round, each with its power check; OUT/summary.json
     and report.md hold one level per channel, the checks beside them, then the figures per client. summary's
     "configurations" holds the run as one configuration of an audit file's summary, so that the gates (and
@@ -342,11 +342,11 @@ def audit_app(path: Path, out: Path, public_folder: Path | None = None, gates: t
     spec = run.spec()
     started = time.monotonic()
     model = run.start_model(round_number)
-    channels: list[Channel] = []
+    channels: list[ChannelResult] = []
     public, control, why_no_control = None, None, ""
     try:
         public = public_images(public_folder, spec, output_width(model, spec))
-        control = build_control(run, round_number, record, public, seed)
+        control = build_control(run, round_number, record, public, AUDIT_SEED)
     except AttackError as exc:
         why_no_control = str(exc)
     for family, attack in (("gradient", lambda: gradient_channel(run, round_number, record, control, why_no_control)),
@@ -354,14 +354,14 @@ def audit_app(path: Path, out: Path, public_folder: Path | None = None, gates: t
         try:
             channels.append(attack())
         except AttackError as exc:
-            channels.append(Channel(family, refused=str(exc)))
+            channels.append(ChannelResult(family, refused=str(exc)))
     try:
         if public is None:
             raise AttackError(why_no_control)
-        figures, what, details = membership_attack(run, round_number, public, seed, references)
-        channels.append(Channel("membership", "membership-lira", figures, what, details=details))
+        figures, what, details = membership_attack(run, round_number, public, AUDIT_SEED)
+        channels.append(ChannelResult("membership", "membership-lira", figures, what, details=details))
     except AttackError as exc:
-        channels.append(Channel("membership", refused=str(exc)))
+        channels.append(ChannelResult("membership", refused=str(exc)))
     attacks = {c.attack: {"family": c.family, "status": "done", "figures": c.figures} for c in channels if c.attack}
     configuration = {"id": run.path.name, "status": "done", "attacks": attacks}
     summary = {"run": str(run.path), "model": spec.model, "round": round_number,
@@ -376,7 +376,7 @@ def audit_app(path: Path, out: Path, public_folder: Path | None = None, gates: t
     return summary
 
 
-def channel_entries(channels: list[Channel]) -> dict:
+def channel_entries(channels: list[ChannelResult]) -> dict:
     """summary.json's "channels": per channel its level (eftguard.verdict) behind its power check, and the figures."""
     verdicts = {v.family: v for v in verdict_of_attacks(
         {c.attack: {"family": c.family, "figures": c.figures} for c in channels if c.attack})}

@@ -1,8 +1,9 @@
 """The run directory of a user's own Flower app (docs/flower-apps.md): the layout of docs/run-directory.md, written by
 `eftguard.federation.recorder.RecordingStrategy`, with `app.toml` in place of `config.toml`.
 
-`app.toml` names the user's model as `module:factory` (imported, never unpickled, to rebuild it) and what the server
-knows of the clients' training: the learning rate it sent, local epochs, batch size, the input size and
+`app.toml` names the user's model as `module:factory` (imported, never unpickled, to rebuild it), optionally the
+clients' own training function as `module:train` (the audit's power checks and reference models train with it), and
+what the server knows of the clients' training: the learning rate it sent, local epochs, batch size, the input size and
 normalisation. Checkpoints, uploads and truth are the same safetensors files as an eftguard run's; an upload holds the
 arrays the client sent (its model's state dict), the truth the images and labels a client chose to share.
 """

@@ -337,7 +337,7 @@ def test_lira_on_an_app_model_finds_memorised_members_and_only_them(tmp_path, mo
     Without the auditor's images it is refused, saying why."""
     from dataclasses import replace
 
-    from eftguard.app_audit import Channel, channel_entries, membership_attack, public_images
+    from eftguard.app_audit import ChannelResult, channel_entries, membership_attack, public_images
     from eftguard.attacks.base import AttackError
 
     (tmp_path / "tiny_app.py").write_text(TINY_APP)
@@ -347,7 +347,7 @@ def test_lira_on_an_app_model_finds_memorised_members_and_only_them(tmp_path, mo
         run = tiny_app_run(tmp_path / str(memorised), memorised)
         public = public_images(tmp_path / str(memorised) / "public", run.spec(), 4)
         figures, control, details = membership_attack(run, 1, public, seed=0)
-        entry = channel_entries([Channel("membership", "membership-lira", figures, control, details=details)]
+        entry = channel_entries([ChannelResult("membership", "membership-lira", figures, control, details=details)]
                                 )["membership"]
         assert figures["control.auc"] > 0.7 and entry["power_check"].endswith("passed"), entry
         assert (figures["auc"] > 0.8) if memorised else (0.3 < figures["auc"] < 0.6), figures
