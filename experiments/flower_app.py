@@ -1,7 +1,7 @@
 """Record examples/flower-app (a Flower app in the PyTorch quickstart's shape) on the bundled photos and attack it
 (docs/flower-apps.md): four runs of two rounds over eftguard's in-process grid, 2 nodes with 1, 4 or 20 photos each
-(resized to the app's 16 px), with one SGD step per round (batch 8), four (batch 1) or sixty (20 photos, batch 8,
-20 epochs); each attacked by the gradient and label methods that read a Flower app's run, and audited (eftguard
+(resized to the app's 16 px), with one SGD step per round (batch 8), four (batch 1) or 300 (20 photos, batch 8,
+100 epochs at lr 1); each attacked by the gradient and label methods that read a Flower app's run, and audited (eftguard
 audit RUN: each channel's level beside its power check; the 20-photo run with --public, so with LiRA). The scores go
 to experiments/results/flower_app.md.
 
@@ -35,12 +35,13 @@ from eftguard.federation.inprocess import InProcessGrid, task_identity  # noqa: 
 
 ONE_STEP = [("gradient", "idlg", ["--steps", "1000"]), ("gradient", "dlg", ["--steps", "1000"]),
             ("gradient", "ig", ["--steps", "500"]), ("labels", "bias-corrected", []), ("labels", "llg", [])]
-RUNS = [  # (photos per node, batch size, local epochs, attacks, audited with --public): one image, one step; four
-    # images, one step; four images, four steps; twenty images, twenty epochs of three steps (the membership run)
-    (1, 8, 1, ONE_STEP, False), (4, 8, 1, ONE_STEP, False),
-    (4, 1, 1, [("gradient", "updates", ["--schedule", "fixed", "--steps", "300"]), ("labels", "bias-corrected", []),
-               ("labels", "llg", [])], False),
-    (20, 8, 20, [("labels", "bias-corrected", [])], True)]
+RUNS = [  # (photos per node, batch size, local epochs, lr, attacks, audited with --public): one image, one step; four
+    # images, one step; four images, four steps; twenty images, 100 epochs of three steps at lr 1 (the membership run:
+    # at lr 0.1 and 20 epochs the app's sigmoid CNN stayed near its initial loss, and LiRA's control failed)
+    (1, 8, 1, 0.1, ONE_STEP, False), (4, 8, 1, 0.1, ONE_STEP, False),
+    (4, 1, 1, 0.1, [("gradient", "updates", ["--schedule", "fixed", "--steps", "300"]),
+                    ("labels", "bias-corrected", []), ("labels", "llg", [])], False),
+    (20, 8, 100, 1.0, [("labels", "bias-corrected", [])], True)]
 
 
 def write_photos(folder: Path, count: int) -> None:
@@ -62,12 +63,12 @@ def write_public(folder: Path) -> Path:
     return folder
 
 
-def record(work: Path, per_node: int, batch_size: int, epochs: int) -> Path:
+def record(work: Path, per_node: int, batch_size: int, epochs: int, lr: float) -> Path:
     torch.manual_seed(0)  # the app's initial model (Net() in its ServerApp): the same for every measurement
     shutil.rmtree(work / "images", ignore_errors=True)
     write_photos(work / "images", per_node * 2)
-    name = f"run-{per_node}-images-batch{batch_size}" + (f"-epochs{epochs}" if epochs > 1 else "")
-    config = {"num-server-rounds": 2, "lr": 0.1, "local-epochs": epochs, "batch-size": batch_size,
+    name = f"run-{per_node}-images-batch{batch_size}" + (f"-epochs{epochs}-lr{lr:g}" if epochs > 1 else "")
+    config = {"num-server-rounds": 2, "lr": lr, "local-epochs": epochs, "batch-size": batch_size,
               "data-dir": str(work / "images"), "record-to": str(work / name)}
     with task_identity():
         server_app(InProcessGrid(2, client_app=client_app, run_config=config),
@@ -93,7 +94,8 @@ def main_experiment(work: Path, out: Path) -> None:
              f"Command: `OMP_NUM_THREADS=1 python experiments/flower_app.py --work {work} --out {out}`; "
              f"{time.strftime('%Y-%m-%d')}, 2-core CPU shared with other jobs.", "",
              "2 nodes with 1 or 4 bundled photos each (distinct classes, resized to 16 px), or 20 each (2 per "
-             "class), plain SGD lr 0.1, 1 local epoch (20 for the 20-image run), 2 rounds; round 2 attacked. "
+             "class), plain SGD lr 0.1, 1 local epoch (the 20-image run: lr 1, 100 epochs), 2 rounds; round 2 "
+             "attacked. "
              "PSNR baseline: each image's own mean colour (an oracle constant image). Label L1: between the "
              "estimated and the true class shares (0 exact, 2 disjoint); baseline: a uniform guess.", "",
              "| images per node, batch size (SGD steps per round) | attack | client | PSNR (dB) | baseline PSNR (dB) "
@@ -101,9 +103,9 @@ def main_experiment(work: Path, out: Path) -> None:
              "| --- | --- | --- | --- | --- | --- | --- | --- |"]
     verdicts = []
     public = write_public(work / "public")
-    for per_node, batch_size, epochs, attacks, with_public in RUNS:
+    for per_node, batch_size, epochs, lr, attacks, with_public in RUNS:
         steps = epochs * -(-per_node // batch_size)
-        run = record(work, per_node, batch_size, epochs)
+        run = record(work, per_node, batch_size, epochs, lr)
         for family, method, flags in attacks:
             started = time.monotonic()
             main(["attack", family, str(run), "--method", method, *flags])
@@ -117,7 +119,7 @@ def main_experiment(work: Path, out: Path) -> None:
         started = time.monotonic()
         summary = json.loads(audit(run, public if with_public else None).read_text())
         command = f"eftguard audit {run}" + (f" --public {public}" if with_public else "")
-        verdicts.append(f"- `{command}` ({per_node} images per node, batch {batch_size}, {epochs} local epoch(s); "
+        verdicts.append(f"- `{command}` ({per_node} images per node, batch {batch_size}, {epochs} local epoch(s), lr {lr:g}; "
                         f"{time.monotonic() - started:.0f} s):")
         verdicts += [f"  - {channel} ({entry['attack'] or '–'}): {entry['verdict']}"
                      + (f"; power check: {entry['power_check']}" if "power_check" in entry else "")
