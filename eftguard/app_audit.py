@@ -371,6 +371,11 @@ def audit_app(path: Path, out: Path, public_folder: Path | None = None, gates: t
     try:
         gates_module.check_figures(parsed, [configuration])
         summary["gates"] = gates_module.evaluate(parsed, [configuration])
+        for gate, result in zip(parsed, summary["gates"]):
+            if not gates_module.matching_attacks(gate, attacks):  # its channel not audited: no evidence, no pass
+                result["passed"] = False
+                result["failures"].append({"configuration": configuration["id"],
+                                           "figure": f"{gate.subject}.{gate.figure}", "value": None})
     finally:
         write_summary(summary, out)
     return summary

@@ -117,6 +117,10 @@ def test_a_gate_on_the_app_audit_fails_naming_the_figure(recorded_app, tmp_path,
     gates = json.loads((tmp_path / "summary.json").read_text())["gates"]
     assert [g["passed"] for g in gates] == [False, False]
     main(["audit", str(recorded_app), "--out", str(tmp_path), "--gate", "gradient.psnr < 100"])  # holds: exit 0
+    with pytest.raises(SystemExit) as stop:  # membership not audited (no --public): no evidence is no pass
+        main(["audit", str(recorded_app), "--out", str(tmp_path), "--gate", "membership.auc < 0.6"])
+    assert stop.value.code == 1
+    assert "gate 'membership.auc < 0.6' does not hold for run: membership.auc = NaN" in capsys.readouterr().err
     with pytest.raises(SystemExit) as stop:
         main(["audit", str(recorded_app), "--out", str(tmp_path), "--gate", "gradient.psnr_typo < 20"])
     assert stop.value.code == 2
