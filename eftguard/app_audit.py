@@ -18,6 +18,7 @@ clients shared as truth (members) and as many of the auditor's images that no re
 from __future__ import annotations
 
 import copy
+import hashlib
 import json
 import math
 import time
@@ -34,7 +35,7 @@ from eftguard.apprun import AppRun, AppSpec
 from eftguard.attacks.base import AttackError
 from eftguard.attacks.gradient import GRADIENT, LocalTraining
 from eftguard.attacks.labels import ClientUploads
-from eftguard.attacks.membership import LiRAAttack, MembershipObservation
+from eftguard.attacks.membership import LiRAAttack, MembershipObservation, RMIAAttack
 from eftguard.attacks.update_inversion import UpdateInversion, fixed_schedule, simulate_local_training
 from eftguard.audit import gate as gates_module
 from eftguard.audit.families import leave_one_out
@@ -50,12 +51,24 @@ from eftguard.verdict import NOT_AUDITED, ChannelVerdict, verdict_of_attacks
 AUDIT_STEPS = {"idlg": 1000, "updates": 300}  # the gradient attack's budget, the same on the control
 AUDIT_SEED = 0  # of the control's images and LiRA's candidates, reference data and inclusion
 FAMILIES = ("gradient", "labels", "membership")
-ATTACKS = ("gradient-idlg", "gradient-updates", "labels-bias-corrected", "membership-lira")  # what gates may name
+ATTACKS = ("gradient-idlg", "gradient-updates", "labels-bias-corrected", "membership-lira", "membership-rmia")  # what gates may name
 CONTROL_BETA = 0.5  # Dirichlet concentration of the control's class mix: skewed like a client's, not uniform
 REFERENCES = 8  # LiRA's reference models (online: each candidate in 4; leave-one-out scores the control with 7)
 MEMBER_CANDIDATES = 100  # at most this many members scored, and as many non-members
 MIN_CANDIDATES = 10  # fewer members or non-members: refused (an AUC over a handful is noise)
+POPULATION = 500  # at most this many of the auditor's images as RMIA's population, a quarter where fewer
 BATCH = 256
+
+
+@dataclass
+class ChannelResult:
+    family: str
+    attack: str = ""
+    figures: dict | None = None
+    control: str = ""       # what the control was, or why none ran
+    clients: dict | None = None
+    refused: str = ""       # why the channel's attack could not run
+    details: dict | None = None
 
 
 @dataclass(frozen=True)
@@ -232,9 +245,9 @@ def shared_members(run: AppRun, round_number: int) -> ImageSet | None:
     return ImageSet(np.stack(images), np.asarray(labels, dtype=np.int64)) if images else None
 
 
-def membership_attack(run: AppRun, round_number: int, public: PublicImages, seed: int) -> tuple[dict, str, dict]:
-    """Online LiRA on the global model after the round: (figures with the control's, what the control was, the
-    attack's details)."""
+def membership_attacks(run: AppRun, round_number: int, public: PublicImages, seed: int) -> list[ChannelResult]:
+    """Online LiRA and RMIA on the global model after the round, on the same candidates and reference models, each
+    with its leave-one-out control."""
     references = REFERENCES
     if not public.given:
         raise AttackError("LiRA needs the auditor's images of the app's own kind as population and non-members: give "
@@ -252,7 +265,10 @@ def membership_attack(run: AppRun, round_number: int, public: PublicImages, seed
                           f"{len(public.images)}: an AUC over fewer says nothing")
     order = rng.permutation(len(public.images))
     members = members.subset(np.sort(rng.choice(len(members), count, replace=False)))
-    non_members, pool = public.images.subset(np.sort(order[:count])), public.images.subset(np.sort(order[count:]))
+    non_members = public.images.subset(np.sort(order[:count]))
+    population_size = min(POPULATION, (len(order) - count) // 4)  # RMIA's z: in no reference model's training
+    population = public.images.subset(np.sort(order[count:count + population_size]))
+    pool = public.images.subset(np.sort(order[count + population_size:]))
     candidates = ImageSet(np.concatenate([members.images, non_members.images]),
                           np.concatenate([members.labels, non_members.labels]))
     is_member = np.r_[np.ones(count, bool), np.zeros(count, bool)]
@@ -268,34 +284,43 @@ def membership_attack(run: AppRun, round_number: int, public: PublicImages, seed
         models.append(replayed_federation(run, rounds, data, seed + index))
     observation = MembershipObservation("global", round_number, candidates.images, candidates.labels,
                                         run.start_model(round_number + 1),  # the global model after the round
-                                        references=models, reference_trained_on=trained_on, outputs=app_logits(spec))
-    attack = LiRAAttack(variant="online")
-    result = attack.reconstruct(observation)
-    control = attack.reconstruct(leave_one_out(observation, models, trained_on))
-    figures = {**{k: v for k, v in membership_figures(result.scores, is_member).items() if v is not None},
-               "chance.auc": 0.5, "control.auc": membership_figures(control.scores, trained_on[0])["auc"],
-               "control_baseline.auc": 0.5}
-    details = {"members": count, "non_members": count, "references": references, **result.details,
-               "reference_models": f"{references}, each the app's federation replayed ({round_number} FedAvg round(s) "
-                                   f"of {len(rounds[-1]['num_examples'])} clients at the recorded learning rates, from "
-                                   f"the recorded initial weights) by {trainer_text(spec)} on half of the auditor's "
-                                   "images and half of the candidates"}
-    return figures, (f"lira on reference model 1 of {references} in the global model's place "
-                     f"({int(trained_on[0].sum())} members known), scored with the other {references - 1}"), details
+                                        references=models, reference_trained_on=trained_on,
+                                        population=population.images, population_labels=population.labels,
+                                        outputs=memoised(app_logits(spec)))
+    reference_text = (f"{references}, each the app's federation replayed ({round_number} FedAvg round(s) of "
+                      f"{len(rounds[-1]['num_examples'])} clients at the recorded learning rates, from the recorded "
+                      f"initial weights) by {trainer_text(spec)} on half of the auditor's images and half of the "
+                      "candidates")
+    results = []
+    for attack in (LiRAAttack(variant="online"), RMIAAttack(variant="online")):
+        result = attack.reconstruct(observation)
+        control = attack.reconstruct(leave_one_out(observation, models, trained_on))
+        figures = {**{k: v for k, v in membership_figures(result.scores, is_member).items() if v is not None},
+                   "chance.auc": 0.5, "control.auc": membership_figures(control.scores, trained_on[0])["auc"],
+                   "control_baseline.auc": 0.5}
+        details = {"members": count, "non_members": count, **result.details, "reference_models": reference_text}
+        results.append(ChannelResult("membership", f"membership-{attack.name}", figures,
+                                     f"{attack.name} on reference model 1 of {references} in the global model's place "
+                                     f"({int(trained_on[0].sum())} members known), scored with the other "
+                                     f"{references - 1}", details=details))
+    return results
+
+
+def memoised(outputs):
+    """outputs(model, images), each model's logits on each image set computed once (LiRA and RMIA, and their
+    controls, query the same references on the same candidates)."""
+    computed: dict = {}
+
+    def cached(model: nn.Module, images: np.ndarray) -> torch.Tensor:
+        key = (id(model), images.shape, hashlib.sha256(np.ascontiguousarray(images).tobytes()).digest())
+        if key not in computed:
+            computed[key] = outputs(model, images)
+        return computed[key]
+
+    return cached
 
 
 # --- the audit -------------------------------------------------------------------------------------------
-
-@dataclass
-class ChannelResult:
-    family: str
-    attack: str = ""
-    figures: dict | None = None
-    control: str = ""       # what the control was, or why none ran
-    clients: dict | None = None
-    refused: str = ""       # why the channel's attack could not run
-    details: dict | None = None
-
 
 def gradient_channel(run: AppRun, round_number: int, record: dict, control: Control | None, why_no_control: str
                      ) -> ChannelResult:
@@ -358,8 +383,7 @@ def audit_app(path: Path, out: Path, public_folder: Path | None = None, gates: t
     try:
         if public is None:
             raise AttackError(why_no_control)
-        figures, what, details = membership_attack(run, round_number, public, AUDIT_SEED)
-        channels.append(ChannelResult("membership", "membership-lira", figures, what, details=details))
+        channels += membership_attacks(run, round_number, public, AUDIT_SEED)
     except AttackError as exc:
         channels.append(ChannelResult("membership", refused=str(exc)))
     attacks = {c.attack: {"family": c.family, "status": "done", "figures": c.figures} for c in channels if c.attack}
@@ -382,22 +406,30 @@ def audit_app(path: Path, out: Path, public_folder: Path | None = None, gates: t
 
 
 def channel_entries(channels: list[ChannelResult]) -> dict:
-    """summary.json's "channels": per channel its level (eftguard.verdict) behind its power check, and the figures."""
+    """summary.json's "channels": per channel its level (eftguard.verdict, the strongest attack's) behind its power
+    check (the family's passing one, else its strongest), that attack's figures, and every attack's."""
     verdicts = {v.family: v for v in verdict_of_attacks(
         {c.attack: {"family": c.family, "figures": c.figures} for c in channels if c.attack})}
     entries = {}
-    for c in channels:
-        v: ChannelVerdict = verdicts[c.family]
-        entry = {"family": c.family, "attack": c.attack or None, "level": v.level}
-        if c.refused:
-            entry.update(level=NOT_AUDITED, verdict=f"not audited: {c.refused}")
-        else:
-            entry.update(verdict=f"{v.summary}: {v.level_text}", power_check=v.control_text if v.control else
-                         c.control, control=c.control, figures=c.figures)
-            if c.clients:
-                entry["clients"] = c.clients
-            if c.details:
-                entry["details"] = c.details
+    for family in dict.fromkeys(c.family for c in channels):
+        v: ChannelVerdict = verdicts[family]
+        ran = {c.attack: c for c in channels if c.family == family and not c.refused}
+        if not ran:
+            reasons = "; ".join(c.refused for c in channels if c.family == family)
+            entries[v.channel] = {"family": family, "attack": None, "level": NOT_AUDITED,
+                                  "verdict": f"not audited: {reasons}"}
+            continue
+        shown = ran.get(v.attack) or next(iter(ran.values()))
+        checked = ran.get(v.control.attack) if v.control else None
+        entry = {"family": family, "attack": shown.attack, "level": v.level, "verdict": f"{v.summary}: {v.level_text}",
+                 "power_check": v.control_text if checked else shown.control,
+                 "control": (checked or shown).control, "figures": shown.figures}
+        if len(ran) > 1:
+            entry["attacks"] = {name: c.figures for name, c in ran.items()}
+        if shown.clients:
+            entry["clients"] = shown.clients
+        if shown.details:
+            entry["details"] = shown.details
         entries[v.channel] = entry
     return entries
 
