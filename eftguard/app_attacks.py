@@ -225,8 +225,9 @@ def app_methods(family: str) -> tuple[str, ...]:
     """The methods of a family that read a recorded Flower app; a family with none is refused on one line."""
     methods = {"gradient": GRADIENT_METHODS, "labels": LABEL_METHODS}.get(family)
     if family == "membership":
-        raise AttackError("membership inference on a recorded Flower app (LiRA on its global model) runs in its audit: "
-                          "eftguard audit RUN --public DIR, DIR your images of the app's kind (docs/flower-apps.md)")
+        raise AttackError("membership inference on a recorded Flower app (LiRA and RMIA on its global model) runs in "
+                          "its audit: eftguard audit RUN --public DIR, DIR your images of the app's kind "
+                          "(docs/flower-apps.md)")
     if methods is None:
         raise AttackError(f"eftguard attack {family} does not read a recorded Flower app: attack it with "
                           f"gradient (--method {'|'.join(GRADIENT_METHODS)}) or labels (--method "

@@ -8,11 +8,12 @@ assume) on as many public images as the client's n_k, drawn with a skewed class 
 auditor's (`--public DIR`, a folder of class folders), else the bundled photos resized to the app's input size. A
 "low" stands only behind a passing control; a failing one makes it "inconclusive".
 
-Membership: online LiRA on the global model after the round. Its reference models replay the app's federation
+Membership: online LiRA and RMIA on the global model after the round. Their reference models replay the app's federation
 (FedAvg over the recorded rounds' client counts and learning rates, from the recorded initial weights, each client
 trained as above) on half of the auditor's images and half of the candidates each; candidates are the images the
 clients shared as truth (members) and as many of the auditor's images that no reference model trained on
-(non-members). Its control is leave-one-out: reference model 1 in the global model's place, its members known.
+(non-members); RMIA's population is more of the auditor's images, in no reference model. Their control is
+leave-one-out: reference model 1 in the global model's place, its members known.
 """
 
 from __future__ import annotations
@@ -49,11 +50,12 @@ from eftguard.paths import atomic_write
 from eftguard.verdict import NOT_AUDITED, ChannelVerdict, verdict_of_attacks
 
 AUDIT_STEPS = {"idlg": 1000, "updates": 300}  # the gradient attack's budget, the same on the control
-AUDIT_SEED = 0  # of the control's images and LiRA's candidates, reference data and inclusion
+AUDIT_SEED = 0  # of the control's images and the membership candidates, reference data and inclusion
 FAMILIES = ("gradient", "labels", "membership")
-ATTACKS = ("gradient-idlg", "gradient-updates", "labels-bias-corrected", "membership-lira", "membership-rmia")  # what gates may name
+ATTACKS = ("gradient-idlg", "gradient-updates", "labels-bias-corrected", "membership-lira",  # what gates may name
+           "membership-rmia")
 CONTROL_BETA = 0.5  # Dirichlet concentration of the control's class mix: skewed like a client's, not uniform
-REFERENCES = 8  # LiRA's reference models (online: each candidate in 4; leave-one-out scores the control with 7)
+REFERENCES = 8  # LiRA's and RMIA's (online: each candidate in 4; leave-one-out scores the control with the other 7)
 MEMBER_CANDIDATES = 100  # at most this many members scored, and as many non-members
 MIN_CANDIDATES = 10  # fewer members or non-members: refused (an AUC over a handful is noise)
 POPULATION = 500  # at most this many of the auditor's images as RMIA's population, a quarter where fewer
@@ -62,6 +64,9 @@ BATCH = 256
 
 @dataclass
 class ChannelResult:
+    """One attack of the app audit: its figures (with its control's, as eftguard.verdict reads them), or why it
+    could not run."""
+
     family: str
     attack: str = ""
     figures: dict | None = None
@@ -250,9 +255,9 @@ def membership_attacks(run: AppRun, round_number: int, public: PublicImages, see
     with its leave-one-out control."""
     references = REFERENCES
     if not public.given:
-        raise AttackError("LiRA needs the auditor's images of the app's own kind as population and non-members: give "
-                          "--public DIR (a folder of class folders); the bundled photos would tell members apart by "
-                          "their kind, not their membership")
+        raise AttackError("LiRA and RMIA need the auditor's images of the app's own kind as population and "
+                          "non-members: give --public DIR (a folder of class folders); the bundled photos would tell "
+                          "members apart by their kind, not their membership")
     members = shared_members(run, round_number)
     if members is None:
         raise AttackError("no client shared its truth (the share_truth mod): the members are unknown")
@@ -260,9 +265,9 @@ def membership_attacks(run: AppRun, round_number: int, public: PublicImages, see
     rng = np.random.default_rng([seed, 39])
     count = min(MEMBER_CANDIDATES, len(members), len(public.images) // 3)
     if count < MIN_CANDIDATES:
-        raise AttackError(f"LiRA needs {MIN_CANDIDATES} members and as many non-members, beside twice as many images "
-                          f"for its reference models; the clients shared {len(members)} images, --public holds "
-                          f"{len(public.images)}: an AUC over fewer says nothing")
+        raise AttackError(f"LiRA and RMIA need {MIN_CANDIDATES} members and as many non-members, beside twice as "
+                          f"many images for their reference models; the clients shared {len(members)} images, --public "
+                          f"holds {len(public.images)}: an AUC over fewer says nothing")
     order = rng.permutation(len(public.images))
     members = members.subset(np.sort(rng.choice(len(members), count, replace=False)))
     non_members = public.images.subset(np.sort(order[:count]))
@@ -330,9 +335,9 @@ def gradient_channel(run: AppRun, round_number: int, record: dict, control: Cont
     method = "idlg" if one_step else UpdateInversion.name
     options = {"steps": AUDIT_STEPS[method], **({} if one_step else {"schedule": "fixed"})}
     results = attack_gradient(run, method, options, round_number, "all")
-    channel = ChannelResult("gradient", f"gradient-{method}", mean_of(results, {"psnr_db": "psnr",
-                                                                           "baseline_psnr_db": "baseline.psnr"}),
-                      clients={str(r.client): r.scores for r in results})
+    figures = mean_of(results, {"psnr_db": "psnr", "baseline_psnr_db": "baseline.psnr"})
+    channel = ChannelResult("gradient", f"gradient-{method}", figures,
+                            clients={str(r.client): r.scores for r in results})
     if control is None:
         channel.control = f"not run: {why_no_control}"
     else:
@@ -345,8 +350,8 @@ def labels_channel(run: AppRun, round_number: int, control: Control | None, why_
     method = "bias-corrected"
     results = attack_labels(run, method, round_number, "all")
     channel = ChannelResult("labels", f"labels-{method}", mean_of(results, {"l1": "l1", "baseline_l1": "baseline.l1"}),
-                      clients={str(r.client): {k: v for k, v in r.scores.items() if not isinstance(v, list)}
-                               for r in results})
+                            clients={str(r.client): {k: v for k, v in r.scores.items() if not isinstance(v, list)}
+                                     for r in results})
     if control is None:
         channel.control = f"not run: {why_no_control}"
     else:

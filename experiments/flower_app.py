@@ -124,8 +124,11 @@ def main_experiment(work: Path, out: Path) -> None:
         verdicts += [f"  - {channel} ({entry['attack'] or '–'}): {entry['verdict']}"
                      + (f"; power check: {entry['power_check']}" if "power_check" in entry else "")
                      for channel, entry in summary["channels"].items()]
-        verdicts += [f"  - LiRA's {name.replace('_', ' ')}: {value}" for name, value in
-                     summary["channels"]["membership"].get("details", {}).items()]
+        membership = summary["channels"]["membership"]
+        verdicts += [f"  - {attack}: " + ", ".join(f"{k} {v:.3f}" for k, v in figures.items())
+                     for attack, figures in membership.get("attacks", {}).items()]
+        verdicts += [f"  - {membership['attack']}'s {name.replace('_', ' ')}: {value}"
+                     for name, value in membership.get("details", {}).items()]
     lines += ["", "The audit of each run (`eftguard audit RUN --out RUN/audit`, run from examples/flower-app). Without "
               "--public the power checks' public images are the bundled photos' public split resized to 16 px and "
               f"membership is not audited; with it, {public} holds that split (disjoint tiles of the same "
