@@ -133,6 +133,11 @@ def test_audit_file_options_are_refused_on_an_app_run_on_one_line(recorded_app, 
         assert stop.value.code == 2
         err = capsys.readouterr().err.strip()
         assert len(err.splitlines()) == 1 and "a recorded Flower app is one run" in err, err
+    with pytest.raises(SystemExit) as stop:
+        main(["audit", str(recorded_app), "--out", str(tmp_path), "--public", str(tmp_path / "missing")])
+    assert stop.value.code == 2
+    err = capsys.readouterr().err.strip()
+    assert len(err.splitlines()) == 1 and "missing is not a folder" in err, err
     audit_file = tmp_path / "grid.toml"
     audit_file.write_text("[train]\n")
     with pytest.raises(SystemExit) as stop:
