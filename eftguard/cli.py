@@ -88,8 +88,9 @@ class AuditOptions:
     key: Path | None = option(None, "at-rest key for the attacks (default: the [train] encrypt_at_rest key file)",
                               metavar="KEYFILE")
     public: Path | None = option(None, "a recorded Flower app: the auditor's images (one subfolder per class, the "
-                                       "app's classes in sorted order) for the power checks and as LiRA's population "
-                                       "and non-members (default: the bundled photos, for the power checks only)",
+                                       "app's classes in sorted order) for the power checks and as the membership "
+                                       "attacks' population and non-members (default: the bundled photos, for the "
+                                       "power checks only)",
                                  metavar="DIR")
     ray_address: str | None = option(None, "run every configuration (its training and attacks) as a task of the Ray "
                                            "cluster whose head is at HOST:PORT (`ray start --head --port PORT`); "
