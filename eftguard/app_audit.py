@@ -457,14 +457,18 @@ def write_summary(summary: dict, out: Path) -> None:
     for channel, entry in summary["channels"].items():
         clients = entry.get("clients") or {}
         columns = sorted({k for scores in clients.values() for k, v in scores.items() if not isinstance(v, list)})
+        if not (columns or entry.get("details") or entry.get("attacks")):
+            continue
+        lines += ["", f"## {channel}"]
         if columns:
-            lines += ["", f"## {channel}", "", "| client | " + " | ".join(columns) + " |",
-                      "| --- |" + " --- |" * len(columns)]
+            lines += ["", "| client | " + " | ".join(columns) + " |", "| --- |" + " --- |" * len(columns)]
             lines += [f"| {client} | " + " | ".join(f"{scores.get(c, ''):.4g}" if isinstance(scores.get(c), float)
                                                     else str(scores.get(c, "")) for c in columns) + " |"
                       for client, scores in clients.items()]
-        for name, value in (entry.get("details") or {}).items():
-            lines.append(f"- {name}: {value}")
+        notes = [f"- {attack}: " + ", ".join(f"{k} {v:.3f}" for k, v in figures.items())
+                 for attack, figures in (entry.get("attacks") or {}).items()]
+        notes += [f"- {name.replace('_', ' ')}: {value}" for name, value in (entry.get("details") or {}).items()]
+        lines += [""] + notes if notes else []
     atomic_write(out / "report.md", lambda p: p.write_text("\n".join(lines) + "\n"))
 
 
