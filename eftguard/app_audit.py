@@ -164,6 +164,8 @@ class Control:
 
 def build_control(run: AppRun, round_number: int, record: dict, public: PublicImages, seed: int) -> Control:
     spec = run.spec()
+    if not record["num_examples"]:
+        raise AttackError(f"no client's upload was recorded in round {round_number} (metrics.jsonl says why)")
     client = min(int(c) for c in record["num_examples"])
     sample = control_sample(public.images, int(record["num_examples"][str(client)]), seed)
     model = run.start_model(round_number)
