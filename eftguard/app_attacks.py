@@ -21,7 +21,7 @@ import numpy as np
 import torch
 from torch import nn
 
-from eftguard.apprun import AppRun
+from eftguard.apprun import AppRun, AppSpec
 from eftguard.attacks.base import AttackError
 from eftguard.attacks.gradient import GRADIENT, GradientObservation, LocalTraining
 from eftguard.attacks.labels import LABELS, ClientUploads, LabelObservation
@@ -83,18 +83,29 @@ def round_of(run: AppRun, round_number: int | None) -> tuple[int, dict]:
 
 def client_observation(run: AppRun, model: nn.Module, head: str, round_number: int, record: dict, client: int,
                        method: str) -> GradientObservation:
-    """The client's update as the server holds it: -update / (lr * steps), its gradient when it took one SGD step
-    (the only case dlg, idlg and ig may read), and the local training the updates attack simulates."""
-    spec = run.spec()
+    """The client's update as the server holds it (update_observation), checked to suit the method."""
     num_examples = int(record["num_examples"][str(client)])
+    check_steps(run.spec(), method, num_examples, f"client {client}'s update in round {round_number}")
+    update = run.load_upload(round_number, client, "update")
+    trained = {name: torch.from_numpy(update[name]) for name, _ in model.named_parameters()}
+    return update_observation(run.spec(), model, head, trained, num_examples, float(record["lr"]))
+
+
+def check_steps(spec: AppSpec, method: str, num_examples: int, what: str) -> None:
+    """dlg, idlg and ig invert one SGD step's gradient: a multi-step update is refused on one line."""
     steps = spec.local_epochs * math.ceil(num_examples / spec.batch_size)
     if method in ONE_STEP_METHODS and (steps != 1 or spec.optimizer != "sgd"):
-        raise AttackError(f"client {client}'s update in round {round_number} is {steps} local {spec.optimizer} "
-                          f"step(s) (n_k {num_examples}, batch {spec.batch_size}, {spec.local_epochs} epoch(s)): "
-                          f"--method {method} inverts one SGD step's gradient; use --method updates --schedule fixed")
-    update = run.load_upload(round_number, client, "update")
-    lr = float(record["lr"])
-    trained = {name: torch.from_numpy(update[name]) for name, _ in model.named_parameters()}
+        raise AttackError(f"{what} is {steps} local {spec.optimizer} step(s) (n_k {num_examples}, batch "
+                          f"{spec.batch_size}, {spec.local_epochs} epoch(s)): --method {method} inverts one SGD "
+                          "step's gradient; use --method updates --schedule fixed")
+
+
+def update_observation(spec: AppSpec, model: nn.Module, head: str, trained: dict[str, torch.Tensor],
+                       num_examples: int, lr: float) -> GradientObservation:
+    """An update from the start `model` to the `trained` parameters: -update / (lr * steps), the gradient when the
+    client took one SGD step (the only case dlg, idlg and ig may read), and the local training the updates attack
+    simulates."""
+    steps = spec.local_epochs * math.ceil(num_examples / spec.batch_size)
     gradients = {name: -(trained[name] - p.detach()) / (lr * steps) for name, p in model.named_parameters()}
     training = LocalTraining(trained, num_examples, spec.local_epochs, spec.batch_size, lr, spec.weight_decay,
                              num_patches=0, mask_ratio=None, optimizer=spec.optimizer)
@@ -102,10 +113,18 @@ def client_observation(run: AppRun, model: nn.Module, head: str, round_number: i
                                head_bias=f"{head}.bias", local_training=training)
 
 
+def image_scores(reconstructed: np.ndarray, originals: np.ndarray) -> dict:
+    """PSNR of the reconstructions (matched to the originals, uint8 [n, H, W, 3]) and of each original's own mean
+    colour, the baseline."""
+    originals = originals.astype(np.float64) / 255.0
+    matched = reconstructed[hungarian_match(reconstructed, originals)]
+    mean_colour = np.broadcast_to(originals.mean(axis=(1, 2), keepdims=True), originals.shape)
+    return {"psnr_db": float(psnr(matched, originals).mean()),
+            "baseline_psnr_db": float(psnr(mean_colour, originals).mean())}
+
+
 def attack_gradient(run: AppRun, method: str, options: dict, round_number: int | None, clients) -> list[ClientResult]:
-    if method not in GRADIENT_METHODS:
-        raise AttackError(f"--method {method} reads a ViT's patch and positional embeddings; on a Flower app's model "
-                          f"use --method {' | '.join(GRADIENT_METHODS)}")
+    check_gradient_method(method)
     round_number, record = round_of(run, round_number)
     spec = run.spec()
     results = []
@@ -117,48 +136,75 @@ def attack_gradient(run: AppRun, method: str, options: dict, round_number: int |
         scores = {"images": observation.batch_size}
         truth = shared_truth(run, round_number, client)
         if truth is not None:
-            originals = truth["images"].astype(np.float64) / 255.0
-            matched = reconstruction.images[hungarian_match(reconstruction.images, originals)]
-            scores["psnr_db"] = float(psnr(matched, originals).mean())
-            mean_colour = np.broadcast_to(originals.mean(axis=(1, 2), keepdims=True), originals.shape)
-            scores["baseline_psnr_db"] = float(psnr(mean_colour, originals).mean())
+            scores.update(image_scores(reconstruction.images, truth["images"]))
         results.append(ClientResult(client, scores))
     return results
 
 
+def check_gradient_method(method: str) -> None:
+    if method not in GRADIENT_METHODS:
+        raise AttackError(f"--method {method} reads a ViT's patch and positional embeddings; on a Flower app's model "
+                          f"use --method {' | '.join(GRADIENT_METHODS)}")
+
+
 def attack_labels(run: AppRun, method: str, round_number: int | None, clients) -> list[ClientResult]:
-    if method not in LABEL_METHODS:
-        raise AttackError(f"--method {method} reads uploaded features or a ViT; on a Flower app's model use "
-                          f"--method {' | '.join(LABEL_METHODS)} (they read the last linear layer's update alone)")
+    check_label_method(method)
     round_number, record = round_of(run, round_number)
     model = run.start_model(round_number)
-    head_name = last_linear(model, run.spec().image_size)
-    head = model.get_submodule(head_name)
-    if head.bias is None:
-        raise AttackError(f"the app's last layer {head_name} has no bias: the label attacks read the bias update")
+    head = label_head(model, run.spec().image_size)
     uploads = []
     for client in chosen_clients(run, round_number, clients):
         update = run.load_upload(round_number, client, "update")
         uploads.append(ClientUploads(client, int(record["num_examples"][str(client)]), None, None,
-                                     update[f"{head_name}.weight"], update[f"{head_name}.bias"]))
-    observation = LabelObservation(round_number, head.out_features, uploads, start_model=SimpleNamespace(head=head))
-    estimates = LABELS.get(method)().reconstruct(observation)
+                                     update[f"{head.name}.weight"], update[f"{head.name}.bias"]))
+    estimates = estimate_labels(method, round_number, head, uploads)
     results = []
     for client in uploads:
         scores = {"estimated_counts": estimates[client.partition].counts.round(2).tolist()}
         truth = shared_truth(run, round_number, client.partition)
         if truth is not None:
-            if truth["labels"].max(initial=0) >= head.out_features:
+            if truth["labels"].max(initial=0) >= head.module.out_features:
                 raise RunError(f"client {client.partition}'s shared truth has label {truth['labels'].max()}, but the "
-                               f"model has {head.out_features} classes: share the labels the client trained on")
-            true = np.bincount(truth["labels"], minlength=head.out_features).astype(np.float64)
-            share = true / true.sum()
-            estimate = estimates[client.partition].counts / max(estimates[client.partition].counts.sum(), 1e-12)
-            scores["true_counts"] = true.tolist()
-            scores["l1"] = float(np.abs(estimate - share).sum())
-            scores["baseline_l1"] = float(np.abs(np.full_like(share, 1 / len(share)) - share).sum())  # uniform guess
+                               f"model has {head.module.out_features} classes: share the labels the client trained on")
+            scores.update(label_scores(estimates[client.partition].counts, truth["labels"], head.module.out_features))
         results.append(ClientResult(client.partition, scores))
     return results
+
+
+def check_label_method(method: str) -> None:
+    if method not in LABEL_METHODS:
+        raise AttackError(f"--method {method} reads uploaded features or a ViT; on a Flower app's model use "
+                          f"--method {' | '.join(LABEL_METHODS)} (they read the last linear layer's update alone)")
+
+
+@dataclass
+class Head:
+    name: str
+    module: nn.Linear
+
+
+def label_head(model: nn.Module, image_size: int) -> Head:
+    """The last linear layer, with the bias the label attacks read."""
+    name = last_linear(model, image_size)
+    head = Head(name, model.get_submodule(name))
+    if head.module.bias is None:
+        raise AttackError(f"the app's last layer {name} has no bias: the label attacks read the bias update")
+    return head
+
+
+def estimate_labels(method: str, round_number: int, head: Head, uploads: list[ClientUploads]) -> dict:
+    observation = LabelObservation(round_number, head.module.out_features, uploads,
+                                   start_model=SimpleNamespace(head=head.module))
+    return LABELS.get(method)().reconstruct(observation)
+
+
+def label_scores(estimated: np.ndarray, labels: np.ndarray, classes: int) -> dict:
+    """L1 between the estimated and the true class shares, and a uniform guess's (the baseline)."""
+    true = np.bincount(labels, minlength=classes).astype(np.float64)
+    share = true / true.sum()
+    estimate = estimated / max(estimated.sum(), 1e-12)
+    return {"true_counts": true.tolist(), "l1": float(np.abs(estimate - share).sum()),
+            "baseline_l1": float(np.abs(np.full_like(share, 1 / len(share)) - share).sum())}
 
 
 def shared_truth(run: AppRun, round_number: int, client: int) -> dict | None:
@@ -178,10 +224,14 @@ def write_report(run: AppRun, family: str, method: str, results: list[ClientResu
 def app_methods(family: str) -> tuple[str, ...]:
     """The methods of a family that read a recorded Flower app; a family with none is refused on one line."""
     methods = {"gradient": GRADIENT_METHODS, "labels": LABEL_METHODS}.get(family)
+    if family == "membership":
+        raise AttackError("membership inference on a recorded Flower app (LiRA and RMIA on its global model) runs in "
+                          "its audit: eftguard audit RUN --public DIR, DIR your images of the app's kind "
+                          "(docs/flower-apps.md)")
     if methods is None:
-        raise AttackError(f"eftguard attack {family} does not read a recorded Flower app yet: attack it with "
+        raise AttackError(f"eftguard attack {family} does not read a recorded Flower app: attack it with "
                           f"gradient (--method {'|'.join(GRADIENT_METHODS)}) or labels (--method "
-                          f"{'|'.join(LABEL_METHODS)})")
+                          f"{'|'.join(LABEL_METHODS)}), or audit it (eftguard audit RUN)")
     return methods
 
 
@@ -192,66 +242,3 @@ def run_app_attack(path: Path, family: str, method: str, options: dict, round_nu
     attack = attack_gradient if family == "gradient" else lambda r, m, o, t, c: attack_labels(r, m, t, c)
     results = attack(run, method, options, round_number, clients)
     return results, write_report(run, family, method, results, out)
-
-
-LEAK_MARGIN_DB = 3.0  # a reconstruction this far above the mean-colour baseline shows more than the image's colour
-AUDIT_STEPS = {"idlg": 1000, "updates": 300}
-
-
-def verdict(figures: list[dict], figure: str, baseline: str, leaks, threshold: str) -> str:
-    """One channel's verdict from its clients' scores; never "low": no power check runs on a Flower app's model,
-    so an attack that failed here is inconclusive, not evidence of privacy."""
-    scored = [f for f in figures if figure in f]
-    if not scored:
-        return "unscored: no client of the round shared its truth (the share_truth mod)"
-    value = float(np.mean([f[figure] for f in scored]))
-    reference = float(np.mean([f[baseline] for f in scored]))
-    if leaks(value, reference):
-        return f"leaks: {figure} {value:.3g} against {reference:.3g} for the baseline"
-    return (f"inconclusive: {figure} {value:.3g} against {reference:.3g} for the baseline; the attack at this budget "
-            f"did not reach {threshold}, which is not evidence of privacy")
-
-
-def audit_app(path: Path, out: Path) -> dict:
-    """Every attack that reads a recorded Flower app, on its last round: the gradient family's iDLG where every
-    client took one SGD step, else update inversion; the bias-corrected label attack. OUT/summary.json and report.md
-    hold the verdict per channel, then the figures per client."""
-    run = AppRun.open(path)
-    round_number, record = round_of(run, None)
-    spec = run.spec()
-    one_step = all(spec.optimizer == "sgd" and spec.local_epochs * math.ceil(n / spec.batch_size) == 1
-                   for n in record["num_examples"].values())
-    gradient_method = "idlg" if one_step else UpdateInversion.name
-    options = {"steps": AUDIT_STEPS[gradient_method], **({} if one_step else {"schedule": "fixed"})}
-    channels = {}
-    for channel, attack, figure, baseline, leaks, threshold in (
-            ("images from the parameter updates", lambda: attack_gradient(run, gradient_method, options, None, "all"),
-             "psnr_db", "baseline_psnr_db", lambda value, reference: value > reference + LEAK_MARGIN_DB,
-             f"{LEAK_MARGIN_DB:g} dB above the baseline"),
-            ("labels from the last layer's update", lambda: attack_labels(run, "bias-corrected", None, "all"),
-             "l1", "baseline_l1", lambda value, reference: value < reference / 2, "half the baseline's error")):
-        method = gradient_method if figure == "psnr_db" else "bias-corrected"
-        try:
-            results = attack()
-        except AttackError as exc:
-            channels[channel] = {"attack": method, "verdict": f"not applicable: {exc}", "clients": {}}
-            continue
-        figures = [r.scores for r in results]
-        channels[channel] = {"attack": method, "verdict": verdict(figures, figure, baseline, leaks, threshold),
-                             "clients": {str(r.client): {k: v for k, v in r.scores.items() if not isinstance(v, list)}
-                                         for r in results}}
-    summary = {"run": str(run.path), "model": spec.model, "round": round_number, "channels": channels}
-    out.mkdir(parents=True, exist_ok=True)
-    atomic_write(out / "summary.json", lambda p: p.write_text(json.dumps(summary, indent=2) + "\n"))
-    lines = [f"# Audit of {run.path} ({spec.model}), round {round_number}", ""]
-    lines += [f"- **{channel}** ({entry['attack']}): {entry['verdict']}" for channel, entry in channels.items()]
-    for channel, entry in channels.items():
-        columns = sorted({k for scores in entry["clients"].values() for k in scores})
-        if columns:
-            lines += ["", f"## {channel}", "", "| client | " + " | ".join(columns) + " |",
-                      "| --- |" + " --- |" * len(columns)]
-            lines += [f"| {client} | " + " | ".join(f"{scores.get(c, ''):.4g}" if isinstance(scores.get(c), float)
-                                                    else str(scores.get(c, "")) for c in columns) + " |"
-                      for client, scores in entry["clients"].items()]
-    atomic_write(out / "report.md", lambda p: p.write_text("\n".join(lines) + "\n"))
-    return summary

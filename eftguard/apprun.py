@@ -1,8 +1,9 @@
 """The run directory of a user's own Flower app (docs/flower-apps.md): the layout of docs/run-directory.md, written by
 `eftguard.federation.recorder.RecordingStrategy`, with `app.toml` in place of `config.toml`.
 
-`app.toml` names the user's model as `module:factory` (imported, never unpickled, to rebuild it) and what the server
-knows of the clients' training: the learning rate it sent, local epochs, batch size, the input size and
+`app.toml` names the user's model as `module:factory` (imported, never unpickled, to rebuild it), optionally the
+clients' own training function as `module:train` (the audit's power checks and reference models train with it), and
+what the server knows of the clients' training: the learning rate it sent, local epochs, batch size, the input size and
 normalisation. Checkpoints, uploads and truth are the same safetensors files as an eftguard run's; an upload holds the
 arrays the client sent (its model's state dict), the truth the images and labels a client chose to share.
 """
@@ -15,6 +16,7 @@ import sys
 import time
 import tomllib
 import uuid
+from collections.abc import Callable
 from dataclasses import asdict, dataclass, fields
 from pathlib import Path
 
@@ -39,6 +41,8 @@ class AppSpec:
     lr: float = 0.01  # the clients' learning rate (the server's config "lr" overrides it per round)
     optimizer: str = "sgd"  # the clients' optimiser: "sgd" (plain) or "adamw" (torch's defaults otherwise)
     weight_decay: float = 0.0
+    trainer: str = ""  # "module:train", the clients' own training, train(model, images, labels, epochs, batch_size,
+    # lr) training the model in place on uint8 [n, S, S, 3] images and int64 labels; "" for eftguard's SGD replay
 
     def to_toml(self) -> str:
         def value(v) -> str:
@@ -54,20 +58,28 @@ class AppSpec:
 
     def build_model(self) -> nn.Module:
         """The user's model, from `module:factory`; a reference that does not resolve is named on one line."""
-        module_name, _, attribute = self.model.partition(":")
-        if not module_name or not attribute:
-            raise RunError(f"model {self.model!r} is not 'module:factory' (e.g. 'my_app.task:Net')")
-        if os.getcwd() not in sys.path:  # the app's folder, as `python -m` and `flwr run` find the app's modules
-            sys.path.insert(0, os.getcwd())
-        try:
-            factory = getattr(importlib.import_module(module_name), attribute)
-        except (ImportError, AttributeError) as exc:
-            raise RunError(f"cannot import the app's model {self.model!r} ({exc}): run from the app's folder or "
-                           "pip install it") from None
-        model = factory()
+        model = imported(self.model, "model", "my_app.task:Net")()
         if not isinstance(model, nn.Module):
             raise RunError(f"{self.model} returned {type(model).__name__}, not a torch.nn.Module")
         return model
+
+    def build_trainer(self) -> Callable | None:
+        """The clients' own training function (`trainer`, imported never unpickled), or None where none is named."""
+        return imported(self.trainer, "trainer", "my_app.task:train") if self.trainer else None
+
+
+def imported(reference: str, what: str, example: str):
+    """The attribute `module:name` names, imported from the app's folder or an installed package."""
+    module_name, _, attribute = reference.partition(":")
+    if not module_name or not attribute:
+        raise RunError(f"{what} {reference!r} is not 'module:name' (e.g. {example!r})")
+    if os.getcwd() not in sys.path:  # the app's folder, as `python -m` and `flwr run` find the app's modules
+        sys.path.insert(0, os.getcwd())
+    try:
+        return getattr(importlib.import_module(module_name), attribute)
+    except (ImportError, AttributeError) as exc:
+        raise RunError(f"cannot import the app's {what} {reference!r} ({exc}): run from the app's folder or "
+                       "pip install it") from None
 
 
 def is_app_run(path: Path) -> bool:

@@ -18,7 +18,7 @@ from rich.console import Console
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 from rich.table import Table
 
-from eftguard.app_attacks import audit_app
+from eftguard.app_audit import audit_app, refuse_audit_file_options
 from eftguard.apprun import is_app_run
 from eftguard.attack_cli import add_attack_parser, add_report_parser, cmd_attack, cmd_report
 from eftguard.attacks.base import AttackError
@@ -88,6 +88,11 @@ class AuditOptions:
                                metavar="I/N")
     key: Path | None = option(None, "at-rest key for the attacks (default: the [train] encrypt_at_rest key file)",
                               metavar="KEYFILE")
+    public: Path | None = option(None, "a recorded Flower app: the auditor's images (one subfolder per class, the "
+                                       "app's classes in sorted order) for the power checks and as the membership "
+                                       "attacks' population and non-members (default: the bundled photos, for the "
+                                       "power checks only)",
+                                 metavar="DIR")
     ray_address: str | None = option(None, "run every configuration (its training and attacks) as a task of the Ray "
                                            "cluster whose head is at HOST:PORT (`ray start --head --port PORT`); "
                                            "--out must be on a file system every node shares. Same reuse, resume "
@@ -448,6 +453,9 @@ def cmd_audit(args: argparse.Namespace) -> None:
     if is_app_run(args.audit_file):
         audit_recorded_app(args)
         return
+    if args.public is not None:
+        raise ConfigError("--public gives a recorded Flower app's audit its images; an audit file's runs use their "
+                          "dataset's public split: drop --public")
     gates = [parse_gate(text) for text in args.gate or ()]
     shard = parse_shard(args.shard) if args.shard is not None else None
     if args.key is not None and not args.key.is_file():
@@ -476,15 +484,16 @@ def cmd_audit(args: argparse.Namespace) -> None:
 
 
 def audit_recorded_app(args: argparse.Namespace) -> None:
-    """eftguard audit RUN on a run recorded from a user's Flower app (docs/flower-apps.md): its attacks, one report."""
-    if args.gate or args.shard or args.key or args.ray_address:
-        raise ConfigError("--gate, --shard, --key and --ray-address apply to an audit file; a recorded Flower app is "
-                          "audited as is")
+    """eftguard audit RUN on a run recorded from a user's Flower app (docs/flower-apps.md): its attacks, each with
+    its power check, one report; exit 1 where a gate does not hold."""
+    refuse_audit_file_options(args.shard, args.key, args.ray_address)
     out = args.out or args.audit_file / "audit"
-    summary = audit_app(args.audit_file, out)
+    summary = audit_app(args.audit_file, out, args.public, args.gate or ())
     for channel, entry in summary["channels"].items():
-        print(f"{channel} ({entry['attack']}): {entry['verdict']}")
+        print(f"{channel} ({entry['attack'] or '–'}): {entry['verdict']}"
+              + (f"; power check: {entry['power_check']}" if "power_check" in entry else ""))
     print(f"report: {out / 'report.md'}")
+    exit_on_problems(summary)
 
 
 def exit_on_problems(summary: dict, lost: list[str] = ()) -> None:

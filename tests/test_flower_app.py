@@ -18,9 +18,22 @@ APP = Path(__file__).resolve().parents[1] / "examples" / "flower-app"
 CLASSES = 4
 
 
-def record_app(work: Path, batch_size: int, grid_class=None) -> Path:
+def write_class_images(folder: Path, seed: int, constant: bool = False) -> None:
+    """One 16 px image per class: a distinct smooth colour pattern (or, constant, one flat colour) per class."""
+    rng = np.random.default_rng(seed)
+    for label in range(CLASSES):
+        (folder / f"class-{label}").mkdir(parents=True)
+        ramp = np.linspace(0, 1, 16)[None, :, None] * rng.uniform(0.2, 1, 3) + rng.uniform(0, 0.5, 3)
+        pixels = np.clip(np.broadcast_to(ramp, (16, 16, 3)) * 255, 0, 255).astype(np.uint8)
+        if constant:
+            pixels = np.broadcast_to(pixels.mean(axis=(0, 1), dtype=np.float64).astype(np.uint8), pixels.shape)
+        Image.fromarray(np.rot90(pixels, label).copy()).save(folder / f"class-{label}" / "0.png")
+
+
+def record_app(work: Path, batch_size: int, grid_class=None, constant: bool = False) -> Path:
     """Two rounds of the example app over the in-process grid: 2 nodes with 2 generated images each (one distinct
-    smooth colour pattern per class), plain SGD at the given batch size, truth shared by both nodes."""
+    smooth colour pattern per class, or one flat colour), plain SGD at the given batch size, truth shared by both
+    nodes."""
     from flower_app.client_app import app as client_app
     from flower_app.server_app import app as server_app
     from flwr.app import Context, RecordDict
@@ -29,12 +42,7 @@ def record_app(work: Path, batch_size: int, grid_class=None) -> Path:
 
     grid_class = grid_class or InProcessGrid
     torch.manual_seed(0)  # the app's initial model
-    rng = np.random.default_rng(0)
-    for label in range(CLASSES):
-        (work / "images" / f"class-{label}").mkdir(parents=True)
-        ramp = np.linspace(0, 1, 16)[None, :, None] * rng.uniform(0.2, 1, 3) + rng.uniform(0, 0.5, 3)
-        pixels = np.clip(np.broadcast_to(ramp, (16, 16, 3)) * 255, 0, 255).astype(np.uint8)
-        Image.fromarray(np.rot90(pixels, label).copy()).save(work / "images" / f"class-{label}" / "0.png")
+    write_class_images(work / "images", seed=0, constant=constant)
     run = work / "run"
     config = {"num-server-rounds": 2, "lr": 0.1, "local-epochs": 1, "batch-size": batch_size,
               "data-dir": str(work / "images"), "record-to": str(run)}
@@ -85,27 +93,121 @@ def test_label_attack_on_the_recorded_app_recovers_the_labels(recorded_app, tmp_
 
 
 def test_the_audit_of_the_recorded_app_says_what_leaks(recorded_app, tmp_path, capsys):
+    """One image per node recovered and its labels exact: both channels high, each beside its power check (on the
+    bundled photos, no --public given); membership not audited without the auditor's images, saying why."""
     main(["audit", str(recorded_app), "--out", str(tmp_path)])
     summary = json.loads((tmp_path / "summary.json").read_text())
     channels = summary["channels"]
-    assert channels["images from the parameter updates"]["attack"] == "idlg"
-    assert all(entry["verdict"].startswith("leaks: ") for entry in channels.values()), channels
-    assert "leaks" in (tmp_path / "report.md").read_text() and "report.md" in capsys.readouterr().out
+    assert channels["parameter updates"]["attack"] == "gradient-idlg"
+    assert channels["parameter updates"]["level"] == channels["labels"]["level"] == "high", channels
+    assert all("on the control" in channels[c]["power_check"] for c in ("parameter updates", "labels"))
+    assert "bundled photos" in summary["public"] and "no --public given" in (tmp_path / "report.md").read_text()
+    assert channels["membership"]["level"] == "not audited" and "--public DIR" in channels["membership"]["verdict"]
+    assert "high" in (tmp_path / "report.md").read_text() and "report.md" in capsys.readouterr().out
+
+
+def test_a_gate_on_the_app_audit_fails_naming_the_figure(recorded_app, tmp_path, capsys):
     with pytest.raises(SystemExit) as stop:
-        main(["audit", str(recorded_app), "--gate", "gradient.psnr_db < 20"])
+        main(["audit", str(recorded_app), "--out", str(tmp_path), "--gate", "gradient.psnr < 20",
+              "--gate", "labels.l1 > 1.5"])
+    assert stop.value.code == 1
+    err = capsys.readouterr().err
+    assert "gate 'gradient.psnr < 20' does not hold for run: gradient-idlg.psnr" in err, err
+    assert "gate 'labels.l1 > 1.5' does not hold" in err
+    gates = json.loads((tmp_path / "summary.json").read_text())["gates"]
+    assert [g["passed"] for g in gates] == [False, False]
+    main(["audit", str(recorded_app), "--out", str(tmp_path), "--gate", "gradient.psnr < 100"])  # holds: exit 0
+    with pytest.raises(SystemExit) as stop:  # membership not audited (no --public): no evidence is no pass
+        main(["audit", str(recorded_app), "--out", str(tmp_path), "--gate", "membership.auc < 0.6"])
+    assert stop.value.code == 1
+    assert "gate 'membership.auc < 0.6' does not hold for run: membership.auc = NaN" in capsys.readouterr().err
+    with pytest.raises(SystemExit) as stop:
+        main(["audit", str(recorded_app), "--out", str(tmp_path), "--gate", "gradient.psnr_typo < 20"])
     assert stop.value.code == 2
 
 
+def test_audit_file_options_are_refused_on_an_app_run_on_one_line(recorded_app, tmp_path, capsys):
+    for flags in (["--shard", "1/2"], ["--ray-address", "127.0.0.1:6379"]):
+        with pytest.raises(SystemExit) as stop:
+            main(["audit", str(recorded_app), "--out", str(tmp_path), *flags])
+        assert stop.value.code == 2
+        err = capsys.readouterr().err.strip()
+        assert len(err.splitlines()) == 1 and "a recorded Flower app is one run" in err, err
+    with pytest.raises(SystemExit) as stop:
+        main(["audit", str(recorded_app), "--out", str(tmp_path), "--public", str(tmp_path / "missing")])
+    assert stop.value.code == 2
+    err = capsys.readouterr().err.strip()
+    assert len(err.splitlines()) == 1 and "missing is not a folder" in err, err
+    audit_file = tmp_path / "grid.toml"
+    audit_file.write_text("[train]\n")
+    with pytest.raises(SystemExit) as stop:
+        main(["audit", str(audit_file), "--public", str(tmp_path)])
+    assert stop.value.code == 2
+    err = capsys.readouterr().err.strip()
+    assert len(err.splitlines()) == 1 and "drop --public" in err, err
+
+
+@pytest.fixture(scope="module")
+def flat_app(tmp_path_factory, example_app_importable) -> tuple[Path, Path]:
+    """Flat-colour images, one SGD step: iDLG cannot beat each image's own mean colour (the baseline is exact), so
+    the channel's gain is low; the auditor's smooth patterns (another seed) are the control's public images."""
+    work = tmp_path_factory.mktemp("flower-app-flat")
+    write_class_images(work / "public", seed=1)
+    return record_app(work, batch_size=8, constant=True), work / "public"
+
+
+def test_a_low_stands_behind_a_passing_control(flat_app, tmp_path):
+    run, public = flat_app
+    main(["audit", str(run), "--out", str(tmp_path), "--public", str(public)])
+    summary = json.loads((tmp_path / "summary.json").read_text())
+    channel = summary["channels"]["parameter updates"]
+    figures = channel["figures"]
+    assert figures["psnr"] < figures["baseline.psnr"] + 2 and \
+        figures["control.psnr"] > figures["control_baseline.psnr"] + 2, figures
+    assert channel["level"] == "low" and channel["power_check"].endswith("passed"), channel
+    assert summary["trainer"] == "the app's trainer flower_app.task:train" and str(public) in summary["public"]
+
+
+def test_a_failing_control_keeps_the_low_inconclusive(flat_app, tmp_path, monkeypatch):
+    """The same run with a one-step iDLG: too weak to recover the public images either, so no "low"."""
+    from eftguard import app_audit
+
+    run, public = flat_app
+    monkeypatch.setitem(app_audit.AUDIT_STEPS, "idlg", 1)
+    main(["audit", str(run), "--out", str(tmp_path), "--public", str(public)])
+    channel = json.loads((tmp_path / "summary.json").read_text())["channels"]["parameter updates"]
+    assert channel["level"] == "inconclusive" and channel["power_check"].endswith("failed"), channel
+    assert "inconclusive: the attack was too weak here" in (tmp_path / "report.md").read_text()
+
+
+def test_a_trainer_that_does_not_import_is_refused_on_one_line(tmp_path, capsys):
+    from flower_app.task import Net
+
+    from eftguard.apprun import AppRun, AppSpec
+
+    run = AppRun.create(tmp_path / "run", AppSpec("flower_app.task:Net", 16, batch_size=8,
+                                                  trainer="flower_app.task:no_such_train"))
+    state = Net().state_dict()
+    run.save_checkpoint(0, state)
+    run.save_upload(1, 0, "update", {k: v.numpy() for k, v in state.items()})
+    run.append_metrics({"round": 1, "lr": 0.1, "num_examples": {"0": 1}, "dropped": {}})
+    with pytest.raises(SystemExit) as stop:
+        main(["audit", str(run.path), "--out", str(tmp_path / "audit")])
+    assert stop.value.code == 2
+    err = capsys.readouterr().err.strip()
+    assert len(err.splitlines()) == 1 and "cannot import the app's trainer 'flower_app.task:no_such_train'" in err, err
+
+
 def test_without_shared_truth_the_audit_runs_unscored(recorded_app, tmp_path):
-    """Nodes without the share_truth mod: the attacks still run, and no channel gets a verdict it cannot back."""
+    """Nodes without the share_truth mod: the attacks still run, and no channel gets a level it cannot back."""
     import shutil
 
     run = tmp_path / "run"
-    shutil.copytree(recorded_app, run, ignore=shutil.ignore_patterns("truth", "reports"))
+    shutil.copytree(recorded_app, run, ignore=shutil.ignore_patterns("truth", "reports", "audit"))
     main(["audit", str(run), "--out", str(tmp_path / "audit")])
     channels = json.loads((tmp_path / "audit" / "summary.json").read_text())["channels"]
-    assert all(entry["verdict"].startswith("unscored: ") for entry in channels.values()), channels
-    assert set(channels["images from the parameter updates"]["clients"]) == {"0", "1"}
+    assert channels["parameter updates"]["level"] == channels["labels"]["level"] == "not scored", channels
+    assert set(channels["parameter updates"]["clients"]) == {"0", "1"}
 
 
 def test_attacks_that_need_a_vit_or_an_eftguard_run_are_refused_on_one_line(recorded_app, capsys):
@@ -119,7 +221,7 @@ def test_attacks_that_need_a_vit_or_an_eftguard_run_are_refused_on_one_line(reco
             main(["attack", "membership", str(recorded_app), "--method", method])
         assert stop.value.code == 2
         err = capsys.readouterr().err.strip()
-        assert len(err.splitlines()) == 1 and "does not read a recorded Flower app yet" in err, err
+        assert len(err.splitlines()) == 1 and "eftguard audit RUN --public DIR" in err, err
 
 
 def test_a_model_without_a_linear_last_layer_is_refused(tmp_path, monkeypatch, capsys):
@@ -185,3 +287,84 @@ def test_an_upload_that_fails_validation_is_not_recorded(tmp_path_factory):
     assert not (run / "observed" / "round-0001" / "client-01").exists()
     aggregate = load_file(run / "checkpoints" / "round-0001.safetensors")["classifier.weight"]
     assert np.abs(aggregate).max() > MAX_PARAMETER_VALUE / 4  # FedAvg averaged the tampered reply in
+
+
+TINY_APP = """from torch import nn
+
+
+def Net():
+    return nn.Sequential(nn.Conv2d(3, 8, 3), nn.ReLU(), nn.Flatten(), nn.Linear(8 * 6 * 6, 4))
+"""
+
+
+def noise_images(rng: np.random.Generator, count: int) -> tuple[np.ndarray, np.ndarray]:
+    return rng.integers(0, 256, (count, 8, 8, 3), dtype=np.uint8), rng.integers(0, 4, count).astype(np.int64)
+
+
+def tiny_app_run(folder: Path, memorised: bool):
+    """One recorded round of a tiny CNN's app: 2 clients with 16 random-noise images and random labels each, trained
+    40 epochs by the app's own shuffled SGD (memorised), or a global model that never saw them (the clients' updates
+    not applied); the auditor's 120 images of the same kind in folder/public."""
+    from torch import nn
+
+    from eftguard.apprun import AppRun, AppSpec
+    from tiny_app import Net
+
+    rng = np.random.default_rng(0)
+    run = AppRun.create(folder / "run", AppSpec("tiny_app:Net", 8, local_epochs=40, batch_size=8, lr=0.1))
+    torch.manual_seed(0)
+    start = Net()
+    run.save_checkpoint(0, start.state_dict())
+    states = []
+    for client in range(2):
+        images, labels = noise_images(rng, 24)
+        model = Net()
+        model.load_state_dict(start.state_dict())
+        optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+        inputs = (torch.from_numpy(images).float().permute(0, 3, 1, 2) / 255 - 0.5) / 0.5
+        for _ in range(40):
+            for batch in torch.randperm(24).split(8):
+                optimizer.zero_grad()
+                nn.functional.cross_entropy(model(inputs[batch]), torch.from_numpy(labels)[batch]).backward()
+                optimizer.step()
+        states.append(model.state_dict())
+        run.save_upload(1, client, "update", {k: v.numpy() for k, v in model.state_dict().items()})
+        run.save_truth(1, client, {"images": images, "labels": labels})
+    run.save_checkpoint(1, {k: (states[0][k] + states[1][k]) / 2 for k in states[0]} if memorised else
+                        start.state_dict())
+    run.append_metrics({"round": 1, "lr": 0.1, "num_examples": {"0": 24, "1": 24}, "dropped": {}})
+    for i, (image, label) in enumerate(zip(*noise_images(rng, 200))):
+        (folder / "public" / f"c{label}").mkdir(parents=True, exist_ok=True)
+        Image.fromarray(image).save(folder / "public" / f"c{label}" / f"{i}.png")
+    return run
+
+
+def test_lira_on_an_app_model_finds_memorised_members_and_only_them(tmp_path, monkeypatch):
+    """Online LiRA and RMIA on a tiny CNN app's global model, their reference models the app's federation replayed
+    on the auditor's images of the same kind: on a model that memorised its clients' images the AUC is far above
+    0.5; on one that never trained on them it is near 0.5, and with the leave-one-out controls passing, the level is
+    "low". Without the auditor's images they are refused, saying why."""
+    from dataclasses import replace
+
+    from eftguard.app_audit import channel_entries, membership_attacks, public_images
+    from eftguard.attacks.base import AttackError
+
+    (tmp_path / "tiny_app.py").write_text(TINY_APP)
+    monkeypatch.syspath_prepend(str(tmp_path))
+    levels = {}
+    for memorised in (True, False):
+        run = tiny_app_run(tmp_path / str(memorised), memorised)
+        public = public_images(tmp_path / str(memorised) / "public", run.spec(), 4)
+        results = membership_attacks(run, 1, public, seed=0)
+        entry = channel_entries(results)["membership"]
+        assert set(entry["attacks"]) == {"membership-lira", "membership-rmia"}
+        for result in results:
+            figures = result.figures
+            assert figures["control.auc"] > 0.6, (result.attack, figures)  # LiRA 0.78, RMIA 0.70 (memorised)
+            assert (figures["auc"] > 0.7) if memorised else (0.3 < figures["auc"] < 0.6), (result.attack, figures)
+        assert entry["power_check"].endswith("passed"), entry
+        levels[memorised] = entry["level"]
+    assert levels == {True: "high", False: "low"}
+    assert "replay of the clients' sgd steps" in entry["details"]["reference_models"]
+    with pytest.raises(AttackError, match="give --public DIR"):
+        membership_attacks(run, 1, replace(public, given=False), seed=0)

@@ -38,6 +38,14 @@ def load_imagefolder(root: Path, image_size: int) -> Dataset:
     return Dataset(f"imagefolder:{root}", classes, parts["train"], parts["test"], parts["public"])
 
 
+def read_class_folders(root: Path, image_size: int) -> ImageSet:
+    """Every image of a folder of class folders, labelled by the sorted class names' order, at image_size px."""
+    root = Path(root)
+    if not root.is_dir():
+        raise DataError(f"{root} is not a folder; give a folder with one subfolder of images per class")
+    return _read_split(root, _classes(root), image_size)
+
+
 def _classes(root: Path) -> tuple[str, ...]:
     classes = tuple(sorted(p.name for p in root.iterdir() if p.is_dir() and not p.name.startswith(".")))
     if len(classes) < 2:

@@ -17,6 +17,7 @@ def main(grid: Grid, context: Context) -> None:
     lr = float(config["lr"])
     strategy = FedAvg(fraction_evaluate=0.0)
     strategy = RecordingStrategy(strategy, config["record-to"], AppSpec(  # the one line that records the run
-        "flower_app.task:Net", IMAGE_SIZE, MEAN, STD, int(config["local-epochs"]), int(config["batch-size"]), lr))
+        "flower_app.task:Net", IMAGE_SIZE, MEAN, STD, int(config["local-epochs"]), int(config["batch-size"]), lr,
+        trainer="flower_app.task:train"))
     strategy.start(grid=grid, initial_arrays=ArrayRecord(Net().state_dict()), train_config=ConfigRecord({"lr": lr}),
                    num_rounds=int(config["num-server-rounds"]))
