@@ -285,8 +285,7 @@ def open_round(path: str | Path | RunDirectory, key: Path | None, round_number: 
     uploads, intact files, weights that load."""
     run = open_run(path, key)
     round_number = resolve_round(run, round_number)
-    if run.config().secagg and family.attacks_the_sum and not run.uploaded_partitions(round_number):
-        # the server holds no client's upload, only the sum (eftvit's features are still per client: attacked so)
+    if family.on_the_sum(run, round_number):  # the server holds no client's update, only the sum
         if choice != "all":
             raise RunError(f"{run.path} is a --secagg run: the {family.name} attack reads the cohort's sum, not one "
                            "client's update: drop --clients")
