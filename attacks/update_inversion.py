@@ -108,6 +108,26 @@ def simulate_local_training(model: nn.Module, start: dict[str, torch.Tensor], im
     return params
 
 
+def simulate_uploads(model: nn.Module, start: dict[str, torch.Tensor], images: torch.Tensor, labels: torch.Tensor,
+                     training: LocalTraining, schedules: list[list[Step]], create_graph: bool = False,
+                     softness: float = 0.0) -> dict[str, torch.Tensor]:
+    """What the server received, simulated: each of training.parts (one client, or a SecAgg+ cohort's clients) trains
+    on its own num_examples of the images in turn with its schedule (simulate_local_training), and the trained
+    parameters are averaged by num_examples, as FedAvg and SecAgg+ weight them."""
+    finals, low = [], 0
+    for part, schedule in zip(training.parts, schedules):
+        high = low + part.num_examples
+        finals.append(simulate_local_training(model, start, images[low:high], labels[low:high], schedule,
+                                              training.lr, training.weight_decay, create_graph=create_graph,
+                                              softness=softness, precision=training.precision,
+                                              optimizer=training.optimizer))
+        low = high
+    if len(finals) == 1:
+        return finals[0]
+    return {name: sum(part.num_examples * final[name] for part, final in zip(training.parts, finals)) / low
+            for name in start}
+
+
 @GRADIENT.register
 @dataclass
 class UpdateInversion:
@@ -155,17 +175,11 @@ class UpdateInversion:
         parts = training.parts  # a SecAgg+ sum: which client held which label is unknown; they go in order
         schedules = [part.schedule if self.schedule == "replayed" else fixed_schedule(part, generator)
                      for part in parts]
-        slices = np.cumsum([0, *(part.num_examples for part in parts)])
 
         def distance(images: torch.Tensor) -> torch.Tensor:
-            finals = [simulate_local_training(obs.model, start, images[low:high], labels[low:high], schedule,
-                                              training.lr, training.weight_decay, create_graph=True,
-                                              softness=self.softness, precision=training.precision,
-                                              optimizer=training.optimizer)
-                      for schedule, low, high in zip(schedules, slices[:-1], slices[1:])]
-            return cosine_distance([sum(part.num_examples * (final[name] - start[name])
-                                        for part, final in zip(parts, finals)) / n for name in start],
-                                   observed, observed_norm)
+            final = simulate_uploads(obs.model, start, images, labels, training, schedules, create_graph=True,
+                                     softness=self.softness)
+            return cosine_distance([final[name] - start[name] for name in start], observed, observed_norm)
 
         images = obs.to_input(self._start_pixels(obs, n, generator)).requires_grad_(True)
         optimizer = torch.optim.Adam([images], lr=self.lr)

@@ -99,7 +99,7 @@ def run_attack(run: str | Path | RunDirectory, family: str, method: str | None =
     seed, round_number, clients = common["seed"], common["round_number"], common["clients"]
     cls = chosen.registry.get(chosen.registry.default if method is None else method)
     family_options, method_options = resolve_options(chosen, cls, options)
-    run_dir, round_number, picked = open_round(run, key, round_number, clients, chosen)
+    run_dir, round_number, picked = open_round(run, key, round_number, clients, chosen, cls)
     check_tampered(run_dir, round_number, cls)
     folder = out_root(run_dir, out) if out is not None else None
     ran_with = {**family_options, **method_options, **({"seed": seed} if chosen.seeded else {})}
@@ -280,12 +280,12 @@ def check_tampered(run: RunDirectory, round_number: int, cls: type) -> None:
 
 
 def open_round(path: str | Path | RunDirectory, key: Path | None, round_number: int | None,
-               choice: str, family: Family) -> tuple[RunDirectory, int, list[int]]:
+               choice: str, family: Family, cls: type) -> tuple[RunDirectory, int, list[int]]:
     """The checks of the run an attack needs before it starts: the run, its round, the chosen clients with
     uploads, intact files, weights that load."""
     run = open_run(path, key)
     round_number = resolve_round(run, round_number)
-    if family.on_the_sum(run, round_number):  # the server holds no client's update, only the sum
+    if family.on_the_sum(run, round_number, cls):  # the server holds no client's update, only the sum
         if choice != "all":
             raise RunError(f"{run.path} is a --secagg run: the {family.name} attack reads the cohort's sum, not one "
                            "client's update: drop --clients")

@@ -71,9 +71,9 @@ class Family:
     cli_method: str  # --method's default on the command line ("all": every method)
     attacks_the_sum: bool = False  # on a --secagg run it attacks the cohort's aggregate (the client COHORT)
 
-    def on_the_sum(self, run: RunDirectory, round_number: int) -> bool:
-        """Whether the attack targets the cohort's aggregate (the client COHORT) on this round: a --secagg round that
-        holds no client's upload (eftvit's features are per client even then, and attacked so)."""
+    def on_the_sum(self, run: RunDirectory, round_number: int, cls: type) -> bool:
+        """Whether the attack class targets the cohort's aggregate (the client COHORT) on this round: a --secagg round
+        that holds no client's upload (eftvit's features are per client even then, and attacked so)."""
         return run.config().secagg and self.attacks_the_sum and not run.uploaded_partitions(round_number)
 
     @property
@@ -241,6 +241,11 @@ class LabelsFamily(Family):
     cli_method = "all"
     attacks_the_sum = True  # the cohort's histogram from the summed head update, n = the cohort's sample count
 
+    def on_the_sum(self, run: RunDirectory, round_number: int, cls: type) -> bool:
+        """Also on eftvit's rounds, whose labels and features are per client: the attacks on the head update alone
+        read the sum, those on the uploaded labels each client's uploads."""
+        return super().on_the_sum(run, round_number, cls) or (run.config().secagg and not cls.uses_upload_labels)
+
     def observe(self, job: Job, attack: Attack) -> Observed:
         with_model = attack.threat_model.knows_weights  # the weights only where the threat model grants them
         return Observed(observe.observe_labels(job.run, job.round_number, job.clients, with_model,
@@ -337,7 +342,7 @@ class GradientFamily(Family):
     cli_method = "analytic"
     attacks_the_sum = True  # the summed update (or the FedSGD probe summed), the cohort's image count known
 
-    def on_the_sum(self, run: RunDirectory, round_number: int) -> bool:
+    def on_the_sum(self, run: RunDirectory, round_number: int, cls: type) -> bool:
         """Always under --secagg: the attacks read an update, which the server holds only summed (eftvit's
         per-client feature uploads are not what they read)."""
         return run.config().secagg
