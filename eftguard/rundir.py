@@ -359,13 +359,17 @@ class RunDirectory:
 
     def drop_unkept(self, done: int) -> None:
         """Remove what the run's retention does not keep of rounds 1..done, once round done is complete: the
-        checkpoints before done that no kept round reads (done's stays: resume starts from it), and the uploads and
-        ground truth of rounds and clients not kept (the server does not write those; a run resumed with more
-        --rounds can leave some behind)."""
+        checkpoints before done that no kept round reads (done's stays: resume starts from it), and the uploads,
+        --secagg aggregates and ground truth of rounds and clients not kept (the server does not write those; a run
+        resumed with more --rounds can leave some behind)."""
         retention = self.retention
         for item in sorted((self.path / "checkpoints").glob("round-*")):
             number = round_number_of(item.name)
             if number is not None and number < done and number not in retention.checkpoints_kept:
+                item.unlink()
+        for item in sorted((self.path / "observed").glob("round-*/aggregate.safetensors*")):
+            number = round_number_of(item.parent.name)
+            if number is not None and number <= done and number not in retention.rounds_kept:
                 item.unlink()
         for folder in ("observed", "truth"):
             for item in sorted((self.path / folder).glob("round-*/client-*")):

@@ -315,7 +315,8 @@ class GradientOptions:
                                     "round's start weights (masked as the client would, with the run's DP-SGD "
                                     "clipping and noise), the usual worst case",
                           name_value, choices=("upload", "probe"))
-    batch: int = option(1, "images to reconstruct; with --observe probe also the probe's batch size", whole_number(1))
+    batch: int = option(1, "images to reconstruct; with --observe probe also the probe's batch size (on a --secagg "
+                           "round's sum: each cohort client's, the sum holding all of theirs)", whole_number(1))
 
 
 EXACT_PATCH_DB = 30.0  # a patch attack's count of patches recovered at least this well (report details)
@@ -335,7 +336,9 @@ class GradientFamily(Family):
     help = "reconstruct a client's images from its parameter update or a one-step gradient"
     description = ("Gradient leakage against one client (--clients K; default: the lowest with an upload in the "
                    "round), scored against its images by PSNR, SSIM, CW-SSIM, LPIPS and identifiability (IIP in "
-                   "pixels, LPIPS and the model's features) beside a mean-image baseline.")
+                   "pixels, LPIPS and the model's features) beside a mean-image baseline. On a --secagg run it attacks "
+                   "the cohort's sum instead, the cohort's image count known (the clients report n_k in the clear), "
+                   "scored against the images of every client in the sum.")
     options_type = GradientOptions
     image_metrics = True
     seeded = True
