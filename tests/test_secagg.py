@@ -100,6 +100,31 @@ def test_a_client_dropping_after_sharing_its_keys_leaves_the_others_sum(tmp_path
         np.testing.assert_allclose(aggregate[key], expected[key], atol=1e-4)
 
 
+def test_a_stop_request_inside_a_secagg_round_ends_the_run_before_the_round_is_recorded(tmp_path):
+    """Ctrl-C (or SIGTERM) while the nodes answer a SecAgg+ stage: the server stops at its next poll, inside the
+    round, and leaves nothing of it behind; the run resumes from there."""
+    from eftguard.errors import Interrupted
+    from eftguard.federation.server import STOP_REQUESTED
+
+    def stop_at_the_masked_vectors(node, reply):
+        configs = {} if reply.has_error() else reply.content.config_records.get(RECORD_KEY_CONFIGS, {})
+        if Key.MASKED_PARAMETERS in configs:
+            STOP_REQUESTED.set()
+        return reply
+
+    cfg = TrainConfig(**{**TINY, "method": "fed-bias", "secagg": True}).resolved()
+    run = RunDirectory.create(tmp_path / "run", cfg)
+    try:
+        with task_identity(), pytest.raises(Interrupted):
+            run_server(FakeGrid(cfg.clients, tamper=stop_at_the_masked_vectors), run.path)
+    finally:
+        STOP_REQUESTED.clear()
+    assert run.completed_rounds() == 0 and run.metrics() == []
+    with task_identity():
+        run_server(FakeGrid(cfg.clients), run.path)
+    assert run.completed_rounds() == 1 and run.aggregate_path(1).exists()
+
+
 def test_a_client_whose_sum_weight_differs_from_its_reported_n_is_named_and_gives_nothing_else(tmp_path):
     def lie_about_n(node, reply):
         configs = {} if reply.has_error() else reply.content.config_records.get(RECORD_KEY_CONFIGS, {})

@@ -465,7 +465,7 @@ def secure_uploads(grid: Grid, run: RunDirectory, cfg: TrainConfig, model: EFTVi
     partition_of = {nodes[p]: p for p in messages}
     task = progress.add_task(f"round {round_number}: client training under SecAgg+", total=None)
     result = secagg.run_secure_round(grid, {nodes[p]: m.content for p, m in messages.items()}, round_number,
-                                     len(spec.train_ids), cfg.round_timeout)
+                                     len(spec.train_ids), cfg.round_timeout, check_stop)
     progress.remove_task(task)
     summed = sorted(partition_of[node] for node in result.metrics)
     dropped = {str(p): "not in the secure sum (no masked update: dropped out or refused)"
