@@ -222,6 +222,7 @@ def test_a_value_beyond_float16_keeps_its_array_in_float32(tmp_path):
 
 @pytest.mark.parametrize("config", [
     dict(keep_rounds="last", keep_clients="2", store_uploads="float16"),
+    dict(method="fed-bias", secagg=True, keep_rounds="every:2", store_uploads="float16"),  # one sum per kept round
     pytest.param(dict(keep_rounds="all"), marks=pytest.mark.slow),
     pytest.param(dict(method="fedavg", keep_rounds="every:2"), marks=pytest.mark.slow),
 ])
