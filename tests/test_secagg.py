@@ -125,6 +125,22 @@ def test_a_stop_request_inside_a_secagg_round_ends_the_run_before_the_round_is_r
     assert run.completed_rounds() == 1 and run.aggregate_path(1).exists()
 
 
+class ReversedArrivals(FakeGrid):
+    """Replies of a stage pulled in the reverse of the order they were sent (as nodes finishing in any order)."""
+
+    def pull_messages(self, ids):
+        return list(reversed(super().pull_messages(ids)))
+
+
+def test_the_clients_clear_parts_are_used_in_partition_order_whatever_order_they_arrive_in(tmp_path):
+    """eftvit's theta trains on the feature rows in the order the uploads are accepted (the order metrics.jsonl
+    lists them in): under SecAgg+ too it is the partition order, as in a plain round, whichever node answered
+    first."""
+    shuffled = trained(tmp_path / "shuffled", ReversedArrivals(3), method="eftvit", secagg=True)
+    record = shuffled.metrics()[0]
+    assert list(record["num_examples"]) == list(record["feature_sets"]) == ["0", "1", "2"]
+
+
 def test_a_client_whose_sum_weight_differs_from_its_reported_n_is_named_and_gives_nothing_else(tmp_path):
     def lie_about_n(node, reply):
         configs = {} if reply.has_error() else reply.content.config_records.get(RECORD_KEY_CONFIGS, {})

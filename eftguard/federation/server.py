@@ -474,8 +474,8 @@ def secure_uploads(grid: Grid, run: RunDirectory, cfg: TrainConfig, model: EFTVi
     accepted: list[AcceptedUpload] = []
     epsilon: dict[str, dict[str, float]] = {}
     unverified: dict[str, str] = {}
-    for node, metrics in result.metrics.items():
-        partition = partition_of[node]
+    for node, metrics in sorted(result.metrics.items(), key=lambda item: partition_of[item[0]]):
+        partition = partition_of[node]  # in partition order, as plain rounds: theta trains on the rows in this order
         try:
             upload, truth = parse_clear(metrics, result.num_examples[node], partition, spec, cfg.method,
                                         cfg.record_truth)
