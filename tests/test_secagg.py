@@ -167,6 +167,9 @@ def test_below_the_reconstruction_threshold_the_round_has_no_sum_and_the_model_s
     before, after = run.load_checkpoint(0), run.load_checkpoint(1)
     assert all(torch.equal(before[k], after[k]) for k in before)
     assert not run.aggregate_path(1).exists()
+    for family, options in (("gradient", {"observe": "probe"}), ("labels", {"method": "llg"})):
+        with pytest.raises(RunError, match="round 1 of .* has no sum to attack: fewer clients than SecAgg\\+ needs"):
+            run_attack(run.path, family, power_check=False, **options)
 
 
 def test_an_update_attack_on_one_client_is_refused_under_secagg(secure_run):

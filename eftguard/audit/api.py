@@ -290,6 +290,10 @@ def open_round(path: str | Path | RunDirectory, key: Path | None, round_number: 
             raise RunError(f"{run.path} is a --secagg run: the {family.name} attack reads the cohort's sum, not one "
                            "client's update: drop --clients")
         check_intact(run, round_number, [])
+        if not run.cohort(round_number):
+            raise RunError(f"round {round_number} of {run.path} has no sum to attack: fewer clients than SecAgg+ needs "
+                           "stayed to the end of it (its cohort in metrics.jsonl is empty) and the model did not move; "
+                           "attack another --round")
         if run.verify((f"observed/{round_name(round_number)}/aggregate",)):
             raise RunError(f"{run.aggregate_path(round_number)} is missing or damaged (it no longer matches the sha256 "
                            "manifest.json recorded): restore it from a backup, or attack another --round")
