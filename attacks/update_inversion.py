@@ -222,8 +222,9 @@ class UpdateInversion:
             raise AttackError("the updates attack inverts an uploaded update: use --observe upload")
         if training.num_examples > self.max_examples:
             raise AttackError(f"the {'cohort' if training.members else 'client'} trained on "
-                              f"{training.num_examples} images and the updates attack simulates every one of them: raise --max-examples to {training.num_examples} "
-                              f"(slow) or attack a run with smaller local datasets")
+                              f"{training.num_examples} images and the updates attack simulates every one of them: "
+                              f"raise --max-examples to {training.num_examples} (slow) or attack a run with smaller "
+                              "local datasets")
         if self.schedule == "replayed" and any(part.schedule is None for part in training.parts):
             raise AttackError("this run's batches and masks cannot be regenerated from its seed (a deployed node "
                               "or a DP-SGD run): use --schedule fixed")

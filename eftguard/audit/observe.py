@@ -255,8 +255,8 @@ def cohort_probe_observation(run: RunDirectory, round_number: int, batch: int, s
     first, _, details = probes[0]
     gradients = {name: sum(obs.gradients[name] for obs, _, _ in probes) / len(probes) for name in first.gradients}
     keep = [truth.keep_ids for _, truth, _ in probes]
-    truth = ProbeBatch(np.concatenate([t.images for _, t, _ in probes]), np.concatenate([t.labels for _, t, _ in probes]),
-                       None if keep[0] is None else np.concatenate(keep))
+    truth = ProbeBatch(np.concatenate([t.images for _, t, _ in probes]),
+                       np.concatenate([t.labels for _, t, _ in probes]), None if keep[0] is None else np.concatenate(keep))
     count = len(truth.labels)
     details = {**details, "observation": f"FedSGD probe of the --secagg round's sum: one gradient of {batch} image(s) "
                                          f"of each of the cohort's {len(cohort)} clients, averaged as SecAgg+ sums "
