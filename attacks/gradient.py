@@ -54,6 +54,8 @@ class LocalTraining:
     uploaded: parameter name -> the uploaded value (the trained parameters).
     mask_ratio: the fraction of patches each image drops (None: the method does not mask).
     schedule: the client's batches and masks, step by step, when the server can regenerate them; None if not.
+    members: a SecAgg+ sum (--secagg): the cohort's clients, each training on its own num_examples of the images
+    in turn, their results averaged by num_examples (uploaded is that average); empty for one client.
     """
 
     uploaded: dict[str, torch.Tensor]
@@ -67,6 +69,12 @@ class LocalTraining:
     schedule: list[Step] | None = None
     precision: str = "fp32"  # of the client's forward passes (the run's, eftguard.precision)
     optimizer: str = "adamw"  # the client's: "adamw" (eftguard's trainer) or "sgd" (plain, e.g. a Flower app's)
+    members: tuple["LocalTraining", ...] = ()
+
+    @property
+    def parts(self) -> tuple["LocalTraining", ...]:
+        """The trainings whose (averaged) result the upload is: the cohort's members, or this one client."""
+        return self.members or (self,)
 
     @property
     def steps(self) -> int:

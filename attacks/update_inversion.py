@@ -108,6 +108,26 @@ def simulate_local_training(model: nn.Module, start: dict[str, torch.Tensor], im
     return params
 
 
+def simulate_uploads(model: nn.Module, start: dict[str, torch.Tensor], images: torch.Tensor, labels: torch.Tensor,
+                     training: LocalTraining, schedules: list[list[Step]], create_graph: bool = False,
+                     softness: float = 0.0) -> dict[str, torch.Tensor]:
+    """What the server received, simulated: each of training.parts (one client, or a SecAgg+ cohort's clients) trains
+    on its own num_examples of the images in turn with its schedule (simulate_local_training), and the trained
+    parameters are averaged by num_examples, as FedAvg and SecAgg+ weight them."""
+    finals, low = [], 0
+    for part, schedule in zip(training.parts, schedules):
+        high = low + part.num_examples
+        finals.append(simulate_local_training(model, start, images[low:high], labels[low:high], schedule,
+                                              training.lr, training.weight_decay, create_graph=create_graph,
+                                              softness=softness, precision=training.precision,
+                                              optimizer=training.optimizer))
+        low = high
+    if len(finals) == 1:
+        return finals[0]
+    return {name: sum(part.num_examples * final[name] for part, final in zip(training.parts, finals)) / low
+            for name in start}
+
+
 @GRADIENT.register
 @dataclass
 class UpdateInversion:
@@ -152,12 +172,13 @@ class UpdateInversion:
         observed_norm = torch.stack([(d.double() ** 2).sum() for d in observed]).sum().sqrt().float()
         labels = torch.from_numpy(recover_labels(replace(obs, batch_size=n)))
         generator = torch.Generator().manual_seed(self.seed)
-        schedule = training.schedule if self.schedule == "replayed" else fixed_schedule(training, generator)
+        parts = training.parts  # a SecAgg+ sum: which client held which label is unknown; they go in order
+        schedules = [part.schedule if self.schedule == "replayed" else fixed_schedule(part, generator)
+                     for part in parts]
 
         def distance(images: torch.Tensor) -> torch.Tensor:
-            final = simulate_local_training(obs.model, start, images, labels, schedule, training.lr,
-                                            training.weight_decay, create_graph=True, softness=self.softness,
-                                            precision=training.precision, optimizer=training.optimizer)
+            final = simulate_uploads(obs.model, start, images, labels, training, schedules, create_graph=True,
+                                     softness=self.softness)
             return cosine_distance([final[name] - start[name] for name in start], observed, observed_norm)
 
         images = obs.to_input(self._start_pixels(obs, n, generator)).requires_grad_(True)
@@ -183,9 +204,10 @@ class UpdateInversion:
         if final < best_distance:
             best, best_distance = images.detach().clone(), final
         return ImageReconstruction(obs.to_pixels(best), rows=None,
-                                   kept_ids=first_masks(schedule, n) if self.schedule == "replayed" else None,
+                                   kept_ids=training_masks(training) if self.schedule == "replayed" else None,
                                    details={"update_cosine_distance": best_distance, "labels": labels.tolist(),
-                                            "simulated_steps": len(schedule), "schedule": self.schedule})
+                                            "simulated_steps": sum(map(len, schedules)), "schedule": self.schedule,
+                                            **({"clients_simulated": len(parts)} if training.members else {})})
 
     def _start_pixels(self, obs: GradientObservation, count: int, generator: torch.Generator) -> torch.Tensor:
         """The prior (the mean public image) where the observation has one, else uniform noise: [n, 3, H, W]."""
@@ -199,10 +221,11 @@ class UpdateInversion:
         if training is None:
             raise AttackError("the updates attack inverts an uploaded update: use --observe upload")
         if training.num_examples > self.max_examples:
-            raise AttackError(f"the client trained on {training.num_examples} images and the updates attack "
-                              f"simulates every one of them: raise --max-examples to {training.num_examples} "
-                              f"(slow) or attack a run with smaller local datasets")
-        if self.schedule == "replayed" and training.schedule is None:
+            raise AttackError(f"the {'cohort' if training.members else 'client'} trained on "
+                              f"{training.num_examples} images and the updates attack simulates every one of them: "
+                              f"raise --max-examples to {training.num_examples} (slow) or attack a run with smaller "
+                              "local datasets")
+        if self.schedule == "replayed" and any(part.schedule is None for part in training.parts):
             raise AttackError("this run's batches and masks cannot be regenerated from its seed (a deployed node "
                               "or a DP-SGD run): use --schedule fixed")
         return training
@@ -217,6 +240,14 @@ def first_masks(schedule: list[Step], num_examples: int) -> np.ndarray | None:
         for index, kept in zip(batch.tolist(), keep.numpy()):
             masks.setdefault(index, kept)
     return np.stack([masks[i] for i in range(num_examples)])
+
+
+def training_masks(training: LocalTraining) -> np.ndarray | None:
+    """Each image's kept patch ids in the first step that trained on it, the cohort's members in turn ([n, keep];
+    None if unmasked or a schedule is unknown)."""
+    masks = [None if part.schedule is None else first_masks(part.schedule, part.num_examples)
+             for part in training.parts]
+    return None if any(m is None for m in masks) else np.concatenate(masks)
 
 
 def revealed_patches(schedule: list[Step], num_examples: int, num_patches: int) -> np.ndarray:

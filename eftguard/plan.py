@@ -136,11 +136,15 @@ the server's memory in its largest round (server_memory)."""
         truth = safetensors_bytes({"sample_ids": ((n,), torch.int64), "class_counts": ((num_classes,), torch.int64),
                                    **({"kept_ids": ((n, tokens - 1), torch.int64)} if method.uploads_features
                                       else {})}) if cfg.record_truth else 0
-        per_client.append({"update": update, "features": features, "heads": head_record, "truth": truth})
+        per_client.append({"update": 0 if cfg.secagg else update, "features": features, "heads": head_record,
+                           "truth": truth})
+    aggregate = update if cfg.secagg else 0  # --secagg: the round's one update, the cohort's sum, stored alike
     retention = Retention.of(cfg)
     uploads = {r: [k for k in select_clients(cfg, r) if retention.keeps_upload(r, k)] for r in retention.rounds_kept}
-    kept_upload_bytes = sum(sum(per_client[k].values()) for clients in uploads.values() for k in clients)
-    every_upload = sum(sum(per_client[k].values()) for r in range(1, cfg.rounds + 1) for k in select_clients(cfg, r))
+    kept_upload_bytes = sum(sum(per_client[k].values()) for clients in uploads.values() for k in clients) + \
+        aggregate * len(retention.rounds_kept)
+    every_upload = sum(sum(per_client[k].values()) for r in range(1, cfg.rounds + 1) for k in select_clients(cfg, r)) \
+        + aggregate * cfg.rounds
     checkpoints = len(retention.checkpoints_kept) * checkpoint
     largest_round = max(sum(rows[k] for k in select_clients(cfg, r)) for r in range(1, cfg.rounds + 1))
     mean = {part: round(float(np.mean([c[part] for c in per_client]))) for part in per_client[0]}
@@ -148,11 +152,11 @@ the server's memory in its largest round (server_memory)."""
         "config": {"model": cfg.model, "method": cfg.method, "clients": cfg.clients,
                    "clients_per_round": cfg.clients_per_round, "rounds": cfg.rounds, "mask_ratio": cfg.mask_ratio,
                    "keep_rounds": cfg.keep_rounds, "keep_clients": cfg.keep_clients,
-                   "store_uploads": cfg.store_uploads, "record_truth": cfg.record_truth,
+                   "store_uploads": cfg.store_uploads, "record_truth": cfg.record_truth, "secagg": cfg.secagg,
                    "server_rows": cfg.server_rows},
         "rows_per_client": {"mean": float(np.mean(rows)), "min": min(rows), "max": max(rows),
                             "source": "--images-per-client" if images_per_client else "the run's data plan"},
-        "bytes_per_round": {"checkpoint": checkpoint, "per_client": mean,
+        "bytes_per_round": {"checkpoint": checkpoint, "per_client": mean, "aggregate": aggregate,
                             "uploads_and_truth_all_clients": round(every_upload / cfg.rounds)},
         "kept": {"checkpoints": list(retention.checkpoints_kept), "rounds": list(retention.rounds_kept),
                  "clients": list(retention.clients_kept), "uploads": sum(map(len, uploads.values()))},
@@ -184,6 +188,9 @@ def plan_lines(plan: dict) -> list[str]:
         f"per round: checkpoint {size(per_round['checkpoint'])}; per client: update {size(client['update'])}, "
         f"features {size(client['features'])}, heads {size(client['heads'])}, truth {size(client['truth'])}; "
         f"all the round's clients {size(per_round['uploads_and_truth_all_clients'])}",
+        *([f"--secagg: no client's update is stored, one sum per kept round ({size(per_round['aggregate'])}); on the "
+           "wire each client sends about twice its update (SecAgg+'s 64-bit masked integers and key shares, measured "
+           "in docs/secagg.md)"] if c["secagg"] else []),
         f"kept (--keep-rounds {c['keep_rounds']}, --keep-clients {c['keep_clients']}): {len(kept['checkpoints'])} "
         f"checkpoints, {kept['uploads']} client uploads over {len(kept['rounds'])} rounds",
         f"projected run directory: {size(projected['total'])} (checkpoints {size(projected['checkpoints'])}, uploads "

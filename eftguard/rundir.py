@@ -359,13 +359,17 @@ class RunDirectory:
 
     def drop_unkept(self, done: int) -> None:
         """Remove what the run's retention does not keep of rounds 1..done, once round done is complete: the
-        checkpoints before done that no kept round reads (done's stays: resume starts from it), and the uploads and
-        ground truth of rounds and clients not kept (the server does not write those; a run resumed with more
-        --rounds can leave some behind)."""
+        checkpoints before done that no kept round reads (done's stays: resume starts from it), and the uploads,
+        --secagg aggregates and ground truth of rounds and clients not kept (the server does not write those; a run
+        resumed with more --rounds can leave some behind)."""
         retention = self.retention
         for item in sorted((self.path / "checkpoints").glob("round-*")):
             number = round_number_of(item.name)
             if number is not None and number < done and number not in retention.checkpoints_kept:
+                item.unlink()
+        for item in sorted((self.path / "observed").glob("round-*/aggregate.safetensors*")):
+            number = round_number_of(item.parent.name)
+            if number is not None and number <= done and number not in retention.rounds_kept:
                 item.unlink()
         for folder in ("observed", "truth"):
             for item in sorted((self.path / folder).glob("round-*/client-*")):
@@ -478,10 +482,12 @@ class RunDirectory:
 
     def save_upload(self, round_number: int, partition: int, kind: str, arrays: dict[str, np.ndarray]) -> None:
         """One part of a client's upload, its floating arrays in the run's --store-uploads precision."""
+        self._save_sealed(self.upload_path(round_number, partition, kind), self._narrowed(arrays))
+
+    def _narrowed(self, arrays: dict[str, np.ndarray]) -> dict[str, torch.Tensor]:
+        """Floating arrays in the run's --store-uploads precision (as stored() keeps them)."""
         dtype = getattr(torch, self.config().store_uploads)
-        self._save_sealed(self.upload_path(round_number, partition, kind),
-                          {k: stored(torch.from_numpy(np.require(v, requirements=["C", "W"])), dtype)
-                           for k, v in arrays.items()})
+        return {k: stored(torch.from_numpy(np.require(v, requirements=["C", "W"])), dtype) for k, v in arrays.items()}
 
     def load_upload(self, round_number: int, partition: int, kind: str) -> dict[str, np.ndarray]:
         """One part of a client's upload as the server received it, but for --store-uploads: floating arrays are
@@ -501,7 +507,9 @@ class RunDirectory:
         return self.path / "observed" / round_name(round_number) / name
 
     def save_aggregate(self, round_number: int, arrays: dict[str, np.ndarray]) -> None:
-        self._save_sealed(self.aggregate_path(round_number), arrays)
+        """Stored as uploads are (--store-uploads; SecAgg+ hands the average over in float64, its quantisation
+        error about 1e-5)."""
+        self._save_sealed(self.aggregate_path(round_number), self._narrowed(arrays))
 
     def cohort(self, round_number: int) -> list[int]:
         """The partitions whose masked update is in a --secagg round's sum."""

@@ -172,6 +172,17 @@ def test_a_run_resumed_with_more_rounds_keeps_what_its_new_last_round_needs(tmp_
     assert files_of(run) == expected_files(run.retention) and run.verify() == []
 
 
+def test_a_secagg_run_resumed_with_more_rounds_drops_the_aggregate_of_a_round_no_longer_kept(tmp_path):
+    """Under --secagg a round's one upload is its aggregate: kept with the round, dropped with it."""
+    run = RunDirectory.open(train_in_process(tmp_path / "run", keep_rounds="last", secagg=True, method="fed-bias",
+                                             **TINY))
+    assert [t for t in range(1, 4) if run.aggregate_path(t).exists()] == [3]
+    resume_run(run, 4)
+    with task_identity():
+        run_server(FakeGrid(3), run.path)
+    assert [t for t in range(1, 5) if run.aggregate_path(t).exists()] == [4] and run.verify() == []
+
+
 def test_a_run_keeping_no_round_holds_only_its_final_model_like_a_reference_model(tmp_path):
     """The membership attack's reference models train so (eftguard.audit.references): once finished, their final
     checkpoint is all they hold of the model (nor do their nodes keep the models they received)."""
@@ -212,6 +223,7 @@ def test_a_value_beyond_float16_keeps_its_array_in_float32(tmp_path):
 
 @pytest.mark.parametrize("config", [
     dict(keep_rounds="last", keep_clients="2", store_uploads="float16"),
+    dict(method="fed-bias", secagg=True, keep_rounds="every:2", store_uploads="float16"),  # one sum per kept round
     pytest.param(dict(keep_rounds="all"), marks=pytest.mark.slow),
     pytest.param(dict(method="fedavg", keep_rounds="every:2"), marks=pytest.mark.slow),
 ])

@@ -4,7 +4,6 @@ its keys, and refuse the combinations that can never work."""
 
 import json
 import os
-import re
 import subprocess
 import sys
 
@@ -102,6 +101,47 @@ def test_a_client_dropping_after_sharing_its_keys_leaves_the_others_sum(tmp_path
         np.testing.assert_allclose(aggregate[key], expected[key], atol=1e-4)
 
 
+def test_a_stop_request_inside_a_secagg_round_ends_the_run_before_the_round_is_recorded(tmp_path):
+    """Ctrl-C (or SIGTERM) while the nodes answer a SecAgg+ stage: the server stops at its next poll, inside the
+    round, and leaves nothing of it behind; the run resumes from there."""
+    from eftguard.errors import Interrupted
+    from eftguard.federation.server import STOP_REQUESTED
+
+    def stop_at_the_masked_vectors(node, reply):
+        configs = {} if reply.has_error() else reply.content.config_records.get(RECORD_KEY_CONFIGS, {})
+        if Key.MASKED_PARAMETERS in configs:
+            STOP_REQUESTED.set()
+        return reply
+
+    cfg = TrainConfig(**{**TINY, "method": "fed-bias", "secagg": True}).resolved()
+    run = RunDirectory.create(tmp_path / "run", cfg)
+    try:
+        with task_identity(), pytest.raises(Interrupted):
+            run_server(FakeGrid(cfg.clients, tamper=stop_at_the_masked_vectors), run.path)
+    finally:
+        STOP_REQUESTED.clear()
+    assert run.completed_rounds() == 0 and run.metrics() == []
+    with task_identity():
+        run_server(FakeGrid(cfg.clients), run.path)
+    assert run.completed_rounds() == 1 and run.aggregate_path(1).exists()
+
+
+class ReversedArrivals(FakeGrid):
+    """Replies of a stage pulled in the reverse of the order they were sent (as nodes finishing in any order)."""
+
+    def pull_messages(self, ids):
+        return list(reversed(super().pull_messages(ids)))
+
+
+def test_the_clients_clear_parts_are_used_in_partition_order_whatever_order_they_arrive_in(tmp_path):
+    """eftvit's theta trains on the feature rows in the order the uploads are accepted (the order metrics.jsonl
+    lists them in): under SecAgg+ too it is the partition order, as in a plain round, whichever node answered
+    first."""
+    shuffled = trained(tmp_path / "shuffled", ReversedArrivals(3), method="eftvit", secagg=True)
+    record = shuffled.metrics()[0]
+    assert list(record["num_examples"]) == list(record["feature_sets"]) == ["0", "1", "2"]
+
+
 def test_a_client_whose_sum_weight_differs_from_its_reported_n_is_named_and_gives_nothing_else(tmp_path):
     def lie_about_n(node, reply):
         configs = {} if reply.has_error() else reply.content.config_records.get(RECORD_KEY_CONFIGS, {})
@@ -128,11 +168,15 @@ def test_below_the_reconstruction_threshold_the_round_has_no_sum_and_the_model_s
     before, after = run.load_checkpoint(0), run.load_checkpoint(1)
     assert all(torch.equal(before[k], after[k]) for k in before)
     assert not run.aggregate_path(1).exists()
+    for family, options in (("gradient", {"observe": "probe"}), ("labels", {"method": "llg"})):
+        with pytest.raises(RunError, match="round 1 of .* has no sum to attack: fewer clients than SecAgg\\+ needs"):
+            run_attack(run.path, family, power_check=False, **options)
 
 
-def test_per_client_update_attacks_are_not_applicable_under_secagg(secure_run):
-    with pytest.raises(RunError, match=re.escape(SUM_ONLY)):
-        run_attack(secure_run.path, "gradient", power_check=False)
+def test_an_update_attack_on_one_client_is_refused_under_secagg(secure_run):
+    with pytest.raises(RunError, match="the gradient attack reads the cohort's sum, not one client's update: drop "
+                                       "--clients"):
+        run_attack(secure_run.path, "gradient", clients=[0], power_check=False)
 
 
 def test_a_damaged_aggregate_is_named_before_the_attack_on_the_sum(tmp_path, micro_preset):

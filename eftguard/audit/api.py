@@ -99,7 +99,7 @@ def run_attack(run: str | Path | RunDirectory, family: str, method: str | None =
     seed, round_number, clients = common["seed"], common["round_number"], common["clients"]
     cls = chosen.registry.get(chosen.registry.default if method is None else method)
     family_options, method_options = resolve_options(chosen, cls, options)
-    run_dir, round_number, picked = open_round(run, key, round_number, clients, chosen)
+    run_dir, round_number, picked = open_round(run, key, round_number, clients, chosen, cls)
     check_tampered(run_dir, round_number, cls)
     folder = out_root(run_dir, out) if out is not None else None
     ran_with = {**family_options, **method_options, **({"seed": seed} if chosen.seeded else {})}
@@ -280,17 +280,20 @@ def check_tampered(run: RunDirectory, round_number: int, cls: type) -> None:
 
 
 def open_round(path: str | Path | RunDirectory, key: Path | None, round_number: int | None,
-               choice: str, family: Family) -> tuple[RunDirectory, int, list[int]]:
+               choice: str, family: Family, cls: type) -> tuple[RunDirectory, int, list[int]]:
     """The checks of the run an attack needs before it starts: the run, its round, the chosen clients with
     uploads, intact files, weights that load."""
     run = open_run(path, key)
     round_number = resolve_round(run, round_number)
-    if run.config().secagg and family.attacks_the_sum and not run.uploaded_partitions(round_number):
-        # the server holds no client's upload, only the sum (eftvit's features are still per client: attacked so)
+    if family.on_the_sum(run, round_number, cls):  # the server holds no client's update, only the sum
         if choice != "all":
             raise RunError(f"{run.path} is a --secagg run: the {family.name} attack reads the cohort's sum, not one "
                            "client's update: drop --clients")
         check_intact(run, round_number, [])
+        if not run.cohort(round_number):
+            raise RunError(f"round {round_number} of {run.path} has no sum to attack: fewer clients than SecAgg+ needs "
+                           "stayed to the end of it (its cohort in metrics.jsonl is empty) and the model did not move; "
+                           "attack another --round")
         if run.verify((f"observed/{round_name(round_number)}/aggregate",)):
             raise RunError(f"{run.aggregate_path(round_number)} is missing or damaged (it no longer matches the sha256 "
                            "manifest.json recorded): restore it from a backup, or attack another --round")

@@ -26,7 +26,7 @@ from eftguard.attacks.imprint import ImprintAttack  # noqa: F401  registers the 
 from eftguard.attacks.inversion import INVERT
 from eftguard.attacks.labels import LABELS
 from eftguard.attacks.membership import MEMBERSHIP, TARGETS, LossAttack, reference_threat
-from eftguard.attacks.update_inversion import first_masks
+from eftguard.attacks.update_inversion import training_masks
 from eftguard.audit import observe, scoring
 from eftguard.audit.references import ReferenceOutputs, reference_models
 from eftguard.data import ImageSet
@@ -70,6 +70,11 @@ class Family:
     seeded: bool  # draws randomness of its own (takes --seed)
     cli_method: str  # --method's default on the command line ("all": every method)
     attacks_the_sum: bool = False  # on a --secagg run it attacks the cohort's aggregate (the client COHORT)
+
+    def on_the_sum(self, run: RunDirectory, round_number: int, cls: type) -> bool:
+        """Whether the attack class targets the cohort's aggregate (the client COHORT) on this round: a --secagg round
+        that holds no client's upload (eftvit's features are per client even then, and attacked so)."""
+        return run.config().secagg and self.attacks_the_sum and not run.uploaded_partitions(round_number)
 
     @property
     def options(self) -> tuple[Option, ...]:
@@ -236,6 +241,11 @@ class LabelsFamily(Family):
     cli_method = "all"
     attacks_the_sum = True  # the cohort's histogram from the summed head update, n = the cohort's sample count
 
+    def on_the_sum(self, run: RunDirectory, round_number: int, cls: type) -> bool:
+        """Also on eftvit's rounds, whose labels and features are per client: the attacks on the head update alone
+        read the sum, those on the uploaded labels each client's uploads."""
+        return super().on_the_sum(run, round_number, cls) or (run.config().secagg and not cls.uses_upload_labels)
+
     def observe(self, job: Job, attack: Attack) -> Observed:
         with_model = attack.threat_model.knows_weights  # the weights only where the threat model grants them
         return Observed(observe.observe_labels(job.run, job.round_number, job.clients, with_model,
@@ -257,8 +267,7 @@ class LabelsFamily(Family):
     def control(self, job: Job, attack: Attack, observed: Observed, progress=None) -> tuple[dict, str]:
         cfg, partition, observation = job.run.config(), job.clients[0], observed.observation
         if partition == COHORT:
-            raise AttackError("no power check on a --secagg round's sum yet (its control would replay every client "
-                              "of the cohort)")
+            return self.sum_control(job, attack, observed, progress)
         num_examples = next(c.num_examples for c in observation.clients if c.partition == partition)
         images, labels = observe.public_skewed_sample(cfg, num_examples, job.seed)
         control = observe.public_label_observation(job.run, job.round_number, partition, images, labels, observation)
@@ -272,6 +281,29 @@ class LabelsFamily(Family):
                 + (", its features median-sampled and released without clipping or noise"
                    if uploaded is not None and attack.uses_upload_labels else ""))
 
+    def sum_control(self, job: Job, attack: Attack, observed: Observed, progress=None) -> tuple[dict, str]:
+        """The power check on a --secagg round's sum: every cohort client's local training (no DP-SGD) on as many
+        public images as it reported, each with a seeded Dirichlet(--beta) class mix of its own, from the round's
+        start weights, averaged as SecAgg+ sums the updates; scored against the sum of their histograms."""
+        cfg, run, observation = job.run.config(), job.run, observed.observation
+        samples = cohort_public_samples(job, observe.public_skewed_sample)
+        control = observe.public_sum_labels(run, job.round_number, samples, observation)
+        estimate = attack.reconstruct(control, progress)[COHORT]
+        truth = sum(np.bincount(labels, minlength=observation.num_classes) for _, labels in samples.values())
+        return (scoring.label_control_groups(estimate, truth, None),
+                f"the same attack on the sum of the cohort's {len(samples)} clients' local training (no DP-SGD), "
+                f"each run on as many public images as it reported ({int(truth.sum())} in all) with a seeded "
+                f"Dirichlet({cfg.beta}) class mix of its own from the round's start weights, averaged as SecAgg+ sums "
+                "them")
+
+
+def cohort_public_samples(job: Job, sample) -> dict[int, tuple[np.ndarray, np.ndarray]]:
+    """A power check's public images for each client of a --secagg round's cohort, as many as it reported: sample(cfg,
+    count, seed) seeded per client (the clients' samples may share images, as clients never share theirs)."""
+    reported = job.run.metrics()[job.round_number - 1]["num_examples"]
+    return {partition: sample(job.run.config(), int(reported[str(partition)]), job.seed + partition)[:2]
+            for partition in job.run.cohort(job.round_number)}
+
 
 # --- gradient -----------------------------------------------------------------------------------------------
 
@@ -283,7 +315,8 @@ class GradientOptions:
                                     "round's start weights (masked as the client would, with the run's DP-SGD "
                                     "clipping and noise), the usual worst case",
                           name_value, choices=("upload", "probe"))
-    batch: int = option(1, "images to reconstruct; with --observe probe also the probe's batch size", whole_number(1))
+    batch: int = option(1, "images to reconstruct; with --observe probe also the probe's batch size (on a --secagg "
+                           "round's sum: each cohort client's, the sum holding all of theirs)", whole_number(1))
 
 
 EXACT_PATCH_DB = 30.0  # a patch attack's count of patches recovered at least this well (report details)
@@ -291,6 +324,9 @@ ORIGINALS = {
     "probe": "the probe's batch; reconstructions matched to it one-to-one (Hungarian, MSE)",
     "upload": "each reconstruction scored against the client training image it matches best (one-to-one, MSE): "
               "with a whole client set to choose from this flatters the attack, the baseline gets no such choice",
+    "sum": "each reconstruction scored against the training image of the cohort's clients it matches best "
+           "(one-to-one, MSE): with every image in the sum to choose from this flatters the attack, the baseline gets "
+           "no such choice",
 }
 
 
@@ -300,11 +336,19 @@ class GradientFamily(Family):
     help = "reconstruct a client's images from its parameter update or a one-step gradient"
     description = ("Gradient leakage against one client (--clients K; default: the lowest with an upload in the "
                    "round), scored against its images by PSNR, SSIM, CW-SSIM, LPIPS and identifiability (IIP in "
-                   "pixels, LPIPS and the model's features) beside a mean-image baseline.")
+                   "pixels, LPIPS and the model's features) beside a mean-image baseline. On a --secagg run it attacks "
+                   "the cohort's sum instead, the cohort's image count known (the clients report n_k in the clear), "
+                   "scored against the images of every client in the sum.")
     options_type = GradientOptions
     image_metrics = True
     seeded = True
     cli_method = "analytic"
+    attacks_the_sum = True  # the summed update (or the FedSGD probe summed), the cohort's image count known
+
+    def on_the_sum(self, run: RunDirectory, round_number: int, cls: type) -> bool:
+        """Always under --secagg: the attacks read an update, which the server holds only summed (eftvit's
+        per-client feature uploads are not what they read)."""
+        return run.config().secagg
 
     def pick_clients(self, clients: list[int], choice: str | list[int]) -> list[int]:
         if choice == "all":
@@ -331,6 +375,13 @@ class GradientFamily(Family):
         public = public_images(job.run)
         prior = public.mean(axis=0)
         partition, batch = job.clients[0], job.options["batch"]
+        if partition == COHORT:
+            if job.options["observe"] == "probe":
+                obs, probe, details = observe.cohort_probe_observation(job.run, job.round_number, batch, job.seed,
+                                                                       prior)
+            else:
+                (obs, details), probe = observe.aggregate_observation(job.run, job.round_number, batch, prior), None
+            return Observed(obs, {"probe": probe, "details": details, "public": public, "sent": None})
         sent = self.sent(job, attack)
         if job.options["observe"] == "probe":
             if sent is not None:
@@ -369,10 +420,11 @@ class GradientFamily(Family):
 
     def score(self, job: Job, attack: Attack, observed: Observed, result, seconds: float) -> AttackReport:
         partition, probe = job.clients[0], observed.auditor["probe"]
-        if probe is not None:  # originals: the probe's batch, or the client's whole training set
+        if probe is not None:  # originals: the probe's batch, or the client's (the cohort's) whole training set
             pool, pool_labels, pool_keep = scoring.as_float_images(probe.images), probe.labels, probe.keep_ids
         else:
-            data = scoring.client_training_set(job.run, partition)
+            data = scoring.cohort_training_set(job.run, job.round_number) if partition == COHORT else \
+                scoring.client_training_set(job.run, partition)
             pool, pool_labels, pool_keep = scoring.as_float_images(data.images), data.labels, upload_masks(observed)
         obs = observed.observation
         patch = int(obs.model.local_module.patch_embed.patch_size[0])
@@ -388,7 +440,8 @@ class GradientFamily(Family):
                                       same_label=(pool_labels[rows], observe.run_public_labels(job.run.config())),
                                       features=scoring.model_features(job.run.start_model(job.round_number)))
         details = {**observed.auditor["details"], "method": attack.summary, "observe": job.options["observe"],
-                   "batch": job.options["batch"], "originals": ORIGINALS[job.options["observe"]],
+                   "batch": job.options["batch"],
+                   "originals": ORIGINALS["sum" if partition == COHORT and probe is None else job.options["observe"]],
                    "reconstructed_images": len(result.images), "attack_seconds": round(seconds, 2),
                    **{k: v for k, v in result.details.items() if k != "labels"},
                    "positions": "kept positions read off the positional-embedding gradient" if obs.masked else
@@ -406,21 +459,30 @@ class GradientFamily(Family):
         cfg, partition, batch = job.run.config(), job.clients[0], job.options["batch"]
         obs = observed.observation
         if job.options["observe"] == "probe":
-            images, labels, _ = observe.public_sample(cfg, batch, job.seed)
-            control, probe = observe.public_probe_observation(job.run, job.round_number, partition, images, labels,
+            count = obs.batch_size  # the cohort's probe: batch images of each of its clients
+            images, labels, _ = observe.public_sample(cfg, count, job.seed)
+            client = job.run.cohort(job.round_number)[0] if partition == COHORT else partition
+            control, probe = observe.public_probe_observation(job.run, job.round_number, client, images, labels,
                                                               job.seed, obs.prior)
             pool, pool_keep = probe.images, probe.keep_ids
-            what = (f"the same attack and budget on a FedSGD probe of {batch} public image(s) at the round's start "
-                    "weights, masked as the client masks, without DP-SGD")
+            what = (f"the same attack and budget on a FedSGD probe of {count} public image(s) at the round's start "
+                    "weights, masked as the client masks, without DP-SGD"
+                    + (f" (the sum of {count // batch} clients' probes of {batch})" if partition == COHORT else ""))
+        elif partition == COHORT:
+            samples = cohort_public_samples(job, observe.public_sample)
+            control = observe.public_sum_observation(job.run, job.round_number, batch, obs.prior, samples)
+            pool = np.concatenate([images for images, _ in samples.values()])
+            pool_keep = training_masks(control.local_training)
+            what = (f"the same attack and budget on the sum of the cohort's {len(samples)} clients' local training "
+                    f"(their optimiser, epochs and batches, no DP-SGD), each run on as many public images as it "
+                    f"reported ({len(pool)} in all) from the round's start weights, averaged as SecAgg+ sums them")
         else:
             count = obs.local_training.num_examples
             images, labels, _ = observe.public_sample(cfg, count, job.seed)
             control = observe.public_update_observation(job.run, job.round_number, partition, batch, obs.prior,
                                                         images, labels, observed.auditor["sent"])
             pool = images
-            training = control.local_training
-            pool_keep = first_masks(training.schedule, count) if training.mask_ratio is not None \
-                and training.schedule is not None else None
+            pool_keep = training_masks(control.local_training)
             what = (f"the same attack and budget on the update of the client's local training (its optimiser, "
                     f"epochs and batches, no DP-SGD) run on {count} public images from the round's start weights"
                     + (" (the tampered model the round was sent)" if observed.auditor["sent"] is not None else ""))
@@ -437,9 +499,7 @@ def upload_masks(observed: Observed) -> np.ndarray | None:
     """Each client image's kept patches in the first step that trained on it, where the run's schedule can be
     regenerated (a simulated masked run without DP-SGD); None otherwise."""
     training = observed.observation.local_training
-    if training is None or training.schedule is None:
-        return None
-    return first_masks(training.schedule, training.num_examples)
+    return None if training is None else training_masks(training)
 
 
 # --- dp-audit -----------------------------------------------------------------------------------------------

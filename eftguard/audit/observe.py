@@ -245,6 +245,32 @@ def probe_observation(run: RunDirectory, round_number: int, partition: int, batc
     return obs, truth, details
 
 
+def cohort_probe_observation(run: RunDirectory, round_number: int, batch: int, seed: int, prior: np.ndarray | None
+                             ) -> tuple[GradientObservation, ProbeBatch, dict]:
+    """The FedSGD probe of a --secagg round: every cohort client's probe (probe_observation: `batch` of its images,
+    masked, with its DP-SGD) averaged as SecAgg+ sums the updates, each weighted by its `batch` images: one gradient
+    of the batch-mean loss over the cohort's K * batch images, that count the attack's side information."""
+    cohort = run.cohort(round_number)
+    probes = [probe_observation(run, round_number, partition, batch, seed, prior) for partition in cohort]
+    first, _, details = probes[0]
+    gradients = {name: sum(obs.gradients[name] for obs, _, _ in probes) / len(probes) for name in first.gradients}
+    keep = [truth.keep_ids for _, truth, _ in probes]
+    truth = ProbeBatch(np.concatenate([t.images for _, t, _ in probes]),
+                       np.concatenate([t.labels for _, t, _ in probes]), None if keep[0] is None else np.concatenate(keep))
+    count = len(truth.labels)
+    details = {**details, "observation": f"FedSGD probe of the --secagg round's sum: one gradient of {batch} image(s) "
+                                         f"of each of the cohort's {len(cohort)} clients, averaged as SecAgg+ sums "
+                                         f"them: one gradient of {count} images",
+               "cohort": cohort_text(cohort, count)}
+    if "dp_sgd" in details:
+        details["dp_sgd"] = f"{details['dp_sgd']}; each client clips and noises its own gradient"
+    return replace(first, gradients=gradients, batch_size=count), truth, details
+
+
+def cohort_text(cohort: list[int], images: int) -> str:
+    return f"clients {', '.join(map(str, cohort))} in the sum, {images} images (the attack's side information)"
+
+
 def probe_of(run: RunDirectory, round_number: int, partition: int, images: np.ndarray, labels: np.ndarray,
              generator: torch.Generator, dp: DPNoise | None, prior: np.ndarray | None
              ) -> tuple[GradientObservation, ProbeBatch]:
@@ -285,8 +311,28 @@ def update_observation(run: RunDirectory, round_number: int, partition: int, bat
     one scaled gradient, and the local training it came from. replayable: its batches and masks are the ones the
     run's seed regenerates (a simulated node without DP-SGD)."""
     cfg = run.config()
-    steps = cfg.local_epochs * math.ceil(num_examples / cfg.batch_size)
+    steps = local_steps(cfg, num_examples)
     names = prune_as_client(run, round_number, partition, model, trained_names(model, cfg.method))
+    gradients, after = scaled_gradients(run, round_number, model, names, uploaded, steps)
+    obs = GradientObservation(model, gradients, batch, model_image_size(model), model.mean, model.std,
+                              masked=method_spec(cfg.method).masked, prior=prior,
+                              local_training=local_training(run, round_number, partition, model, after, num_examples,
+                                                            replayable))
+    return obs, {"observation": (f"uploaded update after {steps} AdamW step(s) on {num_examples} images, treated "
+                                 f"as one gradient: -(update) / (lr * steps) - weight_decay * weights")}
+
+
+def local_steps(cfg, num_examples: int) -> int:
+    """The optimiser steps of a client's local training on num_examples images."""
+    return cfg.local_epochs * math.ceil(num_examples / cfg.batch_size)
+
+
+def scaled_gradients(run: RunDirectory, round_number: int, model: EFTViT, names: list[str],
+                     uploaded: dict[str, torch.Tensor], steps: float
+                     ) -> tuple[dict[str, torch.Tensor], dict[str, torch.Tensor]]:
+    """(gradients, trained values) of the names uploaded: the update from the model's weights as one gradient,
+    -(update) / (lr * steps) - weight_decay * weights (exact for one SGD step)."""
+    cfg = run.config()
     named = dict(model.named_parameters())
     gradients, after = {}, {}
     for name in [name for name in names if name in uploaded]:
@@ -294,12 +340,41 @@ def update_observation(run: RunDirectory, round_number: int, partition: int, bat
         after[name] = uploaded[name].to(before.dtype)
         gradients[name] = ((before - after[name]) / (cfg.lr * cfg.lr_factor(round_number) * steps)
                            - cfg.weight_decay * before)
+    return gradients, after
+
+
+def aggregate_observation(run: RunDirectory, round_number: int, batch: int, prior: np.ndarray | None
+                          ) -> tuple[GradientObservation, dict]:
+    """A --secagg round's sum (the cohort's sample-weighted average update, aggregate.safetensors) as the attacks
+    observe it, with the clients' reported n_k (in the clear) as side information."""
+    model = attack_model(run, round_number)
+    named = dict(model.named_parameters())
+    averaged = {name: named[name].detach() + torch.from_numpy(delta)
+                for name, delta in run.load_aggregate(round_number).items() if name in named}
+    reported = run.metrics()[round_number - 1]["num_examples"]
+    counts = {partition: int(reported[str(partition)]) for partition in run.cohort(round_number)}
+    return sum_observation(run, round_number, batch, prior, model, averaged, counts, run.config().dp_eps <= 0)
+
+
+def sum_observation(run: RunDirectory, round_number: int, batch: int, prior: np.ndarray | None, model: EFTViT,
+                    averaged: dict[str, torch.Tensor], counts: dict[int, int], replayable: bool
+                    ) -> tuple[GradientObservation, dict]:
+    """The cohort's averaged trained parameters (weights n_k / N) as one scaled gradient of the union of its N
+    images (steps: the clients' step counts averaged with the same weights; exact for one SGD step each), and the
+    cohort's local trainings, each client's on its own n_k images, for the update-inversion attack."""
+    cfg = run.config()
+    total = sum(counts.values())
+    steps = sum(n * local_steps(cfg, n) for n in counts.values()) / total
+    gradients, after = scaled_gradients(run, round_number, model, trained_names(model, cfg.method), averaged, steps)
+    members = tuple(local_training(run, round_number, partition, model, {}, n, replayable)
+                    for partition, n in counts.items())
+    training = replace(members[0], uploaded=after, num_examples=total, schedule=None, members=members)
     obs = GradientObservation(model, gradients, batch, model_image_size(model), model.mean, model.std,
-                              masked=method_spec(cfg.method).masked, prior=prior,
-                              local_training=local_training(run, round_number, partition, model, after, num_examples,
-                                                            replayable))
-    return obs, {"observation": (f"uploaded update after {steps} AdamW step(s) on {num_examples} images, treated "
-                                 f"as one gradient: -(update) / (lr * steps) - weight_decay * weights")}
+                              masked=method_spec(cfg.method).masked, prior=prior, local_training=training)
+    return obs, {"observation": (f"the --secagg round's sum: the average update of {len(counts)} clients "
+                                 f"({steps:g} AdamW step(s) each on average) treated as one gradient of their {total} "
+                                 "images: -(update) / (lr * steps) - weight_decay * weights"),
+                 "cohort": cohort_text(list(counts), total)}
 
 
 # --- power checks: the same attack on public images through the same channel, the defense off ---------------
@@ -343,6 +418,35 @@ def public_update_observation(run: RunDirectory, round_number: int, partition: i
     return update_observation(run, round_number, partition, batch, prior, model, uploaded, len(images),
                               replayable=True)[0]
 
+
+def public_sum_observation(run: RunDirectory, round_number: int, batch: int, prior: np.ndarray | None,
+                           samples: dict[int, tuple[np.ndarray, np.ndarray]]) -> GradientObservation:
+    """The upload channel of a --secagg round with the defense off: each cohort client's local training
+    (train_as_client: no DP-SGD) on its sample of public images from the round's start weights, averaged by image
+    count as SecAgg+ sums the updates, observed as the real sum is."""
+    model = attack_model(run, round_number)
+    names = trained_names(model, run.config().method)
+    counts = {partition: len(labels) for partition, (_, labels) in samples.items()}
+    averaged = {name: torch.zeros_like(parameter) for name, parameter in model.named_parameters() if name in names}
+    for partition, (images, labels) in samples.items():
+        trained = dict(train_as_client(run, round_number, partition, images, labels)[0].named_parameters())
+        for name, total in averaged.items():
+            total.add_(trained[name].detach(), alpha=counts[partition] / sum(counts.values()))
+    return sum_observation(run, round_number, batch, prior, model, averaged, counts, replayable=True)[0]
+
+
+def public_sum_labels(run: RunDirectory, round_number: int, samples: dict[int, tuple[np.ndarray, np.ndarray]],
+                      observation: LabelObservation) -> LabelObservation:
+    """The label channel of a --secagg round with the defense off: each cohort client's local training
+    (train_as_client: no DP-SGD) on its sample of public images from the round's start weights, the trained heads
+    averaged by image count as SecAgg+ sums the updates; n is the cohort's image count."""
+    total = sum(len(labels) for _, labels in samples.values())
+    weight = bias = 0
+    for partition, (images, labels) in samples.items():
+        head = train_as_client(run, round_number, partition, images, labels)[0].head
+        weight = weight + head.weight.detach().numpy() * len(labels) / total
+        bias = bias + head.bias.detach().numpy() * len(labels) / total
+    return replace(observation, clients=[ClientUploads(COHORT, total, None, None, weight, bias)])
 
 
 def public_skewed_sample(cfg, count: int, seed: int) -> tuple[np.ndarray, np.ndarray]:

@@ -45,6 +45,13 @@ def client_training_set(run: RunDirectory, partition: int) -> ImageSet:
     return dataset.train.subset(parts[partition])
 
 
+def cohort_training_set(run: RunDirectory, round_number: int) -> ImageSet:
+    """The images of every client in a --secagg round's sum, the cohort's clients in turn (as the attacks on the sum
+    order them)."""
+    sets = [client_training_set(run, partition) for partition in run.cohort(round_number)]
+    return ImageSet(*(np.concatenate([getattr(s, name) for s in sets]) for name in ("images", "labels", "ids")))
+
+
 def as_float_images(images_uint8: np.ndarray) -> np.ndarray:
     return images_uint8.astype(np.float32) / 255.0
 

@@ -19,6 +19,7 @@ labels, which cannot be summed (the server trains theta on each row). docs/secag
 from __future__ import annotations
 
 import json
+import time
 from dataclasses import dataclass
 from typing import Callable
 
@@ -40,6 +41,7 @@ from eftguard.federation.records import UploadError, _npy_layout, from_record
 METRICS_KEY = "metrics-json"  # FitRes metrics hold scalars only: the reply's metrics (lists too) as JSON
 CLEAR_PREFIX = "clear."  # FitRes metrics keys of the arrays a reply carries unmasked: "clear.features.labels"
 RECONSTRUCTION_FRACTION = 0.5  # of the shares needed to rebuild a dropped client's key: tolerates half the cohort
+POLL_SECONDS = 0.1  # between pulls for a stage's replies (Flower's own send_and_receive sleeps 3 s between them)
 MAX_WEIGHT_MARGIN = 1.0  # Flower's max_weight is the largest sample count; above it the masked sum can overflow
 
 
@@ -145,19 +147,31 @@ class _EftguardMessages(SecAggPlusWorkflow):
 
 
 class CountingGrid:
-    """The run's Grid, counting the protocol's traffic in serialised bytes (what SecAgg+ costs on the wire)."""
+    """The run's Grid, counting the protocol's traffic in serialised bytes (what SecAgg+ costs on the wire), and
+    polling stop_check (Ctrl-C, SIGTERM: it raises) while a stage's replies come in."""
 
-    def __init__(self, grid: Grid):
+    def __init__(self, grid: Grid, stop_check: Callable[[], None]):
         self.grid = grid
+        self.stop_check = stop_check
         self.sent_bytes = self.received_bytes = 0
 
     def __getattr__(self, name):
         return getattr(self.grid, name)
 
     def send_and_receive(self, messages, timeout=None):
+        """Grid.send_and_receive: the replies that arrive within timeout (None: all of them)."""
         messages = list(messages)
         self.sent_bytes += sum(wire_bytes(m.content) for m in messages)
-        replies = list(self.grid.send_and_receive(messages, timeout=timeout))
+        pending = {message_id for message_id in self.grid.push_messages(messages) if message_id}
+        deadline = None if timeout is None else time.monotonic() + timeout
+        replies = []
+        while pending and (deadline is None or time.monotonic() < deadline):
+            self.stop_check()
+            arrived = list(self.grid.pull_messages(sorted(pending)))
+            replies += arrived
+            pending -= {reply.metadata.reply_to_message_id for reply in arrived}
+            if pending:
+                time.sleep(POLL_SECONDS)
         self.received_bytes += sum(wire_bytes(r.content) for r in replies if not r.has_error())
         return replies
 
@@ -179,8 +193,9 @@ class SecureRound:
 
 
 def run_secure_round(grid: Grid, contents: dict[int, RecordDict], round_number: int, max_examples: int,
-                     timeout: float) -> SecureRound:
-    """One round of Flower's SecAgg+ over the nodes in contents (node id -> its train message's content)."""
+                     timeout: float, stop_check: Callable[[], None]) -> SecureRound:
+    """One round of Flower's SecAgg+ over the nodes in contents (node id -> its train message's content);
+    stop_check is polled while the nodes answer (it raises to end the run)."""
     strategy = CohortRound(sorted(contents))
     state = RecordDict({MAIN_CONFIGS_RECORD: ConfigRecord({Key.CURRENT_ROUND: round_number}),
                         MAIN_PARAMS_RECORD: ArrayRecord()})
@@ -188,7 +203,7 @@ def run_secure_round(grid: Grid, contents: dict[int, RecordDict], round_number: 
                             strategy=strategy)
     workflow = _EftguardMessages(contents, num_shares=1.0, reconstruction_threshold=RECONSTRUCTION_FRACTION,
                                  max_weight=max(float(max_examples), 1.0) * MAX_WEIGHT_MARGIN, timeout=timeout)
-    counting = CountingGrid(grid)
+    counting = CountingGrid(grid, stop_check)
     workflow(counting, context)
     return SecureRound(strategy.average, {n: dict(r.metrics) for n, r in strategy.replies.items()},
                        {n: r.num_examples for n, r in strategy.replies.items()}, counting.sent_bytes,

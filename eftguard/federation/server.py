@@ -486,8 +486,9 @@ def secure_uploads(grid: Grid, run: RunDirectory, cfg: TrainConfig, model: EFTVi
                    budgets: dict[int, ClientBudget], progress: Progress, rows: RoundRows):
     """The round's exchange under --secagg (Flower's SecAgg+, eftguard.federation.secagg): the server learns the
     cohort's sample-weighted average update and keeps only it (observed/round-NNN/aggregate.safetensors); each
-    client's clear parts are validated and kept as without --secagg (feature rows to rows). A client whose clear parts fail validation
-    gives no feature rows, but its update is in the sum already: the server cannot take it out.
+    client's clear parts are validated and kept as without --secagg (feature rows to rows). A client whose clear
+    parts fail validation gives no feature rows, but its update is in the sum already: the server cannot take it
+    out.
 
     Returns the averaged parameters (None: no sum), the accepted clear parts, the dropped clients, what each DP
     client reports it spent, and metrics.jsonl's "secagg" record (the cohort in the sum, clients whose clear parts
@@ -495,7 +496,7 @@ def secure_uploads(grid: Grid, run: RunDirectory, cfg: TrainConfig, model: EFTVi
     partition_of = {nodes[p]: p for p in messages}
     task = progress.add_task(f"round {round_number}: client training under SecAgg+", total=None)
     result = secagg.run_secure_round(grid, {nodes[p]: m.content for p, m in messages.items()}, round_number,
-                                     len(spec.train_ids), cfg.round_timeout)
+                                     len(spec.train_ids), cfg.round_timeout, check_stop)
     progress.remove_task(task)
     summed = sorted(partition_of[node] for node in result.metrics)
     dropped = {str(p): "not in the secure sum (no masked update: dropped out or refused)"
@@ -504,8 +505,8 @@ def secure_uploads(grid: Grid, run: RunDirectory, cfg: TrainConfig, model: EFTVi
     accepted: list[AcceptedUpload] = []
     epsilon: dict[str, dict[str, float]] = {}
     unverified: dict[str, str] = {}
-    for node, metrics in result.metrics.items():
-        partition = partition_of[node]
+    for node, metrics in sorted(result.metrics.items(), key=lambda item: partition_of[item[0]]):
+        partition = partition_of[node]  # in partition order, as plain rounds: theta trains on the rows in this order
         try:
             upload, truth = parse_clear(metrics, result.num_examples[node], partition, spec, cfg.method,
                                         cfg.record_truth)
