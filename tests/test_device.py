@@ -237,17 +237,6 @@ def test_an_audit_on_a_ray_cluster_computes_where_its_tasks_get_a_gpu(monkeypatc
     assert exit_.value.code == 2 and err.count("\n") == 1 and "--device cpu with --ray-address" in err
 
 
-def test_a_deployed_run_refuses_a_device_it_would_not_use(monkeypatch, capsys):
-    """A deployed run's clients train on their SuperNodes (node config `device`), its ServerApp elsewhere: a GPU
-    asked for here would not be used, so it is refused in one line rather than ignored."""
-    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
-    monkeypatch.setattr(torch.cuda, "device_count", lambda: 1)
-    with pytest.raises(SystemExit) as exit_:
-        main(["train", "--federation", "deployment", "--device", "cuda", "--superlink", "127.0.0.1:1", "--insecure"])
-    err = capsys.readouterr().err
-    assert exit_.value.code == 2 and err.count("\n") == 1 and "--device cuda with --federation deployment" in err
-
-
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU (run it where the device tool lends one)")
 def test_a_gpu_run_makes_the_choices_of_a_cpu_run_and_writes_the_same_layout(tmp_path):
     """On a GPU the seeded choices (sample ids, kept patches, class counts: truth/) are the CPU run's byte for byte,
