@@ -21,7 +21,8 @@ from eftguard.training import OptimConfig, evaluate, extract_features, train_glo
 
 ROOT = Path(__file__).resolve().parents[1]
 COMPUTING_COMMANDS = (["train"], ["pretrain", "--out", "x.safetensors"], ["bench"], ["audit", "a.toml"], ["demo"],
-                      *(["attack", family, "RUN"] for family in ("invert", "labels", "gradient", "membership")))
+                      *(["attack", family, "RUN"] for family in ("invert", "labels", "gradient", "membership")),
+                      ["supernode", "--superlink", "h:9092", "--partition", "0", "--clients", "2"])
 NO_GPU = pytest.mark.skipif(torch.cuda.is_available(), reason="checks the refusal where torch finds no GPU")
 
 
