@@ -199,6 +199,7 @@ def build_parser() -> argparse.ArgumentParser:
                                description="Runs flower-supernode for partition K of N; stops at once with a clear "
                                            "error when TLS verification of the SuperLink fails.")
     add_arguments(supernode, deployment.SuperNodeOptions, defaults=True)
+    add_arguments(supernode, DeviceOptions, defaults=True)  # the node config's device: where its ClientApp trains
 
     demo = sub.add_parser("demo", parents=[logs], help="a small EFTViT vs Fed-Full training on the bundled photos",
                           description="An audit of both methods on the bundled photos dataset with the same small "
@@ -270,9 +271,6 @@ def config_from_args(args: argparse.Namespace) -> TrainConfig:
 def check_train_flags(args: argparse.Namespace, cfg: TrainConfig) -> None:
     if cfg.federation != "deployment" and (args.superlink or args.root_certificates or args.insecure):
         raise ConfigError("--superlink, --root-certificates and --insecure need --federation deployment")
-    if cfg.federation == "deployment" and args.device not in ("auto", "cpu"):
-        raise ConfigError(f"--device {args.device} with --federation deployment: a deployed run's SuperNodes train "
-                          "where their node config's device key says, its ServerApp on the CPU; drop --device")
     check_values(deployment.TrainDeploymentOptions(args.superlink, args.root_certificates, args.insecure))
 
 
@@ -555,7 +553,7 @@ def cmd_supernode(args: argparse.Namespace) -> None:
     deployment.check_tls_choice(args.root_certificates, args.insecure)
     config = deployment.node_config(args.partition, args.clients, args.noise_secret, args.share_truth,
                                     args.ledger_dir, args.max_epsilon, args.model_check, args.initial_model,
-                                    args.trust_first_model)
+                                    args.trust_first_model, args.device)
     port = args.port if args.port is not None else 9100 + args.partition
     command = deployment.supernode_command(args.superlink, args.root_certificates, args.insecure, port, config,
                                            args.auth_key)

@@ -20,6 +20,7 @@ from eftguard.config import TrainConfig
 from eftguard.data.plan import client_partition, run_dataset
 from eftguard.defenses.at_rest import AtRestError, create_key, read_key
 from eftguard.defenses.dp import PrivacyBudgetError, check_feasible
+from eftguard.device import compute_device
 from eftguard.errors import ConfigError, Interrupted
 from eftguard.federation import deployment, simulation
 from eftguard.federation.client import dp_budget, feature_share, model_check_limits, participation, schedule_size
@@ -128,14 +129,15 @@ def resume_run(run: RunDirectory, rounds: int | None = None) -> int:
 def train_run(run_dir: Path, verbose: bool, undo=None, superlink: str | None = None,
               root_certificates: Path | None = None, insecure: bool = False) -> None:
     """Train the run in run_dir, holding its lock; a new run ends with undo() (from create_run) when it stops
-    before its first round completes. A --federation deployment run trains on the SuperLink at superlink."""
+    before its first round completes. A --federation deployment run trains on the SuperLink at superlink, its
+    ServerApp on the command's compute device (eftguard.device)."""
     run = RunDirectory.open(run_dir)
     cfg = run.config()
     try:
         if cfg.federation == "deployment":
             with run.lock():
                 pass  # refuse now if another process writes the run; the ServerApp's process locks it for the rounds
-            deployment.run_deployed(run_dir, superlink, root_certificates, insecure)
+            deployment.run_deployed(run_dir, superlink, root_certificates, insecure, str(compute_device()))
         else:
             with run.lock():
                 simulation.run_simulated(run_dir, cfg, verbose, server_threat_of(cfg))

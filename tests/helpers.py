@@ -149,3 +149,9 @@ def check_secure_run(out):
     for key, delta in aggregate.items():
         np.testing.assert_allclose(before[key].numpy() + delta, after[key].numpy(), atol=1e-6)
     assert max(float(np.abs(delta).max()) for delta in aggregate.values()) > 0
+
+
+def gpus_found(monkeypatch, count):
+    """torch finds `count` CUDA GPUs (0: none); nothing runs on them."""
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: count > 0)
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: count)

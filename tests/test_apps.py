@@ -7,13 +7,17 @@ from pathlib import Path
 
 import numpy as np
 import pytest
+import torch
 from flwr.app import Context, Message, MessageType, RecordDict
 from flwr.common.constant import ErrorCode
 
 from eftguard.config import TrainConfig
+from eftguard.device import compute_device
+from eftguard.errors import ConfigError
 from eftguard.federation import apps
 from eftguard.federation.client import ClientUpload
 from eftguard.federation.records import ClientSettings, from_record, to_record
+from helpers import gpus_found
 
 pytestmark = pytest.mark.usefixtures("task_identity_set")  # messages are built outside Flower
 
@@ -148,14 +152,37 @@ def test_client_app_answers_the_handshake_and_trains_with_its_node_defaults(roun
 
 
 @pytest.mark.parametrize("bound", [True, False])
-def test_server_app_runs_the_server_on_its_run_directory(monkeypatch, tmp_path, bound):
-    """Simulation binds the run directory; a deployment reads it from the run config."""
+def test_server_app_runs_the_server_on_its_run_directory_and_device(monkeypatch, tmp_path, bound):
+    """Simulation binds the run directory and computes where its command does; a deployment reads both from the run
+    config."""
     from eftguard.federation import server
 
+    gpus_found(monkeypatch, 2)
     served = []
-    monkeypatch.setattr(server, "run_server", lambda grid, run_dir, threat: served.append((grid, run_dir)))
+    monkeypatch.setattr(server, "run_server",
+                        lambda grid, run_dir, threat: served.append((grid, run_dir, compute_device())))
     app = apps.build_server_app(tmp_path / "bound" if bound else None)
     grid = object()
-    app(grid, Context(run_id=1, node_id=0, state=RecordDict({}), run_config={"run-dir": str(tmp_path / "config")},
-                      node_config={}))
-    assert served == [(grid, tmp_path / ("bound" if bound else "config"))]
+    app(grid, Context(run_id=1, node_id=0, state=RecordDict({}),
+                      run_config={"run-dir": str(tmp_path / "config"), "device": "cuda:1"}, node_config={}))
+    assert served == [(grid, tmp_path / ("bound" if bound else "config"),
+                       torch.device("cpu" if bound else "cuda:1"))]
+
+
+@pytest.mark.parametrize("node_config, device", [({}, "cpu"), ({"device": "cuda:1"}, "cuda:1"),
+                                                 ({"device": "auto"}, "cuda")])
+def test_the_node_trains_where_its_node_config_says(monkeypatch, rounds, node_config, device):
+    """eftguard supernode --device sets the key; a node given none trains on the CPU."""
+    gpus_found(monkeypatch, 2)
+    trained_on = []
+    monkeypatch.setattr(apps, "client_round", lambda *args: trained_on.append(compute_device()) or
+                        ClientUpload(UPDATE, FEATURES, TRUTH, 60, 1.25, [0.5], [0.375], 0.125, None))
+    train(node_config)
+    assert trained_on == [torch.device(device)] and compute_device() == torch.device("cpu")
+
+
+def test_a_node_asked_for_a_gpu_torch_does_not_find_trains_nothing(monkeypatch, rounds):
+    gpus_found(monkeypatch, 0)
+    with pytest.raises(ConfigError, match=r"^--device cuda: torch finds no CUDA GPU here"):
+        train({"device": "cuda"})
+    assert rounds == []

@@ -30,6 +30,7 @@ from pathlib import Path
 import httpx
 import psutil
 import pytest
+import torch
 from cryptography import x509
 from starlette.applications import Starlette
 from starlette.responses import Response
@@ -46,7 +47,9 @@ from eftguard.federation.deployment import (SupernodeLogCheck, check_tls_choice,
 from eftguard.federation.fleet_gateway import fleet_gateway
 from eftguard.federation.local_deployment import LocalDeployment
 from eftguard.rundir import RunError
-from helpers import SECURE_RUN, check_secure_run
+from helpers import SECURE_RUN, check_secure_run, gpus_found
+
+AUTO = "cuda" if torch.cuda.is_available() else "cpu"  # what --device auto (the default) becomes on this machine
 
 
 @pytest.fixture
@@ -301,13 +304,32 @@ def test_supernode_flags_reach_the_node_config(tmp_path, certs, monkeypatch):
     config = node_config_of(monkeypatch, certs, "--share-truth", "--ledger-dir", str(ledger), "--max-epsilon", "2.5",
                             "--noise-secret", "7")
     assert config == {"partition-id": 0, "num-partitions": 2, "share-truth": True, "ledger-dir": str(ledger),
-                      "max-epsilon": 2.5, "noise-secret": 7, "model-check": True}
+                      "max-epsilon": 2.5, "noise-secret": 7, "model-check": True, "device": AUTO}
 
 
 def test_a_deployed_node_shares_no_truth_unless_told(certs, monkeypatch):
     """No ledger-dir: the node's ClientApp uses its default ($EFTGUARD_HOME/ledger)."""
     config = node_config_of(monkeypatch, certs)
-    assert config == {"partition-id": 0, "num-partitions": 2, "share-truth": False, "model-check": True}
+    assert config == {"partition-id": 0, "num-partitions": 2, "share-truth": False, "model-check": True,
+                      "device": AUTO}
+
+
+@pytest.mark.parametrize("flag, device", [("cuda:1", "cuda:1"), ("cuda", "cuda"), ("auto", "cuda"), ("cpu", "cpu")])
+def test_supernode_device_reaches_the_node_config_resolved_on_the_node(certs, monkeypatch, flag, device):
+    """The node's ClientApp trains where the node config's device says: auto is resolved on the node's host."""
+    gpus_found(monkeypatch, 2)
+    assert node_config_of(monkeypatch, certs, "--device", flag)["device"] == device
+
+
+@pytest.mark.parametrize("gpus, flag, named", [(0, "cuda", "torch finds no CUDA GPU here"),
+                                               (0, "cuda:0", "torch finds no CUDA GPU here"),
+                                               (2, "cuda:2", "this machine has 2 CUDA GPU(s), numbered 0..1")])
+def test_supernode_refuses_a_gpu_its_torch_does_not_find_before_the_node_starts(certs, capsys, monkeypatch,
+                                                                                nothing_starts, gpus, flag, named):
+    gpus_found(monkeypatch, gpus)
+    monkeypatch.setattr(deployment, "run_supernode", lambda command: pytest.fail("the SuperNode started"))
+    assert eftguard_error(capsys, *supernode_args(certs, "--device", flag)) == f"eftguard: error: --device {flag}: " + (
+        named if gpus else f"{named} (torch {torch.__version__}, cuda available: no): give --device cpu or auto")
 
 
 @pytest.mark.parametrize("flags, named", [(["--max-epsilon", "nan"], "--max-epsilon"),
@@ -478,12 +500,14 @@ def test_supernode_trusts_the_given_ca_unless_plaintext_is_asked_for(tmp_path, f
         supernode_command("fl:9092", None, True, 9094, "c", auth_key=tmp_path)
 
 
-def test_node_config_carries_the_nodes_own_settings(tmp_path):
-    assert node_config(0, 2) == "partition-id=0 num-partitions=2 share-truth=false model-check=true"
+def test_node_config_carries_the_nodes_own_settings(tmp_path, monkeypatch):
+    assert node_config(0, 2) == 'partition-id=0 num-partitions=2 share-truth=false model-check=true device="cpu"'
     ledger = tmp_path / "Ledger X folder"  # spaces and capitals are carried
-    assert node_config(1, 2, noise_secret=0, share_truth=True, ledger_dir=ledger, max_epsilon=0.5) == (
+    gpus_found(monkeypatch, 1)
+    assert node_config(1, 2, noise_secret=0, share_truth=True, ledger_dir=ledger, max_epsilon=0.5,
+                       device="cuda:0") == (
         f'partition-id=1 num-partitions=2 share-truth=true noise-secret=0 ledger-dir="{ledger}" max-epsilon=0.5 '
-        'model-check=true')
+        'model-check=true device="cuda:0"')
 
 
 @pytest.mark.parametrize("changes, message", [
@@ -493,9 +517,11 @@ def test_node_config_carries_the_nodes_own_settings(tmp_path):
     ({"max_epsilon": math.inf}, "got inf"), ({"max_epsilon": math.nan}, "got nan"),
     ({"ledger_dir": 'a"b'}, r"Flower's --node-config cannot carry a path with quotes or line breaks"),
     ({"ledger_dir": "a\nb"}, "cannot carry"), ({"ledger_dir": "a\rb"}, "cannot carry"),
+    ({"device": "cuda"}, r"^--device cuda: torch finds no CUDA GPU here \("),
 ])
 def test_node_settings_flower_cannot_carry_are_refused(tmp_path, monkeypatch, changes, message):
     monkeypatch.chdir(tmp_path)
+    gpus_found(monkeypatch, 0)
     with pytest.raises(ConfigError, match=message):
         node_config(**{"partition": 0, "clients": 2, **changes})
 
@@ -1019,7 +1045,7 @@ def run_dir(tmp_path):
     from eftguard.config import TrainConfig
     from eftguard.rundir import RunDirectory
 
-    RunDirectory.create(tmp_path / "my run", TrainConfig(rounds=2))
+    RunDirectory.create(tmp_path / "my run", TrainConfig(rounds=2, federation="deployment"))
     return tmp_path / "my run"
 
 
@@ -1044,10 +1070,35 @@ def test_deployed_run_hands_flwr_the_app_and_the_absolute_run_dir(run_dir, monke
     deployment.run_deployed(Path(run_dir.name), "127.0.0.1:9093", None, insecure=True)
     [(command, options, config)] = calls
     assert command == ["/bin/flwr", "run", str(deployment.APP_DIR), "eftguard", "--stream", "-c",
-                       f'run-dir="{run_dir}"']
+                       f'run-dir="{run_dir}" device="cpu"']
     assert options == {"env": deployment.flower_env(FLWR_HOME=options["env"]["FLWR_HOME"])}
     assert config == deployment.connection_config("127.0.0.1:9093", None, insecure=True)
     assert not Path(options["env"]["FLWR_HOME"]).exists()
+
+
+@pytest.mark.parametrize("flag, device", [("cuda:1", "cuda:1"), ("auto", "cuda"), ("cpu", "cpu")])
+def test_a_deployed_runs_device_reaches_its_server_app(run_dir, monkeypatch, flower, capsys, flag, device):
+    """eftguard train --device on the SuperLink's host (auto resolved there) -> flwr's run config, fused with the
+    app's declared keys as the SuperLink fuses them -> the deployed ServerApp computes inside that device."""
+    from flwr.app import Context, RecordDict
+    from flwr.common.config import get_fused_config_from_dir, parse_config_args
+
+    from eftguard.device import compute_device
+    from eftguard.federation import apps, server
+
+    gpus_found(monkeypatch, 2)
+    calls = flwr_recorder(monkeypatch, lambda command: subprocess.CompletedProcess(command, 1))
+    with pytest.raises(SystemExit):  # the stand-in ran no round
+        cli.main(["train", "--resume", str(run_dir), "--device", flag, "--superlink", "127.0.0.1:9093", "--insecure"])
+    assert "stopped after round 0 of 2" in capsys.readouterr().err
+    [(command, _, _)] = calls
+    run_config = get_fused_config_from_dir(deployment.APP_DIR, parse_config_args(command[command.index("-c") + 1:]))
+    assert run_config == {"run-dir": str(run_dir), "device": device}
+    served = []
+    monkeypatch.setattr(server, "run_server", lambda grid, path, threat: served.append((path, compute_device())))
+    apps.server_app(object(), Context(run_id=1, node_id=0, state=RecordDict({}), run_config=run_config,
+                                      node_config={}))
+    assert served == [(run_dir, torch.device(device))] and compute_device() == torch.device("cpu")
 
 
 @pytest.mark.parametrize("insecure", [True, False])

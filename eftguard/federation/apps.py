@@ -1,5 +1,6 @@
 """Flower ClientApp and ServerApp (Message API). The same two apps run under the simulation engine
-and on a deployed SuperLink; the ServerApp finds its run directory in the run config ("run-dir").
+and on a deployed SuperLink; the deployed ServerApp finds its run directory ("run-dir") and the device it computes
+on ("device": cpu, cuda or cuda:N, from eftguard train --federation deployment --device) in the run config.
 
 What a node does is the node operator's decision (Flower's --node-config), never the server's:
   share-truth  send auditor-only ground truth when the run asks for it (default: off)
@@ -17,7 +18,8 @@ What a node does is the node operator's decision (Flower's --node-config), never
                initial model from it (default: none, the seeded initialisation of the run's configuration)
   trust-first-model the model check anchors on the first model the node receives instead of rebuilding the
                initial model (trust on first use; default: false)
-  device       where the node trains: cpu, cuda, cuda:N or auto (eftguard.device; default: cpu)
+  device       where the node trains: cpu, cuda, cuda:N or auto (eftguard.device; default: cpu; eftguard supernode
+               sets it from its --device, resolved on the node's host)
 """
 
 from __future__ import annotations
@@ -149,13 +151,18 @@ client_app = build_client_app()
 
 
 def build_server_app(run_dir: Path | None = None, threat=None) -> ServerApp:
-    """A ServerApp bound to run_dir (simulation) or reading "run-dir" from the run config (deployment); threat: what
-    a simulated --threat run's server sends instead of its model (eftguard.federation.server.ServerThreat)."""
+    """A ServerApp bound to run_dir (simulation: it runs in the command's process, which computes on the command's
+    device already) or reading "run-dir" and "device" from the run config (deployment: a process of its own); threat:
+    what a simulated --threat run's server sends instead of its model (eftguard.federation.server.ServerThreat)."""
     app = ServerApp()
 
     @app.main()
     def main(grid: Grid, context: Context) -> None:
-        server.run_server(grid, run_dir or Path(str(context.run_config["run-dir"])), threat)
+        if run_dir is not None:
+            server.run_server(grid, run_dir, threat)
+            return
+        with computing_on(resolve_device(str(context.run_config["device"]))):
+            server.run_server(grid, Path(str(context.run_config["run-dir"])), threat)
 
     return app
 

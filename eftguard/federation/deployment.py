@@ -33,6 +33,7 @@ from pathlib import Path
 from cryptography import x509
 
 from eftguard.defenses.tls import CertificateFiles, check_valid_now, is_host_name, read_ca_certificates
+from eftguard.device import resolve_device
 from eftguard.errors import ConfigError, FederationError
 from eftguard.options import option
 from eftguard.paths import file_in_the_way, input_file_problem, unwritable_reason
@@ -330,8 +331,10 @@ def _stop(process: subprocess.Popen) -> None:
 
 def node_config(partition: int, clients: int, noise_secret: int | None = None, share_truth: bool = False,
                 ledger_dir: Path | None = None, max_epsilon: float | None = None, model_check: bool = True,
-                initial_model: Path | None = None, trust_first_model: bool = False) -> str:
-    """The --node-config string of a SuperNode (keys: see the node's ClientApp in eftguard.federation.apps)."""
+                initial_model: Path | None = None, trust_first_model: bool = False, device: str = "cpu") -> str:
+    """The --node-config string of a SuperNode (keys: see the node's ClientApp in eftguard.federation.apps). device
+    (--device) is resolved here, on the node's host, where its ClientApp trains: auto becomes cuda or cpu, and a GPU
+    torch does not find is refused before the node starts."""
     if not 0 <= partition < clients:
         raise ConfigError(f"--partition must be between 0 and --clients - 1 ({clients - 1}), got {partition}")
     entries = [f"partition-id={partition}", f"num-partitions={clients}", f"share-truth={str(share_truth).lower()}"]
@@ -364,6 +367,7 @@ def node_config(partition: int, clients: int, noise_secret: int | None = None, s
         entries.append(f"initial-model={_config_path('--initial-model', Path(initial_model).resolve())}")
     if trust_first_model:
         entries.append("trust-first-model=true")
+    entries.append(f"device={json.dumps(str(resolve_device(device)))}")
     return " ".join(entries)
 
 
@@ -483,7 +487,11 @@ def register_node(public_key: Path, superlink: str, root_certificates: Path | No
     print(result.stdout.strip())
 
 
-def run_deployed(run_dir: Path, superlink: str | None, root_certificates: Path | None, insecure: bool) -> None:
+def run_deployed(run_dir: Path, superlink: str | None, root_certificates: Path | None, insecure: bool,
+                 device: str = "cpu") -> None:
+    """Run the run's rounds on the SuperLink with `flwr run`. The ServerApp (θ training, evaluation) computes on device
+    (eftguard train's --device, resolved on this host, where the SuperLink starts the ServerApp): carried as the run
+    config key "device" beside "run-dir", so config.toml stays free of devices."""
     if not superlink:
         raise ConfigError("--federation deployment needs --superlink HOST:PORT (the SuperLink's address)")
     check_tls_choice(root_certificates, insecure)
@@ -493,7 +501,7 @@ def run_deployed(run_dir: Path, superlink: str | None, root_certificates: Path |
         (Path(home) / "config.toml").write_text(connection_config(superlink, root_certificates, insecure))
         env = flower_env(FLWR_HOME=home)
         command = [flower_executable("flwr"), "run", str(APP_DIR), "eftguard", "--stream",
-                   "-c", f"run-dir={json.dumps(str(Path(run_dir).resolve()))}"]
+                   "-c", f"run-dir={json.dumps(str(Path(run_dir).resolve()))} device={json.dumps(str(device))}"]
         result = subprocess.run(command, env=env)
     done = run.completed_rounds()
     if done < rounds:
