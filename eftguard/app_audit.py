@@ -28,6 +28,7 @@ from pathlib import Path
 
 import numpy as np
 import torch
+from safetensors import SafetensorError
 from safetensors.torch import load_file, save_file
 from torch import nn
 
@@ -308,10 +309,9 @@ def membership_attacks(run: AppRun, round_number: int, public: PublicImages, see
     models = []
     for index in range(references):
         file = folder / f"reference-{index:02d}.safetensors"
-        if file.is_file():
-            model = run.start_model(1)
-            model.load_state_dict(load_file(file))
-            models.append(model.eval())
+        cached = kept_reference(run, file)
+        if cached is not None:
+            models.append(cached)
             continue
         half = pool.subset(random_half(pool.labels, max(1, min(len(pool) // 2, total - int(trained_on[index].sum()))),
                                        np.random.default_rng([seed, round_number, index, 15])))
@@ -364,6 +364,19 @@ def attack_membership(path: Path, methods: tuple[str, ...], public_folder: Path 
         written.append((entry, write_report(run, "membership", result.attack.removeprefix("membership-"),
                                             round_number, {"public": public.source, **fields}, out)))
     return written
+
+
+def kept_reference(run: AppRun, file: Path) -> nn.Module | None:
+    """A reference model kept by an earlier attack or audit; None where there is none, or it does not load (a
+    damaged or foreign file is trained again and replaced)."""
+    if not file.is_file():
+        return None
+    model = run.start_model(1)
+    try:
+        model.load_state_dict(load_file(file))
+    except (SafetensorError, RuntimeError, OSError):
+        return None
+    return model.eval()
 
 
 def reference_folder(run: AppRun, round_number: int, public: PublicImages, seed: int, references: int,

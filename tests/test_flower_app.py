@@ -385,7 +385,8 @@ def test_the_membership_attack_on_an_app_reads_high_on_memorised_members_and_low
                                                                                            monkeypatch):
     """`eftguard attack membership RUN --public DIR` writes one report per method with its level behind its
     leave-one-out power check: high where the global model memorised its clients' images, low where it never
-    trained on them. The audit after it reuses its reference models: it trains none."""
+    trained on them. The audit after it reuses its reference models: it trains none; a damaged one is trained
+    again."""
     import eftguard.app_audit as app_audit
 
     reports = {}
@@ -411,6 +412,13 @@ def test_the_membership_attack_on_an_app_reads_high_on_memorised_members_and_low
     membership = json.loads((audit / "summary.json").read_text())["channels"]["membership"]
     assert trained == [] and membership["level"] == "high", membership
     assert membership["attacks"]["membership-lira"] == reports[True]["lira"]["figures"]
+
+    damaged = next((tiny_app_runs[True] / "run" / "reports" / "membership-references").glob("*/reference-03.*"))
+    damaged.write_bytes(damaged.read_bytes()[:100])  # a damaged kept reference is trained again, not a traceback
+    main(["attack", "membership", str(tiny_app_runs[True] / "run"), "--public", str(tiny_app_runs[True] / "public"),
+          "--method", "lira", "--out", str(tmp_path / "again")])
+    assert len(trained) == 1 and json.loads((tmp_path / "again" / "membership-lira" / "report.json").read_text()
+                                            )["figures"] == reports[True]["lira"]["figures"]
 
 
 def test_the_membership_attack_on_an_app_refuses_what_it_cannot_score_on_one_line(tiny_app_runs, tmp_path, capsys):
