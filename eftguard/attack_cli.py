@@ -298,12 +298,15 @@ def attack_recorded_app_membership(args: argparse.Namespace, family) -> None:
     if args.clients != "all":
         raise AttackError("--clients: a recorded Flower app's membership attacks read its global model, which every "
                           "client trained: drop --clients")
+    if not args.power_check:
+        raise AttackError("--no-power-check: a recorded Flower app's membership attacks always run their leave-one-out "
+                          "control (it costs no training): drop it")
     sizes = {name: getattr(args, name) for name in ("references", "candidates") if hasattr(args, name)}
     for entry, report in attack_membership(args.run, chosen, args.public, args.round_number, args.seed,
                                            cache=getattr(args, "references_dir", None), out=args.out, **sizes):
         figures = ", ".join(f"{k} {v:.3f}" for k, v in entry["figures"].items() if isinstance(v, float))
         Console().print(f"{entry['attack']}: {entry['verdict']}; power check: {entry['power_check']}; {figures}",
-                        soft_wrap=True)
+                        soft_wrap=True, markup=False)
         console.print(f"report: {report}")
 
 

@@ -439,7 +439,8 @@ def test_the_membership_attack_on_an_app_refuses_what_it_cannot_score_on_one_lin
                              (folder / "run", ["--public", str(few)], "an AUC over fewer says nothing"),
                              (folder / "run", [*public, "--method", "loss"], "use --method lira | rmia | all"),
                              (folder / "run", [*public, "--references", "2"], "--references 2"),
-                             (folder / "run", [*public, "--target", "update"], "--target does not apply")):
+                             (folder / "run", [*public, "--target", "update"], "--target does not apply"),
+                             (folder / "run", [*public, "--no-power-check"], "always run their leave-one-out")):
         with pytest.raises(SystemExit) as stop:
             main(["attack", "membership", str(run), *flags, "--out", str(tmp_path / "out")])
         err = capsys.readouterr().err.strip()
