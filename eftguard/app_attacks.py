@@ -33,6 +33,7 @@ from eftguard.rundir import RunError
 GRADIENT_METHODS = ("idlg", "dlg", "ig", UpdateInversion.name)  # any classifier; analytic reads a ViT's embeddings
 ONE_STEP_METHODS = ("idlg", "dlg", "ig")  # invert one gradient; updates simulates the client's local steps
 LABEL_METHODS = ("bias-corrected", "llg")  # those that read the last layer's update alone
+MEMBERSHIP_METHODS = ("lira", "rmia")  # online, on the global model, reference models replaying the app's federation
 
 
 @dataclass
@@ -211,27 +212,31 @@ def shared_truth(run: AppRun, round_number: int, client: int) -> dict | None:
     return run.load_truth(round_number, client) if run.truth_path(round_number, client).exists() else None
 
 
-def write_report(run: AppRun, family: str, method: str, results: list[ClientResult], out: Path | None) -> Path:
-    """reports/<family>-<method>/report.json: the scores per client, the attack and the app's model."""
+def write_report(run: AppRun, family: str, method: str, round_number: int, fields: dict, out: Path | None) -> Path:
+    """reports/<family>-<method>/report.json and report.md: the attack, the app's model, the round and the attack's
+    fields (the scores per client; a membership attack's level, power check and figures)."""
     folder = (out or run.path / "reports") / f"{family}-{method}"
     folder.mkdir(parents=True, exist_ok=True)
-    report = {"family": family, "method": method, "model": run.spec().model,
-              "clients": {str(r.client): r.scores for r in results}}
+    report = {"family": family, "method": method, "model": run.spec().model, "round": round_number, **fields}
     atomic_write(folder / "report.json", lambda p: p.write_text(json.dumps(report, indent=2) + "\n"))
+    lines = [f"# {family} {method} on {run.path} ({report['model']}), round {round_number}", ""]
+    for name, value in fields.items():
+        if isinstance(value, dict):
+            lines += ["", f"## {name}", ""] + [f"- {key}: {json.dumps(item)}" for key, item in value.items()]
+        else:
+            lines.append(f"- {name}: {value}")
+    atomic_write(folder / "report.md", lambda p: p.write_text("\n".join(lines) + "\n"))
     return folder / "report.json"
 
 
 def app_methods(family: str) -> tuple[str, ...]:
     """The methods of a family that read a recorded Flower app; a family with none is refused on one line."""
-    methods = {"gradient": GRADIENT_METHODS, "labels": LABEL_METHODS}.get(family)
-    if family == "membership":
-        raise AttackError("membership inference on a recorded Flower app (LiRA and RMIA on its global model) runs in "
-                          "its audit: eftguard audit RUN --public DIR, DIR your images of the app's kind "
-                          "(docs/flower-apps.md)")
+    methods = {"gradient": GRADIENT_METHODS, "labels": LABEL_METHODS, "membership": MEMBERSHIP_METHODS}.get(family)
     if methods is None:
         raise AttackError(f"eftguard attack {family} does not read a recorded Flower app: attack it with "
-                          f"gradient (--method {'|'.join(GRADIENT_METHODS)}) or labels (--method "
-                          f"{'|'.join(LABEL_METHODS)}), or audit it (eftguard audit RUN)")
+                          f"gradient (--method {'|'.join(GRADIENT_METHODS)}), labels (--method "
+                          f"{'|'.join(LABEL_METHODS)}) or membership (--method {'|'.join(MEMBERSHIP_METHODS)}), or "
+                          "audit it (eftguard audit RUN)")
     return methods
 
 
@@ -240,5 +245,7 @@ def run_app_attack(path: Path, family: str, method: str, options: dict, round_nu
     run = AppRun.open(path)
     app_methods(family)
     attack = attack_gradient if family == "gradient" else lambda r, m, o, t, c: attack_labels(r, m, t, c)
+    round_number, _ = round_of(run, round_number)
     results = attack(run, method, options, round_number, clients)
-    return results, write_report(run, family, method, results, out)
+    return results, write_report(run, family, method, round_number, {"clients": {str(r.client): r.scores
+                                                                                  for r in results}}, out)

@@ -28,10 +28,12 @@ from pathlib import Path
 
 import numpy as np
 import torch
+from safetensors import SafetensorError
+from safetensors.torch import load_file, save_file
 from torch import nn
 
 from eftguard.app_attacks import (ClientResult, Head, attack_gradient, attack_labels, estimate_labels, image_scores,
-                                  label_scores, last_linear, round_of, update_observation)
+                                  label_scores, last_linear, round_of, update_observation, write_report)
 from eftguard.apprun import AppRun, AppSpec
 from eftguard.attacks.base import AttackError
 from eftguard.attacks.gradient import GRADIENT, LocalTraining
@@ -46,6 +48,7 @@ from eftguard.data import ImageSet
 from eftguard.data.imagefolder import read_class_folders
 from eftguard.data.photos import load_photos
 from eftguard.errors import ConfigError
+from eftguard.options import option, path_value
 from eftguard.paths import atomic_write
 from eftguard.verdict import NOT_AUDITED, ChannelVerdict, verdict_of_attacks
 
@@ -58,8 +61,12 @@ CONTROL_BETA = 0.5  # Dirichlet concentration of the control's class mix: skewed
 REFERENCES = 8  # LiRA's and RMIA's (online: each candidate in 4; leave-one-out scores the control with the other 7)
 MEMBER_CANDIDATES = 100  # at most this many members scored, and as many non-members
 MIN_CANDIDATES = 10  # fewer members or non-members: refused (an AUC over a handful is noise)
+MIN_REFERENCES = 4  # online, leave-one-out: the control's references hold each candidate in and out
 POPULATION = 500  # at most this many of the auditor's images as RMIA's population, a quarter where fewer
 BATCH = 256
+NO_PUBLIC = ("LiRA and RMIA need the auditor's images of the app's own kind as population and non-members: give "
+             "--public DIR (a folder of class folders); the bundled photos would tell members apart by their kind, not "
+             "their membership")
 
 
 @dataclass
@@ -79,8 +86,20 @@ class ChannelResult:
 @dataclass(frozen=True)
 class PublicImages:
     images: ImageSet
-    source: str   # where they come from, for the report
-    given: bool   # the auditor's own (--public), not the bundled photos
+    source: str          # where they come from, for the report
+    folder: Path | None  # the auditor's own (--public), None for the bundled photos
+
+    @property
+    def given(self) -> bool:
+        return self.folder is not None
+
+
+def public_option():
+    """--public, of `eftguard audit` and `eftguard attack membership` on a recorded Flower app."""
+    return option(None, "a recorded Flower app: the auditor's images (one subfolder per class, the app's classes in "
+                        "sorted order) for the power checks and as the membership attacks' population and "
+                        "non-members (default: the bundled photos, for the power checks only)", path_value,
+                  metavar="DIR")
 
 
 def public_images(folder: Path | None, spec: AppSpec, classes: int) -> PublicImages:
@@ -97,7 +116,7 @@ def public_images(folder: Path | None, spec: AppSpec, classes: int) -> PublicIma
         raise AttackError(f"{source} holds no image of the model's {classes} classes: give --public DIR whose first "
                           f"{classes} class folders (sorted by name) are the app's classes")
     return PublicImages(kept, source if len(kept) == len(images) else f"{source}, those of the model's {classes} "
-                        "classes", folder is not None)
+                        "classes", folder)
 
 
 @torch.no_grad()
@@ -252,20 +271,24 @@ def shared_members(run: AppRun, round_number: int) -> ImageSet | None:
     return ImageSet(np.stack(images), np.asarray(labels, dtype=np.int64)) if images else None
 
 
-def membership_attacks(run: AppRun, round_number: int, public: PublicImages, seed: int) -> list[ChannelResult]:
-    """Online LiRA and RMIA on the global model after the round, on the same candidates and reference models, each
-    with its leave-one-out control."""
-    references = REFERENCES
+def membership_attacks(run: AppRun, round_number: int, public: PublicImages, seed: int,
+                       methods: tuple[str, ...] = ("lira", "rmia"), references: int = REFERENCES,
+                       candidates: int = MEMBER_CANDIDATES, cache: Path | None = None) -> list[ChannelResult]:
+    """Online LiRA and RMIA (those of `methods`) on the global model after the round, on the same candidates and
+    reference models, each with its leave-one-out control. The reference models are kept under `cache` (default
+    RUN/reports/membership-references), keyed by what they depend on, so that the attack and the audit train them
+    once."""
     if not public.given:
-        raise AttackError("LiRA and RMIA need the auditor's images of the app's own kind as population and "
-                          "non-members: give --public DIR (a folder of class folders); the bundled photos would tell "
-                          "members apart by their kind, not their membership")
+        raise AttackError(NO_PUBLIC)
+    if references < MIN_REFERENCES:
+        raise AttackError(f"--references {references}: online LiRA and RMIA with their leave-one-out control need "
+                          f"{MIN_REFERENCES} or more (each candidate in and out of the control's references)")
     members = shared_members(run, round_number)
     if members is None:
         raise AttackError("no client shared its truth (the share_truth mod): the members are unknown")
     spec = run.spec()
     rng = np.random.default_rng([seed, 39])
-    count = min(MEMBER_CANDIDATES, len(members), len(public.images) // 3)
+    count = min(candidates, len(members), len(public.images) // 3)
     if count < MIN_CANDIDATES:
         raise AttackError(f"LiRA and RMIA need {MIN_CANDIDATES} members and as many non-members, beside twice as "
                           f"many images for their reference models; the clients shared {len(members)} images, --public "
@@ -276,20 +299,29 @@ def membership_attacks(run: AppRun, round_number: int, public: PublicImages, see
     population_size = min(POPULATION, (len(order) - count) // 4)  # RMIA's z: in no reference model's training
     population = public.images.subset(np.sort(order[count:count + population_size]))
     pool = public.images.subset(np.sort(order[count + population_size:]))
-    candidates = ImageSet(np.concatenate([members.images, non_members.images]),
-                          np.concatenate([members.labels, non_members.labels]))
+    candidate_set = ImageSet(np.concatenate([members.images, non_members.images]),
+                             np.concatenate([members.labels, non_members.labels]))
     is_member = np.r_[np.ones(count, bool), np.zeros(count, bool)]
-    trained_on = half_of_the_models(references, len(candidates), np.random.default_rng([seed, round_number, 18]))
+    trained_on = half_of_the_models(references, len(candidate_set), np.random.default_rng([seed, round_number, 18]))
     rounds = run.metrics()[:round_number]
     total = sum(int(n) for n in rounds[-1]["num_examples"].values())  # a reference holds as many images as the clients
+    folder = reference_folder(run, round_number, public, seed, references, candidates, cache)
     models = []
     for index in range(references):
+        file = folder / f"reference-{index:02d}.safetensors"
+        cached = kept_reference(run, file)
+        if cached is not None:
+            models.append(cached)
+            continue
         half = pool.subset(random_half(pool.labels, max(1, min(len(pool) // 2, total - int(trained_on[index].sum()))),
                                        np.random.default_rng([seed, round_number, index, 15])))
-        chosen = candidates.subset(np.flatnonzero(trained_on[index]))
+        chosen = candidate_set.subset(np.flatnonzero(trained_on[index]))
         data = ImageSet(np.concatenate([half.images, chosen.images]), np.concatenate([half.labels, chosen.labels]))
         models.append(replayed_federation(run, rounds, data, seed + index))
-    observation = MembershipObservation("global", round_number, candidates.images, candidates.labels,
+        folder.mkdir(parents=True, exist_ok=True)
+        state = {name: value.detach().contiguous() for name, value in models[-1].state_dict().items()}
+        atomic_write(file, lambda p: save_file(state, str(p)))
+    observation = MembershipObservation("global", round_number, candidate_set.images, candidate_set.labels,
                                         run.start_model(round_number + 1),  # the global model after the round
                                         references=models, reference_trained_on=trained_on,
                                         population=population.images, population_labels=population.labels,
@@ -297,9 +329,9 @@ def membership_attacks(run: AppRun, round_number: int, public: PublicImages, see
     reference_text = (f"{references}, each the app's federation replayed ({round_number} FedAvg round(s) of "
                       f"{len(rounds[-1]['num_examples'])} clients at the recorded learning rates, from the recorded "
                       f"initial weights) by {trainer_text(spec)} on half of the auditor's images and half of the "
-                      "candidates")
+                      f"candidates (kept in {folder})")
     results = []
-    for attack in (LiRAAttack(variant="online"), RMIAAttack(variant="online")):
+    for attack in [{"lira": LiRAAttack, "rmia": RMIAAttack}[name](variant="online") for name in methods]:
         result = attack.reconstruct(observation)
         control = attack.reconstruct(leave_one_out(observation, models, trained_on))
         figures = {**{k: v for k, v in membership_figures(result.scores, is_member).items() if v is not None},
@@ -311,6 +343,59 @@ def membership_attacks(run: AppRun, round_number: int, public: PublicImages, see
                                      f"({int(trained_on[0].sum())} members known), scored with the other "
                                      f"{references - 1}", details=details))
     return results
+
+
+def attack_membership(path: Path, methods: tuple[str, ...], public_folder: Path | None, round_number: int | None,
+                      seed: int = AUDIT_SEED, references: int = REFERENCES, candidates: int = MEMBER_CANDIDATES,
+                      cache: Path | None = None, out: Path | None = None) -> list[tuple[dict, Path]]:
+    """`eftguard attack membership RUN` on a recorded Flower app: the audit's LiRA and RMIA on the global model after
+    the round, one report per method (its level behind its leave-one-out power check, its figures); each entry
+    with its report.json."""
+    run = AppRun.open(path)
+    round_number, _ = round_of(run, round_number)
+    if public_folder is None:
+        raise AttackError(NO_PUBLIC)
+    spec = run.spec()
+    public = public_images(public_folder, spec, output_width(run.start_model(round_number), spec))
+    written = []
+    for result in membership_attacks(run, round_number, public, seed, methods, references, candidates, cache):
+        entry = next(iter(channel_entries([result]).values()))
+        fields = {k: entry[k] for k in ("level", "verdict", "power_check", "control", "figures", "details")}
+        written.append((entry, write_report(run, "membership", result.attack.removeprefix("membership-"),
+                                            round_number, {"public": public.source, **fields}, out)))
+    return written
+
+
+def kept_reference(run: AppRun, file: Path) -> nn.Module | None:
+    """A reference model kept by an earlier attack or audit; None where there is none, or it does not load (a
+    damaged or foreign file is trained again and replaced)."""
+    if not file.is_file():
+        return None
+    model = run.start_model(1)
+    try:
+        model.load_state_dict(load_file(file))
+    except (SafetensorError, RuntimeError, OSError):
+        return None
+    return model.eval()
+
+
+def reference_folder(run: AppRun, round_number: int, public: PublicImages, seed: int, references: int,
+                     candidates: int, cache: Path | None) -> Path:
+    """Where the membership attacks' reference models of this round and these options are kept: a folder named by a
+    digest of everything they depend on (the options, app.toml, the recorded rounds, the run's shared truth and
+    initial weights, the public folder's listing), so that a changed input trains them anew."""
+    def entry(file: Path, folder: Path) -> list:
+        return [str(file.relative_to(folder)), file.stat().st_size, file.stat().st_mtime_ns]
+
+    def listing(folder: Path) -> list:
+        return [entry(f, folder) for f in sorted(folder.rglob("*")) if f.is_file()] if folder.is_dir() else []
+
+    inputs = {"round": round_number, "seed": seed, "references": references, "candidates": candidates,
+              "app.toml": (run.path / "app.toml").read_text(), "rounds": run.metrics()[:round_number],
+              "truth": listing(run.path / "truth"), "initial": entry(run.checkpoint_path(0), run.path),
+              "public": listing(public.folder)}
+    digest = hashlib.sha256(json.dumps(inputs, sort_keys=True).encode()).hexdigest()[:16]
+    return (cache or run.path / "reports" / "membership-references") / f"app-round-{round_number:04d}-{digest}"
 
 
 def memoised(outputs):

@@ -19,6 +19,7 @@ from rich.console import Console
 from rich.table import Table
 
 from eftguard.app_attacks import app_methods, run_app_attack
+from eftguard.app_audit import attack_membership, public_option
 from eftguard.apprun import is_app_run
 from eftguard.attack_report import AttackReport
 from eftguard.attacks.base import AttackError, reads_a_tampered_round
@@ -141,6 +142,7 @@ class AttackCommandOptions:
     out: Path | None = option(None, "folder for reports: <out>/<attack>/report.json, report.md, grid.png (default: "
                                     "RUN/reports)", path_value)
     key: Path | None = option(None, KEY_HELP, path_value, metavar="KEYFILE")
+    public: Path | None = public_option()  # membership on a recorded Flower app
 
 
 def add_attack_parser(sub: argparse._SubParsersAction) -> None:
@@ -182,15 +184,18 @@ def add_family_parser(kinds: argparse._SubParsersAction, family) -> argparse.Arg
     parser.set_defaults(family=family.name)
     command = {o.name: o for o in options_of(AttackCommandOptions)}
     add_argument(parser, command["run"])
-    add_argument(parser, dataclasses.replace(command["method"], choices=(*methods, "all"), default=family.cli_method),
-                 help=f"{' | '.join(methods)} | all (one report per method{named_only(family.registry)})",
-                 default=family.cli_method)
+    app_default = "; on a recorded Flower app: all, of lira | rmia" if family.name == "membership" else ""
+    add_argument(parser, dataclasses.replace(command["method"], choices=(*methods, "all")),
+                 help=f"{' | '.join(methods)} | all (one report per method{named_only(family.registry)}; default: "
+                      f"{family.cli_method}{app_default})")
     for option in family.options:
         add_option(parser, option, option.help + (f" (default: {option.default})" if option.default is not None else ""))
     for entries in method_options(family).values():
         add_option(parser, entries[0][1], method_option_help(entries))
     for option in common_options_of(family):
         add_argument(parser, option, default=option.default)
+    if family.name == "membership":
+        add_argument(parser, command["public"])
     add_argument(parser, command["out"])
     add_argument(parser, command["key"])
     add_arguments(parser, DeviceOptions, defaults=True)
@@ -228,6 +233,10 @@ def cmd_attack(args: argparse.Namespace) -> None:
     if is_app_run(run):
         attack_recorded_app(args, family)
         return
+    if getattr(args, "public", None) is not None:
+        raise AttackError("--public gives a recorded Flower app's membership attacks their images; an eftguard run's "
+                          "use its dataset's public split: drop --public")
+    args.method = args.method or family.cli_method
     methods = curious_methods(family.registry, getattr(args, "observe", None)) if args.method == "all" else \
         (args.method,)
     per_method = options_per_method(args, family, methods)
@@ -247,6 +256,10 @@ def cmd_attack(args: argparse.Namespace) -> None:
 
 def attack_recorded_app(args: argparse.Namespace, family) -> None:
     """A run recorded from a user's Flower app (eftguard.federation.recorder): the attacks that take any classifier."""
+    if family.name == "membership":
+        attack_recorded_app_membership(args, family)
+        return
+    args.method = args.method or family.cli_method
     for method in app_methods(family.name) if args.method == "all" else (args.method,):
         cls = family.registry.get(method)
         options = {o.name: getattr(args, o.name) for o in options_of(cls) if hasattr(args, o.name)}
@@ -262,6 +275,38 @@ def attack_recorded_app(args: argparse.Namespace, family) -> None:
             table.add_row(str(result.client), *(f"{result.scores.get(c, ''):.4g}" if isinstance(result.scores.get(c),
                                                 float) else str(result.scores.get(c, "")) for c in columns))
         Console().print(table)
+        console.print(f"report: {report}")
+
+
+APP_MEMBERSHIP_OPTIONS = ("candidates", "references", "references_dir")  # the others read an eftguard run's uploads
+
+
+def attack_recorded_app_membership(args: argparse.Namespace, family) -> None:
+    """LiRA and RMIA on a recorded Flower app's global model, as its audit runs them (eftguard.app_audit), with the
+    audit's defaults unless given, so that the two share their cached reference models."""
+    methods = app_methods(family.name)
+    chosen = methods if args.method in (None, "all") else (args.method,)
+    if chosen[0] not in methods:
+        raise AttackError(f"--method {args.method} on a recorded Flower app: its membership attacks are online "
+                          f"{' | '.join(methods)} on the global model; use --method {' | '.join(methods)} | all")
+    given = {o.name for o in family.options} | set(method_options(family))
+    extra = sorted(name for name in given if hasattr(args, name) and name not in APP_MEMBERSHIP_OPTIONS
+                   and not (name == "target" and args.target == "global"))
+    if extra:
+        raise AttackError(f"--{extra[0].replace('_', '-')} does not apply to a recorded Flower app's membership "
+                          "attacks (online lira and rmia on its global model): drop it")
+    if args.clients != "all":
+        raise AttackError("--clients: a recorded Flower app's membership attacks read its global model, which every "
+                          "client trained: drop --clients")
+    if not args.power_check:
+        raise AttackError("--no-power-check: a recorded Flower app's membership attacks always run their leave-one-out "
+                          "control (it costs no training): drop it")
+    sizes = {name: getattr(args, name) for name in ("references", "candidates") if hasattr(args, name)}
+    for entry, report in attack_membership(args.run, chosen, args.public, args.round_number, args.seed,
+                                           cache=getattr(args, "references_dir", None), out=args.out, **sizes):
+        figures = ", ".join(f"{k} {v:.3f}" for k, v in entry["figures"].items() if isinstance(v, float))
+        Console().print(f"{entry['attack']}: {entry['verdict']}; power check: {entry['power_check']}; {figures}",
+                        soft_wrap=True, markup=False)
         console.print(f"report: {report}")
 
 

@@ -18,7 +18,7 @@ from rich.console import Console
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 from rich.table import Table
 
-from eftguard.app_audit import audit_app, refuse_audit_file_options
+from eftguard.app_audit import audit_app, public_option, refuse_audit_file_options
 from eftguard.apprun import is_app_run
 from eftguard.attack_cli import add_attack_parser, add_report_parser, cmd_attack, cmd_report
 from eftguard.attacks.base import AttackError
@@ -88,11 +88,7 @@ class AuditOptions:
                                metavar="I/N")
     key: Path | None = option(None, "at-rest key for the attacks (default: the [train] encrypt_at_rest key file)",
                               metavar="KEYFILE")
-    public: Path | None = option(None, "a recorded Flower app: the auditor's images (one subfolder per class, the "
-                                       "app's classes in sorted order) for the power checks and as the membership "
-                                       "attacks' population and non-members (default: the bundled photos, for the "
-                                       "power checks only)",
-                                 metavar="DIR")
+    public: Path | None = public_option()
     ray_address: str | None = option(None, "run every configuration (its training and attacks) as a task of the Ray "
                                            "cluster whose head is at HOST:PORT (`ray start --head --port PORT`); "
                                            "--out must be on a file system every node shares. Same reuse, resume "

@@ -95,6 +95,7 @@ BAD_OPTIONS = [
     (GRADIENT + ["--out", "{file}/x"], "lies under {file}, a file: pass --out with a folder"),
     (GRADIENT + ["--key", ""], "argument --key: must be a path, got an empty string"),
     (["attack", "gradient", "{file}"], "{file} is a file, not a run directory"),
+    (["attack", "membership", "{run}", "--public", "{tmp}"], "its dataset's public split: drop --public"),
     # report
     (REPORT + ["--reports", "{file}"], "{file} exists and is not a folder: pass --reports with a folder"),
     (REPORT + ["--reports", "{file}/x"], "lies under {file}, a file: pass --reports with a folder"),

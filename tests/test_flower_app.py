@@ -221,7 +221,7 @@ def test_attacks_that_need_a_vit_or_an_eftguard_run_are_refused_on_one_line(reco
             main(["attack", "membership", str(recorded_app), "--method", method])
         assert stop.value.code == 2
         err = capsys.readouterr().err.strip()
-        assert len(err.splitlines()) == 1 and "eftguard audit RUN --public DIR" in err, err
+        assert len(err.splitlines()) == 1 and "give --public DIR" in err, err
 
 
 def test_a_model_without_a_linear_last_layer_is_refused(tmp_path, monkeypatch, capsys):
@@ -368,4 +368,81 @@ def test_lira_on_an_app_model_finds_memorised_members_and_only_them(tmp_path, mo
     assert levels == {True: "high", False: "low"}
     assert "replay of the clients' sgd steps" in entry["details"]["reference_models"]
     with pytest.raises(AttackError, match="give --public DIR"):
-        membership_attacks(run, 1, replace(public, given=False), seed=0)
+        membership_attacks(run, 1, replace(public, folder=None), seed=0)
+
+
+@pytest.fixture(scope="module")
+def tiny_app_runs(tmp_path_factory) -> dict[bool, Path]:
+    """tiny_app_run's two runs, memorised (True) and never trained on (False), each with its public/ folder."""
+    folder = tmp_path_factory.mktemp("tiny-app")
+    (folder / "tiny_app.py").write_text(TINY_APP)
+    sys.path.insert(0, str(folder))
+    yield {memorised: tiny_app_run(folder / str(memorised), memorised).path.parent for memorised in (True, False)}
+    sys.path.remove(str(folder))
+
+
+def test_the_membership_attack_on_an_app_reads_high_on_memorised_members_and_low_otherwise(tiny_app_runs, tmp_path,
+                                                                                           monkeypatch):
+    """`eftguard attack membership RUN --public DIR` writes one report per method with its level behind its
+    leave-one-out power check: high where the global model memorised its clients' images, low where it never
+    trained on them. The audit after it reuses its reference models: it trains none; a damaged one is trained
+    again."""
+    import eftguard.app_audit as app_audit
+
+    reports = {}
+    for memorised, folder in tiny_app_runs.items():
+        main(["attack", "membership", str(folder / "run"), "--public", str(folder / "public"), "--out",
+              str(tmp_path / str(memorised))])
+        reports[memorised] = {method: json.loads((tmp_path / str(memorised) / f"membership-{method}" / "report.json")
+                                                 .read_text()) for method in ("lira", "rmia")}
+        assert (tmp_path / str(memorised) / "membership-lira" / "report.md").is_file()
+    for method in ("lira", "rmia"):
+        high, low = reports[True][method], reports[False][method]
+        assert high["level"] == "high" and high["figures"]["auc"] > 0.7, high
+        assert low["level"] == "low" and 0.3 < low["figures"]["auc"] < 0.6, low
+        assert low["power_check"].endswith("passed") and low["round"] == 1, low
+    assert list((tiny_app_runs[True] / "run" / "reports" / "membership-references").glob("*/reference-07.safetensors"))
+
+    trained = []
+    replay = app_audit.replayed_federation
+    monkeypatch.setattr(app_audit, "replayed_federation", lambda *a: trained.append(1) or replay(*a))
+    audit = tmp_path / "audit"
+    main(["audit", str(tiny_app_runs[True] / "run"), "--public", str(tiny_app_runs[True] / "public"), "--out",
+          str(audit)])
+    membership = json.loads((audit / "summary.json").read_text())["channels"]["membership"]
+    assert trained == [] and membership["level"] == "high", membership
+    assert membership["attacks"]["membership-lira"] == reports[True]["lira"]["figures"]
+
+    damaged = next((tiny_app_runs[True] / "run" / "reports" / "membership-references").glob("*/reference-03.*"))
+    damaged.write_bytes(damaged.read_bytes()[:100])  # a damaged kept reference is trained again, not a traceback
+    main(["attack", "membership", str(tiny_app_runs[True] / "run"), "--public", str(tiny_app_runs[True] / "public"),
+          "--method", "lira", "--out", str(tmp_path / "again")])
+    assert len(trained) == 1 and json.loads((tmp_path / "again" / "membership-lira" / "report.json").read_text()
+                                            )["figures"] == reports[True]["lira"]["figures"]
+
+
+def test_the_membership_attack_on_an_app_refuses_what_it_cannot_score_on_one_line(tiny_app_runs, tmp_path, capsys):
+    """No --public, no shared truth, too few images, a method or option that reads an eftguard run's uploads: one
+    line each, exit 2, before any reference model is trained."""
+    import shutil
+
+    folder = tiny_app_runs[True]
+    bare = tmp_path / "bare"
+    shutil.copytree(folder / "run", bare, ignore=shutil.ignore_patterns("truth", "reports"))
+    few = tmp_path / "few"
+    for image in sorted((folder / "public").rglob("*.png"))[::10]:
+        (few / image.parent.name).mkdir(parents=True, exist_ok=True)
+        shutil.copy(image, few / image.parent.name / image.name)
+    public = ["--public", str(folder / "public")]
+    for run, flags, said in ((folder / "run", [], "give --public DIR"),
+                             (bare, public, "no client shared its truth"),
+                             (folder / "run", ["--public", str(few)], "an AUC over fewer says nothing"),
+                             (folder / "run", [*public, "--method", "loss"], "use --method lira | rmia | all"),
+                             (folder / "run", [*public, "--references", "2"], "--references 2"),
+                             (folder / "run", [*public, "--target", "update"], "--target does not apply"),
+                             (folder / "run", [*public, "--no-power-check"], "always run their leave-one-out")):
+        with pytest.raises(SystemExit) as stop:
+            main(["attack", "membership", str(run), *flags, "--out", str(tmp_path / "out")])
+        err = capsys.readouterr().err.strip()
+        assert stop.value.code == 2 and len(err.splitlines()) == 1 and said in err, (flags, err)
+    assert not (tmp_path / "out").exists() and not (bare / "reports").exists()

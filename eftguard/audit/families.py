@@ -741,7 +741,8 @@ class MembershipFamily(Family):
                    "lowest with an upload). Candidates: training images of the attacked clients (members) and as "
                    "many held-out images (non-members), without their membership; scored against it by ROC AUC, "
                    "TPR at 0.1% and 1% FPR and balanced accuracy, beside the LOSS attack and a random guess, with "
-                   "the ROC curve in roc.png.")
+                   "the ROC curve in roc.png. On a recorded Flower app: online lira and rmia on its global model "
+                   "with --public DIR, 8 references and at most 100 candidates unless given (docs/flower-apps.md).")
     options_type = MembershipOptions
     image_metrics = False
     seeded = True
