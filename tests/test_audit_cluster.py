@@ -17,7 +17,7 @@ from auditfakes import SWEEP, Fakes, audit_cli
 
 TINY = """
 [train]
-rounds = 2
+rounds = 1
 clients = 2
 train_samples = 100
 test_samples = 40
@@ -70,7 +70,7 @@ def comparable(summary: dict) -> list:
 
 
 @pytest.mark.slow
-@pytest.mark.timeout(900)  # two audits of two tiny configurations: 2-3 min each on a loaded 2-core machine
+@pytest.mark.timeout(900)  # two audits of two one-round configurations: 2-3 min each on a loaded 2-core machine
 def test_an_audit_on_a_two_node_cluster_survives_a_killed_worker_and_matches_one_machine(tmp_path, monkeypatch):
     """A head and a worker node (one CPU each) on 127.0.0.1; both configurations start, one on each node; the
     worker node is killed; Ray retries its configuration on the head, which resumes its run; the summary equals
