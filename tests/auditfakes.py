@@ -12,6 +12,18 @@ from eftguard.audit import AttackReport
 from eftguard.report import write_attack_report
 from eftguard.rundir import RunDirectory
 
+TWO_METHODS = """
+[train]
+rounds = 1
+clients = 2
+train_samples = 100
+test_samples = 40
+batch_size = 32
+
+[grid]
+method = ["eftvit", "fedavg"]
+"""  # the real audits' one round of each method (two tiny configurations), to which a test adds its attacks
+
 SWEEP = """
 title = "mask sweep"
 [train]

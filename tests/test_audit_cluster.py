@@ -13,19 +13,9 @@ from pathlib import Path
 
 import pytest
 
-from auditfakes import SWEEP, Fakes, audit_cli
+from auditfakes import SWEEP, TWO_METHODS, Fakes, audit_cli
 
-TINY = """
-[train]
-rounds = 1
-clients = 2
-train_samples = 100
-test_samples = 40
-batch_size = 32
-
-[grid]
-method = ["eftvit", "fedavg"]
-
+TINY = TWO_METHODS + """
 [[attack]]
 family = "labels"
 method = "bias-corrected"

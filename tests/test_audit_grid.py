@@ -12,7 +12,7 @@ from eftguard.audit import grid
 from eftguard.audit.grid import parse_audit
 from eftguard.errors import ConfigError
 from eftguard.rundir import RunDirectory
-from auditfakes import SWEEP, SWEEP_IDS, Fakes, audit_cli
+from auditfakes import SWEEP, SWEEP_IDS, TWO_METHODS, Fakes, audit_cli
 
 
 def statuses(summary):
@@ -330,17 +330,7 @@ def test_a_real_audit_trains_attacks_reuses_and_gates(tmp_path):
     import sys
 
     audit_file = tmp_path / "tiny.toml"
-    audit_file.write_text("""
-[train]
-rounds = 1
-clients = 2
-train_samples = 100
-test_samples = 40
-batch_size = 32
-
-[grid]
-method = ["eftvit", "fedavg"]
-
+    audit_file.write_text(TWO_METHODS + """
 [[attack]]
 family = "invert"
 steps = 3
