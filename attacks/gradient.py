@@ -402,7 +402,7 @@ class InvertingGradients:
                          for value in (0.0, 1.0))
             for step in range(self.steps):
                 optimizer.zero_grad()
-                grads = _gradients(obs, params, images, labels, keep)
+                grads = self.candidate_gradients(obs, params, images, labels, keep)
                 loss = cosine_distance(grads, target, target_norm) + self.tv * total_variation(images).mean()
                 loss.backward()
                 images.grad.sign_()
@@ -412,7 +412,8 @@ class InvertingGradients:
                     images.copy_(torch.maximum(torch.minimum(images, high), low))
                 if progress:
                     progress(self.name, restart * self.steps + step + 1, total)
-            final = float(cosine_distance(_gradients(obs, params, images, labels, keep), target, target_norm).detach())
+            final = float(cosine_distance(self.candidate_gradients(obs, params, images, labels, keep), target,
+                                          target_norm).detach())
             if best is None or final < best_loss:  # (a diverged restart reads NaN and never wins over another)
                 best, best_loss = images.detach().clone(), final
         return ImageReconstruction(obs.to_pixels(best), rows=None, kept_ids=kept_ids,
@@ -425,6 +426,12 @@ class InvertingGradients:
     def labels(self, obs: GradientObservation) -> np.ndarray:
         """The labels the dummies are given: read off the head-bias gradient."""
         return recover_labels(obs)
+
+    def candidate_gradients(self, obs: GradientObservation, params: list[nn.Parameter], images: torch.Tensor,
+                            labels: torch.Tensor, keep: torch.Tensor | None) -> tuple[torch.Tensor, ...]:
+        """What the candidate images would make the client observe, compared with the observation: the gradient of
+        their cross-entropy."""
+        return _gradients(obs, params, images, labels, keep)
 
     def _matched(self, obs: GradientObservation) -> list[str]:
         head = [name for name in obs.gradients if name.startswith("head.")]

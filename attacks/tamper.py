@@ -30,6 +30,17 @@ model the server would have sent), registered under its name in eftguard.config.
   images of the fished class alone; with one such image, a batch-1 gradient inversion (attacks/gradient.py,
   `--method fishing`). The fished row is scaled so that one image's body gradient stays near FISH_GRADIENT, far
   below AdamW's eps, where the update is proportional to the gradient (the inversion matches it, not its signs).
+- feature-fish (Wen et al. 2022's feature fishing, in one round): the head reads one feature of its input, the one
+  that varies most over the public images: the fished class's logit is FEATURE_FISH_SHARPNESS * (feature -
+  threshold) per public standard deviation of it, every other logit 0, the threshold the public images' (1 - 1/n)
+  quantile of the feature (n: the clients' mean image count, where exactly one of a client's n images above it is
+  likeliest). An image of another class whose feature lies below the threshold has (exponentially) no gradient below
+  the head; one above it has the magnified gradient of the fished logit, whatever its label, so a client with one
+  image above the threshold uploads that image's gradient alone (`--method feature-fishing`). A linear head cannot
+  silence every class on both sides: the client's images of the fished class (the public split's rarest) whose
+  feature lies below the threshold have a gradient too. The switch must be sharp on the scale of the gaps between
+  one client's images, so the gradients sit far above AdamW's eps: the update is AdamW's step of that one gradient
+  (close to its signs), not proportional to it as class-fish's is.
 - label-probe: the head's input is made one constant vector of tiny entries (final LayerNorm weight 0, bias
   PROBE_SCALE), so that every head-weight gradient is PROBE_SCALE * (p - class fraction of the batch) and so small
   that AdamW, dividing by (sqrt(v) + eps), moves the head weights linearly in it: the head update then measures
@@ -60,6 +71,9 @@ STEALTH_SCALE = 1e-9  # stealth-embed's stand-in for zero
 POSITION_CODE_SCALE = 4.0  # norm of each position's code in identity-embed (tokens' pixel part is ~1)
 FISH_LOGIT = 1e3  # class-fish: the other classes' logit (Wen et al.'s): the fished class's probability is exactly 0
 FISH_GRADIENT = 1e-9  # class-fish: the largest body gradient of one public image of the fished class
+# feature-fish: the fished logit's rise per public standard deviation of the feature (an image 0.005 deviations
+# beyond the threshold of another is 10 logits apart from it: e^-10 of its gradient)
+FEATURE_FISH_SHARPNESS = 2e3
 IMPRINT_BLOCK = "local_module.blocks.0"  # the block whose MLP the imprint takes over
 IMPRINT_CONSTANT = 1.0  # the value of the imprint token's two constant coordinates
 IMPRINT_READOUT = 1e-8  # norm of each imprint unit's read-out: token gradients ~1e-12, far below AdamW's eps
@@ -289,6 +303,59 @@ def class_fish(state: dict[str, torch.Tensor], cfg, seed: int) -> dict[str, torc
         loss = torch.nn.functional.cross_entropy(model(image[None]), torch.tensor([fished]))
         largest = max(largest, max(float(g.abs().max()) for g in torch.autograd.grad(loss, body)))
     out["head.weight"][fished] *= FISH_GRADIENT / max(largest, 1e-30)
+    return out
+
+
+@torch.no_grad()
+def head_inputs(model, images: np.ndarray, chunk: int = 256) -> torch.Tensor:
+    """The head's input [images, width] (float64) of uint8 images [N, H, W, 3]."""
+    seen = []
+    hook = model.head.register_forward_hook(lambda module, inputs, output: seen.append(inputs[0].double()))
+    try:
+        for start in range(0, len(images), chunk):
+            model(model.normalize(torch.from_numpy(images[start:start + chunk])))
+    finally:
+        hook.remove()
+    return torch.cat(seen)
+
+
+@dataclass(frozen=True)
+class FishedFeature:
+    """What feature-fish reads, chosen from the public split alone: the head input's coordinate, the threshold
+    above which an image's gradient is switched on, and the coordinate's standard deviation over the public images."""
+
+    index: int
+    threshold: float
+    spread: float
+
+
+def fished_feature(cfg, model) -> FishedFeature:
+    """The head input coordinate that varies most over the public images, thresholded at their (1 - 1/n) quantile,
+    n the clients' mean image count: n q^(n-1) (1 - q), the chance that exactly one of n images lies above the
+    q-quantile, peaks at q = 1 - 1/n (about 1/e)."""
+    dataset = run_dataset(cfg.dataset, cfg.data_dir, cfg.model, cfg.train_samples, 0, cfg.seed)
+    features = head_inputs(model.eval(), dataset.public.images)
+    spreads = features.std(dim=0)
+    index = int(spreads.argmax())
+    mean_images = max(2.0, len(dataset.train.labels) / cfg.clients)
+    threshold = float(torch.quantile(features[:, index], 1 - 1 / mean_images))
+    return FishedFeature(index, threshold, float(spreads[index]))
+
+
+@tampering("feature-fish")
+def feature_fish(state: dict[str, torch.Tensor], cfg, seed: int) -> dict[str, torch.Tensor]:
+    """Head: the fished class's logit FEATURE_FISH_SHARPNESS * (feature - threshold) / spread, every other one 0."""
+    weight, bias = state["head.weight"], state["head.bias"]
+    model = build_model(cfg.model, len(bias), cfg.local_layers, seed=cfg.seed)
+    model.load_state_dict(state)
+    feature = fished_feature(cfg, model)
+    sharpness = FEATURE_FISH_SHARPNESS / feature.spread
+    fished = fished_class(cfg, len(bias))
+    out = dict(state)
+    out["head.weight"] = torch.zeros_like(weight)
+    out["head.weight"][fished, feature.index] = sharpness
+    out["head.bias"] = torch.zeros_like(bias)
+    out["head.bias"][fished] = -sharpness * feature.threshold
     return out
 
 

@@ -33,11 +33,12 @@ CLIENT_SELECTION = ("random", "loss-gap")
 # the tampering as far as the clients' model check allows (attacks/tamper.py)
 THREATS = ("honest", "malicious", "adaptive")
 # --tamper: eftguard.attacks.tamper implements each
-TAMPERINGS = ("identity-embed", "stealth-embed", "label-probe", "imprint", "class-fish")
+TAMPERINGS = ("identity-embed", "stealth-embed", "label-probe", "imprint", "class-fish", "feature-fish")
 # the tamperings that read the parameter update (the rest read the feature and head uploads), and the parameter
 # whose update they read: a method whose clients do not train it cannot take them
 UPDATE_TAMPERINGS = {"imprint": "local_module.blocks.0.mlp.fc1.weight",
-                     "class-fish": "local_module.patch_embed.proj.weight"}
+                     "class-fish": "local_module.patch_embed.proj.weight",
+                     "feature-fish": "local_module.patch_embed.proj.weight"}
 DP_EPS_LIMIT = 100.0  # above it e^epsilon bounds nothing, and the accountants' noise search does not end
 DP_ROUNDS_LIMIT = 10_000  # with --dp-eps, every client's rounds are listed and accounted for before round 1
 FRACTION = Bound(lambda value: 0.0 <= value < 1.0, "in [0, 1)")

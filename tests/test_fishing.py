@@ -1,12 +1,19 @@
-"""Class fishing (Wen et al. 2022; attacks/tamper.py's class-fish, attacks/fishing.py's `attack gradient --method
-fishing`): a round sent the fished head leaves the body's update to the client's images of the fished class alone,
-so a gradient inversion gets that one image out of a batch of 16; the attack refuses a round that was not sent the
-fished head. (The clients' model check refuses class-fish like every tampering: tests/test_malicious.py.)"""
+"""Class and feature fishing (Wen et al. 2022; attacks/tamper.py's class-fish and feature-fish, attacks/fishing.py's
+`attack gradient --method fishing` and `--method feature-fishing`): a round sent the fished head leaves the body's
+update to the client's images of the fished class alone (class-fish) or to its images above the fished feature's
+threshold (feature-fish), so a gradient inversion gets that one image out of the client's batch; each attack refuses
+a round that was not sent its head. (The clients' model check refuses both in rounds 1 and 2 like every tampering:
+tests/test_malicious.py.)"""
 
+import numpy as np
 import pytest
+import torch
 
 from conftest import run_cli
-from eftguard.attacks.tamper import fished_class
+from eftguard.attacks.tamper import FEATURE_FISH_SHARPNESS, fished_class, fished_feature, head_inputs
+from eftguard.attacks.update_inversion import ADAM_EPS
+from eftguard.audit.observe import sent_model
+from eftguard.audit.scoring import client_training_set
 from eftguard.audit import run_attack
 from eftguard.config import TrainConfig
 from eftguard.federation.server import run_server
@@ -51,3 +58,48 @@ def test_the_fishing_attack_refuses_a_round_not_sent_the_fished_head(tmp_path, m
     code, err = run_cli(capsys, "attack", "gradient", imprinted.path, "--method", "fishing")
     assert code == 2 and err.count("\n") == 1 and err.endswith("was tampered with imprint: the fishing method reads a "
                                                                "round of --tamper class-fish\n")
+
+
+def feature_fished_run(path, micro):
+    """Four clients, 64 images; client 0 holds 10 (one local step), exactly one of them above the public split's
+    threshold of the fished feature and none of the fished class (whose images below it would leak too)."""
+    return train(path, config(micro, clients=4, train_samples=64, threat="malicious", tamper="feature-fish"))
+
+
+def switched_on(run, partition: int) -> np.ndarray:
+    """Each of the client's images' fished logit, in units of the threshold's sharpness: on above +5, off below -5."""
+    cfg, model = run.config(), sent_model(run, 1)
+    feature = fished_feature(cfg, model)
+    images = client_training_set(run, partition).images
+    values = head_inputs(model.eval(), images)[:, feature.index].numpy()
+    return FEATURE_FISH_SHARPNESS / feature.spread * (values - feature.threshold)
+
+
+def test_a_feature_fished_round_uploads_the_step_of_the_one_image_above_the_threshold(tmp_path, micro_preset):
+    """The client's one image above the threshold (chosen from the public split) is the only one with a gradient:
+    its body update is AdamW's first step of that image's gradient (g / (|g| + eps), B = 10), to a cosine of 0.999,
+    and every other image's gradient is below a millionth of its."""
+    run = feature_fished_run(tmp_path / "run", micro_preset)
+    logits = switched_on(run, 0)
+    data = client_training_set(run, 0)
+    assert (logits > 5).sum() == 1 and (np.abs(logits) <= 5).sum() == 0
+    assert not (data.labels == fished_class(run.config(), 10)).any()
+    model = sent_model(run, 1)
+    body = {name: p for name, p in model.named_parameters() if not name.startswith("head.")}
+    uploaded = run.load_upload(1, 0, "update")
+    cfg = run.config()
+    step = torch.cat([((p.detach() - torch.from_numpy(uploaded[name])) / cfg.lr - cfg.weight_decay * p.detach())
+                      .flatten().double() for name, p in body.items()])
+
+    def gradient(index: int) -> torch.Tensor:
+        image = model.normalize(torch.from_numpy(data.images[index:index + 1]))
+        loss = torch.nn.functional.cross_entropy(model(image), torch.from_numpy(data.labels[index:index + 1]))
+        return torch.cat([g.flatten().double() for g in torch.autograd.grad(loss, list(body.values()))])
+
+    gradients = [gradient(i) for i in range(len(data.labels))]
+    isolated = int(np.argmax(logits))
+    first_step = gradients[isolated] / len(data.labels)
+    first_step = first_step / (first_step.abs() + ADAM_EPS)
+    assert float(first_step @ step / (first_step.norm() * step.norm())) > 0.999
+    norms = [float(g.norm()) for g in gradients]
+    assert max(n for i, n in enumerate(norms) if i != isolated) < 1e-6 * norms[isolated]

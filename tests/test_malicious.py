@@ -174,7 +174,7 @@ def test_dp_sgd_stops_the_label_probe(tmp_path, micro_preset):
 
 @pytest.mark.parametrize("argv, message", [
     (["--threat", "malicious"], "--threat malicious needs --tamper NAME, one of identity-embed, stealth-embed, "
-                                "label-probe, imprint, class-fish; got ''"),
+                                "label-probe, imprint, class-fish, feature-fish; got ''"),
     (["--tamper", "identity-embed"], "--tamper and --tamper-round need --threat malicious"),
     (["--tamper-round", "2"], "--tamper and --tamper-round need --threat malicious"),
     (["--threat", "malicious", "--tamper", "identity-embed", "--rounds", "2", "--tamper-round", "3"],
