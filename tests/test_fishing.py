@@ -52,12 +52,22 @@ def test_a_fished_round_gives_the_one_image_of_the_fished_class_back(tmp_path, m
     assert report.capabilities["server"] == "malicious"
 
 
-def test_the_fishing_attack_refuses_a_round_not_sent_the_fished_head(tmp_path, micro_preset, capsys):
+def test_the_fishing_attacks_refuse_a_round_not_sent_their_head(tmp_path, micro_preset, capsys):
     imprinted = train(tmp_path / "imprint", config(micro_preset, threat="malicious", tamper="imprint"))
     capsys.readouterr()
-    code, err = run_cli(capsys, "attack", "gradient", imprinted.path, "--method", "fishing")
-    assert code == 2 and err.count("\n") == 1 and err.endswith("was tampered with imprint: the fishing method reads a "
-                                                               "round of --tamper class-fish\n")
+    for method, tamper in (("fishing", "class-fish"), ("feature-fishing", "feature-fish")):
+        code, err = run_cli(capsys, "attack", "gradient", imprinted.path, "--method", method)
+        assert code == 2 and err.count("\n") == 1 and err.endswith(f"was tampered with imprint: the {method} method "
+                                                                   f"reads a round of --tamper {tamper}\n")
+
+
+def test_feature_fish_needs_a_method_whose_clients_train_the_body(capsys, tmp_path):
+    code, err = run_cli(capsys, "train", "--out", tmp_path / "run", "--threat", "malicious", "--tamper", "feature-fish",
+                        "--method", "fed-head")
+    assert code == 2 and err.count("\n") == 1 and err.endswith(
+        "--tamper feature-fish reads the update of local_module.patch_embed.proj.weight, which --method fed-head "
+        "clients do not train (methods that do: eftvit, fedavg)\n")
+    assert not (tmp_path / "run").exists()
 
 
 def feature_fished_run(path, micro):
@@ -103,3 +113,28 @@ def test_a_feature_fished_round_uploads_the_step_of_the_one_image_above_the_thre
     assert float(first_step @ step / (first_step.norm() * step.norm())) > 0.999
     norms = [float(g.norm()) for g in gradients]
     assert max(n for i, n in enumerate(norms) if i != isolated) < 1e-6 * norms[isolated]
+
+
+@pytest.mark.slow
+def test_feature_fishing_gives_the_one_image_above_the_threshold_back(tmp_path, micro_preset):
+    """Inverting Gradients on that upload, matching the fished logit's gradient (100 steps from the mean image): its
+    best match among the client's 10 images is the isolated one, 5 dB or more above the mean image (measured:
+    19.5 against 13.2 dB)."""
+    run = feature_fished_run(tmp_path / "run", micro_preset)
+    isolated = int(np.argmax(switched_on(run, 0)))
+    report = run_attack(run.path, "gradient", "feature-fishing", clients=[0], steps=100,
+                        lpips_backend="stlpips-alex", power_check=False)
+    figures = report.figures()
+    assert figures["psnr"] > figures["baseline.psnr"] + 5 and "label_accuracy" not in report.details
+    original = np.asarray(report.ranking_rows[0][0], dtype=np.float64)
+    assert np.allclose(original, client_training_set(run, 0).images[isolated] / 255, atol=1e-6)
+
+
+def test_trusting_the_first_model_lets_a_feature_fished_one_through(tmp_path, micro_preset):
+    """Trust on first use checks structure only: the feature-fished head (one weight in one row, no zeroed LayerNorm
+    or block) passes it, as class-fish does; by default the node rebuilds the initial model and refuses it."""
+    cfg = config(micro_preset, threat="malicious", tamper="feature-fish", model_check=True)
+    run = RunDirectory.create(tmp_path / "run", cfg)
+    run_server(FakeGrid(2, node_config={"model-check": True, "trust-first-model": True}), run.path,
+               server_threat_of(cfg))
+    assert run.metrics()[0]["tampered"] == "feature-fish" and run.metrics()[0]["dropped"] == {}
