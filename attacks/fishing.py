@@ -64,9 +64,13 @@ class FeatureFishingAttack(FishingAttack):
 
     def candidate_gradients(self, obs: GradientObservation, params, images: torch.Tensor, labels: torch.Tensor,
                             keep: torch.Tensor | None) -> tuple[torch.Tensor, ...]:
-        """The fished logit's gradient: the body gradient of an image above the threshold, whatever its label."""
+        """The fished logit's gradient: the body gradient of an image above the threshold, whatever its label; negated
+        where the fished class's bias moved down (its own images below the threshold moved the body)."""
         logits = obs.model(images) if keep is None else obs.model(images, keep)
-        return torch.autograd.grad(logits.gather(1, labels[:, None]).sum(), params, create_graph=True)
+        gradients = torch.autograd.grad(logits.gather(1, labels[:, None]).sum(), params, create_graph=True)
+        if float(obs.gradients.get(obs.head_bias, torch.ones(len(logits[0])))[int(labels[0])]) < 0:
+            return tuple(-g for g in gradients)
+        return gradients
 
     def reconstruct(self, obs: GradientObservation, progress=None):
         """Inverting Gradients, without a label: the isolated image's is not read (every label but the fished one

@@ -38,7 +38,8 @@ model the server would have sent), registered under its name in eftguard.config.
   the head; one above it has the magnified gradient of the fished logit, whatever its label, so a client with one
   image above the threshold uploads that image's gradient alone (`--method feature-fishing`). A linear head cannot
   silence every class on both sides: the client's images of the fished class (the public split's rarest) whose
-  feature lies below the threshold have a gradient too. The switch must be sharp on the scale of the gaps between
+  feature lies below the threshold have a gradient too, of the opposite sign (the fished class's bias update tells
+  which side moved the body). The switch must be sharp on the scale of the gaps between
   one client's images, so the gradients sit far above AdamW's eps: the update is AdamW's step of that one gradient
   (close to its signs), not proportional to it as class-fish's is.
 - label-probe: the head's input is made one constant vector of tiny entries (final LayerNorm weight 0, bias
@@ -344,18 +345,20 @@ def fished_feature(cfg, model) -> FishedFeature:
 
 @tampering("feature-fish")
 def feature_fish(state: dict[str, torch.Tensor], cfg, seed: int) -> dict[str, torch.Tensor]:
-    """Head: the fished class's logit FEATURE_FISH_SHARPNESS * (feature - threshold) / spread, every other one 0."""
+    """The fished class's logit FEATURE_FISH_SHARPNESS * (feature - threshold) / spread, every other one 0: the
+    threshold moved into the final LayerNorm's bias of the feature (which only the fished logit reads), so that the
+    head's bias stays 0 and its update says whether images above the threshold or the fished class's below it
+    moved the body."""
     weight, bias = state["head.weight"], state["head.bias"]
     model = build_model(cfg.model, len(bias), cfg.local_layers, seed=cfg.seed)
     model.load_state_dict(state)
     feature = fished_feature(cfg, model)
-    sharpness = FEATURE_FISH_SHARPNESS / feature.spread
-    fished = fished_class(cfg, len(bias))
     out = dict(state)
     out["head.weight"] = torch.zeros_like(weight)
-    out["head.weight"][fished, feature.index] = sharpness
+    out["head.weight"][fished_class(cfg, len(bias)), feature.index] = FEATURE_FISH_SHARPNESS / feature.spread
     out["head.bias"] = torch.zeros_like(bias)
-    out["head.bias"][fished] = -sharpness * feature.threshold
+    out["global_module.norm.bias"] = state["global_module.norm.bias"].clone()
+    out["global_module.norm.bias"][feature.index] -= feature.threshold
     return out
 
 

@@ -26,8 +26,15 @@ of tests/fakegrid.py (no Ray), vit-tiny-32 on photos.
    the client holding one; the check's refusals; the adaptive server as in 5 (the probe: a client of 64 images,
    one of the fished class; at rounds 1, 4, 16, 64, 128, 256 and 400: a partly fished head works long before the
    whole tampering fits).
+7. feature fishing (--tamper feature-fish, fedavg; `attack gradient --method feature-fishing` at its defaults) with
+   the check off (16 and 100 images per client): per client, its images above the public threshold of the fished
+   feature (switched on: the fished logit above 5), near it (within 5) and of the fished class below it (which move
+   the body too); the attack on each client whose update one image alone moved, scored against the client image it
+   matches best and whether that is the one; the check's refusals in rounds 1 and 2 and under trust-first-model; the rounds an
+   adaptive server needs before the whole feature-fished head fits the check's bounds (no probe of a partly fished
+   head: Inverting Gradients costs minutes per probe here).
 
-    OMP_NUM_THREADS=1 python experiments/malicious_server.py --out /tmp/malicious [--parts 1 2 3 4 5 6]
+    OMP_NUM_THREADS=1 python experiments/malicious_server.py --out /tmp/malicious [--parts 1 2 3 4 5 6 7]
 """
 
 import argparse
@@ -46,6 +53,8 @@ from eftguard.attacks.fishing import FishingAttack  # noqa: E402
 from eftguard.attacks.imprint import ImprintAttack  # noqa: E402
 from eftguard import metrics  # noqa: E402
 from eftguard.attacks.tamper import DRIFT_MARGIN, disguised, fished_class, nearest_within, tamper_state  # noqa: E402
+from eftguard.audit.observe import sent_model  # noqa: E402
+from eftguard.audit.scoring import client_training_set  # noqa: E402
 from eftguard.data.plan import run_dataset  # noqa: E402
 from eftguard.model import patch_pixels  # noqa: E402
 from eftguard.training import OptimConfig, train_local  # noqa: E402
@@ -302,10 +311,58 @@ def adaptive_campaign(tamper: str, probe, declared_rounds: int = CAMPAIGN_ROUNDS
             "one_round_bound_of_it": float(one_round[slowest].max()), **attacks}
 
 
+FEATURE_FISH = {"method": "fedavg", "threat": "malicious", "tamper": "feature-fish"}
+SWITCHED = 5.0  # the fished logit beyond which an image's gradient is on (above +5) or off (below -5)
+
+
+def feature_fishing(out: Path, name: str, **changes) -> dict:
+    """Part 7 on one run: which of each client's images moved the body (the fished logit of the model sent: above
+    the threshold, near it, or of the fished class below it), the attack on every client whose update one image
+    alone moved, and whether its best match is that image."""
+    run = trained(out / f"feature-fishing-{name}", rounds=1, **FEATURE_FISH, **changes)
+    cfg, model = run.config(), sent_model(run, 1).eval()
+    fished = fished_class(cfg, 10)
+    result, movers = {}, {}
+    for client in range(cfg.clients):
+        data = client_training_set(run, client)
+        with torch.no_grad():
+            logits = model(model.normalize(torch.from_numpy(data.images)))[:, fished].numpy()
+        below = (logits < -SWITCHED) & (data.labels == fished)
+        movers[client] = np.flatnonzero((logits >= -SWITCHED) | below)
+        result[client] = {"images": len(data.labels), "switched_on": int((logits > SWITCHED).sum()),
+                          "near_the_threshold": int((np.abs(logits) <= SWITCHED).sum()),
+                          "fished_class_below": int(below.sum())}
+    print(json.dumps({f"feature_fishing {name}": result}), flush=True)
+    for client in [k for k in movers if len(movers[k]) == 1]:
+        report = run_attack(run.path, "gradient", "feature-fishing", clients=[client], lpips_backend="stlpips-alex",
+                            power_check=False)
+        figures = report.figures()
+        matched = np.asarray(report.ranking_rows[0][0], dtype=np.float64)
+        mover = client_training_set(run, client).images[movers[client][0]] / 255
+        result[client].update({"matched_the_image_that_moved_the_body": bool(np.allclose(matched, mover, atol=1e-6)),
+                               **{k: figures[k] for k in ("psnr", "ssim", "baseline.psnr", "baseline.ssim")}})
+        print(json.dumps({f"feature_fishing {name}": {client: result[client]}}), flush=True)
+    return result
+
+
+def feature_fishing_checked(out: Path) -> dict:
+    """Part 7's check: refusals in rounds 1 and 2 and under trust-first-model, and the adaptive server's rounds
+    before the whole feature-fished head fits the check's bounds."""
+    caught = {
+        "round 1": refused(train(out / "feature-fish-check-r1", True, rounds=1, **FEATURE_FISH), 1),
+        "round 2": refused(train(out / "feature-fish-check-r2", True, rounds=2, tamper_round=2, **FEATURE_FISH), 2),
+        "round 1, trust-first-model": refused(train(out / "feature-fish-check-r1-tofu", True,
+                                                    {"trust-first-model": True}, rounds=1, **FEATURE_FISH), 1)}
+    print(json.dumps({"caught": caught}), flush=True)
+    adaptive = adaptive_campaign("feature-fish", None, probe_rounds=())
+    print(json.dumps({"adaptive": adaptive}), flush=True)
+    return {"caught": caught, "adaptive": adaptive}
+
+
 def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--out", type=Path, required=True)
-    parser.add_argument("--parts", type=int, nargs="+", default=[1, 2, 3, 4, 5, 6])
+    parser.add_argument("--parts", type=int, nargs="+", default=[1, 2, 3, 4, 5, 6, 7])
     args = parser.parse_args()
     out = args.out
     results_file = out / "results.json"
@@ -407,6 +464,11 @@ def main() -> None:
                 fishing["adaptive"] = adaptive_campaign("class-fish", fishing_probe,
                                                         probe_rounds=(1, 4, 16, 64, 128, 256, CAMPAIGN_ROUNDS))
                 print(json.dumps({"adaptive": fishing["adaptive"]}), flush=True)
+    if 7 in args.parts:
+        results["feature_fishing"] = {
+            "16 images per client": feature_fishing(out, "16-per-client", train_samples=64),
+            "100 images per client": feature_fishing(out, "100-per-client"),
+            **feature_fishing_checked(out)}
     out.mkdir(parents=True, exist_ok=True)
     results_file.write_text(json.dumps(results, indent=1))
 

@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from conftest import run_cli
-from eftguard.attacks.tamper import FEATURE_FISH_SHARPNESS, fished_class, fished_feature, head_inputs
+from eftguard.attacks.tamper import fished_class
 from eftguard.attacks.update_inversion import ADAM_EPS
 from eftguard.audit.observe import sent_model
 from eftguard.audit.scoring import client_training_set
@@ -76,13 +76,13 @@ def feature_fished_run(path, micro):
     return train(path, config(micro, clients=4, train_samples=64, threat="malicious", tamper="feature-fish"))
 
 
-def switched_on(run, partition: int) -> np.ndarray:
-    """Each of the client's images' fished logit, in units of the threshold's sharpness: on above +5, off below -5."""
-    cfg, model = run.config(), sent_model(run, 1)
-    feature = fished_feature(cfg, model)
-    images = client_training_set(run, partition).images
-    values = head_inputs(model.eval(), images)[:, feature.index].numpy()
-    return FEATURE_FISH_SHARPNESS / feature.spread * (values - feature.threshold)
+def fished_logits(run, partition: int) -> np.ndarray:
+    """The fished logit of each of the client's images under the model its round was sent: its gradient is on above
+    +5, off below -5 (every other logit is 0)."""
+    model = sent_model(run, 1).eval()
+    with torch.no_grad():
+        logits = model(model.normalize(torch.from_numpy(client_training_set(run, partition).images)))
+    return logits[:, fished_class(run.config(), 10)].numpy()
 
 
 def test_a_feature_fished_round_uploads_the_step_of_the_one_image_above_the_threshold(tmp_path, micro_preset):
@@ -90,7 +90,7 @@ def test_a_feature_fished_round_uploads_the_step_of_the_one_image_above_the_thre
     its body update is AdamW's first step of that image's gradient (g / (|g| + eps), B = 10), to a cosine of 0.999,
     and every other image's gradient is below a millionth of its."""
     run = feature_fished_run(tmp_path / "run", micro_preset)
-    logits = switched_on(run, 0)
+    logits = fished_logits(run, 0)
     data = client_training_set(run, 0)
     assert (logits > 5).sum() == 1 and (np.abs(logits) <= 5).sum() == 0
     assert not (data.labels == fished_class(run.config(), 10)).any()
@@ -121,7 +121,7 @@ def test_feature_fishing_gives_the_one_image_above_the_threshold_back(tmp_path, 
     best match among the client's 10 images is the isolated one, 5 dB or more above the mean image (measured:
     19.5 against 13.2 dB)."""
     run = feature_fished_run(tmp_path / "run", micro_preset)
-    isolated = int(np.argmax(switched_on(run, 0)))
+    isolated = int(np.argmax(fished_logits(run, 0)))
     report = run_attack(run.path, "gradient", "feature-fishing", clients=[0], steps=100,
                         lpips_backend="stlpips-alex", power_check=False)
     figures = report.figures()
