@@ -138,3 +138,12 @@ def test_trusting_the_first_model_lets_a_feature_fished_one_through(tmp_path, mi
     run_server(FakeGrid(2, node_config={"model-check": True, "trust-first-model": True}), run.path,
                server_threat_of(cfg))
     assert run.metrics()[0]["tampered"] == "feature-fish" and run.metrics()[0]["dropped"] == {}
+
+
+def test_an_adaptive_feature_fishing_server_is_never_refused(tmp_path, micro_preset):
+    """--threat adaptive --tamper feature-fish: every round each client gets the model nearest the feature-fished one
+    that its check accepts (AdaptiveTampering takes any tampering); no node refuses a round."""
+    run = train(tmp_path / "run", config(micro_preset, rounds=2, threat="adaptive", tamper="feature-fish",
+                                         model_check=True))
+    assert [r["dropped"] for r in run.metrics()] == [{}, {}]
+    assert [r["tampered"] for r in run.metrics()] == ["feature-fish"] * 2
