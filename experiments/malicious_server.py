@@ -30,9 +30,9 @@ of tests/fakegrid.py (no Ray), vit-tiny-32 on photos.
    the check off (16 and 100 images per client): per client, its images above the public threshold of the fished
    feature (switched on: the fished logit above 5), near it (within 5) and of the fished class below it (which move
    the body too); the attack on each client whose update one image alone moved, scored against the client image it
-   matches best and whether that is the one; the check's refusals in rounds 1 and 2 and under trust-first-model; the rounds an
-   adaptive server needs before the whole feature-fished head fits the check's bounds (no probe of a partly fished
-   head: Inverting Gradients costs minutes per probe here).
+   matches best and whether that is the one; the check's refusals in rounds 1 and 2 and under trust-first-model;
+   the rounds an adaptive server needs before the whole feature-fished head fits the check's bounds (no probe of a
+   partly fished head: Inverting Gradients costs minutes per probe here).
 
     OMP_NUM_THREADS=1 python experiments/malicious_server.py --out /tmp/malicious [--parts 1 2 3 4 5 6 7]
 """
@@ -53,7 +53,8 @@ from eftguard.attacks.fishing import FishingAttack  # noqa: E402
 from eftguard.attacks.imprint import ImprintAttack  # noqa: E402
 from eftguard import metrics  # noqa: E402
 from eftguard.attacks.tamper import DRIFT_MARGIN, disguised, fished_class, nearest_within, tamper_state  # noqa: E402
-from eftguard.audit.observe import sent_model  # noqa: E402
+from eftguard.attacks.update_inversion import ADAM_EPS  # noqa: E402
+from eftguard.audit.observe import sent_model, upload_observation  # noqa: E402
 from eftguard.audit.scoring import client_training_set  # noqa: E402
 from eftguard.data.plan import run_dataset  # noqa: E402
 from eftguard.model import patch_pixels  # noqa: E402
@@ -315,6 +316,24 @@ FEATURE_FISH = {"method": "fedavg", "threat": "malicious", "tamper": "feature-fi
 SWITCHED = 5.0  # the fished logit beyond which an image's gradient is on (above +5) or off (below -5)
 
 
+def first_step_cosine(run: RunDirectory, client: int, image: int) -> float:
+    """Cosine between the client's body update (as `--observe upload` reads it) and AdamW's first step of one of its
+    images' gradient, g / (|g| + eps), the image's share of a batch of B: 1 where that image alone moved the body in
+    one local step."""
+    model = sent_model(run, 1)
+    obs, _ = upload_observation(run, 1, client, 1, None, model)
+    body = [name for name in obs.gradients if not name.startswith("head.")]
+    data = client_training_set(run, client)
+    named = dict(model.named_parameters())
+    loss = torch.nn.functional.cross_entropy(model(model.normalize(torch.from_numpy(data.images[image:image + 1]))),
+                                             torch.from_numpy(data.labels[image:image + 1]))
+    gradient = torch.cat([g.flatten().double() for g in torch.autograd.grad(loss, [named[n] for n in body])])
+    gradient = gradient / min(run.config().batch_size, len(data.labels))
+    step = gradient / (gradient.abs() + ADAM_EPS)
+    update = torch.cat([obs.gradients[n].flatten().double() for n in body])
+    return float(step @ update / (step.norm() * update.norm()))
+
+
 def feature_fishing(out: Path, name: str, **changes) -> dict:
     """Part 7 on one run: which of each client's images moved the body (the fished logit of the model sent: above
     the threshold, near it, or of the fished class below it), the attack on every client whose update one image
@@ -333,13 +352,20 @@ def feature_fishing(out: Path, name: str, **changes) -> dict:
                           "near_the_threshold": int((np.abs(logits) <= SWITCHED).sum()),
                           "fished_class_below": int(below.sum())}
     print(json.dumps({f"feature_fishing {name}": result}), flush=True)
+    mean_image = run_dataset(cfg.dataset, cfg.data_dir, cfg.model, cfg.train_samples, 0,
+                             cfg.seed).public.images.mean(axis=0) / 255
     for client in [k for k in movers if len(movers[k]) == 1]:
         report = run_attack(run.path, "gradient", "feature-fishing", clients=[client], lpips_backend="stlpips-alex",
                             power_check=False)
         figures = report.figures()
         matched = np.asarray(report.ranking_rows[0][0], dtype=np.float64)
         mover = client_training_set(run, client).images[movers[client][0]] / 255
-        result[client].update({"matched_the_image_that_moved_the_body": bool(np.allclose(matched, mover, atol=1e-6)),
+        result[client].update({"update_vs_its_first_adamw_step_cosine": first_step_cosine(run, client,
+                                                                                           int(movers[client][0])),
+                               "matched_the_image_that_moved_the_body": bool(np.allclose(matched, mover, atol=1e-6)),
+                               "psnr_of_that_image": float(metrics.psnr(np.asarray(report.ranking_rows[0][1])[None],
+                                                                        mover[None])[0]),
+                               "mean_image_psnr_of_that_image": float(metrics.psnr(mean_image[None], mover[None])[0]),
                                **{k: figures[k] for k in ("psnr", "ssim", "baseline.psnr", "baseline.ssim")}})
         print(json.dumps({f"feature_fishing {name}": {client: result[client]}}), flush=True)
     return result
