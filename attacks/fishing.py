@@ -68,7 +68,8 @@ class FeatureFishingAttack(FishingAttack):
         where the fished class's bias moved down (its own images below the threshold moved the body)."""
         logits = obs.model(images) if keep is None else obs.model(images, keep)
         gradients = torch.autograd.grad(logits.gather(1, labels[:, None]).sum(), params, create_graph=True)
-        if float(obs.gradients.get(obs.head_bias, torch.ones(len(logits[0])))[int(labels[0])]) < 0:
+        bias = obs.gradients.get(obs.head_bias)
+        if bias is not None and float(bias[int(labels[0])]) < 0:
             return tuple(-g for g in gradients)
         return gradients
 

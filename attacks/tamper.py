@@ -39,9 +39,9 @@ model the server would have sent), registered under its name in eftguard.config.
   image above the threshold uploads that image's gradient alone (`--method feature-fishing`). A linear head cannot
   silence every class on both sides: the client's images of the fished class (the public split's rarest) whose
   feature lies below the threshold have a gradient too, of the opposite sign (the fished class's bias update tells
-  which side moved the body). The switch must be sharp on the scale of the gaps between
-  one client's images, so the gradients sit far above AdamW's eps: the update is AdamW's step of that one gradient
-  (close to its signs), not proportional to it as class-fish's is.
+  which side moved the body). The switch must be sharp on the scale of the gaps between one client's images, so the
+  gradients sit far above AdamW's eps: the update is AdamW's step of that one gradient (close to its signs), not
+  proportional to it as class-fish's is.
 - label-probe: the head's input is made one constant vector of tiny entries (final LayerNorm weight 0, bias
   PROBE_SCALE), so that every head-weight gradient is PROBE_SCALE * (p - class fraction of the batch) and so small
   that AdamW, dividing by (sqrt(v) + eps), moves the head weights linearly in it: the head update then measures
