@@ -8,7 +8,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
-from flwr.app import ConfigRecord, Context, Message, MessageType, RecordDict
+from flwr.app import Array, ArrayRecord, ConfigRecord, Context, Message, MessageType, RecordDict
 from flwr.common.constant import ErrorCode
 from flwr.common.secure_aggregation.secaggplus_constants import RECORD_KEY_CONFIGS
 
@@ -20,7 +20,7 @@ from eftguard.device import compute_device
 from eftguard.errors import ConfigError
 from eftguard.federation import apps
 from eftguard.federation.client import ClientUpload
-from eftguard.federation.records import ClientSettings, from_record, to_record
+from eftguard.federation.records import ClientSettings, UploadError, from_record, to_record
 from helpers import gpus_found
 
 pytestmark = pytest.mark.usefixtures("task_identity_set")  # messages are built outside Flower
@@ -48,11 +48,12 @@ def rounds(monkeypatch):
     return calls
 
 
-def train(node_config, defaults=None, partition=1, stage=None, **changes):
-    """stage: a SecAgg+ stage's configs, sent with the round as the server's --secagg sends them."""
+def train(node_config, defaults=None, partition=1, stage=None, model=None, **changes):
+    """stage: a SecAgg+ stage's configs, sent with the round as the server's --secagg sends them; model: the
+    ArrayRecord sent as the model (default: UPDATE's arrays)."""
     cfg = TrainConfig(**{**CFG.__dict__, **changes})
     settings = ClientSettings.from_config(cfg, 1, 0.0, RUN_ID)
-    content = {"model": to_record(UPDATE), "settings": settings.to_record()}
+    content = {"model": to_record(UPDATE) if model is None else model, "settings": settings.to_record()}
     if stage is not None:
         content[RECORD_KEY_CONFIGS] = ConfigRecord(stage)
     msg = Message(RecordDict(content), 100, MessageType.TRAIN)
@@ -314,3 +315,12 @@ def test_a_secagg_stage_runs_the_nodes_own_round_inside_flowers_mod(rounds, monk
     assert (secure["secret"], secure["ledger"].directory, secure["ledger"].max_epsilon, secure["partition"]) == (
         0, tmp_path, 2.5, 2)
     assert set(reply.content.keys()) == {"update", "metrics", "features"}
+
+
+def test_a_model_sent_as_a_pickle_is_refused_by_name_and_never_decoded(rounds):
+    """The node decodes only numpy arrays from the server (a pickle could run the server's code on the node)."""
+    pickled = ArrayRecord({"head.bias": Array(dtype="float32", shape=(1,), stype="pickle", data=b"\x80\x04K\x01.")})
+    with pytest.raises(UploadError, match=r"^model\['head.bias'\] has serialisation 'pickle', only numpy arrays are "
+                                          r"accepted$"):
+        train({"noise-secret": 7}, model=pickled)
+    assert rounds == []
