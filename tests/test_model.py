@@ -100,7 +100,7 @@ def test_micro_preset_is_a_small_timm_vit_that_splits_like_timm(tiny_model):
     assert len(blocks) == PRESETS["vit-micro-32"].depth == 4 and model.local_layers == 3
     assert model.head.in_features == 64 and blocks[0].attn.num_heads == 2
     assert model.local_module.num_patches == 64
-    assert 20 * sum(p.numel() for p in model.parameters()) < sum(p.numel() for p in tiny_model.parameters())
+    assert 25 * sum(p.numel() for p in model.parameters()) < sum(p.numel() for p in tiny_model.parameters())
 
 
 def test_micro_preset_has_no_pretrained_weights():
