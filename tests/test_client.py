@@ -563,6 +563,10 @@ def test_the_nodes_data_dir_reaches_every_load_of_the_dataset(micro_preset, monk
     loads.clear()
     assert release_size(s, CLIENT) == schedule_size(s, CLIENT)  # the public sizes: one load of the node's copy
     assert loads == [("photos", "/srv/eftguard-data", 32)]
+    monkeypatch.setattr("eftguard.federation.client._INITIAL_STATES", {})
+    loads.clear()
+    initial_model()(s)  # the model check's rebuild (the run's dataset may be cached: no load, or the node's copy)
+    assert all(data_dir == "/srv/eftguard-data" for _, data_dir, _ in loads)
     loads.clear()
     run_dataset("photos", "", micro_preset, 60, 0, 0)
     assert loads == [("photos", None, 32)]
@@ -649,7 +653,7 @@ def test_headprune_round_reports_the_received_models_loss_and_heads_and_uploads_
     importance on the received model and the kept ones (the top ones, or seeded random ones); the update: the kept
     heads' training, with the pruned heads left out of the forward."""
     s = settings(micro_preset, method="headprune-lora", lora_rank=4, client_selection="loss-gap", head_pruning=pruning,
-                 head_sparsity=0.5, clients=3, clients_per_round=2)
+                 head_sparsity=0.5, clients=3, clients_per_round=2, rounds=6)
     state, data = initial_state(s), own_data(s)
     upload = client_round(s, state, CLIENT, 3)
 
@@ -665,6 +669,11 @@ def test_headprune_round_reports_the_received_models_loss_and_heads_and_uploads_
     assert (pruning == "random") != torch.equal(kept, kept_heads(importance, s.head_sparsity))
     np.testing.assert_allclose(upload.heads["importance"], importance.numpy(), rtol=1e-6)
     assert upload.heads["kept"].tolist() == [row.nonzero().flatten().tolist() for row in kept]
+    if pruning == "random":  # one of two heads a layer: a draw from another seed matches one round by chance
+        for later in range(2, 7):
+            heads = client_round(ClientSettings(**{**s.__dict__, "round": later}), state, CLIENT, 3).heads
+            draw = torch.rand(importance.shape, generator=torch.Generator().manual_seed(seeded(s.seed, later, CLIENT, 8)))
+            assert heads["kept"].tolist() == [row.nonzero().flatten().tolist() for row in kept_heads(draw, 0.5)]
 
     generator = torch.Generator().manual_seed(seeded(s.seed, 1, CLIENT, 1))
     with method.heads.training(model, kept):
@@ -715,3 +724,31 @@ def test_the_servers_view_of_the_model_check_is_the_clients_bound_on_the_public_
     expected = drift_limits(s, method_spec(s.method), start, Schedule.of(s, *check_schedule(s, 10)), 1)
     assert Schedule.of(s, *check_schedule(s, 10)) != Schedule.of(s, *check_schedule(s, start["head.weight"].shape[1]))
     assert_same_arrays(model_check_limits(cfg)(2, start, 1), expected)
+
+
+def test_bf16_round_trains_and_extracts_the_features_in_bf16_products(micro_preset):
+    """--precision bf16 reaches the received model's loss (loss-gap selection), the local training and the feature
+    extraction (a round without DP: a DP round refuses bf16)."""
+    s = settings(micro_preset, precision="bf16", client_selection="loss-gap", clients=3, clients_per_round=2)
+    state, data = initial_state(s), own_data(s)
+    upload = client_round(s, state, CLIENT, 3)
+
+    model = build_model(s.model, 10, s.local_layers, seed=99)
+    model.load_state_dict({k: torch.from_numpy(v) for k, v in state.items()})
+    losses = {p: mean_loss(model, torch.from_numpy(data.images), torch.from_numpy(data.labels), precision=p)
+              for p in ("bf16", "fp32")}
+    assert upload.global_loss == losses["bf16"] != losses["fp32"]
+    generator = torch.Generator().manual_seed(seeded(s.seed, s.round, CLIENT, 1))
+    train_local(model, torch.from_numpy(data.images), torch.from_numpy(data.labels), s.method, s.mask_ratio,
+                OptimConfig(s.local_epochs, s.batch_size, s.lr, s.weight_decay), generator, precision="bf16")
+    assert_same_arrays(upload.update, uploaded_part(model))
+    fp32, _, _ = trained(s, state, data, (s.seed, s.round, CLIENT, 1))
+    assert not np.array_equal(upload.update["head.weight"], uploaded_part(fp32)["head.weight"])
+    images = torch.from_numpy(data.images[median_sample(s, data)])
+    features, _ = extract_features(model, images, s.mask_ratio, generator, precision="bf16")
+    assert np.array_equal(upload.features["features"], features.numpy())
+
+    def features_under_the_same_masks(precision: str) -> torch.Tensor:
+        return extract_features(model, images, s.mask_ratio, torch.Generator().manual_seed(0), precision=precision)[0]
+
+    assert not torch.equal(features_under_the_same_masks("bf16"), features_under_the_same_masks("fp32"))
