@@ -3,7 +3,9 @@ records for the auditor. Then its small functions called directly: seeds, client
 request as the node reads it, and the DP report. Last, client_round and run_dataset called directly with the micro
 ViT (width 64, depth 4) on a client of 21 images: what a client's round must upload, record and report, each pinned
 against values rebuilt independently from the round's parts (the run's data subset and partition, train_local,
-extract_features, the release functions, the accountant). The last two parts take under a second of CPU a test,
+extract_features, the release functions, the accountant), then the public sizes with canaries, a DP release's null
+rows, head pruning and loss-gap rounds, bf16 rounds, and the model check's schedule, initial model and limits as
+the client computes them. The last two parts take under a second of CPU a test,
 fast enough for the mutation check of client.py (docs/mutation.md); tests/test_ledger.py and tests/test_dp.py run
 whole client rounds."""
 
@@ -17,6 +19,7 @@ import pytest
 import torch
 
 from conftest import MICRO_PRESET
+from eftguard.canaries import inclusion_bits, owned_canaries
 from eftguard.config import TrainConfig
 from eftguard.data import dirichlet_partition, load_dataset, seeded
 from eftguard.data.plan import client_partition, run_dataset
@@ -25,14 +28,13 @@ from eftguard.defenses.feature_dp import null_padded, release_rows, row_clip
 from eftguard.defenses.feature_noise import release_features
 from eftguard.defenses.ledger import PrivacyLedger, Spend, Terms
 from eftguard.defenses.model_check import Schedule, drift_limits
-from eftguard.canaries import inclusion_bits, owned_canaries
 from eftguard.federation.client import (check_schedule, client_round, dp_budget, dp_released_features, dp_report,
                                         feature_share, initial_model, model_check_limits, participation, release_size,
                                         requested_dp, schedule_size, select_clients, unaccounted_outputs)
-from eftguard.headprune import head_index, kept_heads, kept_upload, model_head_importance
 from eftguard.federation.records import ClientSettings, to_record
 from eftguard.federation.server import upload_spec
 from eftguard.federation.validation import max_feature_sets, validate_features, validate_truth, validate_update
+from eftguard.headprune import head_index, kept_heads, kept_upload, model_head_importance
 from eftguard.masking import kept_token_count
 from eftguard.methods import METHODS, MethodSpec, method_spec
 from eftguard.model import build_model
