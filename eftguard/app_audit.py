@@ -47,9 +47,11 @@ from eftguard.audit.scoring import membership_figures
 from eftguard.data import ImageSet
 from eftguard.data.imagefolder import read_class_folders
 from eftguard.data.photos import load_photos
+from eftguard.document import Document, Heading, Items, Table, markdown, page, text, write_text
 from eftguard.errors import ConfigError
 from eftguard.options import option, path_value
 from eftguard.paths import atomic_write
+from eftguard.report import LEVEL_CLASS
 from eftguard.verdict import NOT_AUDITED, ChannelVerdict, verdict_of_attacks
 
 AUDIT_STEPS = {"idlg": 1000, "updates": 300}  # the gradient attack's budget, the same on the control
@@ -448,8 +450,8 @@ def labels_channel(run: AppRun, round_number: int, control: Control | None, why_
 
 
 def audit_app(path: Path, out: Path, public_folder: Path | None = None, gates: tuple[str, ...] = ()) -> dict:
-    """Every attack that reads a recorded Flower app, on its last round, each with its power check; OUT/summary.json
-    and report.md hold one level per channel, the checks beside them, then the figures per client. summary's
+    """Every attack that reads a recorded Flower app, on its last round, each with its power check; OUT/summary.json,
+    report.html and report.md hold one level per channel, the checks beside them, then the figures per client. summary's
     "configurations" holds the run as one configuration of an audit file's summary, so that the gates (and
     eftguard's exit status) read it as they read an audit's."""
     parsed = [gates_module.parse_gate(text) for text in gates]
@@ -529,34 +531,50 @@ def channel_entries(channels: list[ChannelResult]) -> dict:
 def write_summary(summary: dict, out: Path) -> None:
     out.mkdir(parents=True, exist_ok=True)
     atomic_write(out / "summary.json", lambda p: p.write_text(json.dumps(summary, indent=2) + "\n"))
-    lines = [f"# Audit of {summary['run']} ({summary['model']}), round {summary['round']}", "",
-             "| channel | attack | level | headline | power check |", "| --- | --- | --- | --- | --- |"]
-    for channel, entry in summary["channels"].items():
-        lines.append(f"| {channel} | {entry['attack'] or '–'} | **{entry['level']}** | {entry['verdict']} | "
-                     f"{entry.get('power_check', '–')} |")
-    lines += ["", f"Control images: {summary['public'] or 'none'}. Clients' training replayed by: "
-              f"{summary['trainer']}. A level \"low\" stands only behind a passing power check (the same attack on "
-              "public images sent through the same channel without a defense); otherwise it reads inconclusive "
-              "(docs/reports.md)."]
-    for gate in summary["gates"]:
-        lines.append(f"- gate `{gate['expression']}`: " + ("holds" if gate["passed"] else
-                                                           f"crossed {len(gate['failures'])} times"))
-    for channel, entry in summary["channels"].items():
+    write_app_audit_report(summary, out)
+
+
+def write_app_audit_report(summary: dict, out: Path) -> list[Path]:
+    """report.html and report.md, rendered from one document (eftguard.document)."""
+    document = audit_document(summary)
+    files = [out / "report.html", out / "report.md"]
+    write_text(files[0], page(document))
+    write_text(files[1], markdown(document))
+    return files
+
+
+def audit_document(summary: dict) -> Document:
+    """The level per channel beside its power check, the gates, then each channel's figures per client."""
+    channels = summary["channels"]
+    title = f"Audit of {summary['run']} ({summary['model']}), round {summary['round']}"
+    blocks: list = [Heading(title, 1), Table(
+        [["channel", "attack", "level", "headline", "power check"]]
+        + [[channel, entry["attack"] or "–", entry["level"], entry["verdict"], entry.get("power_check", "–")]
+           for channel, entry in channels.items()],
+        [["", "", LEVEL_CLASS.get(entry["level"], "none"), "", ""] for entry in channels.values()]),
+        text(f"Control images: {summary['public'] or 'none'}. Clients' training replayed by: {summary['trainer']}. "
+             "A level \"low\" stands only behind a passing power check (the same attack on public images sent "
+             "through the same channel without a defense); otherwise it reads inconclusive (docs/reports.md).")]
+    if summary["gates"]:
+        blocks.append(Items([f"gate {gate['expression']}: " + ("holds" if gate["passed"] else
+                                                                f"crossed {len(gate['failures'])} times")
+                             for gate in summary["gates"]]))
+    for channel, entry in channels.items():
         clients = entry.get("clients") or {}
         columns = sorted({k for scores in clients.values() for k, v in scores.items() if not isinstance(v, list)})
-        if not (columns or entry.get("details") or entry.get("attacks")):
-            continue
-        lines += ["", f"## {channel}"]
-        if columns:
-            lines += ["", "| client | " + " | ".join(columns) + " |", "| --- |" + " --- |" * len(columns)]
-            lines += [f"| {client} | " + " | ".join(f"{scores.get(c, ''):.4g}" if isinstance(scores.get(c), float)
-                                                    else str(scores.get(c, "")) for c in columns) + " |"
-                      for client, scores in clients.items()]
-        notes = [f"- {attack}: " + ", ".join(f"{k} {v:.3f}" for k, v in figures.items())
+        notes = [f"{attack}: " + ", ".join(f"{k} {v:.3f}" for k, v in figures.items())
                  for attack, figures in (entry.get("attacks") or {}).items()]
-        notes += [f"- {name.replace('_', ' ')}: {value}" for name, value in (entry.get("details") or {}).items()]
-        lines += [""] + notes if notes else []
-    atomic_write(out / "report.md", lambda p: p.write_text("\n".join(lines) + "\n"))
+        notes += [f"{name.replace('_', ' ')}: {value}" for name, value in (entry.get("details") or {}).items()]
+        if not (columns or notes):
+            continue
+        blocks.append(Heading(channel))
+        if columns:
+            blocks.append(Table([["client", *columns]] + [
+                [client, *(f"{scores[c]:.4g}" if isinstance(scores.get(c), float) else str(scores.get(c, ""))
+                           for c in columns)] for client, scores in clients.items()]))
+        if notes:
+            blocks.append(Items(notes))
+    return Document(title, blocks)
 
 
 def refuse_audit_file_options(shard, key, ray_address) -> None:

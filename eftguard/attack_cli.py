@@ -19,7 +19,7 @@ from rich.console import Console
 from rich.table import Table
 
 from eftguard.app_attacks import app_methods, run_app_attack
-from eftguard.app_audit import attack_membership, public_option
+from eftguard.app_audit import attack_membership, public_option, write_app_audit_report
 from eftguard.apprun import is_app_run
 from eftguard.attack_report import AttackReport
 from eftguard.attacks.base import AttackError, reads_a_tampered_round
@@ -126,7 +126,8 @@ def rewrite_audit_report(args: argparse.Namespace) -> None:
         problem = output_file_problem(args.run / name, "the audit report")
         if problem:
             raise RunError(f"{args.run / name} {problem}")
-    for file in write_audit_report(summary, args.run):
+    write = write_app_audit_report if "channels" in summary else write_audit_report  # a recorded Flower app's audit
+    for file in write(summary, args.run):
         print(f"wrote {file}", file=sys.stderr)
 
 

@@ -486,7 +486,7 @@ def audit_recorded_app(args: argparse.Namespace) -> None:
     for channel, entry in summary["channels"].items():
         print(f"{channel} ({entry['attack'] or '–'}): {entry['verdict']}"
               + (f"; power check: {entry['power_check']}" if "power_check" in entry else ""))
-    print(f"report: {out / 'report.md'}")
+    print(f"report: {out / 'report.html'} (report.md beside it)")
     exit_on_problems(summary)
 
 

@@ -15,7 +15,7 @@ from eftguard.canaries import CANARY_KINDS, canary_set
 from eftguard.data.registry import DATASET_HELP, check_dataset_name
 from eftguard.errors import ConfigError
 from eftguard.methods import METHODS as METHOD_SPECS, method_spec, methods_with
-from eftguard.model import PRESETS, ModelError, check_local_layers
+from eftguard.model import PRESETS, ModelError, check_local_layers, check_pretrained
 from eftguard.options import SEED, Bound, above, at_least, check_values, from_mapping, option
 from eftguard.paths import input_file_problem
 from eftguard.precision import PRECISIONS
@@ -45,8 +45,9 @@ FRACTION = Bound(lambda value: 0.0 <= value < 1.0, "in [0, 1)")
 
 
 def _local_layers(value: int) -> None:
+    """The deepest preset's bound; validate() checks the chosen preset's."""
     try:
-        check_local_layers(value, 12)
+        check_local_layers(value, max(preset.depth for preset in PRESETS.values()))
     except ModelError as exc:
         raise ConfigError(str(exc)) from None
 
@@ -209,6 +210,14 @@ class TrainConfig:
     def validate(self) -> None:
         """Every option against its declaration (finite, choices, bounds), then the rules between options."""
         check_values(self)
+        try:
+            check_local_layers(self.local_layers, PRESETS[self.model].depth)
+        except ModelError as exc:
+            raise ConfigError(f"--model {self.model}: {exc}") from None
+        try:
+            check_pretrained(self.model, self.pretrained)
+        except ModelError as exc:
+            raise ConfigError(str(exc)) from None
         method = method_spec(self.method)
         self._check_client_selection()
         self._check_dp(method)

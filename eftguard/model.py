@@ -33,12 +33,22 @@ class ModelPreset:
     timm_name: str
     image_size: int
     patch_size: int
+    depth: int  # transformer blocks: --local-layers is checked against it before anything is built
     description: str
+    hub_weights: bool = True  # timm's hub has pretrained weights for it (--pretrained)
 
+
+# eftguard's own timm architecture (timm has no ViT this small): registered with timm by create_timm_vit
+MICRO_VIT = "vit_micro_patch4_32"
+MICRO_VIT_ARGS = dict(img_size=32, patch_size=4, embed_dim=64, depth=4, num_heads=2)
 
 PRESETS = {
-    "vit-tiny-32": ModelPreset("vit_tiny_patch16_224", 32, 4, "CPU default: 32 px, patch 4, width 192, depth 12"),
-    "vit-b16-224": ModelPreset("vit_base_patch16_224", 224, 16, "paper: ViT-B/16, 224 px, width 768, depth 12"),
+    "vit-tiny-32": ModelPreset("vit_tiny_patch16_224", 32, 4, 12, "CPU default: 32 px, patch 4, width 192, depth 12"),
+    "vit-b16-224": ModelPreset("vit_base_patch16_224", 224, 16, 12, "paper: ViT-B/16, 224 px, width 768, depth 12"),
+    "vit-micro-32": ModelPreset(MICRO_VIT, 32, 4, MICRO_VIT_ARGS["depth"],
+                                "for smoke tests and CI of a deployment, not for results: 32 px, patch 4, width 64, "
+                                "depth 4, 2 heads, 1/25 of vit-tiny-32's parameters, no hub weights",
+                                hub_weights=False),
 }
 
 
@@ -181,9 +191,38 @@ class EFTViT(nn.Module):
         return (images01 - mean) / std
 
 
+def check_pretrained(preset_name: str, pretrained: bool) -> None:
+    """timm would warn and go on from random weights where a preset has none on the hub: refuse instead."""
+    if pretrained and not PRESETS[preset_name].hub_weights:
+        raise ModelError(f"--pretrained: the {preset_name} preset has no pretrained weights; drop --pretrained, or "
+                         "start from your own with --checkpoint FILE (eftguard pretrain writes one)")
+
+
+def register_micro_vit() -> None:
+    """Register MICRO_VIT with timm, once per process, as timm declares its own ViTs (an entrypoint with its
+    architecture and pretrained config): every process that builds a model, Ray workers and SuperNodes included,
+    passes here (create_timm_vit)."""
+    # timm: 2.4 s, loaded where a model is built (create_timm_vit)
+    from timm.data import IMAGENET_DEFAULT_MEAN, IMAGENET_DEFAULT_STD
+    from timm.models import is_model, register_model
+    from timm.models.vision_transformer import _create_vision_transformer
+
+    if is_model(MICRO_VIT):
+        return
+
+    def vit_micro_patch4_32(pretrained: bool = False, pretrained_cfg=None, **kwargs) -> nn.Module:
+        config = pretrained_cfg or dict(input_size=(3, 32, 32), mean=IMAGENET_DEFAULT_MEAN, std=IMAGENET_DEFAULT_STD)
+        return _create_vision_transformer(MICRO_VIT, pretrained=pretrained, pretrained_cfg=config,
+                                          **dict(MICRO_VIT_ARGS, **kwargs))
+
+    register_model(vit_micro_patch4_32)
+
+
 def create_timm_vit(preset_name: str, num_classes: int, pretrained: bool = False) -> nn.Module:
     import timm  # 2.4 s: the CLI's start reads the presets, only a model that is built needs timm
 
+    check_pretrained(preset_name, pretrained)
+    register_micro_vit()
     preset = PRESETS[preset_name]
     try:
         return timm.create_model(preset.timm_name, pretrained=pretrained, num_classes=num_classes,

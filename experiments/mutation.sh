@@ -42,7 +42,8 @@ LEDGER_ROUNDS=(
 )
 
 # tests/test_client.py's first five tests (rounds of 200 images over 4 clients) were never in the client's
-# selection: the client is mutated against the rest of the file, its functions called directly
+# selection: the client is mutated against the rest of the file, its functions called directly, and against
+# tests/test_model_check.py (the node's model check: its one whole run, 4 rounds of the micro ViT, takes 2-3 s)
 CLIENT_ROUNDS=(
   --deselect=tests/test_client.py::test_eftvit_client_upload_is_valid_and_truthful
   --deselect=tests/test_client.py::test_client_round_is_a_pure_function_of_its_inputs
@@ -121,7 +122,7 @@ MODULES=(
   "records|eftguard/federation/records.py|tests/test_server.py ${SERVER_RUNS[*]} ${SERVER_PINNED_ROUNDS[*]} ${HOSTILE_RUNS[*]} --deselect=tests/test_server.py::test_the_average_is_loaded_with_strict_keys"
   # server.py: its functions called directly, and whole rounds with the micro ViT (about 1 s each)
   "server|eftguard/federation/server.py|tests/test_server.py ${SERVER_RUNS[*]} ${HOSTILE_RUNS[*]} tests/test_dp_server_training.py"
-  "client|eftguard/federation/client.py|tests/test_client.py ${CLIENT_ROUNDS[*]}"
+  "client|eftguard/federation/client.py|tests/test_client.py ${CLIENT_ROUNDS[*]} tests/test_model_check.py"
   "apps|eftguard/federation/apps.py|tests/test_apps.py"
   "fleet_gateway|eftguard/federation/fleet_gateway.py|tests/test_fleet_gateway.py tests/test_deployment.py::test_fleet_gateway_forwards_only_fleet_calls"
   "deployment|eftguard/federation/deployment.py|tests/test_deployment.py"

@@ -7,13 +7,13 @@ client trained on for eftvit and the whole image for fedavg, each reconstruction
 client's images (Hungarian, MSE) as the auditor scores it; trial t attacks images [t n, (t + 1) n).
 The tables of experiments/results/attacks.md ("Update inversion") are this script's output:
 
-    OMP_NUM_THREADS=1 python experiments/update_inversion_sweep.py --model micro --trials 2 \
+    OMP_NUM_THREADS=1 python experiments/update_inversion_sweep.py --model vit-micro-32 --trials 2 \
         --configs eftvit:1:1:1 eftvit:2:1:2 eftvit:4:1:2 eftvit:8:1:4 eftvit:4:2:2 \
                   fedavg:1:1:1 fedavg:2:1:2 fedavg:4:1:2 fedavg:8:1:4 fedavg:4:2:2
 
 (add --tv 1e-4 for the attack before its image prior was weighted).
 
-A config is method:images:epochs:batch_size. --model micro is the tests' width-64, depth-4 ViT (tests/conftest.py);
+A config is method:images:epochs:batch_size. vit-micro-32 is the width-64, depth-4 preset the tests train;
 vit-tiny-32 is the CPU default (width 192, depth 12).
 """
 
@@ -21,34 +21,20 @@ from __future__ import annotations
 
 import argparse
 import copy
-import sys
 import time
-from pathlib import Path
 
 import numpy as np
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "tests"))
-
-from eftguard.attacks.gradient import GradientObservation, LocalTraining  # noqa: E402
-from eftguard.attacks.update_inversion import UpdateInversion, replay_schedule, revealed_patches  # noqa: E402
-from eftguard import metrics  # noqa: E402
-from eftguard.data import load_dataset  # noqa: E402
-from eftguard.methods import method_spec  # noqa: E402
-from eftguard.model import PRESETS, ModelPreset, build_model  # noqa: E402
-from eftguard.training import OptimConfig, train_local  # noqa: E402
+from eftguard.attacks.gradient import GradientObservation, LocalTraining
+from eftguard.attacks.update_inversion import UpdateInversion, replay_schedule, revealed_patches
+from eftguard import metrics
+from eftguard.data import load_dataset
+from eftguard.methods import method_spec
+from eftguard.model import PRESETS, build_model
+from eftguard.training import OptimConfig, train_local
 
 LR, WEIGHT_DECAY, MASK_RATIO, CLIENT_SEED = 1e-3, 0.05, 0.75, 3  # the run defaults (TrainConfig)
-
-
-def model_preset(name: str) -> str:
-    if name != "micro":
-        return name
-    from conftest import MICRO_PRESET, _register_micro_vit
-
-    _register_micro_vit()
-    PRESETS[MICRO_PRESET] = ModelPreset("eftguard_test_micro_vit", 32, 4, "tests only")
-    return MICRO_PRESET
 
 
 def attack_one(preset: str, photos, indices: list[int], method: str, epochs: int, batch_size: int,
@@ -96,7 +82,7 @@ def attack_one(preset: str, photos, indices: list[int], method: str, epochs: int
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    parser.add_argument("--model", default="micro")
+    parser.add_argument("--model", default="vit-micro-32", choices=PRESETS)
     parser.add_argument("--configs", nargs="+", required=True, help="method:images:epochs:batch_size")
     parser.add_argument("--steps", type=int, default=100, help="attack optimisation steps")
     parser.add_argument("--trials", type=int, default=1)
@@ -104,7 +90,7 @@ def main() -> None:
     parser.add_argument("--tv", type=float, default=UpdateInversion.tv, help="weight of the total-variation prior")
     args = parser.parse_args()
     torch.set_num_threads(1)
-    preset = model_preset(args.model)
+    preset = args.model
     photos = load_dataset("photos", None, PRESETS[preset].image_size)
     lpips = metrics.load_lpips("stlpips-alex")
     attack = UpdateInversion(steps=args.steps, schedule=args.schedule, tv=args.tv)

@@ -14,6 +14,7 @@ from eftguard.rundir import RunDirectory
 
 TWO_METHODS = """
 [train]
+model = "vit-micro-32"
 rounds = 1
 clients = 2
 train_samples = 100
@@ -22,7 +23,8 @@ batch_size = 32
 
 [grid]
 method = ["eftvit", "fedavg"]
-"""  # the real audits' one round of each method (two tiny configurations), to which a test adds its attacks
+"""  # the real audits' one round of each method (two tiny configurations of the micro preset, which every process
+# the audit starts can build), to which a test adds its attacks
 
 SWEEP = """
 title = "mask sweep"

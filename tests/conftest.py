@@ -20,25 +20,11 @@ import pytest
 import torch
 
 from eftguard.config import TrainConfig
-from eftguard.model import PRESETS, ModelPreset, build_model
+from eftguard.model import build_model
 
 MICRO_PRESET = "vit-micro-32"
 MICRO_WIDTH = 64
 MICRO_DEPTH = 4
-
-
-def _register_micro_vit() -> None:
-    """A timm ViT of width 64, depth 4, 2 heads: the same class as the product's presets, far cheaper."""
-    from timm.models import is_model, register_model
-    from timm.models.vision_transformer import _create_vision_transformer
-
-    if is_model("eftguard_test_micro_vit"):
-        return
-
-    @register_model
-    def eftguard_test_micro_vit(pretrained=False, **kwargs):
-        return _create_vision_transformer("eftguard_test_micro_vit", pretrained=pretrained,
-                                          **dict(embed_dim=MICRO_WIDTH, depth=MICRO_DEPTH, num_heads=2, **kwargs))
 
 
 # Modules whose tests start a Ray simulation or a local deployment: several processes each, on two cores
@@ -70,13 +56,10 @@ def pytest_xdist_make_scheduler(config, log):
 
 @pytest.fixture(scope="module")
 def micro_preset():
-    """A test-only model preset (width 64, depth 4, 32 px, patch 4), many times cheaper than vit-tiny-32, so whole
-    in-process rounds (tests/fakegrid.py) take a fraction of a second. Only in-process code sees it: Ray workers
-    and started processes import a PRESETS without it. Module scope, so module-scoped runs can be built on it."""
-    _register_micro_vit()
-    with pytest.MonkeyPatch.context() as patch:
-        patch.setitem(PRESETS, MICRO_PRESET, ModelPreset("eftguard_test_micro_vit", 32, 4, "tests only"))
-        yield MICRO_PRESET
+    """The micro preset (width 64, depth 4, 32 px, patch 4), many times cheaper than vit-tiny-32, so whole in-process
+    rounds (tests/fakegrid.py) take a fraction of a second; a product preset, so started processes, Ray workers and
+    SuperNodes build it too."""
+    return MICRO_PRESET
 
 
 @pytest.fixture(scope="session")

@@ -8,15 +8,19 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
-from flwr.app import Context, Message, MessageType, RecordDict
+from flwr.app import Array, ArrayRecord, ConfigRecord, Context, Message, MessageType, RecordDict
 from flwr.common.constant import ErrorCode
+from flwr.common.secure_aggregation.secaggplus_constants import RECORD_KEY_CONFIGS
 
 from eftguard.config import TrainConfig
+from eftguard.defenses.dp import PrivacyBudgetError
+from eftguard.defenses.ledger import SPENT_NOTE, LedgerError, PrivacyLedger, Spend, Terms, spent_per_channel
+from eftguard.defenses.model_check import ModelCheck, ModelCheckError
 from eftguard.device import compute_device
 from eftguard.errors import ConfigError
 from eftguard.federation import apps
 from eftguard.federation.client import ClientUpload
-from eftguard.federation.records import ClientSettings, from_record, to_record
+from eftguard.federation.records import ClientSettings, UploadError, from_record, to_record
 from helpers import gpus_found
 
 pytestmark = pytest.mark.usefixtures("task_identity_set")  # messages are built outside Flower
@@ -25,6 +29,7 @@ CFG = TrainConfig(clients=3, rounds=1, train_samples=60).resolved()
 UPDATE = {"head.bias": np.arange(3, dtype=np.float32)}
 FEATURES = {"features": np.ones((2, 3, 4), np.float32), "labels": np.array([0, 1])}
 TRUTH = {"sample_ids": np.array([5, 9]), "class_counts": np.array([1, 1, 0])}
+RUN_ID = "ab" * 16
 
 
 @pytest.fixture
@@ -43,10 +48,15 @@ def rounds(monkeypatch):
     return calls
 
 
-def train(node_config, defaults=None, partition=1, **changes):
+def train(node_config, defaults=None, partition=1, stage=None, model=None, **changes):
+    """stage: a SecAgg+ stage's configs, sent with the round as the server's --secagg sends them; model: the
+    ArrayRecord sent as the model (default: UPDATE's arrays)."""
     cfg = TrainConfig(**{**CFG.__dict__, **changes})
-    settings = ClientSettings.from_config(cfg, 1, 0.0, "ab" * 16)
-    msg = Message(RecordDict({"model": to_record(UPDATE), "settings": settings.to_record()}), 100, MessageType.TRAIN)
+    settings = ClientSettings.from_config(cfg, 1, 0.0, RUN_ID)
+    content = {"model": to_record(UPDATE) if model is None else model, "settings": settings.to_record()}
+    if stage is not None:
+        content[RECORD_KEY_CONFIGS] = ConfigRecord(stage)
+    msg = Message(RecordDict(content), 100, MessageType.TRAIN)
     context = Context(run_id=1, node_id=100, state=RecordDict({}), run_config={},
                       node_config={"partition-id": partition, "num-partitions": 3, **node_config})
     return apps.train(msg, context, defaults)
@@ -100,10 +110,12 @@ def test_deployed_node_without_a_secret_draws_a_fresh_nonzero_one_each_round(rou
     for _ in range(3):
         train({})
     assert len({call["secret"] for call in rounds}) == 3
+    bounds = []
     for drawn, secret in ((0, 1), (2 ** 62 - 1, 2 ** 62)):
-        monkeypatch.setattr(apps.secrets, "randbelow", lambda bound, drawn=drawn: min(drawn, bound - 1))
+        monkeypatch.setattr(apps.secrets, "randbelow", lambda bound, drawn=drawn: bounds.append(bound) or drawn)
         train({})
         assert rounds[-1]["secret"] == secret
+    assert bounds == [2 ** 62, 2 ** 62]
 
 
 def test_ledger_defaults_to_eftguard_home_then_the_home_folder(monkeypatch, tmp_path, rounds):
@@ -145,7 +157,7 @@ def test_client_app_answers_the_handshake_and_trains_with_its_node_defaults(roun
                       node_config={"partition-id": 2, "num-partitions": 3})
     answer = app(Message(RecordDict({}), 100, MessageType.QUERY), context)
     assert dict(answer.content["node"]) == {"partition-id": 2, "num-partitions": 3}
-    settings = ClientSettings.from_config(CFG, 1, 0.0, "ab" * 16).to_record()
+    settings = ClientSettings.from_config(CFG, 1, 0.0, RUN_ID).to_record()
     app(Message(RecordDict({"model": to_record(UPDATE), "settings": settings}), 100, MessageType.TRAIN), context)
     [call] = rounds
     assert (call["secret"], call["ledger"].directory, call["partition"]) == (0, tmp_path, 2)
@@ -185,4 +197,130 @@ def test_a_node_asked_for_a_gpu_torch_does_not_find_trains_nothing(monkeypatch, 
     gpus_found(monkeypatch, 0)
     with pytest.raises(ConfigError, match=r"^--device cuda: torch finds no CUDA GPU here"):
         train({"device": "cuda"})
+    assert rounds == []
+
+
+def test_the_ledgers_marks_go_where_the_node_config_says(rounds, tmp_path, monkeypatch):
+    """Apart from the ledger (a copied-back ledger folder must not bring its own marks); default under EFTGUARD_HOME."""
+    monkeypatch.setenv("EFTGUARD_HOME", str(tmp_path / "home"))
+    train({"ledger-dir": str(tmp_path / "ledger"), "ledger-mark-dir": str(tmp_path / "marks")})
+    train({"ledger-dir": str(tmp_path / "ledger"), "ledger-mark-dir": ""})
+    assert [call["ledger"].marks for call in rounds] == [tmp_path / "marks", tmp_path / "home" / "ledger-marks"]
+
+
+@pytest.fixture
+def anchors(monkeypatch):
+    """initial_model replaced by a tag naming the node's checkpoint it was given."""
+    monkeypatch.setattr(apps, "initial_model", lambda checkpoint: ("rebuilt from", checkpoint))
+
+
+@pytest.mark.parametrize("node_config, anchor", [
+    ({"model-check": True}, ("rebuilt from", "")),
+    ({"model-check": "true", "initial-model": "/models/start.pt"}, ("rebuilt from", "/models/start.pt")),
+    ({"model-check": True, "trust-first-model": False}, ("rebuilt from", "")),
+    ({"model-check": True, "trust-first-model": "TRUE", "initial-model": "/models/start.pt"}, None),
+])
+def test_a_node_that_checks_models_anchors_where_its_node_config_says(rounds, anchors, tmp_path, node_config,
+                                                                      anchor):
+    """The check keeps its models beside the ledger; it rebuilds the initial model (from the node's copy of the
+    starting checkpoint) unless the node trusts the first model it receives (None)."""
+    train({"ledger-dir": str(tmp_path), **node_config}, partition=2)
+    [call] = rounds
+    check = call["model_check"]
+    assert isinstance(check, ModelCheck)
+    assert (check.folder, check.partition, check.initial_model) == (tmp_path / "received", 2, anchor)
+
+
+@pytest.mark.parametrize("node_config", [{}, {"model-check": False}, {"model-check": "false", "trust-first-model": 1}])
+def test_a_node_that_does_not_check_models_trains_without_a_check(rounds, anchors, node_config):
+    train(node_config)
+    assert rounds[-1]["model_check"] is None
+
+
+@pytest.mark.parametrize("node_config, key", [({"model-check": "yes"}, "model-check"),
+                                              ({"model-check": True, "trust-first-model": 1}, "trust-first-model")])
+def test_a_model_check_flag_that_is_not_a_boolean_is_named_and_nothing_trains(rounds, anchors, node_config, key):
+    with pytest.raises(ValueError, match=f"^{key} must be true or false, got "):
+        train(node_config)
+    assert rounds == []
+
+
+def refused_with(monkeypatch, refusal):
+    """client_round replaced by a node refusing the round with the exception `refusal`."""
+    def refuse(*args):
+        raise refusal("the round is refused")
+    monkeypatch.setattr(apps, "client_round", refuse)
+
+
+def spend(ledger_dir, run_id, spends):
+    """Record spends in a node's ledger (partition 1); returns the run's total epsilon."""
+    terms = Terms(declared_epsilon=8.0, delta=1e-5, accountant="rdp")
+    PrivacyLedger(ledger_dir, 1, marks=ledger_dir / "marks").record(run_id, terms, spends)
+    return spent_per_channel(spends, terms)["total"]
+
+
+@pytest.mark.parametrize("refusal", [PrivacyBudgetError, LedgerError, ModelCheckError])
+def test_a_refusing_node_replies_an_error_naming_what_it_spent_in_the_run(monkeypatch, tmp_path, refusal):
+    """metrics.jsonl keeps the node's true spend when it refuses a round it had trained before (a resumed server)."""
+    spent = spend(tmp_path, RUN_ID, [Spend(1, 1.1, 0.1, 20), Spend(2, 1.1, 0.1, 20)])
+    spend(tmp_path, "cd" * 16, [Spend(1, 0.5, 0.5, 50)])  # another run's spend is not this run's
+    refused_with(monkeypatch, refusal)
+    reply = train({"ledger-dir": str(tmp_path), "ledger-mark-dir": str(tmp_path / "marks")})
+    assert reply.has_error() and reply.error.code == ErrorCode.CLIENT_APP_RAISED_EXCEPTION
+    assert reply.error.reason == f"client refuses [{SPENT_NOTE} {spent!r}]: the round is refused"
+    assert 0 < spent < 8.0
+
+
+@pytest.mark.parametrize("ledger", ["none", "terms only", "damaged"])
+def test_a_refusing_node_that_spent_nothing_or_cannot_read_its_ledger_names_no_spend(monkeypatch, tmp_path, ledger):
+    if ledger == "terms only":  # a DP round that ran no step
+        spend(tmp_path, RUN_ID, [])
+    if ledger == "damaged":
+        spend(tmp_path, RUN_ID, [Spend(1, 1.1, 0.1, 20)])
+        path = PrivacyLedger(tmp_path, 1).path(RUN_ID)
+        path.write_text(path.read_text()[:-40])
+    refused_with(monkeypatch, LedgerError)
+    reply = train({"ledger-dir": str(tmp_path), "ledger-mark-dir": str(tmp_path / "marks")})
+    assert reply.error.reason == "client refuses: the round is refused"
+
+
+def test_reply_carries_the_head_scores_and_the_global_loss_when_the_round_has_them():
+    """headprune-lora's head scores and --client-selection loss-gap's loss of the received model."""
+    heads = {"importance": np.ones((2, 3), np.float32), "kept": np.array([[0, 2], [1, 2]])}
+    upload = ClientUpload(UPDATE, None, TRUTH, 60, 1.25, [0.5], [0.375], 0.125, None, heads=heads, global_loss=0.75)
+    content = apps.reply_content(upload, 2, False)
+    assert set(content) == {"update", "metrics", "heads"}
+    assert content["metrics"]["global-loss"] == 0.75
+    assert np.array_equal(from_record(content["heads"], "heads")["kept"], heads["kept"])
+
+
+def test_a_secagg_stage_runs_the_nodes_own_round_inside_flowers_mod(rounds, monkeypatch, tmp_path):
+    """Under the server's --secagg the same round (node config over simulated defaults) runs inside secaggplus_mod,
+    which masks its reply; a plain round never reaches the mod."""
+    stages = []
+
+    def secure_train(msg, context, train_round):
+        stages.append((msg, context))
+        return train_round(msg, context)
+
+    monkeypatch.setattr(apps.secagg, "secure_train", secure_train)
+    defaults = {"noise-secret": 0, "ledger-dir": str(tmp_path)}
+    train({}, defaults)
+    assert stages == []
+    reply = train({"max-epsilon": 2.5}, defaults, partition=2, stage={"stage": "train"})
+    [(msg, context)] = stages
+    assert msg.content.config_records[RECORD_KEY_CONFIGS]["stage"] == "train"
+    assert context.node_config["partition-id"] == 2
+    secure = rounds[-1]
+    assert (secure["secret"], secure["ledger"].directory, secure["ledger"].max_epsilon, secure["partition"]) == (
+        0, tmp_path, 2.5, 2)
+    assert set(reply.content.keys()) == {"update", "metrics", "features"}
+
+
+def test_a_model_sent_as_a_pickle_is_refused_by_name_and_never_decoded(rounds):
+    """The node decodes only numpy arrays from the server (a pickle could run the server's code on the node)."""
+    pickled = ArrayRecord({"head.bias": Array(dtype="float32", shape=(1,), stype="pickle", data=b"\x80\x04K\x01.")})
+    with pytest.raises(UploadError, match=r"^model\['head.bias'\] has serialisation 'pickle', only numpy arrays are "
+                                          r"accepted$"):
+        train({"noise-secret": 7}, model=pickled)
     assert rounds == []

@@ -17,6 +17,9 @@ from eftguard.model import build_model
     (["--mask-ratio", "-0.1"], "--mask-ratio must be in [0, 1)"),
     (["--local-layers", "0"], "--local-layers must be between 1 and 11"),
     (["--local-layers", "12"], "--local-layers must be between 1 and 11"),
+    (["--model", "vit-micro-32", "--local-layers", "4"], "--model vit-micro-32: --local-layers must be between 1 and 3 "
+                                                         "for a depth-4 ViT, got 4"),
+    (["--model", "vit-micro-32", "--pretrained"], "--pretrained: the vit-micro-32 preset has no pretrained weights"),
     (["--dataset", "mnist"], "unknown dataset 'mnist'"),
     (["--dataset", "cifar10"], "needs --data-dir"),
     (["--dataset", "cifar10", "--data-dir", "/nonexistent/data"], "--data-dir /nonexistent/data does not exist"),

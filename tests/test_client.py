@@ -3,7 +3,9 @@ records for the auditor. Then its small functions called directly: seeds, client
 request as the node reads it, and the DP report. Last, client_round and run_dataset called directly with the micro
 ViT (width 64, depth 4) on a client of 21 images: what a client's round must upload, record and report, each pinned
 against values rebuilt independently from the round's parts (the run's data subset and partition, train_local,
-extract_features, the release functions, the accountant). The last two parts take under a second of CPU a test,
+extract_features, the release functions, the accountant), then the public sizes with canaries, a DP release's null
+rows, head pruning and loss-gap rounds, bf16 rounds, and the model check's schedule, initial model and limits as
+the client computes them. The last two parts take under a second of CPU a test,
 fast enough for the mutation check of client.py (docs/mutation.md); tests/test_ledger.py and tests/test_dp.py run
 whole client rounds."""
 
@@ -17,6 +19,7 @@ import pytest
 import torch
 
 from conftest import MICRO_PRESET
+from eftguard.canaries import inclusion_bits, owned_canaries
 from eftguard.config import TrainConfig
 from eftguard.data import dirichlet_partition, load_dataset, seeded
 from eftguard.data.plan import client_partition, run_dataset
@@ -24,16 +27,19 @@ from eftguard.defenses.dp import DPSGD, PrivacyBudgetError, composed_epsilon, ep
 from eftguard.defenses.feature_dp import null_padded, release_rows, row_clip
 from eftguard.defenses.feature_noise import release_features
 from eftguard.defenses.ledger import PrivacyLedger, Spend, Terms
-from eftguard.federation.client import (client_round, dp_budget, dp_report, feature_share, participation,
-                                        requested_dp, select_clients)
+from eftguard.defenses.model_check import Schedule, drift_limits
+from eftguard.federation.client import (check_schedule, client_round, dp_budget, dp_released_features, dp_report,
+                                        feature_share, initial_model, model_check_limits, participation, release_size,
+                                        requested_dp, schedule_size, select_clients, unaccounted_outputs)
 from eftguard.federation.records import ClientSettings, to_record
 from eftguard.federation.server import upload_spec
-from eftguard.federation.validation import validate_features, validate_truth, validate_update
+from eftguard.federation.validation import max_feature_sets, validate_features, validate_truth, validate_update
+from eftguard.headprune import head_index, kept_heads, kept_upload, model_head_importance
 from eftguard.masking import kept_token_count
 from eftguard.methods import METHODS, MethodSpec, method_spec
 from eftguard.model import build_model
 from eftguard.sampling import balanced_indices, class_target
-from eftguard.training import OptimConfig, extract_features, train_local
+from eftguard.training import OptimConfig, extract_features, mean_loss, train_local
 
 
 pytestmark = pytest.mark.usefixtures("micro_preset")  # a client round's subject is its upload, not the model
@@ -192,6 +198,21 @@ def test_dp_request_that_is_no_valid_dp_is_refused_naming_every_setting(changes)
         f"{s.local_epochs!r}, accountant {s.accountant!r}, method {s.method!r}, feature share "
         f"{s.dp_feature_share!r}, feature noise multiplier {s.feature_noise_multiplier!r}, feature clip "
         f"{s.feature_clip!r}: refused")
+
+
+def test_dp_request_for_an_output_no_mechanism_covers_is_refused_naming_it():
+    """The client decides what leaves it: a DP round that would send the received model's loss, a head record or
+    bfloat16-clipped gradients is refused, whatever else the request says."""
+    reasons = unaccounted_outputs(sent_settings(client_selection="loss-gap", method="headprune-lora", precision="bf16"))
+    assert reasons == ["client_selection 'loss-gap' (the received model's loss on this node's data)",
+                       f"method 'headprune-lora' ({method_spec('headprune-lora').heads.private_upload})",
+                       "precision 'bf16' (per-sample norms from bfloat16 products could pass the clip)"]
+    assert unaccounted_outputs(sent_settings()) == []
+    for changes, reason in [({"client_selection": "loss-gap"}, reasons[0]), ({"precision": "bf16"}, reasons[2])]:
+        with pytest.raises(PrivacyBudgetError) as refused:
+            requested_dp(sent_settings(**changes), 40)
+        assert str(refused.value) == (f"the server asks for {reason} in a DP round: no mechanism covers it, so this "
+                                      "node does not send it: refused")
 
 
 # --- the DP report ----------------------------------------------------------------------------------------------
@@ -405,6 +426,7 @@ def test_dp_round_trains_through_dp_sgd_with_the_sent_noise_and_reports_the_ledg
     assert np.array_equal(upload.truth["kept_ids"], keep_ids) and np.array_equal(upload.truth["sample_ids"], sample_ids)
     assert sorted(sample_ids) == sorted(data.ids) and not np.array_equal(sample_ids, data.ids)  # in a random order
     assert upload.truth["kept_ids"].dtype == upload.truth["sample_ids"].dtype == np.int64
+    assert np.array_equal(upload.truth["class_counts"], np.bincount(data.labels, minlength=10))  # kept beside them
     plain, _, _ = trained(s, state, data, (s.seed, s.round, CLIENT, 1))  # the same batches and masks without DP
     assert not np.allclose(upload.update["head.weight"], plain.head.weight.detach().numpy(), atol=1e-3)
     assert upload.loss == 0.0 and upload.num_examples == 21
@@ -508,6 +530,7 @@ def test_round_reports_progress_and_its_own_timing(micro_preset, caplog):
     assert [r.getMessage() for r in caplog.records if r.name == "eftguard.client"] == [
         "round 1, client 1: local epoch 1/2 done", "round 1, client 1: local epoch 2/2 done"]
     assert len(upload.epoch_seconds) == 2 and 0 < upload.epoch_seconds[0] and sum(upload.epoch_seconds) < elapsed
+    assert len(upload.epoch_cpu_seconds) == 2 and 0 < upload.epoch_cpu_seconds[0]
     assert 0 < upload.feature_seconds < elapsed - sum(upload.epoch_seconds)
 
 
@@ -538,6 +561,14 @@ def test_the_nodes_data_dir_reaches_every_load_of_the_dataset(micro_preset, monk
     s = ClientSettings(**{**settings(micro_preset).__dict__, "data_dir": "/srv/eftguard-data"})
     client_round(s, initial_state(s), CLIENT, 2)
     assert loads == [("photos", "/srv/eftguard-data", 32)] * 2  # the round's dataset and its partition's
+    client_partition.cache_clear()
+    loads.clear()
+    assert release_size(s, CLIENT) == schedule_size(s, CLIENT)  # the public sizes: one load of the node's copy
+    assert loads == [("photos", "/srv/eftguard-data", 32)]
+    monkeypatch.setattr("eftguard.federation.client._INITIAL_STATES", {})
+    loads.clear()
+    initial_model()(s)  # the model check's rebuild (the run's dataset may be cached: no load, or the node's copy)
+    assert all(data_dir == "/srv/eftguard-data" for _, data_dir, _ in loads)
     loads.clear()
     run_dataset("photos", "", micro_preset, 60, 0, 0)
     assert loads == [("photos", None, 32)]
@@ -556,3 +587,170 @@ def test_dp_method_without_features_plans_its_parameters_alone(micro_preset, mon
                                                        uploads_features=False, dp_sgd=True, server_trains=False))
     s = ClientSettings(**{**dp_settings(micro_preset).__dict__, "method": "dp-head"})
     assert requested_dp(s, 21) == (Terms(8.0, 1e-4, "rdp", 0.0), [Spend(1, SIGMA, 16 / 21, 2)])
+
+
+# --- what the round's sizes count, and what a DP release pads with ----------------------------------------------
+
+def test_schedule_and_release_sizes_count_the_canaries_a_client_owns_and_can_upload(micro_preset):
+    """The public sizes DP-SGD's sample rate and the feature release's row count come from: the partition plus every
+    owned canary (all of them uploadable when mislabelled, none when gradient canaries)."""
+    for kind in ("mislabelled", "gradient"):
+        s = settings(micro_preset, canaries=6, canary_kind=kind)
+        partitions = client_partition(s.dataset, s.data_dir, s.model, s.train_samples, s.seed, s.clients, s.beta)
+        owned = [len(owned_canaries(s, k)) for k in range(2)]
+        assert all(owned) and sum(owned) == 6
+        assert [schedule_size(s, k) for k in range(2)] == [len(partitions[k]) + owned[k] for k in range(2)]
+        uploadable = owned if kind == "mislabelled" else [0, 0]
+        assert [release_size(s, k) for k in range(2)] == [len(partitions[k]) + uploadable[k] for k in range(2)]
+
+
+def test_dp_release_pads_to_the_public_row_count_with_null_rows_of_sample_id_minus_one(micro_preset):
+    """Every image once and null rows up to `rows`, in a random order; all of it (the null rows' masks too) drawn
+    from the round's generators alone. An upload larger than its public schedule is refused."""
+    s = dp_settings(micro_preset)
+    data = own_data(s)
+    model = build_model(s.model, 10, s.local_layers, seed=3)
+    n = len(data)
+
+    def release(rows: int, global_seed: int):
+        torch.manual_seed(global_seed)
+        return dp_released_features(s, model, data, rows, 10, torch.Generator().manual_seed(1),
+                                    torch.Generator().manual_seed(2))
+
+    uploaded, truth = release(n + 3, 0)
+    assert sorted(truth["sample_ids"]) == [-1] * 3 + sorted(data.ids) and truth["sample_ids"].dtype == np.int64
+    assert len(uploaded["features"]) == len(uploaded["labels"]) == len(truth["kept_ids"]) == n + 3
+    again_uploaded, again_truth = release(n + 3, 1)
+    assert_same_arrays(again_uploaded, uploaded)
+    assert_same_arrays(again_truth, truth)
+    with pytest.raises(PrivacyBudgetError) as refused:
+        release(n - 1, 0)
+    assert str(refused.value) == (f"this node's upload holds {n} images, more than the {n - 1} rows of its public "
+                                  "schedule: refused")
+
+
+def test_dp_round_with_canaries_includes_the_nodes_own_draw_and_steps_on_the_public_schedule(micro_preset, tmp_path):
+    """The inclusion bits come from the node's secret (a server knowing the seed cannot redraw them), and DP-SGD
+    takes the steps of the public schedule (partition plus every owned canary), not of the images it trains on:
+    the batch size is set so that the two differ."""
+    plain = settings(micro_preset, canaries=6)
+    owned = owned_canaries(plain, CLIENT)
+    bits = inclusion_bits(plain.seed, CLIENT, len(owned), 1)
+    assert not np.array_equal(bits, inclusion_bits(plain.seed, CLIENT, len(owned), 0)) and 0 < bits.sum() < len(owned)
+    natural = len(own_data(plain))
+    batch = natural + int(bits.sum())  # the images trained on: one batch; the schedule: two
+    s = dp_settings(micro_preset, canaries=6, batch_size=batch)
+    upload = client_round(s, initial_state(s), CLIENT, 2, secret=1, ledger=PrivacyLedger(tmp_path, CLIENT))
+    assert np.array_equal(upload.truth["canary_ids"], owned) and np.array_equal(upload.truth["canary_included"], bits)
+    assert upload.num_examples == schedule_size(s, CLIENT) == natural + len(owned)
+    assert upload.dp_report["dp-steps"] == math.ceil(schedule_size(s, CLIENT) / batch) == 2
+
+
+# --- head pruning and loss-gap selection (outputs a DP round refuses) --------------------------------------------
+
+@pytest.mark.parametrize("pruning", ["importance", "random"])
+def test_headprune_round_reports_the_received_models_loss_and_heads_and_uploads_only_its_kept_heads(micro_preset,
+                                                                                                     pruning):
+    """global_loss: the received model's loss on the client's data (loss-gap selection); heads: every head's
+    importance on the received model and the kept ones (the top ones, or seeded random ones); the update: the kept
+    heads' training, with the pruned heads left out of the forward."""
+    s = settings(micro_preset, method="headprune-lora", lora_rank=4, client_selection="loss-gap", head_pruning=pruning,
+                 head_sparsity=0.5, clients=3, clients_per_round=2, rounds=6)
+    state, data = initial_state(s), own_data(s)
+    upload = client_round(s, state, CLIENT, 3)
+
+    method = method_spec(s.method)
+    model = build_model(s.model, 10, s.local_layers, seed=99, adapt=method.model_adapter(s))
+    model.load_state_dict({k: torch.from_numpy(v) for k, v in state.items()})
+    images, labels = torch.from_numpy(data.images), torch.from_numpy(data.labels)
+    assert upload.global_loss == pytest.approx(mean_loss(model, images, labels), rel=1e-6)
+    importance = model_head_importance(model, model.normalize(images)).clamp(min=0.0)
+    scores = (torch.rand(importance.shape, generator=torch.Generator().manual_seed(seeded(s.seed, 1, CLIENT, 8)))
+              if pruning == "random" else importance)
+    kept = kept_heads(scores, s.head_sparsity)
+    assert (pruning == "random") != torch.equal(kept, kept_heads(importance, s.head_sparsity))
+    np.testing.assert_allclose(upload.heads["importance"], importance.numpy(), rtol=1e-6)
+    assert upload.heads["kept"].tolist() == [row.nonzero().flatten().tolist() for row in kept]
+    if pruning == "random":  # one of two heads a layer: a draw from another seed matches one round by chance
+        for later in range(2, 7):
+            heads = client_round(ClientSettings(**{**s.__dict__, "round": later}), state, CLIENT, 3).heads
+            draw = torch.rand(importance.shape, generator=torch.Generator().manual_seed(seeded(s.seed, later, CLIENT, 8)))
+            assert heads["kept"].tolist() == [row.nonzero().flatten().tolist() for row in kept_heads(draw, 0.5)]
+
+    generator = torch.Generator().manual_seed(seeded(s.seed, 1, CLIENT, 1))
+    with method.heads.training(model, kept):
+        train_local(model, images, labels, s.method, s.mask_ratio,
+                    OptimConfig(s.local_epochs, s.batch_size, s.lr, s.weight_decay), generator)
+    trained_state = {k: v.numpy() for k, v in method.uploaded_state(model).items()}
+    assert_same_arrays(upload.update, kept_upload(trained_state, kept, head_index(model)))
+    assert len(upload.update) < len(trained_state)  # the pruned heads' parameters stay on the node
+
+
+# --- the model check's inputs: the public schedule and the node's own initial model ------------------------------
+
+def test_the_model_checks_schedule_is_the_release_sizes_under_dp_and_median_samplings_bound_otherwise(micro_preset):
+    """The most feature rows the server can train on in a round bounds its drift: under --dp-eps (any epsilon, 0.5
+    too) the clients' fixed release sizes, otherwise the most median sampling can draw from each schedule."""
+    s = settings(micro_preset, canaries=6)
+    sizes = [schedule_size(s, k) for k in range(2)]
+    assert check_schedule(s, 10) == (sizes, sum(max_feature_sets(s.balance, 10, n) for n in sizes))
+    dp = ClientSettings(**{**dp_settings(micro_preset, canaries=6).__dict__, "dp_eps": 0.5})
+    assert check_schedule(dp, 10) == (sizes, sum(release_size(dp, k) for k in range(2)))
+    assert check_schedule(dp, 10)[1] != check_schedule(s, 10)[1]
+
+
+def test_the_nodes_initial_model_is_rebuilt_for_each_run_from_its_public_configuration(micro_preset, tmp_path,
+                                                                                      monkeypatch):
+    """The model check's anchor: the seeded initialisation of the run's model (with the method's adapter), or the
+    node's copy of the run's starting checkpoint; a node serving another run (another seed, method or checkpoint)
+    rebuilds that run's, not the one it holds. The node's cache starts empty (other tests of this process fill it)."""
+    monkeypatch.setattr("eftguard.federation.client._INITIAL_STATES", {})
+    checkpoint = tmp_path / "start.pt"
+    torch.save(build_model(micro_preset, 10, 2, seed=7).state_dict(), checkpoint)
+    for seed, method, start in [(0, "eftvit", ""), (1, "eftvit", ""), (0, "headprune-lora", ""), (0, "eftvit", ""),
+                                (0, "eftvit", str(checkpoint))]:
+        s = settings(micro_preset, seed=seed, method=method, lora_rank=4)
+        expected = build_model(s.model, 10, s.local_layers, checkpoint=start or None, seed=seed,
+                               adapt=method_spec(method).model_adapter(s)).state_dict()
+        assert_same_arrays(initial_model(start)(s), {k: v.numpy() for k, v in expected.items()})
+    assert not np.array_equal(initial_model(str(checkpoint))(s)["head.weight"], initial_model()(s)["head.weight"])
+
+
+def test_the_servers_view_of_the_model_check_is_the_clients_bound_on_the_public_schedule(micro_preset):
+    """model_check_limits: what a server computes from the public configuration equals the bound each client
+    applies; the class count is read from the model's head (it sets mean balancing's bound on the feature rows)."""
+    cfg = TrainConfig(model=micro_preset, clients=2, rounds=3, train_samples=60, batch_size=16,
+                      balance="mean").resolved()
+    s = ClientSettings.from_config(cfg, 2)
+    start = initial_state(s)
+    expected = drift_limits(s, method_spec(s.method), start, Schedule.of(s, *check_schedule(s, 10)), 1)
+    assert Schedule.of(s, *check_schedule(s, 10)) != Schedule.of(s, *check_schedule(s, start["head.weight"].shape[1]))
+    assert_same_arrays(model_check_limits(cfg)(2, start, 1), expected)
+
+
+def test_bf16_round_trains_and_extracts_the_features_in_bf16_products(micro_preset):
+    """--precision bf16 reaches the received model's loss (loss-gap selection), the local training and the feature
+    extraction (a round without DP: a DP round refuses bf16)."""
+    s = settings(micro_preset, precision="bf16", client_selection="loss-gap", clients=3, clients_per_round=2)
+    state, data = initial_state(s), own_data(s)
+    upload = client_round(s, state, CLIENT, 3)
+
+    model = build_model(s.model, 10, s.local_layers, seed=99)
+    model.load_state_dict({k: torch.from_numpy(v) for k, v in state.items()})
+    losses = {p: mean_loss(model, torch.from_numpy(data.images), torch.from_numpy(data.labels), precision=p)
+              for p in ("bf16", "fp32")}
+    assert upload.global_loss == losses["bf16"] != losses["fp32"]
+    generator = torch.Generator().manual_seed(seeded(s.seed, s.round, CLIENT, 1))
+    train_local(model, torch.from_numpy(data.images), torch.from_numpy(data.labels), s.method, s.mask_ratio,
+                OptimConfig(s.local_epochs, s.batch_size, s.lr, s.weight_decay), generator, precision="bf16")
+    assert_same_arrays(upload.update, uploaded_part(model))
+    fp32, _, _ = trained(s, state, data, (s.seed, s.round, CLIENT, 1))
+    assert not np.array_equal(upload.update["head.weight"], uploaded_part(fp32)["head.weight"])
+    images = torch.from_numpy(data.images[median_sample(s, data)])
+    features, _ = extract_features(model, images, s.mask_ratio, generator, precision="bf16")
+    assert np.array_equal(upload.features["features"], features.numpy())
+
+    def features_under_the_same_masks(precision: str) -> torch.Tensor:
+        return extract_features(model, images, s.mask_ratio, torch.Generator().manual_seed(0), precision=precision)[0]
+
+    assert not torch.equal(features_under_the_same_masks("bf16"), features_under_the_same_masks("fp32"))

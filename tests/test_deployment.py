@@ -430,8 +430,8 @@ def test_eftvit_and_secagg_rounds_over_tls_with_node_auth_while_the_control_api_
             list(both.map(lambda k: federation.start_supernode(k, 2, "--auth-key",
                                                                str(federation.registered_key(f"node{k}"))), range(2)))
         out = tmp_path / "run"
-        with trained_in_deployment(federation, out, "--rounds", "2", "--train-samples", "100", "--test-samples",
-                                   "40", "--batch-size", "32"):
+        with trained_in_deployment(federation, out, "--model", "vit-micro-32", "--rounds", "2", "--train-samples",
+                                   "100", "--test-samples", "40", "--batch-size", "32"):
             check_an_outsider_can_neither_list_runs_nor_register_a_key(federation, tmp_path / "keys")
             stranger_key, _ = write_node_key(tmp_path / "keys" / "stranger")
             stranger = federation.start_supernode(0, 2, "--auth-key", str(stranger_key), log="stranger.log")

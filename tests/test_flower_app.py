@@ -103,7 +103,30 @@ def test_the_audit_of_the_recorded_app_says_what_leaks(recorded_app, tmp_path, c
     assert all("on the control" in channels[c]["power_check"] for c in ("parameter updates", "labels"))
     assert "bundled photos" in summary["public"] and "no --public given" in (tmp_path / "report.md").read_text()
     assert channels["membership"]["level"] == "not audited" and "--public DIR" in channels["membership"]["verdict"]
-    assert "high" in (tmp_path / "report.md").read_text() and "report.md" in capsys.readouterr().out
+    assert "high" in (tmp_path / "report.md").read_text() and "report.html" in capsys.readouterr().out
+    page = (tmp_path / "report.html").read_text()  # the same document as HTML: the levels coloured by their class
+    assert '<td class="high">high</td>' in page and "no --public given" in page
+
+
+def test_the_app_audit_report_is_one_escaped_document_that_eftguard_report_writes_again(tmp_path, capsys):
+    """report.html and report.md of an app audit come from one document: a hostile run path and verdict are text in
+    both (escaped, table pipes kept in their cell), and `eftguard report AUDIT` writes both again from summary.json."""
+    from eftguard.app_audit import write_summary
+
+    hostile = "<script>alert(1)</script> | x"
+    summary = {"run": f"runs/{hostile}", "model": "m:Net", "round": 2, "public": None, "trainer": "SGD replay",
+               "gates": [{"expression": "labels.l1 > 0.5", "passed": False, "failures": [{}]}],
+               "channels": {"labels": {"attack": "labels-llg", "level": "low", "verdict": f"L1 {hostile}",
+                                       "power_check": "passed", "clients": {"0": {"l1": 0.123456}}}},
+               "configurations": [], "pending": []}
+    write_summary(summary, tmp_path)
+    page, text = (tmp_path / "report.html").read_text(), (tmp_path / "report.md").read_text()
+    assert "<script>" not in page and "&lt;script&gt;" in page and '<td class="low">low</td>' in page
+    assert "<script>" not in text and "alert(1)&lt;/script&gt; \\| x" in text and "| 0 | 0.1235 |" in text
+    assert "gate labels.l1 > 0.5: crossed 1 times" in page.replace("&gt;", ">")
+    (tmp_path / "report.html").unlink()
+    main(["report", str(tmp_path)])
+    assert (tmp_path / "report.html").read_text() == page and "wrote" in capsys.readouterr().err
 
 
 def test_a_gate_on_the_app_audit_fails_naming_the_figure(recorded_app, tmp_path, capsys):

@@ -4,7 +4,7 @@ from safetensors.torch import save_file
 
 from eftguard.masking import random_keep_ids
 from eftguard.methods import method_spec
-from eftguard.model import ModelError, build_model, create_timm_vit, to_timm_state
+from eftguard.model import PRESETS, ModelError, build_model, create_timm_vit, to_timm_state
 from eftguard.training import OptimConfig, train_local
 
 
@@ -85,6 +85,28 @@ def test_paper_preset_splits_like_timm():
     with torch.no_grad():
         assert torch.allclose(model.eval()(images), reference.eval()(images), atol=1e-4)
     assert model.local_module.num_patches == 196
+
+
+def test_micro_preset_is_a_small_timm_vit_that_splits_like_timm(tiny_model):
+    """vit-micro-32 is a product preset: built from its name alone (registered with timm by eftguard.model), at the
+    size its description gives, split like timm's own forward."""
+    model = build_model("vit-micro-32", 10, 3, seed=0)
+    reference = create_timm_vit("vit-micro-32", 10)
+    reference.load_state_dict(to_timm_state(model.state_dict()))
+    images = torch.randn(2, 3, 32, 32)
+    with torch.no_grad():
+        assert torch.allclose(model.eval()(images), reference.eval()(images), atol=1e-5)
+    blocks = [*model.local_module.blocks, *model.global_module.blocks]
+    assert len(blocks) == PRESETS["vit-micro-32"].depth == 4 and model.local_layers == 3
+    assert model.head.in_features == 64 and blocks[0].attn.num_heads == 2
+    assert model.local_module.num_patches == 64
+    assert 25 * sum(p.numel() for p in model.parameters()) < sum(p.numel() for p in tiny_model.parameters())
+
+
+def test_micro_preset_has_no_pretrained_weights():
+    """timm would warn and train from random weights; eftguard refuses."""
+    with pytest.raises(ModelError, match="vit-micro-32 preset has no pretrained weights; drop --pretrained"):
+        build_model("vit-micro-32", 10, 2, pretrained=True)
 
 
 def test_pretrained_offline_says_what_to_do(monkeypatch):

@@ -1,6 +1,6 @@
 """Issue 37, item 3: experiments/paper/gpu_check.py's CPU preset runs every stage of the paper-scale check (bench,
 two rounds of EFTViT and Fed-Full on a generated ImageFolder tree, a decoder inversion, a LiRA) and its JSON holds
-real measurements, which make_table.py turns into docs/bench.md#paper-scale."""
+real measurements, which make_table.py turns into experiments/results/bench.md#paper-scale-check."""
 
 import importlib.util
 import json

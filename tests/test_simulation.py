@@ -17,13 +17,15 @@ import psutil
 import pytest
 from safetensors.numpy import load_file
 
-from conftest import OWN_PID_NAMESPACE, can_make_pid_namespaces
+from conftest import MICRO_WIDTH, OWN_PID_NAMESPACE, can_make_pid_namespaces
 from eftguard.federation.simulation import stop_processes
 from eftguard.rundir import RunDirectory
 
 pytestmark = pytest.mark.slow
 
-TINY = ["--clients", "3", "--rounds", "2", "--train-samples", "150", "--test-samples", "60", "--batch-size", "32"]
+# the micro preset: what these tests check (rounds, resumes, stops, processes) holds for any model
+TINY = ["--model", "vit-micro-32", "--clients", "3", "--rounds", "2", "--train-samples", "150", "--test-samples", "60",
+        "--batch-size", "32"]
 ENV = {**os.environ, "HF_HUB_OFFLINE": "1", "FLWR_TELEMETRY_ENABLED": "0", "FLWR_DISABLE_UPDATE_CHECK": "1"}
 
 
@@ -60,7 +62,7 @@ def test_two_rounds_of_simulation(finished_run):
     assert "final test accuracy" in result.stdout
     for client in range(3):
         features = load_file(str(out / f"observed/round-0002/client-{client:02d}/features.safetensors"))
-        assert features["features"].shape[1:] == (17, 192) and np.isfinite(features["features"]).all()
+        assert features["features"].shape[1:] == (17, MICRO_WIDTH) and np.isfinite(features["features"]).all()
         assert (out / f"truth/round-0002/client-{client:02d}.safetensors").exists()
     manifest = json.loads((out / "manifest.json").read_text())
     assert "checkpoints/round-0002.safetensors" in manifest["artefacts"]
@@ -129,10 +131,12 @@ def test_a_failed_run_leaves_no_ray_processes(tmp_path):
 @pytest.mark.parametrize("stop", [signal.SIGINT, signal.SIGTERM])
 def test_ctrl_c_or_sigterm_keeps_finished_rounds_and_leaves_no_ray_processes(tmp_path, stop):
     """SIGTERM (a scheduler's or `kill`'s stop) was turned by Ray into a stack dump and an abort (exit 134) with no
-    word of what was kept; now it stops the run as Ctrl-C does."""
+    word of what was kept; now it stops the run as Ctrl-C does. On vit-tiny-32: the signal must land inside round 2,
+    which takes 1.5 s on the micro preset (load 9), and the micro preset saved this test nothing (92 s either way)."""
     tag = uuid.uuid4().hex
     out = tmp_path / "run"
-    process = subprocess.Popen([sys.executable, "-m", "eftguard.cli", "train", "--out", str(out), *TINY],
+    process = subprocess.Popen([sys.executable, "-m", "eftguard.cli", "train", "--out", str(out), *TINY, "--model",
+                                "vit-tiny-32"],
                                env={**ENV, "EFTGUARD_TEST_RUN": tag}, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE,
                                text=True)
     try:

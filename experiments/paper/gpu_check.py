@@ -5,7 +5,7 @@ EFTViT run; writes OUT/gpu_check.json (and OUT/bench.json), printing a line per 
 32 px, few images) runs the same code on a CPU in about a minute and is what tests/test_paper_check.py runs.
 
     OMP_NUM_THREADS=1 python experiments/paper/gpu_check.py --preset cpu --out /tmp/paper-check
-    python experiments/paper/make_table.py --cpu OUT/gpu_check.json   # the rows of docs/bench.md#paper-scale
+    python experiments/paper/make_table.py --cpu OUT/gpu_check.json   # the rows of experiments/results/bench.md#paper-scale-check
 
 Device: each preset names eftguard's --device (gpu: cuda, cpu: cpu; `--device` overrides it). Every stage computes
 there (eftguard.device); `cuda` where torch finds no GPU is one line, exit 2, before any stage. The JSON names the

@@ -1,5 +1,5 @@
-"""The table of docs/bench.md#paper-scale from gpu_check.py's JSON: one column per preset, a preset without a file
-reads "not run" and why.
+"""The paper-scale table (experiments/results/bench.md#paper-scale-check) from gpu_check.py's JSON: one column per
+preset, a preset without a file reads "not run" and why.
 
     python experiments/paper/make_table.py --cpu experiments/results/paper/cpu.json \\
         [--gpu experiments/results/paper/gpu.json | --gpu-missing "no GPU lent in this session"]
