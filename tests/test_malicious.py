@@ -165,11 +165,16 @@ def test_a_label_probe_round_gives_the_class_counts_away(tmp_path, micro_preset,
 
 def test_dp_sgd_stops_the_label_probe(tmp_path, micro_preset):
     """DP-SGD's noise (std sigma * C on every gradient) drowns the probe's 1e-11 gradients: the reading falls to
-    the prior's error or worse, where without DP it was exact (above)."""
+    the prior's error or worse, where without DP it was exact (above). The low stands: its power check trains
+    public images from the tampered model the round was sent (not the server's own start model, from which the
+    probe reads nothing) and reads them exactly."""
     run = train(tmp_path / "dp", config(micro_preset, threat="malicious", tamper="label-probe", model_check=False,
                                         batch_size=64, dp_eps=1.0))
-    read = run_attack(run.path, "labels", "tampered").figures()
+    report = run_attack(run.path, "labels", "tampered")
+    read = report.figures()
     assert read["l1"] >= read["baseline.l1"]
+    assert read["control.l1"] < 0.02 < read["control_baseline.l1"]
+    assert "from the tampered model the round was sent" in report.details["power_check"]
 
 
 @pytest.mark.parametrize("argv, message", [

@@ -270,14 +270,17 @@ class LabelsFamily(Family):
             return self.sum_control(job, attack, observed, progress)
         num_examples = next(c.num_examples for c in observation.clients if c.partition == partition)
         images, labels = observe.public_skewed_sample(cfg, num_examples, job.seed)
-        control = observe.public_label_observation(job.run, job.round_number, partition, images, labels, observation)
+        sent = observe.sent_model(job.run, job.round_number) if attack.threat_model.server == "malicious" else None
+        control = observe.public_label_observation(job.run, job.round_number, partition, images, labels, observation,
+                                                   sent)
         estimate = attack.reconstruct(control, progress)[partition]
         uploaded = control.clients[0].labels
         uploads = np.bincount(uploaded, minlength=observation.num_classes) > 0 if attack.uses_upload_labels else None
         truth = np.bincount(labels, minlength=observation.num_classes)
         return (scoring.label_control_groups(estimate, truth, uploads),
                 f"the same attack on client {partition}'s local training (no DP-SGD) run on {num_examples} public "
-                f"images with a seeded Dirichlet({cfg.beta}) class mix from the round's start weights"
+                f"images with a seeded Dirichlet({cfg.beta}) class mix from "
+                + ("the tampered model the round was sent" if sent is not None else "the round's start weights")
                 + (", its features median-sampled and released without clipping or noise"
                    if uploaded is not None and attack.uses_upload_labels else ""))
 

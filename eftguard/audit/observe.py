@@ -463,13 +463,16 @@ def public_skewed_sample(cfg, count: int, seed: int) -> tuple[np.ndarray, np.nda
     return public.images[chosen], public.labels[chosen]
 
 
-def train_as_client(run: RunDirectory, round_number: int, partition: int, images: np.ndarray, labels: np.ndarray
-                    ) -> tuple[EFTViT, torch.Generator]:
+def train_as_client(run: RunDirectory, round_number: int, partition: int, images: np.ndarray, labels: np.ndarray,
+                    sent: EFTViT | None = None) -> tuple[EFTViT, torch.Generator]:
     """The client's local training with the defense off: its optimiser, epochs, batches and masking, seeded as a
-    simulated client seeds them, no DP-SGD, on these images from the round's start weights. Returns the trained
-    model and the generator, drawn on as the client goes on to draw its feature masks."""
+    simulated client seeds them, no DP-SGD, on these images from the round's start weights (sent: the tampered
+    model a malicious server sent instead). Returns the trained model and the generator, drawn on as the client
+    goes on to draw its feature masks."""
     cfg = run.config()
     trained = run.start_model(round_number)
+    if sent is not None:
+        trained.load_state_dict(sent.state_dict())
     prune_as_client(run, round_number, partition, trained, trained_names(trained, cfg.method))
     optim = OptimConfig(cfg.local_epochs, cfg.batch_size, cfg.lr * cfg.lr_factor(round_number), cfg.weight_decay)
     generator = torch.Generator().manual_seed(seeded(cfg.seed, round_number, partition, 1))
@@ -497,14 +500,16 @@ def public_canary_upload(run: RunDirectory, round_number: int, partition: int, i
 
 
 def public_label_observation(run: RunDirectory, round_number: int, partition: int, images: np.ndarray,
-                             labels: np.ndarray, observation: LabelObservation) -> LabelObservation:
+                             labels: np.ndarray, observation: LabelObservation, sent: EFTViT | None = None
+                             ) -> LabelObservation:
     """The label channel with the defense off, for one client: its local training (optimiser, epochs, batches and
     masking as a simulated client seeds them; no DP-SGD) on these public images from the round's start weights
     gives the head it uploads; where the run uploads features, the images median-sampled as the client samples
     (--balance) and their features released without clipping or noise; n_k is their count. The attack's
-    observation gives the rest (start model, balance, training settings)."""
+    observation gives the rest (start model, balance, training settings). sent: the tampered model a malicious
+    server sent (train_as_client)."""
     cfg = run.config()
-    trained, generator = train_as_client(run, round_number, partition, images, labels)
+    trained, generator = train_as_client(run, round_number, partition, images, labels, sent)
     uploaded_labels = features = None
     if method_spec(cfg.method).uploads_features:
         chosen = balanced_indices(labels, observation.num_classes, cfg.balance,
