@@ -1304,8 +1304,10 @@ def test_an_expired_ca_is_refused_by_every_command_that_trusts_it(tmp_path, caps
         assert code == 2 and err.count("\n") == 1 and f"{files.ca_cert} expired on " in err, err
 
 
-@pytest.mark.parametrize("address", ["not an address", "127.0.0.1:70000", "127.0.0.1:0", "127.0.0.1", "::1:9092",
-                                     "[fl.example.org]:9092", "999.1.1.1:9092", ":9092", "fl.example.org:port"])
+@pytest.mark.parametrize("address", ["not an address", "127.0.0.1:70000", "127.0.0.1:65536", "127.0.0.1:0", "127.0.0.1",
+                                     "::1:9092", "[fl.example.org]:9092", "999.1.1.1:9092", ":9092",
+                                     "fl.example.org:port", "[127.0.0.1:9092", "127.0.0.1]:9092", "[127.0.0.1]:9092",
+                                     "[::1]]:9092", "[[::1]:9092", "[::1:9092", "[]:9092", "X127.0.0.1:9092"])
 def test_an_address_flower_would_retry_forever_is_refused_before_it_starts(tmp_path, capsys, monkeypatch, address):
     from conftest import run_cli
 
