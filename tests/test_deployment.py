@@ -314,6 +314,20 @@ def test_a_deployed_node_shares_no_truth_unless_told(certs, monkeypatch):
                       "device": AUTO}
 
 
+def test_supernode_model_check_flags_reach_the_node_config(tmp_path, certs, monkeypatch):
+    """The anchor of the node's model check: its own copy of the initial checkpoint (as an absolute path: the
+    ClientApp does not run in this folder), or trust on first use; the check itself can be turned off."""
+    monkeypatch.chdir(tmp_path)
+    Path("start.pt").write_bytes(b"checkpoint")
+    assert node_config_of(monkeypatch, certs, "--initial-model", "start.pt") == {
+        "partition-id": 0, "num-partitions": 2, "share-truth": False, "model-check": True,
+        "initial-model": str(tmp_path / "start.pt"), "device": AUTO}
+    assert node_config_of(monkeypatch, certs, "--trust-first-model") == {
+        "partition-id": 0, "num-partitions": 2, "share-truth": False, "model-check": True,
+        "trust-first-model": True, "device": AUTO}
+    assert node_config_of(monkeypatch, certs, "--no-model-check")["model-check"] is False
+
+
 @pytest.mark.parametrize("flag, device", [("cuda:1", "cuda:1"), ("cuda", "cuda"), ("auto", "cuda"), ("cpu", "cpu")])
 def test_supernode_device_reaches_the_node_config_resolved_on_the_node(certs, monkeypatch, flag, device):
     """The node's ClientApp trains where the node config's device says: auto is resolved on the node's host."""
@@ -526,6 +540,43 @@ def test_node_settings_flower_cannot_carry_are_refused(tmp_path, monkeypatch, ch
         node_config(**{"partition": 0, "clients": 2, **changes})
 
 
+def test_node_config_carries_the_model_checks_anchor(tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "start.pt").write_bytes(b"checkpoint")
+    assert node_config(0, 2, model_check=False, initial_model=Path("start.pt")) == (
+        f'partition-id=0 num-partitions=2 share-truth=false model-check=false initial-model="{tmp_path / "start.pt"}" '
+        'device="cpu"')
+    assert node_config(0, 2, trust_first_model=True) == (
+        'partition-id=0 num-partitions=2 share-truth=false model-check=true trust-first-model=true device="cpu"')
+
+
+@pytest.mark.parametrize("changes, message", [
+    ({"initial_model": "missing.pt"}, "^--initial-model missing.pt does not exist: give the node's copy of the "
+                                      "checkpoint the run starts from$"),
+    ({"initial_model": "."}, r"^--initial-model \. is a folder: give the node's copy of the checkpoint the run "
+                             "starts from$"),
+    ({"initial_model": "start.pt", "trust_first_model": True},
+     "^--initial-model and --trust-first-model exclude each other: the node rebuilds the run's initial model from "
+     "the file, or trusts the first model it receives$"),
+])
+def test_a_model_check_anchor_the_node_cannot_use_is_refused(tmp_path, monkeypatch, changes, message):
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "start.pt").write_bytes(b"checkpoint")
+    with pytest.raises(ConfigError, match=message):
+        node_config(**{"partition": 0, "clients": 2, **changes})
+
+
+@pytest.mark.parametrize("flag, name", [("--ledger-dir", 'a"ledger'), ("--initial-model", 'a"b.pt')])
+def test_a_path_flower_cannot_carry_is_refused_naming_its_flag_and_the_path(tmp_path, monkeypatch, flag, name):
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / 'a"b.pt').write_bytes(b"checkpoint")
+    with pytest.raises(ConfigError) as refused:
+        node_config(0, 2, **{flag.removeprefix("--").replace("-", "_"): name})
+    path = str(tmp_path / name)
+    assert str(refused.value) == (f"{flag} {path!r}: Flower's --node-config cannot carry a path with quotes or line "
+                                  "breaks; choose another place")
+
+
 def test_ledger_folder_that_is_a_file_is_refused(tmp_path):
     (tmp_path / "ledger").write_text("x")
     with pytest.raises(ConfigError, match=rf"^--ledger-dir {tmp_path / 'ledger'} is a file: give a folder"):
@@ -540,7 +591,8 @@ def test_ledger_folder_that_is_a_file_is_refused(tmp_path):
 @pytest.mark.skipif(not Path("/proc/self").is_dir(), reason="needs Linux's /proc")
 def test_ledger_folder_where_nothing_can_be_written_is_refused_before_the_node_starts():
     """Each round would have failed on the node instead, which records its privacy spending before it uploads."""
-    with pytest.raises(ConfigError, match=r"^--ledger-dir /proc/ledger: no file can be created there \("):
+    with pytest.raises(ConfigError, match=r"^--ledger-dir /proc/ledger: no file can be created there \(.+\): give a "
+                                          r"folder you can write to for the node's privacy ledger$"):
         node_config(0, 2, ledger_dir=Path("/proc/ledger"))
 
 
@@ -1252,8 +1304,10 @@ def test_an_expired_ca_is_refused_by_every_command_that_trusts_it(tmp_path, caps
         assert code == 2 and err.count("\n") == 1 and f"{files.ca_cert} expired on " in err, err
 
 
-@pytest.mark.parametrize("address", ["not an address", "127.0.0.1:70000", "127.0.0.1:0", "127.0.0.1", "::1:9092",
-                                     "[fl.example.org]:9092", "999.1.1.1:9092", ":9092", "fl.example.org:port"])
+@pytest.mark.parametrize("address", ["not an address", "127.0.0.1:70000", "127.0.0.1:65536", "127.0.0.1:0", "127.0.0.1",
+                                     "::1:9092", "[fl.example.org]:9092", "999.1.1.1:9092", ":9092",
+                                     "fl.example.org:port", "[127.0.0.1:9092", "127.0.0.1]:9092", "[127.0.0.1]:9092",
+                                     "[::1]]:9092", "[[::1]:9092", "[::1:9092", "[]:9092", "X127.0.0.1:9092"])
 def test_an_address_flower_would_retry_forever_is_refused_before_it_starts(tmp_path, capsys, monkeypatch, address):
     from conftest import run_cli
 

@@ -182,11 +182,12 @@ def check_address(address: str, flag: str = "--superlink") -> None:
     line before any process starts: Flower retries an address it cannot reach forever."""
     host, colon, port = address.rpartition(":")
     bracketed = host.startswith("[") and host.endswith("]")
+    inner = host[1:-1] if bracketed else host  # one pair of brackets: "[127.0.0.1" or "[[::1]" is no host
     try:
-        ipaddress.ip_address(host.strip("[]"))
-        valid_host = bracketed == (":" in host.strip("[]"))  # an IPv6 address in brackets, any other without
+        ipaddress.ip_address(inner)
+        valid_host = bracketed == (":" in inner)  # an IPv6 address in brackets, any other without
     except ValueError:
-        valid_host = not bracketed and is_host_name(host)
+        valid_host = not bracketed and is_host_name(inner)
     if not (colon and valid_host and port.isascii() and port.isdigit() and 1 <= int(port) <= 65535):
         raise ConfigError(f"{flag} {address!r} is not HOST:PORT (an IP address, [IPv6 address] or host name, and a "
                           "port in 1..65535), e.g. 127.0.0.1:9092")
