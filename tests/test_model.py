@@ -77,25 +77,25 @@ def test_checkpoint_of_wrong_shape_is_refused_clearly(tmp_path):
         build_model("vit-tiny-32", 10, 2, checkpoint=tmp_path / "missing.pt")
 
 
-def test_paper_preset_splits_like_timm():
-    model = build_model("vit-b16-224", 10, 2, seed=0)
-    reference = create_timm_vit("vit-b16-224", 10)
+def split_like_timm(preset: str, local_layers: int, size: int, atol: float):
+    """The split model built from the preset's name gives timm's own forward on the same weights."""
+    model = build_model(preset, 10, local_layers, seed=0)
+    reference = create_timm_vit(preset, 10)
     reference.load_state_dict(to_timm_state(model.state_dict()))
-    images = torch.randn(1, 3, 224, 224)
+    images = torch.randn(2, 3, size, size)
     with torch.no_grad():
-        assert torch.allclose(model.eval()(images), reference.eval()(images), atol=1e-4)
-    assert model.local_module.num_patches == 196
+        assert torch.allclose(model.eval()(images), reference.eval()(images), atol=atol)
+    return model
+
+
+def test_paper_preset_splits_like_timm():
+    assert split_like_timm("vit-b16-224", 2, 224, 1e-4).local_module.num_patches == 196
 
 
 def test_micro_preset_is_a_small_timm_vit_that_splits_like_timm(tiny_model):
     """vit-micro-32 is a product preset: built from its name alone (registered with timm by eftguard.model), at the
     size its description gives, split like timm's own forward."""
-    model = build_model("vit-micro-32", 10, 3, seed=0)
-    reference = create_timm_vit("vit-micro-32", 10)
-    reference.load_state_dict(to_timm_state(model.state_dict()))
-    images = torch.randn(2, 3, 32, 32)
-    with torch.no_grad():
-        assert torch.allclose(model.eval()(images), reference.eval()(images), atol=1e-5)
+    model = split_like_timm("vit-micro-32", 3, 32, 1e-5)
     blocks = [*model.local_module.blocks, *model.global_module.blocks]
     assert len(blocks) == PRESETS["vit-micro-32"].depth == 4 and model.local_layers == 3
     assert model.head.in_features == 64 and blocks[0].attn.num_heads == 2
