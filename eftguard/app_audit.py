@@ -47,7 +47,7 @@ from eftguard.audit.scoring import membership_figures
 from eftguard.data import ImageSet
 from eftguard.data.imagefolder import read_class_folders
 from eftguard.data.photos import load_photos
-from eftguard.document import Document, Heading, Items, Table, markdown, page, text, write_text
+from eftguard.document import Document, Heading, Items, Table, text, write_pages
 from eftguard.errors import ConfigError
 from eftguard.options import option, path_value
 from eftguard.paths import atomic_write
@@ -536,11 +536,7 @@ def write_summary(summary: dict, out: Path) -> None:
 
 def write_app_audit_report(summary: dict, out: Path) -> list[Path]:
     """report.html and report.md, rendered from one document (eftguard.document)."""
-    document = audit_document(summary)
-    files = [out / "report.html", out / "report.md"]
-    write_text(files[0], page(document))
-    write_text(files[1], markdown(document))
-    return files
+    return write_pages(audit_document(summary), out)
 
 
 def audit_document(summary: dict) -> Document:

@@ -130,3 +130,13 @@ def markdown_table(rows: list[list[str]]) -> str:
 def write_text(path: Path, content: str) -> None:
     """Reports are rewritten in place: a crash mid-write leaves the previous file, never a torn one."""
     atomic_write(path, lambda tmp: tmp.write_text(content))
+
+
+def write_pages(document: Document, folder: Path) -> list[Path]:
+    """FOLDER/report.html and FOLDER/report.md, both rendered from the one document."""
+    folder = Path(folder)
+    folder.mkdir(parents=True, exist_ok=True)
+    files = [folder / "report.html", folder / "report.md"]
+    write_text(files[0], page(document))
+    write_text(files[1], markdown(document))
+    return files

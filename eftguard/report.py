@@ -28,8 +28,8 @@ from eftguard import verdict
 from eftguard.attack_report import GROUP_TITLES, AttackReport, is_number, is_stat, read_attack_report
 from eftguard.channels import CHANNELS, Channel, Headline
 from eftguard.config import TrainConfig
-from eftguard.document import (Code, Details, Document, Gallery, Heading, Items, Picture, Span, Table, markdown, page,
-                               text, write_text)
+from eftguard.document import (Code, Details, Document, Gallery, Heading, Items, Picture, Span, Table, markdown, text,
+                               write_pages, write_text)
 from eftguard.figures import figure_directions
 from eftguard.paths import atomic_write
 from eftguard.plots import ACCURACY_AXIS, accuracy_plot, image_grid, png_of, ranking_grid, roc_plot, scatter_plot
@@ -308,11 +308,7 @@ def write_run_report(run_path: Path, config_toml: str, metrics: list[dict], repo
     for report, folder in reports:
         blocks += [Heading(f"{report.attack} (round {report.round})", 3), *attack_blocks(report, folder, reports_dir, 4)]
     document = Document(f"eftguard audit: {run_path}", [*blocks, config_details(config_toml)])
-    out = Path(reports_dir)
-    out.mkdir(parents=True, exist_ok=True)
-    files = [out / "report.html", out / "report.md", out / "report.json"]
-    write_text(files[0], page(document))
-    write_text(files[1], markdown(document))
+    files = [*write_pages(document, reports_dir), Path(reports_dir) / "report.json"]
     write_text(files[2], json.dumps({"run": str(run_path), "verdict": [
         {"channel": v.channel, "family": v.family, "level": v.level, "attack": v.attack, "figure": v.figure,
          "power_check": None if v.control is None else {"attack": v.control.attack, "value": v.control.value,
@@ -534,10 +530,4 @@ def write_audit_report(summary: dict, out: Path) -> list[Path]:
             [str(c.get("id")), str(c.get("group")), json.dumps(c.get("varied")), str(c.get("run")),
              number_text(c.get("train_seconds"), 1)] for c in configurations]),
         Details("training defaults of the audit", [Code(json.dumps(summary.get("defaults"), indent=2), "json")])]))
-    document = Document(title, blocks)
-    out = Path(out)
-    out.mkdir(parents=True, exist_ok=True)
-    files = [out / "report.html", out / "report.md"]
-    write_text(files[0], page(document))
-    write_text(files[1], markdown(document))
-    return files
+    return write_pages(Document(title, blocks), out)
