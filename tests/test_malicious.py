@@ -163,18 +163,31 @@ def test_a_label_probe_round_gives_the_class_counts_away(tmp_path, micro_preset,
     assert misread["l1"] > 0.99 * misread["baseline.l1"]
 
 
-def test_dp_sgd_stops_the_label_probe(tmp_path, micro_preset):
+def test_dp_sgd_stops_the_label_probe(tmp_path, micro_preset, monkeypatch):
     """DP-SGD's noise (std sigma * C on every gradient) drowns the probe's 1e-11 gradients: the reading falls to
     the prior's error or worse, where without DP it was exact (above). The low stands: its power check trains
     public images from the tampered model the round was sent (not the server's own start model, from which the
-    probe reads nothing) and reads them exactly."""
+    probe reads nothing on a trained model) and reads them exactly. On the micro ViT the start model's head reads
+    the mix too, so the control's training is watched: it must start from the probe's final LayerNorm."""
+    from eftguard.attacks.tamper import PROBE_SCALE
+    from eftguard.audit import observe
+
     run = train(tmp_path / "dp", config(micro_preset, threat="malicious", tamper="label-probe", model_check=False,
                                         batch_size=64, dp_eps=1.0))
+    starts, train_local = [], observe.train_local
+
+    def watched(model, *args, **kwargs):
+        norm = model.global_module.norm
+        starts.append((norm.weight.detach().clone(), norm.bias.detach().clone()))
+        return train_local(model, *args, **kwargs)
+
+    monkeypatch.setattr(observe, "train_local", watched)
     report = run_attack(run.path, "labels", "tampered")
     read = report.figures()
     assert read["l1"] >= read["baseline.l1"]
     assert read["control.l1"] < 0.02 < read["control_baseline.l1"]
     assert "from the tampered model the round was sent" in report.details["power_check"]
+    assert starts and all(bool((weight == 0).all()) and bool((bias == PROBE_SCALE).all()) for weight, bias in starts)
 
 
 @pytest.mark.parametrize("argv, message", [
