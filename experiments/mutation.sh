@@ -5,6 +5,7 @@
 #   bash experiments/mutation.sh sampling dp    # only these
 #   MUTANTS="NAME ..." bash experiments/mutation.sh server   # only these mutants of a module (mutmut's names, globs:
 #     MUTANTS="eftguard.federation.server.x_run_round__mutmut_*" for one function's)
+#   bash experiments/mutation.sh server server_rounds   # server.py: its units, then its whole rounds
 #
 # Each module is mutated in a scratch copy of the working tree (mutation-work/NAME, git-ignored), laid out as
 # `pip install .` lays eftguard out (attacks/ and defenses/ inside eftguard/, so eftguard.defenses.dp is the
@@ -120,8 +121,11 @@ MODULES=(
   "node_auth|defenses/node_auth.py|tests/test_node_auth.py"
   "tls|defenses/tls.py|tests/test_tls.py tests/test_node_auth.py"
   "records|eftguard/federation/records.py|tests/test_server.py ${SERVER_RUNS[*]} ${SERVER_PINNED_ROUNDS[*]} ${HOSTILE_RUNS[*]} --deselect=tests/test_server.py::test_the_average_is_loaded_with_strict_keys"
-  # server.py: its functions called directly, and whole rounds with the micro ViT (about 1 s each)
-  "server|eftguard/federation/server.py|tests/test_server.py ${SERVER_RUNS[*]} ${HOSTILE_RUNS[*]} tests/test_dp_server_training.py"
+  # server.py in two passes: its functions called directly; then run_round, serve_rounds and run_server alone
+  # against the whole rounds pinned on exact values (the micro ViT, about 1 s each: against every function they
+  # reach, the rounds would cost 10-60 s per mutant of 1500)
+  "server|eftguard/federation/server.py|tests/test_server.py ${SERVER_RUNS[*]} ${HOSTILE_RUNS[*]} ${SERVER_PINNED_ROUNDS[*]} tests/test_dp_server_training.py"
+  "server_rounds|eftguard/federation/server.py|${SERVER_PINNED_ROUNDS[*]//--deselect=/}|eftguard.federation.server.x_run_round__mutmut_* eftguard.federation.server.x_serve_rounds__mutmut_* eftguard.federation.server.x_run_server__mutmut_*"
   "client|eftguard/federation/client.py|tests/test_client.py ${CLIENT_ROUNDS[*]} tests/test_model_check.py"
   "apps|eftguard/federation/apps.py|tests/test_apps.py"
   "fleet_gateway|eftguard/federation/fleet_gateway.py|tests/test_fleet_gateway.py tests/test_deployment.py::test_fleet_gateway_forwards_only_fleet_calls"
@@ -131,7 +135,7 @@ MODULES=(
 command -v mutmut >/dev/null || { echo "mutation.sh: error: mutmut is not installed: pip install 'mutmut>=3.8,<4'" >&2; exit 2; }
 wanted=("$@")
 for entry in "${MODULES[@]}"; do
-  IFS='|' read -r name file tests <<<"$entry"
+  IFS='|' read -r name file tests mutants <<<"$entry"  # mutants: the pass's own mutant globs (MUTANTS overrides)
   if ((${#wanted[@]})) && [[ " ${wanted[*]} " != *" $name "* ]]; then continue; fi
   work="mutation-work/$name"
   rm -rf "$work" && mkdir -p "$work"
@@ -147,7 +151,7 @@ for entry in "${MODULES[@]}"; do
     for t in $tests; do [[ -e ${t%%::*} || $t == -* ]] && printf "    %s\n" "$t"; done
   } >"$work/setup.cfg"
   start=$SECONDS
-  (cd "$work" && mutmut run --max-children 1 ${MUTANTS:-} >run.log 2>&1) || { echo "$name: mutmut failed, see $work/run.log" >&2; continue; }
+  (cd "$work" && mutmut run --max-children 1 ${MUTANTS:-$mutants} >run.log 2>&1) || { echo "$name: mutmut failed, see $work/run.log" >&2; continue; }
   (
     cd "$work"
     mutmut results >results.txt 2>&1

@@ -323,19 +323,28 @@ def test_standard_lpips_is_alexnet_lpips_with_spatial_maps_and_quiet(monkeypatch
     """The real network needs torchvision's AlexNet weights (not downloadable here): check how it is built."""
     import lpips as lpips_package
 
-    built = []
+    import socket
+
+    built, timeouts = [], []
 
     class StandIn(torch.nn.Module):
         def __init__(self, **options):
             super().__init__()
             built.append(options)
+            timeouts.append(socket.getdefaulttimeout())
             warnings.warn("Arguments other than a weight enum or `None` for 'weights' are deprecated", UserWarning)
 
     monkeypatch.setattr(lpips_package, "LPIPS", StandIn)
-    with warnings.catch_warnings():
-        warnings.simplefilter("error")
-        network = metrics._standard_lpips()
+    socket.setdefaulttimeout(7.5)  # the caller's own process-wide default, restored afterwards
+    try:
+        with warnings.catch_warnings():
+            warnings.simplefilter("error")
+            network = metrics._standard_lpips()
+        assert socket.getdefaulttimeout() == 7.5
+    finally:
+        socket.setdefaulttimeout(None)
     assert built == [{"net": "alex", "spatial": True, "verbose": False}] and not network.training
+    assert timeouts == [metrics.DOWNLOAD_TIMEOUT_S]
 
 
 def test_cw_ssim_is_one_on_identical_images_tolerates_a_shift_that_ssim_punishes_and_falls_with_noise(photos):
@@ -391,3 +400,51 @@ def test_lpips_embedding_distances_are_the_networks_lpips(photos, lpips):
     assert direct.min() > 0.05  # distinct photos: the comparison is not between zeros
     # and the spatial map's mean, which the reports' lpips figure shows, ranks the pairs alike
     assert np.argsort(lpips(a, b)).tolist() == np.argsort(direct).tolist()
+
+
+def test_cw_ssim_kept_weights_are_block_means_over_each_band_of_any_shape():
+    """The kept-pixel weights reach each CW-SSIM band as the mean of the block of pixels over each band position,
+    the last blocks' edges repeated: against the definition on a non-square image whose sides the band does not
+    divide (the shipped data is square, so only this case tells height from width)."""
+    weights = np.random.default_rng(0).random((7, 5))
+    shape = (3, 2)
+    fy, fx = 3, 3  # ceil(7 / 3), ceil(5 / 2)
+    edged = np.array([[weights[min(y, 6), min(x, 4)] for x in range(shape[1] * fx)] for y in range(shape[0] * fy)])
+    expected = np.array([[edged[i * fy:(i + 1) * fy, j * fx:(j + 1) * fx].mean() for j in range(shape[1])]
+                         for i in range(shape[0])])
+    assert np.allclose(metrics._block_mean(weights, shape), expected, rtol=0, atol=1e-12)
+    assert metrics._band_shape(np.zeros((3, 5))) == (3 + metrics.CW_SSIM_WINDOW - 1, 5 + metrics.CW_SSIM_WINDOW - 1)
+
+
+def test_kept_pixel_distances_are_the_summed_squares_over_each_images_kept_pixels(six_photos):
+    """masked_squared_errors' matrix form against the sum it stands for, pair by pair (the ranks built on it only
+    compare a row's entries, so a constant added to a row would pass them)."""
+    generator = np.random.default_rng(1)
+    a, b = six_photos[:4], six_photos[2:]
+    weights = generator.random((4, 32, 32)) > 0.7
+    expected = np.array([[((x[w].astype(np.float64) - y[w]) ** 2).sum() for y in b] for x, w in zip(a, weights)])
+    assert np.allclose(metrics.masked_squared_errors(a, b, weights), expected, rtol=1e-9, atol=1e-9)
+
+
+def test_distances_in_a_space_are_computed_there_a_chunk_at_a_time_and_rank_by_that_space(six_photos):
+    """identifiability_ranks given a space ranks by distances between the space's vectors (not pixels), and the
+    pool is embedded a chunk at a time without changing a distance."""
+    def colour(images):  # mean colour: a space whose neighbours differ from the pixels'
+        return images.reshape(len(images), -1, 3).mean(axis=1).astype(np.float64)
+
+    pool = six_photos
+    recon = np.clip(pool[:3] + np.random.default_rng(2).normal(0, 0.3, pool[:3].shape), 0, 1)
+    whole = metrics.squared_errors(colour(recon), colour(pool))
+    assert np.allclose(metrics.embedded_squared_errors(colour, recon, pool, chunk=2), whole, rtol=1e-12)
+    ranks, _ = metrics.identifiability_ranks(recon, pool[:3], pool[3:], space=colour)
+    own = whole[np.arange(3), np.arange(3)]
+    assert ranks.tolist() == (1 + (whole < own[:, None]).sum(axis=1)).tolist()
+    assert ranks.tolist() != metrics.identifiability_ranks(recon, pool[:3], pool[3:])[0].tolist()
+
+
+def test_distinct_images_alone_or_with_their_first_indices(six_photos):
+    repeated = np.concatenate([six_photos[:3], six_photos[1:2], six_photos[3:]])
+    alone = metrics.distinct_images(repeated)
+    kept, index = metrics.distinct_images(repeated, with_index=True)
+    assert isinstance(alone, np.ndarray) and np.array_equal(alone, six_photos) and np.array_equal(kept, six_photos)
+    assert index.tolist() == [0, 1, 2, 4, 5, 6] and index.dtype == np.int64
