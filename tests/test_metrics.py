@@ -219,6 +219,8 @@ def test_lpips_feeds_zero_one_images_to_the_network_and_weights_each_image_by_it
 
 def test_lpips_of_no_images_is_empty(lpips):
     assert lpips(np.zeros((0, 32, 32, 3)), np.zeros((0, 32, 32, 3))).shape == (0,)
+    embedded = lpips.embed(np.zeros((0, 32, 32, 3)))
+    assert embedded.shape == (0, 0) and embedded.dtype == np.float32
 
 
 def test_kept_scores_weight_the_composite_by_kept_pixels(six_photos, lpips):
