@@ -384,6 +384,11 @@ def test_cw_ssim_on_kept_pixels_charges_only_what_was_sent(photos, lpips):
     assert (wrong_inside["metrics_kept"]["cw_ssim"] < wrong_inside["metrics"]["cw_ssim"]).all()
     assert metrics.cw_ssim(other, photos, np.ones_like(kept)) == pytest.approx(metrics.cw_ssim(other, photos),
                                                                                 rel=1e-9)
+    # a mask finer than a coarse band's blocks (one pixel here; 16 px patches of 224 px images against the 4 x 4
+    # blocks of its coarse bands) leaves fractional window weights: each band still averages its map
+    one_pixel = np.zeros((2, 32, 32), dtype=bool)
+    one_pixel[:, 13, 13] = True
+    assert metrics.cw_ssim(photos[:2], photos[:2], one_pixel) == pytest.approx([1.0, 1.0], abs=1e-12)
 
 
 def test_lpips_embedding_distances_are_the_networks_lpips(photos, lpips):
