@@ -5,7 +5,7 @@
 #   bash experiments/mutation.sh sampling dp    # only these
 #   MUTANTS="NAME ..." bash experiments/mutation.sh server   # only these mutants of a module (mutmut's names, globs:
 #     MUTANTS="eftguard.federation.server.x_run_round__mutmut_*" for one function's)
-#   bash experiments/mutation.sh server server_rounds   # server.py: its units, then its whole rounds
+#   bash experiments/mutation.sh server server_rounds   # server.py: its units, then whole rounds on what they left
 #
 # Each module is mutated in a scratch copy of the working tree (mutation-work/NAME, git-ignored), laid out as
 # `pip install .` lays eftguard out (attacks/ and defenses/ inside eftguard/, so eftguard.defenses.dp is the
@@ -93,6 +93,16 @@ SERVER_PINNED_ROUNDS=(
   --deselect=tests/test_server.py::test_truth_sent_to_a_run_that_does_not_record_it_is_dropped
   --deselect=tests/test_server.py::test_without_server_epochs_theta_stays_as_sent
 )
+# the round's features pinned in other subjects' files, a whole run each (about a second): client selection by loss
+# gap, head-pruned LoRA's per-head averages, server rows spooled to disk, a tampering server's round (SecAgg+'s
+# rounds: tests/test_secagg.py, 9 s in all)
+ROUND_FEATURES=(
+  tests/test_headprune.py::test_loss_gap_selection_picks_the_unseen_client_then_the_largest_reported_gap
+  tests/test_headprune.py::test_clients_upload_only_their_kept_heads_and_the_server_averages_each_head_by_importance
+  tests/test_headprune.py::test_weighting_by_samples_and_random_pruning_are_the_ablations
+  tests/test_retention.py::test_rows_spooled_to_disk_train_the_same_model_as_rows_in_memory
+  tests/test_malicious.py::test_a_label_probe_round_gives_the_class_counts_away
+)
 # tests/test_server.py's hostile replies: the 203 through parse_reply are in the server's and the records'
 # selections, its other tests (whole runs, and the generator's own check) in none
 HOSTILE_RUNS=(
@@ -121,11 +131,10 @@ MODULES=(
   "node_auth|defenses/node_auth.py|tests/test_node_auth.py"
   "tls|defenses/tls.py|tests/test_tls.py tests/test_node_auth.py"
   "records|eftguard/federation/records.py|tests/test_server.py ${SERVER_RUNS[*]} ${SERVER_PINNED_ROUNDS[*]} ${HOSTILE_RUNS[*]} --deselect=tests/test_server.py::test_the_average_is_loaded_with_strict_keys"
-  # server.py in two passes: its functions called directly; then run_round, serve_rounds and run_server alone
-  # against the whole rounds pinned on exact values (the micro ViT, about 1 s each: against every function they
-  # reach, the rounds would cost 10-60 s per mutant of 1500)
-  "server|eftguard/federation/server.py|tests/test_server.py ${SERVER_RUNS[*]} ${HOSTILE_RUNS[*]} ${SERVER_PINNED_ROUNDS[*]} tests/test_dp_server_training.py"
-  "server_rounds|eftguard/federation/server.py|${SERVER_PINNED_ROUNDS[*]//--deselect=/}|eftguard.federation.server.x_run_round__mutmut_* eftguard.federation.server.x_serve_rounds__mutmut_* eftguard.federation.server.x_run_server__mutmut_*"
+  # server.py in two passes: its functions called directly; then what that leaves alive against the whole rounds
+  # pinned on exact values (the micro ViT, about 1 s each: against every mutant, 10-60 s per survivor of 1500)
+  "server|eftguard/federation/server.py|tests/test_server.py ${SERVER_RUNS[*]} ${HOSTILE_RUNS[*]} ${SERVER_PINNED_ROUNDS[*]} tests/test_dp_server_training.py tests/test_secagg.py"
+  "server_rounds|eftguard/federation/server.py|${SERVER_PINNED_ROUNDS[*]//--deselect=/} ${ROUND_FEATURES[*]} tests/test_secagg.py|after:server"
   "client|eftguard/federation/client.py|tests/test_client.py ${CLIENT_ROUNDS[*]} tests/test_model_check.py"
   "apps|eftguard/federation/apps.py|tests/test_apps.py"
   "fleet_gateway|eftguard/federation/fleet_gateway.py|tests/test_fleet_gateway.py tests/test_deployment.py::test_fleet_gateway_forwards_only_fleet_calls"
@@ -135,7 +144,13 @@ MODULES=(
 command -v mutmut >/dev/null || { echo "mutation.sh: error: mutmut is not installed: pip install 'mutmut>=3.8,<4'" >&2; exit 2; }
 wanted=("$@")
 for entry in "${MODULES[@]}"; do
-  IFS='|' read -r name file tests mutants <<<"$entry"  # mutants: the pass's own mutant globs (MUTANTS overrides)
+  IFS='|' read -r name file tests mutants <<<"$entry"  # mutants: after:NAME, those pass NAME left (MUTANTS overrides)
+  if [[ $mutants == after:* && -z ${MUTANTS:-} ]]; then
+    before=${mutants#after:} && earlier=mutation-work/$before/results.txt
+    [[ -f $earlier ]] || { echo "$name: run $before first (no $earlier)" >&2; continue; }
+    mutants=$(sed -nE 's/^ *([^ ]+): (survived|no tests|timeout)$/\1/p' "$earlier" | tr '\n' ' ')
+    [[ -n $mutants ]] || { echo "$name: $before left no mutant alive"; continue; }
+  fi
   if ((${#wanted[@]})) && [[ " ${wanted[*]} " != *" $name "* ]]; then continue; fi
   work="mutation-work/$name"
   rm -rf "$work" && mkdir -p "$work"

@@ -701,6 +701,10 @@ def test_round_record_reports_the_clients_weighted_mean_loss_and_their_counts(tm
     ("client refuses [epsilon spent in this run: nan]: x", None), ("client refuses [epsilon spent in this run: -1]: x",
                                                                    None),
     ("client refuses [epsilon spent in this run: 1e400]: x", None), ("client refuses: round 3 ...", None),
+    ("client refuses [epsilon spent in this run: 0.5]: x", 0.5), ("client refuses [epsilon spent in this run: 0]: x",
+                                                                  None),  # a spend below 1 is believed, none is not
+    ("client refuses [epsilon spent in this run: 3.0]: x", 3.0),  # the whole budget, and within float rounding of it
+    ("client refuses [epsilon spent in this run: 3.000000001]: x", 3.000000001),
     ("something else [epsilon spent in this run: 2.5]", None), ("client refuses [epsilon spent in this run: 1.2.3]: x",
                                                                  None),
 ])
