@@ -471,6 +471,31 @@ def test_dp_budgets_are_one_per_client_that_takes_part_and_none_without_dp():
     assert dp_budgets(TrainConfig(**{**cfg.__dict__, "dp_eps": 0.0})) == {}
 
 
+@pytest.mark.parametrize("method, features", [("eftvit", True), ("fed-lora", False)])
+def test_the_budget_table_shows_each_clients_noise_and_spend_and_the_total_is_the_budget(method, features):
+    """The table printed before round 1: per client its rounds, delta, each channel's sigma and what that channel
+    alone spends, and the composed total, which is --dp-eps (the calibration spends the budget, never more); the
+    feature columns only where features are released."""
+    cfg = TrainConfig(method=method, clients=4, clients_per_round=2, rounds=2, train_samples=80, batch_size=16,
+                      dp_eps=3.0, accountant="rdp").resolved()
+    budgets = dp_budgets(cfg)
+    table = server.budget_table(budgets, cfg)
+    share = f" (features' share {cfg.dp_feature_share:g} in Gaussian-DP terms)" if features else ""
+    assert table.title == f"privacy budget per client: epsilon 3 in total over its rounds, at its delta{share}"
+    assert [column.header for column in table.columns] == ["client", "rounds", "delta", "DP-SGD σ", "ε params alone"] + (
+        ["feature σ", "ε features alone"] if features else []) + ["ε total"]
+    rows = list(zip(*(column._cells for column in table.columns)))
+    assert [int(row[0]) for row in rows] == list(budgets) and len(budgets) >= 2
+    for row, (k, budget) in zip(rows, budgets.items()):
+        spent = budget.channel_epsilons_after(max(budget.rounds))
+        expected = [str(k), str(len(budget.rounds)), f"{budget.delta:.2g}", f"{budget.noise_multiplier:.3f}",
+                    f"{spent['parameters']:.3f}"]
+        expected += [f"{budget.feature_noise_multiplier:.3f}", f"{spent['features']:.3f}"] if features else []
+        assert list(row) == expected + [f"{budget.epsilon_after(max(budget.rounds)):.3f}"]
+        assert 2.99 <= float(row[-1]) <= 3.0
+        assert float(row[4]) < float(row[-1]) if features else row[4] == row[-1]  # one channel: it is the total
+
+
 def test_round_summary_names_accuracy_losses_and_drops():
     record = {"round": 2, "test_accuracy": 0.41234, "client_loss": 1.5, "server_loss": None,
               "dropped": {"0": "x", "3": "y"}}
