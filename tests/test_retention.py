@@ -288,12 +288,22 @@ def test_the_plan_projects_the_servers_memory_as_the_run_holds_it(tmp_path, monk
     assert plan_run(tiny_config(method="fedavg"))["server_memory"] is None  # no theta trained on features
 
 
-def test_rows_spooled_to_disk_train_the_same_model_as_rows_in_memory(tmp_path):
+def test_rows_spooled_to_disk_train_the_same_model_as_rows_in_memory(tmp_path, monkeypatch):
     """--server-rows changes where the rows are held, not what theta learns from them: the same checkpoints, byte for
-    byte, and the same feature sets and server losses per round."""
+    byte, and the same feature sets and server losses per round. With disk every client's rows were in a file of the
+    run's own spool as they arrived, and no spool is left after the round."""
     config = dict(clients_per_round=2, rounds=2)
+    add, spooled = RoundRows.add, {"memory": [], "disk": []}
     for where in ("memory", "disk"):
+        def watched(rows, partition, features, labels, where=where):
+            add(rows, partition, features, labels)
+            spooled[where].append(rows.spool is not None and rows.client_file(partition).is_file()
+                                  and rows.spool.is_relative_to(tmp_path / where / "tmp"))
+
+        monkeypatch.setattr(RoundRows, "add", watched)
         train_in_process(tmp_path / where, **{**TINY, **config, "server_rows": where})
+    assert spooled["memory"] == [False] * 4 and spooled["disk"] == [True] * 4
+    assert not list((tmp_path / "disk" / "tmp").glob("server-rows/round-*"))
     memory, disk = RunDirectory.open(tmp_path / "memory"), RunDirectory.open(tmp_path / "disk")
     for round_number in (1, 2):
         a, b = memory.load_checkpoint(round_number), disk.load_checkpoint(round_number)
