@@ -238,3 +238,16 @@ def test_a_secagg_round_in_the_simulation_engine(tmp_path):
                              *SECURE_RUN], env={**os.environ, **QUIET}, capture_output=True, text=True, timeout=400)
     assert result.returncode == 0, result.stderr[-3000:]
     check_secure_run(out)
+
+
+def test_dp_clients_under_secagg_report_the_spend_a_plain_round_records(tmp_path):
+    """--dp-eps with --secagg: each client's DP-SGD noise is inside its masked update and what it spent travels in
+    its clear parts, checked against the server's own accounting as in a plain round: the same epsilons per client
+    and channel, the same noise sent."""
+    keys = ("epsilon", "epsilon_parameters", "epsilon_features", "epsilon_server", "noise_multiplier",
+            "feature_noise_multiplier")
+    secure = trained(tmp_path / "secure", method="eftvit", secagg=True, dp_eps=3.0).metrics()[0]
+    plain = trained(tmp_path / "plain", method="eftvit", dp_eps=3.0).metrics()[0]
+    assert secure["secagg"]["cohort"] == [0, 1, 2] and secure["dropped"] == {}
+    assert {key: secure[key] for key in keys} == {key: plain[key] for key in keys}
+    assert sorted(secure["epsilon"]) == ["0", "1", "2"] and all(0 < e <= 3.0 for e in secure["epsilon"].values())
