@@ -136,10 +136,12 @@ class ReversedArrivals(FakeGrid):
 def test_the_clients_clear_parts_are_used_in_partition_order_whatever_order_they_arrive_in(tmp_path):
     """eftvit's theta trains on the feature rows in the order the uploads are accepted (the order metrics.jsonl
     lists them in): under SecAgg+ too it is the partition order, as in a plain round, whichever node answered
-    first."""
-    shuffled = trained(tmp_path / "shuffled", ReversedArrivals(3), method="eftvit", secagg=True)
-    record = shuffled.metrics()[0]
-    assert list(record["num_examples"]) == list(record["feature_sets"]) == ["0", "1", "2"]
+    first, and whatever ids the nodes have (a deployment's node ids are random, not in partition order)."""
+    for partitions in (None, {100: 2, 101: 0, 102: 1}):
+        shuffled = trained(tmp_path / f"shuffled-{partitions is None}", ReversedArrivals(3, partitions=partitions),
+                           method="eftvit", secagg=True)
+        record = shuffled.metrics()[0]
+        assert list(record["num_examples"]) == list(record["feature_sets"]) == ["0", "1", "2"]
 
 
 def test_a_client_whose_sum_weight_differs_from_its_reported_n_is_named_and_gives_nothing_else(tmp_path):
