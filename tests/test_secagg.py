@@ -142,6 +142,8 @@ def test_the_clients_clear_parts_are_used_in_partition_order_whatever_order_they
                            method="eftvit", secagg=True)
         record = shuffled.metrics()[0]
         assert list(record["num_examples"]) == list(record["feature_sets"]) == ["0", "1", "2"]
+        assert record["upload_bytes"] == {str(k): sum(a.nbytes for a in shuffled.load_upload(1, k, "features").values())
+                                          for k in range(3)}  # in the clear: the features; the update is in the sum
 
 
 def test_a_client_whose_sum_weight_differs_from_its_reported_n_is_named_and_gives_nothing_else(tmp_path):
