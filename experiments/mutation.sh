@@ -94,8 +94,8 @@ SERVER_PINNED_ROUNDS=(
   --deselect=tests/test_server.py::test_without_server_epochs_theta_stays_as_sent
 )
 # the round's features pinned in other subjects' files, a whole run each (about a second): client selection by loss
-# gap, head-pruned LoRA's per-head averages, server rows spooled to disk, a tampering and an adaptive server's rounds
-# (SecAgg+'s rounds: tests/test_secagg.py, 9 s in all)
+# gap, head-pruned LoRA's per-head averages, server rows spooled to disk, a tampering and an adaptive server's rounds,
+# a refusing DP node's spend recorded (SecAgg+'s rounds: tests/test_secagg.py, 9 s in all)
 ROUND_FEATURES=(
   tests/test_headprune.py::test_loss_gap_selection_picks_the_unseen_client_then_the_largest_reported_gap
   tests/test_headprune.py::test_clients_upload_only_their_kept_heads_and_the_server_averages_each_head_by_importance
@@ -103,6 +103,7 @@ ROUND_FEATURES=(
   tests/test_retention.py::test_rows_spooled_to_disk_train_the_same_model_as_rows_in_memory
   tests/test_malicious.py::test_a_label_probe_round_gives_the_class_counts_away
   tests/test_model_check.py::test_an_adaptive_server_stays_within_every_bound_and_moves_as_far_as_they_allow
+  tests/test_ledger.py::test_server_resuming_after_a_client_trained_resends_the_round_and_the_client_refuses
 )
 # tests/test_server.py's hostile replies: the 203 through parse_reply are in the server's and the records'
 # selections, its other tests (whole runs, and the generator's own check) in none
