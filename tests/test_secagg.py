@@ -66,6 +66,8 @@ def test_the_server_ends_with_the_plain_average_and_stores_only_the_aggregate(se
     assert record["dropped"] == {}
     update_bytes = sum(a.nbytes for a in plain_run.load_upload(1, 0, "update").values())
     assert record["secagg"]["received_bytes"] > 3 * update_bytes  # three masked vectors at least
+    model_bytes = sum(t.numel() * t.element_size() for t in run.load_checkpoint(0).values())
+    assert record["secagg"]["sent_bytes"] > 3 * model_bytes  # the model to each of the three, then the stages
     assert run.uploaded_partitions(1) == []  # no client's update on disk
     aggregate = run.load_aggregate(1)
     expected = weighted_average(plain_run, [0, 1, 2])
@@ -149,7 +151,7 @@ def test_the_clients_clear_parts_are_used_in_partition_order_whatever_order_they
 def test_a_client_whose_sum_weight_differs_from_its_reported_n_is_named_and_gives_nothing_else(tmp_path):
     def lie_about_n(node, reply):
         configs = {} if reply.has_error() else reply.content.config_records.get(RECORD_KEY_CONFIGS, {})
-        if node == 102 and Key.MASKED_PARAMETERS in configs:
+        if node == 100 and Key.MASKED_PARAMETERS in configs:
             record = reply.content.config_records["fitres.metrics"]
             metrics = json.loads(record[METRICS_KEY])
             record[METRICS_KEY] = json.dumps({**metrics, "num-examples": metrics["num-examples"] + 1}).encode()
@@ -158,8 +160,8 @@ def test_a_client_whose_sum_weight_differs_from_its_reported_n_is_named_and_give
     run = trained(tmp_path / "secure", FakeGrid(3, tamper=lie_about_n), method="fed-bias", secagg=True)
     record = run.metrics()[0]
     assert record["secagg"]["cohort"] == [0, 1, 2]  # its update is in the sum: the server cannot take it out
-    assert "is weighted by n =" in record["secagg"]["unverified"]["2"]
-    assert sorted(record["num_examples"]) == ["0", "1"]
+    assert "is weighted by n =" in record["secagg"]["unverified"]["0"]
+    assert sorted(record["num_examples"]) == ["1", "2"]  # the clients after it in partition order are still read
 
 
 def test_below_the_reconstruction_threshold_the_round_has_no_sum_and_the_model_stays(tmp_path):
