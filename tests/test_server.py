@@ -460,6 +460,28 @@ def test_upload_spec_is_the_runs_model_and_data(method):
     assert (spec.balance, spec.local_epochs, spec.round_seconds) == ("mean", 3, 77.0)
 
 
+@pytest.mark.parametrize("settings", [dict(dp_eps=3.0, canaries=6), dict(client_selection="loss-gap", clients_per_round=2),
+                                      dict(method="headprune-lora", head_sparsity=0.5)])
+def test_upload_spec_carries_what_each_option_lets_a_reply_hold(settings):
+    """Under DP each client's public schedule and release sizes, with canaries their count and ids among the
+    training images, with loss-gap selection the reported global loss, with head pruning the heads' layout; and
+    none of them otherwise."""
+    from eftguard.federation.client import release_size, schedule_size
+
+    cfg = TrainConfig(model=MICRO_PRESET, clients=3, rounds=1, train_samples=60, test_samples=10,
+                      **settings).resolved()
+    dataset = run_dataset(cfg.dataset, cfg.data_dir, cfg.model, cfg.train_samples, 0, cfg.seed)
+    model = build_model(cfg.model, dataset.num_classes, cfg.local_layers, seed=0,
+                        adapt=method_spec(cfg.method).model_adapter(cfg))
+    spec = upload_spec(model, cfg, dataset)
+    dp, canaries = "dp_eps" in settings, settings.get("canaries", 0)
+    assert spec.dp_sizes == ({k: (schedule_size(cfg, k), release_size(cfg, k)) for k in range(3)} if dp else None)
+    assert spec.canaries == canaries and len(spec.train_ids) == len(dataset.train.ids) + canaries
+    assert spec.reports_global_loss == ("client_selection" in settings)
+    layout = method_spec(cfg.method).heads.upload_layout(model, cfg.head_sparsity)
+    assert (spec.head_index, spec.heads) == layout and (layout != (None, None)) == ("head_sparsity" in settings)
+
+
 def test_dp_budgets_are_one_per_client_that_takes_part_and_none_without_dp():
     cfg = TrainConfig(clients=4, clients_per_round=1, rounds=2, train_samples=80, batch_size=16, dp_eps=3.0,
                       accountant="rdp").resolved()
