@@ -147,13 +147,13 @@ command -v mutmut >/dev/null || { echo "mutation.sh: error: mutmut is not instal
 wanted=("$@")
 for entry in "${MODULES[@]}"; do
   IFS='|' read -r name file tests mutants <<<"$entry"  # mutants: after:NAME, those pass NAME left (MUTANTS overrides)
+  if ((${#wanted[@]})) && [[ " ${wanted[*]} " != *" $name "* ]]; then continue; fi
   if [[ $mutants == after:* && -z ${MUTANTS:-} ]]; then
     before=${mutants#after:} && earlier=mutation-work/$before/results.txt
     [[ -f $earlier ]] || { echo "$name: run $before first (no $earlier)" >&2; continue; }
     mutants=$(sed -nE 's/^ *([^ ]+): (survived|no tests|timeout)$/\1/p' "$earlier" | tr '\n' ' ')
     [[ -n $mutants ]] || { echo "$name: $before left no mutant alive"; continue; }
   fi
-  if ((${#wanted[@]})) && [[ " ${wanted[*]} " != *" $name "* ]]; then continue; fi
   work="mutation-work/$name"
   rm -rf "$work" && mkdir -p "$work"
   git ls-files -co --exclude-standard -z eftguard defenses attacks tests pyproject.toml | xargs -0 cp --parents -t "$work"

@@ -12,7 +12,8 @@ import pytest
 from eftguard.attacks.inversion import TamperedInversion
 from eftguard.attacks.labels import TamperedHeadAttack
 from conftest import attacks_guarded
-from eftguard.audit import run_attack
+from eftguard.attacks.tamper import PROBE_SCALE
+from eftguard.audit import observe, run_attack
 from eftguard.cli import main
 from eftguard.runs import server_threat_of
 from eftguard.config import TAMPERINGS, TrainConfig
@@ -169,9 +170,6 @@ def test_dp_sgd_stops_the_label_probe(tmp_path, micro_preset, monkeypatch):
     public images from the tampered model the round was sent (not the server's own start model, from which the
     probe reads nothing on a trained model) and reads them exactly. On the micro ViT the start model's head reads
     the mix too, so the control's training is watched: it must start from the probe's final LayerNorm."""
-    from eftguard.attacks.tamper import PROBE_SCALE
-    from eftguard.audit import observe
-
     run = train(tmp_path / "dp", config(micro_preset, threat="malicious", tamper="label-probe", model_check=False,
                                         batch_size=64, dp_eps=1.0))
     starts, train_local = [], observe.train_local

@@ -32,7 +32,8 @@ from eftguard.data.plan import client_partition, run_dataset
 from eftguard.defenses.dp import client_budget
 from eftguard.errors import FederationError, Interrupted
 from eftguard.federation import server
-from eftguard.federation.client import client_round, dp_budget, participation, select_clients
+from eftguard.federation.client import (client_round, dp_budget, participation, release_size, schedule_size,
+                                      select_clients)
 from eftguard.federation.records import ClientSettings, UploadError, from_record, to_record
 from eftguard.federation.server import (check_dp_report, discover_nodes, dp_budgets, exchange, load_average,
                                         parse_reply, round_summary, run_server, upload_spec)
@@ -466,8 +467,6 @@ def test_upload_spec_carries_what_each_option_lets_a_reply_hold(settings):
     """Under DP each client's public schedule and release sizes, with canaries their count and ids among the
     training images, with loss-gap selection the reported global loss, with head pruning the heads' layout; and
     none of them otherwise."""
-    from eftguard.federation.client import release_size, schedule_size
-
     cfg = TrainConfig(model=MICRO_PRESET, clients=3, rounds=1, train_samples=60, test_samples=10,
                       **settings).resolved()
     dataset = run_dataset(cfg.dataset, cfg.data_dir, cfg.model, cfg.train_samples, 0, cfg.seed)
