@@ -135,7 +135,7 @@ MODULES=(
   "records|eftguard/federation/records.py|tests/test_server.py ${SERVER_RUNS[*]} ${SERVER_PINNED_ROUNDS[*]} ${HOSTILE_RUNS[*]} --deselect=tests/test_server.py::test_the_average_is_loaded_with_strict_keys"
   # server.py in two passes: its functions called directly; then what that leaves alive against the whole rounds
   # pinned on exact values (the micro ViT, about 1 s each: against every mutant, 10-60 s per survivor of 1500)
-  "server|eftguard/federation/server.py|tests/test_server.py ${SERVER_RUNS[*]} ${HOSTILE_RUNS[*]} ${SERVER_PINNED_ROUNDS[*]} tests/test_dp_server_training.py tests/test_secagg.py"
+  "server|eftguard/federation/server.py|tests/test_server.py tests/test_validation.py ${SERVER_RUNS[*]} ${HOSTILE_RUNS[*]} ${SERVER_PINNED_ROUNDS[*]} tests/test_dp_server_training.py tests/test_secagg.py"
   "server_rounds|eftguard/federation/server.py|${SERVER_PINNED_ROUNDS[*]//--deselect=/} ${ROUND_FEATURES[*]} tests/test_secagg.py|after:server"
   "client|eftguard/federation/client.py|tests/test_client.py ${CLIENT_ROUNDS[*]} tests/test_model_check.py"
   "apps|eftguard/federation/apps.py|tests/test_apps.py"

@@ -17,7 +17,6 @@ from eftguard.defenses.dp import PrivacyBudgetError
 from eftguard.defenses.ledger import SPENT_NOTE, LedgerError, PrivacyLedger, Spend, Terms, spent_per_channel
 from eftguard.defenses.model_check import ModelCheck, ModelCheckError
 from eftguard.device import compute_device
-from eftguard.errors import ConfigError
 from eftguard.federation import apps
 from eftguard.federation.client import ClientUpload
 from eftguard.federation.records import ClientSettings, UploadError, from_record, to_record
@@ -137,10 +136,28 @@ def test_bad_node_ceiling_is_a_refusal_not_a_crash(rounds):
     assert rounds == []
 
 
-@pytest.mark.parametrize("value", ["yes", 1, None])
-def test_share_truth_must_be_a_boolean(value):
-    with pytest.raises(ValueError, match=f"^share-truth must be true or false, got {value!r}$"):
-        apps._node_flag(value)
+@pytest.mark.parametrize("key, value, expected", [
+    ("share-truth", "yes", "true or false, got 'yes'"), ("share-truth", 1, "true or false, got 1"),
+    ("share-truth", None, "true or false, got None"), ("model-check", "yes", "true or false, got 'yes'"),
+    ("noise-secret", "seven", "an integer, got 'seven'"), ("noise-secret", 7.5, "an integer, got 7.5"),
+    ("noise-secret", True, "an integer, got True"), ("max-epsilon", "two", "a number, got 'two'"),
+    ("max-epsilon", False, "a number, got False")])
+def test_a_node_config_value_that_can_never_work_is_a_refusal_naming_its_key(rounds, tmp_path, key, value,
+                                                                             expected):
+    """A hand-written --node-config (not eftguard supernode's): the node answers with a refusal the server records,
+    not an exception out of the ClientApp."""
+    reply = train({"ledger-dir": str(tmp_path), key: value})
+    assert reply.has_error() and reply.error.code == ErrorCode.CLIENT_APP_RAISED_EXCEPTION
+    assert reply.error.reason == f"client refuses: node config {key} must be {expected}"
+    assert rounds == []
+
+
+@pytest.mark.parametrize("key, value, parsed", [("noise-secret", "11", 11), ("max-epsilon", "2.5", 2.5),
+                                                ("max-epsilon", 3, 3.0)])
+def test_node_config_numbers_may_be_strings(rounds, tmp_path, key, value, parsed):
+    train({"ledger-dir": str(tmp_path), key: value})
+    [call] = rounds
+    assert (call["secret"] if key == "noise-secret" else call["ledger"].max_epsilon) == parsed
 
 
 def test_handshake_names_the_nodes_partition():
@@ -195,8 +212,8 @@ def test_the_node_trains_where_its_node_config_says(monkeypatch, rounds, node_co
 
 def test_a_node_asked_for_a_gpu_torch_does_not_find_trains_nothing(monkeypatch, rounds):
     gpus_found(monkeypatch, 0)
-    with pytest.raises(ConfigError, match=r"^--device cuda: torch finds no CUDA GPU here"):
-        train({"device": "cuda"})
+    reply = train({"device": "cuda"})
+    assert reply.error.reason.startswith("client refuses: --device cuda: torch finds no CUDA GPU here")
     assert rounds == []
 
 
@@ -237,11 +254,9 @@ def test_a_node_that_does_not_check_models_trains_without_a_check(rounds, anchor
     assert rounds[-1]["model_check"] is None
 
 
-@pytest.mark.parametrize("node_config, key", [({"model-check": "yes"}, "model-check"),
-                                              ({"model-check": True, "trust-first-model": 1}, "trust-first-model")])
-def test_a_model_check_flag_that_is_not_a_boolean_is_named_and_nothing_trains(rounds, anchors, node_config, key):
-    with pytest.raises(ValueError, match=f"^{key} must be true or false, got "):
-        train(node_config)
+def test_a_trust_first_model_flag_that_is_not_a_boolean_is_refused_when_the_check_is_on(rounds, anchors):
+    reply = train({"model-check": True, "trust-first-model": 1})
+    assert reply.error.reason == "client refuses: node config trust-first-model must be true or false, got 1"
     assert rounds == []
 
 

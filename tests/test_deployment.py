@@ -610,6 +610,12 @@ def test_loopback_is_recognised_in_every_spelling(host, loopback):
     assert deployment.is_loopback(host) is loopback
 
 
+@pytest.mark.parametrize("host, inner", [("[::1]", "::1"), ("::1", "::1"), ("127.0.0.1", "127.0.0.1"),
+                                         ("[[::1]]", "[::1]"), ("[::1", "[::1"), ("fl.example.org", "fl.example.org")])
+def test_exactly_one_pair_of_brackets_is_taken_off(host, inner):
+    assert deployment.unbracketed(host) == inner
+
+
 def test_a_port_other_processes_must_be_told_cannot_be_left_to_chance():
     with pytest.raises(ConfigError, match=r"^--port must be a fixed port \(1..65535\), not 0: other processes connect "
                                           r"to it$"):

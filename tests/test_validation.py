@@ -3,7 +3,9 @@
 Each case is a reply a broken or hostile client could send; the full-server versions (over the in-process
 grid) are in test_server.py."""
 
+import dataclasses
 import io
+import json
 
 import numpy as np
 import pytest
@@ -12,7 +14,8 @@ from flwr.app import Array, ArrayRecord, ConfigRecord, Error, Message, Metadata,
 from eftguard.config import TrainConfig
 from eftguard.data.plan import run_dataset
 from eftguard.federation.records import UploadError, from_record, to_record
-from eftguard.federation.server import parse_reply, upload_spec
+from eftguard.federation import secagg
+from eftguard.federation.server import parse_clear, parse_reply, upload_spec
 from eftguard.federation.validation import (MAX_FEATURE_VALUE, MAX_LOSS, MAX_PARAMETER_VALUE, max_feature_sets,
                                             validate_features, validate_metrics, validate_truth)
 from eftguard.methods import method_spec
@@ -449,3 +452,56 @@ def test_loss_gap_replies_carry_a_finite_global_loss_and_it_is_kept(good, spec):
         validate_metrics(ConfigRecord(metrics), 2, gap)
     with pytest.raises(UploadError, match="global-loss"):
         validate_metrics(ConfigRecord({**metrics, "global-loss": float("nan")}), 2, gap)
+
+
+def clear_parts(update, features, truth, metrics):
+    """A --secagg reply's FitRes metrics as the server receives them: the metrics as JSON, each clear array as npy
+    bytes (secagg.as_fitres)."""
+    parts = {secagg.METRICS_KEY: json.dumps(metrics).encode()}
+    for part, arrays in (("features", features), ("truth", truth)):
+        parts |= {f"{secagg.CLEAR_PREFIX}{part}.{k}": a.data for k, a in to_record(arrays).items()}
+    return parts
+
+
+@pytest.mark.parametrize("secure", [False, True], ids=["plain", "secagg"])
+def test_a_dp_reply_holds_exactly_the_feature_rows_its_public_schedule_releases(good, spec, secure):
+    """Under --dp-eps the row count is public (release_size), so a reply with one row more or fewer is refused:
+    rows beyond it would be outside the accounting, and the count itself must not depend on the data. Another
+    partition's count is not this one's."""
+    dp_spec = dataclasses.replace(spec, dp_sizes={1: (40, 7), 2: (40, 5), 3: (40, 40)})
+
+    def parse(features, truth):
+        if secure:
+            return parse_clear(clear_parts(good[0], features, truth, good[3]), 40, 2, dp_spec, "eftvit", True)
+        return parse_reply(reply_for(good[0], features, truth, good[3]), 2, dp_spec, "eftvit")
+
+    upload, truth = parse(good[1], good[2])
+    assert len(upload.features["labels"]) == 5 and len(truth["sample_ids"]) == 5
+    for rows in (4, 6):
+        features = {k: np.resize(v, (rows, *v.shape[1:])) for k, v in good[1].items()}
+        truth = {**good[2], "sample_ids": np.resize(good[2]["sample_ids"], rows),
+                 "kept_ids": np.resize(good[2]["kept_ids"], (rows, 16))}
+        with pytest.raises(UploadError, match=rf"^features 'features' declares shape \({rows}, 17, 192\): "
+                                              r"expected 5\.\.5 rows$"):
+            parse(features, truth)
+
+
+@pytest.mark.parametrize("part, record_truth, named", [
+    ("truth", False, "clear.truth"), ("heads", True, "clear.heads"), ("bogus", True, "clear.bogus"),
+    ("plain-key", True, "plain-key")])
+def test_a_secagg_reply_with_a_part_the_run_did_not_ask_for_is_refused_as_without_secagg(good, spec, part,
+                                                                                       record_truth, named):
+    """parse_clear refuses what parse_reply refuses: truth to a run that does not record it, heads, anything else."""
+    honest = clear_parts(good[0], good[1], good[2] if record_truth else {}, good[3])
+    assert (parse_clear(honest, 40, 2, spec, "eftvit", record_truth)[1] is None) == (not record_truth)
+    extra = {"plain-key": 1} if part == "plain-key" else {f"{secagg.CLEAR_PREFIX}{part}.{k}": b"x" for k in "ab"}
+    with pytest.raises(UploadError, match=rf"^reply has unexpected parts \['{named}'\]$"):
+        parse_clear({**honest, **extra}, 40, 2, spec, "eftvit", record_truth)
+
+
+def test_a_secagg_reply_without_truth_parses_and_keeps_its_global_loss(good, spec):
+    gap = dataclasses.replace(spec, reports_global_loss=True)
+    upload, truth = parse_clear(clear_parts(good[0], good[1], {}, {**good[3], "global-loss": 1.25}), 40, 2, gap,
+                                "eftvit", True)
+    assert truth is None and upload.global_loss == 1.25 and upload.update == {}
+    assert upload.features["labels"].tolist() == [0, 1, 2, 3, 9]

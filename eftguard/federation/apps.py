@@ -37,6 +37,7 @@ from eftguard.defenses.dp import PrivacyBudgetError
 from eftguard.defenses.ledger import SPENT_NOTE, LedgerError, PrivacyLedger, spent_per_channel
 from eftguard.defenses.model_check import ModelCheck, ModelCheckError
 from eftguard.device import computing_on, resolve_device
+from eftguard.errors import ConfigError
 from eftguard.federation import secagg, server
 from eftguard.federation.client import ClientUpload, client_round, initial_model
 from eftguard.federation.records import ClientSettings, from_record, to_record
@@ -50,13 +51,24 @@ def _node_partition(context: Context) -> tuple[int, int]:
     return int(context.node_config["partition-id"]), int(context.node_config["num-partitions"])
 
 
-def _node_flag(value, key: str = "share-truth") -> bool:
+def _node_flag(value, key: str) -> bool:
     """A node-config boolean: TOML true/false, or the strings "true"/"false"."""
     if isinstance(value, str) and value.lower() in ("true", "false"):
         return value.lower() == "true"
     if isinstance(value, bool):
         return value
-    raise ValueError(f"{key} must be true or false, got {value!r}")
+    raise ConfigError(f"node config {key} must be true or false, got {value!r}")
+
+
+def _node_number(value, key: str, kind: type[int] | type[float]):
+    """A node-config number (TOML or a string of one): a boolean or a float for an integer is refused, not cast."""
+    try:
+        if isinstance(value, bool) or (kind is int and isinstance(value, float)):
+            raise ValueError
+        return kind(value)
+    except (TypeError, ValueError):
+        raise ConfigError(f"node config {key} must be {'an integer' if kind is int else 'a number'}, "
+                          f"got {value!r}") from None
 
 
 def describe(msg: Message, context: Context) -> Message:
@@ -81,12 +93,13 @@ def plain_train(msg: Message, context: Context, node_defaults: dict | None = Non
     node = {**(node_defaults or {}), **context.node_config}
     partition, partitions = _node_partition(context)
     settings = ClientSettings.from_record(msg.content["settings"])
-    secret = int(node["noise-secret"]) if "noise-secret" in node else secrets.randbelow(2**62) + 1
-    share_truth = _node_flag(node.get("share-truth", False))
     ledger = None
-    try:
+    try:  # a node-config value that can never work refuses every round, with its key named in the server's record
+        secret = (_node_number(node["noise-secret"], "noise-secret", int) if "noise-secret" in node
+                  else secrets.randbelow(2**62) + 1)
+        share_truth = _node_flag(node.get("share-truth", False), "share-truth")
         folder = Path(str(node.get("ledger-dir") or default_ledger_dir()))
-        ledger = PrivacyLedger(folder, partition, float(node.get("max-epsilon", 0.0)),
+        ledger = PrivacyLedger(folder, partition, _node_number(node.get("max-epsilon", 0.0), "max-epsilon", float),
                                node.get("ledger-mark-dir") or None)
         check = None
         if _node_flag(node.get("model-check", False), "model-check"):
@@ -96,7 +109,7 @@ def plain_train(msg: Message, context: Context, node_defaults: dict | None = Non
         with computing_on(resolve_device(str(node.get("device", "cpu")))):
             upload = client_round(settings, from_record(msg.content["model"], "model"), partition, partitions,
                                   secret, ledger, check)
-    except (PrivacyBudgetError, LedgerError, ModelCheckError) as exc:  # a refusal: recorded by the server as dropped
+    except (ConfigError, PrivacyBudgetError, LedgerError, ModelCheckError) as exc:  # recorded by the server as dropped
         return Message(error=Error(ErrorCode.CLIENT_APP_RAISED_EXCEPTION,
                                    f"client refuses{spent_note(ledger, settings.run_id)}: {exc}"), reply_to=msg)
     return Message(RecordDict(reply_content(upload, partition, settings.record_truth and share_truth)),

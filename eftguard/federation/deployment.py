@@ -182,7 +182,7 @@ def check_address(address: str, flag: str = "--superlink") -> None:
     line before any process starts: Flower retries an address it cannot reach forever."""
     host, colon, port = address.rpartition(":")
     bracketed = host.startswith("[") and host.endswith("]")
-    inner = host[1:-1] if bracketed else host  # one pair of brackets: "[127.0.0.1" or "[[::1]" is no host
+    inner = unbracketed(host)  # one pair of brackets: "[127.0.0.1" or "[[::1]" is no host
     try:
         ipaddress.ip_address(inner)
         valid_host = bracketed == (":" in inner)  # an IPv6 address in brackets, any other without
@@ -193,9 +193,14 @@ def check_address(address: str, flag: str = "--superlink") -> None:
                           "port in 1..65535), e.g. 127.0.0.1:9092")
 
 
+def unbracketed(host: str) -> str:
+    """The address inside one pair of brackets ("[::1]" -> "::1"), as sockets and certificates name it."""
+    return host[1:-1] if host.startswith("[") and host.endswith("]") else host
+
+
 def is_loopback(host: str) -> bool:
     try:
-        return ipaddress.ip_address(host.strip("[]")).is_loopback
+        return ipaddress.ip_address(unbracketed(host)).is_loopback
     except ValueError:
         return host == "localhost"
 
@@ -206,7 +211,7 @@ def bind_listener(host: str, port: int, flag: str) -> socket.socket:
     if not 0 <= port <= 65535:
         raise ConfigError(f"{flag} {port} is not a port number (0..65535)")
     try:
-        family, kind, proto, _, address = socket.getaddrinfo(host.strip("[]"), port, type=socket.SOCK_STREAM,
+        family, kind, proto, _, address = socket.getaddrinfo(unbracketed(host), port, type=socket.SOCK_STREAM,
                                                              flags=socket.AI_PASSIVE)[0]
     except socket.gaierror:
         raise ConfigError(f"{host} is not an address of this host: check --host / --control-host") from None
@@ -259,7 +264,7 @@ def _check_names_control_host(server_cert: Path, control_host: str) -> None:
         raise ConfigError(f"{server_cert} is not a server certificate from eftguard certs: recreate it") from None
     check_valid_now(certificate, str(server_cert))
     addresses = {str(ip) for ip in names.get_values_for_type(x509.IPAddress)}
-    if control_host.strip("[]") not in addresses | set(names.get_values_for_type(x509.DNSName)):
+    if unbracketed(control_host) not in addresses | set(names.get_values_for_type(x509.DNSName)):
         raise ConfigError(f"{server_cert} does not name the Control address {control_host}: recreate the "
                           f"certificates with eftguard certs --san {control_host} ... --force")
 
@@ -311,7 +316,7 @@ def _wait_until_listening(process: subprocess.Popen, host: str, port: int, secon
     deadline = time.monotonic() + seconds
     while process.poll() is None and time.monotonic() < deadline:
         try:
-            socket.create_connection((host.strip("[]"), port), timeout=1).close()
+            socket.create_connection((unbracketed(host), port), timeout=1).close()
             return
         except OSError:
             time.sleep(0.2)

@@ -229,6 +229,15 @@ def clear_part(metrics: dict, part: str) -> ArrayRecord | None:
     return ArrayRecord(arrays)
 
 
+def reply_parts(metrics: dict) -> set[str]:
+    """What a reply's FitRes metrics hold: METRICS_KEY, and CLEAR_PREFIX + each part sent in the clear (features,
+    heads, truth), each key counted once per part; any other key as it is."""
+    parts = set()
+    for key in map(str, metrics):
+        parts.add(CLEAR_PREFIX + key[len(CLEAR_PREFIX):].partition(".")[0] if key.startswith(CLEAR_PREFIX) else key)
+    return parts
+
+
 def metrics_record(metrics: dict) -> ConfigRecord:
     """The metrics record a node's reply holds without --secagg, decoded from its FitRes metrics."""
     try:

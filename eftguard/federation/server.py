@@ -463,17 +463,23 @@ def parse_clear(metrics: dict, weight: int, partition: int, spec: UploadSpec, me
     """A --secagg reply's clear parts (its update is only in the sum, weighted by `weight`): metrics, eftvit's
     features and the auditor's truth, validated as parse_reply validates them; raises UploadError naming what is
     wrong."""
+    uploads_features = method_spec(method).uploads_features
+    allowed = {secagg.METRICS_KEY} | {secagg.CLEAR_PREFIX + part for part, wanted in
+                                      (("features", uploads_features), ("truth", record_truth)) if wanted}
+    extra = sorted(secagg.reply_parts(metrics) - allowed)
+    if extra:
+        raise UploadError(f"reply has unexpected parts {[name[:40] for name in extra[:3]]}")
     reported = validate_metrics(secagg.metrics_record(metrics), partition, spec)
     if reported.num_examples != weight:
         raise UploadError(f"its update is weighted by n = {weight} in the sum, it reports n = {reported.num_examples}")
     features = None
-    if method_spec(method).uploads_features:
+    if uploads_features:
         record = secagg.clear_part(metrics, "features")
         if record is None:
             raise UploadError("reply has no features")
         rows = spec.dp_sizes[partition][1] if spec.dp_sizes else None
         features = validate_features(record, spec, reported.num_examples, rows)
-    record = secagg.clear_part(metrics, "truth") if record_truth else None
+    record = secagg.clear_part(metrics, "truth")
     truth = None if record is None else validate_truth(record, spec, reported.num_examples,
                                                        len(features["labels"]) if features else None)
     upload_bytes = sum(a.nbytes for a in (features or {}).values())
