@@ -103,6 +103,28 @@ def test_a_client_dropping_after_sharing_its_keys_leaves_the_others_sum(tmp_path
         np.testing.assert_allclose(aggregate[key], expected[key], atol=1e-4)
 
 
+class SilentAfterKeys(FakeGrid):
+    """Node 102 shares its keys, then goes silent: its masked vector never arrives (no reply, not an error)."""
+
+    def push_messages(self, messages):
+        ids = super().push_messages(messages)
+        for message_id in ids:
+            reply = self.outbox[message_id]
+            configs = {} if reply.has_error() else reply.content.config_records.get(RECORD_KEY_CONFIGS, {})
+            if reply.metadata.src_node_id == 102 and Key.MASKED_PARAMETERS in configs:
+                del self.outbox[message_id]
+        return ids
+
+
+def test_a_client_silent_after_sharing_its_keys_is_waited_for_only_until_the_round_timeout(tmp_path, plain_run):
+    run = trained(tmp_path / "secure", SilentAfterKeys(3), method="fed-bias", secagg=True, round_timeout=1.0)
+    record = run.metrics()[0]
+    assert record["secagg"]["cohort"] == [0, 1] and list(record["dropped"]) == ["2"]
+    aggregate, expected = run.load_aggregate(1), weighted_average(plain_run, [0, 1])
+    for key in expected:
+        np.testing.assert_allclose(aggregate[key], expected[key], atol=1e-4)
+
+
 def test_a_stop_request_inside_a_secagg_round_ends_the_run_before_the_round_is_recorded(tmp_path):
     """Ctrl-C (or SIGTERM) while the nodes answer a SecAgg+ stage: the server stops at its next poll, inside the
     round, and leaves nothing of it behind; the run resumes from there."""

@@ -20,6 +20,7 @@ import numpy as np
 import pytest
 import torch
 from flwr.app import Array, ArrayRecord, ConfigRecord, Error, Message, Metadata, RecordDict
+from flwr.common.constant import ErrorCode
 from rich.console import Console
 from rich.progress import Progress
 
@@ -35,8 +36,9 @@ from eftguard.federation import server
 from eftguard.federation.client import (client_round, dp_budget, participation, release_size, schedule_size,
                                       select_clients)
 from eftguard.federation.records import ClientSettings, UploadError, from_record, to_record
-from eftguard.federation.server import (check_dp_report, discover_nodes, dp_budgets, exchange, load_average,
-                                        parse_reply, round_summary, run_server, upload_spec)
+from eftguard.federation.server import (AcceptedUpload, check_dp_report, client_timings, discover_nodes, dp_budgets,
+                                        exchange, load_average, parse_reply, privacy_metrics, round_summary,
+                                        run_server, upload_spec)
 from eftguard.masking import kept_token_count
 from eftguard.methods import method_spec
 from eftguard.model import build_model
@@ -553,6 +555,68 @@ def test_dp_report_of_a_parameters_only_budget_needs_no_feature_keys():
     parameters_only = client_budget(3.0, 1e-3, "rdp", 64, 16, 1, (1,), noise_multiplier=1.0)
     report = {k: v for k, v in HONEST_REPORT.items() if "feature" not in k}
     assert check_dp_report(ConfigRecord(report), parameters_only, 3.0) == {"total": 2.0, "parameters": 1.4}
+
+
+def test_the_round_records_privacy_keys_per_channel_and_all_six_none_without_dp():
+    """metrics.jsonl's privacy keys: the same six in every run, None without DP; a parameters-only budget has no
+    feature keys' values; the server's own epsilon and the noise are per selected client (its schedule), the spends
+    per reporting client."""
+    keys = ("epsilon", "epsilon_parameters", "epsilon_features", "epsilon_server", "noise_multiplier",
+            "feature_noise_multiplier")
+    assert privacy_metrics({}, [0, 1], 1, {}) == dict.fromkeys(keys)
+    parameters_only = client_budget(3.0, 1e-3, "rdp", 64, 16, 1, (1,), noise_multiplier=1.0)
+    spent = {"total": 2.0, "parameters": 2.0}
+    record = privacy_metrics({0: parameters_only, 1: parameters_only}, [0, 1], 1, {"1": spent})
+    assert record == {"epsilon": {"1": 2.0}, "epsilon_parameters": {"1": 2.0}, "epsilon_features": None,
+                      "epsilon_server": {str(p): parameters_only.epsilon_after(1) for p in (0, 1)},
+                      "noise_multiplier": {"0": 1.0, "1": 1.0}, "feature_noise_multiplier": None}
+    record = privacy_metrics({0: BUDGET, 2: BUDGET}, [2], 1, {"2": spent_of(HONEST_REPORT)})
+    assert record == {"epsilon": {"2": 2.0}, "epsilon_parameters": {"2": 1.4}, "epsilon_features": {"2": 1.3},
+                      "epsilon_server": {"2": BUDGET.epsilon_after(1)}, "noise_multiplier": {"2": 1.0},
+                      "feature_noise_multiplier": {"2": 2.0}}
+    refused = privacy_metrics({0: BUDGET}, [0], 1, {"0": {"total": 0.5}})  # a refusal reports its total only
+    assert (refused["epsilon"], refused["epsilon_parameters"], refused["epsilon_features"]) == ({"0": 0.5}, {}, {})
+
+
+def test_client_timings_are_per_client_totals_and_means_per_epoch_of_any_count():
+    uploads = [AcceptedUpload(3, {}, None, 10, 1.0, [0.5], [0.875], 0),
+               AcceptedUpload(1, {}, None, 10, 1.0, [0.5, 0.25], [1.0, 0.5], 0),
+               AcceptedUpload(2, {}, None, 10, 1.0, [], [], 0)]
+    assert client_timings(uploads, withheld=False) == {
+        "client_seconds": {"3": 0.5, "1": 0.75, "2": 0.0},
+        "client_epoch_seconds": {"3": 0.5, "1": 0.375, "2": 0.0},
+        "client_epoch_cpu_seconds": {"3": 0.875, "1": 0.75, "2": 0.0}}
+    assert client_timings(uploads, withheld=True) == dict.fromkeys(
+        ("client_seconds", "client_epoch_seconds", "client_epoch_cpu_seconds"))
+
+
+@pytest.mark.parametrize("precision, schedule", [("fp32", "constant"), ("bf16", "cosine")])
+def test_server_training_uses_the_rounds_lr_and_the_runs_precision(monkeypatch, precision, schedule):
+    """theta trains on the accepted clients' rows at --server-lr times the round's schedule factor (cosine: below
+    1 in round 2), in the run's --precision."""
+    calls = []
+
+    class Rows:
+        def tensors(self, partitions):
+            calls.append(("rows", partitions))
+            return torch.zeros(2, 3), torch.zeros(2, dtype=torch.long)
+
+    def train_global(model, features, labels, optim, generator, progress, precision):
+        calls.append(("train", optim, precision))
+        return server.TrainResult(0.25, 1, [0.5])
+
+    monkeypatch.setattr(server, "load_average", lambda model, averaged: calls.append(("load", averaged)))
+    monkeypatch.setattr(server, "train_global", train_global)
+    cfg = TrainConfig(rounds=3, server_lr=0.01, lr_schedule=schedule, precision=precision, server_epochs=2,
+                      batch_size=8, weight_decay=0.125).resolved()
+    uploads = [AcceptedUpload(p, {}, None, 10, 1.0, [], [], 0) for p in (4, 1)]
+    with Progress(console=Console(file=io.StringIO())) as progress:
+        result = server.train_server(cfg, None, {"x": 1}, uploads, Rows(), 2, progress, None)
+    factor = cfg.lr_factor(2)
+    assert (factor == 1.0) == (schedule == "constant")
+    assert calls == [("load", {"x": 1}), ("rows", [4, 1]),
+                     ("train", OptimConfig(2, 8, pytest.approx(0.01 * factor), 0.125), precision)]
+    assert result == (0.25, 0.5, None)  # the loss and seconds of its training
 
 
 def out_of_range(channel: str, value: float) -> str:
@@ -1077,6 +1141,42 @@ def test_client_without_a_reply_is_dropped_as_late(tmp_path, micro_preset, monke
     [record] = run.metrics()
     assert record["dropped"] == {"1": "no reply within 90 s"} and sorted(record["num_examples"]) == ["0", "2"]
     assert run.uploaded_partitions(1) == [0, 2]
+
+
+class RecordingThreat:
+    """A ServerThreat that sends the server's own model and records which clients the server tells it accepted."""
+
+    def __init__(self):
+        self.told = []
+
+    def prepare(self, initial, current):
+        pass
+
+    def tampering(self, round_number):
+        return None
+
+    def sent(self, round_number, partitions, state):
+        return {p: state for p in partitions}
+
+    def accepted(self, round_number, partitions):
+        self.told.append((round_number, partitions))
+
+
+def test_a_threat_is_told_the_clients_that_trained_on_its_model_not_those_that_refused(tmp_path, micro_preset):
+    """An adaptive server learns who refused (an error reply): client 1 refuses, client 2 trains but uploads NaN
+    features (dropped, yet it did train on what it was sent)."""
+    def tamper(node, reply):
+        if node == 101 and reply.metadata.message_type == "train":
+            return Message(error=Error(ErrorCode.CLIENT_APP_RAISED_EXCEPTION, "client refuses: check"),
+                           metadata=reply.metadata)
+        return tamper_train(102, nan_features)(node, reply)
+
+    cfg = config(micro_preset, threat="adaptive", tamper="label-probe")  # its own model sent: RecordingThreat.sent
+    run = RunDirectory.create(tmp_path / "run", cfg)
+    threat = RecordingThreat()
+    run_server(FakeGrid(3, tamper=tamper), run.path, threat)
+    assert threat.told == [(1, [0, 2])]
+    assert sorted(run.metrics()[0]["dropped"]) == ["1", "2"]
 
 
 def test_round_without_a_valid_reply_keeps_the_model_and_the_run_goes_on(tmp_path, micro_preset, capsys):

@@ -505,3 +505,16 @@ def test_a_secagg_reply_without_truth_parses_and_keeps_its_global_loss(good, spe
                                 "eftvit", True)
     assert truth is None and upload.global_loss == 1.25 and upload.update == {}
     assert upload.features["labels"].tolist() == [0, 1, 2, 3, 9]
+
+
+def test_a_secagg_reply_names_at_most_three_unexpected_parts_each_cut_to_40_characters_and_needs_its_features(
+        good, spec):
+    honest = clear_parts(good[0], good[1], good[2], good[3])
+    hostile = {f"{secagg.CLEAR_PREFIX}{name * 50}.x": b"" for name in "abcd"}
+    names = [f"{secagg.CLEAR_PREFIX}{name * 50}"[:40] for name in "abc"]
+    with pytest.raises(UploadError) as refused:
+        parse_clear({**honest, **hostile}, 40, 2, spec, "eftvit", True)
+    assert str(refused.value) == f"reply has unexpected parts {names}"
+    without_features = {k: v for k, v in honest.items() if not k.startswith(f"{secagg.CLEAR_PREFIX}features.")}
+    with pytest.raises(UploadError, match="^reply has no features$"):
+        parse_clear(without_features, 40, 2, spec, "eftvit", True)
