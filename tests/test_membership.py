@@ -351,8 +351,8 @@ def test_upload_on_a_run_that_uploads_no_features_names_the_targets_that_apply(u
     assert not (tmp_path / "out").exists()
 
 
-def test_reference_models_are_trained_once_and_reused(eftvit_run, tmp_path, monkeypatch):
-    from eftguard.federation import inprocess
+def test_reference_models_are_trained_once_and_reused(eftvit_run, tmp_path, monkeypatch, capsys):
+    from eftguard.federation import inprocess, server
 
     trained = []
     original = inprocess.train_in_process
@@ -361,6 +361,7 @@ def test_reference_models_are_trained_once_and_reused(eftvit_run, tmp_path, monk
     offline = {"variant": "offline", "references": 1, "candidates": 20, "references_dir": cache, "power_check": False}
     first = run_attack(eftvit_run, "membership", "lira", **offline)
     assert len(trained) == 1
+    assert "round 1/" not in capsys.readouterr().err and not server.console.quiet  # its rounds print nothing
     stamps = {p: p.stat().st_mtime_ns for p in cache.rglob("*.safetensors")}
     second = run_attack(eftvit_run, "membership", "lira", **offline)
     assert len(trained) == 1  # nothing retrained

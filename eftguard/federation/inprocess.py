@@ -11,7 +11,7 @@ from pathlib import Path
 from flwr.app import Context, Message, Metadata, RecordDict
 from flwr.supercore.task_identity import TaskIdentity
 
-from eftguard.federation import apps
+from eftguard.federation import apps, server
 from eftguard.federation.server import run_server
 from eftguard.federation.simulation import forget_received_models, simulated_node_defaults
 from eftguard.rundir import RunDirectory
@@ -89,6 +89,10 @@ def train_in_process(run_dir: Path, clients: int) -> None:
     they accepted until the run has all its rounds. Server and nodes compute on the command's compute device
     (eftguard.device.computing_on)."""
     cfg = RunDirectory.open(run_dir).config()
-    with task_identity():
-        run_server(InProcessGrid(clients, simulated_node_defaults(run_dir, cfg)), Path(run_dir))
+    quiet, server.console.quiet = server.console.quiet, True  # a reference model is one step of its caller's progress
+    try:  # bar, not rounds and budget tables in the audit's log
+        with task_identity():
+            run_server(InProcessGrid(clients, simulated_node_defaults(run_dir, cfg)), Path(run_dir))
+    finally:
+        server.console.quiet = quiet
     forget_received_models(run_dir, cfg)
