@@ -580,7 +580,7 @@ def test_the_round_records_privacy_keys_per_channel_and_all_six_none_without_dp(
 
 def test_client_timings_are_per_client_totals_and_means_per_epoch_of_any_count():
     """Rounded to 0.1 ms."""
-    uploads = [AcceptedUpload(3, {}, None, 10, 1.0, [0.500004], [0.875004], 0),
+    uploads = [AcceptedUpload(3, {}, None, 10, 1.0, [0.500006], [0.875006], 0),
                AcceptedUpload(1, {}, None, 10, 1.0, [0.5, 0.25], [1.0, 0.5], 0),
                AcceptedUpload(2, {}, None, 10, 1.0, [], [], 0)]
     assert client_timings(uploads, withheld=False) == {
