@@ -1180,6 +1180,24 @@ def test_a_threat_is_told_the_clients_that_trained_on_its_model_not_those_that_r
     assert sorted(run.metrics()[0]["dropped"]) == ["1", "2"]
 
 
+def test_a_bf16_run_trains_and_evaluates_in_bf16(tmp_path, micro_preset, monkeypatch):
+    """--precision reaches the server's own passes: θ's training and the round's test accuracy."""
+    precisions = []
+
+    def recording(name):
+        real = getattr(server, name)
+
+        def call(*args, **kwargs):
+            precisions.append((name, kwargs.get("precision", args[-1])))
+            return real(*args, **kwargs)
+        return call
+
+    for name in ("evaluate", "train_global"):
+        monkeypatch.setattr(server, name, recording(name))
+    train(tmp_path / "run", config(micro_preset, precision="bf16"))
+    assert precisions == [("train_global", "bf16"), ("evaluate", "bf16")]
+
+
 def test_round_without_a_valid_reply_keeps_the_model_and_the_run_goes_on(tmp_path, micro_preset, capsys):
     def fail(reply):
         del reply.content["metrics"]["loss"]
