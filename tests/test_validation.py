@@ -5,16 +5,16 @@ grid) are in test_server.py."""
 
 import dataclasses
 import io
-import json
 
+import flwr.compat.common.recorddict_compat as compat
 import numpy as np
 import pytest
 from flwr.app import Array, ArrayRecord, ConfigRecord, Error, Message, Metadata, RecordDict
 
 from eftguard.config import TrainConfig
 from eftguard.data.plan import run_dataset
-from eftguard.federation.records import UploadError, from_record, to_record
 from eftguard.federation import secagg
+from eftguard.federation.records import UploadError, from_record, to_record
 from eftguard.federation.server import parse_clear, parse_reply, upload_spec
 from eftguard.federation.validation import (MAX_FEATURE_VALUE, MAX_LOSS, MAX_PARAMETER_VALUE, max_feature_sets,
                                             validate_features, validate_metrics, validate_truth)
@@ -455,12 +455,10 @@ def test_loss_gap_replies_carry_a_finite_global_loss_and_it_is_kept(good, spec):
 
 
 def clear_parts(update, features, truth, metrics):
-    """A --secagg reply's FitRes metrics as the server receives them: the metrics as JSON, each clear array as npy
-    bytes (secagg.as_fitres)."""
-    parts = {secagg.METRICS_KEY: json.dumps(metrics).encode()}
-    for part, arrays in (("features", features), ("truth", truth)):
-        parts |= {f"{secagg.CLEAR_PREFIX}{part}.{k}": a.data for k, a in to_record(arrays).items()}
-    return parts
+    """A --secagg reply's FitRes metrics as the server receives them, encoded by the node's own secagg.as_fitres
+    (the update as a difference from itself: only the clear parts matter here)."""
+    content = reply_for(update, features, truth or None, metrics).content
+    return compat.recorddict_to_fitres(secagg.as_fitres(content, update), keep_input=True).metrics
 
 
 @pytest.mark.parametrize("secure", [False, True], ids=["plain", "secagg"])
